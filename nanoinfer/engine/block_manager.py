@@ -1,0 +1,109 @@
+"""Paged KV-cache blocks: allocation, reference counts, and prefix caching keyed by a hash of the token prefix."""
+from collections import OrderedDict
+
+import numpy as np
+import xxhash
+
+from nanoinfer.engine.sequence import Sequence
+
+
+class Block:
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1  # -1: not (yet) a full, registered block
+        self.token_ids: list[int] = []
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block: dict[int, int] = {}
+        # Free blocks, least recently freed first: cached contents survive until their block is reused.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @staticmethod
+    def compute_hash(token_ids: list[int], prefix_hash: int = -1) -> int:
+        h = xxhash.xxh64()
+        if prefix_hash != -1:
+            h.update(prefix_hash.to_bytes(8, "little"))
+        h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+        return h.intdigest()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def _take_free_block(self) -> Block:
+        block = self.blocks[self.free_blocks.popitem(last=False)[0]]
+        if self.hash_to_block.get(block.hash) == block.block_id:
+            del self.hash_to_block[block.hash]
+        block.hash, block.token_ids, block.ref_count = -1, [], 1
+        return block
+
+    def _cached_prefix(self, seq: Sequence) -> list[Block]:
+        """Leading blocks already in the cache. The last token is never taken from it: its logits are needed."""
+        hits: list[Block] = []
+        if not self.enable_prefix_caching:
+            return hits
+        prefix_hash = -1
+        for i in range((len(seq) - 1) // self.block_size):
+            tokens = seq.block(i)
+            prefix_hash = self.compute_hash(tokens, prefix_hash)
+            block_id = self.hash_to_block.get(prefix_hash)
+            # Compare tokens too: a hash collision must never hand out someone else's K/V.
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(self.blocks[block_id])
+        return hits
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._cached_prefix(seq)
+        revived = sum(block.ref_count == 0 for block in hits)
+        return seq.num_blocks - len(hits) + revived <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks."""
+        assert not seq.block_table, "sequence already holds blocks"
+        hits = self._cached_prefix(seq)
+        for block in hits:
+            if block.ref_count == 0:
+                del self.free_blocks[block.block_id]
+            block.ref_count += 1
+            seq.block_table.append(block.block_id)
+        for _ in range(seq.num_blocks - len(hits)):
+            seq.block_table.append(self._take_free_block().block_id)
+        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+
+    def free(self, seq: Sequence) -> None:
+        # Tail blocks first, so the LRU order evicts a sequence's tail before its (more shareable) head.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+
+    def can_append(self, seq: Sequence) -> bool:
+        return seq.num_blocks - len(seq.block_table) <= self.num_free_blocks
+
+    def append_slots(self, seq: Sequence) -> None:
+        """Grow the block table to cover every token of the sequence."""
+        while len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self._take_free_block().block_id)
+
+    def commit(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the full blocks among the first num_tokens tokens, whose K/V this step writes or has written."""
+        if not self.enable_prefix_caching:
+            return
+        prefix_hash = -1
+        for i in range(num_tokens // self.block_size):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash == -1:
+                block.token_ids = seq.block(i)
+                block.hash = self.compute_hash(block.token_ids, prefix_hash)
+                self.hash_to_block.setdefault(block.hash, block.block_id)
+            prefix_hash = block.hash

@@ -1,0 +1,77 @@
+"""Turns prompts into sequences, steps the scheduler and the model runner, and collects finished requests."""
+from collections.abc import Sequence as SequenceABC
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from nanoinfer.config import Config
+from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
+from nanoinfer.engine.sequence import Sequence
+from nanoinfer.outputs import RequestOutput
+from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.utils.gguf_loader import load_gguf_tokenizer
+
+Prompt = str | list[int]
+
+
+class LLMEngine:
+    def __init__(self, config: Config):
+        self.config = config
+        self.tokenizer = _load_tokenizer(config)
+        self.model_runner = ModelRunner(config)
+        self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks)
+        self.vocab_size: int = config.hf_config.vocab_size
+
+    def make_sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
+        """Validate one request and wrap it; nothing is queued, so a bad request leaves the engine untouched."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+            token_ids, text = self.tokenizer.encode(prompt), prompt
+        elif isinstance(prompt, SequenceABC):
+            token_ids, text = list(prompt), None
+            bad = next((t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)), None)
+            if bad is not None:
+                raise TypeError(f"token ids must be ints, got {bad!r}")
+            out_of_range = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if out_of_range:
+                raise ValueError(f"token id {out_of_range[0]} is outside the vocabulary [0, {self.vocab_size})")
+        else:
+            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) + params.max_tokens > self.config.max_model_len:
+            raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens={params.max_tokens} exceeds "
+                             f"max_model_len={self.config.max_model_len}")
+        return Sequence(token_ids, params, self.config.kvcache_block_size, prompt=text)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams) -> Sequence:
+        seq = self.make_sequence(prompt, params)
+        self.scheduler.add(seq)
+        return seq
+
+    def step(self) -> tuple[list[Sequence], ScheduledBatch]:
+        batch = self.scheduler.schedule()
+        token_ids = self.model_runner.run(batch)
+        return self.scheduler.postprocess(batch, token_ids), batch
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    def abort_all(self) -> None:
+        self.scheduler.abort_all()
+
+    def to_output(self, seq: Sequence) -> RequestOutput:
+        completion = seq.completion_token_ids
+        text = self.tokenizer.decode(completion, skip_special_tokens=True) if self.tokenizer else ""
+        return RequestOutput(seq.seq_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], completion, text,
+                             seq.finish_reason)
+
+
+def _load_tokenizer(config: Config) -> PreTrainedTokenizerBase | None:
+    if config.gguf_path is not None:
+        return load_gguf_tokenizer(config.gguf_path)
+    has_tokenizer = any((config.model_path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+    return AutoTokenizer.from_pretrained(config.model_path) if has_tokenizer else None

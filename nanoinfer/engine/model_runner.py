@@ -1,0 +1,130 @@
+"""Builds a step's model inputs from scheduled sequences, runs the model over the paged KV cache, samples."""
+import os
+
+import numpy as np
+import torch
+
+from nanoinfer.config import Config
+from nanoinfer.engine.scheduler import ScheduledBatch
+from nanoinfer.engine.sequence import Sequence
+from nanoinfer.layers.attention import Attention, AttentionMetadata, get_backend
+from nanoinfer.layers.sampler import Sampler
+from nanoinfer.models.registry import get_model_class
+from nanoinfer.utils.gguf_loader import iter_gguf_weights
+from nanoinfer.utils.loader import iter_safetensors, load_weights
+
+# Fraction of available memory the KV cache may take when num_kvcache_blocks is not given.
+KV_CACHE_MEMORY_FRACTION = 0.3
+
+
+class ModelRunner:
+    def __init__(self, config: Config):
+        self.config = config
+        self.block_size = config.kvcache_block_size
+        self.model = self._load_model(config)
+        self.backend = get_backend("cpu")
+        self.num_kvcache_blocks = self._allocate_kv_cache()
+        self.sampler = Sampler()
+        self.generator = torch.Generator().manual_seed(config.seed)
+
+    @staticmethod
+    def _load_model(config: Config) -> torch.nn.Module:
+        cls = get_model_class(config.hf_config.architectures)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(config.torch_dtype)
+        try:
+            model = cls(config.hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if config.gguf_path is not None:
+            weights = iter_gguf_weights(config.gguf_path, config.hf_config)
+        else:
+            weights = iter_safetensors(config.model_path)
+        load_weights(model, weights)
+        return model.eval()
+
+    def _attention_layers(self) -> list[Attention]:
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def _allocate_kv_cache(self) -> int:
+        layers = self._attention_layers()
+        itemsize = self.config.torch_dtype.itemsize
+        block_bytes = sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in layers)
+        num_blocks = self.config.num_kvcache_blocks
+        if num_blocks is None:
+            wanted = -(-self.config.max_num_seqs * self.config.max_model_len // self.block_size)
+            affordable = int(_available_memory() * KV_CACHE_MEMORY_FRACTION) // block_bytes
+            num_blocks = min(wanted, affordable)
+            if num_blocks * self.block_size < self.config.max_model_len:
+                raise ValueError(f"not enough memory for a KV cache holding max_model_len={self.config.max_model_len}"
+                                 f" tokens ({affordable} blocks affordable); lower max_model_len")
+        for a in layers:
+            shape = (num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+            # Zeros, not empty: never-written slots are masked, but NaN garbage would leak through the softmax.
+            a.k_cache = torch.zeros(shape, dtype=self.config.torch_dtype)
+            a.v_cache = torch.zeros(shape, dtype=self.config.torch_dtype)
+            a.backend = self.backend
+        return num_blocks
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """input_ids, positions, attention metadata, and the rows whose logits are sampled."""
+        input_ids, positions, slots, block_tables = [], [], [], []
+        cu_q, cu_k, context_lens, sample_rows = [0], [0], [], []
+        for seq, n, sampled in zip(batch.seqs, batch.num_new_tokens, batch.samples):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            table = seq.block_table[:-(-end // self.block_size)]
+            input_ids.extend(seq.token_ids[start:end])
+            pos = np.arange(start, end)
+            positions.append(pos)
+            slots.append(np.asarray(table)[pos // self.block_size] * self.block_size + pos % self.block_size)
+            block_tables.append(table)
+            cu_q.append(cu_q[-1] + n)
+            cu_k.append(cu_k[-1] + end)
+            context_lens.append(end)
+            if sampled:
+                sample_rows.append(cu_q[-1] - 1)
+        width = max(map(len, block_tables))
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)),
+            block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in block_tables], dtype=torch.int32),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32),
+            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32),
+            cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32),
+            max_seqlen_q=max(batch.num_new_tokens),
+            max_seqlen_k=max(context_lens),
+            block_size=self.block_size,
+        )
+        return torch.tensor(input_ids), torch.from_numpy(np.concatenate(positions)), meta, sample_rows
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        """The next token of every sequence whose scheduled tokens reach its end; None for partial prompt chunks."""
+        input_ids, positions, meta, sample_rows = self.prepare(batch)
+        self.backend.prepare(meta)
+        hidden = self.model(input_ids, positions, meta)
+        samples = batch.samples
+        seqs = [s for s, sampled in zip(batch.seqs, samples) if sampled]
+        if not seqs:
+            return [None] * len(batch.seqs)
+        tokens = iter(self.sample(seqs, self.model.compute_logits(hidden[sample_rows])).tolist())
+        return [next(tokens) if sampled else None for sampled in samples]
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        params = [s.params for s in seqs]
+        return self.sampler(
+            logits,
+            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            top_k=torch.tensor([p.top_k for p in params]),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            generators=[s.generator for s in seqs],
+            default_generator=self.generator,
+        )
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

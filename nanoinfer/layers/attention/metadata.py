@@ -1,0 +1,26 @@
+"""What every attention backend needs to know about one step's batch, built once by the ModelRunner."""
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block * block_size + offset) of each new token
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, -1 padded: the KV blocks of each sequence
+    context_lens: torch.Tensor  # [num_seqs] int32: tokens in the cache once this step's tokens are stored
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32: offsets of each sequence's new tokens
+    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32: offsets of each sequence's whole context
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_size: int
+    backend_state: Any = None  # whatever the chosen backend derives from the above, once per step
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_seqlen_q == 1

@@ -1,0 +1,47 @@
+"""Vocabulary-parallel token embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanoinfer.layers.linear import copy_weight
+from nanoinfer.utils.dist import tp_rank, tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.num_embeddings = num_embeddings
+        # Pad so every rank holds the same number of rows; padded rows are never real tokens.
+        self.num_embeddings_per_rank = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.num_embeddings_per_rank
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_rank, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape[0] != self.num_embeddings:
+            raise ValueError(f"shape mismatch: checkpoint vocabulary {loaded.shape[0]}, model {self.num_embeddings}")
+        shard = loaded[self.vocab_start:self.vocab_start + self.num_embeddings_per_rank]
+        param.data[shard.shape[0]:].zero_()
+        copy_weight(param.data.narrow(0, 0, shard.shape[0]), shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(x, self.weight)
+        local = x - self.vocab_start
+        mine = (local >= 0) & (local < self.num_embeddings_per_rank)
+        y = F.embedding(local.clamp(0, self.num_embeddings_per_rank - 1), self.weight) * mine.unsqueeze(-1)
+        dist.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits over the full vocabulary for the given hidden states (callers pass only rows they sample)."""
+        logits = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            dist.all_gather(parts, logits)
+            logits = torch.cat(parts, -1)
+        return logits[:, :self.num_embeddings]

@@ -1,0 +1,54 @@
+"""Rotary position embeddings (neox layout, as transformers applies them) with a precomputed cos/sin table."""
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+
+def rope_parameters(config: PretrainedConfig) -> dict:
+    """The rope settings of transformers 5 (`rope_parameters`) or 4 (`rope_theta` + `rope_scaling`)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    params.update(getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def inv_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the attention scaling factor of the config's rope type."""
+    params = rope_parameters(config)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+    if rope_type in ("dynamic", "longrope"):
+        raise ValueError(f"rope_type {rope_type!r} depends on the sequence length and is not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unknown rope_type {rope_type!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, scaling: float = 1.0):
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        # Non-persistent: derived from the config, never in a checkpoint.
+        self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
+        self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
+        self.head_dim = head_dim
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, -1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).to(x.dtype)
+
+
+def get_rope(config: PretrainedConfig, head_dim: int, max_position: int) -> RotaryEmbedding:
+    inv_freq, scaling = inv_frequencies(config, head_dim)
+    return RotaryEmbedding(head_dim, max_position, inv_freq, scaling)

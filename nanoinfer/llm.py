@@ -1,0 +1,72 @@
+"""`LLM`: the user's entry point for offline batch generation."""
+import time
+from collections.abc import Sequence as SequenceABC
+
+from tqdm.auto import tqdm
+
+from nanoinfer.config import Config
+from nanoinfer.engine.llm_engine import LLMEngine, Prompt
+from nanoinfer.outputs import RequestOutput
+from nanoinfer.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs):
+        unknown = sorted(set(kwargs) - Config.field_names())
+        if unknown:
+            raise TypeError(f"LLM() got unknown argument(s) {unknown}; known: {sorted(Config.field_names() - {'model'})}")
+        self.llm_engine = LLMEngine(Config(model, **kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One output per prompt, in input order."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        engine = self.llm_engine
+        seqs = [engine.make_sequence(p, sp) for p, sp in zip(prompts, params)]
+        for seq in seqs:
+            engine.scheduler.add(seq)
+        bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        throughput = {}
+        try:
+            while not engine.is_finished():
+                t = time.perf_counter()
+                finished, batch = engine.step()
+                kind = "prefill" if batch.is_prefill else "decode"
+                throughput[kind] = f"{sum(batch.num_new_tokens) / (time.perf_counter() - t):.0f}tok/s"
+                bar.set_postfix(throughput, refresh=False)
+                bar.update(len(finished))
+        except BaseException:
+            engine.abort_all()  # leave no half-finished requests behind: the engine stays usable
+            raise
+        finally:
+            bar.close()
+        return [engine.to_output(seq) for seq in seqs]
+
+
+def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, SequenceABC):
+        raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    if not prompts:
+        raise ValueError("no prompts given")
+    return list(prompts)
+
+
+def _as_params_list(params: SamplingParams | list[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params

@@ -1,0 +1,22 @@
+"""Maps `config.architectures[0]` to the model class that implements it, importing it only when asked."""
+import importlib
+
+from torch import nn
+
+_MODELS = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
+    for arch in architectures or []:
+        if arch in _MODELS:
+            module, name = _MODELS[arch]
+            return getattr(importlib.import_module(f"nanoinfer.models.{module}"), name)
+    raise ValueError(f"unsupported model architecture {architectures}; supported: {supported_architectures()}")

@@ -1,0 +1,12 @@
+"""What `LLM.generate` returns for each prompt."""
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or a stop token) or "length" (max_tokens / max_model_len)

@@ -1,0 +1,58 @@
+"""Loads checkpoint tensors (safetensors, single or sharded, or GGUF) into a model's fused, sharded parameters."""
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from nanoinfer.layers.linear import copy_weight
+
+# Derived buffers some checkpoints carry; they have no parameter here.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights found in {model_dir}")
+    for file in files:
+        with safe_open(file, "pt", "cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Route every checkpoint tensor to its parameter's weight_loader; fail on strays and on gaps."""
+    params = dict(model.named_parameters())
+    packed: dict[str, tuple[str, int | str]] = getattr(model, "packed_modules_mapping", {})
+    shards_per_param = {target: sum(t == target for t, _ in packed.values()) for target, _ in packed.values()}
+    loaded: dict[str, set] = {}
+    # Tied parameters (lm_head sharing the embedding) appear once; a checkpoint copy of the alias is redundant.
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - params.keys()
+    for name, tensor in weights:
+        if name.endswith(_IGNORED_SUFFIXES) or name in aliases:
+            continue
+        target, shard = name, None
+        for source, (dest, shard_id) in packed.items():
+            if f".{source}." in name:
+                target, shard = name.replace(f".{source}.", f".{dest}."), shard_id
+                break
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
+        try:
+            if shard is None:
+                getattr(param, "weight_loader", copy_weight)(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"cannot load checkpoint tensor {name!r}: {e}") from None
+        loaded.setdefault(target, set()).add(shard)
+    missing = [n for n in params if len(loaded.get(n, ())) < shards_per_param.get(_packed_key(n, packed), 1)]
+    if missing:
+        raise ValueError(f"checkpoint is missing weights for {len(missing)} parameter(s), e.g. {missing[:5]}")
+
+
+def _packed_key(param_name: str, packed: dict[str, tuple[str, int | str]]) -> str | None:
+    return next((dest for dest, _ in packed.values() if f".{dest}." in param_name), None)
