@@ -9,4 +9,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (EOS or a stop token) or "length" (max_tokens / max_model_len)
+    finish_reason: str  # "stop" (EOS or a stop token) or "length" (max_tokens)
+    num_cached_tokens: int  # prompt tokens whose K/V came from the prefix cache at the last admission

@@ -85,7 +85,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_blocks[block_id] = None
         seq.block_table = []
-        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.num_computed_tokens = 0
 
     def can_append(self, seq: Sequence) -> bool:
         return seq.num_blocks - len(seq.block_table) <= self.num_free_blocks

@@ -67,7 +67,7 @@ class LLMEngine:
         completion = seq.completion_token_ids
         text = self.tokenizer.decode(completion, skip_special_tokens=True) if self.tokenizer else ""
         return RequestOutput(seq.seq_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], completion, text,
-                             seq.finish_reason)
+                             seq.finish_reason, seq.num_cached_tokens)
 
 
 def _load_tokenizer(config: Config) -> PreTrainedTokenizerBase | None:

@@ -41,18 +41,22 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """Prefill work (unfinished prompts first, then new admissions) if there is any, else one decode step."""
-        batch = self._schedule_prefill() or self._schedule_decode()
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            self.block_manager.commit(seq, seq.num_computed_tokens + n)
-        return batch
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _take(self, batch: ScheduledBatch, seq: Sequence, num_tokens: int) -> int:
+        """Add seq to the batch. Its blocks filled this step enter the prefix cache now, so that a prompt
+        admitted later in the same step shares them: every layer stores the whole batch's K/V before attending."""
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(num_tokens)
+        self.block_manager.commit(seq, seq.num_computed_tokens + num_tokens)
+        return num_tokens
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
-        seqs, counts, budget = [], [], self.max_num_batched_tokens
+        batch, budget = ScheduledBatch([], []), self.max_num_batched_tokens
         for seq in self.running:  # prompts whose earlier chunks did not cover them
             todo = len(seq) - seq.num_computed_tokens
             if todo > 1 and budget > 0:
-                seqs.append(seq), counts.append(min(todo, budget))
-                budget -= counts[-1]
+                budget -= self._take(batch, seq, min(todo, budget))
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq):
@@ -60,12 +64,11 @@ class Scheduler:
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
-            seqs.append(seq), counts.append(min(len(seq) - seq.num_computed_tokens, budget))
-            budget -= counts[-1]
-        return ScheduledBatch(seqs, counts) if seqs else None
+            budget -= self._take(batch, seq, min(len(seq) - seq.num_computed_tokens, budget))
+        return batch if batch.seqs else None
 
     def _schedule_decode(self) -> ScheduledBatch:
-        scheduled: list[Sequence] = []
+        batch = ScheduledBatch([], [])
         while self.running:
             seq = self.running.popleft()
             while not self.block_manager.can_append(seq):
@@ -76,10 +79,10 @@ class Scheduler:
                     break
             else:
                 self.block_manager.append_slots(seq)
-                scheduled.append(seq)
-        self.running.extend(scheduled)
-        assert scheduled, "nothing to schedule: a single sequence must always fit the KV cache"
-        return ScheduledBatch(scheduled, [1] * len(scheduled))
+                self._take(batch, seq, 1)
+        self.running.extend(batch.seqs)
+        assert batch.seqs, "nothing to schedule: a single sequence must always fit the KV cache"
+        return batch
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks; it is recomputed (prompt and generated tokens) when readmitted."""

@@ -1,0 +1,173 @@
+"""Load llama / qwen2 / qwen3 GGUF checkpoints as a transformers config, tokenizer and
+float32 weights named like a Hugging Face safetensors checkpoint."""
+import functools
+import os
+import pathlib
+import warnings
+from typing import Iterator, TypeVar
+
+import gguf
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+
+# GGUF `general.architecture` values we can load.
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+# Keyed by HF model_type: transformers turns a "llama" GGUF whose name mentions mistral into a
+# MistralConfig, which has the same weights.
+_HF_ARCHITECTURE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_PER_LAYER = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
+
+
+class _Reader(gguf.GGUFReader):
+    # GGUFReader parses metadata with many tiny np.memmap slices, and memmap's per-slice overhead
+    # makes a 50k-entry vocabulary take ~2 s; a plain ndarray view of the same mapping is ~3x faster.
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._data = value.view(np.ndarray)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_reader(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
+    return _Reader(path)
+
+
+def _reader(path: pathlib.Path) -> gguf.GGUFReader:
+    # Config and weights both need the parsed header; the key includes size+mtime so a
+    # replaced file is re-read.
+    st = path.stat()
+    return _open_reader(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+def _field(reader: gguf.GGUFReader, key: str):
+    f = reader.get_field(key)
+    return None if f is None else f.contents()
+
+
+def _gguf_file(gguf_path: str | os.PathLike) -> pathlib.Path:
+    if not isinstance(gguf_path, (str, os.PathLike)):
+        raise TypeError(f"expected a path to a .gguf file, got {type(gguf_path).__name__}")
+    p = pathlib.Path(gguf_path)
+    if not p.is_file():
+        raise ValueError(f"GGUF file not found: {p}")
+    return p
+
+
+def _architecture(reader: gguf.GGUFReader, path: pathlib.Path) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}; "
+                         f"supported: {', '.join(SUPPORTED_ARCHS)}")
+    return arch
+
+
+def resolve_gguf(path: str | os.PathLike) -> pathlib.Path | None:
+    """The GGUF file `path` designates: the file itself, or the only .gguf in a directory
+    without safetensors; None if `path` is not a GGUF checkpoint."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"expected a str or os.PathLike path, got {type(path).__name__}")
+    p = pathlib.Path(path)
+    if p.is_file():
+        return p if p.suffix.lower() == ".gguf" else None
+    if not p.is_dir() or any(p.glob("*.safetensors")):
+        return None
+    ggufs = [f for f in p.iterdir() if f.suffix.lower() == ".gguf" and f.is_file()]
+    return ggufs[0] if len(ggufs) == 1 else None
+
+
+def load_gguf_config(gguf_path: str | os.PathLike) -> PretrainedConfig:
+    """transformers config for a GGUF file, with architectures, tie_word_embeddings,
+    head_dim and eos_token_id filled in."""
+    p = _gguf_file(gguf_path)
+    reader = _reader(p)
+    arch = _architecture(reader, p)
+    config = AutoConfig.from_pretrained(p.parent, gguf_file=p.name)
+    config.architectures = [_HF_ARCHITECTURE[config.model_type]]
+    names = {t.name: t for t in reader.tensors}
+    # No output.weight means llama.cpp dropped a tied lm_head.
+    config.tie_word_embeddings = "output.weight" not in names
+    # transformers ignores attention.key_length for qwen and only falls back to a class default
+    # (128 for qwen3), so read head_dim off the Q projection: GGUF shapes are [in, out].
+    q_out = int(names["blk.0.attn_q.weight"].shape[1])
+    if q_out % config.num_attention_heads:
+        raise ValueError(f"{p}: attn_q rows ({q_out}) not divisible by head count {config.num_attention_heads}")
+    config.head_dim = q_out // config.num_attention_heads
+    if getattr(config, "eos_token_id", None) is None:
+        config.eos_token_id = _field(reader, "tokenizer.ggml.eos_token_id")
+    if config.eos_token_id is None:
+        raise ValueError(f"{p} defines no EOS token (tokenizer.ggml.eos_token_id)")
+    if arch == "llama" and "rope_freqs.weight" in names:
+        warnings.warn(f"{p} has rope_freqs (llama3-style RoPE scaling), which is not "
+                      "reconstructed into the config; long-context outputs may differ from llama.cpp")
+    return config
+
+
+def load_gguf_tokenizer(gguf_path: str | os.PathLike):
+    """transformers fast tokenizer built from the GGUF vocabulary, with its chat template."""
+    p = _gguf_file(gguf_path)
+    tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    if not getattr(tok, "chat_template", None):
+        tok.chat_template = _field(_reader(p), "tokenizer.chat_template")
+    return tok
+
+
+def unpermute_qk(w: ArrayT, n_heads: int) -> ArrayT:
+    """Undo llama.cpp's convert-time row permutation of a llama Q or K projection (weight or bias).
+
+    llama.cpp regroups each head's rows from HF's rotate-half layout [first half; second half]
+    into interleaved pairs; pass the KV head count for K."""
+    d = w.shape[0]
+    if n_heads <= 0 or d % (2 * n_heads):
+        raise ValueError(f"cannot un-permute {d} rows into {n_heads} heads of even size")
+    return w.reshape(n_heads, d // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _TOP_LEVEL:
+        return f"{_TOP_LEVEL[base]}.{suffix}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _PER_LAYER:
+        return f"model.layers.{parts[1]}.{_PER_LAYER[parts[2]]}.{suffix}"
+    if base == "rope_freqs":  # derived from the rope config on the HF side
+        return None
+    raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file")
+
+
+def iter_gguf_weights(gguf_path: str | os.PathLike, config: PretrainedConfig
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF parameter name, dequantized float32 tensor) for every weight in the file."""
+    p = _gguf_file(gguf_path)
+    reader = _reader(p)
+    arch = _architecture(reader, p)
+    n_heads = getattr(config, "num_attention_heads", None)
+    n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
+    if not isinstance(n_heads, int):
+        raise TypeError(f"config must define num_attention_heads, got {type(config).__name__}")
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            continue
+        # GGUF lists dims fastest-first; numpy/torch want them slowest-first.
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = unpermute_qk(w, n_heads)
+        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = unpermute_qk(w, n_kv_heads)
+        # F32 tensors come back as views into the mmap: copy so callers own ordinary memory.
+        if np.may_share_memory(w, reader.data) or w.dtype != np.float32 or not w.flags.c_contiguous:
+            w = np.array(w, dtype=np.float32, order="C")
+        yield name, torch.from_numpy(w)

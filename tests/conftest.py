@@ -1,0 +1,82 @@
+"""Shared pytest fixtures: tiny local test models (see tests/models.py).
+
+Fixtures (all session-scoped, built once per session under a tmp dir; the directory
+name of every model is its kind, e.g. `qwen3_dir.name == "qwen3"`):
+
+    model_dir            factory: model_dir(kind) -> pathlib.Path   (kind in models.ALL_KINDS)
+    qwen3_dir            Qwen3, tied embeddings, GQA 4q/2kv, head_dim 32
+    qwen3_untied_dir     Qwen3, untied, MHA 4/4, head_dim 16
+    qwen2_dir            Qwen2, q/k/v bias, GQA 4q/2kv, untied
+    llama_dir            Llama, llama3 rope scaling, GQA 4q/2kv, eos = [0, 4]
+    qwen3_sharded_dir    same weights as qwen3_dir, saved as 4 safetensors shards + index
+    any_model_dir        parametrized over the 4 main kinds (qwen3, qwen3-untied, qwen2, llama)
+
+Env: NANOINFER_TEST_THREADS (default 2) -> torch.set_num_threads.
+Markers: `slow`.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+import pytest
+import torch
+
+_TESTS_DIR = str(pathlib.Path(__file__).resolve().parent)
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
+
+import models  # noqa: E402  (tests/models.py)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long-running test (deselect with -m 'not slow')")
+    torch.set_num_threads(int(os.environ.get("NANOINFER_TEST_THREADS", "2")))
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """Factory: model_dir(kind) -> Path of a built model (cached per session)."""
+    root = tmp_path_factory.mktemp("nanoinfer_models")
+    built: dict[str, pathlib.Path] = {}
+
+    def get(kind: str) -> pathlib.Path:
+        if kind not in models.ALL_KINDS:
+            raise ValueError(f"unknown model kind {kind!r}; expected one of {models.ALL_KINDS}")
+        if kind not in built:
+            built[kind] = models.build_model(kind, root / kind)
+        return built[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(model_dir):
+    return model_dir("qwen3")
+
+
+@pytest.fixture(scope="session")
+def qwen3_untied_dir(model_dir):
+    return model_dir("qwen3-untied")
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(model_dir):
+    return model_dir("qwen2")
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dir):
+    return model_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def qwen3_sharded_dir(model_dir):
+    return model_dir("qwen3-sharded")
+
+
+@pytest.fixture(scope="session", params=list(models.MODEL_KINDS), ids=list(models.MODEL_KINDS))
+def any_model_dir(request, model_dir):
+    return model_dir(request.param)

@@ -1,0 +1,383 @@
+"""Tiny, deterministic, fully local test models + Hugging Face reference helpers.
+
+Nothing here touches the network: the tokenizer is trained on an inlined corpus and
+the models are random-weight instances of transformers' own architectures.
+
+Public API (used by conftest.py and the engine tests):
+
+    build_tokenizer(dir) -> PreTrainedTokenizerFast
+    build_model(kind, dir) -> pathlib.Path          kinds: see MODEL_KINDS / ALL_KINDS
+    hf_greedy(model_dir, prompts_token_ids, max_new_tokens) -> list[dict]
+    hf_forward_logits(model_dir, token_ids) -> Tensor [len, vocab]
+    load_hf_model(model_dir) -> cached transformers model
+    assert_greedy_match(ours, ref_tokens, ref_logits, tol=1e-4)
+    top2_gaps(logits) -> Tensor
+    random_prompts(n, vocab_lo, vocab_hi, len_lo, len_hi, seed) -> list[list[int]]
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+from typing import Sequence
+
+import torch
+
+# --------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------
+
+BOS_TOKEN = "<|startoftext|>"
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [EOS_TOKEN, BOS_TOKEN, PAD_TOKEN, IM_START, IM_END]  # ids 0..4
+
+TOKENIZER_VOCAB_SIZE = 448  # <= every model's vocab_size (512)
+MODEL_VOCAB_SIZE = 512
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A large language model reads a sequence of tokens
+and predicts the next one. During inference the model keeps a cache of keys and values for every
+layer, so that each new token only needs a single forward step instead of reprocessing the prompt.
+
+Once upon a time there was a small village by the sea. Every morning the fishermen went out in
+their boats, and every evening they came back with baskets full of silver fish. The children ran
+along the beach, collecting shells and telling stories about the great whale that lived far away.
+
+In computer science, scheduling is the action of assigning resources to perform tasks. A scheduler
+decides which requests run now and which ones wait. When memory is scarce, some requests may be
+preempted and resumed later. Paged attention stores the cache in fixed-size blocks, which makes
+memory management simple and allows blocks to be shared between sequences with a common prefix.
+
+The weather today is sunny with a light breeze from the west. Tomorrow there will be clouds in the
+morning and some rain in the afternoon. Temperatures will stay between twelve and eighteen degrees.
+Please remember to bring an umbrella if you are going outside after lunch.
+
+Hello! How are you? I am fine, thank you. What is your name? My name is Ada, and I like numbers:
+one, two, three, four, five, six, seven, eight, nine, ten. Python is a programming language that
+lets you work quickly and integrate systems more effectively. print("hello world") returns None.
+def add(a, b): return a + b  # 1 + 2 = 3; 10 * 10 = 100; [1, 2, 3] {"key": "value"}
+"""
+
+
+def _train_tokenizer_object():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # Repeat the corpus a few times so min_frequency does not prune everything.
+    lines = [line for line in _CORPUS.splitlines() if line.strip()]
+    tok.train_from_iterator(lines * 3, trainer=trainer, length=len(lines) * 3)
+    return tok
+
+
+def build_tokenizer(dir) -> "transformers.PreTrainedTokenizerFast":  # noqa: F821
+    """Train a deterministic byte-level BPE tokenizer and save it (HF format) into `dir`."""
+    from transformers import PreTrainedTokenizerFast
+
+    dir = pathlib.Path(dir)
+    dir.mkdir(parents=True, exist_ok=True)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer_object(),
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=[IM_START, IM_END],
+        model_max_length=512,
+        clean_up_tokenization_spaces=False,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(dir))
+    return tok
+
+
+# --------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------
+
+MODEL_KINDS = ("qwen3", "qwen3-untied", "qwen2", "llama")  # the 4 main architectures
+ALL_KINDS = MODEL_KINDS + ("qwen3-sharded",)
+
+# Std used for linear/embedding init. transformers' default (0.02) gives near-uniform logits
+# and near-uniform attention; this spreads logits and sharpens attention (measured in
+# tests/test_models_fixture.py).
+INIT_STD = 0.2
+# Norm weights become 1 + NORM_NOISE * N(0,1) (so a loader that forgets them is caught).
+NORM_NOISE = 0.2
+# Linear biases (qwen2 q/k/v) become BIAS_STD * N(0,1) (non-zero, so bias loading is tested).
+BIAS_STD = 0.1
+SHARD_SIZE = "200KB"
+
+_COMMON = dict(
+    vocab_size=MODEL_VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+    initializer_range=INIT_STD,
+)
+
+_SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567}
+
+
+def _token_ids():
+    # Fixed by SPECIAL_TOKENS order in the trainer.
+    return {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+
+
+def make_config(kind: str):
+    """The transformers config object for `kind` (without building weights)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    ids = _token_ids()
+    special = dict(
+        bos_token_id=ids[BOS_TOKEN], eos_token_id=ids[EOS_TOKEN], pad_token_id=ids[PAD_TOKEN]
+    )
+    if kind in ("qwen3", "qwen3-sharded"):
+        return Qwen3Config(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,  # != hidden/heads (16)
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        )
+    if kind == "qwen3-untied":
+        return Qwen3Config(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=16,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        )
+    if kind == "qwen2":
+        return Qwen2Config(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        )
+    if kind == "llama":
+        return LlamaConfig(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500_000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+    raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS}")
+
+
+def _randomize_(model, seed: int) -> None:
+    """Re-initialise all parameters deterministically (independent of HF init order)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(BIAS_STD * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(INIT_STD * torch.randn(p.shape, generator=g))
+
+
+def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.Path:
+    """Build a tiny random fp32 model of `kind` in `dir` (weights, config, tokenizer,
+    generation_config.json). Deterministic. "qwen3-sharded" has the exact same weights as
+    "qwen3" but is saved as several safetensors shards + model.safetensors.index.json."""
+    from transformers import AutoModelForCausalLM
+
+    _quiet_transformers()
+    dir = pathlib.Path(dir)
+    dir.mkdir(parents=True, exist_ok=True)
+    if save_sharded is None:
+        save_sharded = kind == "qwen3-sharded"
+    base_kind = "qwen3" if kind == "qwen3-sharded" else kind
+
+    config = make_config(kind)
+    torch.manual_seed(_SEEDS[base_kind])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize_(model, _SEEDS[base_kind])
+    if config.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    model.eval()
+    model.save_pretrained(str(dir), max_shard_size=SHARD_SIZE if save_sharded else "50GB")
+
+    tok = build_tokenizer(dir)
+    ids = _token_ids()
+    assert tok.convert_tokens_to_ids(EOS_TOKEN) == ids[EOS_TOKEN]
+    eos = [ids[EOS_TOKEN], ids[IM_END]] if kind == "llama" else ids[EOS_TOKEN]
+    gen_cfg = {
+        "bos_token_id": ids[BOS_TOKEN],
+        "eos_token_id": eos,
+        "pad_token_id": ids[PAD_TOKEN],
+        "do_sample": False,
+    }
+    (dir / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+    return dir
+
+
+# --------------------------------------------------------------------------------------
+# Hugging Face reference
+# --------------------------------------------------------------------------------------
+
+_HF_CACHE: dict[str, object] = {}
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
+def load_hf_model(model_dir):
+    """Load (and cache per process) the transformers fp32 model for `model_dir`."""
+    from transformers import AutoModelForCausalLM
+
+    _quiet_transformers()
+    key = str(pathlib.Path(model_dir).resolve())
+    if key not in _HF_CACHE:
+        m = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32)
+        m.eval()
+        _HF_CACHE[key] = m
+    return _HF_CACHE[key]
+
+
+@torch.inference_mode()
+def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tokens: int) -> list[dict]:
+    """Greedy-decode each prompt separately with transformers (fp32, KV cache, no EOS stop).
+
+    Returns, per prompt, a dict with
+      "token_ids":      list[int] of length max_new_tokens,
+      "logits":         float32 Tensor [max_new_tokens, vocab]; row i is the distribution
+                        from which token_ids[i] was chosen (argmax),
+      "prefill_logits": float32 Tensor [vocab], logits at the prompt's last position
+                        (== logits[0]).
+    """
+    from transformers import DynamicCache
+
+    model = load_hf_model(model_dir)
+    results = []
+    for prompt in prompts_token_ids:
+        prompt = [int(t) for t in prompt]
+        assert len(prompt) > 0, "empty prompt"
+        cache = DynamicCache(config=model.config)
+        input_ids = torch.tensor([prompt], dtype=torch.long)
+        out = model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        step_logits = out.logits[0, -1].float().clone()
+        prefill_logits = step_logits.clone()
+        tokens: list[int] = []
+        all_logits = []
+        for i in range(max_new_tokens):
+            all_logits.append(step_logits)
+            nxt = int(torch.argmax(step_logits))
+            tokens.append(nxt)
+            if i == max_new_tokens - 1:
+                break
+            pos = len(prompt) + i
+            out = model(
+                input_ids=torch.tensor([[nxt]], dtype=torch.long),
+                past_key_values=cache,
+                use_cache=True,
+                position_ids=torch.tensor([[pos]], dtype=torch.long),
+                cache_position=torch.tensor([pos], dtype=torch.long),
+            )
+            cache = out.past_key_values
+            step_logits = out.logits[0, -1].float().clone()
+        logits = (
+            torch.stack(all_logits)
+            if all_logits
+            else torch.empty(0, model.config.vocab_size, dtype=torch.float32)
+        )
+        results.append({"token_ids": tokens, "logits": logits, "prefill_logits": prefill_logits})
+    return results
+
+
+@torch.inference_mode()
+def hf_forward_logits(model_dir, token_ids: Sequence[int]) -> torch.Tensor:
+    """Plain transformers forward (no cache) over `token_ids`: float32 Tensor [len, vocab]."""
+    model = load_hf_model(model_dir)
+    out = model(input_ids=torch.tensor([[int(t) for t in token_ids]], dtype=torch.long), use_cache=False)
+    return out.logits[0].float().clone()
+
+
+def top2_gaps(logits: torch.Tensor) -> torch.Tensor:
+    """Gap between the largest and second-largest logit along the last dim."""
+    top = torch.topk(logits.float(), 2, dim=-1).values
+    return top[..., 0] - top[..., 1]
+
+
+def assert_greedy_match(ours: Sequence[int], ref_tokens: Sequence[int], ref_logits: torch.Tensor, tol: float = 1e-4) -> None:
+    """Compare a greedy continuation against the HF reference.
+
+    Passes if identical. If they first differ at step i, passes only if the reference
+    top-2 logit gap at step i is < tol (a genuine near-tie; later steps are not compared).
+    Lengths must match unless the difference is excused by such a near-tie.
+    """
+    ours = [int(t) for t in ours]
+    ref_tokens = [int(t) for t in ref_tokens]
+    n = min(len(ours), len(ref_tokens))
+    for i in range(n):
+        if ours[i] != ref_tokens[i]:
+            row = ref_logits[i].float()
+            gap = float(top2_gaps(row))
+            if gap < tol:
+                return
+            raise AssertionError(
+                f"greedy mismatch at step {i}: ours={ours[i]} ref={ref_tokens[i]}; "
+                f"ref top-2 gap={gap:.3e} >= tol={tol:.1e}; "
+                f"ref logit[ours]={float(row[ours[i]]):.6f} ref logit[ref]={float(row[ref_tokens[i]]):.6f}\n"
+                f"ours={ours}\nref ={ref_tokens}"
+            )
+    if len(ours) != len(ref_tokens):
+        raise AssertionError(
+            f"length mismatch: ours has {len(ours)} tokens, ref has {len(ref_tokens)} "
+            f"(first {n} agree)\nours={ours}\nref ={ref_tokens}"
+        )
+
+
+def random_prompts(n: int, vocab_lo: int, vocab_hi: int, len_lo: int, len_hi: int, seed: int) -> list[list[int]]:
+    """`n` prompts of token ids uniform in [vocab_lo, vocab_hi), lengths uniform in
+    [len_lo, len_hi] (both inclusive). Deterministic in `seed`."""
+    assert 0 <= vocab_lo < vocab_hi and 1 <= len_lo <= len_hi
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(vocab_lo, vocab_hi) for _ in range(rng.randint(len_lo, len_hi))]
+        for _ in range(n)
+    ]
