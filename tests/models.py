@@ -291,7 +291,7 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
     """
     from transformers import DynamicCache
 
-    model = load_hf_model(model_dir)
+    model = model_dir if isinstance(model_dir, torch.nn.Module) else load_hf_model(model_dir)
     results = []
     for prompt in prompts_token_ids:
         prompt = [int(t) for t in prompt]

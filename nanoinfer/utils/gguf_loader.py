@@ -9,7 +9,7 @@ from typing import Iterator, TypeVar
 import gguf
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 # GGUF `general.architecture` values we can load.
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
@@ -52,9 +52,13 @@ def _reader(path: pathlib.Path) -> gguf.GGUFReader:
     return _open_reader(str(path.resolve()), st.st_size, st.st_mtime_ns)
 
 
-def _field(reader: gguf.GGUFReader, key: str):
+def _field(reader: gguf.GGUFReader, key: str) -> str | int | float | None:
+    """A scalar or string metadata value (ReaderField.contents() needs a newer gguf)."""
     f = reader.get_field(key)
-    return None if f is None else f.contents()
+    if f is None:
+        return None
+    v = f.parts[f.data[0]]
+    return bytes(v).decode() if f.types[0] == gguf.GGUFValueType.STRING else v[0].item()
 
 
 def _gguf_file(gguf_path: str | os.PathLike) -> pathlib.Path:
@@ -97,6 +101,8 @@ def load_gguf_config(gguf_path: str | os.PathLike) -> PretrainedConfig:
     config = AutoConfig.from_pretrained(p.parent, gguf_file=p.name)
     config.architectures = [_HF_ARCHITECTURE[config.model_type]]
     names = {t.name: t for t in reader.tensors}
+    if "blk.0.attn_q.weight" not in names:
+        raise ValueError(f"{p} has no blk.0.attn_q.weight tensor; is it a complete {arch} checkpoint?")
     # No output.weight means llama.cpp dropped a tied lm_head.
     config.tie_word_embeddings = "output.weight" not in names
     # transformers ignores attention.key_length for qwen and only falls back to a class default
@@ -115,7 +121,7 @@ def load_gguf_config(gguf_path: str | os.PathLike) -> PretrainedConfig:
     return config
 
 
-def load_gguf_tokenizer(gguf_path: str | os.PathLike):
+def load_gguf_tokenizer(gguf_path: str | os.PathLike) -> PreTrainedTokenizerBase:
     """transformers fast tokenizer built from the GGUF vocabulary, with its chat template."""
     p = _gguf_file(gguf_path)
     tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
@@ -154,9 +160,9 @@ def iter_gguf_weights(gguf_path: str | os.PathLike, config: PretrainedConfig
     reader = _reader(p)
     arch = _architecture(reader, p)
     n_heads = getattr(config, "num_attention_heads", None)
-    n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
     if not isinstance(n_heads, int):
         raise TypeError(f"config must define num_attention_heads, got {type(config).__name__}")
+    n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name is None:

