@@ -66,6 +66,8 @@ def _as_params_list(params: SamplingParams | list[SamplingParams] | None, n: int
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
+    if isinstance(params, str) or not isinstance(params, SequenceABC):
+        raise TypeError(f"sampling_params must be SamplingParams or a list of them, got {type(params).__name__}")
     params = list(params)
     if len(params) != n:
         raise ValueError(f"got {len(params)} sampling params for {n} prompts")

@@ -25,6 +25,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
             _check_int("seed", self.seed)
+            if not -2**63 <= self.seed < 2**64:  # what torch.Generator.manual_seed accepts
+                raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         _check_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")

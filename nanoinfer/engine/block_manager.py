@@ -13,6 +13,10 @@ class Block:
         self.ref_count = 0
         self.hash = -1  # -1: not (yet) a full, registered block
         self.token_ids: list[int] = []
+        # Which block (and which use of it) preceded this one when its K/V were computed: together with
+        # token_ids, this proves a cache hit has the right prefix, whatever the hash says.
+        self.parent: tuple[int, int] | None = None
+        self.generation = 0  # bumped on every reuse, invalidating children that recorded the old contents
 
 
 class BlockManager:
@@ -40,8 +44,13 @@ class BlockManager:
         block = self.blocks[self.free_blocks.popitem(last=False)[0]]
         if self.hash_to_block.get(block.hash) == block.block_id:
             del self.hash_to_block[block.hash]
-        block.hash, block.token_ids, block.ref_count = -1, [], 1
+        block.hash, block.token_ids, block.parent, block.ref_count = -1, [], None, 1
+        block.generation += 1
         return block
+
+    @staticmethod
+    def _parent_key(previous: Block | None) -> tuple[int, int] | None:
+        return None if previous is None else (previous.block_id, previous.generation)
 
     def _cached_prefix(self, seq: Sequence) -> list[Block]:
         """Leading blocks already in the cache. The last token is never taken from it: its logits are needed."""
@@ -52,11 +61,12 @@ class BlockManager:
         for i in range((len(seq) - 1) // self.block_size):
             tokens = seq.block(i)
             prefix_hash = self.compute_hash(tokens, prefix_hash)
-            block_id = self.hash_to_block.get(prefix_hash)
-            # Compare tokens too: a hash collision must never hand out someone else's K/V.
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            block = self.blocks[self.hash_to_block.get(prefix_hash, 0)]
+            # Check tokens and parent too: a hash collision must never hand out someone else's K/V.
+            if (block.hash != prefix_hash or block.token_ids != tokens
+                    or block.parent != self._parent_key(hits[-1] if hits else None)):
                 break
-            hits.append(self.blocks[block_id])
+            hits.append(block)
         return hits
 
     def can_allocate(self, seq: Sequence) -> bool:
@@ -99,11 +109,18 @@ class BlockManager:
         """Register the full blocks among the first num_tokens tokens, whose K/V this step writes or has written."""
         if not self.enable_prefix_caching:
             return
-        prefix_hash = -1
+        previous = None
         for i in range(num_tokens // self.block_size):
             block = self.blocks[seq.block_table[i]]
             if block.hash == -1:
                 block.token_ids = seq.block(i)
-                block.hash = self.compute_hash(block.token_ids, prefix_hash)
+                block.hash = self.compute_hash(block.token_ids, -1 if previous is None else previous.hash)
+                block.parent = self._parent_key(previous)
                 self.hash_to_block.setdefault(block.hash, block.block_id)
-            prefix_hash = block.hash
+            previous = block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every registration, e.g. after an aborted step whose registered blocks were never written."""
+        for block in self.blocks:
+            block.hash, block.token_ids, block.parent = -1, [], None
+        self.hash_to_block.clear()

@@ -122,3 +122,5 @@ class Scheduler:
             seq.status = SequenceStatus.FINISHED
         self.running.clear()
         self.waiting.clear()
+        # Blocks are registered when scheduled; an interrupted step may not have written them.
+        self.block_manager.reset_prefix_cache()

@@ -61,6 +61,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        if loaded.shape[0] != self.output_sizes[shard_id]:
+            raise ValueError(f"shape mismatch: checkpoint tensor has {loaded.shape[0]} rows, "
+                             f"expected {self.output_sizes[shard_id]}")
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
         copy_weight(param.data.narrow(0, offset, size), self.shard(loaded, 0))
@@ -73,16 +76,21 @@ class QKVParallelLinear(ColumnParallelLinear):
                  bias: bool = False):
         tp = tp_size()
         self.head_size = head_size
+        self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
         self.num_heads = total_num_heads // tp
         self.num_kv_heads = max(1, total_num_kv_heads // tp)
         output_size = (total_num_heads + 2 * self.num_kv_heads * tp) * head_size
         super().__init__(hidden_size, output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        total_heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
+        if loaded.shape[0] != total_heads * self.head_size:
+            raise ValueError(f"shape mismatch: checkpoint tensor has {loaded.shape[0]} rows, "
+                             f"expected {total_heads} heads x {self.head_size}")
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
         # With fewer KV heads than ranks, neighbouring ranks share (replicate) one KV head.
-        head_start = self.tp_rank * (loaded.shape[0] // self.head_size) // self.tp_size
+        head_start = self.tp_rank * total_heads // self.tp_size
         loaded = loaded.narrow(0, head_start * self.head_size, size)
         copy_weight(param.data.narrow(0, offset, size), loaded)
 

@@ -1,0 +1,258 @@
+"""Bad inputs raise clear errors and leave the engine usable; bad model directories fail at construction;
+a load test with a tiny KV cache (preemption, recompute) matches a roomy-cache run."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from models import assert_greedy_match, hf_greedy
+from nanoinfer import LLM, SamplingParams
+
+MAX_LEN = 128
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+BASE_PROMPTS = ["The quick brown fox", [5, 6, 7, 8, 9, 10, 11, 12, 13], list(range(100, 120))]
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    return LLM(str(qwen3_dir), max_model_len=MAX_LEN, kvcache_block_size=8)
+
+
+@pytest.fixture(scope="module")
+def baseline(llm):
+    outs = llm.generate(BASE_PROMPTS, GREEDY, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [8, 8, 8]
+    return [o.token_ids for o in outs]
+
+
+def assert_idle(llm):
+    engine = llm.llm_engine
+    assert engine.scheduler.is_finished(), "requests were left queued"
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == engine.model_runner.num_kvcache_blocks, "KV blocks were leaked"
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def assert_usable(llm, baseline):
+    assert_idle(llm)
+    outs = llm.generate(BASE_PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == baseline
+    assert_idle(llm)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Bad requests
+# ----------------------------------------------------------------------------------------------------------
+
+GOOD = [1, 2, 3]
+BAD_REQUESTS = {
+    "empty-string": ("", None, ValueError, "empty"),
+    "empty-string-in-list": ([GOOD, ""], None, ValueError, "empty"),
+    "no-prompts": ([], None, ValueError, "no prompts"),
+    "empty-token-list": ([[]], None, ValueError, "empty"),
+    "too-long-with-max-tokens": ([[7] * 100], SamplingParams(max_tokens=29), ValueError, "max_model_len"),
+    "prompt-alone-too-long": ([[7] * 200], SamplingParams(max_tokens=1), ValueError, "max_model_len"),
+    "negative-token-id": ([[5, -1, 6]], None, ValueError, "token id -1"),
+    "token-id-equal-vocab": ([[5, 512]], None, ValueError, "token id 512"),
+    "token-id-huge": ([[10**12]], None, ValueError, "vocabulary"),
+    "float-token-id": ([[1, 2.0]], None, TypeError, "int"),
+    "str-token-id": ([[1, "2"]], None, TypeError, "int"),
+    "bool-token-id": ([[True, 2]], None, TypeError, "int"),
+    "none-token-id": ([[1, None]], None, TypeError, "int"),
+    "prompt-of-wrong-type": (5, None, TypeError, "prompt"),
+    "prompt-list-item-of-wrong-type": ([GOOD, 3.5], None, TypeError, "prompt"),
+    "tensor-prompt": (torch.tensor([1, 2]), None, TypeError, "prompt"),
+    "too-many-params": ([GOOD, GOOD], [GREEDY] * 3, ValueError, "3 sampling params for 2 prompts"),
+    "too-few-params": ([GOOD, GOOD, GOOD], [GREEDY], ValueError, "1 sampling params for 3 prompts"),
+    "params-item-wrong-type": ([GOOD, GOOD], [GREEDY, "greedy"], TypeError, "SamplingParams"),
+    "params-item-none": ([GOOD], [None], TypeError, "SamplingParams"),
+    "params-dict": ([GOOD], {"temperature": 0.0}, TypeError, "SamplingParams"),
+    "params-float": ([GOOD], 0.5, TypeError, "SamplingParams"),
+    "params-str": ([GOOD], "greedy", TypeError, "SamplingParams"),
+    "one-bad-prompt-in-batch": ([GOOD, [4, 5, 6, 7], [1, 99999], GOOD], GREEDY, ValueError, "99999"),
+    "one-bad-params-in-batch": ([GOOD, GOOD, GOOD], [GREEDY, GREEDY, 1], TypeError, "SamplingParams"),
+}
+
+
+@pytest.mark.parametrize("prompts, params, exc, match", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
+def test_bad_request_raises_and_engine_stays_usable(llm, baseline, prompts, params, exc, match):
+    with pytest.raises(exc, match=match):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert_usable(llm, baseline)
+
+
+def test_tokenizer_adds_no_bos_so_empty_string_is_an_empty_prompt(llm):
+    assert llm.tokenizer.encode("") == []
+
+
+def test_prompt_exactly_at_max_model_len_is_accepted(llm, baseline):
+    out = llm.generate([[7] * 100], SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.token_ids) == 28 and out.finish_reason == "length"
+    assert_usable(llm, baseline)
+
+
+def test_failure_during_a_step_aborts_everything_and_engine_stays_usable(llm, baseline, monkeypatch):
+    runner = llm.llm_engine.model_runner
+    real_run, calls = runner.run, []
+
+    def failing_run(batch):
+        calls.append(len(batch.seqs))
+        if len(calls) == 3:
+            raise RuntimeError("simulated failure in the model")
+        return real_run(batch)
+
+    monkeypatch.setattr(runner, "run", failing_run)
+    prompts = [[9, 8, 7, 6, 5, 4, 3, 2, 1], [11, 12, 13]] * 3
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert len(calls) == 3
+    monkeypatch.setattr(runner, "run", real_run)
+    assert_usable(llm, baseline)
+
+
+def test_interrupted_step_does_not_poison_the_prefix_cache(qwen3_dir, monkeypatch):
+    llm = LLM(str(qwen3_dir), max_model_len=MAX_LEN, kvcache_block_size=8)  # own engine: this one gets poisoned
+    prompt = list(range(200, 240))  # 5 full blocks of 8
+    ref = hf_greedy(qwen3_dir, [prompt], 8)[0]
+
+    def interrupted(batch):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm.llm_engine.model_runner, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([prompt], GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert_idle(llm)
+    out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert_greedy_match(out.token_ids, ref["token_ids"], ref["logits"])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Construction errors
+# ----------------------------------------------------------------------------------------------------------
+
+def test_unknown_keyword_is_a_type_error(qwen3_dir):
+    with pytest.raises(TypeError, match="max_modle_len"):
+        LLM(str(qwen3_dir), max_modle_len=64)
+
+
+def test_missing_model_dir(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+
+
+def test_dir_without_config(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(str(tmp_path))
+
+
+def copy_model(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_unknown_architecture(qwen3_dir, tmp_path):
+    d = copy_model(qwen3_dir, tmp_path / "foo")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["FooForCausalLM"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="FooForCausalLM"):
+        LLM(str(d), max_model_len=64)
+
+
+def rewrite_weights(src, dst, edit):
+    d = copy_model(src, dst)
+    weights = load_file(d / "model.safetensors")
+    edit(weights)
+    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    return d
+
+
+@pytest.mark.parametrize("tensor, named", [
+    ("model.norm.weight", "model.norm.weight"),
+    ("model.layers.2.post_attention_layernorm.weight", "model.layers.2.post_attention_layernorm.weight"),
+    ("model.embed_tokens.weight", "model.embed_tokens.weight"),
+    ("model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.qkv_proj.weight"),  # fused q/k/v
+    ("model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"),  # fused gate/up
+])
+def test_checkpoint_missing_a_tensor(qwen3_dir, tmp_path, tensor, named):
+    d = rewrite_weights(qwen3_dir, tmp_path / "m", lambda w: w.pop(tensor))
+    with pytest.raises(ValueError, match="missing") as e:
+        LLM(str(d), max_model_len=64)
+    assert named in str(e.value)
+
+
+@pytest.mark.parametrize("tensor", ["model.layers.0.mlp.foo.weight", "model.layers.3.input_layernorm.weight",
+                                    "extra"])
+def test_checkpoint_with_an_unknown_tensor(qwen3_dir, tmp_path, tensor):
+    d = rewrite_weights(qwen3_dir, tmp_path / "m", lambda w: w.__setitem__(tensor, torch.ones(64)))
+    with pytest.raises(ValueError, match="no parameter") as e:
+        LLM(str(d), max_model_len=64)
+    assert repr(tensor) in str(e.value)
+
+
+def _reshape(name, fn):
+    return lambda w: w.__setitem__(name, fn(w[name]))
+
+
+@pytest.mark.parametrize("tensor, fn", [
+    ("model.norm.weight", lambda t: torch.ones(65)),
+    ("model.embed_tokens.weight", lambda t: t[:-1]),
+    ("model.layers.0.self_attn.o_proj.weight", lambda t: t.T.contiguous()),
+    ("model.layers.0.self_attn.q_proj.weight", lambda t: t[:, :-1].contiguous()),
+    ("model.layers.1.mlp.gate_proj.weight", lambda t: torch.cat([t, t])),
+    ("model.layers.1.mlp.down_proj.weight", lambda t: t[:-1].contiguous()),
+    pytest.param("model.layers.0.self_attn.q_proj.weight", lambda t: torch.cat([t, t])),
+    pytest.param("model.layers.0.self_attn.k_proj.weight", lambda t: t[:-1].contiguous()),
+], ids=["norm", "embed", "o_proj-transposed", "q_proj-in-dim", "gate_proj-rows", "down_proj-rows",
+        "q_proj-too-many-rows", "k_proj-too-few-rows"])
+def test_checkpoint_tensor_with_wrong_shape(qwen3_dir, tmp_path, tensor, fn):
+    d = rewrite_weights(qwen3_dir, tmp_path / "m", _reshape(tensor, fn))
+    with pytest.raises(ValueError, match="shape") as e:
+        LLM(str(d), max_model_len=64)
+    assert tensor in str(e.value)
+
+
+def test_kv_cache_too_small_for_max_model_len(qwen3_dir):
+    with pytest.raises(ValueError, match="num_kvcache_blocks"):
+        LLM(str(qwen3_dir), max_model_len=128, kvcache_block_size=4, num_kvcache_blocks=31)
+    llm = LLM(str(qwen3_dir), max_model_len=128, kvcache_block_size=4, num_kvcache_blocks=32)
+    assert llm.llm_engine.model_runner.num_kvcache_blocks == 32
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Load test: a tiny cache forces preemption and recompute; greedy outputs must not change
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_many_short_requests_with_a_tiny_kv_cache(qwen3_dir):
+    rng = random.Random(1)
+    n = 2000
+    prompts = [[rng.randrange(5, 512) for _ in range(rng.randint(1, 12))] for _ in range(n)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 8), ignore_eos=True) for _ in range(n)]
+    # Some repeated prompts and shared prefixes so the prefix cache is exercised under pressure too.
+    for i in range(0, n, 10):
+        prompts[i] = prompts[i - 5][:] if i >= 5 else prompts[i]
+        prompts[i + 1] = prompts[i][:8] + prompts[i + 1][:4]
+
+    small = LLM(str(qwen3_dir), max_model_len=64, kvcache_block_size=4, num_kvcache_blocks=64, max_num_seqs=256)
+    outs = small.generate(prompts, params, use_tqdm=False)
+    engine = small.llm_engine
+    assert len(outs) == n
+    for out, prompt, p in zip(outs, prompts, params):
+        assert out.prompt_token_ids == prompt
+        assert len(out.token_ids) == p.max_tokens and out.finish_reason == "length"
+    assert engine.scheduler.num_preemptions > 0
+    assert_idle(small)
+
+    roomy = LLM(str(qwen3_dir), max_model_len=64, kvcache_block_size=4, num_kvcache_blocks=2048, max_num_seqs=256)
+    ref = roomy.generate(prompts, params, use_tqdm=False)
+    assert roomy.llm_engine.scheduler.num_preemptions == 0
+    mismatches = [i for i, (a, b) in enumerate(zip(outs, ref)) if a.token_ids != b.token_ids]
+    assert not mismatches, f"{len(mismatches)} outputs differ, e.g. #{mismatches[0]}"

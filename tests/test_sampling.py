@@ -1,0 +1,268 @@
+"""Sampling: the Sampler on hand-made logits (filters, greedy rows, goodness of fit), per-request seeds through
+the engine, and SamplingParams validation."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from models import random_prompts
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.layers.sampler import Sampler
+
+# Chi-square critical values at the 0.999 quantile (scipy.stats.chi2.ppf(0.999, df)); scipy is not installed.
+CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515}
+
+
+def sample(logits, temperature, top_k=-1, top_p=1.0, generators=None, seed=0):
+    """One call of the Sampler; scalars are broadcast over the rows."""
+    b = logits.shape[0]
+
+    def col(v, dtype):
+        return torch.tensor(v if isinstance(v, list) else [v] * b, dtype=dtype)
+
+    return Sampler()(
+        logits.float(), temperatures=col(temperature, torch.float32), top_k=col(top_k, torch.int64),
+        top_p=col(top_p, torch.float32), generators=generators if generators is not None else [None] * b,
+        default_generator=torch.Generator().manual_seed(seed))
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def top_p_set(probs: torch.Tensor, p: float) -> set[int]:
+    """The smallest set of most likely tokens whose mass reaches p (computed independently of the Sampler)."""
+    values, order = probs.sort(descending=True)
+    kept, mass = [], 0.0
+    for v, i in zip(values.tolist(), order.tolist()):
+        kept.append(i)
+        mass += v
+        if mass >= p:
+            break
+    return set(kept)
+
+
+def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Reference distribution: softmax(logits / T), keep the top k, renormalise, keep the top-p set, renormalise."""
+    probs = torch.softmax(logits.double() / temperature, -1)
+    if 0 < top_k < len(probs):
+        keep = torch.zeros_like(probs, dtype=torch.bool)
+        keep[probs.topk(top_k).indices] = True
+        probs = torch.where(keep, probs, 0.0)
+        probs = probs / probs.sum()
+    kept = top_p_set(probs, top_p)
+    probs = torch.tensor([float(probs[i]) if i in kept else 0.0 for i in range(len(probs))], dtype=torch.float64)
+    return probs / probs.sum()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sampler unit tests
+# ----------------------------------------------------------------------------------------------------------
+
+def test_top_k_never_emits_tokens_outside_the_k_largest_and_reaches_all_of_them():
+    g = torch.Generator().manual_seed(1)
+    vocab = 40
+    base = torch.randn(3, vocab, generator=g) * 0.7  # distinct values; temperature 1 keeps the top ones likely
+    ks = [1, 3, 10]
+    reps = 700
+    logits = base.repeat_interleave(reps, 0)  # rows 0..699 are row 0, ...
+    tokens = sample(logits, 1.0, top_k=[k for k in ks for _ in range(reps)], seed=3).view(3, reps)
+    for row, k in enumerate(ks):
+        allowed = set(base[row].topk(k).indices.tolist())
+        emitted = set(tokens[row].tolist())
+        assert emitted <= allowed, f"top_k={k}: emitted {sorted(emitted - allowed)} outside the top {k}"
+        # Every allowed token has renormalised probability > 1.5% here, so 700 draws hit all of them.
+        probs = torch.softmax(base[row][sorted(allowed)], -1)
+        assert float(probs.min()) > 0.015
+        assert emitted == allowed, f"top_k={k}: never emitted {sorted(allowed - emitted)}"
+
+
+def test_top_p_never_emits_tokens_outside_the_smallest_set_reaching_p():
+    g = torch.Generator().manual_seed(2)
+    vocab = 30
+    temperature = 0.8
+    base = torch.randn(3, vocab, generator=g) * 0.6
+    ps = [0.3, 0.55, 0.8]  # top-p sets of 3, 7 and 16 tokens
+    reps = 800
+    tokens = sample(base.repeat_interleave(reps, 0), temperature, top_p=[p for p in ps for _ in range(reps)],
+                    seed=4).view(3, reps)
+    for row, p in enumerate(ps):
+        probs = torch.softmax(base[row].double() / temperature, -1)
+        cumulative = probs.sort(descending=True).values.cumsum(0)
+        assert float((cumulative - p).abs().min()) > 5e-3, "p too close to a cumulative boundary for this test"
+        allowed = top_p_set(probs, p)
+        assert 1 < len(allowed) < vocab
+        emitted = set(tokens[row].tolist())
+        assert emitted <= allowed, f"top_p={p}: emitted {sorted(emitted - allowed)} outside {sorted(allowed)}"
+        renormalised = probs[sorted(allowed)] / probs[sorted(allowed)].sum()
+        assert float(renormalised.min()) > 0.02  # so 800 draws reach every allowed token
+        assert emitted == allowed, f"top_p={p}: never emitted {sorted(allowed - emitted)}"
+
+
+def test_temperature_zero_rows_are_argmax_in_a_mixed_batch():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 50, generator=g)
+    temps = [0.0, 1.0, 0.0, 2.0, 0.0, 0.5]
+    top_k = [-1, -1, 5, -1, -1, 3]
+    top_p = [1.0, 0.9, 1.0, 1.0, 0.2, 1.0]
+    greedy_rows = [i for i, t in enumerate(temps) if t == 0]
+    sampled_rows = [i for i, t in enumerate(temps) if t > 0]
+    argmax = logits.argmax(-1)
+    seen_non_argmax = False
+    for seed in range(40):
+        gens = [torch.Generator().manual_seed(100 + seed) if i % 2 else None for i in range(6)]
+        out = sample(logits, temps, top_k=top_k, top_p=top_p, generators=gens, seed=seed)
+        assert out[greedy_rows].tolist() == argmax[greedy_rows].tolist()
+        seen_non_argmax |= bool((out[sampled_rows] != argmax[sampled_rows]).any())
+    assert seen_non_argmax, "the sampled rows never left the argmax: they were not sampled"
+
+
+def test_all_greedy_batch_is_argmax():
+    logits = torch.randn(4, 20, generator=torch.Generator().manual_seed(6))
+    assert sample(logits, 0.0).tolist() == logits.argmax(-1).tolist()
+
+
+LOGITS6 = torch.tensor([2.0, 1.5, 1.0, 0.6, 0.2, -0.5])
+
+
+@pytest.mark.parametrize("per_request_generators", [False, True], ids=["engine-generator", "seeded-generators"])
+def test_temperature_chi_square_goodness_of_fit(per_request_generators):
+    n, temperature = 20_000, 0.7
+    expected = torch.softmax(LOGITS6.double() / temperature, -1)
+    gens = [torch.Generator().manual_seed(s) for s in range(n)] if per_request_generators else None
+    tokens = sample(LOGITS6.expand(n, -1).contiguous(), temperature, generators=gens, seed=11)
+    counts = torch.bincount(tokens, minlength=6).double()
+    stat = chi_square(counts, expected)
+    assert stat < CHI2_999[5], f"chi2={stat:.1f} (df=5); counts={counts.tolist()} expected={(expected * n).tolist()}"
+    # The test has power: the same counts are far from the distribution at a wrong temperature.
+    wrong = torch.softmax(LOGITS6.double() / 1.0, -1)
+    assert chi_square(counts, wrong) > 10 * CHI2_999[5]
+
+
+def test_top_k_top_p_combined_renormalised_chi_square():
+    n, temperature, top_k, top_p = 20_000, 0.7, 4, 0.85
+    expected = filtered_probs(LOGITS6, temperature, top_k, top_p)
+    kept = [i for i in range(6) if expected[i] > 0]
+    assert kept == [0, 1, 2]  # top 4 renormalised: .536 .262 .128 .073 -> the top-p set is 3 tokens
+    tokens = sample(LOGITS6.expand(n, -1).contiguous(), temperature, top_k=top_k, top_p=top_p, seed=12)
+    counts = torch.bincount(tokens, minlength=6).double()
+    assert counts[3:].sum() == 0, f"filtered tokens were emitted: {counts.tolist()}"
+    stat = chi_square(counts[kept], expected[kept])
+    assert stat < CHI2_999[len(kept) - 1], f"chi2={stat:.1f}; counts={counts.tolist()} expected={expected * n}"
+    # Power: the same filters at temperature 1 keep the same tokens but in clearly different proportions.
+    wrong = filtered_probs(LOGITS6, 1.0, top_k, top_p)
+    assert [i for i in range(6) if wrong[i] > 0] == kept
+    assert chi_square(counts[kept], wrong[kept]) > 10 * CHI2_999[len(kept) - 1]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Engine-level seeds
+# ----------------------------------------------------------------------------------------------------------
+
+MAX_LEN = 96
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    return LLM(str(qwen3_dir), max_model_len=MAX_LEN, seed=0, kvcache_block_size=8)
+
+
+def tokens_of(llm, prompts, params):
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_seeded_request_is_independent_of_the_batch(llm):
+    prompts = random_prompts(5, 5, 448, 3, 20, seed=21)
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = tokens_of(llm, [prompts[0]], seeded)[0]
+    assert len(alone) == 16
+    others = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in (5, 20, 9)]
+    others.append(SamplingParams(temperature=0.8, seed=99, top_k=50, max_tokens=12, ignore_eos=True))
+    first = tokens_of(llm, prompts, [seeded] + others)
+    last = tokens_of(llm, prompts[1:] + prompts[:1], others + [seeded])
+    assert first[0] == alone
+    assert last[-1] == alone
+    # The same seeded request twice in one batch (the second one shares the first one's cached prefix).
+    twice = tokens_of(llm, [prompts[0], prompts[2], prompts[0]], [seeded, others[0], seeded])
+    assert twice[0] == alone and twice[2] == alone
+
+
+def test_different_seeds_give_different_outputs(llm):
+    prompt = random_prompts(1, 5, 448, 10, 10, seed=22)[0]
+    outs = tokens_of(llm, [prompt] * 3, [SamplingParams(temperature=1.5, seed=s, max_tokens=16, ignore_eos=True)
+                                         for s in (1, 2, 1)])
+    assert outs[0] == outs[2]
+    assert outs[0] != outs[1]
+    assert sum(a != b for a, b in zip(outs[0], outs[1])) >= 8  # temperature 1.5: nearly every token differs
+
+
+def test_unseeded_requests_reproducible_across_fresh_engines_with_the_same_seed(qwen3_dir):
+    prompts = random_prompts(3, 5, 448, 4, 12, seed=23)
+    params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+
+    def run(seed):
+        return tokens_of(LLM(str(qwen3_dir), max_model_len=MAX_LEN, seed=seed), prompts, params)
+
+    a, b, c = run(7), run(7), run(8)
+    assert a == b
+    assert a != c
+    assert a[0] != a[1]  # different prompts, not a constant output
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy(llm):
+    prompts = random_prompts(4, 5, 448, 2, 15, seed=24)
+    greedy = tokens_of(llm, prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    top1 = tokens_of(llm, prompts, SamplingParams(temperature=1.3, top_k=1, seed=5, max_tokens=12, ignore_eos=True))
+    tiny_p = tokens_of(llm, prompts, SamplingParams(temperature=1.3, top_p=1e-6, max_tokens=12, ignore_eos=True))
+    sampled = tokens_of(llm, prompts, SamplingParams(temperature=1.3, seed=5, max_tokens=12, ignore_eos=True))
+    assert top1 == greedy
+    assert tiny_p == greedy
+    assert sampled != greedy  # the same settings without the filter do sample
+
+
+# ----------------------------------------------------------------------------------------------------------
+# SamplingParams validation
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, exc, name", [
+    (dict(temperature=-0.5), ValueError, "temperature"),
+    (dict(temperature=float("nan")), ValueError, "temperature"),
+    (dict(temperature=float("inf")), ValueError, "temperature"),
+    (dict(temperature="1.0"), TypeError, "temperature"),
+    (dict(top_p=0.0), ValueError, "top_p"),
+    (dict(top_p=1.5), ValueError, "top_p"),
+    (dict(top_p=-0.1), ValueError, "top_p"),
+    (dict(top_p=float("nan")), ValueError, "top_p"),
+    (dict(top_p=None), TypeError, "top_p"),
+    (dict(top_k=0), ValueError, "top_k"),
+    (dict(top_k=-2), ValueError, "top_k"),
+    (dict(top_k=2.0), TypeError, "top_k"),
+    (dict(max_tokens=0), ValueError, "max_tokens"),
+    (dict(max_tokens=-3), ValueError, "max_tokens"),
+    (dict(max_tokens=4.0), TypeError, "max_tokens"),
+    (dict(max_tokens="8"), TypeError, "max_tokens"),
+    (dict(max_tokens=True), TypeError, "max_tokens"),
+    (dict(seed=1.5), TypeError, "seed"),
+    (dict(seed="0"), TypeError, "seed"),
+    (dict(seed=2**64), ValueError, "seed"),
+    (dict(seed=-2**63 - 1), ValueError, "seed"),
+    (dict(stop_token_ids=5), TypeError, "stop_token_ids"),
+    (dict(stop_token_ids=[1, "2"]), TypeError, "stop_token_ids"),
+])
+def test_sampling_params_validation(kwargs, exc, name):
+    with pytest.raises(exc, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_valid_edge_values():
+    assert SamplingParams(temperature=0).greedy
+    assert not SamplingParams(temperature=1e-3).greedy
+    assert SamplingParams(top_p=1.0).top_p == 1.0
+    assert SamplingParams(top_k=-1, max_tokens=1, seed=0).max_tokens == 1
+    assert SamplingParams(stop_token_ids=(3, 4)).stop_token_ids == [3, 4]
+    for seed in (-2**63, -1, 2**64 - 1):  # the whole range torch.Generator.manual_seed accepts
+        SamplingParams(seed=seed)
+    assert math.isclose(SamplingParams(top_p=1e-9).top_p, 1e-9)
