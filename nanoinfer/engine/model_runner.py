@@ -12,6 +12,7 @@ from nanoinfer.layers.sampler import Sampler
 from nanoinfer.models.registry import get_model_class
 from nanoinfer.utils.gguf_loader import iter_gguf_weights
 from nanoinfer.utils.loader import iter_safetensors, load_weights
+from nanoinfer.utils.memory import keep_freed_memory
 
 # Fraction of available memory the KV cache may take when num_kvcache_blocks is not given.
 KV_CACHE_MEMORY_FRACTION = 0.3
@@ -21,7 +22,11 @@ class ModelRunner:
     def __init__(self, config: Config):
         self.config = config
         self.block_size = config.kvcache_block_size
+        keep_freed_memory()
         self.model = self._load_model(config)
+        for module in self.model.modules():
+            if hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading(config.max_num_seqs)
         self.backend = get_backend("cpu")
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.sampler = Sampler()

@@ -4,7 +4,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.layers.linear import copy_weight
+from nanoinfer.layers.linear import copy_weight, linear, pack_weight
 from nanoinfer.utils.dist import tp_rank, tp_size
 
 
@@ -37,9 +37,15 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    packed_weight: torch.Tensor | None = None
+
+    def process_weights_after_loading(self, batch_size_hint: int) -> None:
+        # The dense weight stays: it may be the (tied) input embedding too.
+        self.packed_weight = pack_weight(self.weight, batch_size_hint)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits over the full vocabulary for the given hidden states (callers pass only rows they sample)."""
-        logits = F.linear(x, self.weight)
+        logits = linear(x, self.weight, None, self.packed_weight)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             dist.all_gather(parts, logits)

