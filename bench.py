@@ -1,0 +1,256 @@
+"""Offline throughput benchmark for nanoinfer (nano-vllm's bench.py, scaled for a CPU).
+
+Measures, for a batch of random-token prompts generated greedily with ignore_eos:
+  * wall time, output tok/s and total (prompt + output) tok/s;
+  * time spent in prefill vs decode steps (the engine is stepped here, one timed step at a time);
+  * achieved GFLOP/s of the linear layers (qkv/o/gate_up/down + LM head) and its fraction of the
+    fp32 matmul peak (best of F.linear and the oneDNN-packed path the engine uses) measured in the same process;
+  * optionally (--compare-hf) the same workload through transformers' batched `generate`.
+
+The default model is a random-weight Qwen3 (~133.5M params) built once and cached under
+<nanoinfer cache>/bench-qwen3-<config hash>; --model takes any model dir or .gguf instead.
+
+    PYTHONPATH=. python bench.py [--num-seqs 64] [--output-len 128] [--compare-hf [--hf-static]] [--json out.json]
+"""
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.layers.linear import LinearBase, linear, pack_weight
+from nanoinfer.utils.default_model import cache_dir
+
+BENCH_QWEN3 = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
+                   head_dim=64, intermediate_size=3072, vocab_size=32000, tie_word_embeddings=True,
+                   max_position_embeddings=4096)
+WEIGHT_SEED = 0
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="model dir or .gguf (default: a cached random Qwen3, ~133.5M params)")
+    p.add_argument("--num-seqs", type=int, default=64, help="number of prompts (default 64)")
+    p.add_argument("--min-input", type=int, default=32, help="shortest prompt (default 32)")
+    p.add_argument("--max-input", type=int, default=256, help="longest prompt (default 256)")
+    p.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (default 128)")
+    p.add_argument("--random-output", action="store_true", help="output lengths uniform in [1, output-len]")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's default)")
+    p.add_argument("--max-num-seqs", type=int, help="engine max_num_seqs (default: --num-seqs)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="engine max_num_batched_tokens (default: engine's)")
+    p.add_argument("--num-kvcache-blocks", type=int, help="engine num_kvcache_blocks (default: engine's)")
+    p.add_argument("--compare-hf", action="store_true", help="also run transformers generate on the same prompts")
+    p.add_argument("--hf-batch-size", type=int, help="HF generate batch size (default: all prompts in one batch)")
+    p.add_argument("--hf-static", action="store_true", help='HF generate with cache_implementation="static"')
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    return p.parse_args()
+
+
+def bench_model() -> Path:
+    """The default random Qwen3, built (seeded) and saved as safetensors on first use."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    key = json.dumps({**BENCH_QWEN3, "dtype": "float32", "seed": WEIGHT_SEED}, sort_keys=True)
+    path = cache_dir() / f"bench-qwen3-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if (path / "config.json").is_file() and list(path.glob("*.safetensors")):
+        return path
+    print(f"building random Qwen3 in {path} ...", flush=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(WEIGHT_SEED)
+    model = Qwen3ForCausalLM(Qwen3Config(**BENCH_QWEN3, dtype="float32")).float()
+    tmp = tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent)
+    model.save_pretrained(tmp)
+    for f in [tmp, *Path(tmp).iterdir()]:  # mkdtemp makes 0700 dirs; the cache may be shared
+        os.chmod(f, 0o755 if Path(f).is_dir() else 0o644)
+    try:
+        os.rename(tmp, path)  # atomic; fails harmlessly if a concurrent run got there first
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def make_workload(args, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, vocab_size - 1) for _ in range(rng.randint(args.min_input, args.max_input))]
+               for _ in range(args.num_seqs)]
+    out_lens = [rng.randint(1, args.output_len) if args.random_output else args.output_len for _ in prompts]
+    return prompts, out_lens
+
+
+def matmul_gflops(m: int, k: int, n: int, packed: bool, trials: int = 5, min_time: float = 0.1) -> float:
+    """Best-of-`trials` fp32 throughput of x[m, k] @ w[n, k]^T (best-of: the machine may be shared), either
+    with plain F.linear or with the oneDNN-packed weights the engine uses.
+
+    Calls rotate over enough distinct weights (>= 64 MB) that they cannot all stay in the CPU caches,
+    as in a real forward pass, where every layer's weights are streamed from memory once per step.
+    """
+    x = torch.randn(m, k)
+    ws = [torch.randn(n, k) for _ in range(-(-(64 << 20) // (4 * n * k)))]
+    packs = [pack_weight(w, 64) if packed else None for w in ws]
+
+    def run(iters: int) -> float:
+        t = time.perf_counter()
+        for i in range(iters):
+            linear(x, ws[i % len(ws)], None, packs[i % len(ws)])
+        return (time.perf_counter() - t) / iters
+
+    run(len(ws))
+    iters = len(ws)
+    while (dt := run(iters)) * iters < min_time:  # long enough to time reliably
+        iters *= 2
+    best = min([dt] + [run(iters) for _ in range(trials - 1)])
+    return 2 * m * k * n / best / 1e9
+
+
+def run_ours(llm: LLM, prompts: list[list[int]], out_lens: list[int], linear_params: int, head_params: int) -> dict:
+    """Drive the engine step by step, timing each step and counting its linear-layer FLOPs.
+
+    FLOPs of a dense layer = 2 * weight elements * rows it is applied to. Every token a step computes
+    (a prompt token, a prompt chunk, a recomputed token after preemption, or a decode token; not a
+    prefix-cache hit) goes through every decoder linear layer, so those cost 2 * linear_params * computed
+    tokens. The LM head runs only on rows whose next token is sampled (the last position of a prompt that
+    finishes prefill, and every decode row), so it costs 2 * head_params * sampled tokens. Each sample
+    appends exactly one token to one sequence, so sampled = the step's growth in total sequence length.
+    Attention's score/value products (not linear layers) and biases are not counted.
+    """
+    engine = llm.llm_engine
+    stats = {k: dict(steps=0, time=0.0, tokens=0, sampled=0) for k in ("prefill", "decode")}
+    t0 = time.perf_counter()
+    seqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts, out_lens)]
+    length = sum(map(len, seqs))
+    while not engine.is_finished():
+        t = time.perf_counter()
+        _, batch = engine.step()
+        dt = time.perf_counter() - t
+        s = stats["prefill" if batch.is_prefill else "decode"]
+        new_length = sum(map(len, seqs))
+        s["steps"] += 1
+        s["time"] += dt
+        s["tokens"] += sum(batch.num_new_tokens)
+        s["sampled"] += new_length - length
+        length = new_length
+    wall = time.perf_counter() - t0
+    for s in stats.values():
+        s["gflop"] = 2 * (linear_params * s["tokens"] + head_params * s["sampled"]) / 1e9
+        s["gflops"] = s["gflop"] / s["time"] if s["time"] else 0.0
+    outputs = [seq.completion_token_ids for seq in seqs]
+    assert [len(o) for o in outputs] == out_lens, "engine produced the wrong number of tokens"
+    return dict(wall=wall, outputs=outputs, steps=stats, preemptions=engine.scheduler.num_preemptions)
+
+
+def run_hf(model: str, prompts: list[list[int]], out_lens: list[int], batch_size: int, static: bool) -> dict:
+    """transformers batched greedy generate, left-padded with token 0 (masked out)."""
+    from transformers import AutoModelForCausalLM
+    path = Path(model)
+    kw = dict(gguf_file=path.name) if path.suffix == ".gguf" else {}
+    hf = AutoModelForCausalLM.from_pretrained(path.parent if kw else path, dtype=torch.float32, **kw).eval()
+
+    def generate(batch: list[list[int]], n: int, cache: str | None) -> list[list[int]]:
+        width = max(map(len, batch))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          pad_token_id=0, cache_implementation=cache)
+        return out[:, width:].tolist()
+
+    cache = "static" if static else None
+    warm = [[1, 2, 3, 4, 5, 6, 7, 8]] * 2
+    try:  # warm-up; also tells whether the static cache works here
+        generate(warm, 4, cache)
+    except Exception as e:  # noqa: BLE001 - report and fall back
+        if not static:
+            raise
+        print(f"HF static cache failed ({type(e).__name__}: {e}); falling back to the dynamic cache")
+        cache = None
+        generate(warm, 4, cache)
+    outputs = []
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        # A batch generates its longest requested length for every row (static batching; only matters
+        # with --random-output); only the requested tokens are kept and counted.
+        lens = out_lens[i:i + batch_size]
+        outputs += [o[:m] for o, m in zip(generate(prompts[i:i + batch_size], max(lens), cache), lens)]
+    return dict(wall=time.perf_counter() - t0, outputs=outputs, cache=cache or "dynamic")
+
+
+def main() -> None:
+    args = parse_args()
+    sys.stdout.reconfigure(line_buffering=True)
+    hf_logging.disable_progress_bar()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = args.model or str(bench_model())
+    llm = LLM(model, max_model_len=args.max_input + args.output_len,
+              max_num_seqs=args.max_num_seqs or args.num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, num_kvcache_blocks=args.num_kvcache_blocks,
+              enable_prefix_caching=True, seed=0)
+    engine = llm.llm_engine
+    net, cfg = engine.model_runner.model, engine.config.hf_config
+    num_params = sum(p.numel() for p in net.parameters())  # tied embedding / LM head counted once
+    linear_params = sum((m.weight if m.packed_weight is None else m.packed_weight).numel()
+                        for m in net.modules() if isinstance(m, LinearBase))
+    head_params = cfg.vocab_size * cfg.hidden_size
+    ecfg = engine.config
+    print(f"model: {model}")
+    print(f"params: {num_params / 1e6:.2f}M (decoder linear {linear_params / 1e6:.2f}M, "
+          f"LM head {head_params / 1e6:.2f}M) | threads: {torch.get_num_threads()} | max_num_seqs {ecfg.max_num_seqs}, "
+          f"max_num_batched_tokens {ecfg.max_num_batched_tokens}, kv blocks {engine.model_runner.num_kvcache_blocks}")
+
+    prompts, out_lens = make_workload(args, cfg.vocab_size)
+    num_prompt, num_output = sum(map(len, prompts)), sum(out_lens)
+    print(f"workload: {len(prompts)} seqs, input {args.min_input}-{args.max_input} ({num_prompt} tokens), "
+          f"output {'1-' if args.random_output else ''}{args.output_len} ({num_output} tokens)")
+
+    warm = random.Random(1)
+    llm.generate([[warm.randint(0, cfg.vocab_size - 1) for _ in range(args.min_input)] for _ in range(2)],
+                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    k, n = cfg.hidden_size, cfg.intermediate_size
+    plain = {m: matmul_gflops(m, k, n, packed=False) for m in (64, 256)}
+    peak = {m: max(plain[m], matmul_gflops(m, k, n, packed=True)) for m in (64, 256)}
+    print(f"matmul fp32, K={k} N={n}: F.linear M=64 {plain[64]:.1f}, M=256 {plain[256]:.1f} GFLOP/s | "
+          f"peak (best of F.linear and oneDNN-packed) M=64 {peak[64]:.1f}, M=256 {peak[256]:.1f} GFLOP/s")
+
+    ours = run_ours(llm, prompts, out_lens, linear_params, head_params)
+    pre, dec, wall = ours["steps"]["prefill"], ours["steps"]["decode"], ours["wall"]
+    gflops = (pre["gflop"] + dec["gflop"]) / wall
+    print(f"nanoinfer: {wall:.2f}s | output {num_output / wall:.1f} tok/s | "
+          f"total {(num_prompt + num_output) / wall:.1f} tok/s | preemptions {ours['preemptions']}")
+    print(f"  prefill {pre['time']:.2f}s in {pre['steps']} steps ({pre['tokens'] / max(pre['time'], 1e-9):.0f} tok/s)"
+          f" | decode {dec['time']:.2f}s in {dec['steps']} steps ({dec['sampled'] / max(dec['time'], 1e-9):.1f} tok/s)")
+    print(f"  linear GFLOP/s: prefill {pre['gflops']:.1f} ({pre['gflops'] / peak[256]:.0%} of M=256 peak) | "
+          f"decode {dec['gflops']:.1f} ({dec['gflops'] / peak[64]:.0%} of M=64 peak) | overall {gflops:.1f} "
+          f"({gflops / peak[256]:.0%} of M=256, {gflops / peak[64]:.0%} of M=64 peak)")
+    result = dict(model=model, params=num_params, linear_params=linear_params, lm_head_params=head_params,
+                  threads=torch.get_num_threads(), args=vars(args), prompt_tokens=num_prompt,
+                  output_tokens=num_output, matmul_peak_gflops={"M=64": peak[64], "M=256": peak[256]},
+                  f_linear_gflops={"M=64": plain[64], "M=256": plain[256]},
+                  nanoinfer=dict(wall_s=wall, output_tok_s=num_output / wall,
+                                 total_tok_s=(num_prompt + num_output) / wall, linear_gflops=gflops,
+                                 preemptions=ours["preemptions"], prefill=pre, decode=dec))
+
+    if args.compare_hf:
+        bs = args.hf_batch_size or len(prompts)
+        hf = run_hf(model, prompts, out_lens, bs, args.hf_static)
+        same = sum(a == b for a, b in zip(ours["outputs"], hf["outputs"]))
+        print(f"transformers ({hf['cache']} cache, batch {bs}): {hf['wall']:.2f}s | "
+              f"output {num_output / hf['wall']:.1f} tok/s | total {(num_prompt + num_output) / hf['wall']:.1f} tok/s"
+              f" | identical outputs {same}/{len(prompts)}")
+        print(f"  throughput ratio nanoinfer/HF: {hf['wall'] / wall:.2f}x")
+        result["hf"] = dict(wall_s=hf["wall"], output_tok_s=num_output / hf["wall"],
+                            total_tok_s=(num_prompt + num_output) / hf["wall"], cache=hf["cache"], batch_size=bs,
+                            identical_outputs=same, ratio=hf["wall"] / wall)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
