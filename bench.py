@@ -195,9 +195,11 @@ def main() -> None:
               enable_prefix_caching=True, seed=0)
     engine = llm.llm_engine
     net, cfg = engine.model_runner.model, engine.config.hf_config
-    num_params = sum(p.numel() for p in net.parameters())  # tied embedding / LM head counted once
+    # Packed linear layers keep their weights outside the parameters; a tied LM head is counted once.
     linear_params = sum((m.weight if m.packed_weight is None else m.packed_weight).numel()
                         for m in net.modules() if isinstance(m, LinearBase))
+    num_params = sum(p.numel() for p in net.parameters()) + sum(
+        m.packed_weight.numel() for m in net.modules() if isinstance(m, LinearBase) and m.packed_weight is not None)
     head_params = cfg.vocab_size * cfg.hidden_size
     ecfg = engine.config
     print(f"model: {model}")

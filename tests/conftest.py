@@ -80,3 +80,39 @@ def qwen3_sharded_dir(model_dir):
 @pytest.fixture(scope="session", params=list(models.MODEL_KINDS), ids=list(models.MODEL_KINDS))
 def any_model_dir(request, model_dir):
     return model_dir(request.param)
+
+
+_LOGIT_DIFFS = pytest.StashKey[dict]()
+
+
+@pytest.fixture
+def report_logit_diff(request):
+    """report(name, value): listed at the end of the run, so every CI log shows how close the logits were."""
+    def report(name: str, value: float) -> None:
+        request.config.stash.setdefault(_LOGIT_DIFFS, {})[name] = value
+    return report
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    diffs = config.stash.get(_LOGIT_DIFFS, {})
+    if diffs:
+        terminalreporter.write_sep("-", "max |logit diff| nanoinfer vs transformers (fp32)")
+        for name, value in sorted(diffs.items()):
+            terminalreporter.write_line(f"{name}: {value:.2e}")
+
+
+@pytest.fixture
+def captured_logits(monkeypatch) -> dict[int, list[torch.Tensor]]:
+    """The logits the engine sampled each token from, per request id, in step order."""
+    from nanoinfer.engine.model_runner import ModelRunner
+
+    captured: dict[int, list[torch.Tensor]] = {}
+    sample = ModelRunner.sample
+
+    def recording_sample(self, seqs, logits):
+        for seq, row in zip(seqs, logits):
+            captured.setdefault(seq.seq_id, []).append(row.clone())
+        return sample(self, seqs, logits)
+
+    monkeypatch.setattr(ModelRunner, "sample", recording_sample)
+    return captured

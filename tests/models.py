@@ -381,3 +381,17 @@ def random_prompts(n: int, vocab_lo: int, vocab_hi: int, len_lo: int, len_hi: in
         [rng.randrange(vocab_lo, vocab_hi) for _ in range(rng.randint(len_lo, len_hi))]
         for _ in range(n)
     ]
+
+
+def check_against_hf(outputs, refs: list[dict], captured: dict[int, list[torch.Tensor]] | None = None) -> float:
+    """Assert each output's greedy tokens match the reference (see assert_greedy_match); with the engine's
+    captured logits, return the max |logit difference| over the steps up to the first divergence."""
+    worst = 0.0
+    for out, ref in zip(outputs, refs):
+        assert_greedy_match(out.token_ids, ref["token_ids"], ref["logits"])
+        if captured is not None:
+            ours = torch.stack(captured[out.request_id])
+            steps = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref["token_ids"])) if a != b),
+                         len(ref["token_ids"]) - 1) + 1
+            worst = max(worst, (ours[:steps] - ref["logits"][:steps]).abs().max().item())
+    return worst

@@ -2,9 +2,8 @@
 import pytest
 import torch
 
-from models import MODEL_KINDS, assert_greedy_match, hf_greedy, random_prompts
+from models import MODEL_KINDS, check_against_hf, hf_greedy, random_prompts
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.engine.model_runner import ModelRunner
 
 MAX_TOKENS = 24
 LOGIT_ATOL = 1e-4
@@ -21,63 +20,40 @@ def reference(model_dir, prompts=PROMPTS) -> list[dict]:
     return _REFERENCE[key]
 
 
-@pytest.fixture
-def captured_logits(monkeypatch) -> dict[int, list[torch.Tensor]]:
-    """Logits the engine sampled from, per request id, in step order."""
-    captured: dict[int, list[torch.Tensor]] = {}
-    sample = ModelRunner.sample
-
-    def recording_sample(self, seqs, logits):
-        for seq, row in zip(seqs, logits):
-            captured.setdefault(seq.seq_id, []).append(row.clone())
-        return sample(self, seqs, logits)
-
-    monkeypatch.setattr(ModelRunner, "sample", recording_sample)
-    return captured
-
-
-def check_against_hf(outputs, refs, captured=None) -> float:
-    """Assert greedy agreement; return the max |logit difference| over steps where the tokens still agree."""
-    worst = 0.0
-    for out, ref in zip(outputs, refs):
-        assert_greedy_match(out.token_ids, ref["token_ids"], ref["logits"])
-        if captured is not None:
-            ours = torch.stack(captured[out.request_id])
-            same = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref["token_ids"])) if a != b), MAX_TOKENS)
-            worst = max(worst, (ours[:same + 1] - ref["logits"][:same + 1]).abs().max().item())
-    return worst
-
-
 @pytest.mark.parametrize("kind", MODEL_KINDS + ("qwen3-sharded",))
-def test_greedy_and_logits_match_hf(kind, model_dir, captured_logits):
+def test_greedy_and_logits_match_hf(kind, model_dir, captured_logits, report_logit_diff):
     d = model_dir(kind)
     llm = LLM(str(d), max_model_len=256)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.prompt_token_ids for o in outputs] == PROMPTS
     assert all(len(o.token_ids) == MAX_TOKENS and o.finish_reason == "length" for o in outputs)
     worst = check_against_hf(outputs, reference(d), captured_logits)
+    report_logit_diff(kind, worst)
     assert worst < LOGIT_ATOL, f"{kind}: max |logit diff| vs transformers {worst:.2e}"
 
 
-def test_chunked_prefill_matches_hf(qwen2_dir, captured_logits):
+def test_chunked_prefill_matches_hf(qwen2_dir, captured_logits, report_logit_diff):
     # A 7-token budget splits every prompt into many chunks, some ending mid-block.
     llm = LLM(str(qwen2_dir), max_model_len=256, max_num_batched_tokens=7)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     worst = check_against_hf(outputs, reference(qwen2_dir), captured_logits)
+    report_logit_diff("qwen2, chunked prefill", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
-def test_preemption_matches_hf(llama_dir):
+def test_preemption_matches_hf(llama_dir, captured_logits, report_logit_diff):
     # 8 blocks of 16 tokens cannot hold all sequences at once: decode must preempt and recompute.
     llm = LLM(str(llama_dir), max_model_len=128, num_kvcache_blocks=8, max_num_batched_tokens=64)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert llm.llm_engine.scheduler.num_preemptions > 0
-    check_against_hf(outputs, reference(llama_dir))
+    worst = check_against_hf(outputs, reference(llama_dir), captured_logits)
+    report_logit_diff("llama, preemption", worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
     bm = llm.llm_engine.scheduler.block_manager
     assert bm.num_free_blocks == len(bm.blocks)
 
 
-def test_prefix_cache_hits_match_hf(qwen3_dir, captured_logits):
+def test_prefix_cache_hits_match_hf(qwen3_dir, captured_logits, report_logit_diff):
     shared = random_prompts(1, 5, 440, 40, 40, seed=3)[0]
     prompts = [shared + tail for tail in random_prompts(4, 5, 440, 1, 20, seed=4)] + [shared]
     llm = LLM(str(qwen3_dir), max_model_len=256, kvcache_block_size=16)
@@ -88,6 +64,7 @@ def test_prefix_cache_hits_match_hf(qwen3_dir, captured_logits):
     assert all(o.num_cached_tokens >= 32 for o in second)
     refs = reference(qwen3_dir, prompts)
     worst = max(check_against_hf(first, refs, captured_logits), check_against_hf(second, refs, captured_logits))
+    report_logit_diff("qwen3, prefix-cache hits", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
     assert [o.token_ids for o in first] == [o.token_ids for o in second]
 

@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 # Keyed by HF model_type: transformers turns a "llama" GGUF whose name mentions mistral into a
 # MistralConfig, which has the same weights.
-_HF_ARCHITECTURE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+_HF_ARCHITECTURE = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM",
                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _PER_LAYER = {
