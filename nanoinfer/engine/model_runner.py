@@ -14,7 +14,9 @@ from nanoinfer.utils.gguf_loader import iter_gguf_weights
 from nanoinfer.utils.loader import iter_safetensors, load_weights
 from nanoinfer.utils.memory import keep_freed_memory
 
-# Fraction of available memory the KV cache may take when num_kvcache_blocks is not given.
+# Without num_kvcache_blocks, the cache holds max_num_seqs full-length sequences, within 4 GiB (the default
+# of vLLM's CPU backend) and 30% of available memory: it is zero-filled, so every byte is really committed.
+KV_CACHE_MAX_BYTES = 4 << 30
 KV_CACHE_MEMORY_FRACTION = 0.3
 
 
@@ -58,7 +60,8 @@ class ModelRunner:
         num_blocks = self.config.num_kvcache_blocks
         if num_blocks is None:
             wanted = -(-self.config.max_num_seqs * self.config.max_model_len // self.block_size)
-            affordable = int(_available_memory() * KV_CACHE_MEMORY_FRACTION) // block_bytes
+            budget = min(KV_CACHE_MAX_BYTES, _available_memory() * KV_CACHE_MEMORY_FRACTION)
+            affordable = int(budget) // block_bytes
             num_blocks = min(wanted, affordable)
             if num_blocks * self.block_size < self.config.max_model_len:
                 raise ValueError(f"not enough memory for a KV cache holding max_model_len={self.config.max_model_len}"
