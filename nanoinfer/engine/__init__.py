@@ -1,0 +1,1 @@
+"""Orchestration: requests, scheduling, KV-block bookkeeping and the per-rank model runner."""

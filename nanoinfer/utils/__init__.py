@@ -1,0 +1,1 @@
+"""Checkpoint loading (safetensors, GGUF), the default model fetch, and process-level helpers."""
