@@ -14,7 +14,7 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
 
 @dataclass
 class Config:
-    model: str
+    model: str | os.PathLike
     dtype: str | torch.dtype = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256

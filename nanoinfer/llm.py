@@ -1,4 +1,5 @@
 """`LLM`: the user's entry point for offline batch generation."""
+import os
 import time
 from collections.abc import Sequence as SequenceABC
 
@@ -11,7 +12,7 @@ from nanoinfer.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, model: str | os.PathLike, **kwargs):
         unknown = sorted(set(kwargs) - Config.field_names())
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s) {unknown}; known: {sorted(Config.field_names() - {'model'})}")
