@@ -29,7 +29,7 @@ class ModelRunner:
         for module in self.model.modules():
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading(config.max_num_seqs)
-        self.backend = get_backend("cpu")
+        self.backend = get_backend("cpu", config.torch_dtype)
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.sampler = Sampler()
         self.generator = torch.Generator().manual_seed(config.seed)

@@ -8,10 +8,10 @@ from nanoinfer.layers.attention.metadata import AttentionMetadata
 BACKENDS = {"cpu": CPUAttentionBackend}
 
 
-def get_backend(name: str) -> CPUAttentionBackend:
+def get_backend(name: str, dtype: torch.dtype) -> CPUAttentionBackend:
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(BACKENDS)}")
-    return BACKENDS[name]()
+    return BACKENDS[name](dtype)
 
 
 class Attention(nn.Module):

@@ -1,9 +1,11 @@
-"""Paged attention in plain PyTorch: gather each sequence's blocks, one batched SDPA call per layer."""
+"""Paged attention on the CPU: a C kernel for decode steps when it builds; otherwise gather each
+sequence's blocks and make one batched SDPA call per layer."""
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from nanoinfer.kernels.cpu import paged_decode_attention, paged_decode_attention_available
 from nanoinfer.layers.attention.metadata import AttentionMetadata
 
 
@@ -17,10 +19,12 @@ class CPUState:
 class CPUAttentionBackend:
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype) -> None:
         # Gathered K/V land in buffers reused by every layer and step: a fresh tensor of this size is
         # a fresh mmap, and its page faults cost several times the copy itself.
         self._buffers: dict[str, torch.Tensor] = {}
+        # The kernel reads K/V in place: no gather, no padding, each KV head read once for its query heads.
+        self.decode_kernel = dtype == torch.float32 and paged_decode_attention_available()
 
     def _gather(self, name: str, cache: torch.Tensor, block_index: torch.Tensor) -> torch.Tensor:
         shape = (block_index.numel(), *cache.shape[1:])
@@ -53,6 +57,9 @@ class CPUAttentionBackend:
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         """q: [num_tokens, heads, head_dim] -> [num_tokens, heads * head_dim]; K/V already stored."""
+        if meta.is_decode and self.decode_kernel:
+            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                          meta.max_seqlen_k, scale).flatten(1)
         state: CPUState = meta.backend_state
         b, lq, (_, h, d) = meta.num_seqs, meta.max_seqlen_q, q.shape
         if state.pad_index is not None:
