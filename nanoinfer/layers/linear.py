@@ -9,7 +9,8 @@ from nanoinfer.utils.dist import tp_rank, tp_size
 
 def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor | None:
     """oneDNN's blocked copy of an fp32 weight: 2.5-4x the GFLOP/s of F.linear on CPU for the M of a decode step."""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if (weight.dtype != torch.float32 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available()
+            or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):  # a private op: older builds may lack it
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint)
 
