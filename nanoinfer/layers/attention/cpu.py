@@ -35,6 +35,8 @@ class CPUAttentionBackend:
         return torch.index_select(cache, 0, block_index, out=buf[:numel].view(shape))
 
     def prepare(self, meta: AttentionMetadata) -> None:
+        if meta.is_decode and self.decode_kernel:
+            return  # the kernel reads block_tables and context_lens as they are
         bs, lq = meta.block_size, meta.max_seqlen_q
         num_blocks = -(-meta.max_seqlen_k // bs)
         q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).long()
