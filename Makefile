@@ -1,6 +1,7 @@
 # Two entry points for a fresh machine: `make example` and `make test`. Both set up .venv first.
 PYTHON ?= python3
-# The CPU wheel: an unpinned torch resolves to a CUDA build of several GB.
+# Pinned: on these machines pip takes this CPU wheel from local disk, while an unpinned torch resolves to a
+# CUDA build of several GB. Elsewhere: make TORCH="torch==2.13.0 --index-url <PyTorch's CPU wheel index>".
 TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
@@ -10,7 +11,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH)"
+	$(BIN)/pip install -q --disable-pip-version-check $(TORCH)
 	$(BIN)/pip install -q --disable-pip-version-check -e ".[test]"
 	touch $@
 

@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from nanoinfer.sampling_params import check_seed
 from nanoinfer.utils.gguf_loader import load_gguf_config, resolve_gguf
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -42,13 +43,18 @@ class Config:
             raise ValueError(f"{str(path)!r} holds neither a config.json nor a .gguf file")
         self.torch_dtype = self._resolve_dtype()
         limit = self.hf_config.max_position_embeddings
-        self.max_model_len = _positive("max_model_len", self.max_model_len or min(limit, 4096))
+        if self.max_model_len is None:
+            self.max_model_len = min(limit, 4096)
+        _positive("max_model_len", self.max_model_len)
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
-        self.max_num_seqs = _positive("max_num_seqs", self.max_num_seqs)
-        self.max_num_batched_tokens = _positive(
-            "max_num_batched_tokens", self.max_num_batched_tokens or max(8192, self.max_model_len))
-        self.kvcache_block_size = _positive("kvcache_block_size", self.kvcache_block_size)
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(8192, self.max_model_len)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
+            _positive(name, getattr(self, name))
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        check_seed("seed", self.seed)
         if self.num_kvcache_blocks is not None:
             _positive("num_kvcache_blocks", self.num_kvcache_blocks)
             if self.num_kvcache_blocks * self.kvcache_block_size < self.max_model_len:
@@ -82,9 +88,8 @@ class Config:
         return {f.name for f in fields(cls) if f.init}
 
 
-def _positive(name: str, value: object) -> int:
+def _positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
-    return value

@@ -1,5 +1,6 @@
 """`LLM`: the user's entry point for offline batch generation."""
 import os
+import threading
 import time
 from collections.abc import Sequence as SequenceABC
 
@@ -17,6 +18,7 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s) {unknown}; known: {sorted(Config.field_names() - {'model'})}")
         self.llm_engine = LLMEngine(Config(model, **kwargs))
+        self._lock = threading.Lock()  # one engine, one scheduler: concurrent generate calls take turns
 
     @property
     def tokenizer(self):
@@ -26,7 +28,11 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """One output per prompt, in input order."""
-        prompts = _as_prompt_list(prompts)
+        with self._lock:
+            return self._generate(_as_prompt_list(prompts), sampling_params, use_tqdm)
+
+    def _generate(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None,
+                  use_tqdm: bool) -> list[RequestOutput]:
         params = _as_params_list(sampling_params, len(prompts))
         engine = self.llm_engine
         seqs = [engine.make_sequence(p, sp) for p, sp in zip(prompts, params)]

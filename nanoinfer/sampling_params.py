@@ -24,9 +24,7 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
-            _check_int("seed", self.seed)
-            if not -2**63 <= self.seed < 2**64:  # what torch.Generator.manual_seed accepts
-                raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+            check_seed("seed", self.seed)
         _check_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
@@ -39,6 +37,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def check_seed(name: str, value: object) -> None:
+    _check_int(name, value)
+    if not -2**63 <= value < 2**64:  # what torch.Generator.manual_seed accepts
+        raise ValueError(f"{name} must fit in 64 bits, got {value}")
 
 
 def _check_number(name: str, value: object) -> None:

@@ -142,6 +142,49 @@ def test_unknown_keyword_is_a_type_error(qwen3_dir):
         LLM(str(qwen3_dir), max_modle_len=64)
 
 
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(max_model_len=0), ValueError, "max_model_len"),
+    (dict(max_num_batched_tokens=0), ValueError, "max_num_batched_tokens"),
+    (dict(max_num_seqs=-1), ValueError, "max_num_seqs"),
+    (dict(kvcache_block_size=1.5), TypeError, "kvcache_block_size"),
+    (dict(seed="x"), TypeError, "seed"),
+    (dict(seed=2**70), ValueError, "seed"),
+    (dict(enable_prefix_caching="no"), TypeError, "enable_prefix_caching"),
+    (dict(num_kvcache_blocks=2**40), ValueError, "num_kvcache_blocks"),
+    (dict(tensor_parallel_size=2), ValueError, "tensor_parallel_size"),
+])
+def test_bad_engine_argument(qwen3_dir, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        LLM(str(qwen3_dir), **{"max_model_len": 64, **kwargs})
+
+
+def test_top_k_beyond_the_vocabulary_means_no_filter(llm):
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, top_k=2**70, seed=3, max_tokens=4),
+                       use_tqdm=False)[0]
+    ref = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, seed=3, max_tokens=4), use_tqdm=False)[0]
+    assert out.token_ids == ref.token_ids
+
+
+def test_concurrent_generate_calls_take_turns(llm, baseline):
+    import threading
+
+    results, errors = {}, []
+
+    def run(i):
+        try:
+            results[i] = [o.token_ids for o in llm.generate(BASE_PROMPTS, GREEDY, use_tqdm=False)]
+        except Exception as e:  # noqa: BLE001 - collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and [results[i] for i in range(3)] == [baseline] * 3
+    assert_idle(llm)
+
+
 def test_missing_model_dir(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         LLM(str(tmp_path / "nope"))

@@ -35,13 +35,14 @@ class LLMEngine:
             bad = next((t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)), None)
             if bad is not None:
                 raise TypeError(f"token ids must be ints, got {bad!r}")
-            out_of_range = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            if out_of_range:
-                raise ValueError(f"token id {out_of_range[0]} is outside the vocabulary [0, {self.vocab_size})")
         else:
             raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt is empty")
+        # Tokenizer output too: a tokenizer may know added tokens the model's embedding does not.
+        out_of_range = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if out_of_range is not None:
+            raise ValueError(f"token id {out_of_range} is outside the vocabulary [0, {self.vocab_size})")
         if len(token_ids) + params.max_tokens > self.config.max_model_len:
             raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens={params.max_tokens} exceeds "
                              f"max_model_len={self.config.max_model_len}")

@@ -28,7 +28,7 @@ class ModelRunner:
         self.model = self._load_model(config)
         for module in self.model.modules():
             if hasattr(module, "process_weights_after_loading"):
-                module.process_weights_after_loading(config.max_num_seqs)
+                module.process_weights_after_loading(min(config.max_num_seqs, 256))
         self.backend = get_backend("cpu", config.torch_dtype)
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.sampler = Sampler()
@@ -58,6 +58,9 @@ class ModelRunner:
         itemsize = self.config.torch_dtype.itemsize
         block_bytes = sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in layers)
         num_blocks = self.config.num_kvcache_blocks
+        if num_blocks is not None and num_blocks * block_bytes > _available_memory():
+            raise ValueError(f"num_kvcache_blocks={num_blocks} needs {num_blocks * block_bytes / 2**30:.1f} GiB, more "
+                             f"than the {_available_memory() / 2**30:.1f} GiB available")
         if num_blocks is None:
             wanted = -(-self.config.max_num_seqs * self.config.max_model_len // self.block_size)
             budget = min(KV_CACHE_MAX_BYTES, _available_memory() * KV_CACHE_MEMORY_FRACTION)
@@ -122,7 +125,7 @@ class ModelRunner:
         return self.sampler(
             logits,
             temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            top_k=torch.tensor([p.top_k for p in params]),
+            top_k=torch.tensor([min(p.top_k, logits.shape[-1]) for p in params]),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
             generators=[s.generator for s in seqs],
             default_generator=self.generator,

@@ -18,6 +18,7 @@ class Sampler(nn.Module):
         for i, g in enumerate(generators):
             if g is not None:
                 noise[i].exponential_(generator=g)
+        noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # a zero would turn a filtered token's 0 / 0 into NaN
         sampled = (probs / noise).argmax(-1)
         return torch.where(temperatures == 0, greedy, sampled)
 
