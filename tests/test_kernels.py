@@ -52,8 +52,9 @@ def test_decode_kernel_matches_sdpa(heads, kv_heads, head_dim, block_size, conte
     torch_path.decode_kernel = False
     for backend in (kernel, torch_path):
         backend.prepare(meta)
-    ours = kernel.forward(q, k_cache, v_cache, meta, scale)
-    ref = torch_path.forward(q, k_cache, v_cache, meta, scale)
+    unused = torch.empty(0)  # this step's k, v: only prefill reads them, decode reads the cache
+    ours = kernel.forward(q, unused, unused, k_cache, v_cache, meta, scale)
+    ref = torch_path.forward(q, unused, unused, k_cache, v_cache, meta, scale)
     assert ours.shape == ref.shape == (len(context_lens), heads * head_dim)
     err = (ours - ref).abs().max().item()
     assert err < 1e-5, f"max |kernel - SDPA| = {err:.2e}"

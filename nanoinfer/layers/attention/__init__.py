@@ -28,7 +28,7 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
 
 
 __all__ = ["Attention", "AttentionMetadata", "get_backend"]

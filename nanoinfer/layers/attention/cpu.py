@@ -1,5 +1,5 @@
-"""Paged attention on the CPU: a C kernel for decode steps when it builds; otherwise gather each
-sequence's blocks and make one batched SDPA call per layer."""
+"""Paged attention on the CPU. Decode: a C kernel reading K/V in place (or, without a compiler, one
+batched SDPA over gathered blocks). Prefill: one SDPA per sequence, so nothing is padded."""
 from dataclasses import dataclass
 
 import torch
@@ -11,9 +11,11 @@ from nanoinfer.layers.attention.metadata import AttentionMetadata
 
 @dataclass
 class CPUState:
-    mask: torch.Tensor  # [num_seqs, 1, max_seqlen_q, num_key_slots] bool: causal and within the context
-    pad_index: torch.Tensor | None  # flat token -> row of the [num_seqs * max_seqlen_q] padded layout
-    block_index: torch.Tensor  # [num_seqs * blocks_per_seq] cache blocks to gather (padding -> block 0)
+    # Prefill: each sequence's rows of q and its context length.
+    spans: list[tuple[int, int, int]]
+    # Decode without the kernel: blocks to gather (padding -> block 0) and which gathered keys are real.
+    block_index: torch.Tensor | None = None
+    mask: torch.Tensor | None = None  # [num_seqs, 1, 1, num_key_slots] bool
 
 
 class CPUAttentionBackend:
@@ -23,8 +25,61 @@ class CPUAttentionBackend:
         # Gathered K/V land in buffers reused by every layer and step: a fresh tensor of this size is
         # a fresh mmap, and its page faults cost several times the copy itself.
         self._buffers: dict[str, torch.Tensor] = {}
-        # The kernel reads K/V in place: no gather, no padding, each KV head read once for its query heads.
+        # The kernel reads K/V in place: no gather, no padding, each block read once for all heads.
         self.decode_kernel = dtype == torch.float32 and paged_decode_attention_available()
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        if meta.is_decode:
+            if not self.decode_kernel:
+                num_blocks = -(-meta.max_seqlen_k // meta.block_size)
+                slots = torch.arange(num_blocks * meta.block_size)
+                meta.backend_state = CPUState(
+                    [], meta.block_tables[:, :num_blocks].clamp_min(0).flatten(),
+                    (slots < meta.context_lens.unsqueeze(1)).view(meta.num_seqs, 1, 1, -1))
+            return
+        cu, ctx = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist()
+        meta.backend_state = CPUState([(cu[i], cu[i + 1], ctx[i]) for i in range(meta.num_seqs)])
+
+    def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+        k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [tokens, heads, dim] and this step's k, v [tokens, kv_heads, dim], already stored in the cache
+        -> [tokens, heads * dim]."""
+        if not meta.is_decode:
+            return self._prefill(q, k, v, k_cache, v_cache, meta, scale)
+        if self.decode_kernel:
+            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                          meta.max_seqlen_k, scale).flatten(1)
+        state: CPUState = meta.backend_state
+        b, slots = meta.num_seqs, state.mask.shape[-1]
+        k = self._gather("k", k_cache, state.block_index).view(b, slots, *k_cache.shape[2:]).transpose(1, 2)
+        v = self._gather("v", v_cache, state.block_index).view(b, slots, *v_cache.shape[2:]).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=state.mask, scale=scale, enable_gqa=True)
+        return o.flatten(1)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)
+        for i, (start, end, ctx) in enumerate(meta.backend_state.spans):
+            n = end - start
+            if ctx == n:  # no cached prefix: this step's keys are the whole context
+                ks, vs, mask = k[start:end], v[start:end], None
+            else:
+                blocks = meta.block_tables[i, :-(-ctx // meta.block_size)]
+                ks = self._gather("k", k_cache, blocks).flatten(0, 1)[:ctx]
+                vs = self._gather("v", v_cache, blocks).flatten(0, 1)[:ctx]
+                # Causal, aligned to the end: query j sits at position ctx - n + j.
+                mask = torch.ones(n, ctx, dtype=torch.bool).tril(ctx - n)
+            # 4-D inputs: with 3-D ones SDPA skips its fused CPU kernel for the slow math path.
+            qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q[start:end], ks, vs))
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                               enable_gqa=True)
+            out[start:end] = o[0].transpose(0, 1).flatten(1)
+        return out
 
     def _gather(self, name: str, cache: torch.Tensor, block_index: torch.Tensor) -> torch.Tensor:
         shape = (block_index.numel(), *cache.shape[1:])
@@ -33,43 +88,3 @@ class CPUAttentionBackend:
         if buf is None or buf.numel() < numel or buf.dtype != cache.dtype:
             buf = self._buffers[name] = torch.empty(numel, dtype=cache.dtype)
         return torch.index_select(cache, 0, block_index, out=buf[:numel].view(shape))
-
-    def prepare(self, meta: AttentionMetadata) -> None:
-        if meta.is_decode and self.decode_kernel:
-            return  # the kernel reads block_tables and context_lens as they are
-        bs, lq = meta.block_size, meta.max_seqlen_q
-        num_blocks = -(-meta.max_seqlen_k // bs)
-        q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).long()
-        ctx = meta.context_lens.long()
-        q_pos = (ctx - q_lens).unsqueeze(1) + torch.arange(lq)  # [B, lq]; padded rows still see key 0
-        k_pos = torch.arange(num_blocks * bs)
-        mask = (k_pos <= q_pos.unsqueeze(-1)) & (k_pos < ctx.view(-1, 1, 1))
-        pad_index = None
-        if lq > 1:
-            row = torch.arange(meta.num_seqs * lq).view(-1, lq)
-            pad_index = row[torch.arange(lq) < q_lens.unsqueeze(1)]
-        block_index = meta.block_tables[:, :num_blocks].clamp_min(0).flatten()
-        meta.backend_state = CPUState(mask.unsqueeze(1), pad_index, block_index)
-
-    def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
-        k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
-
-    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """q: [num_tokens, heads, head_dim] -> [num_tokens, heads * head_dim]; K/V already stored."""
-        if meta.is_decode and self.decode_kernel:
-            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                          meta.max_seqlen_k, scale).flatten(1)
-        state: CPUState = meta.backend_state
-        b, lq, (_, h, d) = meta.num_seqs, meta.max_seqlen_q, q.shape
-        if state.pad_index is not None:
-            q = q.new_zeros(b * lq, h, d).index_copy_(0, state.pad_index, q)
-        q = q.view(b, lq, h, d).transpose(1, 2)
-        slots = state.mask.shape[-1]
-        k = self._gather("k", k_cache, state.block_index).view(b, slots, *k_cache.shape[2:]).transpose(1, 2)
-        v = self._gather("v", v_cache, state.block_index).view(b, slots, *v_cache.shape[2:]).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=state.mask, scale=scale, enable_gqa=True)
-        o = o.transpose(1, 2).reshape(b * lq, h * d)
-        return o if state.pad_index is None else o[state.pad_index]
