@@ -48,9 +48,5 @@ class Sequence:
     def num_blocks(self) -> int:
         return (len(self.token_ids) + self.block_size - 1) // self.block_size
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
-
     def block(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]

@@ -19,8 +19,6 @@ class CPUState:
 
 
 class CPUAttentionBackend:
-    name = "cpu"
-
     def __init__(self, dtype: torch.dtype) -> None:
         # Gathered K/V land in buffers reused by every layer and step: a fresh tensor of this size is
         # a fresh mmap, and its page faults cost several times the copy itself.
