@@ -109,14 +109,17 @@ class BlockManager:
         """Register the full blocks among the first num_tokens tokens, whose K/V this step writes or has written."""
         if not self.enable_prefix_caching:
             return
-        previous = None
-        for i in range(num_tokens // self.block_size):
+        # Registered blocks are always a prefix of the table: step back only over the newly filled ones.
+        end = start = num_tokens // self.block_size
+        while start > 0 and self.blocks[seq.block_table[start - 1]].hash == -1:
+            start -= 1
+        previous = self.blocks[seq.block_table[start - 1]] if start else None
+        for i in range(start, end):
             block = self.blocks[seq.block_table[i]]
-            if block.hash == -1:
-                block.token_ids = seq.block(i)
-                block.hash = self.compute_hash(block.token_ids, -1 if previous is None else previous.hash)
-                block.parent = self._parent_key(previous)
-                self.hash_to_block.setdefault(block.hash, block.block_id)
+            block.token_ids = seq.block(i)
+            block.hash = self.compute_hash(block.token_ids, -1 if previous is None else previous.hash)
+            block.parent = self._parent_key(previous)
+            self.hash_to_block.setdefault(block.hash, block.block_id)
             previous = block
 
     def reset_prefix_cache(self) -> None:

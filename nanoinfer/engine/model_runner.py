@@ -77,11 +77,12 @@ class ModelRunner:
             a.backend = self.backend
         return num_blocks
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare(self, batch: ScheduledBatch, samples: list[bool]
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """input_ids, positions, attention metadata, and the rows whose logits are sampled."""
         input_ids, positions, slots, block_tables = [], [], [], []
         cu_q, cu_k, context_lens, sample_rows = [0], [0], [], []
-        for seq, n, sampled in zip(batch.seqs, batch.num_new_tokens, batch.samples):
+        for seq, n, sampled in zip(batch.seqs, batch.num_new_tokens, samples):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             table = seq.block_table[:-(-end // self.block_size)]
             input_ids.extend(seq.token_ids[start:end])
@@ -110,10 +111,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:
         """The next token of every sequence whose scheduled tokens reach its end; None for partial prompt chunks."""
-        input_ids, positions, meta, sample_rows = self.prepare(batch)
+        samples = batch.samples
+        input_ids, positions, meta, sample_rows = self.prepare(batch, samples)
         self.backend.prepare(meta)
         hidden = self.model(input_ids, positions, meta)
-        samples = batch.samples
         seqs = [s for s, sampled in zip(batch.seqs, samples) if sampled]
         if not seqs:
             return [None] * len(batch.seqs)
