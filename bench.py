@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
-from nanoinfer import LLM, SamplingParams
+from nanoinfer import LLM, RequestOutputKind, SamplingParams
 from nanoinfer.layers.linear import LinearBase, linear, pack_weight
 from nanoinfer.utils.default_model import cache_dir
 
@@ -117,32 +117,33 @@ def run_ours(llm: LLM, prompts: list[list[int]], out_lens: list[int], linear_par
     (a prompt token, a prompt chunk, a recomputed token after preemption, or a decode token; not a
     prefix-cache hit) goes through every decoder linear layer, so those cost 2 * linear_params * computed
     tokens. The LM head runs only on rows whose next token is sampled (the last position of a prompt that
-    finishes prefill, and every decode row), so it costs 2 * head_params * sampled tokens. Each sample
-    appends exactly one token to one sequence, so sampled = the step's growth in total sequence length.
+    finishes prefill, and every decode row), so it costs 2 * head_params * sampled tokens. A step that
+    computes any prompt chunk (possibly alongside decode rows) counts as prefill.
     Attention's score/value products (not linear layers) and biases are not counted.
     """
     engine = llm.llm_engine
     stats = {k: dict(steps=0, time=0.0, tokens=0, sampled=0) for k in ("prefill", "decode")}
     t0 = time.perf_counter()
-    seqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-            for p, n in zip(prompts, out_lens)]
-    length = sum(map(len, seqs))
-    while not engine.is_finished():
+    for i, (p, n) in enumerate(zip(prompts, out_lens)):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
+                                                     output_kind=RequestOutputKind.FINAL_ONLY))
+    outputs = [None] * len(prompts)
+    while engine.has_unfinished_requests():
         t = time.perf_counter()
-        _, batch = engine.step()
+        finished = engine.step()
         dt = time.perf_counter() - t
+        batch = engine.last_batch
         s = stats["prefill" if batch.is_prefill else "decode"]
-        new_length = sum(map(len, seqs))
         s["steps"] += 1
         s["time"] += dt
         s["tokens"] += sum(batch.num_new_tokens)
-        s["sampled"] += new_length - length
-        length = new_length
+        s["sampled"] += sum(batch.samples)
+        for out in finished:
+            outputs[int(out.request_id)] = out.outputs[0].token_ids
     wall = time.perf_counter() - t0
     for s in stats.values():
         s["gflop"] = 2 * (linear_params * s["tokens"] + head_params * s["sampled"]) / 1e9
         s["gflops"] = s["gflop"] / s["time"] if s["time"] else 0.0
-    outputs = [seq.completion_token_ids for seq in seqs]
     assert [len(o) for o in outputs] == out_lens, "engine produced the wrong number of tokens"
     return dict(wall=wall, outputs=outputs, steps=stats, preemptions=engine.scheduler.num_preemptions)
 

@@ -13,11 +13,10 @@ def main() -> None:
         "Give me three tips for writing readable Python.",
         "Explain in two sentences what a KV cache is in a language model.",
     ]
-    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                 add_generation_prompt=True) for q in questions]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.6, top_p=0.9, seed=0, max_tokens=200))
+    conversations = [[{"role": "user", "content": q}] for q in questions]
+    outputs = llm.chat(conversations, SamplingParams(temperature=0.6, top_p=0.9, seed=0, max_tokens=200))
     for question, out in zip(questions, outputs):
-        print(f"\n>>> {question}\n{out.text.strip()}")
+        print(f"\n>>> {question}\n{out.outputs[0].text.strip()}")
 
 
 if __name__ == "__main__":

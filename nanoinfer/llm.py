@@ -1,15 +1,21 @@
-"""`LLM`: the user's entry point for offline batch generation."""
+"""`LLM`: the user's entry point for offline generation: batch (`generate`, `chat`) or streaming (`generate_iter`)."""
+import dataclasses
 import os
 import threading
 import time
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
+from itertools import count
 
 from tqdm.auto import tqdm
 
 from nanoinfer.config import Config
 from nanoinfer.engine.llm_engine import LLMEngine, Prompt
+from nanoinfer.engine.sequence import Sequence
 from nanoinfer.outputs import RequestOutput
-from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
+
+Conversation = list[dict]
 
 
 class LLM:
@@ -18,7 +24,10 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s) {unknown}; known: {sorted(Config.field_names() - {'model'})}")
         self.llm_engine = LLMEngine(Config(model, **kwargs))
-        self._lock = threading.Lock()  # one engine, one scheduler: concurrent generate calls take turns
+        # One engine, one scheduler: generate calls from several threads take turns, and an open stream owns it.
+        self._lock = threading.RLock()
+        self._streaming = False
+        self._request_ids = count()
 
     @property
     def tokenizer(self):
@@ -27,37 +36,103 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """One output per prompt, in input order."""
+        """One finished output per prompt, in input order."""
+        requests = self._make_requests(prompts, sampling_params, RequestOutputKind.FINAL_ONLY)
         with self._lock:
-            return self._generate(_as_prompt_list(prompts), sampling_params, use_tqdm)
+            self._check_not_streaming()
+            return self._run(requests, use_tqdm)
 
-    def _generate(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None,
-                  use_tqdm: bool) -> list[RequestOutput]:
+    def generate_iter(self, prompts: Prompt | list[Prompt],
+                      sampling_params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+        """Outputs as tokens arrive: each step yields the requests it advanced (everything so far, or only the
+        new part with output_kind=DELTA); the last output of a request has finished=True. Closing the iterator
+        early (break) aborts its unfinished requests and frees their KV blocks. The stream owns the LLM until
+        it ends: other threads' calls wait for it."""
+        requests = self._make_requests(prompts, sampling_params, None)  # bad input raises here, not on next()
+        return self._stream(requests)
+
+    def chat(self, messages: Conversation | list[Conversation],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """generate() on one conversation (a list of {"role", "content"} messages) or a list of them, rendered
+        with the tokenizer's chat template."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        if isinstance(messages, SequenceABC) and messages and all(isinstance(m, dict) for m in messages):
+            messages = [messages]
+        if not isinstance(messages, SequenceABC) or isinstance(messages, str) or not messages or not all(
+                isinstance(c, SequenceABC) and c and all(isinstance(m, dict) for m in c) for c in messages):
+            raise TypeError("messages must be a conversation (a non-empty list of message dicts) or a list of them")
+        kwargs = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                      **(chat_template_kwargs or {}))
+        prompts = []
+        for conversation in messages:
+            ids = self.tokenizer.apply_chat_template(list(conversation), tokenize=True, **kwargs)
+            if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]
+            text = self.tokenizer.apply_chat_template(list(conversation), tokenize=False, **kwargs)
+            prompts.append({"prompt_token_ids": list(ids), "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _make_requests(self, prompts: Prompt | list[Prompt],
+                       sampling_params: SamplingParams | list[SamplingParams] | None,
+                       kind: RequestOutputKind | None) -> list[list[Sequence]]:
+        """Validate everything before queueing anything: a bad prompt leaves the engine untouched."""
+        prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        engine = self.llm_engine
-        seqs = [engine.make_sequence(p, sp) for p, sp in zip(prompts, params)]
-        for seq in seqs:
-            engine.scheduler.add(seq)
-        bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        throughput = {}
+        if kind is not None:
+            replaced = {id(p): dataclasses.replace(p, output_kind=kind) for p in params if isinstance(p, SamplingParams)}
+            params = [replaced.get(id(p), p) for p in params]
+        return [self.llm_engine.make_sequences(str(next(self._request_ids)), prompt, p)
+                for prompt, p in zip(prompts, params)]
+
+    def _run(self, requests: list[list[Sequence]], use_tqdm: bool) -> list[RequestOutput]:
+        engine, done = self.llm_engine, {}
+        for seqs in requests:
+            engine.enqueue(seqs)
+        bar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        start, generated = time.perf_counter(), 0
         try:
-            while not engine.is_finished():
-                t = time.perf_counter()
-                finished, batch = engine.step()
-                kind = "prefill" if batch.is_prefill else "decode"
-                throughput[kind] = f"{sum(batch.num_new_tokens) / (time.perf_counter() - t):.0f}tok/s"
-                bar.set_postfix(throughput, refresh=False)
-                bar.update(len(finished))
+            while len(done) < len(requests):
+                for out in engine.step():
+                    done[out.request_id] = out
+                    generated += sum(len(c.token_ids) for c in out.outputs)
+                    bar.update(1)
+                bar.set_postfix(output=f"{generated / (time.perf_counter() - start):.0f}tok/s", refresh=False)
         except BaseException:
             engine.abort_all()  # leave no half-finished requests behind: the engine stays usable
             raise
         finally:
             bar.close()
-        return [engine.to_output(seq) for seq in seqs]
+        return [done[seqs[0].request_id] for seqs in requests]
+
+    def _stream(self, requests: list[list[Sequence]]) -> Iterator[RequestOutput]:
+        with self._lock:
+            self._check_not_streaming()
+            self._streaming = True
+            engine, ids = self.llm_engine, [seqs[0].request_id for seqs in requests]
+            try:
+                for seqs in requests:
+                    engine.enqueue(seqs)
+                while any(rid in engine.requests for rid in ids):
+                    yield from engine.step()
+            except GeneratorExit:
+                engine.abort_request(ids)
+                raise
+            except BaseException:
+                engine.abort_all()
+                raise
+            finally:
+                self._streaming = False
+
+    def _check_not_streaming(self) -> None:
+        if self._streaming:
+            raise RuntimeError("this LLM is driven by an open generate_iter stream: finish or close it first")
 
 
 def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     if not isinstance(prompts, SequenceABC):
         raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")

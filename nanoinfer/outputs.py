@@ -1,13 +1,54 @@
-"""What `LLM.generate` returns for each prompt."""
+"""What generation returns, shaped like vLLM's: a RequestOutput per prompt holding n CompletionOutputs."""
 from dataclasses import dataclass
 
 
 @dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 for the most likely token
+    decoded_token: str | None = None
+
+
+# One dict per position: the chosen token and the top-k alternatives, by token id.
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]  # the first prompt token has none
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None  # sum of the chosen tokens' logprobs, when logprobs were asked for
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None  # "stop" (EOS, stop token or string), "length" (max_tokens), "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS and length
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_generation_tokens: int = 0  # over all n completions
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
 class RequestOutput:
-    request_id: int
+    request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" (EOS or a stop token) or "length" (max_tokens)
-    num_cached_tokens: int  # prompt tokens whose K/V came from the prefix cache at the last admission
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int | None = None  # prompt tokens whose K/V came from the prefix cache (completion 0)

@@ -1,19 +1,42 @@
-"""User-facing sampling options of one request, validated on construction."""
+"""User-facing sampling options of one request (vLLM's names and meanings), validated on construction."""
 import math
 from dataclasses import dataclass, field
+from enum import Enum
+
+
+class RequestOutputKind(Enum):
+    CUMULATIVE = 0  # every output of a request holds everything generated so far
+    DELTA = 1  # only what is new since the request's previous output
+    FINAL_ONLY = 2  # one output, when the request finishes
 
 
 @dataclass
 class SamplingParams:
+    n: int = 1
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
+    min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    stop_strings: list[str] = field(init=False, repr=False, default_factory=list)  # `stop` as a list
 
     def __post_init__(self) -> None:
+        _check_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         _check_number("temperature", self.temperature)
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
@@ -23,26 +46,68 @@ class SamplingParams:
         _check_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if self.seed is not None:
             check_seed("seed", self.seed)
-        _check_int("max_tokens", self.max_tokens)
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not isinstance(self.stop_token_ids, (list, tuple)):
-            raise TypeError(f"stop_token_ids must be a list of ints, got {type(self.stop_token_ids).__name__}")
-        for t in self.stop_token_ids:
-            _check_int("stop_token_ids entry", t)
-        self.stop_token_ids = list(self.stop_token_ids)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self.stop_strings = _as_list("stop", self.stop, str, single_ok=True)
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop strings must not be empty")
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, int, single_ok=False)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if value < 0:
+                    raise ValueError(f"{name} must be None or >= 0, got {value}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def check_seed(name: str, value: object) -> None:
     _check_int(name, value)
     if not -2**63 <= value < 2**64:  # what torch.Generator.manual_seed accepts
         raise ValueError(f"{name} must fit in 64 bits, got {value}")
+
+
+def _as_list(name: str, value: object, kind: type, single_ok: bool) -> list:
+    if value is None:
+        return []
+    if single_ok and isinstance(value, kind):
+        return [value]
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list of {kind.__name__}s, got {type(value).__name__}")
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, kind):
+            raise TypeError(f"{name} entries must be {kind.__name__}s, got {item!r}")
+    return list(value)
 
 
 def _check_number(name: str, value: object) -> None:

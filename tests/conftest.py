@@ -103,7 +103,7 @@ def pytest_terminal_summary(terminalreporter, config):
 
 @pytest.fixture
 def captured_logits(monkeypatch) -> dict[int, list[torch.Tensor]]:
-    """The logits the engine sampled each token from, per request id, in step order."""
+    """The logits the engine sampled each token from, per request id (n=1 requests), in step order."""
     from nanoinfer.engine.model_runner import ModelRunner
 
     captured: dict[int, list[torch.Tensor]] = {}
@@ -111,7 +111,7 @@ def captured_logits(monkeypatch) -> dict[int, list[torch.Tensor]]:
 
     def recording_sample(self, seqs, logits):
         for seq, row in zip(seqs, logits):
-            captured.setdefault(seq.seq_id, []).append(row.clone())
+            captured.setdefault(seq.request_id, []).append(row.clone())
         return sample(self, seqs, logits)
 
     monkeypatch.setattr(ModelRunner, "sample", recording_sample)

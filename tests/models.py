@@ -387,10 +387,11 @@ def check_against_hf(outputs, refs: list[dict], captured: dict[int, list[torch.T
     """Assert each output's greedy tokens match the reference (see assert_greedy_match); with the engine's
     captured logits, return the max |logit difference| over the steps up to the first divergence."""
     worst = 0.0
-    for out, ref in zip(outputs, refs):
+    for request, ref in zip(outputs, refs):
+        out = request.outputs[0]
         assert_greedy_match(out.token_ids, ref["token_ids"], ref["logits"])
         if captured is not None:
-            ours = torch.stack(captured[out.request_id])
+            ours = torch.stack(captured[request.request_id])
             steps = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref["token_ids"])) if a != b),
                          len(ref["token_ids"]) - 1) + 1
             worst = max(worst, (ours[:steps] - ref["logits"][:steps]).abs().max().item())

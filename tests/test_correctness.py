@@ -26,7 +26,7 @@ def test_greedy_and_logits_match_hf(kind, model_dir, captured_logits, report_log
     llm = LLM(str(d), max_model_len=256)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.prompt_token_ids for o in outputs] == PROMPTS
-    assert all(len(o.token_ids) == MAX_TOKENS and o.finish_reason == "length" for o in outputs)
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS and o.outputs[0].finish_reason == "length" for o in outputs)
     worst = check_against_hf(outputs, reference(d), captured_logits)
     report_logit_diff(kind, worst)
     assert worst < LOGIT_ATOL, f"{kind}: max |logit diff| vs transformers {worst:.2e}"
@@ -66,7 +66,7 @@ def test_prefix_cache_hits_match_hf(qwen3_dir, captured_logits, report_logit_dif
     worst = max(check_against_hf(first, refs, captured_logits), check_against_hf(second, refs, captured_logits))
     report_logit_diff("qwen3, prefix-cache hits", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
-    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
 
 
 def test_prefix_cache_with_chunks_and_preemption(qwen3_untied_dir):
@@ -74,11 +74,11 @@ def test_prefix_cache_with_chunks_and_preemption(qwen3_untied_dir):
     shared = random_prompts(1, 5, 440, 35, 35, seed=5)[0]
     prompts = [shared + tail for tail in random_prompts(6, 5, 440, 1, 20, seed=6)]
     plain = LLM(str(qwen3_untied_dir), max_model_len=80, enable_prefix_caching=False)
-    expected = [o.token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
     llm = LLM(str(qwen3_untied_dir), max_model_len=80, num_kvcache_blocks=10, max_num_batched_tokens=20,
               kvcache_block_size=8)
     for _ in range(2):
-        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
@@ -86,15 +86,18 @@ def test_string_prompts_and_eos(llama_dir):
     """String prompts are tokenized like transformers does; an EOS from generation_config (a list) stops."""
     llm = LLM(str(llama_dir), max_model_len=256)
     tok = llm.tokenizer
-    out = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
-    assert out.prompt_token_ids == tok.encode("The quick brown fox")
+    request = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    assert request.prompt_token_ids == tok.encode("The quick brown fox")
+    out = request.outputs[0]
     assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
     # Make EOS the greedy continuation: generation stops right there with reason "stop".
     first = out.token_ids[0]
-    llm.llm_engine.scheduler.eos_token_ids.add(first)
-    stopped = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
-    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    llm.llm_engine.eos_token_ids.add(first)
+    stopped = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=8),
+                           use_tqdm=False)[0].outputs[0]
+    # vLLM's convention: stop_reason names a stop token or string, and is None for EOS.
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop" and stopped.stop_reason is None
     ignored = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                           use_tqdm=False)[0]
+                           use_tqdm=False)[0].outputs[0]
     assert ignored.token_ids == out.token_ids and ignored.finish_reason == "length"
     assert llm.llm_engine.config.eos_token_ids == [0, 4]

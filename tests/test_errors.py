@@ -26,8 +26,8 @@ def llm(qwen3_dir):
 @pytest.fixture(scope="module")
 def baseline(llm):
     outs = llm.generate(BASE_PROMPTS, GREEDY, use_tqdm=False)
-    assert [len(o.token_ids) for o in outs] == [8, 8, 8]
-    return [o.token_ids for o in outs]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8, 8]
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def assert_idle(llm):
@@ -41,7 +41,7 @@ def assert_idle(llm):
 def assert_usable(llm, baseline):
     assert_idle(llm)
     outs = llm.generate(BASE_PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.token_ids for o in outs] == baseline
+    assert [o.outputs[0].token_ids for o in outs] == baseline
     assert_idle(llm)
 
 
@@ -92,7 +92,7 @@ def test_tokenizer_adds_no_bos_so_empty_string_is_an_empty_prompt(llm):
 
 def test_prompt_exactly_at_max_model_len_is_accepted(llm, baseline):
     out = llm.generate([[7] * 100], SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True),
-                       use_tqdm=False)[0]
+                       use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 28 and out.finish_reason == "length"
     assert_usable(llm, baseline)
 
@@ -129,7 +129,7 @@ def test_interrupted_step_does_not_poison_the_prefix_cache(qwen3_dir, monkeypatc
         llm.generate([prompt], GREEDY, use_tqdm=False)
     monkeypatch.undo()
     assert_idle(llm)
-    out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    out = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
     assert_greedy_match(out.token_ids, ref["token_ids"], ref["logits"])
 
 
@@ -162,7 +162,7 @@ def test_top_k_beyond_the_vocabulary_means_no_filter(llm):
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, top_k=2**70, seed=3, max_tokens=4),
                        use_tqdm=False)[0]
     ref = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, seed=3, max_tokens=4), use_tqdm=False)[0]
-    assert out.token_ids == ref.token_ids
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
 def test_concurrent_generate_calls_take_turns(llm, baseline):
@@ -172,7 +172,7 @@ def test_concurrent_generate_calls_take_turns(llm, baseline):
 
     def run(i):
         try:
-            results[i] = [o.token_ids for o in llm.generate(BASE_PROMPTS, GREEDY, use_tqdm=False)]
+            results[i] = [o.outputs[0].token_ids for o in llm.generate(BASE_PROMPTS, GREEDY, use_tqdm=False)]
         except Exception as e:  # noqa: BLE001 - collected and asserted below
             errors.append(e)
 
@@ -290,12 +290,12 @@ def test_many_short_requests_with_a_tiny_kv_cache(qwen3_dir):
     assert len(outs) == n
     for out, prompt, p in zip(outs, prompts, params):
         assert out.prompt_token_ids == prompt
-        assert len(out.token_ids) == p.max_tokens and out.finish_reason == "length"
+        assert len(out.outputs[0].token_ids) == p.max_tokens and out.outputs[0].finish_reason == "length"
     assert engine.scheduler.num_preemptions > 0
     assert_idle(small)
 
     roomy = LLM(str(qwen3_dir), max_model_len=64, kvcache_block_size=4, num_kvcache_blocks=2048, max_num_seqs=256)
     ref = roomy.generate(prompts, params, use_tqdm=False)
     assert roomy.llm_engine.scheduler.num_preemptions == 0
-    mismatches = [i for i, (a, b) in enumerate(zip(outs, ref)) if a.token_ids != b.token_ids]
+    mismatches = [i for i, (a, b) in enumerate(zip(outs, ref)) if a.outputs[0].token_ids != b.outputs[0].token_ids]
     assert not mismatches, f"{len(mismatches)} outputs differ, e.g. #{mismatches[0]}"

@@ -291,11 +291,11 @@ def test_smol_engine_greedy_matches_transformers(smol_path, captured_logits, rep
     llm = LLM(str(smol_path), max_model_len=512)
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 7?",
                  "Name three programming languages."]
-    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                 add_generation_prompt=True) for q in questions]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    conversations = [[{"role": "user", "content": q}] for q in questions]
+    outputs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    assert outputs[0].prompt.startswith("<|im_start|>") and outputs[0].prompt_token_ids[-1] != llm.tokenizer.eos_token_id
     refs = hf_greedy(transformers_gguf_model(smol_path), [o.prompt_token_ids for o in outputs], 32)
     worst = check_against_hf(outputs, refs, captured_logits)
     report_logit_diff("SmolLM2-135M-Instruct (GGUF)", worst)
     assert worst < 1e-3, f"max |logit diff| {worst:.2e}"
-    assert "Paris" in outputs[0].text
+    assert "Paris" in outputs[0].outputs[0].text

@@ -9,7 +9,7 @@ import torch
 
 from models import random_prompts
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.layers.sampler import Sampler
+from nanoinfer.layers.sampler import Sampler, SamplingMetadata
 
 # Chi-square critical values at the 0.999 quantile (scipy.stats.chi2.ppf(0.999, df)); scipy is not installed.
 CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515}
@@ -22,10 +22,10 @@ def sample(logits, temperature, top_k=-1, top_p=1.0, generators=None, seed=0):
     def col(v, dtype):
         return torch.tensor(v if isinstance(v, list) else [v] * b, dtype=dtype)
 
-    return Sampler()(
-        logits.float(), temperatures=col(temperature, torch.float32), top_k=col(top_k, torch.int64),
+    return Sampler()(logits.float(), SamplingMetadata(
+        temperatures=col(temperature, torch.float32), top_k=col(top_k, torch.int64),
         top_p=col(top_p, torch.float32), generators=generators if generators is not None else [None] * b,
-        default_generator=torch.Generator().manual_seed(seed))
+        default_generator=torch.Generator().manual_seed(seed))).token_ids
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -171,7 +171,7 @@ def llm(qwen3_dir):
 
 
 def tokens_of(llm, prompts, params):
-    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def test_seeded_request_is_independent_of_the_batch(llm):

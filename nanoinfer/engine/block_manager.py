@@ -55,7 +55,7 @@ class BlockManager:
     def _cached_prefix(self, seq: Sequence) -> list[Block]:
         """Leading blocks already in the cache. The last token is never taken from it: its logits are needed."""
         hits: list[Block] = []
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logits:
             return hits
         prefix_hash = -1
         for i in range((len(seq) - 1) // self.block_size):

@@ -1,17 +1,22 @@
-"""Turns prompts into sequences, steps the scheduler and the model runner, and collects finished requests."""
+"""Turns requests into sequences, steps the scheduler and the model runner, checks stops, and reports outputs
+(vLLM's step API: add_request, step, abort_request)."""
+import dataclasses
+import time
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanoinfer.config import Config
-from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.engine.model_runner import ModelRunner, RunnerOutput, TokenLogprobs
 from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
 from nanoinfer.engine.sequence import Sequence
-from nanoinfer.outputs import RequestOutput
-from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 from nanoinfer.utils.gguf_loader import load_gguf_tokenizer
 
-Prompt = str | list[int]
+# A prompt: text, token ids, or a dict with "prompt_token_ids" (and optionally its "prompt" text) or "prompt".
+Prompt = str | list[int] | dict
 
 
 class LLMEngine:
@@ -21,54 +26,198 @@ class LLMEngine:
         self.model_runner = ModelRunner(config)
         self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks)
         self.vocab_size: int = config.hf_config.vocab_size
+        self.eos_token_ids = set(config.eos_token_ids)
+        self.requests: dict[str, list[Sequence]] = {}  # unfinished requests: their n completions
+        self.last_batch: ScheduledBatch | None = None  # what the latest step computed (for statistics)
 
-    def make_sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
-        """Validate one request and wrap it; nothing is queued, so a bad request leaves the engine untouched."""
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+        self.enqueue(self.make_sequences(request_id, prompt, params))
+
+    def make_sequences(self, request_id: str, prompt: Prompt, params: SamplingParams) -> list[Sequence]:
+        """Validate one request and wrap its n completions; nothing is queued, so a bad request leaves the engine
+        untouched."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
-            token_ids, text = self.tokenizer.encode(prompt), prompt
-        elif isinstance(prompt, SequenceABC):
-            token_ids, text = list(prompt), None
-            bad = next((t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)), None)
-            if bad is not None:
-                raise TypeError(f"token ids must be ints, got {bad!r}")
-        else:
-            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        token_ids, text = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt is empty")
         # Tokenizer output too: a tokenizer may know added tokens the model's embedding does not.
-        out_of_range = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if out_of_range is not None:
-            raise ValueError(f"token id {out_of_range} is outside the vocabulary [0, {self.vocab_size})")
-        if len(token_ids) + params.max_tokens > self.config.max_model_len:
-            raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens={params.max_tokens} exceeds "
-                             f"max_model_len={self.config.max_model_len}")
-        return Sequence(token_ids, params, self.config.kvcache_block_size, prompt=text)
+        for name, ids in (("token id", token_ids), ("stop token id", params.stop_token_ids)):
+            out_of_range = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if out_of_range is not None:
+                raise ValueError(f"{name} {out_of_range} is outside the vocabulary [0, {self.vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > self.vocab_size:
+                raise ValueError(f"{name}={getattr(params, name)} exceeds the vocabulary size {self.vocab_size}")
+        max_tokens = params.max_tokens or self.config.max_model_len - len(token_ids)
+        if max_tokens < max(1, params.min_tokens) or len(token_ids) + max_tokens > self.config.max_model_len:
+            raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens={max_tokens} (min_tokens="
+                             f"{params.min_tokens}) exceeds max_model_len={self.config.max_model_len}")
+        metrics = RequestMetrics(arrival_time=time.time())
+        return [Sequence(token_ids, _child_params(params, i), self.config.kvcache_block_size, prompt=text,
+                         request_id=request_id, index=i, max_tokens=max_tokens,
+                         eos_token_ids=frozenset(self.eos_token_ids), metrics=metrics)
+                for i in range(params.n)]
 
-    def add_request(self, prompt: Prompt, params: SamplingParams) -> Sequence:
-        seq = self.make_sequence(prompt, params)
-        self.scheduler.add(seq)
-        return seq
+    def _tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown or not prompt:
+                raise ValueError(f"a prompt dict holds 'prompt' and/or 'prompt_token_ids', got keys {sorted(prompt)}")
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"'prompt' must be a string, got {type(text).__name__}")
+            if "prompt_token_ids" not in prompt:
+                return self._tokenize(text)
+            return self._tokenize(prompt["prompt_token_ids"])[0], text
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt), prompt
+        if isinstance(prompt, SequenceABC):
+            bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, int)), None)
+            if bad is not None:
+                raise TypeError(f"token ids must be ints, got {bad!r}")
+            return list(prompt), None
+        raise TypeError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def step(self) -> tuple[list[Sequence], ScheduledBatch]:
-        batch = self.scheduler.schedule()
-        token_ids = self.model_runner.run(batch)
-        return self.scheduler.postprocess(batch, token_ids), batch
+    def enqueue(self, seqs: list[Sequence]) -> None:
+        self.requests[seqs[0].request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return the outputs of the requests it advanced (per their output_kind)."""
+        batch = self.last_batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        now = time.time()
+        for seq in batch.seqs:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+        result = self.model_runner.run(batch)
+        self._record_logprobs(batch, result)
+        now = time.time()
+        advanced: dict[str, None] = {}
+        for seq in self.scheduler.postprocess(batch, result.token_ids):
+            m = seq.metrics
+            m.first_token_time = m.first_token_time or now
+            m.last_token_time = now
+            m.num_generation_tokens += 1
+            self._check_stop(seq)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            advanced[seq.request_id] = None
+        return [out for rid in advanced if (out := self._output(rid)) is not None]
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Drop requests (unknown or finished ones are ignored) and free their KV blocks."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            for seq in self.requests.pop(rid, []):
+                if not seq.is_finished:
+                    seq.finish_reason = "abort"
+                    self.scheduler.finish(seq)
+
+    def abort_all(self) -> None:
+        self.scheduler.abort_all()
+        self.requests.clear()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
-    def abort_all(self) -> None:
-        self.scheduler.abort_all()
+    def _check_stop(self, seq: Sequence) -> None:
+        """vLLM's order: nothing stops before min_tokens; then EOS, stop token, stop string, length."""
+        params, token = seq.params, seq.token_ids[-1]
+        reached_min = seq.num_completion_tokens >= params.min_tokens
+        stop_string = self._update_text(seq, reached_min) if params.stop_strings else None
+        if not reached_min:
+            return
+        if token in seq.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif stop_string is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop_string
+        elif seq.num_completion_tokens >= seq.max_tokens:
+            seq.finish_reason = "length"
 
-    def to_output(self, seq: Sequence) -> RequestOutput:
-        completion = seq.completion_token_ids
-        text = self.tokenizer.decode(completion, skip_special_tokens=True) if self.tokenizer else ""
-        return RequestOutput(seq.seq_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], completion, text,
-                             seq.finish_reason, seq.num_cached_tokens)
+    def _update_text(self, seq: Sequence, search: bool) -> str | None:
+        """Decode the completion; if a stop string ends in the new text, cut the text there and return it."""
+        seen = len(seq.text)
+        seq.text = self._decode(seq)
+        if not search:
+            return None
+        hits = [(i, s) for s in seq.params.stop_strings if (i := seq.text.find(s, max(0, seen - len(s) + 1))) >= 0]
+        if not hits:
+            return None
+        i, stop = min(hits)
+        seq.text = seq.text[:i + len(stop) if seq.params.include_stop_str_in_output else i]
+        return stop
+
+    def _decode(self, seq: Sequence) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+    def _record_logprobs(self, batch: ScheduledBatch, result: RunnerOutput) -> None:
+        for i, seq in enumerate(batch.seqs):
+            if result.logprobs is not None and result.logprobs[i] is not None:
+                seq.logprobs.append(self._logprob_dict(result.logprobs[i], seq.params.logprobs))
+                seq.cumulative_logprob += result.logprobs[i][1][0]
+            rows = result.prompt_logprobs[i] if result.prompt_logprobs is not None else None
+            # A recomputed prompt (after preemption) yields positions already recorded: keep the first ones.
+            for pos, row in enumerate(rows or [], start=seq.num_computed_tokens + 1):
+                if pos == len(seq.prompt_logprobs):
+                    seq.prompt_logprobs.append(self._logprob_dict(row, seq.params.prompt_logprobs))
+
+    def _logprob_dict(self, row: TokenLogprobs, k: int) -> dict[int, Logprob]:
+        out: dict[int, Logprob] = {}
+        for t, lp, r in zip(*(x[:k + 1] for x in row)):  # the chosen token, then this request's top k
+            if t not in out:
+                out[t] = Logprob(lp, r, self.tokenizer.decode([t]) if self.tokenizer else None)
+        return out
+
+    def _output(self, request_id: str) -> RequestOutput | None:
+        seqs = self.requests[request_id]
+        kind = seqs[0].params.output_kind
+        finished = all(s.is_finished for s in seqs)
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if finished:
+            del self.requests[request_id]
+            seqs[0].metrics.finished_time = time.time()
+        first = seqs[0]
+        return RequestOutput(request_id, first.prompt, first.token_ids[:first.num_prompt_tokens], first.prompt_logprobs,
+                             [self._completion(s, kind == RequestOutputKind.DELTA) for s in seqs], finished,
+                             first.metrics, sum(s.num_cached_tokens for s in seqs))
+
+    def _completion(self, seq: Sequence, delta: bool) -> CompletionOutput:
+        text = seq.text if seq.params.stop_strings else self._decode(seq)
+        token_ids, logprobs = seq.completion_token_ids, seq.logprobs
+        if delta:
+            tokens_before, chars_before = seq.num_emitted_tokens, seq.num_emitted_chars
+            seq.num_emitted_tokens, seq.num_emitted_chars = len(token_ids), len(text)
+            token_ids, text = token_ids[tokens_before:], text[chars_before:]
+            logprobs = None if logprobs is None else logprobs[tokens_before:]
+        cumulative = seq.cumulative_logprob if seq.logprobs is not None else None
+        return CompletionOutput(seq.index, text, token_ids, cumulative, logprobs, seq.finish_reason, seq.stop_reason)
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Completion `index` of a seeded request draws from seed + index (as vLLM does): distinct but reproducible."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index) % 2**64)
 
 
 def _load_tokenizer(config: Config) -> PreTrainedTokenizerBase | None:

@@ -1,5 +1,6 @@
 """Builds a step's model inputs from scheduled sequences, runs the model over the paged KV cache, samples."""
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -8,7 +9,7 @@ from nanoinfer.config import Config
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention, AttentionMetadata, get_backend
-from nanoinfer.layers.sampler import Sampler
+from nanoinfer.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata, top_logprobs
 from nanoinfer.models.registry import get_model_class
 from nanoinfer.utils.gguf_loader import iter_gguf_weights
 from nanoinfer.utils.loader import iter_safetensors, load_weights
@@ -18,6 +19,17 @@ from nanoinfer.utils.memory import keep_freed_memory
 # of vLLM's CPU backend) and 30% of available memory: it is zero-filled, so every byte is really committed.
 KV_CACHE_MAX_BYTES = 4 << 30
 KV_CACHE_MEMORY_FRACTION = 0.3
+
+
+# A position's logprobs: (token ids, logprobs, ranks), the chosen or actual token first, then the top k.
+TokenLogprobs = tuple[list[int], list[float], list[int]]
+
+
+@dataclass
+class RunnerOutput:
+    token_ids: list[int | None]  # per scheduled sequence
+    logprobs: list[TokenLogprobs | None] | None = None  # per scheduled sequence, when some asked for them
+    prompt_logprobs: list[list[TokenLogprobs] | None] | None = None  # per scheduled sequence: this step's
 
 
 class ModelRunner:
@@ -109,28 +121,98 @@ class ModelRunner:
         return torch.tensor(input_ids), torch.from_numpy(np.concatenate(positions)), meta, sample_rows
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
-        """The next token of every sequence whose scheduled tokens reach its end; None for partial prompt chunks."""
+    def run(self, batch: ScheduledBatch) -> RunnerOutput:
+        """The next token of every sequence whose scheduled tokens reach its end (None for partial prompt
+        chunks), with logprobs where asked for."""
         samples = batch.samples
         input_ids, positions, meta, sample_rows = self.prepare(batch, samples)
         self.backend.prepare(meta)
         hidden = self.model(input_ids, positions, meta)
-        seqs = [s for s, sampled in zip(batch.seqs, samples) if sampled]
-        if not seqs:
-            return [None] * len(batch.seqs)
-        tokens = iter(self.sample(seqs, self.model.compute_logits(hidden[sample_rows])).tolist())
-        return [next(tokens) if sampled else None for sampled in samples]
+        out = RunnerOutput([None] * len(batch.seqs))
+        if any(s.needs_prompt_logits for s in batch.seqs):
+            out.prompt_logprobs = self._prompt_logprobs(batch, hidden, meta.cu_seqlens_q.tolist())
+        rows = [i for i, sampled in enumerate(samples) if sampled]
+        if not rows:
+            return out
+        result = self.sample([batch.seqs[i] for i in rows], self.model.compute_logits(hidden[sample_rows]))
+        tokens = result.token_ids.tolist()
+        for i, token in zip(rows, tokens):
+            out.token_ids[i] = token
+        if result.logprobs is not None:
+            out.logprobs = [None] * len(batch.seqs)
+            for i, row in zip(rows, _logprob_rows(tokens, result.logprobs)):
+                out.logprobs[i] = row
+        return out
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SamplerOutput:
+        return self.sampler(logits, self._sampling_metadata(seqs, logits.shape[-1]))
+
+    def _sampling_metadata(self, seqs: list[Sequence], vocab: int) -> SamplingMetadata:
         params = [s.params for s in seqs]
-        return self.sampler(
-            logits,
+        m = SamplingMetadata(
             temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            top_k=torch.tensor([min(p.top_k, logits.shape[-1]) for p in params]),
+            top_k=torch.tensor([min(p.top_k, vocab) for p in params]),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
             generators=[s.generator for s in seqs],
             default_generator=self.generator,
         )
+        # Everything below costs nothing unless some request asks for it.
+        if any(p.min_p > 0 for p in params):
+            m.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        if any(p.logprobs is not None for p in params):
+            m.num_logprobs = max(p.logprobs or 0 for p in params)
+        banned = [(i, t) for i, s in enumerate(seqs) if s.num_completion_tokens < s.params.min_tokens
+                  for t in (*s.eos_token_ids, *s.params.stop_token_ids)]
+        if banned:
+            m.banned = tuple(torch.tensor(c) for c in zip(*banned))
+        penalized = [i for i, p in enumerate(params) if p.penalized]
+        if penalized:
+            m.penalties = _penalties([seqs[i] for i in penalized], penalized, vocab)
+        return m
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor, cu_q: list[int]
+                         ) -> list[list[TokenLogprobs] | None]:
+        """Per sequence owing prompt logprobs: those of the prompt tokens that this step's rows predict."""
+        rows, targets, owners = [], [], []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if seq.needs_prompt_logits:
+                start = seq.num_computed_tokens
+                for pos in range(start, min(start + n, seq.num_prompt_tokens - 1)):
+                    rows.append(cu_q[i] + pos - start)
+                    targets.append(seq.token_ids[pos + 1])
+                    owners.append(i)
+        out: list[list[TokenLogprobs] | None] = [None] * len(batch.seqs)
+        if not rows:
+            return out
+        k = max(batch.seqs[i].params.prompt_logprobs for i in set(owners))
+        logits = self.model.compute_logits(hidden[rows])
+        for i, row in zip(owners, _logprob_rows(targets, top_logprobs(logits, torch.tensor(targets), k))):
+            out[i] = (out[i] or []) + [row]
+        return out
+
+
+def _logprob_rows(token_ids: list[int], result: tuple[torch.Tensor, ...]) -> list[TokenLogprobs]:
+    chosen, ranks, top_ids, top_lps = (t.tolist() for t in result)
+    top_ranks = list(range(1, result[2].shape[-1] + 1))
+    return [([tok] + ids, [lp] + lps, [rank] + top_ranks)
+            for tok, lp, rank, ids, lps in zip(token_ids, chosen, ranks, top_ids, top_lps)]
+
+
+def _penalties(seqs: list[Sequence], rows: list[int], vocab: int) -> Penalties:
+    prompt_mask = torch.zeros(len(seqs), vocab, dtype=torch.bool)
+    output_counts = torch.zeros(len(seqs), vocab)
+    for r, s in enumerate(seqs):
+        prompt_mask[r, s.token_ids[:s.num_prompt_tokens]] = True
+        output_counts[r] = torch.bincount(torch.tensor(s.completion_token_ids, dtype=torch.long), minlength=vocab)
+    params = [s.params for s in seqs]
+    return Penalties(
+        rows=torch.tensor(rows),
+        repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
+        presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
+        frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
+        prompt_mask=prompt_mask,
+        output_counts=output_counts,
+    )
 
 
 def _available_memory() -> int:

@@ -26,7 +26,6 @@ class Scheduler:
     def __init__(self, config: Config, num_kvcache_blocks: int):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.eos_token_ids = set(config.eos_token_ids)
         self.block_manager = BlockManager(num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
@@ -40,8 +39,33 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def schedule(self) -> ScheduledBatch:
-        """Prefill work (unfinished prompts first, then new admissions) if there is any, else one decode step."""
-        return self._schedule_prefill() or self._schedule_decode()
+        """One token budget for everything: each running sequence, in admission order, computes what it lacks
+        (a decode token or its next prompt chunk), then waiting sequences are admitted with what is left.
+        Running sequences keep decoding while long prompts are prefilled chunk by chunk."""
+        batch, budget = ScheduledBatch([], []), self.max_num_batched_tokens
+        preempted, i = False, 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            while not self.block_manager.can_append(seq):  # out of blocks: the latest admitted goes back
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.append_slots(seq)
+                budget -= self._take(batch, seq, min(len(seq) - seq.num_computed_tokens, budget))
+                i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq):
+                break
+            self.block_manager.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(self.waiting.popleft())
+            budget -= self._take(batch, seq, min(len(seq) - seq.num_computed_tokens, budget))
+        assert batch.seqs or self.is_finished(), "nothing to schedule: a single sequence must always fit the KV cache"
+        return batch
 
     def _take(self, batch: ScheduledBatch, seq: Sequence, num_tokens: int) -> int:
         """Add seq to the batch. Its blocks filled this step enter the prefix cache now, so that a prompt
@@ -51,39 +75,6 @@ class Scheduler:
         self.block_manager.commit(seq, seq.num_computed_tokens + num_tokens)
         return num_tokens
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
-        batch, budget = ScheduledBatch([], []), self.max_num_batched_tokens
-        for seq in self.running:  # prompts whose earlier chunks did not cover them
-            todo = len(seq) - seq.num_computed_tokens
-            if todo > 1 and budget > 0:
-                budget -= self._take(batch, seq, min(todo, budget))
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not self.block_manager.can_allocate(seq):
-                break
-            self.block_manager.allocate(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(self.waiting.popleft())
-            budget -= self._take(batch, seq, min(len(seq) - seq.num_computed_tokens, budget))
-        return batch if batch.seqs else None
-
-    def _schedule_decode(self) -> ScheduledBatch:
-        batch = ScheduledBatch([], [])
-        while self.running:
-            seq = self.running.popleft()
-            while not self.block_manager.can_append(seq):
-                if self.running:
-                    self._preempt(self.running.pop())
-                else:
-                    self._preempt(seq)
-                    break
-            else:
-                self.block_manager.append_slots(seq)
-                self._take(batch, seq, 1)
-        self.running.extend(batch.seqs)
-        assert batch.seqs, "nothing to schedule: a single sequence must always fit the KV cache"
-        return batch
-
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks; it is recomputed (prompt and generated tokens) when readmitted."""
         self.block_manager.free(seq)
@@ -92,35 +83,27 @@ class Scheduler:
         self.num_preemptions += 1
 
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int | None]) -> list[Sequence]:
-        """Record computed tokens and sampled ones; return the sequences that finished."""
-        finished = []
+        """Record computed tokens and sampled ones; return the sequences that got a token."""
+        grown = []
         for seq, n, token in zip(batch.seqs, batch.num_new_tokens, token_ids):
             seq.num_computed_tokens += n
-            if token is None:  # a prompt chunk that did not reach the end of the sequence
-                continue
-            seq.token_ids.append(token)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-                self.block_manager.free(seq)
-                self.running.remove(seq)
-                finished.append(seq)
-        return finished
+            if token is not None:  # None: a prompt chunk that did not reach the end of the sequence
+                seq.token_ids.append(token)
+                grown.append(seq)
+        return grown
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.params
-        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
-            return "stop"
-        if seq.num_completion_tokens >= params.max_tokens:
-            return "length"
-        return None
+    def finish(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out of the queues and free its blocks."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        if seq.block_table:
+            self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
 
     def abort_all(self) -> None:
         for seq in (*self.running, *self.waiting):
-            if seq.block_table:
-                self.block_manager.free(seq)
-            seq.status = SequenceStatus.FINISHED
-        self.running.clear()
-        self.waiting.clear()
+            self.finish(seq)
         # Blocks are registered when scheduled; an interrupted step may not have written them.
         self.block_manager.reset_prefix_cache()

@@ -4,6 +4,7 @@ from itertools import count
 
 import torch
 
+from nanoinfer.outputs import Logprob, RequestMetrics
 from nanoinfer.sampling_params import SamplingParams
 
 
@@ -16,22 +17,45 @@ class SequenceStatus(Enum):
 class Sequence:
     _ids = count()
 
-    def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int, prompt: str | None = None):
+    def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int, prompt: str | None = None,
+                 request_id: str = "", index: int = 0, max_tokens: int | None = None,
+                 eos_token_ids: frozenset[int] = frozenset(), metrics: RequestMetrics | None = None):
         self.seq_id = next(Sequence._ids)
         self.status = SequenceStatus.WAITING
         self.prompt = prompt
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.params = params
+        self.request_id, self.index = request_id, index  # completion `index` of request `request_id`
+        self.max_tokens = params.max_tokens if max_tokens is None else max_tokens
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.metrics = metrics  # shared by the n completions of a request
         self.block_size = block_size
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache at admission
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.text = ""  # the decoded completion, cut at a stop string (kept up to date only when needed)
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        # Only the first completion computes the prompt's logprobs, so it alone skips the prefix cache.
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if params.prompt_logprobs is not None and index == 0 else None)
+        self.num_emitted_tokens = self.num_emitted_chars = 0  # what earlier DELTA outputs already carried
         # A private generator makes seeded sampling independent of what else is in the batch.
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether prompt logprobs are still owed: then every prompt position is computed, none taken from the cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,26 +1,106 @@
-"""Turns last-position logits into next tokens: greedy, temperature, top-k and top-p, with per-request seeds."""
+"""Turns last-position logits into next tokens: penalties, min_tokens, greedy, temperature, min_p, top-k and
+top-p (vLLM's order and definitions), per-request seeds, and the top-k logprobs of the raw distribution."""
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 
+@dataclass
+class Penalties:
+    """Repetition (prompt and output tokens), presence and frequency (output tokens) penalties of some rows."""
+    rows: torch.Tensor  # [R] batch rows these apply to
+    repetition: torch.Tensor  # [R]
+    presence: torch.Tensor  # [R]
+    frequency: torch.Tensor  # [R]
+    prompt_mask: torch.Tensor  # [R, V] bool: the token occurs in the prompt
+    output_counts: torch.Tensor  # [R, V] float: how often the token was generated
+
+
+@dataclass
+class SamplingMetadata:
+    temperatures: torch.Tensor  # [B]; 0 means greedy
+    top_k: torch.Tensor  # [B]; <= 0 or >= V disables
+    top_p: torch.Tensor  # [B]; 1 disables
+    generators: list[torch.Generator | None]
+    default_generator: torch.Generator
+    min_p: torch.Tensor | None = None  # [B]; None when no row uses it
+    penalties: Penalties | None = None
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) not allowed yet (min_tokens)
+    num_logprobs: int | None = None  # the most top logprobs any row asks for; None: no logprobs
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperatures == 0).all())
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B]
+    # With logprobs, over the raw (unprocessed) distribution: the chosen token's logprob and rank, and the
+    # top num_logprobs tokens with their logprobs.
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
 class Sampler(nn.Module):
-    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                generators: list[torch.Generator | None], default_generator: torch.Generator) -> torch.Tensor:
-        """logits [B, V] fp32; temperature 0 means greedy; top_k <= 0 or >= V and top_p == 1 disable those filters."""
-        greedy = logits.argmax(-1)
-        if bool((temperatures == 0).all()):
-            return greedy
-        logits = logits / temperatures.clamp_min(1e-6).unsqueeze(1)
-        probs = torch.softmax(_filter_top_k_top_p(logits, top_k, top_p), -1)
-        # Exponential race (argmax p / E, E ~ Exp(1)) draws from probs; the noise of a seeded request comes
-        # from its own generator, so its tokens do not depend on the rest of the batch.
-        noise = torch.empty_like(probs).exponential_(generator=default_generator)
-        for i, g in enumerate(generators):
-            if g is not None:
-                noise[i].exponential_(generator=g)
-        noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # a zero would turn a filtered token's 0 / 0 into NaN
-        sampled = (probs / noise).argmax(-1)
-        return torch.where(temperatures == 0, greedy, sampled)
+    def forward(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
+        """logits [B, V] fp32."""
+        raw = logits
+        logits = self.penalize(logits, m)
+        tokens = logits.argmax(-1)
+        if not m.all_greedy:
+            probs = torch.softmax(self.warp(logits, m), -1)
+            # Exponential race (argmax p / E, E ~ Exp(1)) draws from probs; the noise of a seeded request comes
+            # from its own generator, so its tokens do not depend on the rest of the batch.
+            noise = torch.empty_like(probs).exponential_(generator=m.default_generator)
+            for i, g in enumerate(m.generators):
+                if g is not None:
+                    noise[i].exponential_(generator=g)
+            noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # a zero would turn a filtered token's 0 / 0 into NaN
+            tokens = torch.where(m.temperatures == 0, tokens, (probs / noise).argmax(-1))
+        if m.num_logprobs is None:
+            return SamplerOutput(tokens)
+        return SamplerOutput(tokens, top_logprobs(raw, tokens, m.num_logprobs))
+
+    @staticmethod
+    def penalize(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
+        """What greedy rows take the argmax of: min_tokens bans, then repetition, frequency, presence penalties."""
+        if m.banned is None and m.penalties is None:
+            return logits
+        logits = logits.clone()
+        if m.banned is not None:
+            logits[m.banned] = float("-inf")
+        if (p := m.penalties) is not None:
+            rows = logits[p.rows]
+            seen = p.prompt_mask | (p.output_counts > 0)
+            rep = p.repetition.unsqueeze(1)
+            rows = torch.where(seen, torch.where(rows > 0, rows / rep, rows * rep), rows)
+            rows -= p.frequency.unsqueeze(1) * p.output_counts + p.presence.unsqueeze(1) * (p.output_counts > 0)
+            logits[p.rows] = rows
+        return logits
+
+    @staticmethod
+    def warp(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
+        """Temperature, then min_p, then top-k and top-p: softmax of the result is what a sampled row draws from."""
+        logits = logits / m.temperatures.clamp_min(1e-6).unsqueeze(1)
+        if m.min_p is not None:
+            probs = logits.softmax(-1)
+            drop = probs < m.min_p.unsqueeze(1) * probs.amax(-1, keepdim=True)
+            logits = logits.masked_fill(drop, float("-inf"))
+        return _filter_top_k_top_p(logits, m.top_k, m.top_p)
+
+    def processed_logits(self, logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
+        return self.warp(self.penalize(logits, m), m)
+
+
+def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log_softmax(logits) at token_ids [B], their ranks (1 = most likely), and the top-k ids and logprobs."""
+    logprobs = logits.log_softmax(-1)
+    chosen = logprobs.gather(-1, token_ids.unsqueeze(-1))
+    ranks = (logprobs >= chosen).sum(-1)
+    top = logprobs.topk(k, -1)
+    return chosen.squeeze(-1), ranks, top.indices, top.values
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
