@@ -1,0 +1,460 @@
+"""vLLM's generation API: each sampling feature's processed logits against transformers' logits processors,
+stop strings, logprobs and prompt logprobs against transformers' log_softmax, n > 1 on shared prefix blocks,
+streaming and abort, chat, and decode mixed with prefill chunks under one token budget."""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import pytest
+import torch
+from transformers import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+from models import check_against_hf, hf_forward_logits, hf_greedy, random_prompts
+from nanoinfer import LLM, RequestOutputKind, SamplingParams
+from nanoinfer.engine.model_runner import ModelRunner
+
+ATOL = 1e-4
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    return LLM(str(qwen3_dir), max_model_len=128, kvcache_block_size=8)
+
+
+def assert_idle(llm):
+    engine = llm.llm_engine
+    assert engine.scheduler.is_finished() and not engine.has_unfinished_requests()
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == len(bm.blocks) and all(b.ref_count == 0 for b in bm.blocks)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Each sampling feature against transformers' logits processors
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def processed(monkeypatch):
+    """Per request id, every sampled step: (token ids so far, logits greedy rows take the argmax of, logits whose
+    softmax sampled rows draw from)."""
+    captured = defaultdict(list)
+    sample = ModelRunner.sample
+
+    def recording(self, seqs, logits):
+        m = self._sampling_metadata(seqs, logits.shape[-1])
+        penalized, warped = self.sampler.penalize(logits, m), self.sampler.processed_logits(logits, m)
+        for seq, p, w in zip(seqs, penalized, warped):
+            captured[seq.request_id].append((list(seq.token_ids), p.clone(), w.clone()))
+        return sample(self, seqs, logits)
+
+    monkeypatch.setattr(ModelRunner, "sample", recording)
+    return captured
+
+
+def vllm_presence_frequency(presence: float, frequency: float):
+    """vLLM's definition (transformers has none): logits - frequency * count - presence * [count > 0], where count
+    is how often the token occurs in the generated tokens (not the prompt)."""
+    def apply(ids: torch.Tensor, scores: torch.Tensor, num_prompt: int) -> torch.Tensor:
+        counts = torch.bincount(ids[0, num_prompt:], minlength=scores.shape[-1]).float()
+        return scores - frequency * counts - presence * (counts > 0).float()
+    return apply
+
+
+def hf(*processors):
+    def apply(ids, scores, num_prompt):
+        for p in processors:
+            scores = p(ids, scores)
+        return scores
+    return apply
+
+
+EOS = [0]  # qwen3 test model
+FEATURES = {
+    "repetition_penalty": (dict(temperature=0.8, repetition_penalty=1.6),
+                           hf(RepetitionPenaltyLogitsProcessor(1.6), TemperatureLogitsWarper(0.8))),
+    "min_p": (dict(temperature=0.9, min_p=0.08), hf(TemperatureLogitsWarper(0.9), MinPLogitsWarper(0.08))),
+    "top_k": (dict(temperature=1.0, top_k=7), hf(TopKLogitsWarper(7))),
+    "top_p": (dict(temperature=0.7, top_p=0.6), hf(TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.6))),
+    "combined": (dict(temperature=0.7, repetition_penalty=1.3, top_k=20, top_p=0.8),
+                 hf(RepetitionPenaltyLogitsProcessor(1.3), TemperatureLogitsWarper(0.7), TopKLogitsWarper(20),
+                    TopPLogitsWarper(0.8))),
+    "presence_frequency": (dict(temperature=1.0, presence_penalty=1.5, frequency_penalty=0.7),
+                           vllm_presence_frequency(1.5, 0.7)),
+}
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_processed_logits_match_transformers_processors(feature, qwen3_dir, processed, report_logit_diff):
+    kwargs, reference = FEATURES[feature]
+    llm = LLM(str(qwen3_dir), max_model_len=128)
+    # A short vocabulary range makes repeats (what the penalties act on) frequent in prompt and output.
+    prompts = random_prompts(3, 5, 40, 6, 20, seed=31)
+    params = SamplingParams(seed=5, max_tokens=10, ignore_eos=True, **kwargs)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    worst, changed = 0.0, 0.0
+    for out in outs:
+        steps = processed[out.request_id]
+        assert len(steps) == 10 and steps[-1][0][len(out.prompt_token_ids):] == out.outputs[0].token_ids[:-1]
+        for ids, _, ours in steps:
+            logits = hf_forward_logits(qwen3_dir, ids)[-1:]
+            ref = reference(torch.tensor([ids]), logits.clone(), len(out.prompt_token_ids))[0]
+            plain = logits[0] / kwargs["temperature"]
+            assert torch.equal(torch.isinf(ours), torch.isinf(ref)), f"{feature}: different tokens filtered"
+            kept = ~torch.isinf(ref)
+            worst = max(worst, (ours[kept] - ref[kept]).abs().max().item())
+            torch.testing.assert_close(ours.softmax(-1), ref.softmax(-1), atol=1e-5, rtol=0)
+            changed = max(changed, float("inf") if (~kept).any() else (ref - plain).abs().max().item())
+    report_logit_diff(f"processed logits, {feature}", worst)
+    assert worst < ATOL, f"{feature}: max |processed logit diff| {worst:.2e}"
+    assert changed > 0.1, f"{feature} had no effect on these logits: the comparison proves nothing"
+
+
+def test_min_tokens_masks_eos_like_transformers(qwen3_dir, processed):
+    llm = LLM(str(qwen3_dir), max_model_len=128)
+    prompt = random_prompts(1, 5, 500, 12, 12, seed=32)[0]
+    params = SamplingParams(temperature=1.0, seed=3, min_tokens=4, max_tokens=8, stop_token_ids=[7])
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    steps = processed[out.request_id]
+    for i, (ids, _, ours) in enumerate(steps):
+        logits = hf_forward_logits(qwen3_dir, ids)[-1:]
+        ref = MinNewTokensLengthLogitsProcessor(len(prompt), 4, EOS + [7])(torch.tensor([ids]), logits)[0]
+        assert torch.isinf(ours[EOS + [7]]).all() == (i < 4) and torch.isinf(ref[EOS + [7]]).all() == (i < 4)
+        kept = ~torch.isinf(ref)
+        assert torch.equal(kept, ~torch.isinf(ours)) and (ours[kept] - ref[kept]).abs().max() < ATOL
+
+
+def test_greedy_takes_the_argmax_of_penalized_logits(qwen3_dir, processed):
+    llm = LLM(str(qwen3_dir), max_model_len=128)
+    prompts = random_prompts(2, 5, 30, 8, 16, seed=33)
+    params = SamplingParams(temperature=0, repetition_penalty=2.0, frequency_penalty=0.5, max_tokens=12,
+                            ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    plain = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] != [o.outputs[0].token_ids[:12] for o in plain]
+    for out in outs:
+        for (ids, ours, _), token in zip(processed[out.request_id], out.outputs[0].token_ids):
+            logits = hf_forward_logits(qwen3_dir, ids)[-1:]
+            ref = RepetitionPenaltyLogitsProcessor(2.0)(torch.tensor([ids]), logits)
+            ref = vllm_presence_frequency(0.0, 0.5)(torch.tensor([ids]), ref, len(out.prompt_token_ids))[0]
+            assert (ours - ref).abs().max() < ATOL and token == int(ref.argmax())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stops
+# ----------------------------------------------------------------------------------------------------------
+
+def test_stop_string_spanning_two_tokens(llm):
+    prompt = "The scheduler decides"
+    tokens = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    tok = llm.tokenizer
+    texts = [tok.decode(tokens[:j], skip_special_tokens=True) for j in range(len(tokens) + 1)]
+    # A stop string made of the last character of token i and the first of token i + 1, seen nowhere before.
+    for i in range(2, len(tokens) - 1):
+        cut = len(texts[i + 1])
+        stop = texts[i + 2][cut - 1:cut + 1]
+        if (len(texts[i + 1]) > len(texts[i]) and len(texts[i + 2]) > cut and "\ufffd" not in texts[i + 2]
+                and texts[i + 2].find(stop) == cut - 1):
+            break
+    else:
+        pytest.fail("no token boundary to place a stop string across")
+    base = dict(temperature=0, max_tokens=24, ignore_eos=True, stop=["never in this text \x00", stop])
+    out = llm.generate(prompt, SamplingParams(**base), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == tokens[:i + 2], "generation goes on past the token completing the stop string"
+    assert (out.text, out.finish_reason, out.stop_reason) == (texts[i + 2][:cut - 1], "stop", stop)
+    kept = llm.generate(prompt, SamplingParams(**base, include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert kept.outputs[0].text == texts[i + 2][:cut + 1] and kept.outputs[0].token_ids == tokens[:i + 2]
+    # min_tokens defers every stop: the string is not looked for before then.
+    late = llm.generate(prompt, SamplingParams(**base, min_tokens=i + 2 + 1), use_tqdm=False)[0].outputs[0]
+    assert len(late.token_ids) > i + 2
+
+
+def test_stop_token_ids_and_reasons(llm):
+    prompt = [9, 10, 11, 12]
+    tokens = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    stop_at = next(j for j, t in enumerate(tokens) if t not in tokens[:j] and j >= 2)
+    out = llm.generate([prompt], dataclasses.replace(GREEDY, stop_token_ids=[tokens[stop_at]]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == tokens[:stop_at + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", tokens[stop_at])
+    length = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert (length.finish_reason, length.stop_reason) == ("length", None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Logprobs
+# ----------------------------------------------------------------------------------------------------------
+
+def check_logprobs(entry: dict, actual: int, ref: torch.Tensor, k: int) -> float:
+    """entry maps token id -> Logprob; ref is transformers' log_softmax at that position."""
+    assert actual in entry and len(entry) in (k, k + 1)
+    ranks = {t: lp.rank for t, lp in entry.items()}
+    assert (ref > ref[actual] + ATOL).sum() + 1 <= ranks[actual] <= (ref >= ref[actual] - ATOL).sum()
+    if k:
+        kth = ref.topk(k).values[-1]
+        assert all(ref[t] >= kth - ATOL for t in entry if t != actual), "an entry outside transformers' top k"
+    return max(abs(lp.logprob - ref[t].item()) for t, lp in entry.items())
+
+
+@pytest.mark.parametrize("budget", [4096, 5], ids=["one-chunk", "chunked-prefill"])
+def test_logprobs_and_prompt_logprobs_match_transformers(qwen2_dir, budget, report_logit_diff):
+    llm = LLM(str(qwen2_dir), max_model_len=128, max_num_batched_tokens=budget, kvcache_block_size=8)
+    prompts = random_prompts(3, 5, 440, 9, 30, seed=34)
+    params = SamplingParams(temperature=1.0, seed=8, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    worst = 0.0
+    for _ in range(2):  # the second time the prompts are cached, but prompt logprobs need every position
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for out, prompt in zip(outs, prompts):
+            c = out.outputs[0]
+            ref = hf_forward_logits(qwen2_dir, prompt + c.token_ids).log_softmax(-1)
+            assert len(c.logprobs) == 6 and out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+            for j, token in enumerate(c.token_ids):
+                worst = max(worst, check_logprobs(c.logprobs[j], token, ref[len(prompt) - 1 + j], 3))
+            for j in range(1, len(prompt)):
+                worst = max(worst, check_logprobs(out.prompt_logprobs[j], prompt[j], ref[j - 1], 2))
+            assert c.cumulative_logprob == pytest.approx(sum(c.logprobs[j][t].logprob
+                                                             for j, t in enumerate(c.token_ids)))
+            assert out.num_cached_tokens == 0
+    report_logit_diff(f"logprobs, budget {budget}", worst)
+    assert worst < ATOL, f"max |logprob diff| {worst:.2e}"
+    # Without logprobs there is no cumulative logprob (vLLM's convention) and the cache is used again.
+    plain = llm.generate(prompts, dataclasses.replace(params, logprobs=None, prompt_logprobs=None), use_tqdm=False)
+    assert all(o.outputs[0].logprobs is None and o.outputs[0].cumulative_logprob is None and o.prompt_logprobs is None
+               for o in plain)
+    assert plain[2].num_cached_tokens > 0
+
+
+def test_greedy_logprobs_rank_one_and_decoded_tokens(llm):
+    out = llm.generate("The quick brown fox", dataclasses.replace(GREEDY, logprobs=0), use_tqdm=False)[0].outputs[0]
+    assert [list(entry) for entry in out.logprobs] == [[t] for t in out.token_ids]
+    assert all(entry[t].rank == 1 and entry[t].decoded_token == llm.tokenizer.decode([t])
+               for entry, t in zip(out.logprobs, out.token_ids))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# n > 1
+# ----------------------------------------------------------------------------------------------------------
+
+def test_n_completions_share_prompt_blocks_and_are_reproducible(qwen3_dir):
+    llm = LLM(str(qwen3_dir), max_model_len=128, kvcache_block_size=8)
+    prompt = random_prompts(1, 5, 500, 37, 37, seed=35)[0]
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    engine = llm.llm_engine
+    engine.add_request("r", prompt, params)
+    engine.step()
+    tables = [s.block_table for s in engine.requests["r"]]
+    bm = engine.scheduler.block_manager
+    # 36 of 37 prompt tokens fill 4 blocks of 8 (the last token is always computed): shared by all three.
+    assert tables[0][:4] == tables[1][:4] == tables[2][:4]
+    assert [bm.blocks[b].ref_count for b in tables[0]] == [3, 3, 3, 3, 1]
+    assert len({t[4] for t in tables}) == 3
+    engine.abort_request("r")
+    assert bm.num_free_blocks == len(bm.blocks)
+
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2] and all(len(c.token_ids) == 8 for c in out.outputs)
+    assert out.num_cached_tokens == 3 * 32  # summed over completions: all three found the prompt cached
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    # Completion i draws from seed + i (as in vLLM): the same as a single request with that seed.
+    singles = [llm.generate([prompt], dataclasses.replace(params, n=1, seed=11 + i), use_tqdm=False)[0]
+               for i in range(3)]
+    assert [c.token_ids for c in out.outputs] == [s.outputs[0].token_ids for s in singles]
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    assert_idle(llm)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Streaming, step API, abort
+# ----------------------------------------------------------------------------------------------------------
+
+def test_generate_iter_streams_each_token_and_ends_like_generate(llm):
+    prompts = ["The quick brown fox", [5, 6, 7, 8, 9]]
+    params = [dataclasses.replace(GREEDY, max_tokens=6), dataclasses.replace(GREEDY, max_tokens=9)]
+    final = llm.generate(prompts, params, use_tqdm=False)
+    seen = defaultdict(list)
+    for out in llm.generate_iter(prompts, params):
+        seen[tuple(out.prompt_token_ids)].append(out)
+    for want in final:
+        stream = seen[tuple(want.prompt_token_ids)]
+        n = len(want.outputs[0].token_ids)
+        assert [len(o.outputs[0].token_ids) for o in stream] == list(range(1, n + 1))
+        assert [o.finished for o in stream] == [False] * (n - 1) + [True]
+        assert stream[-1].outputs[0] == want.outputs[0]
+        m = stream[-1].metrics
+        assert m.num_generation_tokens == n and m.time_to_first_token > 0
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+    deltas = defaultdict(list)
+    for out in llm.generate_iter(prompts, [dataclasses.replace(p, output_kind=RequestOutputKind.DELTA) for p in params]):
+        deltas[tuple(out.prompt_token_ids)].append(out.outputs[0])
+    for want in final:
+        parts = deltas[tuple(want.prompt_token_ids)]
+        assert sum((p.token_ids for p in parts), []) == want.outputs[0].token_ids
+        assert "".join(p.text for p in parts) == want.outputs[0].text
+    assert_idle(llm)
+
+
+def test_breaking_out_of_a_stream_aborts_and_frees(llm):
+    baseline = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    stream = llm.generate_iter([[5, 6, 7], list(range(20, 60))], dataclasses.replace(GREEDY, max_tokens=20))
+    for i, _ in enumerate(stream):
+        with pytest.raises(RuntimeError, match="generate_iter"):
+            llm.generate([[1, 2]], GREEDY, use_tqdm=False)  # the open stream owns the engine
+        if i == 2:
+            break
+    stream.close()
+    assert_idle(llm)
+    assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == baseline
+
+
+def test_step_api_abort_request_frees_blocks_and_others_continue(llm):
+    engine = llm.llm_engine
+    alone = llm.generate([[30, 31, 32]], dataclasses.replace(GREEDY, max_tokens=12), use_tqdm=False)[0]
+    engine.add_request("keep", [30, 31, 32], dataclasses.replace(GREEDY, max_tokens=12))
+    engine.add_request("drop", list(range(40, 90)), dataclasses.replace(GREEDY, max_tokens=12))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("drop", [1], GREEDY)
+    for _ in range(3):
+        engine.step()
+    bm = engine.scheduler.block_manager
+    used = len(bm.blocks) - bm.num_free_blocks
+    engine.abort_request("drop")
+    assert len(bm.blocks) - bm.num_free_blocks == used - 7  # 53 tokens in blocks of 8
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["keep"]
+    assert finished[0].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert_idle(llm)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Chat
+# ----------------------------------------------------------------------------------------------------------
+
+def test_chat_applies_the_template(llm):
+    tok = llm.tokenizer
+    conversation = [{"role": "user", "content": "What is a KV cache?"}]
+    out = llm.chat(conversation, GREEDY, use_tqdm=False)[0]
+    ids = tok.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True)
+    assert out.prompt_token_ids == list(ids if isinstance(ids, list) else ids["input_ids"])
+    assert out.prompt == "<|im_start|>user\nWhat is a KV cache?<|im_end|>\n<|im_start|>assistant\n"
+    direct = llm.generate([out.prompt_token_ids], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == direct.outputs[0].token_ids
+    other = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    both = llm.chat([conversation, other], GREEDY, use_tqdm=False)
+    assert both[0].outputs[0].token_ids == out.outputs[0].token_ids and both[1].prompt.startswith("<|im_start|>system")
+    for bad in ("hello", [], [[]], [{"role": "user", "content": "x"}, "y"]):
+        with pytest.raises(TypeError, match="conversation"):
+            llm.chat(bad, GREEDY, use_tqdm=False)
+    assert_idle(llm)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Decode mixed with prefill chunks under one token budget
+# ----------------------------------------------------------------------------------------------------------
+
+def run_staggered(llm, arrivals: list[tuple[int, list[int]]], params) -> tuple[list, int]:
+    """Add prompt i at step arrivals[i][0]; return the finished outputs in arrival order and the number of
+    steps that computed decode tokens and prompt chunks together."""
+    engine, outs, mixed, step = llm.llm_engine, {}, 0, 0
+    while step == 0 or engine.has_unfinished_requests() or any(s >= step for s, _ in arrivals):
+        for i, (at, prompt) in enumerate(arrivals):
+            if at == step:
+                engine.add_request(f"s{i}", prompt, params)
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+        batch = engine.last_batch
+        assert sum(batch.num_new_tokens) <= engine.config.max_num_batched_tokens
+        rows = [n for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens >= s.num_prompt_tokens]
+        mixed += bool(rows) and len(rows) < len(batch.seqs)
+        step += 1
+    return [outs[f"s{i}"] for i in range(len(arrivals))], mixed
+
+
+def test_decode_continues_while_long_prompts_are_prefilled(qwen2_dir, captured_logits, report_logit_diff):
+    llm = LLM(str(qwen2_dir), max_model_len=256, max_num_batched_tokens=16)
+    prompts = random_prompts(4, 5, 440, 3, 6, seed=36) + random_prompts(2, 5, 440, 100, 140, seed=37)
+    arrivals = [(0, prompts[0]), (0, prompts[1]), (2, prompts[4]), (3, prompts[2]), (5, prompts[5]),
+                (9, prompts[3])]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs, mixed = run_staggered(llm, arrivals, params)
+    assert mixed >= 10, f"only {mixed} steps mixed decode with prefill"
+    refs = hf_greedy(qwen2_dir, [p for _, p in arrivals], 24)
+    worst = check_against_hf(outs, refs, captured_logits)
+    report_logit_diff("qwen2, decode mixed with prefill chunks", worst)
+    assert worst < ATOL
+    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for _, p in arrivals]
+    assert [o.outputs[0].token_ids for o in outs] == alone
+
+
+def test_mixed_schedule_with_preemption_and_prefix_hits_matches_hf(llama_dir, captured_logits, report_logit_diff):
+    shared = random_prompts(1, 5, 440, 40, 40, seed=38)[0]
+    tails = random_prompts(5, 5, 440, 2, 30, seed=39)
+    arrivals = [(0, shared + tails[0]), (1, shared + tails[1]), (1, tails[2]), (4, shared + tails[3]),
+                (6, shared + tails[4]), (8, shared)]
+    llm = LLM(str(llama_dir), max_model_len=96, num_kvcache_blocks=12, max_num_batched_tokens=24,
+              kvcache_block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs, mixed = run_staggered(llm, arrivals, params)
+    assert mixed > 0 and llm.llm_engine.scheduler.num_preemptions > 0
+    assert sum(o.num_cached_tokens for o in outs) >= 3 * 40
+    worst = check_against_hf(outs, hf_greedy(llama_dir, [p for _, p in arrivals], 24), captured_logits)
+    report_logit_diff("llama, mixed schedule with preemption and prefix hits", worst)
+    assert worst < ATOL
+    assert_idle(llm)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, exc, name", [
+    (dict(n=0), ValueError, "n must"),
+    (dict(n=2.0), TypeError, "n must"),
+    (dict(min_p=1.5), ValueError, "min_p"),
+    (dict(min_p=-0.1), ValueError, "min_p"),
+    (dict(repetition_penalty=0.0), ValueError, "repetition_penalty"),
+    (dict(repetition_penalty=float("nan")), ValueError, "repetition_penalty"),
+    (dict(presence_penalty=2.5), ValueError, "presence_penalty"),
+    (dict(frequency_penalty=-3), ValueError, "frequency_penalty"),
+    (dict(frequency_penalty="1"), TypeError, "frequency_penalty"),
+    (dict(min_tokens=-1), ValueError, "min_tokens"),
+    (dict(min_tokens=20, max_tokens=10), ValueError, "min_tokens"),
+    (dict(stop=5), TypeError, "stop"),
+    (dict(stop=["ok", 3]), TypeError, "stop"),
+    (dict(stop=["ok", ""]), ValueError, "stop"),
+    (dict(logprobs=-1), ValueError, "logprobs"),
+    (dict(logprobs=1.5), TypeError, "logprobs"),
+    (dict(prompt_logprobs=-2), ValueError, "prompt_logprobs"),
+    (dict(include_stop_str_in_output="yes"), TypeError, "include_stop_str_in_output"),
+    (dict(output_kind="delta"), TypeError, "output_kind"),
+    (dict(max_tokens=None, min_tokens=3), None, None),
+    (dict(stop="one string"), None, None),
+])
+def test_new_sampling_params_validation(kwargs, exc, name):
+    if exc is None:
+        SamplingParams(**kwargs)
+        return
+    with pytest.raises(exc, match=name):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda e: e.add_request("x", [1, 2], SamplingParams(stop_token_ids=[512])), ValueError, "stop token id 512"),
+    (lambda e: e.add_request("x", [1, 2], SamplingParams(logprobs=513)), ValueError, "logprobs=513"),
+    (lambda e: e.add_request(7, [1, 2], SamplingParams()), TypeError, "request_id"),
+    (lambda e: e.add_request("x", {"tokens": [1]}, SamplingParams()), ValueError, "prompt_token_ids"),
+    (lambda e: e.add_request("x", [1] * 120, SamplingParams(max_tokens=None, min_tokens=10)), ValueError,
+     "max_model_len"),
+])
+def test_bad_requests_leave_the_engine_untouched(llm, call, exc, match):
+    with pytest.raises(exc, match=match):
+        call(llm.llm_engine)
+    assert_idle(llm)
+
+
+def test_max_tokens_none_runs_to_max_model_len(llm):
+    out = llm.generate([[3] * 100], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 28 and out.outputs[0].finish_reason == "length"
