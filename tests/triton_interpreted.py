@@ -17,8 +17,11 @@ from models import check_against_hf, hf_greedy, random_prompts  # noqa: E402
 import nanoinfer.config as config_module  # noqa: E402
 from nanoinfer import LLM, SamplingParams  # noqa: E402
 from nanoinfer.engine import cuda_graph  # noqa: E402
+from nanoinfer.engine.model_runner import ModelRunner  # noqa: E402
+from nanoinfer.engine.scheduler import ScheduledBatch  # noqa: E402
+from nanoinfer.engine.sequence import Sequence  # noqa: E402
 from nanoinfer.kernels.triton_kvcache import store_kvcache  # noqa: E402
-from nanoinfer.layers.attention import selector  # noqa: E402
+from nanoinfer.layers.attention import get_backend, selector  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -104,3 +107,44 @@ def test_flash_backend_matches_hf(enforce_eager, qwen3_dir, flash_on_cpu, captur
     # Decode batches of 3 run padded to the graph of 4: the kv-cache calls saw 4 rows only with graphs.
     decode_batches = {c["batch"] for c in flash_on_cpu if c["fn"] == "kvcache" and c["batch"] in (3, 4)}
     assert decode_batches == ({3} if enforce_eager else {4}), decode_batches
+
+
+def _seq(num_tokens: int, computed: int, table: list[int]) -> Sequence:
+    seq = Sequence(list(range(num_tokens)), SamplingParams(), 256)
+    seq.num_computed_tokens, seq.block_table = computed, table
+    return seq
+
+
+@pytest.mark.parametrize("kind", ["prefix-and-chunk", "fresh", "decode"])
+def test_flash_backend_equals_cpu_backend_on_the_same_metadata(kind, flash_on_cpu):
+    """One metadata, built by ModelRunner.prepare, fed to both backends: same caches, same outputs."""
+    batches = {
+        # 300 tokens with 256 cached; a chunk (tokens 256..299 of 700) after a first one; a fresh 37-token prompt.
+        "prefix-and-chunk": ScheduledBatch([_seq(300, 256, [4, 1]), _seq(700, 256, [0, 3, 5]), _seq(37, 0, [2])],
+                                           [44, 44, 37]),
+        "fresh": ScheduledBatch([_seq(5, 0, [1]), _seq(260, 0, [0, 3])], [5, 260]),
+        "decode": ScheduledBatch([_seq(257, 256, [2, 5]), _seq(9, 8, [0]), _seq(600, 599, [1, 3, 4])], [1, 1, 1]),
+    }
+    runner = object.__new__(ModelRunner)
+    runner.block_size = 256
+    batch = batches[kind]
+    _, _, meta, _ = runner.prepare(batch, batch.samples)
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, tokens = 6, 2, 32, meta.slot_mapping.numel()
+    q = torch.randn(tokens, heads, dim, generator=g)
+    k, v = torch.randn(2, tokens, kv_heads, dim, generator=g)
+    caches = torch.randn(2, 6, 256, kv_heads, dim, generator=g)  # stale contents stand in for earlier steps
+    outs = []
+    for name in ("flash", "cpu"):
+        backend = get_backend(name, torch.float32)
+        k_cache, v_cache = caches.clone()
+        backend.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        backend.prepare(meta)
+        outs.append((backend.forward(q, k, v, k_cache, v_cache, meta, dim ** -0.5), k_cache, v_cache))
+    (flash, fk, fv), (cpu, ck, cv) = outs
+    assert torch.equal(fk, ck) and torch.equal(fv, cv)
+    assert flash.shape == cpu.shape == (tokens, heads * dim)
+    err = (flash - cpu).abs().max().item()
+    assert err < 1e-5, f"max |flash - cpu| = {err:.2e}"
+    expected = {"prefix-and-chunk": ("varlen", True), "fresh": ("varlen", False), "decode": ("kvcache", True)}[kind]
+    assert [(c["fn"], c["paged"]) for c in flash_on_cpu] == [expected]

@@ -16,14 +16,15 @@ class FlashAttentionBackend:
 
         from nanoinfer.kernels.triton_kvcache import store_kvcache
         self.dtype, self.device = dtype, device
-        self.varlen, self.with_kvcache, self.store_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache, store_kvcache
+        self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
+        self.store_kvcache = store_kvcache
 
     def prepare(self, meta: AttentionMetadata) -> None:
         pass
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [tokens, heads, dim], this step's k, v [tokens, kv_heads, dim] (already stored) -> [tokens, heads * dim]."""
+        """q [tokens, heads, dim], this step's k, v [tokens, kv_heads, dim] (already stored) -> [tokens, heads*dim]."""
         if meta.is_decode:
             # One query per sequence; causal is moot for a single query row.
             o = self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
