@@ -19,7 +19,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = _load_tokenizer(config)
         self.model_runner = ModelRunner(config)
-        self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks)
+        self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks, self.model_runner.num_state_slots)
         self.vocab_size: int = config.hf_config.vocab_size
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:

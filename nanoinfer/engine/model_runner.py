@@ -1,4 +1,5 @@
 """Builds a step's model inputs from scheduled sequences, runs the model over the paged KV cache, samples."""
+import math
 import os
 
 import numpy as np
@@ -8,6 +9,7 @@ from nanoinfer.config import Config
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention, AttentionMetadata, get_backend
+from nanoinfer.layers.gated_delta_rule import GatedDeltaRule
 from nanoinfer.layers.sampler import Sampler
 from nanoinfer.models.registry import get_model_class
 from nanoinfer.utils.gguf_loader import iter_gguf_weights
@@ -30,7 +32,8 @@ class ModelRunner:
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading(min(config.max_num_seqs, 256))
         self.backend = get_backend("cpu", config.torch_dtype)
-        self.num_kvcache_blocks = self._allocate_kv_cache()
+        self.num_state_slots, state_bytes = self._allocate_state_cache()
+        self.num_kvcache_blocks = self._allocate_kv_cache(state_bytes)
         self.sampler = Sampler()
         self.generator = torch.Generator().manual_seed(config.seed)
 
@@ -53,7 +56,27 @@ class ModelRunner:
     def _attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
-    def _allocate_kv_cache(self) -> int:
+    def _allocate_state_cache(self) -> tuple[int, int]:
+        """Recurrent-state slots of the linear-attention layers, one per running sequence (max_num_seqs, or fewer
+        if they would take more than half the cache budget), and their bytes; (0, 0) without such layers."""
+        layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaRule)]
+        if not layers:
+            return 0, 0
+        dtype = self.config.torch_dtype
+        ssm_dtype = torch.promote_types(dtype, torch.float32)  # the delta rule runs in fp32 at least
+        slot_bytes = sum(math.prod(a.conv_state_shape) * dtype.itemsize + math.prod(a.ssm_state_shape) * ssm_dtype.itemsize
+                         for a in layers)
+        budget = min(KV_CACHE_MAX_BYTES, _available_memory() * KV_CACHE_MEMORY_FRACTION) // 2
+        num_slots = min(self.config.max_num_seqs, int(budget // slot_bytes))
+        if num_slots < 1:
+            raise ValueError(f"not enough memory for the recurrent state of one sequence ({slot_bytes} bytes)")
+        for a in layers:
+            a.conv_state = torch.zeros(num_slots, *a.conv_state_shape, dtype=dtype)
+            a.ssm_state = torch.zeros(num_slots, *a.ssm_state_shape, dtype=ssm_dtype)
+        return num_slots, num_slots * slot_bytes
+
+    def _allocate_kv_cache(self, reserved_bytes: int = 0) -> int:
+        """KV blocks of the attention layers, within the cache budget minus reserved_bytes (the recurrent state)."""
         layers = self._attention_layers()
         itemsize = self.config.torch_dtype.itemsize
         block_bytes = sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in layers)
@@ -63,7 +86,7 @@ class ModelRunner:
                              f"than the {_available_memory() / 2**30:.1f} GiB available")
         if num_blocks is None:
             wanted = -(-self.config.max_num_seqs * self.config.max_model_len // self.block_size)
-            budget = min(KV_CACHE_MAX_BYTES, _available_memory() * KV_CACHE_MEMORY_FRACTION)
+            budget = min(KV_CACHE_MAX_BYTES, _available_memory() * KV_CACHE_MEMORY_FRACTION) - reserved_bytes
             affordable = int(budget) // block_bytes
             num_blocks = min(wanted, affordable)
             if num_blocks * self.block_size < self.config.max_model_len:
@@ -105,6 +128,7 @@ class ModelRunner:
             max_seqlen_q=max(batch.num_new_tokens),
             max_seqlen_k=max(context_lens),
             block_size=self.block_size,
+            state_slots=torch.tensor([s.state_slot for s in batch.seqs]) if self.num_state_slots else None,
         )
         return torch.tensor(input_ids), torch.from_numpy(np.concatenate(positions)), meta, sample_rows
 

@@ -15,6 +15,8 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     block_size: int
+    # [num_seqs] int64: each sequence's recurrent-state slot; only for models with linear-attention layers.
+    state_slots: torch.Tensor | None = None
     backend_state: Any = None  # whatever the chosen backend derives from the above, once per step
 
     @property
