@@ -116,8 +116,8 @@ def build_tokenizer(dir) -> "transformers.PreTrainedTokenizerFast":  # noqa: F82
 
 MODEL_KINDS = ("qwen3", "qwen3-untied", "qwen2", "llama")  # the 4 main architectures
 # Further families, each tested on its own (not in every any_model_dir test).
-# Qwen3-Next: Gated DeltaNet + gated attention layers, dense MLPs only or with sparse MoE layers.
-QWEN3_NEXT_KINDS = ("qwen3-next-dense",)
+# Qwen3-Next: Gated DeltaNet + gated attention layers, a dense MLP and sparse MoE ones.
+QWEN3_NEXT_KINDS = ("qwen3-next",)
 EXTRA_KINDS = ("qwen3-moe",) + QWEN3_NEXT_KINDS
 ALL_KINDS = MODEL_KINDS + ("qwen3-sharded",) + EXTRA_KINDS
 
@@ -142,7 +142,7 @@ _COMMON = dict(
     initializer_range=INIT_STD,
 )
 
-_SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678, "qwen3-next-dense": 6789}
+_SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678, "qwen3-next": 6789}
 
 
 def _token_ids():
@@ -236,8 +236,14 @@ def make_config(kind: str):
             linear_key_head_dim=16,
             linear_value_head_dim=24,  # != the key head dim, so a transposed state would fail
             linear_conv_kernel_dim=4,
-            num_experts=0,
-            mlp_only_layers=[0, 1, 2],
+            # Layers 1 and 2 route each token to 2 of 8 experts plus the gated shared expert; layer 0 is dense.
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
         )
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS}")
 

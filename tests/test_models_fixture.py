@@ -27,7 +27,6 @@ EXPECTED = {
     "qwen2": ("qwen2", 4, 2, 16, False, "default"),
     "llama": ("llama", 4, 2, 16, False, "llama3"),
     "qwen3-sharded": ("qwen3", 4, 2, 32, True, "default"),
-    "qwen3-next-dense": ("qwen3_next", 4, 2, 32, False, "default"),
 }
 
 
