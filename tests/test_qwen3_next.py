@@ -134,3 +134,22 @@ def test_causal_conv_carries_state_across_chunks():
         out.append(y)
     torch.testing.assert_close(torch.cat(out), expected, rtol=0, atol=1e-12)
     torch.testing.assert_close(state, x[-3:], rtol=0, atol=0)
+
+
+def test_multi_token_prediction_weights_are_skipped(next_dir, tmp_path):
+    """Real checkpoints carry `mtp.*` tensors (transformers ignores them too); any other stray still fails."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(next_dir / "model.safetensors")
+    for extra, ok in [("mtp.fc.weight", True), ("model.extra.weight", False)]:
+        d = tmp_path / extra
+        d.mkdir()
+        for f in next_dir.iterdir():
+            if f.suffix != ".safetensors":
+                (d / f.name).write_bytes(f.read_bytes())
+        save_file({**weights, extra: torch.zeros(4, 4)}, d / "model.safetensors")
+        if ok:
+            LLM(str(d), max_model_len=64)
+        else:
+            with pytest.raises(ValueError, match="model.extra.weight"):
+                LLM(str(d), max_model_len=64)

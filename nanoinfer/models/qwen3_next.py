@@ -119,13 +119,17 @@ class Qwen3NextModel(nn.Module):
         return x
 
 
-class Qwen3NextForCausalLM(LlamaForCausalLM):
+class Qwen3NextForCausalLM(nn.Module):
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
     # Multi-token-prediction weights some checkpoints carry: not used for plain decoding.
     ignored_weight_prefixes = ("mtp.",)
 
     def __init__(self, config: PretrainedConfig):
-        nn.Module.__init__(self)
+        super().__init__()
         self.model = Qwen3NextModel(config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    forward = LlamaForCausalLM.forward
+    compute_logits = LlamaForCausalLM.compute_logits
