@@ -125,7 +125,8 @@ def test_recurrent_form_batched_over_sequences():
 
 def test_causal_conv_carries_state_across_chunks():
     g = torch.Generator().manual_seed(0)
-    x, weight = torch.randn(30, 6, generator=g, dtype=torch.float64), torch.randn(6, 4, generator=g, dtype=torch.float64)
+    x = torch.randn(30, 6, generator=g, dtype=torch.float64)
+    weight = torch.randn(6, 4, generator=g, dtype=torch.float64)
     expected = torch.nn.functional.silu(torch.nn.functional.conv1d(
         x.T.unsqueeze(0), weight.unsqueeze(1), padding=3, groups=6)[0, :, :30].T)
     state, out = torch.zeros(3, 6, dtype=torch.float64), []

@@ -44,7 +44,8 @@ class Qwen3NextGatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
         n, group = x.shape[0], self.num_v_heads // self.num_k_heads
         qkvz = self.in_proj_qkvz(x).view(n, self.num_k_heads, -1)
-        q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, group * self.head_v_dim, group * self.head_v_dim], -1)
+        value_width = group * self.head_v_dim
+        q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, value_width, value_width], -1)
         b, a = self.in_proj_ba(x).view(n, self.num_k_heads, 2 * group).split([group, group], -1)
         mixed_qkv = torch.cat((q.flatten(1), k.flatten(1), v.flatten(1)), -1)
         beta = b.reshape(n, self.num_v_heads).float().sigmoid()
