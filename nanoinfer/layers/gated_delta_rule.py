@@ -50,7 +50,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 
     q, k, v, g, beta = map(chunked, (q, k, v, g, beta))  # padding: g = beta = 0, k = 0 leaves the state alone
     cum = g.cumsum(-1)  # [H, N, C]
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool).tril()
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
     decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()  # e^(G_t - G_j), j <= t
     k_beta = k * beta.unsqueeze(-1)
     system = (k_beta @ k.transpose(-1, -2)) * decay  # its strict lower triangle is L; the solve takes the diagonal as 1
