@@ -116,7 +116,9 @@ def build_tokenizer(dir) -> "transformers.PreTrainedTokenizerFast":  # noqa: F82
 
 MODEL_KINDS = ("qwen3", "qwen3-untied", "qwen2", "llama")  # the 4 main architectures
 # Further families, each tested on its own (not in every any_model_dir test).
-EXTRA_KINDS = ("qwen3-moe",)
+EXTRA_KINDS = ("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral")
+# Sliding windows of the *-swa kinds and mistral: shorter than most test prompts.
+SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20}
 ALL_KINDS = MODEL_KINDS + ("qwen3-sharded",) + EXTRA_KINDS
 
 # Std used for linear/embedding init. transformers' default (0.02) gives near-uniform logits
@@ -140,7 +142,8 @@ _COMMON = dict(
     initializer_range=INIT_STD,
 )
 
-_SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678}
+_SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678,
+          "qwen2-swa": 6789, "qwen3-swa": 7890, "mistral": 8901}
 
 
 def _token_ids():
@@ -150,7 +153,7 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     ids = _token_ids()
     special = dict(
@@ -182,6 +185,43 @@ def make_config(kind: str):
             decoder_sparse_step=1,
             mlp_only_layers=[1],
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        )
+    if kind == "qwen2-swa":
+        # Layer 0 attends to everything; layers >= max_window_layers (1, 2) to the last 12 positions.
+        return Qwen2Config(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            use_sliding_window=True,
+            sliding_window=SLIDING_WINDOW[kind],
+            max_window_layers=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        )
+    if kind == "qwen3-swa":
+        return Qwen3Config(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=SLIDING_WINDOW[kind],
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        )
+    if kind == "mistral":  # every layer windowed
+        return MistralConfig(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            tie_word_embeddings=False,
+            sliding_window=SLIDING_WINDOW[kind],
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
         )
     if kind == "qwen3-untied":
         return Qwen3Config(
