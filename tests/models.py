@@ -9,6 +9,7 @@ Public API (used by conftest.py and the engine tests):
     build_model(kind, dir) -> pathlib.Path          kinds: see MODEL_KINDS / ALL_KINDS
     hf_greedy(model_dir, prompts_token_ids, max_new_tokens) -> list[dict]
     hf_forward_logits(model_dir, token_ids) -> Tensor [len, vocab]
+    hf_encoder_states(model_dir, token_ids) -> Tensor [len, hidden]   (bidirectional, no RoPE)
     load_hf_model(model_dir) -> cached transformers model
     assert_greedy_match(ours, ref_tokens, ref_logits, tol=1e-4)
     top2_gaps(logits) -> Tensor
@@ -394,6 +395,21 @@ def hf_forward_logits(model_dir, token_ids: Sequence[int]) -> torch.Tensor:
     model = load_hf_model(model_dir)
     out = model(input_ids=torch.tensor([[int(t) for t in token_ids]], dtype=torch.long), use_cache=False)
     return out.logits[0].float().clone()
+
+
+@torch.inference_mode()
+def hf_encoder_states(model_dir, token_ids: Sequence[int]) -> torch.Tensor:
+    """transformers' decoder run as an encoder: final-norm hidden states [len, hidden], float32.
+
+    Bidirectional: a 4-D boolean mask is used as given (no causal mask is built on top) and all True lets every
+    token see every other. No position encoding: all position ids 0 make every rotation the identity (cos 1,
+    sin 0; the test models' rope types have attention scaling 1)."""
+    model = load_hf_model(model_dir)
+    n = len(token_ids)
+    out = model.model(input_ids=torch.tensor([[int(t) for t in token_ids]], dtype=torch.long),
+                      attention_mask=torch.ones(1, 1, n, n, dtype=torch.bool),
+                      position_ids=torch.zeros(1, n, dtype=torch.long), use_cache=False)
+    return out.last_hidden_state[0].float().clone()
 
 
 def top2_gaps(logits: torch.Tensor) -> torch.Tensor:

@@ -51,13 +51,14 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = options.qk_norm
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], -1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if positions is not None:  # None: no position encoding at all (an encoder pass, see LLM.embed)
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -89,7 +90,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+    def forward(self, positions: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             x, residual = self.input_layernorm(x), x
@@ -108,7 +109,8 @@ class LlamaModel(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, meta: AttentionMetadata
+                ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
@@ -141,7 +143,9 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, meta: AttentionMetadata
+                ) -> torch.Tensor:
+        """Hidden states after the final norm, [tokens, hidden]."""
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,8 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.slot_mapping is not None:
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window)
 
 

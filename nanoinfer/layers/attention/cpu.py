@@ -49,7 +49,7 @@ class CPUAttentionBackend:
         """q [tokens, heads, dim] and this step's k, v [tokens, kv_heads, dim], already stored in the cache
         -> [tokens, heads * dim]. With a window, a query at position p sees keys at p - window < position <= p."""
         if not meta.is_decode:
-            return self._prefill(q, k, v, k_cache, v_cache, meta, scale, window)
+            return self._prefill(q, k, v, k_cache, v_cache, meta, scale, window if meta.causal else None)
         if self.decode_kernel:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                           meta.max_seqlen_k, scale, window).flatten(1)
@@ -86,8 +86,8 @@ class CPUAttentionBackend:
                     mask &= k_pos > q_pos - window
             # 4-D inputs: with 3-D ones SDPA skips its fused CPU kernel for the slow math path.
             qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q[start:end], ks, vs))
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                               enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None and meta.causal,
+                                               scale=scale, enable_gqa=True)
             out[start:end] = o[0].transpose(0, 1).flatten(1)
         return out
 

@@ -7,7 +7,8 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block * block_size + offset) of each new token
+    slot_mapping: torch.Tensor | None  # [num_tokens] int64: cache slot (block * block_size + offset) of each new
+    # token; None: nothing is cached (a bidirectional encoder pass over whole sequences)
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, -1 padded: the KV blocks of each sequence
     context_lens: torch.Tensor  # [num_seqs] int32: tokens in the cache once this step's tokens are stored
     cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32: offsets of each sequence's new tokens
@@ -15,6 +16,7 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     block_size: int
+    causal: bool = True  # False: every token of a sequence attends to all of it (no window either)
     backend_state: Any = None  # whatever the chosen backend derives from the above, once per step
 
     @property
@@ -23,4 +25,4 @@ class AttentionMetadata:
 
     @property
     def is_decode(self) -> bool:
-        return self.max_seqlen_q == 1
+        return self.max_seqlen_q == 1 and self.causal
