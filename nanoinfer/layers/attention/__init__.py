@@ -1,17 +1,19 @@
-"""The attention layer and its backends; the backend is chosen once, when the KV cache is allocated."""
+"""The attention layer and its backends; the backend is chosen once (selector.py), when the KV cache is allocated."""
 import torch
 from torch import nn
 
 from nanoinfer.layers.attention.cpu import CPUAttentionBackend
 from nanoinfer.layers.attention.metadata import AttentionMetadata
 
-BACKENDS = {"cpu": CPUAttentionBackend}
 
-
-def get_backend(name: str, dtype: torch.dtype) -> CPUAttentionBackend:
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(BACKENDS)}")
-    return BACKENDS[name](dtype)
+def get_backend(name: str, dtype: torch.dtype, device: torch.device = torch.device("cpu")):
+    """"cpu": PyTorch (SDPA, plus the C decode kernel on CPU tensors), on any device; "flash": flash-attn on CUDA."""
+    if name == "cpu":
+        return CPUAttentionBackend(dtype, device)
+    if name == "flash":
+        from nanoinfer.layers.attention.flash import FlashAttentionBackend  # imports flash_attn and triton
+        return FlashAttentionBackend(dtype, device)
+    raise ValueError(f"unknown attention backend {name!r}; available: ['cpu', 'flash']")
 
 
 class Attention(nn.Module):
@@ -26,13 +28,14 @@ class Attention(nn.Module):
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.sliding_window = sliding_window
         self.k_cache = self.v_cache = torch.empty(0)  # [num_blocks, block_size, kv_heads, head_dim], set by ModelRunner
-        self.backend: CPUAttentionBackend | None = None
+        self.backend = None  # set by ModelRunner with the cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if meta.slot_mapping is not None:
+        # Nothing to store in an encoder pass, nor during the warm-up that sizes the cache on CUDA.
+        if meta.slot_mapping is not None and self.k_cache.numel():
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window)
 
