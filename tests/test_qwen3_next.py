@@ -43,7 +43,7 @@ def test_greedy_and_logits_match_hf(next_dir, captured_logits, report_logit_diff
     llm, outputs, worst = run(next_dir, captured_logits)
     assert all(len(o.token_ids) == MAX_TOKENS for o in outputs)
     assert llm.llm_engine.model_runner.num_state_slots == llm.llm_engine.config.max_num_seqs
-    report_logit_diff(next_dir.name, worst)
+    report_logit_diff(f"{next_dir.name}, state slots", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| vs transformers {worst:.2e}"
 
 
@@ -135,6 +135,13 @@ def test_causal_conv_carries_state_across_chunks():
         out.append(y)
     torch.testing.assert_close(torch.cat(out), expected, rtol=0, atol=1e-12)
     torch.testing.assert_close(state, x[-3:], rtol=0, atol=0)
+
+
+def test_embed_is_refused(next_dir):
+    llm = LLM(str(next_dir), max_model_len=64)
+    with pytest.raises(ValueError, match="bidirectional encoder"):
+        llm.embed([[5, 6, 7]])
+    assert len(llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids) == MAX_TOKENS  # still usable
 
 
 def test_multi_token_prediction_weights_are_skipped(next_dir, tmp_path):

@@ -112,6 +112,9 @@ class Qwen3NextModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.state_slots is None:  # the encoder pass of LLM.embed: no sequences, no state
+            raise ValueError("Qwen3-Next's linear-attention layers are causal and recurrent: the model cannot run "
+                             "as a bidirectional encoder (LLM.embed)")
         batch = RecurrentBatch.from_metadata(meta)
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
