@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from nanoinfer.config import Config
 from nanoinfer.engine.llm_engine import LLMEngine, Prompt
 from nanoinfer.engine.sequence import Sequence
-from nanoinfer.outputs import RequestOutput
+from nanoinfer.outputs import EmbeddingRequestOutput, RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict]
@@ -74,6 +74,18 @@ class LLM:
             text = self.tokenizer.apply_chat_template(list(conversation), tokenize=False, **kwargs)
             prompts.append({"prompt_token_ids": list(ids), "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def embed(self, prompts: Prompt | list[Prompt], pooling: str = "mean",
+              normalize: bool = False) -> list[EmbeddingRequestOutput]:
+        """The model as a bidirectional encoder without position encoding: each prompt's final-norm hidden states,
+        mean- or last-token-pooled (optionally L2-normalised), in `.outputs.embedding`; in input order."""
+        if pooling not in ("mean", "last"):
+            raise ValueError(f"pooling must be 'mean' or 'last', got {pooling!r}")
+        if not isinstance(normalize, bool):
+            raise TypeError(f"normalize must be a bool, got {normalize!r}")
+        with self._lock:
+            self._check_not_streaming()
+            return self.llm_engine.embed(_as_prompt_list(prompts), pooling, normalize)
 
     def _make_requests(self, prompts: Prompt | list[Prompt],
                        sampling_params: SamplingParams | list[SamplingParams] | None,

@@ -1,4 +1,5 @@
-"""What generation returns, shaped like vLLM's: a RequestOutput per prompt holding n CompletionOutputs."""
+"""What generation returns, shaped like vLLM's (a RequestOutput per prompt holding n CompletionOutputs),
+and what `LLM.embed` returns."""
 from dataclasses import dataclass
 
 
@@ -52,3 +53,16 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int | None = None  # prompt tokens whose K/V came from the prefix cache (completion 0)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # [hidden_size]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput

@@ -5,13 +5,16 @@ import time
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 
+import torch
+import torch.nn.functional as F
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanoinfer.config import Config
 from nanoinfer.engine.model_runner import ModelRunner, RunnerOutput, TokenLogprobs
 from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
 from nanoinfer.engine.sequence import Sequence
-from nanoinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanoinfer.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestMetrics,
+                               RequestOutput)
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 from nanoinfer.utils.gguf_loader import load_gguf_tokenizer
 
@@ -24,7 +27,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = _load_tokenizer(config)
         self.model_runner = ModelRunner(config)
-        self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks)
+        self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks, self.model_runner.num_state_slots)
         self.vocab_size: int = config.hf_config.vocab_size
         self.eos_token_ids = set(config.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}  # unfinished requests: their n completions
@@ -42,14 +45,10 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        token_ids, text = self._tokenize(prompt)
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        # Tokenizer output too: a tokenizer may know added tokens the model's embedding does not.
-        for name, ids in (("token id", token_ids), ("stop token id", params.stop_token_ids)):
-            out_of_range = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-            if out_of_range is not None:
-                raise ValueError(f"{name} {out_of_range} is outside the vocabulary [0, {self.vocab_size})")
+        token_ids, text = self.prompt_token_ids(prompt)
+        out_of_range = next((t for t in params.stop_token_ids if not 0 <= t < self.vocab_size), None)
+        if out_of_range is not None:
+            raise ValueError(f"stop token id {out_of_range} is outside the vocabulary [0, {self.vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > self.vocab_size:
                 raise ValueError(f"{name}={getattr(params, name)} exceeds the vocabulary size {self.vocab_size}")
@@ -62,6 +61,38 @@ class LLMEngine:
                          request_id=request_id, index=i, max_tokens=max_tokens,
                          eos_token_ids=frozenset(self.eos_token_ids), metrics=metrics)
                 for i in range(params.n)]
+
+    def prompt_token_ids(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        """A prompt's checked token ids, and its text if it was given as one."""
+        token_ids, text = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        # Tokenizer output too: a tokenizer may know added tokens the model's embedding does not.
+        out_of_range = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if out_of_range is not None:
+            raise ValueError(f"token id {out_of_range} is outside the vocabulary [0, {self.vocab_size})")
+        return token_ids, text
+
+    def embed(self, prompts: list[Prompt], pooling: str, normalize: bool) -> list[EmbeddingRequestOutput]:
+        """Pooled encoder states (see ModelRunner.encode), in batches of at most max_num_batched_tokens tokens."""
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("embed does not support tensor parallelism yet")
+        checked = [self.prompt_token_ids(p) for p in prompts]  # all validated before any runs
+        too_long = next((len(ids) for ids, _ in checked if len(ids) > self.config.max_model_len), None)
+        if too_long is not None:
+            raise ValueError(f"prompt of {too_long} tokens exceeds max_model_len={self.config.max_model_len}")
+        states: list[torch.Tensor] = []
+        batch: list[list[int]] = []
+        for ids, _ in checked + [([], None)]:  # the empty sentinel flushes the last batch
+            if batch and (not ids or sum(map(len, batch)) + len(ids) > self.config.max_num_batched_tokens):
+                states += self.model_runner.encode(batch)
+                batch = []
+            batch.append(ids)
+        pooled = [h.float().mean(0) if pooling == "mean" else h[-1].float() for h in states]
+        if normalize:
+            pooled = [F.normalize(e, dim=0) for e in pooled]
+        return [EmbeddingRequestOutput(next(Sequence.ids), text, ids, EmbeddingOutput(e.tolist()))
+                for (ids, text), e in zip(checked, pooled)]
 
     def _tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, dict):
