@@ -3,8 +3,9 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from nanoinfer.kernels.cpu import paged_decode_attention_available
+from nanoinfer.kernels.cpu import paged_decode_attention, paged_decode_attention_available
 from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.attention.cpu import CPUAttentionBackend
 
@@ -26,6 +27,18 @@ def decode_metadata(context_lens: list[int], block_size: int, num_blocks: int, s
         max_seqlen_q=1, max_seqlen_k=max(context_lens), block_size=block_size)
 
 
+def random_case(heads: int, kv_heads: int, head_dim: int, block_size: int, context_lens: list[int]
+                ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
+    meta = decode_metadata(context_lens, block_size, num_blocks=sum(-(-n // block_size) for n in context_lens) + 5,
+                           seed=heads + block_size)
+    g = torch.Generator().manual_seed(0)
+    num_blocks = meta.block_tables.max().item() + 6
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    q = torch.randn(len(context_lens), heads, head_dim, generator=g) * 2  # sharper softmax than N(0, 1)
+    return meta, q, k_cache, v_cache
+
+
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 def test_kernel_builds_where_a_compiler_exists():
     assert paged_decode_attention_available()
@@ -38,15 +51,12 @@ def test_kernel_builds_where_a_compiler_exists():
     (12, 3, 40, 8, [9, 100]),                    # 4 query heads per KV head, head_dim not a power of two
     (6, 1, 128, 1, [5, 2, 31]),                  # block size 1, a single KV head
     (8, 2, 64, 16, [2000, 3]),                   # long context next to a short one
+    (16, 8, 64, 16, [300]),                      # one sequence: work split across KV heads
+    (10, 5, 16, 16, [40, 1, 17]),                # KV heads split unevenly across work items
+    (3, 3, 72, 32, [1, 64, 65, 33]),             # odd head count, a vector and a scalar part per row
 ])
 def test_decode_kernel_matches_sdpa(heads, kv_heads, head_dim, block_size, context_lens):
-    meta = decode_metadata(context_lens, block_size, num_blocks=sum(-(-n // block_size) for n in context_lens) + 5,
-                           seed=heads + block_size)
-    g = torch.Generator().manual_seed(0)
-    num_blocks = meta.block_tables.max().item() + 6
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
-    q = torch.randn(len(context_lens), heads, head_dim, generator=g) * 2  # sharper softmax than N(0, 1)
+    meta, q, k_cache, v_cache = random_case(heads, kv_heads, head_dim, block_size, context_lens)
     scale = head_dim ** -0.5
     kernel, torch_path = CPUAttentionBackend(torch.float32), CPUAttentionBackend(torch.float32)
     torch_path.decode_kernel = False
@@ -58,6 +68,22 @@ def test_decode_kernel_matches_sdpa(heads, kv_heads, head_dim, block_size, conte
     assert ours.shape == ref.shape == (len(context_lens), heads * head_dim)
     err = (ours - ref).abs().max().item()
     assert err < 1e-5, f"max |kernel - SDPA| = {err:.2e}"
+
+
+@pytest.mark.skipif(not paged_decode_attention_available(), reason="the C kernel did not build here")
+@pytest.mark.parametrize("window", [1, 16, 17, 100])
+def test_decode_kernel_sliding_window(window):
+    """window > 0 attends to each sequence's last `window` tokens, as a sliding-window model's decode step does."""
+    context_lens, block_size = [1, 16, 40, 130], 16
+    meta, q, k_cache, v_cache = random_case(8, 2, 64, block_size, context_lens)
+    scale = 64 ** -0.5
+    ours = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window)
+    for i, n in enumerate(context_lens):
+        blocks = meta.block_tables[i, :-(-n // block_size)].long()
+        k, v = (c[blocks].flatten(0, 1)[max(0, n - window):n].transpose(0, 1) for c in (k_cache, v_cache))
+        ref = F.scaled_dot_product_attention(q[i].unsqueeze(1), k, v, scale=scale, enable_gqa=True).squeeze(1)
+        err = (ours[i] - ref).abs().max().item()
+        assert err < 1e-5, f"sequence {i} (context {n}, window {window}): max |kernel - SDPA| = {err:.2e}"
 
 
 def test_a_failing_build_falls_back_to_pytorch(monkeypatch, tmp_path):

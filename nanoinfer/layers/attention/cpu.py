@@ -50,8 +50,7 @@ class CPUAttentionBackend:
         if not meta.is_decode:
             return self._prefill(q, k, v, k_cache, v_cache, meta, scale)
         if self.decode_kernel:
-            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                          meta.max_seqlen_k, scale).flatten(1)
+            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale).flatten(1)
         state: CPUState = meta.backend_state
         b, slots = meta.num_seqs, state.mask.shape[-1]
         k = self._gather("k", k_cache, state.block_index).view(b, slots, *k_cache.shape[2:]).transpose(1, 2)
