@@ -1,10 +1,12 @@
-"""The C paged decode-attention kernel against the PyTorch gather + SDPA path, on random paged caches."""
+"""The C kernels of the CPU path against PyTorch: paged decode attention (against the gather + SDPA path, on
+random paged caches) and the fused small ops (against the op chains they replace)."""
 import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from nanoinfer.kernels import cpu as cpu_kernels
 from nanoinfer.kernels.cpu import paged_decode_attention, paged_decode_attention_available
 from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.attention.cpu import CPUAttentionBackend
@@ -98,3 +100,66 @@ def test_a_failing_build_falls_back_to_pytorch(monkeypatch, tmp_path):
         assert not CPUAttentionBackend(torch.float32).decode_kernel
     finally:
         cpu._library.cache_clear()
+
+
+needs_kernels = pytest.mark.skipif(not paged_decode_attention_available(), reason="the C kernels did not build here")
+
+
+def strided(x: torch.Tensor, pad: int = 3) -> torch.Tensor:
+    """The same values as a view whose token rows are `pad` floats wider apart, like a fused projection's slices."""
+    wide = torch.randn(x.shape[0], x[0].numel() + pad)
+    wide[:, :x[0].numel()] = x.flatten(1)
+    return wide[:, :x[0].numel()].view(x.shape)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(5, 64), (3, 7, 24), (1, 1, 1)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_kernel(shape, with_residual):
+    g = torch.Generator().manual_seed(len(shape))
+    x, weight = torch.randn(shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
+    residual = torch.randn(shape, generator=g) if with_residual else None
+    ref_in = x + residual if with_residual else x
+    ref = weight * (ref_in * torch.rsqrt(ref_in.pow(2).mean(-1, keepdim=True) + 1e-6))
+    ours = cpu_kernels.rms_norm(strided(x), weight, 1e-6, strided(residual) if with_residual else None)
+    if with_residual:
+        ours, new_residual = ours
+        assert torch.equal(new_residual, ref_in)
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads, dim, half", [(4, 64, 32), (3, 10, 5), (2, 16, 4)])  # last: partial rotary
+def test_rotary_kernel(heads, dim, half):
+    g = torch.Generator().manual_seed(dim)
+    x = torch.randn(6, heads, dim, generator=g)
+    angles = torch.outer(torch.arange(50, dtype=torch.float32), torch.rand(half, generator=g))
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.tensor([0, 49, 3, 3, 17, 1])
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    ref = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), -1)
+    torch.testing.assert_close(cpu_kernels.rotary_neox(strided(x), positions, cos, sin), ref, rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
+def test_silu_and_mul_kernel():
+    g = torch.Generator().manual_seed(0)
+    gate = torch.cat([torch.randn(4, 100, generator=g) * 4, torch.tensor([[0.0, -0.0, 90.0, -90.0] * 25])])
+    x = torch.cat([gate, torch.randn(5, 100, generator=g)], -1)
+    ref = F.silu(x[:, :100]) * x[:, 100:]
+    torch.testing.assert_close(cpu_kernels.silu_and_mul(x), ref, rtol=1e-6, atol=1e-7)
+
+
+@needs_kernels
+def test_store_kvcache_kernel():
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(6, 4, 3, 8, generator=g), torch.randn(6, 4, 3, 8, generator=g)
+    k, v = torch.randn(5, 3, 8, generator=g), torch.randn(5, 3, 8, generator=g)
+    slots = torch.tensor([7, 0, 23, -1, 12])  # -1: skipped
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    ref_k.view(-1, 3, 8)[slots[keep]] = k[keep]
+    ref_v.view(-1, 3, 8)[slots[keep]] = v[keep]
+    cpu_kernels.store_kvcache(strided(k), strided(v), k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)

@@ -3,8 +3,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoinfer.kernels import cpu as cpu_kernels
+
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.use_cpu_kernels(x):
+            return cpu_kernels.silu_and_mul(x)
         gate, up = x.chunk(2, -1)
         return F.silu(gate) * up

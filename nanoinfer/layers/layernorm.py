@@ -2,6 +2,8 @@
 import torch
 from torch import nn
 
+from nanoinfer.kernels import cpu as cpu_kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -17,6 +19,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if cpu_kernels.use_cpu_kernels(x):  # one pass instead of ~8 ops
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual

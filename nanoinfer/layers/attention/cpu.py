@@ -5,7 +5,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanoinfer.kernels.cpu import paged_decode_attention, paged_decode_attention_available
+from nanoinfer.kernels.cpu import (paged_decode_attention, paged_decode_attention_available, store_kvcache,
+                                  use_cpu_kernels)
 from nanoinfer.layers.attention.metadata import AttentionMetadata
 
 
@@ -40,6 +41,8 @@ class CPUAttentionBackend:
 
     def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
+        if use_cpu_kernels(k):
+            return store_kvcache(k, v, k_cache, v_cache, slot_mapping)
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
