@@ -163,3 +163,16 @@ def test_store_kvcache_kernel():
     ref_v.view(-1, 3, 8)[slots[keep]] = v[keep]
     cpu_kernels.store_kvcache(strided(k), strided(v), k_cache, v_cache, slots)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+@needs_kernels
+def test_argmax_kernel():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 1000, generator=g)
+    x[1, 10] = x[1, 900] = 50.0  # a tie: the first index wins
+    x[2, :] = 0.0
+    x[3, 999] = float("inf")
+    x[4, 500] = float("nan")  # NaN counts as the largest, as in torch
+    x[5, 0] = 7.0
+    assert torch.equal(cpu_kernels.argmax(x), x.argmax(-1))
+    assert cpu_kernels.argmax(x).tolist()[:5] == [x[0].argmax().item(), 10, 0, 999, 500]

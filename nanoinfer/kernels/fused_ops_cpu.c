@@ -100,3 +100,25 @@ void store_kvcache(const float *k, int64_t k_stride, const float *v, int64_t v_s
         memcpy(v_cache + slots[t] * row, v + t * v_stride, sizeof(float) * row);
     }
 }
+
+/* out[r] = the first index of the largest value of row r (a NaN counts as the largest, as in torch.argmax):
+ * a vectorised max, then a scan for its first occurrence, while the row is still in L2. */
+void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, int64_t num_threads) {
+#pragma omp parallel for num_threads(rows * n >= PARALLEL_MIN ? num_threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * n;
+        float mx = row[0];
+        int nan = 0;
+#pragma omp simd reduction(max : mx) reduction(| : nan)
+        for (int64_t i = 0; i < n; ++i) {
+            mx = row[i] > mx ? row[i] : mx;
+            nan |= row[i] != row[i];
+        }
+        int64_t at = 0;
+        if (nan)
+            while (row[at] == row[at]) ++at;
+        else
+            while (row[at] != mx) ++at;
+        out[r] = at;
+    }
+}

@@ -2,12 +2,14 @@
 import torch
 from torch import nn
 
+from nanoinfer.kernels import cpu as cpu_kernels
+
 
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 generators: list[torch.Generator | None], default_generator: torch.Generator) -> torch.Tensor:
         """logits [B, V] fp32; temperature 0 means greedy; top_k <= 0 or >= V and top_p == 1 disable those filters."""
-        greedy = logits.argmax(-1)
+        greedy = cpu_kernels.argmax(logits) if cpu_kernels.use_cpu_kernels(logits) else logits.argmax(-1)
         if bool((temperatures == 0).all()):
             return greedy
         logits = logits / temperatures.clamp_min(1e-6).unsqueeze(1)
