@@ -51,6 +51,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compare-hf", action="store_true", help="also run transformers generate on the same prompts")
     p.add_argument("--hf-batch-size", type=int, help="HF generate batch size (default: all prompts in one batch)")
     p.add_argument("--hf-static", action="store_true", help='HF generate with cache_implementation="static"')
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed run, profile full-batch decode steps: matmuls vs attention vs the rest")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     return p.parse_args()
 
@@ -147,6 +149,42 @@ def run_ours(llm: LLM, prompts: list[list[int]], out_lens: list[int], linear_par
     return dict(wall=wall, outputs=outputs, steps=stats, preemptions=engine.scheduler.num_preemptions)
 
 
+def profile_decode(llm: LLM, prompts: list[list[int]], warm_steps: int = 48, steps: int = 16) -> dict:
+    """Where a decode step at full batch goes, a quarter to two thirds of the way into 128 output tokens
+    (around the mean context of the workload's decode steps): `steps` steps are timed, then as many are
+    profiled with torch.profiler for the time inside matmuls (oneDNN or F.linear, LM head included), the
+    C attention kernel and the other C kernels (norms, rotary, SiLU, KV store, argmax); the rest (sampling,
+    building inputs, scheduling, Python) is the timed step minus those."""
+    engine = llm.llm_engine
+    for p in prompts:
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=warm_steps + 2 * steps + 2, ignore_eos=True))
+    while engine.step()[1].is_prefill:
+        pass
+    for _ in range(warm_steps):
+        engine.step()
+    walls = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        _, batch = engine.step()
+        walls.append(time.perf_counter() - t)
+    batch_size = len(batch.seqs)
+    context = sum(map(len, batch.seqs)) / batch_size
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    engine.abort_all()
+    ms = {"matmul": 0.0, "attention": 0.0, "small_ops": 0.0}
+    for e in prof.key_averages():
+        kind = ("matmul" if e.key in ("mkldnn::_linear_pointwise", "aten::linear") else
+                "attention" if e.key == "nanoinfer::paged_decode_attention" else
+                "small_ops" if e.key.startswith("nanoinfer::") else None)
+        if kind:
+            ms[kind] += e.cpu_time_total / 1e3 / steps
+    step = sorted(walls)[len(walls) // 2] * 1e3
+    return dict(batch=batch_size, context=context, step_ms=step, **{f"{k}_ms": v for k, v in ms.items()},
+                rest_ms=step - sum(ms.values()), ratio=step / ms["matmul"] if ms["matmul"] else float("nan"))
+
+
 def run_hf(model: str, prompts: list[list[int]], out_lens: list[int], batch_size: int, static: bool) -> dict:
     """transformers batched greedy generate, left-padded with token 0 (masked out)."""
     from transformers import AutoModelForCausalLM
@@ -238,6 +276,12 @@ def main() -> None:
                   nanoinfer=dict(wall_s=wall, output_tok_s=num_output / wall,
                                  total_tok_s=(num_prompt + num_output) / wall, linear_gflops=gflops,
                                  preemptions=ours["preemptions"], prefill=pre, decode=dec))
+
+    if args.profile:
+        d = result["decode_profile"] = profile_decode(llm, prompts)
+        print(f"decode step at batch {d['batch']} (mean context {d['context']:.0f} tokens): {d['step_ms']:.1f} ms = "
+              f"matmuls {d['matmul_ms']:.1f} + attention {d['attention_ms']:.1f} + small ops {d['small_ops_ms']:.1f} "
+              f"+ rest {d['rest_ms']:.1f} (sampling, inputs, Python) | {d['ratio']:.2f}x its matmuls")
 
     if args.compare_hf:
         bs = args.hf_batch_size or len(prompts)

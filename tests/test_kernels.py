@@ -130,16 +130,21 @@ def test_rms_norm_kernel(shape, with_residual):
 
 @needs_kernels
 @pytest.mark.parametrize("heads, dim, half", [(4, 64, 32), (3, 10, 5), (2, 16, 4)])  # last: partial rotary
-def test_rotary_kernel(heads, dim, half):
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_rotary_kernel(heads, dim, half, with_norm):
     g = torch.Generator().manual_seed(dim)
     x = torch.randn(6, heads, dim, generator=g)
+    weight = torch.randn(dim, generator=g)
     angles = torch.outer(torch.arange(50, dtype=torch.float32), torch.rand(half, generator=g))
     cos, sin = angles.cos(), angles.sin()
     positions = torch.tensor([0, 49, 3, 3, 17, 1])
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    normed = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)) if with_norm else x
+    x1, x2, rest = normed[..., :half], normed[..., half:2 * half], normed[..., 2 * half:]
     ref = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), -1)
-    torch.testing.assert_close(cpu_kernels.rotary_neox(strided(x), positions, cos, sin), ref, rtol=1e-6, atol=1e-6)
+    norm_args = (weight, 1e-5) if with_norm else ()
+    ours = cpu_kernels.rotary_neox(strided(x), positions, cos, sin, *norm_args)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernels

@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import tempfile
 import warnings
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -25,14 +24,11 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "paged_decode_attention": [_P] * 6 + [_I] * 8 + [_F],
     "rms_norm": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _F, _I],
-    "rotary_neox": [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I],
+    "rotary_neox": [_P, _I, _P, _P, _P, _P, _P, _F, _I, _I, _I, _I, _I],
     "silu_and_mul": [_P, _P, _I, _I, _I],
     "store_kvcache": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I],
     "argmax_rows": [_P, _I, _I, _P, _I],
 }
-
-
-_profiling = torch._C._autograd._profiler_enabled
 
 
 def _machine() -> bytes:
@@ -86,6 +82,15 @@ def use_cpu_kernels(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 2 and _library() is not None
 
 
+def _run(name: str, *args) -> None:
+    """Call a kernel; while a torch profile is recording, under its name (record_function is not free)."""
+    if torch._C._autograd._profiler_enabled():
+        with torch.profiler.record_function(f"nanoinfer::{name}"):
+            getattr(_library(), name)(*args)
+    else:
+        getattr(_library(), name)(*args)
+
+
 def _per_token(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """x (copied if need be) whose tokens' (dim 0's) elements are each contiguous, as in the q/k/v slices of a
     fused projection's output, and the floats between consecutive tokens."""
@@ -106,12 +111,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q, block_tables, context_lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
     assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and block_tables.dtype == torch.int32
     out = torch.empty_like(q)
-    # Named in a profile (bench.py --profile); record_function is not free, so only while one is recording.
-    with torch.profiler.record_function("nanoinfer::paged_decode_attention") if _profiling() else nullcontext():
-        _library().paged_decode_attention(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
-            out.data_ptr(), q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
-            block_tables.shape[1], window, torch.get_num_threads(), scale)
+    _run("paged_decode_attention", q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+         context_lens.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2],
+         k_cache.shape[1], block_tables.shape[1], window, torch.get_num_threads(), scale)
     return out
 
 
@@ -125,22 +127,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if residual is not None:
         residual, residual_stride = _per_token(residual)
         new_residual = torch.empty(x.shape, dtype=x.dtype)
-    _library().rms_norm(x.data_ptr(), x_stride, None if residual is None else residual.data_ptr(), residual_stride,
-                        None if residual is None else new_residual.data_ptr(), weight.contiguous().data_ptr(),
-                        out.data_ptr(), x.shape[0], math.prod(x.shape[1:-1]), dim, eps, torch.get_num_threads())
+    _run("rms_norm", x.data_ptr(), x_stride, None if residual is None else residual.data_ptr(), residual_stride,
+         None if residual is None else new_residual.data_ptr(), weight.contiguous().data_ptr(),
+         out.data_ptr(), x.shape[0], math.prod(x.shape[1:-1]), dim, eps, torch.get_num_threads())
     return out if residual is None else (out, new_residual)
 
 
-def rotary_neox(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotary_neox(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """x [tokens, heads, dim] (token rows may be strided) rotated by the cos/sin rows [max_position, half] of
-    `positions`; dims from 2 * half on pass through."""
+    `positions`; dims from 2 * half on pass through. With norm_weight, each head is RMS-normalised first."""
     tokens, heads, dim = x.shape
     assert positions.dtype == torch.int64 and cos.is_contiguous() and sin.is_contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
     x, x_stride = _per_token(x)
-    _library().rotary_neox(x.data_ptr(), x_stride, out.data_ptr(),
-                           positions.contiguous().data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, dim,
-                           cos.shape[-1], torch.get_num_threads())
+    _run("rotary_neox", x.data_ptr(), x_stride, out.data_ptr(), positions.contiguous().data_ptr(), cos.data_ptr(),
+         sin.data_ptr(), None if norm_weight is None else norm_weight.contiguous().data_ptr(), eps, tokens, heads,
+         dim, cos.shape[-1], torch.get_num_threads())
     return out
 
 
@@ -149,7 +152,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     n = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
-    _library().silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // (2 * n), n, torch.get_num_threads())
+    _run("silu_and_mul", x.data_ptr(), out.data_ptr(), x.numel() // (2 * n), n, torch.get_num_threads())
     return out
 
 
@@ -159,14 +162,14 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     row = k_cache[0, 0].numel()
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64
     (k, k_stride), (v, v_stride) = _per_token(k), _per_token(v)
-    _library().store_kvcache(k.data_ptr(), k_stride, v.data_ptr(), v_stride,
-                             k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.contiguous().data_ptr(),
-                             k.shape[0], row, torch.get_num_threads())
+    _run("store_kvcache", k.data_ptr(), k_stride, v.data_ptr(), v_stride,
+         k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.contiguous().data_ptr(),
+         k.shape[0], row, torch.get_num_threads())
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1) of a 2-D x (torch's is single-threaded and not vectorised here: ~1.5 ms for 64 x 32,000)."""
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    _library().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    _run("argmax_rows", x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
     return out

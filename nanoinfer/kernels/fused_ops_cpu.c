@@ -54,24 +54,33 @@ void rms_norm(const float *x, int64_t x_stride, const float *residual, int64_t r
 }
 
 /* Neox-style rotary embedding of the first 2 * half dims of every head (the rest is copied):
- * out = x * cos + rotate_half(x) * sin with cos/sin tables [positions, half]. x rows are tokens of `heads`
- * heads of `dim`, x_stride apart; out is contiguous [tokens, heads, dim]. */
+ * out = x * cos + rotate_half(x) * sin with cos/sin tables [positions, half]. x is [tokens, heads, dim] with
+ * tokens x_stride apart; out is contiguous. With norm_weight given, each head is first RMS-normalised as in
+ * rms_norm (Qwen3's q/k norm), in the same pass. */
 void rotary_neox(const float *x, int64_t x_stride, float *out, const int64_t *positions, const float *cos,
-                 const float *sin, int64_t tokens, int64_t heads, int64_t dim, int64_t half, int64_t num_threads) {
+                 const float *sin, const float *norm_weight, float eps, int64_t tokens, int64_t heads, int64_t dim,
+                 int64_t half, int64_t num_threads) {
 #pragma omp parallel for num_threads(tokens * heads * dim >= PARALLEL_MIN ? num_threads : 1) schedule(static)
-    for (int64_t t = 0; t < tokens; ++t) {
-        const float *c = cos + positions[t] * half, *s = sin + positions[t] * half;
-        for (int64_t h = 0; h < heads; ++h) {
-            const float *xh = x + t * x_stride + h * dim;
-            float *o = out + (t * heads + h) * dim;
+    for (int64_t r = 0; r < tokens * heads; ++r) {
+        const int64_t t = r / heads, h = r % heads;
+        const float *c = cos + positions[t] * half, *s = sin + positions[t] * half, *xh = x + t * x_stride + h * dim;
+        float *o = out + r * dim;
+        if (norm_weight != NULL) {
+            float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t d = 0; d < dim; ++d) ss += xh[d] * xh[d];
+            const float inv = 1.f / sqrtf(ss / (float)dim + eps);
 #pragma omp simd
-            for (int64_t i = 0; i < half; ++i) {
-                const float x1 = xh[i], x2 = xh[i + half];
-                o[i] = x1 * c[i] - x2 * s[i];
-                o[i + half] = x2 * c[i] + x1 * s[i];
-            }
-            memcpy(o + 2 * half, xh + 2 * half, sizeof(float) * (dim - 2 * half));
+            for (int64_t d = 0; d < dim; ++d) o[d] = norm_weight[d] * (xh[d] * inv);
+            xh = o;  /* rotated in place below: each i reads its pair before writing it */
         }
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+            const float x1 = xh[i], x2 = xh[i + half];
+            o[i] = x1 * c[i] - x2 * s[i];
+            o[i + half] = x2 * c[i] + x1 * s[i];
+        }
+        if (xh != o) memcpy(o + 2 * half, xh + 2 * half, sizeof(float) * (dim - 2 * half));
     }
 }
 

@@ -4,6 +4,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.kernels import cpu as cpu_kernels
+from nanoinfer.layers.layernorm import RMSNorm
 
 
 def rope_parameters(config: PretrainedConfig) -> dict:
@@ -40,14 +41,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
         self.head_dim = head_dim
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim] -> rotated copies."""
-        if cpu_kernels.use_cpu_kernels(q):  # one pass each instead of ~12 ops
-            return (cpu_kernels.rotary_neox(q, positions, self.cos, self.sin),
-                    cpu_kernels.rotary_neox(k, positions, self.cos, self.sin))
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None = None,
+                k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim] -> rotated copies; per-head RMSNorms
+        (Qwen3's q/k norm), if given, are applied first, in the same pass on the CPU path."""
+        if cpu_kernels.use_cpu_kernels(q):
+            return (cpu_kernels.rotary_neox(q, positions, self.cos, self.sin, *_norm_args(q_norm)),
+                    cpu_kernels.rotary_neox(k, positions, self.cos, self.sin, *_norm_args(k_norm)))
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _norm_args(norm: RMSNorm | None) -> tuple:
+    return () if norm is None else (norm.weight, norm.eps)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
