@@ -5,11 +5,15 @@ import numpy as np
 import torch
 
 from nanoinfer.config import Config
+from nanoinfer.engine.cuda_graph import CUDAGraphRunner
+from nanoinfer.engine.gpu_memory import profile_kv_cache_blocks
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention, AttentionMetadata, get_backend
+from nanoinfer.layers.attention.selector import resolve_device
 from nanoinfer.layers.sampler import Sampler
 from nanoinfer.models.registry import get_model_class
+from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.utils.gguf_loader import iter_gguf_weights
 from nanoinfer.utils.loader import iter_safetensors, load_weights
 from nanoinfer.utils.memory import keep_freed_memory
@@ -24,13 +28,19 @@ class ModelRunner:
     def __init__(self, config: Config):
         self.config = config
         self.block_size = config.kvcache_block_size
+        # Resolved in this process: a bare "cuda" is each tensor-parallel rank's own GPU.
+        self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         keep_freed_memory()
-        self.model = self._load_model(config)
+        self.model = self._load_model(config).to(self.device)
         for module in self.model.modules():
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading(min(config.max_num_seqs, 256))
-        self.backend = get_backend("cpu", config.torch_dtype)
+        self.backend = get_backend(config.attention_backend, config.torch_dtype, self.device)
+        self.graph_runner: CUDAGraphRunner | None = None
         self.num_kvcache_blocks = self._allocate_kv_cache()
+        self.graph_runner = self._capture_graphs()
         self.sampler = Sampler()
         self.generator = torch.Generator().manual_seed(config.seed)
 
@@ -58,10 +68,18 @@ class ModelRunner:
         itemsize = self.config.torch_dtype.itemsize
         block_bytes = sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in layers)
         num_blocks = self.config.num_kvcache_blocks
-        if num_blocks is not None and num_blocks * block_bytes > _available_memory():
+        if self.device.type == "cuda":
+            if num_blocks is None:
+                num_blocks = profile_kv_cache_blocks(self._warm_up, self.device, self.config.gpu_memory_utilization,
+                                                     block_bytes)
+            if num_blocks * self.block_size < self.config.max_model_len:
+                raise ValueError(f"GPU memory left for the KV cache holds {num_blocks} blocks of {self.block_size} "
+                                 f"tokens, less than max_model_len={self.config.max_model_len}; raise "
+                                 f"gpu_memory_utilization or lower max_model_len")
+        elif num_blocks is not None and num_blocks * block_bytes > _available_memory():
             raise ValueError(f"num_kvcache_blocks={num_blocks} needs {num_blocks * block_bytes / 2**30:.1f} GiB, more "
                              f"than the {_available_memory() / 2**30:.1f} GiB available")
-        if num_blocks is None:
+        elif num_blocks is None:
             wanted = -(-self.config.max_num_seqs * self.config.max_model_len // self.block_size)
             budget = min(KV_CACHE_MAX_BYTES, _available_memory() * KV_CACHE_MEMORY_FRACTION)
             affordable = int(budget) // block_bytes
@@ -72,10 +90,29 @@ class ModelRunner:
         for a in layers:
             shape = (num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
             # Zeros, not empty: never-written slots are masked, but NaN garbage would leak through the softmax.
-            a.k_cache = torch.zeros(shape, dtype=self.config.torch_dtype)
-            a.v_cache = torch.zeros(shape, dtype=self.config.torch_dtype)
+            a.k_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
+            a.v_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
             a.backend = self.backend
         return num_blocks
+
+    def _warm_up(self) -> None:
+        """A prefill of the largest step the scheduler can make, before the cache exists (nothing is stored)."""
+        length = min(self.config.max_model_len, self.config.max_num_batched_tokens)
+        count = max(1, min(self.config.max_num_seqs, self.config.max_num_batched_tokens // length))
+        seqs = [Sequence([0] * length, SamplingParams(temperature=0), self.block_size) for _ in range(count)]
+        for seq in seqs:
+            seq.block_table = [0] * seq.num_blocks
+        self.run(ScheduledBatch(seqs, [length] * count))
+
+    def _capture_graphs(self) -> CUDAGraphRunner | None:
+        """Decode graphs for the flash backend (whose decode reads only fixed-address tensors) unless enforce_eager."""
+        if self.config.enforce_eager or self.config.attention_backend != "flash":
+            return None
+        runner = CUDAGraphRunner(self.model, self.backend, self.config.max_num_seqs, self.config.max_model_len,
+                                 self.block_size, self.config.hf_config.hidden_size, self.config.torch_dtype,
+                                 self.device)
+        runner.capture()
+        return runner
 
     def prepare(self, batch: ScheduledBatch, samples: list[bool]
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -105,6 +142,7 @@ class ModelRunner:
             max_seqlen_q=max(batch.num_new_tokens),
             max_seqlen_k=max(context_lens),
             block_size=self.block_size,
+            has_cached_prefix=cu_k[-1] > cu_q[-1],
         )
         return torch.tensor(input_ids), torch.from_numpy(np.concatenate(positions)), meta, sample_rows
 
@@ -113,12 +151,19 @@ class ModelRunner:
         """The next token of every sequence whose scheduled tokens reach its end; None for partial prompt chunks."""
         samples = batch.samples
         input_ids, positions, meta, sample_rows = self.prepare(batch, samples)
-        self.backend.prepare(meta)
-        hidden = self.model(input_ids, positions, meta)
+        input_ids, positions = input_ids.to(self.device), positions.to(self.device)
+        meta = meta.to(self.device)
+        hidden = None
+        if self.graph_runner is not None and meta.is_decode:
+            hidden = self.graph_runner.run(input_ids, positions, meta)
+        if hidden is None:
+            self.backend.prepare(meta)
+            hidden = self.model(input_ids, positions, meta)
         seqs = [s for s, sampled in zip(batch.seqs, samples) if sampled]
         if not seqs:
             return [None] * len(batch.seqs)
-        tokens = iter(self.sample(seqs, self.model.compute_logits(hidden[sample_rows])).tolist())
+        # Sampling runs on the CPU, where the per-request generators live.
+        tokens = iter(self.sample(seqs, self.model.compute_logits(hidden[sample_rows]).cpu()).tolist())
         return [next(tokens) if sampled else None for sampled in samples]
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
