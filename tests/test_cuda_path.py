@@ -42,16 +42,20 @@ def test_every_module_imports_and_the_cpu_path_runs_without_cuda_triton_or_flash
                 failed[m.name] = str(e)
         out = LLM(sys.argv[1], max_model_len=64).generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4),
                                                           use_tqdm=False)[0]
-        print(json.dumps(dict(imported=imported, failed=failed, tokens=out.token_ids)))
+        from nanoinfer.kernels.cuda import triton_layers
+        print(json.dumps(dict(imported=imported, failed=failed, tokens=out.token_ids,
+                              cuda_layer_kernels=triton_layers() is not None)))
     """)
     r = subprocess.run([sys.executable, "-c", code, str(qwen3_dir)], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     # Only Triton source in nanoinfer/kernels/ needs triton to import; everything else imports it lazily.
-    assert set(result["failed"]) == {"nanoinfer.kernels.triton_kvcache"}, result["failed"]
-    assert "triton" in result["failed"]["nanoinfer.kernels.triton_kvcache"]
-    for name in ("nanoinfer.layers.attention.flash", "nanoinfer.engine.cuda_graph", "nanoinfer.engine.gpu_memory",
+    assert set(result["failed"]) == {"nanoinfer.kernels.triton_kvcache", "nanoinfer.kernels.triton_layers"}, \
+        result["failed"]
+    assert all("triton" in error for error in result["failed"].values())
+    assert not result["cuda_layer_kernels"]  # CUDA tensors would stay on the PyTorch layers
+    for name in ("nanoinfer.layers.attention.flash", "nanoinfer.kernels.cuda", "nanoinfer.engine.cuda_graph", "nanoinfer.engine.gpu_memory",
                  "nanoinfer.layers.attention.selector", "nanoinfer.engine.model_runner", "nanoinfer.llm"):
         assert name in result["imported"]
     assert len(result["tokens"]) == 4

@@ -1,4 +1,5 @@
-"""Triton kernels run by Triton's interpreter on CPU tensors against torch references, and the flash backend
+"""Triton kernels (store_kvcache, fused add + RMSNorm, SiLU-and-mul) run by Triton's interpreter on CPU tensors
+against the PyTorch code they replace on CUDA, and the flash backend
 driven end to end on the CPU (real Triton store kernel, flash-attn's contract emulated by cuda_fakes,
 CUDA graphs emulated by EagerGraph) against transformers. TRITON_INTERPRET=1 must be set before triton
 defines a kernel, so tests/test_triton.py runs this file in a pytest process of its own."""
@@ -21,6 +22,9 @@ from nanoinfer.engine.model_runner import ModelRunner  # noqa: E402
 from nanoinfer.engine.scheduler import ScheduledBatch  # noqa: E402
 from nanoinfer.engine.sequence import Sequence  # noqa: E402
 from nanoinfer.kernels.triton_kvcache import store_kvcache  # noqa: E402
+from nanoinfer.kernels.triton_layers import rms_norm, silu_and_mul  # noqa: E402
+from nanoinfer.layers.activation import SiluAndMul  # noqa: E402
+from nanoinfer.layers.layernorm import RMSNorm  # noqa: E402
 from nanoinfer.layers.attention import get_backend, selector  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -61,6 +65,45 @@ def test_store_kvcache_all_padding_and_empty():
     store_kvcache(k, k, k_cache, k_cache, torch.full((5,), -1))
     store_kvcache(k[:0], k[:0], k_cache, k_cache, torch.zeros(0, dtype=torch.int64))
     assert torch.equal(k_cache, before)
+
+
+# fp32 differs from PyTorch only in summation order; fp16 by at most one rounding of the output.
+TOLERANCE = {torch.float32: 2e-6, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(7, 64), (5, 100), (3, 4, 40), (1, 1000)], ids=str)  # odd widths, per-head norm
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_the_torch_layer(dtype, shape, with_residual):
+    g = torch.Generator().manual_seed(shape[-1])
+    layer = RMSNorm(shape[-1], eps=1e-5)
+    layer.weight.data = torch.randn(shape[-1], generator=g).to(dtype)
+    wide = torch.randn(*shape[:-1], shape[-1] + 24, generator=g).to(dtype)
+    x = wide[..., 24:]  # a strided view, like q out of the fused qkv projection
+    residual = torch.randn(shape, generator=g).to(dtype) if with_residual else None
+    ours, ref = rms_norm(x, layer.weight, layer.eps, residual), layer(x, residual)  # CPU tensors: torch path
+    if with_residual:
+        assert torch.equal(ours[1], ref[1])  # the residual stream: one rounding of x + residual, exact
+        ours, ref = ours[0], ref[0]
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype == dtype
+    err = ((ours.float() - ref.float()).abs() / (1 + ref.float().abs())).max().item()
+    assert err < TOLERANCE[dtype], f"max relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(6, 2 * 64), (3, 2 * 100), (2, 2 * 2500), (2, 3, 2 * 48)], ids=str)
+def test_silu_and_mul_matches_the_torch_layer(dtype, shape):
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(shape[-1])) * 4).to(dtype)
+    ours, ref = silu_and_mul(x), SiluAndMul()(x)
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype == dtype
+    err = ((ours.float() - ref.float()).abs() / (1 + ref.float().abs())).max().item()
+    assert err < TOLERANCE[dtype], f"max relative error {err:.2e}"
+
+
+def test_empty_batches():
+    w = torch.ones(8)
+    assert rms_norm(torch.zeros(0, 8), w, 1e-6).shape == (0, 8)
+    assert silu_and_mul(torch.zeros(0, 16)).shape == (0, 8)
 
 
 @pytest.fixture
