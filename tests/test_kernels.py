@@ -57,7 +57,8 @@ def test_kernel_builds_where_a_compiler_exists():
     (10, 5, 16, 16, [40, 1, 17]),                # KV heads split unevenly across work items
     (3, 3, 72, 32, [1, 64, 65, 33]),             # odd head count, a vector and a scalar part per row
 ])
-def test_decode_kernel_matches_sdpa(heads, kv_heads, head_dim, block_size, context_lens):
+@pytest.mark.parametrize("window", [None, 1, 7, 40])  # sliding window: only the last `window` positions
+def test_decode_kernel_matches_sdpa(heads, kv_heads, head_dim, block_size, context_lens, window):
     meta, q, k_cache, v_cache = random_case(heads, kv_heads, head_dim, block_size, context_lens)
     scale = head_dim ** -0.5
     kernel, torch_path = CPUAttentionBackend(torch.float32), CPUAttentionBackend(torch.float32)
@@ -65,11 +66,15 @@ def test_decode_kernel_matches_sdpa(heads, kv_heads, head_dim, block_size, conte
     for backend in (kernel, torch_path):
         backend.prepare(meta)
     unused = torch.empty(0)  # this step's k, v: only prefill reads them, decode reads the cache
-    ours = kernel.forward(q, unused, unused, k_cache, v_cache, meta, scale)
-    ref = torch_path.forward(q, unused, unused, k_cache, v_cache, meta, scale)
+    ours = kernel.forward(q, unused, unused, k_cache, v_cache, meta, scale, window)
+    ref = torch_path.forward(q, unused, unused, k_cache, v_cache, meta, scale, window)
     assert ours.shape == ref.shape == (len(context_lens), heads * head_dim)
     err = (ours - ref).abs().max().item()
     assert err < 1e-5, f"max |kernel - SDPA| = {err:.2e}"
+    if window is not None:  # the window really changed the result where the context is longer
+        full = kernel.forward(q, unused, unused, k_cache, v_cache, meta, scale)
+        longer = meta.context_lens > window
+        assert torch.equal(longer, (full - ours).abs().amax(1) > 1e-3)
 
 
 @pytest.mark.skipif(not paged_decode_attention_available(), reason="the C kernel did not build here")

@@ -1,4 +1,5 @@
 """Builds a step's model inputs from scheduled sequences, runs the model over the paged KV cache, samples."""
+import math
 import os
 
 import numpy as np
@@ -11,6 +12,7 @@ from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention, AttentionMetadata, get_backend
 from nanoinfer.layers.attention.selector import resolve_device
+from nanoinfer.layers.gated_delta_rule import GatedDeltaRule
 from nanoinfer.layers.sampler import Sampler
 from nanoinfer.models.registry import get_model_class
 from nanoinfer.sampling_params import SamplingParams
@@ -39,7 +41,8 @@ class ModelRunner:
                 module.process_weights_after_loading(min(config.max_num_seqs, 256))
         self.backend = get_backend(config.attention_backend, config.torch_dtype, self.device)
         self.graph_runner: CUDAGraphRunner | None = None
-        self.num_kvcache_blocks = self._allocate_kv_cache()
+        self.num_state_slots, state_bytes = self._allocate_state_cache()
+        self.num_kvcache_blocks = self._allocate_kv_cache(state_bytes)
         self.graph_runner = self._capture_graphs()
         self.sampler = Sampler()
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -63,7 +66,27 @@ class ModelRunner:
     def _attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
-    def _allocate_kv_cache(self) -> int:
+    def _allocate_state_cache(self) -> tuple[int, int]:
+        """Recurrent-state slots of the linear-attention layers, one per running sequence (max_num_seqs, or fewer
+        if they would take more than half the cache budget), and their bytes; (0, 0) without such layers."""
+        layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaRule)]
+        if not layers:
+            return 0, 0
+        dtype = self.config.torch_dtype
+        ssm_dtype = torch.promote_types(dtype, torch.float32)  # the delta rule runs in fp32 at least
+        slot_bytes = sum(math.prod(a.conv_state_shape) * dtype.itemsize
+                         + math.prod(a.ssm_state_shape) * ssm_dtype.itemsize for a in layers)
+        budget = min(KV_CACHE_MAX_BYTES, _available_memory() * KV_CACHE_MEMORY_FRACTION) // 2
+        num_slots = min(self.config.max_num_seqs, int(budget // slot_bytes))
+        if num_slots < 1:
+            raise ValueError(f"not enough memory for the recurrent state of one sequence ({slot_bytes} bytes)")
+        for a in layers:
+            a.conv_state = torch.zeros(num_slots, *a.conv_state_shape, dtype=dtype, device=self.device)
+            a.ssm_state = torch.zeros(num_slots, *a.ssm_state_shape, dtype=ssm_dtype, device=self.device)
+        return num_slots, num_slots * slot_bytes
+
+    def _allocate_kv_cache(self, reserved_bytes: int = 0) -> int:
+        """KV blocks of the attention layers, within the cache budget minus reserved_bytes (the recurrent state)."""
         layers = self._attention_layers()
         itemsize = self.config.torch_dtype.itemsize
         block_bytes = sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in layers)
@@ -81,7 +104,7 @@ class ModelRunner:
                              f"than the {_available_memory() / 2**30:.1f} GiB available")
         elif num_blocks is None:
             wanted = -(-self.config.max_num_seqs * self.config.max_model_len // self.block_size)
-            budget = min(KV_CACHE_MAX_BYTES, _available_memory() * KV_CACHE_MEMORY_FRACTION)
+            budget = min(KV_CACHE_MAX_BYTES, _available_memory() * KV_CACHE_MEMORY_FRACTION) - reserved_bytes
             affordable = int(budget) // block_bytes
             num_blocks = min(wanted, affordable)
             if num_blocks * self.block_size < self.config.max_model_len:
@@ -105,8 +128,9 @@ class ModelRunner:
         self.run(ScheduledBatch(seqs, [length] * count))
 
     def _capture_graphs(self) -> CUDAGraphRunner | None:
-        """Decode graphs for the flash backend (whose decode reads only fixed-address tensors) unless enforce_eager."""
-        if self.config.enforce_eager or self.config.attention_backend != "flash":
+        """Decode graphs for the flash backend (whose decode reads only fixed-address tensors) unless enforce_eager;
+        not for models with recurrent state, whose per-step slot lookups are not captured."""
+        if self.config.enforce_eager or self.config.attention_backend != "flash" or self.num_state_slots:
             return None
         runner = CUDAGraphRunner(self.model, self.backend, self.config.max_num_seqs, self.config.max_model_len,
                                  self.block_size, self.config.hf_config.hidden_size, self.config.torch_dtype,
@@ -143,6 +167,7 @@ class ModelRunner:
             max_seqlen_k=max(context_lens),
             block_size=self.block_size,
             has_cached_prefix=cu_k[-1] > cu_q[-1],
+            state_slots=torch.tensor([s.state_slot for s in batch.seqs]) if self.num_state_slots else None,
         )
         return torch.tensor(input_ids), torch.from_numpy(np.concatenate(positions)), meta, sample_rows
 
@@ -165,6 +190,20 @@ class ModelRunner:
         # Sampling runs on the CPU, where the per-request generators live.
         tokens = iter(self.sample(seqs, self.model.compute_logits(hidden[sample_rows]).cpu()).tolist())
         return [next(tokens) if sampled else None for sampled in samples]
+
+    @torch.inference_mode()
+    def encode(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Each prompt's final hidden states [len, hidden] from a bidirectional pass without position encoding:
+        the decoder used as an encoder. Nothing touches the KV cache."""
+        lens = [len(p) for p in prompts]
+        cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=None, block_tables=torch.empty(len(prompts), 0, dtype=torch.int32),
+            context_lens=torch.tensor(lens, dtype=torch.int32), cu_seqlens_q=cu, cu_seqlens_k=cu,
+            max_seqlen_q=max(lens), max_seqlen_k=max(lens), block_size=self.block_size, causal=False).to(self.device)
+        self.backend.prepare(meta)
+        hidden = self.model(torch.tensor([t for p in prompts for t in p], device=self.device), None, meta)
+        return list(hidden.cpu().split(lens))
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         params = [s.params for s in seqs]

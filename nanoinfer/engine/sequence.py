@@ -14,10 +14,10 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    _ids = count()
+    ids = count()  # request ids, shared with embedding requests
 
     def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int, prompt: str | None = None):
-        self.seq_id = next(Sequence._ids)
+        self.seq_id = next(Sequence.ids)
         self.status = SequenceStatus.WAITING
         self.prompt = prompt
         self.token_ids = list(token_ids)
@@ -27,6 +27,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache at admission
+        self.state_slot = -1  # recurrent-state slot while it holds blocks (models with linear attention)
         self.finish_reason: str | None = None
         # A private generator makes seeded sampling independent of what else is in the batch.
         self.generator: torch.Generator | None = None

@@ -105,15 +105,15 @@ def _per_token(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           window: int = 0) -> torch.Tensor:
-    """q [seqs, heads, dim] fp32, one token per sequence; caches [blocks, block_size, kv_heads, dim].
-    window > 0 attends only to the last `window` tokens of each sequence."""
+                           window: int | None = None) -> torch.Tensor:
+    """q [seqs, heads, dim] fp32, one token per sequence; caches [blocks, block_size, kv_heads, dim]; with a
+    window, each query sees only the last `window` positions of its context."""
     q, block_tables, context_lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
     assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and block_tables.dtype == torch.int32
     out = torch.empty_like(q)
     _run("paged_decode_attention", q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
          context_lens.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2],
-         k_cache.shape[1], block_tables.shape[1], window, torch.get_num_threads(), scale)
+         k_cache.shape[1], block_tables.shape[1], window or 0, torch.get_num_threads(), scale)
     return out
 
 
