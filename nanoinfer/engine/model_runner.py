@@ -1,15 +1,18 @@
-"""Builds a step's model inputs from scheduled sequences, runs the model over the paged KV cache, samples."""
+"""Builds a step's model inputs from scheduled sequences, runs the model over the paged KV cache, samples.
+With tensor parallelism there is one per rank: rank 0's builds the inputs and samples, the others serve its steps."""
 import os
 
 import numpy as np
 import torch
 
 from nanoinfer.config import Config
+from nanoinfer.engine.parallel import TPGroup
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention, AttentionMetadata, get_backend
 from nanoinfer.layers.sampler import Sampler
 from nanoinfer.models.registry import get_model_class
+from nanoinfer.utils.dist import tp_scope
 from nanoinfer.utils.gguf_loader import iter_gguf_weights
 from nanoinfer.utils.loader import iter_safetensors, load_weights
 from nanoinfer.utils.memory import keep_freed_memory
@@ -21,11 +24,13 @@ KV_CACHE_MEMORY_FRACTION = 0.3
 
 
 class ModelRunner:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, tp: TPGroup | None = None):
         self.config = config
+        self.tp = tp or TPGroup()
         self.block_size = config.kvcache_block_size
         keep_freed_memory()
-        self.model = self._load_model(config)
+        with tp_scope(self.tp.rank, self.tp.size, self.tp.group):
+            self.model = self._load_model(config)
         for module in self.model.modules():
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading(min(config.max_num_seqs, 256))
@@ -57,13 +62,15 @@ class ModelRunner:
         layers = self._attention_layers()
         itemsize = self.config.torch_dtype.itemsize
         block_bytes = sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in layers)
+        # Ranks on one host share its memory; every rank must get the same answer, so the tightest one decides.
+        available = self.tp.all_min(_available_memory() // self.tp.local_size)
         num_blocks = self.config.num_kvcache_blocks
-        if num_blocks is not None and num_blocks * block_bytes > _available_memory():
+        if num_blocks is not None and num_blocks * block_bytes > available:
             raise ValueError(f"num_kvcache_blocks={num_blocks} needs {num_blocks * block_bytes / 2**30:.1f} GiB, more "
-                             f"than the {_available_memory() / 2**30:.1f} GiB available")
+                             f"than the {available / 2**30:.1f} GiB available")
         if num_blocks is None:
             wanted = -(-self.config.max_num_seqs * self.config.max_model_len // self.block_size)
-            budget = min(KV_CACHE_MAX_BYTES, _available_memory() * KV_CACHE_MEMORY_FRACTION)
+            budget = min(KV_CACHE_MAX_BYTES, available * KV_CACHE_MEMORY_FRACTION)
             affordable = int(budget) // block_bytes
             num_blocks = min(wanted, affordable)
             if num_blocks * self.block_size < self.config.max_model_len:
@@ -112,14 +119,26 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[int | None]:
         """The next token of every sequence whose scheduled tokens reach its end; None for partial prompt chunks."""
         samples = batch.samples
-        input_ids, positions, meta, sample_rows = self.prepare(batch, samples)
-        self.backend.prepare(meta)
-        hidden = self.model(input_ids, positions, meta)
+        step = self.prepare(batch, samples)
+        logits = self.execute(*self.tp.broadcast(step))  # the other ranks execute the same step (serve)
         seqs = [s for s, sampled in zip(batch.seqs, samples) if sampled]
         if not seqs:
             return [None] * len(batch.seqs)
-        tokens = iter(self.sample(seqs, self.model.compute_logits(hidden[sample_rows])).tolist())
+        tokens = iter(self.sample(seqs, logits).tolist())
         return [next(tokens) if sampled else None for sampled in samples]
+
+    @torch.inference_mode()
+    def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                sample_rows: list[int]) -> torch.Tensor | None:
+        """One forward pass; the logits of sample_rows on rank 0 (gathered from every rank), None elsewhere."""
+        self.backend.prepare(meta)
+        hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden[sample_rows]) if sample_rows else None
+
+    def serve(self) -> None:
+        """Ranks > 0: execute rank 0's steps until it sends None."""
+        while (step := self.tp.broadcast()) is not None:
+            self.execute(*step)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         params = [s.params for s in seqs]
