@@ -138,3 +138,19 @@ def test_torchrun_launch(model_dir, torchrun_launch):
         killed = json.loads((out / "killed.json").read_text())
         assert "tensor-parallel step failed on rank 0" in killed["error"] and killed["closed"]
         assert killed["raised"] - float((out / "kill_time").read_text()) < 30
+
+
+def test_gguf_tp2_matches_tp1(tmp_path, monkeypatch):
+    """GGUF: every rank dequantizes each tensor and keeps its shard (quantized blocks are not sliced)."""
+    from test_gguf import _write_tiny_model
+
+    import nanoinfer.engine.llm_engine as llm_engine
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_model(path, "llama", tied=True)  # Q8_0 tensors, vocabulary 96, 4 q / 2 kv heads
+    monkeypatch.setattr(llm_engine, "load_gguf_tokenizer", lambda _: None)  # the tiny file has no vocabulary
+    prompts = [[5, 6, 7, 8], list(range(9, 40))]
+    outputs = []
+    for tp in (1, 2):
+        with LLM(str(path), max_model_len=64, tensor_parallel_size=tp) as llm:
+            outputs.append([o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+    assert outputs[0] == outputs[1]
