@@ -115,7 +115,9 @@ def build_tokenizer(dir) -> "transformers.PreTrainedTokenizerFast":  # noqa: F82
 # --------------------------------------------------------------------------------------
 
 MODEL_KINDS = ("qwen3", "qwen3-untied", "qwen2", "llama")  # the 4 main architectures
-ALL_KINDS = MODEL_KINDS + ("qwen3-sharded",)
+# Further families, each tested on its own (not in every any_model_dir test).
+EXTRA_KINDS = ("qwen3-moe",)
+ALL_KINDS = MODEL_KINDS + ("qwen3-sharded",) + EXTRA_KINDS
 # For tensor parallelism: a vocabulary that 2 ranks cannot split evenly (padded) and one KV head (replicated).
 ODD_KIND = "qwen2-mqa-oddvocab"
 
@@ -140,7 +142,7 @@ _COMMON = dict(
     initializer_range=INIT_STD,
 )
 
-_SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, ODD_KIND: 5678}
+_SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678, ODD_KIND: 6789}
 
 
 def _token_ids():
@@ -150,7 +152,7 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     ids = _token_ids()
     special = dict(
@@ -164,6 +166,23 @@ def make_config(kind: str):
             num_key_value_heads=2,
             head_dim=32,  # != hidden/heads (16)
             tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        )
+    if kind == "qwen3-moe":
+        # Layers 0 and 2 route each token to 2 of 8 experts; layer 1 is dense (mlp_only_layers).
+        return Qwen3MoeConfig(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=False,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         )
     if kind == "qwen3-untied":

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from models import MODEL_KINDS, check_against_hf, hf_greedy, random_prompts
+from models import EXTRA_KINDS, MODEL_KINDS, check_against_hf, hf_greedy, random_prompts
 from nanoinfer import LLM, SamplingParams
 
 MAX_TOKENS = 24
@@ -20,7 +20,7 @@ def reference(model_dir, prompts=PROMPTS) -> list[dict]:
     return _REFERENCE[key]
 
 
-@pytest.mark.parametrize("kind", MODEL_KINDS + ("qwen3-sharded",))
+@pytest.mark.parametrize("kind", MODEL_KINDS + ("qwen3-sharded",) + EXTRA_KINDS)
 def test_greedy_and_logits_match_hf(kind, model_dir, captured_logits, report_logit_diff):
     d = model_dir(kind)
     llm = LLM(str(d), max_model_len=256)

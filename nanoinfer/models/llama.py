@@ -1,4 +1,6 @@
-"""Llama decoder; Qwen2 and Qwen3 reuse it with their attention options (qkv bias, per-head q/k norm)."""
+"""Llama decoder; Qwen2, Qwen3 and Qwen3-MoE reuse it with their attention options (qkv bias, per-head q/k norm)
+and, for MoE, their own MLP per layer."""
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,11 +49,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, intermediate_size: int | None = None):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias)
+        inter = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias)
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
         self.act_fn = SiluAndMul()
@@ -60,11 +63,15 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+# (config, layer index) -> the layer's MLP: forward(x [tokens, hidden]) -> [tokens, hidden].
+MLPFactory = Callable[[PretrainedConfig, int], nn.Module]
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: AttentionOptions):
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, options)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -80,10 +87,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: AttentionOptions):
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions, make_mlp: MLPFactory):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, options) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, options, make_mlp(config, i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -108,9 +116,13 @@ class LlamaForCausalLM(nn.Module):
         bias = getattr(config, "attention_bias", False)
         return AttentionOptions(qkv_bias=bias, o_bias=bias)
 
+    @staticmethod
+    def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        return LlamaMLP(config)
+
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        self.model = LlamaModel(config, self.attention_options(config))
+        self.model = LlamaModel(config, self.attention_options(config), self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -6,6 +6,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from nanoinfer.layers.fused_moe import expert_weight_target
 from nanoinfer.layers.linear import copy_weight
 
 # Derived buffers some checkpoints carry; they have no parameter here.
@@ -43,6 +44,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | L
     """Route every checkpoint tensor to its parameter's weight_loader; fail on strays and on gaps."""
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, int | str]] = getattr(model, "packed_modules_mapping", {})
+    # A packed parameter is complete once every source mapped to it has arrived (experts: see FusedMoE).
     shards_per_param = {target: sum(t == target for t, _ in packed.values()) for target, _ in packed.values()}
     loaded: dict[str, set] = {}
     # Tied parameters (lm_head sharing the embedding) appear once; a checkpoint copy of the alias is redundant.
@@ -50,11 +52,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | L
     for name, tensor in weights:
         if name.endswith(_IGNORED_SUFFIXES) or name in aliases:
             continue
-        target, shard = name, None
-        for source, (dest, shard_id) in packed.items():
-            if f".{source}." in name:
-                target, shard = name.replace(f".{source}.", f".{dest}."), shard_id
-                break
+        target, shard = _route(name, packed)
         param = params.get(target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
@@ -66,9 +64,21 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | L
         except ValueError as e:
             raise ValueError(f"cannot load checkpoint tensor {name!r}: {e}") from None
         loaded.setdefault(target, set()).add(shard)
-    missing = [n for n in params if len(loaded.get(n, ())) < shards_per_param.get(_packed_key(n, packed), 1)]
+    missing = [n for n, p in params.items() if len(loaded.get(n, ())) < getattr(
+        p, "num_shards", shards_per_param.get(_packed_key(n, packed), 1))]
     if missing:
         raise ValueError(f"checkpoint is missing weights for {len(missing)} parameter(s), e.g. {missing[:5]}")
+
+
+def _route(name: str, packed: dict[str, tuple[str, int | str]]) -> tuple[str, object]:
+    """The parameter a checkpoint tensor loads into, and its shard id (None: the whole parameter)."""
+    expert = expert_weight_target(name)  # before the packed names: an expert's gate_proj is not a dense MLP's
+    if expert is not None:
+        return expert
+    for source, (dest, shard_id) in packed.items():
+        if f".{source}." in name:
+            return name.replace(f".{source}.", f".{dest}."), shard_id
+    return name, None
 
 
 def _packed_key(param_name: str, packed: dict[str, tuple[str, int | str]]) -> str | None:

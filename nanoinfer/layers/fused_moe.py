@@ -1,0 +1,95 @@
+"""Mixture-of-experts SwiGLU MLPs: top-k softmax routing, then every expert at once as two grouped matmuls over
+the token-expert pairs sorted by expert. Each rank holds a slice of every expert's intermediate dimension."""
+import re
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanoinfer.layers.linear import copy_weight
+from nanoinfer.utils.dist import tp_group, tp_rank, tp_size
+
+# HF checkpoints store each expert separately: `<moe>.experts.<e>.{gate,up,down}_proj.weight`.
+_EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def expert_weight_target(name: str) -> tuple[str, tuple[int, str]] | None:
+    """The FusedMoE parameter a checkpoint tensor belongs to and its (expert, "gate"|"up"|"down") shard id."""
+    m = _EXPERT_WEIGHT.search(name)
+    if m is None:
+        return None
+    param = "w2_weight" if m.group(2) == "down" else "w13_weight"
+    return f"{name[:m.start()]}.experts.{param}", (int(m.group(1)), m.group(2))
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in fp32 over all experts, keep the top k (optionally rescaled to sum to 1), as transformers does."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """x [tokens, hidden]; w13 [experts, 2 * inter, hidden] (gate rows, then up rows); w2 [experts, hidden, inter];
+    topk_* [tokens, k] -> sum over each token's k experts of weight * down(silu(gate(x)) * up(x))."""
+    k = topk_ids.shape[1]
+    flat = topk_ids.flatten()
+    order = flat.argsort(stable=True)  # pairs grouped by expert: each expert's rows are one contiguous segment
+    token = order // k
+    offsets = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
+    gate, up = torch._grouped_mm(x[token], w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)
+    y *= topk_weights.flatten()[order].unsqueeze(1)
+    return torch.zeros_like(x).index_add_(0, token, y)
+
+
+class FusedMoE(nn.Module):
+    """forward(x [tokens, hidden], router_logits [tokens, num_experts]) -> [tokens, hidden]. Weights w13_weight
+    [experts, 2 * inter/tp, hidden] and w2_weight [experts, hidden, inter/tp], sharded like a MergedColumn /
+    RowParallelLinear pair. With reduce_results=False the caller all-reduces (e.g. after adding a shared expert)."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
+                 reduce_results: bool = True):
+        super().__init__()
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank(), tp_size(), tp_group()
+        if intermediate_size % self.tp_size:
+            raise ValueError(f"expert intermediate size {intermediate_size} is not divisible by the "
+                             f"tensor-parallel size {self.tp_size}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}")
+        self.num_experts, self.top_k, self.renormalize, self.reduce_results = (num_experts, top_k, renormalize,
+                                                                               reduce_results)
+        self.intermediate_size = intermediate_size
+        inter = intermediate_size // self.tp_size
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, inter), requires_grad=False)
+        self.w13_weight.num_shards = 2 * num_experts  # the loader checks that every expert's gate and up arrived
+        self.w2_weight.num_shards = num_experts
+        for w in (self.w13_weight, self.w2_weight):
+            w.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
+        """One expert's full gate_proj/up_proj [inter, hidden] or down_proj [hidden, inter] from the checkpoint."""
+        expert, proj = shard_id
+        if expert >= self.num_experts:
+            raise ValueError(f"expert {expert} out of range: the model has {self.num_experts} experts")
+        dim = 1 if proj == "down" else 0
+        if loaded.dim() != 2 or loaded.shape[dim] != self.intermediate_size:
+            raise ValueError(f"shape mismatch: checkpoint tensor {tuple(loaded.shape)}, expected "
+                             f"{self.intermediate_size} along dim {dim}")
+        inter = self.intermediate_size // self.tp_size
+        dest = param.data[expert]
+        if proj != "down":
+            dest = dest.narrow(0, 0 if proj == "gate" else inter, inter)
+        copy_weight(dest, loaded.narrow(dim, self.tp_rank * inter, inter))
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        y = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        if self.reduce_results and self.tp_size > 1:
+            dist.all_reduce(y, group=self.tp_group)
+        return y
