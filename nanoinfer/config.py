@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from nanoinfer.layers.attention.selector import DEFAULT_BLOCK_SIZE, check_backend_limits, resolve_device, select_backend
 from nanoinfer.sampling_params import check_seed
 from nanoinfer.utils.gguf_loader import load_gguf_config, resolve_gguf
 
@@ -20,11 +21,15 @@ class Config:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    kvcache_block_size: int = 16
+    kvcache_block_size: int | None = None  # 16 for the cpu backend, 256 for flash (flash-attn's paged KV rule)
     num_kvcache_blocks: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1
+    device: str | torch.device = "auto"  # CUDA when visible, else CPU
+    attention_backend: str = "auto"  # "flash" on CUDA with flash-attn, else "cpu" (PyTorch)
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of the GPU's memory the engine may use, KV cache included
     hf_config: PretrainedConfig = field(init=False, repr=False)
     gguf_path: Path | None = field(init=False, default=None)
     eos_token_ids: list[int] = field(init=False, default_factory=list)
@@ -41,7 +46,11 @@ class Config:
             self.hf_config = AutoConfig.from_pretrained(path)
         else:
             raise ValueError(f"{str(path)!r} holds neither a config.json nor a .gguf file")
+        self.torch_device = resolve_device(self.device)
+        self.attention_backend = select_backend(self.attention_backend, self.torch_device)
         self.torch_dtype = self._resolve_dtype()
+        if self.kvcache_block_size is None:
+            self.kvcache_block_size = DEFAULT_BLOCK_SIZE[self.attention_backend]
         limit = self.hf_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = min(limit, 4096)
@@ -52,6 +61,16 @@ class Config:
             self.max_num_batched_tokens = max(8192, self.max_model_len)
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
             _positive(name, getattr(self, name))
+        hf = self.hf_config
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        check_backend_limits(self.attention_backend, self.kvcache_block_size, self.torch_dtype, head_dim)
+        if not isinstance(self.enforce_eager, bool):
+            raise TypeError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, (int, float)):
+            raise TypeError(f"gpu_memory_utilization must be a number, got {utilization!r}")
+        if not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         check_seed("seed", self.seed)
@@ -81,11 +100,21 @@ class Config:
         if isinstance(self.dtype, torch.dtype):
             return self.dtype
         if self.dtype == "auto":
-            # The engine runs on the CPU, where bf16/fp16 matmuls are several times slower than fp32 without AMX.
+            if self.torch_device.type == "cuda":
+                return self._gpu_dtype()
+            # On the CPU bf16/fp16 matmuls are several times slower than fp32 without AMX.
             return torch.float32
         if self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; use 'auto' or one of {sorted(_DTYPES)}")
         return _DTYPES[self.dtype]
+
+    def _gpu_dtype(self) -> torch.dtype:
+        """The checkpoint's dtype when it is 16-bit, else bfloat16 (float16 on GPUs without bf16)."""
+        saved = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+        saved = _DTYPES.get(saved, saved) if isinstance(saved, str) else saved
+        if saved in (torch.float16, torch.bfloat16):
+            return saved
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
     def _eos_token_ids(self) -> list[int]:
         eos = None

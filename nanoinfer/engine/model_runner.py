@@ -6,12 +6,16 @@ import numpy as np
 import torch
 
 from nanoinfer.config import Config
+from nanoinfer.engine.cuda_graph import CUDAGraphRunner
+from nanoinfer.engine.gpu_memory import profile_kv_cache_blocks
 from nanoinfer.engine.parallel import TPGroup
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention, AttentionMetadata, get_backend
+from nanoinfer.layers.attention.selector import resolve_device
 from nanoinfer.layers.sampler import Sampler
 from nanoinfer.models.registry import get_model_class
+from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.utils.dist import tp_scope
 from nanoinfer.utils.gguf_loader import iter_gguf_weights
 from nanoinfer.utils.loader import iter_safetensors, load_weights
@@ -30,12 +34,18 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         keep_freed_memory()
         with tp_scope(self.tp.rank, self.tp.size, self.tp.group):
-            self.model = self._load_model(config)
+            # Resolved in this process: a bare "cuda" is each tensor-parallel rank's own GPU.
+            self.device = resolve_device(config.device)
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            self.model = self._load_model(config).to(self.device)
         for module in self.model.modules():
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading(min(config.max_num_seqs, 256))
-        self.backend = get_backend("cpu", config.torch_dtype)
+        self.backend = get_backend(config.attention_backend, config.torch_dtype, self.device)
+        self.graph_runner: CUDAGraphRunner | None = None
         self.num_kvcache_blocks = self._allocate_kv_cache()
+        self.graph_runner = self._capture_graphs()
         self.sampler = Sampler()
         self.generator = torch.Generator().manual_seed(config.seed)
 
@@ -62,13 +72,21 @@ class ModelRunner:
         layers = self._attention_layers()
         itemsize = self.config.torch_dtype.itemsize
         block_bytes = sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in layers)
-        # Ranks on one host share its memory; every rank must get the same answer, so the tightest one decides.
-        available = self.tp.all_min(_available_memory() // self.tp.local_size)
         num_blocks = self.config.num_kvcache_blocks
-        if num_blocks is not None and num_blocks * block_bytes > available:
+        # Every rank must get the same number of blocks: the tightest one decides. Ranks on one host share its memory.
+        available = None if self.device.type == "cuda" else self.tp.all_min(_available_memory() // self.tp.local_size)
+        if self.device.type == "cuda":
+            if num_blocks is None:
+                num_blocks = self.tp.all_min(profile_kv_cache_blocks(
+                    self._warm_up, self.device, self.config.gpu_memory_utilization, block_bytes))
+            if num_blocks * self.block_size < self.config.max_model_len:
+                raise ValueError(f"GPU memory left for the KV cache holds {num_blocks} blocks of {self.block_size} "
+                                 f"tokens, less than max_model_len={self.config.max_model_len}; raise "
+                                 f"gpu_memory_utilization or lower max_model_len")
+        elif num_blocks is not None and num_blocks * block_bytes > available:
             raise ValueError(f"num_kvcache_blocks={num_blocks} needs {num_blocks * block_bytes / 2**30:.1f} GiB, more "
                              f"than the {available / 2**30:.1f} GiB available")
-        if num_blocks is None:
+        elif num_blocks is None:
             wanted = -(-self.config.max_num_seqs * self.config.max_model_len // self.block_size)
             budget = min(KV_CACHE_MAX_BYTES, available * KV_CACHE_MEMORY_FRACTION)
             affordable = int(budget) // block_bytes
@@ -79,10 +97,30 @@ class ModelRunner:
         for a in layers:
             shape = (num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
             # Zeros, not empty: never-written slots are masked, but NaN garbage would leak through the softmax.
-            a.k_cache = torch.zeros(shape, dtype=self.config.torch_dtype)
-            a.v_cache = torch.zeros(shape, dtype=self.config.torch_dtype)
+            a.k_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
+            a.v_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
             a.backend = self.backend
         return num_blocks
+
+    def _warm_up(self) -> None:
+        """A prefill of the largest step the scheduler can make, before the cache exists (nothing is stored)."""
+        length = min(self.config.max_model_len, self.config.max_num_batched_tokens)
+        count = max(1, min(self.config.max_num_seqs, self.config.max_num_batched_tokens // length))
+        seqs = [Sequence([0] * length, SamplingParams(temperature=0), self.block_size) for _ in range(count)]
+        for seq in seqs:
+            seq.block_table = [0] * seq.num_blocks
+        batch = ScheduledBatch(seqs, [length] * count)
+        self.execute(*self.prepare(batch, batch.samples))  # every rank warms up alike: nothing to broadcast
+
+    def _capture_graphs(self) -> CUDAGraphRunner | None:
+        """Decode graphs for the flash backend (whose decode reads only fixed-address tensors) unless enforce_eager."""
+        if self.config.enforce_eager or self.config.attention_backend != "flash":
+            return None
+        runner = CUDAGraphRunner(self.model, self.backend, self.config.max_num_seqs, self.config.max_model_len,
+                                 self.block_size, self.config.hf_config.hidden_size, self.config.torch_dtype,
+                                 self.device)
+        runner.capture()
+        return runner
 
     def prepare(self, batch: ScheduledBatch, samples: list[bool]
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -112,6 +150,7 @@ class ModelRunner:
             max_seqlen_q=max(batch.num_new_tokens),
             max_seqlen_k=max(context_lens),
             block_size=self.block_size,
+            has_cached_prefix=cu_k[-1] > cu_q[-1],
         )
         return torch.tensor(input_ids), torch.from_numpy(np.concatenate(positions)), meta, sample_rows
 
@@ -124,15 +163,22 @@ class ModelRunner:
         seqs = [s for s, sampled in zip(batch.seqs, samples) if sampled]
         if not seqs:
             return [None] * len(batch.seqs)
-        tokens = iter(self.sample(seqs, logits).tolist())
+        # Sampling runs on the CPU, where the per-request generators live.
+        tokens = iter(self.sample(seqs, logits.cpu()).tolist())
         return [next(tokens) if sampled else None for sampled in samples]
 
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 sample_rows: list[int]) -> torch.Tensor | None:
-        """One forward pass; the logits of sample_rows on rank 0 (gathered from every rank), None elsewhere."""
-        self.backend.prepare(meta)
-        hidden = self.model(input_ids, positions, meta)
+        """One forward pass of prepare()'s CPU tensors on this rank's device; the logits of sample_rows on rank 0
+        (gathered from every rank), None elsewhere."""
+        input_ids, positions, meta = input_ids.to(self.device), positions.to(self.device), meta.to(self.device)
+        hidden = None
+        if self.graph_runner is not None and meta.is_decode:
+            hidden = self.graph_runner.run(input_ids, positions, meta)
+        if hidden is None:
+            self.backend.prepare(meta)
+            hidden = self.model(input_ids, positions, meta)
         return self.model.compute_logits(hidden[sample_rows]) if sample_rows else None
 
     def serve(self) -> None:

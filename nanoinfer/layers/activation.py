@@ -3,8 +3,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoinfer.kernels.cuda import triton_layers
+
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and (kernels := triton_layers()) is not None:
+            return kernels.silu_and_mul(x)
         gate, up = x.chunk(2, -1)
         return F.silu(gate) * up

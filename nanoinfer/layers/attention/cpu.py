@@ -1,5 +1,5 @@
-"""Paged attention on the CPU. Decode: a C kernel reading K/V in place (or, without a compiler, one
-batched SDPA over gathered blocks). Prefill: one SDPA per sequence, so nothing is padded."""
+"""Paged attention in PyTorch, for the CPU (and the fallback on CUDA without flash-attn). Decode: a C kernel
+reading K/V in place on CPU fp32 (else one batched SDPA over gathered blocks). Prefill: one SDPA per sequence."""
 from dataclasses import dataclass
 
 import torch
@@ -19,18 +19,19 @@ class CPUState:
 
 
 class CPUAttentionBackend:
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> None:
         # Gathered K/V land in buffers reused by every layer and step: a fresh tensor of this size is
         # a fresh mmap, and its page faults cost several times the copy itself.
         self._buffers: dict[str, torch.Tensor] = {}
         # The kernel reads K/V in place: no gather, no padding, each block read once for all heads.
-        self.decode_kernel = dtype == torch.float32 and paged_decode_attention_available()
+        self.decode_kernel = (device.type == "cpu" and dtype == torch.float32
+                              and paged_decode_attention_available())
 
     def prepare(self, meta: AttentionMetadata) -> None:
         if meta.is_decode:
             if not self.decode_kernel:
                 num_blocks = -(-meta.max_seqlen_k // meta.block_size)
-                slots = torch.arange(num_blocks * meta.block_size)
+                slots = torch.arange(num_blocks * meta.block_size, device=meta.context_lens.device)
                 meta.backend_state = CPUState(
                     [], meta.block_tables[:, :num_blocks].clamp_min(0).flatten(),
                     (slots < meta.context_lens.unsqueeze(1)).view(meta.num_seqs, 1, 1, -1))
@@ -61,7 +62,7 @@ class CPUAttentionBackend:
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         for i, (start, end, ctx) in enumerate(meta.backend_state.spans):
             n = end - start
             if ctx == n:  # no cached prefix: this step's keys are the whole context
@@ -71,7 +72,7 @@ class CPUAttentionBackend:
                 ks = self._gather("k", k_cache, blocks).flatten(0, 1)[:ctx]
                 vs = self._gather("v", v_cache, blocks).flatten(0, 1)[:ctx]
                 # Causal, aligned to the end: query j sits at position ctx - n + j.
-                mask = torch.ones(n, ctx, dtype=torch.bool).tril(ctx - n)
+                mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
             # 4-D inputs: with 3-D ones SDPA skips its fused CPU kernel for the slow math path.
             qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q[start:end], ks, vs))
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
@@ -84,5 +85,5 @@ class CPUAttentionBackend:
         numel = shape[0] * cache[0].numel()
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != cache.dtype:
-            buf = self._buffers[name] = torch.empty(numel, dtype=cache.dtype)
+            buf = self._buffers[name] = cache.new_empty(numel)
         return torch.index_select(cache, 0, block_index, out=buf[:numel].view(shape))

@@ -1,5 +1,5 @@
 """What every attention backend needs to know about one step's batch, built once by the ModelRunner."""
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     block_size: int
+    has_cached_prefix: bool = False  # some sequence attends to keys stored in earlier steps (a prefill detail)
     backend_state: Any = None  # whatever the chosen backend derives from the above, once per step
 
     @property
@@ -24,3 +25,12 @@ class AttentionMetadata:
     @property
     def is_decode(self) -> bool:
         return self.max_seqlen_q == 1
+
+    def to(self, device: torch.device) -> "AttentionMetadata":
+        """The same metadata with its tensors on `device` (built on the CPU, then copied once per step)."""
+        if self.slot_mapping.device == device:
+            return self
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return replace(self, slot_mapping=move(self.slot_mapping), block_tables=move(self.block_tables),
+                       context_lens=move(self.context_lens), cu_seqlens_q=move(self.cu_seqlens_q),
+                       cu_seqlens_k=move(self.cu_seqlens_k))

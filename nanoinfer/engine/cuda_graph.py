@@ -1,0 +1,121 @@
+"""Decode steps replayed from CUDA graphs, one captured per batch size; a batch is padded to the next captured
+size and the LM head runs outside the graph. The bookkeeping is plain tensor code, tested on the CPU."""
+from bisect import bisect_left
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+from torch import nn
+
+from nanoinfer.layers.attention.metadata import AttentionMetadata
+
+MAX_CAPTURE_SIZE = 512
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16, up to and including min(max_num_seqs, 512)."""
+    top = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    return sorted({s for s in (1, 2, 4, 8, *range(16, top + 1, 16)) if s <= top} | {top})
+
+
+def padded_size(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest captured size holding num_seqs, or None (run eagerly) when num_seqs exceeds them all."""
+    i = bisect_left(sizes, num_seqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+@dataclass
+class DecodeInputs:
+    """What a decode graph reads; every row past the real sequences is inert padding."""
+    input_ids: torch.Tensor  # [size] int64, padding 0
+    positions: torch.Tensor  # [size] int64, padding 0
+    slot_mapping: torch.Tensor  # [size] int64, padding -1: the store kernel skips the row
+    context_lens: torch.Tensor  # [size] int32, padding 0: attention reads no key for the row
+    block_tables: torch.Tensor  # [size, width] int32, padding -1 (never read: it lies past each context)
+
+
+def pad_decode_inputs(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, size: int,
+                      width: int) -> DecodeInputs:
+    """One decode step's inputs padded to `size` rows and block tables to `width` columns."""
+    n, blocks = meta.block_tables.shape
+    assert n == input_ids.shape[0] <= size and blocks <= width and meta.is_decode
+
+    def pad(x: torch.Tensor, value: int, shape: tuple[int, ...]) -> torch.Tensor:
+        out = x.new_full(shape, value)
+        out[tuple(slice(0, d) for d in x.shape)] = x
+        return out
+
+    return DecodeInputs(pad(input_ids, 0, (size,)), pad(positions, 0, (size,)), pad(meta.slot_mapping, -1, (size,)),
+                        pad(meta.context_lens, 0, (size,)), pad(meta.block_tables, -1, (size, width)))
+
+
+class CUDAGraph:
+    """torch.cuda.CUDAGraph behind the two calls the runner makes; all graphs share one memory pool."""
+    _pool = None
+
+    def __init__(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+
+    def capture(self, fn: Callable[[], None]) -> None:
+        with torch.cuda.graph(self.graph, CUDAGraph._pool):
+            fn()
+        CUDAGraph._pool = self.graph.pool()
+        torch.cuda.synchronize()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class CUDAGraphRunner:
+    """Static input buffers of the largest size, one graph per size writing into one output buffer."""
+
+    def __init__(self, model: nn.Module, backend, max_num_seqs: int, max_model_len: int, block_size: int,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 new_graph: Callable[[], CUDAGraph] | None = None) -> None:
+        self.model, self.backend, self.block_size = model, backend, block_size
+        self.sizes = capture_sizes(max_num_seqs)
+        self.width = -(-max_model_len // block_size)
+        self.max_seqlen_k = max_model_len
+        top = self.sizes[-1]
+        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        self.buffers = DecodeInputs(torch.zeros(top, **i64), torch.zeros(top, **i64), torch.full((top,), -1, **i64),
+                                    torch.zeros(top, **i32), torch.full((top, self.width), -1, **i32))
+        self.outputs = torch.zeros(top, hidden_size, dtype=dtype, device=device)
+        self.new_graph = new_graph or CUDAGraph
+        self.graphs: dict[int, CUDAGraph] = {}
+
+    def metadata(self, size: int) -> AttentionMetadata:
+        """Views of the static buffers; max_seqlen_k is the longest context a graph must serve."""
+        b = self.buffers
+        cu = torch.arange(size + 1, dtype=torch.int32, device=b.context_lens.device)
+        return AttentionMetadata(slot_mapping=b.slot_mapping[:size], block_tables=b.block_tables[:size],
+                                 context_lens=b.context_lens[:size], cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                 max_seqlen_q=1, max_seqlen_k=self.max_seqlen_k, block_size=self.block_size)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        # Largest first: the shared pool is sized by it and smaller graphs reuse its memory.
+        for size in reversed(self.sizes):
+            meta = self.metadata(size)
+            self.backend.prepare(meta)
+
+            def step(size: int = size, meta: AttentionMetadata = meta) -> None:
+                self.outputs[:size] = self.model(self.buffers.input_ids[:size], self.buffers.positions[:size], meta)
+
+            step()  # warm-up outside the graph (lazy initialisation, autotuning)
+            graph = self.new_graph()
+            graph.capture(step)
+            self.graphs[size] = graph
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Hidden states of a decode step from its graph, or None when no graph is large enough."""
+        n = input_ids.shape[0]
+        size = padded_size(n, self.sizes)
+        if size is None:
+            return None
+        padded = pad_decode_inputs(input_ids, positions, meta, size, self.width)
+        for f in fields(padded):
+            getattr(self.buffers, f.name)[:size].copy_(getattr(padded, f.name))
+        self.graphs[size].replay()
+        return self.outputs[:n]
+

@@ -1,0 +1,82 @@
+"""Chooses the device and the attention backend once at start-up, and the KV block sizes each backend accepts."""
+import os
+import warnings
+
+import torch
+
+from nanoinfer.utils.dist import tp_rank
+
+BACKEND_CHOICES = ("auto", "cpu", "flash")
+# flash-attn 2 refuses a paged KV cache whose page is not a multiple of 256 tokens (flash_api.cpp, both
+# mha_varlen_fwd and mha_fwd_kvcache: "Paged KV cache block size must be divisible by 256").
+FLASH_BLOCK_MULTIPLE = 256
+DEFAULT_BLOCK_SIZE = {"cpu": 16, "flash": 256}
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """'auto' is CUDA when visible, else CPU; a bare 'cuda' is this process's GPU (LOCAL_RANK, else its TP rank)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"unknown device {device!r}; use 'auto', 'cpu' or 'cuda[:N]'") from e
+    if resolved.type == "cpu":
+        return torch.device("cpu")
+    if resolved.type != "cuda":
+        raise ValueError(f"unsupported device {device!r}; use 'auto', 'cpu' or 'cuda[:N]'")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but torch {torch.__version__} sees no CUDA device")
+    index = resolved.index
+    if index is None:
+        index = int(os.environ.get("LOCAL_RANK", tp_rank())) % torch.cuda.device_count()
+    if not 0 <= index < torch.cuda.device_count():
+        raise ValueError(f"device={device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return torch.device("cuda", index)
+
+
+def flash_attn_available() -> bool:
+    """flash-attn and triton (the `cuda` extra) import. Called only on CUDA machines."""
+    try:
+        import flash_attn  # noqa: F401
+        import triton  # noqa: F401
+    except (ImportError, OSError):  # OSError: a build whose CUDA libraries do not load
+        return False
+    return True
+
+
+def select_backend(requested: str, device: torch.device) -> str:
+    """'flash' on CUDA with flash-attn installed; otherwise 'cpu', the PyTorch backend (SDPA, plus a C decode
+    kernel on CPU), which also runs on CUDA, slower, when flash-attn is missing."""
+    if requested not in BACKEND_CHOICES:
+        raise ValueError(f"unknown attention_backend {requested!r}; use one of {list(BACKEND_CHOICES)}")
+    if device.type != "cuda":
+        if requested == "flash":
+            raise ValueError(f"attention_backend='flash' needs a CUDA device, but the device is {device}")
+        return "cpu"
+    if requested == "cpu":
+        return "cpu"
+    if flash_attn_available():
+        return "flash"
+    if requested == "flash":
+        raise ValueError("attention_backend='flash' needs flash-attn and triton: pip install 'nanoinfer[cuda]'")
+    warnings.warn("flash-attn is not installed: attention on CUDA falls back to the PyTorch SDPA backend "
+                  "(slower, no CUDA graphs); pip install 'nanoinfer[cuda]' for the flash backend", stacklevel=3)
+    return "cpu"
+
+
+def check_backend_limits(backend: str, block_size: int, dtype: torch.dtype, head_dim: int) -> None:
+    if backend != "flash":
+        return
+    if block_size % FLASH_BLOCK_MULTIPLE:
+        raise ValueError(f"kvcache_block_size={block_size} is not valid for the flash backend: flash-attn's paged KV "
+                         f"cache needs a multiple of {FLASH_BLOCK_MULTIPLE} (the default there is "
+                         f"{DEFAULT_BLOCK_SIZE['flash']}); or use attention_backend='cpu'")
+    if dtype not in FLASH_DTYPES:
+        raise ValueError(f"flash-attn computes in float16 or bfloat16 only, got dtype {dtype}; pass "
+                         f"dtype='bfloat16' (or 'float16'), or attention_backend='cpu'")
+    if head_dim > FLASH_MAX_HEAD_DIM:
+        raise ValueError(f"flash-attn supports head_dim <= {FLASH_MAX_HEAD_DIM}, the model has {head_dim}; "
+                         f"use attention_backend='cpu'")

@@ -1,0 +1,110 @@
+"""CPU stand-ins for the CUDA-only pieces, to drive the CUDA path's own code on the CPU.
+
+This module doubles as `flash_attn` (tests put it in sys.modules): its two paged-attention entry points follow
+flash-attn 2's documented contract (flash_attn_interface.py docstrings, flash_api.cpp checks), enforcing the
+argument rules the CUDA build checks (int32 metadata, contiguous last dims, shapes, page size a multiple of
+256) and computing the documented result in fp32 (causal mask aligned to the bottom right, GQA by head
+groups, empty rows -> 0). EagerGraph stands in for torch.cuda.CUDAGraph."""
+import torch
+
+PAGE_MULTIPLE = 256
+calls: list[dict] = []  # one record per call, for tests to see which path ran
+
+
+def _check_int32(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    assert t.dtype == torch.int32, f"{name} must have dtype int32, got {t.dtype}"
+    assert t.is_contiguous(), f"{name} must be contiguous"
+    assert tuple(t.shape) == shape, f"{name} has shape {tuple(t.shape)}, expected {shape}"
+
+
+def _check_paged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, batch: int) -> None:
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+    assert k_cache.shape[1] % PAGE_MULTIPLE == 0, "Paged KV cache block size must be divisible by 256"
+    assert block_table.dtype == torch.int32 and block_table.stride(-1) == 1
+    assert block_table.dim() == 2 and block_table.shape[0] == batch, "block_table must be [batch, max_blocks]"
+
+
+def _gather(cache: torch.Tensor, table_row: torch.Tensor, length: int) -> torch.Tensor:
+    blocks = table_row[:-(-length // cache.shape[1])]
+    assert bool((blocks >= 0).all()) and bool((blocks < cache.shape[0]).all()), f"bad block ids {blocks.tolist()}"
+    return cache[blocks.long()].flatten(0, 1)[:length]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """q [n, h, d], k, v [L, h_k, d] -> [n, h, d]; query j may see keys 0 .. L - n + j when causal."""
+    n, heads, _ = q.shape
+    length, kv_heads, _ = k.shape
+    assert heads % kv_heads == 0, "Number of heads in key/value must divide number of heads in query"
+    if length == 0:
+        return torch.zeros_like(q)
+    group = heads // kv_heads
+    k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    scores = torch.einsum("nhd,lhd->hnl", q.float(), k) * scale
+    if causal:
+        visible = torch.arange(length)[None, :] <= torch.arange(n)[:, None] + (length - n)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, -1).nan_to_num(0.0)  # a fully masked row outputs zeros
+    return torch.einsum("hnl,lhd->nhd", probs, v).to(q.dtype)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    batch = cu_seqlens_q.numel() - 1
+    assert batch > 0 and q.dim() == 3
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "Input tensor must have contiguous last dimension"
+    assert q.dtype == k.dtype == v.dtype
+    assert dropout_p == 0.0 and window_size == (-1, -1) and softcap == 0.0 and alibi_slopes is None
+    _check_int32("cu_seqlens_q", cu_seqlens_q, (batch + 1,))
+    _check_int32("cu_seqlens_k", cu_seqlens_k, (batch + 1,))
+    if block_table is not None:
+        _check_paged(k, v, block_table, batch)
+    else:
+        assert k.dim() == 3 and k.shape[0] == cu_seqlens_k[-1], "k must hold total_k rows"
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    out = torch.empty_like(q)
+    for i in range(batch):
+        n, length = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
+        assert n <= max_seqlen_q and length <= max_seqlen_k, "max_seqlen_q/k smaller than a sequence"
+        if block_table is not None:
+            ks, vs = _gather(k, block_table[i], length), _gather(v, block_table[i], length)
+        else:
+            ks, vs = k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]]
+        out[cq[i]:cq[i + 1]] = _attend(q[cq[i]:cq[i + 1]], ks, vs, scale, causal)
+    calls.append(dict(fn="varlen", paged=block_table is not None, batch=batch))
+    return out
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    assert q.dim() == 4, "q must be [batch, seqlen, heads, dim]"
+    batch = q.shape[0]
+    assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+    assert q.dtype == k_cache.dtype == v_cache.dtype
+    assert k is None and v is None and rotary_cos is None and cache_batch_idx is None and cache_leftpad is None
+    assert block_table is not None, "nanoinfer always passes the paged cache"
+    _check_paged(k_cache, v_cache, block_table, batch)
+    assert isinstance(cache_seqlens, torch.Tensor)
+    _check_int32("cache_seqlens", cache_seqlens, (batch,))
+    assert cache_seqlens.max() <= block_table.shape[1] * k_cache.shape[1]
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    out = torch.empty_like(q)
+    for i, length in enumerate(cache_seqlens.tolist()):
+        ks, vs = _gather(k_cache, block_table[i], length), _gather(v_cache, block_table[i], length)
+        out[i] = _attend(q[i], ks, vs, scale, causal)
+    calls.append(dict(fn="kvcache", paged=True, batch=batch))
+    return out
+
+
+class EagerGraph:
+    """CUDA-graph semantics on the CPU: capture records the step, replay re-runs it on the same static buffers
+    (so inputs not copied into them, or outputs not read from them, show up as wrong results)."""
+
+    def capture(self, fn):
+        self.fn = fn
+
+    def replay(self):
+        self.fn()

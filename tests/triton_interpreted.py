@@ -1,0 +1,193 @@
+"""Triton kernels (store_kvcache, fused add + RMSNorm, SiLU-and-mul) run by Triton's interpreter on CPU tensors
+against the PyTorch code they replace on CUDA, and the flash backend
+driven end to end on the CPU (real Triton store kernel, flash-attn's contract emulated by cuda_fakes,
+CUDA graphs emulated by EagerGraph) against transformers. TRITON_INTERPRET=1 must be set before triton
+defines a kernel, so tests/test_triton.py runs this file in a pytest process of its own."""
+import os
+import sys
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.exit("run through tests/test_triton.py (needs TRITON_INTERPRET=1 from the start)", returncode=4)
+
+import cuda_fakes  # noqa: E402  (tests/cuda_fakes.py)
+from models import check_against_hf, hf_greedy, random_prompts  # noqa: E402
+
+import nanoinfer.config as config_module  # noqa: E402
+from nanoinfer import LLM, SamplingParams  # noqa: E402
+from nanoinfer.engine import cuda_graph  # noqa: E402
+from nanoinfer.engine.model_runner import ModelRunner  # noqa: E402
+from nanoinfer.engine.scheduler import ScheduledBatch  # noqa: E402
+from nanoinfer.engine.sequence import Sequence  # noqa: E402
+from nanoinfer.kernels.triton_kvcache import store_kvcache  # noqa: E402
+from nanoinfer.kernels.triton_layers import rms_norm, silu_and_mul  # noqa: E402
+from nanoinfer.layers.activation import SiluAndMul  # noqa: E402
+from nanoinfer.layers.layernorm import RMSNorm  # noqa: E402
+from nanoinfer.layers.attention import get_backend, selector  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kv_heads, head_dim, block_size", [
+    (1, 64, 16),    # one KV head
+    (3, 40, 4),     # odd head count, row width 120 (not a power of two: masked lanes)
+    (5, 24, 1),     # block size 1: every slot is its own block
+    (2, 128, 256),  # flash-attn's page size
+])
+def test_store_kvcache_matches_index_copy(dtype, kv_heads, head_dim, block_size):
+    g = torch.Generator().manual_seed(kv_heads * 1000 + block_size)
+    tokens, q_heads = 13, 2 * kv_heads
+    num_blocks = -(-2 * tokens // block_size) + 1
+    # k and v as the model hands them over: row-strided views into one fused qkv projection.
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    k = qkv[:, q_heads * head_dim:(q_heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (q_heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    slots[1], slots[2] = block_size - 1, block_size  # the two sides of a block boundary
+    slots[0] = slots[6] = slots[-1] = -1  # padded rows: first, middle, last
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    real = slots >= 0
+    ref_k.view(-1, kv_heads, head_dim)[slots[real]] = k[real]
+    ref_v.view(-1, kv_heads, head_dim)[slots[real]] = v[real]
+    store_kvcache(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)  # a copy: exact, and -1 rows untouched
+
+
+def test_store_kvcache_all_padding_and_empty():
+    k_cache = torch.randn(2, 4, 3, 8)
+    before = k_cache.clone()
+    k = torch.randn(5, 3, 8)
+    store_kvcache(k, k, k_cache, k_cache, torch.full((5,), -1))
+    store_kvcache(k[:0], k[:0], k_cache, k_cache, torch.zeros(0, dtype=torch.int64))
+    assert torch.equal(k_cache, before)
+
+
+# fp32 differs from PyTorch only in summation order; fp16 by at most one rounding of the output.
+TOLERANCE = {torch.float32: 2e-6, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(7, 64), (5, 100), (3, 4, 40), (1, 1000)], ids=str)  # odd widths, per-head norm
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_the_torch_layer(dtype, shape, with_residual):
+    g = torch.Generator().manual_seed(shape[-1])
+    layer = RMSNorm(shape[-1], eps=1e-5)
+    layer.weight.data = torch.randn(shape[-1], generator=g).to(dtype)
+    wide = torch.randn(*shape[:-1], shape[-1] + 24, generator=g).to(dtype)
+    x = wide[..., 24:]  # a strided view, like q out of the fused qkv projection
+    residual = torch.randn(shape, generator=g).to(dtype) if with_residual else None
+    ours, ref = rms_norm(x, layer.weight, layer.eps, residual), layer(x, residual)  # CPU tensors: torch path
+    if with_residual:
+        assert torch.equal(ours[1], ref[1])  # the residual stream: one rounding of x + residual, exact
+        ours, ref = ours[0], ref[0]
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype == dtype
+    err = ((ours.float() - ref.float()).abs() / (1 + ref.float().abs())).max().item()
+    assert err < TOLERANCE[dtype], f"max relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(6, 2 * 64), (3, 2 * 100), (2, 2 * 2500), (2, 3, 2 * 48)], ids=str)
+def test_silu_and_mul_matches_the_torch_layer(dtype, shape):
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(shape[-1])) * 4).to(dtype)
+    ours, ref = silu_and_mul(x), SiluAndMul()(x)
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype == dtype
+    err = ((ours.float() - ref.float()).abs() / (1 + ref.float().abs())).max().item()
+    assert err < TOLERANCE[dtype], f"max relative error {err:.2e}"
+
+
+def test_empty_batches():
+    w = torch.ones(8)
+    assert rms_norm(torch.zeros(0, 8), w, 1e-6).shape == (0, 8)
+    assert silu_and_mul(torch.zeros(0, 16)).shape == (0, 8)
+
+
+@pytest.fixture
+def flash_on_cpu(monkeypatch):
+    """The flash backend on the CPU: fake flash_attn, fp32 allowed (to compare with transformers to 1e-4)."""
+    monkeypatch.setitem(sys.modules, "flash_attn", cuda_fakes)
+    monkeypatch.setattr(config_module, "select_backend", lambda requested, device: requested)
+    monkeypatch.setattr(selector, "FLASH_DTYPES", (*selector.FLASH_DTYPES, torch.float32))
+    monkeypatch.setattr(cuda_graph, "CUDAGraph", cuda_fakes.EagerGraph)
+    cuda_fakes.calls.clear()
+    return cuda_fakes.calls
+
+
+MAX_TOKENS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
+def test_flash_backend_matches_hf(enforce_eager, qwen3_dir, flash_on_cpu, captured_logits, report_logit_diff):
+    # Three prompts share a 300-token prefix (one full 256-token page), two short ones, a one-token one.
+    shared = random_prompts(1, 5, 440, 300, 300, seed=11)[0]
+    prompts = ([shared + tail for tail in random_prompts(3, 5, 440, 1, 40, seed=12)]
+               + random_prompts(2, 5, 440, 2, 90, seed=13) + [[17]])
+    # A 400-token budget chunks the long prompts: later chunks attend to pages stored by earlier steps.
+    llm = LLM(str(qwen3_dir), attention_backend="flash", max_model_len=512, max_num_seqs=8,
+              max_num_batched_tokens=400, enforce_eager=enforce_eager)
+    assert llm.llm_engine.config.kvcache_block_size == 256
+    runner = llm.llm_engine.model_runner
+    assert type(runner.backend).__name__ == "FlashAttentionBackend"
+    assert (runner.graph_runner is None) == enforce_eager
+    if not enforce_eager:
+        assert sorted(runner.graph_runner.graphs) == [1, 2, 4, 8]
+    # Short prompts alone first: no cached prefix, so prefill attends to this step's k, v directly.
+    outputs = llm.generate(prompts[3:], GREEDY, use_tqdm=False)
+    outputs += llm.generate(prompts[:3], GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outputs][-2:] == [256, 256]  # prefix-cache hits within the step
+    refs = hf_greedy(qwen3_dir, prompts[3:] + prompts[:3], MAX_TOKENS)
+    worst = check_against_hf(outputs, refs, captured_logits)
+    name = f"qwen3, flash backend on CPU ({'eager' if enforce_eager else 'CUDA-graph runner'})"
+    report_logit_diff(name, worst)
+    assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
+    kinds = {(c["fn"], c["paged"]) for c in flash_on_cpu}
+    assert kinds == {("varlen", False), ("varlen", True), ("kvcache", True)}, kinds
+    # Decode batches of 3 run padded to the graph of 4: the kv-cache calls saw 4 rows only with graphs.
+    decode_batches = {c["batch"] for c in flash_on_cpu if c["fn"] == "kvcache" and c["batch"] in (3, 4)}
+    assert decode_batches == ({3} if enforce_eager else {4}), decode_batches
+
+
+def _seq(num_tokens: int, computed: int, table: list[int]) -> Sequence:
+    seq = Sequence(list(range(num_tokens)), SamplingParams(), 256)
+    seq.num_computed_tokens, seq.block_table = computed, table
+    return seq
+
+
+@pytest.mark.parametrize("kind", ["prefix-and-chunk", "fresh", "decode"])
+def test_flash_backend_equals_cpu_backend_on_the_same_metadata(kind, flash_on_cpu):
+    """One metadata, built by ModelRunner.prepare, fed to both backends: same caches, same outputs."""
+    batches = {
+        # 300 tokens with 256 cached; a chunk (tokens 256..299 of 700) after a first one; a fresh 37-token prompt.
+        "prefix-and-chunk": ScheduledBatch([_seq(300, 256, [4, 1]), _seq(700, 256, [0, 3, 5]), _seq(37, 0, [2])],
+                                           [44, 44, 37]),
+        "fresh": ScheduledBatch([_seq(5, 0, [1]), _seq(260, 0, [0, 3])], [5, 260]),
+        "decode": ScheduledBatch([_seq(257, 256, [2, 5]), _seq(9, 8, [0]), _seq(600, 599, [1, 3, 4])], [1, 1, 1]),
+    }
+    runner = object.__new__(ModelRunner)
+    runner.block_size = 256
+    batch = batches[kind]
+    _, _, meta, _ = runner.prepare(batch, batch.samples)
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, tokens = 6, 2, 32, meta.slot_mapping.numel()
+    q = torch.randn(tokens, heads, dim, generator=g)
+    k, v = torch.randn(2, tokens, kv_heads, dim, generator=g)
+    caches = torch.randn(2, 6, 256, kv_heads, dim, generator=g)  # stale contents stand in for earlier steps
+    outs = []
+    for name in ("flash", "cpu"):
+        backend = get_backend(name, torch.float32)
+        k_cache, v_cache = caches.clone()
+        backend.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        backend.prepare(meta)
+        outs.append((backend.forward(q, k, v, k_cache, v_cache, meta, dim ** -0.5), k_cache, v_cache))
+    (flash, fk, fv), (cpu, ck, cv) = outs
+    assert torch.equal(fk, ck) and torch.equal(fv, cv)
+    assert flash.shape == cpu.shape == (tokens, heads * dim)
+    err = (flash - cpu).abs().max().item()
+    assert err < 1e-5, f"max |flash - cpu| = {err:.2e}"
+    expected = {"prefix-and-chunk": ("varlen", True), "fresh": ("varlen", False), "decode": ("kvcache", True)}[kind]
+    assert [(c["fn"], c["paged"]) for c in flash_on_cpu] == [expected]
