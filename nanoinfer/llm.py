@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from nanoinfer.config import Config
 from nanoinfer.engine.llm_engine import LLMEngine, Prompt
-from nanoinfer.outputs import RequestOutput
+from nanoinfer.outputs import EmbeddingRequestOutput, RequestOutput
 from nanoinfer.sampling_params import SamplingParams
 
 
@@ -51,6 +51,17 @@ class LLM:
                 return self.llm_engine.run_on_every_rank(
                     lambda: self._generate(_as_prompt_list(prompts), sampling_params, use_tqdm))
             return self._generate(_as_prompt_list(prompts), sampling_params, use_tqdm)
+
+    def embed(self, prompts: Prompt | list[Prompt], pooling: str = "mean",
+              normalize: bool = False) -> list[EmbeddingRequestOutput]:
+        """The model as a bidirectional encoder without position encoding: each prompt's final-norm hidden states,
+        mean- or last-token-pooled (optionally L2-normalised), in `.outputs.embedding`; in input order."""
+        if pooling not in ("mean", "last"):
+            raise ValueError(f"pooling must be 'mean' or 'last', got {pooling!r}")
+        if not isinstance(normalize, bool):
+            raise TypeError(f"normalize must be a bool, got {normalize!r}")
+        with self._lock:
+            return self.llm_engine.embed(_as_prompt_list(prompts), pooling, normalize)
 
     def _generate(self, prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None,
                   use_tqdm: bool) -> list[RequestOutput]:

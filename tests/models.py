@@ -9,6 +9,7 @@ Public API (used by conftest.py and the engine tests):
     build_model(kind, dir) -> pathlib.Path          kinds: see MODEL_KINDS / ALL_KINDS
     hf_greedy(model_dir, prompts_token_ids, max_new_tokens) -> list[dict]
     hf_forward_logits(model_dir, token_ids) -> Tensor [len, vocab]
+    hf_encoder_states(model_dir, token_ids) -> Tensor [len, hidden]   (bidirectional, no RoPE)
     load_hf_model(model_dir) -> cached transformers model
     assert_greedy_match(ours, ref_tokens, ref_logits, tol=1e-4)
     top2_gaps(logits) -> Tensor
@@ -116,7 +117,9 @@ def build_tokenizer(dir) -> "transformers.PreTrainedTokenizerFast":  # noqa: F82
 
 MODEL_KINDS = ("qwen3", "qwen3-untied", "qwen2", "llama")  # the 4 main architectures
 # Further families, each tested on its own (not in every any_model_dir test).
-EXTRA_KINDS = ("qwen3-moe",)
+EXTRA_KINDS = ("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral")
+# Sliding windows of the *-swa kinds and mistral: shorter than most test prompts.
+SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20}
 ALL_KINDS = MODEL_KINDS + ("qwen3-sharded",) + EXTRA_KINDS
 # For tensor parallelism: a vocabulary that 2 ranks cannot split evenly (padded) and one KV head (replicated).
 ODD_KIND = "qwen2-mqa-oddvocab"
@@ -142,7 +145,8 @@ _COMMON = dict(
     initializer_range=INIT_STD,
 )
 
-_SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678, ODD_KIND: 6789}
+_SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678,
+          "qwen2-swa": 6789, "qwen3-swa": 7890, "mistral": 8901, ODD_KIND: 9012}
 
 
 def _token_ids():
@@ -152,7 +156,7 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     ids = _token_ids()
     special = dict(
@@ -184,6 +188,43 @@ def make_config(kind: str):
             decoder_sparse_step=1,
             mlp_only_layers=[1],
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        )
+    if kind == "qwen2-swa":
+        # Layer 0 attends to everything; layers >= max_window_layers (1, 2) to the last 12 positions.
+        return Qwen2Config(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            use_sliding_window=True,
+            sliding_window=SLIDING_WINDOW[kind],
+            max_window_layers=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        )
+    if kind == "qwen3-swa":
+        return Qwen3Config(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=SLIDING_WINDOW[kind],
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        )
+    if kind == "mistral":  # every layer windowed
+        return MistralConfig(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            tie_word_embeddings=False,
+            sliding_window=SLIDING_WINDOW[kind],
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
         )
     if kind == "qwen3-untied":
         return Qwen3Config(
@@ -365,6 +406,21 @@ def hf_forward_logits(model_dir, token_ids: Sequence[int]) -> torch.Tensor:
     model = load_hf_model(model_dir)
     out = model(input_ids=torch.tensor([[int(t) for t in token_ids]], dtype=torch.long), use_cache=False)
     return out.logits[0].float().clone()
+
+
+@torch.inference_mode()
+def hf_encoder_states(model_dir, token_ids: Sequence[int]) -> torch.Tensor:
+    """transformers' decoder run as an encoder: final-norm hidden states [len, hidden], float32.
+
+    Bidirectional: a 4-D boolean mask is used as given (no causal mask is built on top) and all True lets every
+    token see every other. No position encoding: all position ids 0 make every rotation the identity (cos 1,
+    sin 0; the test models' rope types have attention scaling 1)."""
+    model = load_hf_model(model_dir)
+    n = len(token_ids)
+    out = model.model(input_ids=torch.tensor([[int(t) for t in token_ids]], dtype=torch.long),
+                      attention_mask=torch.ones(1, 1, n, n, dtype=torch.bool),
+                      position_ids=torch.zeros(1, n, dtype=torch.long), use_cache=False)
+    return out.last_hidden_state[0].float().clone()
 
 
 def top2_gaps(logits: torch.Tensor) -> torch.Tensor:

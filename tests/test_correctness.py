@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from models import EXTRA_KINDS, MODEL_KINDS, check_against_hf, hf_greedy, random_prompts
+from models import EXTRA_KINDS, MODEL_KINDS, SLIDING_WINDOW, check_against_hf, hf_greedy, random_prompts
 from nanoinfer import LLM, SamplingParams
 
 MAX_TOKENS = 24
@@ -80,6 +80,40 @@ def test_prefix_cache_with_chunks_and_preemption(qwen3_untied_dir):
     for _ in range(2):
         assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("kind", sorted(SLIDING_WINDOW))
+def test_sliding_window_chunked_prefill_and_prefix_cache_match_hf(kind, model_dir, captured_logits,
+                                                                  report_logit_diff):
+    """Contexts several windows long, prefilled in 7-token chunks, then again with a 40-token cached prefix; the
+    window (9, 12 or 20) is not a multiple of the block size (8)."""
+    d = model_dir(kind)
+    shared = random_prompts(1, 5, 440, 40, 40, seed=8)[0]
+    prompts = [shared + tail for tail in random_prompts(3, 5, 440, 1, 30, seed=9)]
+    refs = reference(d, prompts)
+    llm = LLM(str(d), max_model_len=128, max_num_batched_tokens=7, kvcache_block_size=8)
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    second = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 40 for o in second)
+    worst = max(check_against_hf(first, refs, captured_logits), check_against_hf(second, refs, captured_logits))
+    report_logit_diff(f"{kind}, sliding window, chunked + prefix cache", worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+def test_sliding_window_is_what_makes_the_match(model_dir, captured_logits):
+    """The same weights attending to the whole context diverge from transformers: the window tests can fail."""
+    from nanoinfer.layers.attention import Attention
+
+    d = model_dir("qwen2-swa")
+    llm = LLM(str(d), max_model_len=256)
+    layers = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Attention)]
+    assert [a.sliding_window for a in layers] == [None, SLIDING_WINDOW["qwen2-swa"], SLIDING_WINDOW["qwen2-swa"]]
+    for a in layers:
+        a.sliding_window = None
+    outputs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    refs = reference(d)
+    ours = torch.stack(captured_logits[outputs[0].request_id])
+    assert (ours[0] - refs[0]["logits"][0]).abs().max().item() > 1e-2
 
 
 def test_string_prompts_and_eos(llama_dir):

@@ -39,7 +39,8 @@ def test_kernel_builds_where_a_compiler_exists():
     (6, 1, 128, 1, [5, 2, 31]),                  # block size 1, a single KV head
     (8, 2, 64, 16, [2000, 3]),                   # long context next to a short one
 ])
-def test_decode_kernel_matches_sdpa(heads, kv_heads, head_dim, block_size, context_lens):
+@pytest.mark.parametrize("window", [None, 1, 7, 40])  # sliding window: only the last `window` positions
+def test_decode_kernel_matches_sdpa(heads, kv_heads, head_dim, block_size, context_lens, window):
     meta = decode_metadata(context_lens, block_size, num_blocks=sum(-(-n // block_size) for n in context_lens) + 5,
                            seed=heads + block_size)
     g = torch.Generator().manual_seed(0)
@@ -53,11 +54,15 @@ def test_decode_kernel_matches_sdpa(heads, kv_heads, head_dim, block_size, conte
     for backend in (kernel, torch_path):
         backend.prepare(meta)
     unused = torch.empty(0)  # this step's k, v: only prefill reads them, decode reads the cache
-    ours = kernel.forward(q, unused, unused, k_cache, v_cache, meta, scale)
-    ref = torch_path.forward(q, unused, unused, k_cache, v_cache, meta, scale)
+    ours = kernel.forward(q, unused, unused, k_cache, v_cache, meta, scale, window)
+    ref = torch_path.forward(q, unused, unused, k_cache, v_cache, meta, scale, window)
     assert ours.shape == ref.shape == (len(context_lens), heads * head_dim)
     err = (ours - ref).abs().max().item()
     assert err < 1e-5, f"max |kernel - SDPA| = {err:.2e}"
+    if window is not None:  # the window really changed the result where the context is longer
+        full = kernel.forward(q, unused, unused, k_cache, v_cache, meta, scale)
+        longer = meta.context_lens > window
+        assert torch.equal(longer, (full - ours).abs().amax(1) > 1e-3)
 
 
 def test_a_failing_build_falls_back_to_pytorch(monkeypatch, tmp_path):

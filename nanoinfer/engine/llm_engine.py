@@ -3,6 +3,8 @@ import pickle
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 
+import torch
+import torch.nn.functional as F
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanoinfer.config import Config
@@ -10,7 +12,7 @@ from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.engine.parallel import start_tensor_parallel
 from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
 from nanoinfer.engine.sequence import Sequence
-from nanoinfer.outputs import RequestOutput
+from nanoinfer.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.utils.gguf_loader import load_gguf_tokenizer
 
@@ -36,6 +38,14 @@ class LLMEngine:
         """Validate one request and wrap it; nothing is queued, so a bad request leaves the engine untouched."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        token_ids, text = self.prompt_token_ids(prompt)
+        if len(token_ids) + params.max_tokens > self.config.max_model_len:
+            raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens={params.max_tokens} exceeds "
+                             f"max_model_len={self.config.max_model_len}")
+        return Sequence(token_ids, params, self.config.kvcache_block_size, prompt=text)
+
+    def prompt_token_ids(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        """A prompt's checked token ids, and its text if it was given as a string."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
@@ -53,10 +63,28 @@ class LLMEngine:
         out_of_range = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if out_of_range is not None:
             raise ValueError(f"token id {out_of_range} is outside the vocabulary [0, {self.vocab_size})")
-        if len(token_ids) + params.max_tokens > self.config.max_model_len:
-            raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens={params.max_tokens} exceeds "
-                             f"max_model_len={self.config.max_model_len}")
-        return Sequence(token_ids, params, self.config.kvcache_block_size, prompt=text)
+        return token_ids, text
+
+    def embed(self, prompts: list[Prompt], pooling: str, normalize: bool) -> list[EmbeddingRequestOutput]:
+        """Pooled encoder states (see ModelRunner.encode), in batches of at most max_num_batched_tokens tokens."""
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("embed does not support tensor parallelism yet")
+        checked = [self.prompt_token_ids(p) for p in prompts]  # all validated before any runs
+        too_long = next((len(ids) for ids, _ in checked if len(ids) > self.config.max_model_len), None)
+        if too_long is not None:
+            raise ValueError(f"prompt of {too_long} tokens exceeds max_model_len={self.config.max_model_len}")
+        states: list[torch.Tensor] = []
+        batch: list[list[int]] = []
+        for ids, _ in checked + [([], None)]:  # the empty sentinel flushes the last batch
+            if batch and (not ids or sum(map(len, batch)) + len(ids) > self.config.max_num_batched_tokens):
+                states += self.model_runner.encode(batch)
+                batch = []
+            batch.append(ids)
+        pooled = [h.float().mean(0) if pooling == "mean" else h[-1].float() for h in states]
+        if normalize:
+            pooled = [F.normalize(e, dim=0) for e in pooled]
+        return [EmbeddingRequestOutput(next(Sequence.ids), text, ids, EmbeddingOutput(e.tolist()))
+                for (ids, text), e in zip(checked, pooled)]
 
     def add_request(self, prompt: Prompt, params: SamplingParams) -> Sequence:
         seq = self.make_sequence(prompt, params)

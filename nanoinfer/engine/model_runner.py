@@ -186,6 +186,20 @@ class ModelRunner:
         while (step := self.tp.broadcast()) is not None:
             self.execute(*step)
 
+    @torch.inference_mode()
+    def encode(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Each prompt's final hidden states [len, hidden] from a bidirectional pass without position encoding:
+        the decoder used as an encoder. Nothing touches the KV cache."""
+        lens = [len(p) for p in prompts]
+        cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=None, block_tables=torch.empty(len(prompts), 0, dtype=torch.int32),
+            context_lens=torch.tensor(lens, dtype=torch.int32), cu_seqlens_q=cu, cu_seqlens_k=cu,
+            max_seqlen_q=max(lens), max_seqlen_k=max(lens), block_size=self.block_size, causal=False).to(self.device)
+        self.backend.prepare(meta)
+        hidden = self.model(torch.tensor([t for p in prompts for t in p], device=self.device), None, meta)
+        return list(hidden.cpu().split(lens))
+
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         params = [s.params for s in seqs]
         return self.sampler(

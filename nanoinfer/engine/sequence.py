@@ -14,10 +14,10 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    _ids = count()
+    ids = count()  # request ids, shared with embedding requests
 
     def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int, prompt: str | None = None):
-        self.seq_id = next(Sequence._ids)
+        self.seq_id = next(Sequence.ids)
         self.status = SequenceStatus.WAITING
         self.prompt = prompt
         self.token_ids = list(token_ids)

@@ -54,7 +54,7 @@ def _library() -> ctypes.CDLL | None:
                       f"(slower):\n{detail}")
         return None
     lib.paged_decode_attention.restype = None
-    lib.paged_decode_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+    lib.paged_decode_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float]
     return lib
 
 
@@ -64,13 +64,14 @@ def paged_decode_attention_available() -> bool:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, max_context: int,
-                           scale: float) -> torch.Tensor:
-    """q [seqs, heads, dim] fp32, one token per sequence; caches [blocks, block_size, kv_heads, dim]."""
+                           scale: float, window: int | None = None) -> torch.Tensor:
+    """q [seqs, heads, dim] fp32, one token per sequence; caches [blocks, block_size, kv_heads, dim]; with a
+    window, each query sees only the last `window` positions of its context."""
     q, block_tables, context_lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
     assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and block_tables.dtype == torch.int32
     out = torch.empty_like(q)
     _library().paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
         out.data_ptr(), q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
-        block_tables.shape[1], max_context, scale)
+        block_tables.shape[1], max_context, window or 0, scale)
     return out

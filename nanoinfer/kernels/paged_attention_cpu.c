@@ -22,60 +22,67 @@ static inline float exp_nonpositive(float x) {
     return p * scale.f;
 }
 
-/* One sequence: q and out [heads, dim]; scores [heads, len]. */
-static void attend(const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int64_t len,
-                   float *out, float *scores, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
+/* One sequence: q and out [heads, dim]; scores [heads, len - first]; keys at positions first..len-1. */
+static void attend(const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int64_t first,
+                   int64_t len, float *out, float *scores, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
                    int64_t block_size, float scale) {
     const int64_t g = num_heads / num_kv_heads, row = num_kv_heads * dim, block = block_size * row;
-    for (int64_t start = 0; start < len; start += block_size) {
-        const float *k = k_cache + table[start / block_size] * block;
-        const int64_t n = len - start < block_size ? len - start : block_size;
+    const int64_t span = len - first;
+    for (int64_t pos = first; pos < len;) {
+        const int64_t off = pos % block_size, n = len - pos < block_size - off ? len - pos : block_size - off;
+        const float *k = k_cache + table[pos / block_size] * block + off * row;
         for (int64_t t = 0; t < n; ++t, k += row) {
             for (int64_t h = 0; h < num_heads; ++h) {
                 const float *kh = k + h / g * dim, *qh = q + h * dim;
                 float s = 0.f;
 #pragma omp simd reduction(+ : s)
                 for (int64_t d = 0; d < dim; ++d) s += qh[d] * kh[d];
-                scores[h * len + start + t] = s * scale;
+                scores[h * span + pos - first + t] = s * scale;
             }
         }
+        pos += n;
     }
     for (int64_t h = 0; h < num_heads; ++h) {
-        float *s = scores + h * len, max = s[0], sum = 0.f;
-        for (int64_t t = 1; t < len; ++t) max = s[t] > max ? s[t] : max;
+        float *s = scores + h * span, max = s[0], sum = 0.f;
+        for (int64_t t = 1; t < span; ++t) max = s[t] > max ? s[t] : max;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) sum += s[t] = exp_nonpositive(s[t] - max);
+        for (int64_t t = 0; t < span; ++t) sum += s[t] = exp_nonpositive(s[t] - max);
         const float inv = 1.f / sum;
 #pragma omp simd
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+        for (int64_t t = 0; t < span; ++t) s[t] *= inv;
     }
     memset(out, 0, sizeof(float) * num_heads * dim);
-    for (int64_t start = 0; start < len; start += block_size) {
-        const float *v = v_cache + table[start / block_size] * block;
-        const int64_t n = len - start < block_size ? len - start : block_size;
+    for (int64_t pos = first; pos < len;) {
+        const int64_t off = pos % block_size, n = len - pos < block_size - off ? len - pos : block_size - off;
+        const float *v = v_cache + table[pos / block_size] * block + off * row;
         for (int64_t t = 0; t < n; ++t, v += row) {
             for (int64_t h = 0; h < num_heads; ++h) {
-                const float p = scores[h * len + start + t], *vh = v + h / g * dim;
+                const float p = scores[h * span + pos - first + t], *vh = v + h / g * dim;
                 float *oh = out + h * dim;
 #pragma omp simd
                 for (int64_t d = 0; d < dim; ++d) oh[d] += p * vh[d];
             }
         }
+        pos += n;
     }
 }
 
-/* q, out: [seqs, heads, dim]; caches: [blocks, block_size, kv_heads, dim]; tables: [seqs, max_blocks]. */
+/* q, out: [seqs, heads, dim]; caches: [blocks, block_size, kv_heads, dim]; tables: [seqs, max_blocks].
+ * window > 0: each query sees only the last `window` positions of its context (sliding-window attention). */
 void paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                             const int32_t *block_tables, const int32_t *context_lens, float *out,
                             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
-                            int64_t block_size, int64_t max_blocks, int64_t max_context, float scale) {
+                            int64_t block_size, int64_t max_blocks, int64_t max_context, int64_t window,
+                            float scale) {
 #pragma omp parallel
     {
         float *scores = malloc(sizeof(float) * num_heads * max_context);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t seq = 0; seq < num_seqs; ++seq)
-            attend(q + seq * num_heads * dim, k_cache, v_cache, block_tables + seq * max_blocks, context_lens[seq],
+        for (int64_t seq = 0; seq < num_seqs; ++seq) {
+            const int64_t len = context_lens[seq], first = window > 0 && len > window ? len - window : 0;
+            attend(q + seq * num_heads * dim, k_cache, v_cache, block_tables + seq * max_blocks, first, len,
                    out + seq * num_heads * dim, scores, num_heads, num_kv_heads, dim, block_size, scale);
+        }
         free(scores);
     }
 }

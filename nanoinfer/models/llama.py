@@ -1,5 +1,5 @@
-"""Llama decoder; Qwen2, Qwen3 and Qwen3-MoE reuse it with their attention options (qkv bias, per-head q/k norm)
-and, for MoE, their own MLP per layer."""
+"""Llama decoder; Qwen2, Qwen3, Qwen3-MoE and Mistral reuse it with their per-layer attention options (qkv bias,
+per-head q/k norm, sliding window) and, for MoE, their own MLP per layer."""
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +20,18 @@ class AttentionOptions:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    sliding_window: int | None = None  # attend to the last this-many positions (the query's own included)
+
+
+def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
+    """transformers' rule: `sliding_window` (which Qwen2/3 configs set to None unless `use_sliding_window`) applies
+    to the layers `layer_types` marks "sliding_attention" (derived from `max_window_layers` when not given), or to
+    every layer when the config has no `layer_types`."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None or (layer_types is not None and layer_types[layer_idx] != "sliding_attention"):
+        return None
+    return window
 
 
 class LlamaAttention(nn.Module):
@@ -32,19 +44,21 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, options.o_bias)
         self.rotary_emb = get_rope(config, self.head_dim, config.max_position_embeddings)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
+                              options.sliding_window)
         if options.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = options.qk_norm
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], -1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if positions is not None:  # None: no position encoding at all (an encoder pass, see LLM.embed)
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -63,7 +77,8 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-# (config, layer index) -> the layer's MLP: forward(x [tokens, hidden]) -> [tokens, hidden].
+# (config, layer index) -> that layer's attention options / its MLP (forward(x [tokens, hidden]) -> same shape).
+OptionsFactory = Callable[[PretrainedConfig, int], AttentionOptions]
 MLPFactory = Callable[[PretrainedConfig, int], nn.Module]
 
 
@@ -75,7 +90,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+    def forward(self, positions: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             x, residual = self.input_layernorm(x), x
@@ -87,14 +102,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: AttentionOptions, make_mlp: MLPFactory):
+    def __init__(self, config: PretrainedConfig, attention_options: OptionsFactory, make_mlp: MLPFactory):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, options, make_mlp(config, i))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention_options(config, i), make_mlp(config, i))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, meta: AttentionMetadata
+                ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
@@ -112,9 +128,9 @@ class LlamaForCausalLM(nn.Module):
     }
 
     @staticmethod
-    def attention_options(config: PretrainedConfig) -> AttentionOptions:
+    def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
         bias = getattr(config, "attention_bias", False)
-        return AttentionOptions(qkv_bias=bias, o_bias=bias)
+        return AttentionOptions(qkv_bias=bias, o_bias=bias, sliding_window=layer_sliding_window(config, layer_idx))
 
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
@@ -122,12 +138,14 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        self.model = LlamaModel(config, self.attention_options(config), self.make_mlp)
+        self.model = LlamaModel(config, self.attention_options, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, meta: AttentionMetadata
+                ) -> torch.Tensor:
+        """Hidden states after the final norm, [tokens, hidden]."""
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

@@ -17,11 +17,16 @@ def get_backend(name: str, dtype: torch.dtype, device: torch.device = torch.devi
 
 
 class Attention(nn.Module):
-    """Stores this step's K/V into the paged cache, then attends over each sequence's whole context."""
+    """Stores this step's K/V into the paged cache, then attends over each sequence's whole context, or over the
+    last `sliding_window` positions of it (the query's own included)."""
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        self.sliding_window = sliding_window
         self.k_cache = self.v_cache = torch.empty(0)  # [num_blocks, block_size, kv_heads, head_dim], set by ModelRunner
         self.backend = None  # set by ModelRunner with the cache
 
@@ -29,9 +34,10 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.k_cache.numel():  # no cache yet during the warm-up that sizes it on CUDA
+        # Nothing to store in an encoder pass, nor during the warm-up that sizes the cache on CUDA.
+        if meta.slot_mapping is not None and self.k_cache.numel():
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window)
 
 
 __all__ = ["Attention", "AttentionMetadata", "get_backend"]

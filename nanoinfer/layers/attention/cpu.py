@@ -45,38 +45,50 @@ class CPUAttentionBackend:
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None
+                ) -> torch.Tensor:
         """q [tokens, heads, dim] and this step's k, v [tokens, kv_heads, dim], already stored in the cache
-        -> [tokens, heads * dim]."""
+        -> [tokens, heads * dim]. With a window, a query at position p sees keys at p - window < position <= p."""
         if not meta.is_decode:
-            return self._prefill(q, k, v, k_cache, v_cache, meta, scale)
+            return self._prefill(q, k, v, k_cache, v_cache, meta, scale, window if meta.causal else None)
         if self.decode_kernel:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                          meta.max_seqlen_k, scale).flatten(1)
+                                          meta.max_seqlen_k, scale, window).flatten(1)
         state: CPUState = meta.backend_state
         b, slots = meta.num_seqs, state.mask.shape[-1]
+        mask = state.mask
+        if window is not None:
+            mask = mask & (torch.arange(slots) >= (meta.context_lens - window).view(-1, 1, 1, 1))
         k = self._gather("k", k_cache, state.block_index).view(b, slots, *k_cache.shape[2:]).transpose(1, 2)
         v = self._gather("v", v_cache, state.block_index).view(b, slots, *v_cache.shape[2:]).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=state.mask, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         return o.flatten(1)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         for i, (start, end, ctx) in enumerate(meta.backend_state.spans):
             n = end - start
+            # Query j sits at position ctx - n + j; the earliest key any of them sees is first.
+            first = 0 if window is None else max(0, ctx - n - window + 1)
             if ctx == n:  # no cached prefix: this step's keys are the whole context
-                ks, vs, mask = k[start:end], v[start:end], None
+                ks, vs = k[start:end], v[start:end]
             else:
-                blocks = meta.block_tables[i, :-(-ctx // meta.block_size)]
-                ks = self._gather("k", k_cache, blocks).flatten(0, 1)[:ctx]
-                vs = self._gather("v", v_cache, blocks).flatten(0, 1)[:ctx]
-                # Causal, aligned to the end: query j sits at position ctx - n + j.
-                mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
+                blocks = meta.block_tables[i, first // meta.block_size:-(-ctx // meta.block_size)]
+                skip = first % meta.block_size
+                ks = self._gather("k", k_cache, blocks).flatten(0, 1)[skip:skip + ctx - first]
+                vs = self._gather("v", v_cache, blocks).flatten(0, 1)[skip:skip + ctx - first]
+            mask = None
+            if ctx != n or (window is not None and window < n):
+                q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+                k_pos = torch.arange(first, ctx, device=q.device)
+                mask = k_pos <= q_pos
+                if window is not None:
+                    mask &= k_pos > q_pos - window
             # 4-D inputs: with 3-D ones SDPA skips its fused CPU kernel for the slow math path.
             qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q[start:end], ks, vs))
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                               enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None and meta.causal,
+                                               scale=scale, enable_gqa=True)
             out[start:end] = o[0].transpose(0, 1).flatten(1)
         return out
 

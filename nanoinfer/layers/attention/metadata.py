@@ -7,7 +7,8 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block * block_size + offset) of each new token
+    slot_mapping: torch.Tensor | None  # [num_tokens] int64: cache slot (block * block_size + offset) of each new
+    # token; None: nothing is cached (a bidirectional encoder pass over whole sequences)
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, -1 padded: the KV blocks of each sequence
     context_lens: torch.Tensor  # [num_seqs] int32: tokens in the cache once this step's tokens are stored
     cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32: offsets of each sequence's new tokens
@@ -16,6 +17,7 @@ class AttentionMetadata:
     max_seqlen_k: int
     block_size: int
     has_cached_prefix: bool = False  # some sequence attends to keys stored in earlier steps (a prefill detail)
+    causal: bool = True  # False: every token of a sequence attends to all of it (no window either)
     backend_state: Any = None  # whatever the chosen backend derives from the above, once per step
 
     @property
@@ -24,13 +26,13 @@ class AttentionMetadata:
 
     @property
     def is_decode(self) -> bool:
-        return self.max_seqlen_q == 1
+        return self.max_seqlen_q == 1 and self.causal
 
     def to(self, device: torch.device) -> "AttentionMetadata":
         """The same metadata with its tensors on `device` (built on the CPU, then copied once per step)."""
-        if self.slot_mapping.device == device:
+        if self.context_lens.device == device:
             return self
-        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return replace(self, slot_mapping=move(self.slot_mapping), block_tables=move(self.block_tables),
                        context_lens=move(self.context_lens), cu_seqlens_q=move(self.cu_seqlens_q),
                        cu_seqlens_k=move(self.cu_seqlens_k))
