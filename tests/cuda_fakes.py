@@ -103,8 +103,9 @@ class EagerGraph:
     """CUDA-graph semantics on the CPU: capture records the step, replay re-runs it on the same static buffers
     (so inputs not copied into them, or outputs not read from them, show up as wrong results)."""
 
-    def capture(self, fn):
+    def capture(self, fn, pool=None):
         self.fn = fn
+        return pool
 
     def replay(self):
         self.fn()

@@ -117,7 +117,9 @@ def build_tokenizer(dir) -> "transformers.PreTrainedTokenizerFast":  # noqa: F82
 
 MODEL_KINDS = ("qwen3", "qwen3-untied", "qwen2", "llama")  # the 4 main architectures
 # Further families, each tested on its own (not in every any_model_dir test).
-EXTRA_KINDS = ("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral")
+# Qwen3-Next: Gated DeltaNet + gated attention layers, a dense MLP and sparse MoE ones.
+QWEN3_NEXT_KINDS = ("qwen3-next",)
+EXTRA_KINDS = ("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS
 # Sliding windows of the *-swa kinds and mistral: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20}
 ALL_KINDS = MODEL_KINDS + ("qwen3-sharded",) + EXTRA_KINDS
@@ -146,7 +148,7 @@ _COMMON = dict(
 )
 
 _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678,
-          "qwen2-swa": 6789, "qwen3-swa": 7890, "mistral": 8901, ODD_KIND: 9012}
+          "qwen2-swa": 6789, "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, ODD_KIND: 9012}
 
 
 def _token_ids():
@@ -156,7 +158,7 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
 
     ids = _token_ids()
     special = dict(
@@ -270,7 +272,46 @@ def make_config(kind: str):
                 "original_max_position_embeddings": 64,
             },
         )
+    if kind in QWEN3_NEXT_KINDS:
+        return Qwen3NextConfig(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25},
+            # Linear attention first, then alternating: a linear layer also follows a full one.
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,  # two value heads per key head
+            linear_key_head_dim=16,
+            linear_value_head_dim=24,  # != the key head dim, so a transposed state would fail
+            linear_conv_kernel_dim=4,
+            # Layers 1 and 2 route each token to 2 of 8 experts plus the gated shared expert; layer 0 is dense.
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+        )
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND,)}")
+
+
+def _randomize_qwen3_next_(model, seed: int) -> None:
+    """Qwen3-Next specifics: its RMSNorms (all but the gated one) scale by 1 + weight, so their weights become
+    NORM_NOISE * N(0,1); slow decays on some linear-attention heads (e^g near 1) carry the state far, across chunks."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+                p.copy_(NORM_NOISE * torch.randn(p.shape, generator=g))
+            elif name.endswith("linear_attn.A_log"):
+                p.copy_(torch.linspace(0.01, 1.0, p.numel()).log())
+            elif name.endswith("linear_attn.dt_bias"):
+                p.copy_(-2.0 + 0.5 * torch.randn(p.shape, generator=g))
 
 
 def _randomize_(model, seed: int) -> None:
@@ -303,6 +344,8 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
     torch.manual_seed(_SEEDS[base_kind])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize_(model, _SEEDS[base_kind])
+    if kind in QWEN3_NEXT_KINDS:
+        _randomize_qwen3_next_(model, _SEEDS[base_kind])
     if config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     model.eval()

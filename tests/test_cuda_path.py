@@ -175,8 +175,8 @@ def _seq(num_tokens: int, computed: int, table: list[int], block_size: int) -> S
 
 
 def _prepare(batch: ScheduledBatch, block_size: int):
-    runner = object.__new__(ModelRunner)  # prepare needs only the block size
-    runner.block_size = block_size
+    runner = object.__new__(ModelRunner)  # prepare needs only the block size and the number of state slots
+    runner.block_size, runner.num_state_slots = block_size, 0
     return runner.prepare(batch, batch.samples)
 
 

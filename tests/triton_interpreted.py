@@ -169,7 +169,7 @@ def test_flash_backend_equals_cpu_backend_on_the_same_metadata(kind, flash_on_cp
         "decode": ScheduledBatch([_seq(257, 256, [2, 5]), _seq(9, 8, [0]), _seq(600, 599, [1, 3, 4])], [1, 1, 1]),
     }
     runner = object.__new__(ModelRunner)
-    runner.block_size = 256
+    runner.block_size, runner.num_state_slots = 256, 0
     batch = batches[kind]
     _, _, meta, _ = runner.prepare(batch, batch.samples)
     g = torch.Generator().manual_seed(3)

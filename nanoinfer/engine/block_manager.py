@@ -1,4 +1,5 @@
-"""Paged KV-cache blocks: allocation, reference counts, and prefix caching keyed by a hash of the token prefix."""
+"""Paged KV-cache blocks: allocation, reference counts, and prefix caching keyed by a hash of the token prefix;
+plus the recurrent-state slots of models with linear attention, held by a sequence exactly while it holds blocks."""
 from collections import OrderedDict
 
 import numpy as np
@@ -20,13 +21,16 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block: dict[int, int] = {}
         # Free blocks, least recently freed first: cached contents survive until their block is reused.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # A slot's state is valid only for the sequence holding it: freed (finish, abort, preemption) means gone.
+        self.num_state_slots = num_state_slots
+        self.free_state_slots = list(range(num_state_slots))
 
     @staticmethod
     def compute_hash(token_ids: list[int], prefix_hash: int = -1) -> int:
@@ -72,6 +76,8 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._cached_prefix(seq)
         revived = sum(block.ref_count == 0 for block in hits)
+        if self.num_state_slots and not self.free_state_slots:
+            return False
         return seq.num_blocks - len(hits) + revived <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> None:
@@ -86,6 +92,8 @@ class BlockManager:
         for _ in range(seq.num_blocks - len(hits)):
             seq.block_table.append(self._take_free_block().block_id)
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        if self.num_state_slots:
+            seq.state_slot = self.free_state_slots.pop()
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so the LRU order evicts a sequence's tail before its (more shareable) head.
@@ -96,6 +104,9 @@ class BlockManager:
                 self.free_blocks[block_id] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
+        if seq.state_slot >= 0:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = -1
 
     def can_append(self, seq: Sequence) -> bool:
         return seq.num_blocks - len(seq.block_table) <= self.num_free_blocks

@@ -50,17 +50,17 @@ def pad_decode_inputs(input_ids: torch.Tensor, positions: torch.Tensor, meta: At
 
 
 class CUDAGraph:
-    """torch.cuda.CUDAGraph behind the two calls the runner makes; all graphs share one memory pool."""
-    _pool = None
+    """torch.cuda.CUDAGraph behind the calls the runner makes."""
 
     def __init__(self) -> None:
         self.graph = torch.cuda.CUDAGraph()
 
-    def capture(self, fn: Callable[[], None]) -> None:
-        with torch.cuda.graph(self.graph, CUDAGraph._pool):
+    def capture(self, fn: Callable[[], None], pool=None):
+        """Records fn into the graph, allocating from `pool` (None: a new one); returns the pool used."""
+        with torch.cuda.graph(self.graph, pool):
             fn()
-        CUDAGraph._pool = self.graph.pool()
         torch.cuda.synchronize()
+        return self.graph.pool()
 
     def replay(self) -> None:
         self.graph.replay()
@@ -94,7 +94,9 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        # Largest first: the shared pool is sized by it and smaller graphs reuse its memory.
+        # Largest first into one memory pool: it is sized by the largest and the others reuse its memory, which
+        # is safe because graphs are replayed one at a time on one stream.
+        pool = None
         for size in reversed(self.sizes):
             meta = self.metadata(size)
             self.backend.prepare(meta)
@@ -104,7 +106,7 @@ class CUDAGraphRunner:
 
             step()  # warm-up outside the graph (lazy initialisation, autotuning)
             graph = self.new_graph()
-            graph.capture(step)
+            pool = graph.capture(step, pool)
             self.graphs[size] = graph
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:

@@ -31,7 +31,7 @@ class LLMEngine:
             if dead is None:
                 raise
             raise RuntimeError(f"tensor-parallel start-up failed: {dead}") from e
-        self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks)
+        self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks, self.model_runner.num_state_slots)
         self.vocab_size: int = config.hf_config.vocab_size
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:

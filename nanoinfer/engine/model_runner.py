@@ -1,5 +1,6 @@
 """Builds a step's model inputs from scheduled sequences, runs the model over the paged KV cache, samples.
 With tensor parallelism there is one per rank: rank 0's builds the inputs and samples, the others serve its steps."""
+import math
 import os
 
 import numpy as np
@@ -13,6 +14,7 @@ from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention, AttentionMetadata, get_backend
 from nanoinfer.layers.attention.selector import resolve_device
+from nanoinfer.layers.gated_delta_rule import GatedDeltaRule
 from nanoinfer.layers.sampler import Sampler
 from nanoinfer.models.registry import get_model_class
 from nanoinfer.sampling_params import SamplingParams
@@ -44,7 +46,8 @@ class ModelRunner:
                 module.process_weights_after_loading(min(config.max_num_seqs, 256))
         self.backend = get_backend(config.attention_backend, config.torch_dtype, self.device)
         self.graph_runner: CUDAGraphRunner | None = None
-        self.num_kvcache_blocks = self._allocate_kv_cache()
+        self.num_state_slots, state_bytes = self._allocate_state_cache()
+        self.num_kvcache_blocks = self._allocate_kv_cache(state_bytes)
         self.graph_runner = self._capture_graphs()
         self.sampler = Sampler()
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -68,7 +71,28 @@ class ModelRunner:
     def _attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
-    def _allocate_kv_cache(self) -> int:
+    def _allocate_state_cache(self) -> tuple[int, int]:
+        """Recurrent-state slots of the linear-attention layers, one per running sequence (max_num_seqs, or fewer
+        if they would take more than half the cache budget), and their bytes; (0, 0) without such layers."""
+        layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaRule)]
+        if not layers:
+            return 0, 0
+        dtype = self.config.torch_dtype
+        ssm_dtype = torch.promote_types(dtype, torch.float32)  # the delta rule runs in fp32 at least
+        slot_bytes = sum(math.prod(a.conv_state_shape) * dtype.itemsize
+                         + math.prod(a.ssm_state_shape) * ssm_dtype.itemsize for a in layers)
+        available = self.tp.all_min(_available_memory() // self.tp.local_size)  # every rank gets the same slots
+        budget = min(KV_CACHE_MAX_BYTES, available * KV_CACHE_MEMORY_FRACTION) // 2
+        num_slots = min(self.config.max_num_seqs, int(budget // slot_bytes))
+        if num_slots < 1:
+            raise ValueError(f"not enough memory for the recurrent state of one sequence ({slot_bytes} bytes)")
+        for a in layers:
+            a.conv_state = torch.zeros(num_slots, *a.conv_state_shape, dtype=dtype, device=self.device)
+            a.ssm_state = torch.zeros(num_slots, *a.ssm_state_shape, dtype=ssm_dtype, device=self.device)
+        return num_slots, num_slots * slot_bytes
+
+    def _allocate_kv_cache(self, reserved_bytes: int = 0) -> int:
+        """KV blocks of the attention layers, within the cache budget minus reserved_bytes (the recurrent state)."""
         layers = self._attention_layers()
         itemsize = self.config.torch_dtype.itemsize
         block_bytes = sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in layers)
@@ -88,7 +112,7 @@ class ModelRunner:
                              f"than the {available / 2**30:.1f} GiB available")
         elif num_blocks is None:
             wanted = -(-self.config.max_num_seqs * self.config.max_model_len // self.block_size)
-            budget = min(KV_CACHE_MAX_BYTES, available * KV_CACHE_MEMORY_FRACTION)
+            budget = min(KV_CACHE_MAX_BYTES, available * KV_CACHE_MEMORY_FRACTION) - reserved_bytes
             affordable = int(budget) // block_bytes
             num_blocks = min(wanted, affordable)
             if num_blocks * self.block_size < self.config.max_model_len:
@@ -113,8 +137,9 @@ class ModelRunner:
         self.execute(*self.prepare(batch, batch.samples))  # every rank warms up alike: nothing to broadcast
 
     def _capture_graphs(self) -> CUDAGraphRunner | None:
-        """Decode graphs for the flash backend (whose decode reads only fixed-address tensors) unless enforce_eager."""
-        if self.config.enforce_eager or self.config.attention_backend != "flash":
+        """Decode graphs for the flash backend (whose decode reads only fixed-address tensors) unless enforce_eager;
+        not for models with recurrent state, whose per-step slot lookups are not captured."""
+        if self.config.enforce_eager or self.config.attention_backend != "flash" or self.num_state_slots:
             return None
         runner = CUDAGraphRunner(self.model, self.backend, self.config.max_num_seqs, self.config.max_model_len,
                                  self.block_size, self.config.hf_config.hidden_size, self.config.torch_dtype,
@@ -151,6 +176,7 @@ class ModelRunner:
             max_seqlen_k=max(context_lens),
             block_size=self.block_size,
             has_cached_prefix=cu_k[-1] > cu_q[-1],
+            state_slots=torch.tensor([s.state_slot for s in batch.seqs]) if self.num_state_slots else None,
         )
         return torch.tensor(input_ids), torch.from_numpy(np.concatenate(positions)), meta, sample_rows
 

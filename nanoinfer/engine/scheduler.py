@@ -23,12 +23,14 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: Config, num_kvcache_blocks: int):
+    def __init__(self, config: Config, num_kvcache_blocks: int, num_state_slots: int = 0):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.eos_token_ids = set(config.eos_token_ids)
+        # A cached prefix would bring K/V but no recurrent state (that exists only at a sequence's end): models with
+        # linear attention compute every prompt in full.
         self.block_manager = BlockManager(num_kvcache_blocks, config.kvcache_block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching and not num_state_slots, num_state_slots)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0

@@ -27,6 +27,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache at admission
+        self.state_slot = -1  # recurrent-state slot while it holds blocks (models with linear attention)
         self.finish_reason: str | None = None
         # A private generator makes seeded sampling independent of what else is in the batch.
         self.generator: torch.Generator | None = None

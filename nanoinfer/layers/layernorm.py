@@ -1,15 +1,25 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it, and the SiLU-gated RMSNorm of Gated DeltaNet."""
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.kernels.cuda import triton_layers
+from nanoinfer.layers.linear import copy_weight
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    """With zero_centered, the checkpoint stores weight - 1 (Qwen3-Next scales by 1 + weight): 1 is added on load."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, zero_centered: bool = False):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        if zero_centered:
+            self.weight.weight_loader = self.zero_centered_loader
+
+    @staticmethod
+    def zero_centered_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        copy_weight(param, loaded.float() + 1.0)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 and cast back before the weight, as transformers does.
@@ -25,3 +35,10 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+
+class GatedRMSNorm(RMSNorm):
+    """RMSNorm(x) * silu(gate), over the last dimension (one head)."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return (self._norm(x) * F.silu(gate.float())).to(x.dtype)

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (neox layout, as transformers applies them) with a precomputed cos/sin table."""
+"""Rotary position embeddings (neox layout, as transformers applies them) with a precomputed cos/sin table,
+over the whole head or, with `partial_rotary_factor`, over its leading dimensions only."""
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -13,12 +14,13 @@ def rope_parameters(config: PretrainedConfig) -> dict:
     return params
 
 
-def inv_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and the attention scaling factor of the config's rope type."""
+def inv_frequencies(config: PretrainedConfig, rotary_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the attention scaling factor of the config's rope type (transformers' own
+    functions for the non-default types read the head size and partial_rotary_factor from the config)."""
     params = rope_parameters(config)
     rope_type = params["rope_type"]
     if rope_type == "default":
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
         return 1.0 / (params["rope_theta"] ** exponents), 1.0
     if rope_type in ("dynamic", "longrope"):
         raise ValueError(f"rope_type {rope_type!r} depends on the sequence length and is not supported")
@@ -37,18 +39,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
         self.head_dim = head_dim
+        self.rotary_dim = 2 * inv_freq.shape[0]  # the leading dims that rotate; the rest pass through
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, -1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).to(x.dtype)
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x1, x2 = x[..., :self.rotary_dim].chunk(2, -1)
+        parts = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+        if self.rotary_dim < self.head_dim:
+            parts += (x[..., self.rotary_dim:],)
+        return torch.cat(parts, -1).to(dtype)
 
 
 def get_rope(config: PretrainedConfig, head_dim: int, max_position: int) -> RotaryEmbedding:
-    inv_freq, scaling = inv_frequencies(config, head_dim)
+    rotary_dim = int(head_dim * rope_parameters(config).get("partial_rotary_factor", 1.0))
+    inv_freq, scaling = inv_frequencies(config, rotary_dim)
     return RotaryEmbedding(head_dim, max_position, inv_freq, scaling)

@@ -21,6 +21,10 @@ class AttentionOptions:
     o_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None  # attend to the last this-many positions (the query's own included)
+    # Qwen3-Next: q_proj also yields a per-head output gate (attention output * sigmoid(gate) before o_proj),
+    # and the q/k norms scale by 1 + weight.
+    output_gate: bool = False
+    zero_centered_norm: bool = False
 
 
 def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
@@ -39,27 +43,35 @@ class LlamaAttention(nn.Module):
         super().__init__()
         num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, num_heads, num_kv_heads, options.qkv_bias)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        # With an output gate, each head's query and gate rows load as two consecutive "heads" of q.
+        self.q_factor = 2 if options.output_gate else 1
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, num_heads * self.q_factor, num_kv_heads,
+                                          options.qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // self.q_factor, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, options.o_bias)
         self.rotary_emb = get_rope(config, self.head_dim, config.max_position_embeddings)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
                               options.sliding_window)
         if options.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, options.zero_centered_norm)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, options.zero_centered_norm)
         self.qk_norm = options.qk_norm
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], -1)
-        q = q.view(-1, self.num_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size * self.q_factor, self.kv_size, self.kv_size], -1)
+        q = q.view(-1, self.num_heads, self.head_dim * self.q_factor)
+        if self.q_factor == 2:
+            q, gate = q.chunk(2, -1)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if positions is not None:  # None: no position encoding at all (an encoder pass, see LLM.embed)
             q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta))
+        o = self.attn(q, k, v, meta)
+        if self.q_factor == 2:
+            o = o * torch.sigmoid(gate.flatten(1))
+        return self.o_proj(o)
 
 
 class LlamaMLP(nn.Module):

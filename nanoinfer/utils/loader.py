@@ -49,8 +49,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | L
     loaded: dict[str, set] = {}
     # Tied parameters (lm_head sharing the embedding) appear once; a checkpoint copy of the alias is redundant.
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - params.keys()
+    ignored_prefixes: tuple[str, ...] = getattr(model, "ignored_weight_prefixes", ())
     for name, tensor in weights:
-        if name.endswith(_IGNORED_SUFFIXES) or name in aliases:
+        if name.endswith(_IGNORED_SUFFIXES) or name in aliases or name.startswith(ignored_prefixes):
             continue
         target, shard = _route(name, packed)
         param = params.get(target)

@@ -18,6 +18,8 @@ class AttentionMetadata:
     block_size: int
     has_cached_prefix: bool = False  # some sequence attends to keys stored in earlier steps (a prefill detail)
     causal: bool = True  # False: every token of a sequence attends to all of it (no window either)
+    # [num_seqs] int64: each sequence's recurrent-state slot; only for models with linear-attention layers.
+    state_slots: torch.Tensor | None = None
     backend_state: Any = None  # whatever the chosen backend derives from the above, once per step
 
     @property

@@ -1,0 +1,139 @@
+"""Qwen3-Next: Gated DeltaNet (linear attention with per-sequence recurrent state) and gated full-attention layers,
+zero-centred RMSNorms, partial rotary embedding; MLPs are routed experts plus a gated shared expert, or dense."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from nanoinfer.layers.attention import AttentionMetadata
+from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanoinfer.layers.fused_moe import FusedMoE
+from nanoinfer.layers.gated_delta_rule import GatedDeltaRule, RecurrentBatch
+from nanoinfer.layers.layernorm import GatedRMSNorm, RMSNorm
+from nanoinfer.layers.linear import ReplicatedLinear
+from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM, LlamaMLP
+
+
+class Qwen3NextGatedDeltaNet(nn.Module):
+    """Linear attention. Its projections are replicated, not sharded: under tensor parallelism every rank
+    computes the whole layer (correct, not yet faster)."""
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"linear_num_value_heads={self.num_v_heads} is not a multiple of "
+                             f"linear_num_key_heads={self.num_k_heads}")
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
+        key_dim, value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
+        kernel = config.linear_conv_kernel_dim
+        # Rows grouped by key head: [q, k, v, z] and [b, a] of the value heads each key head serves.
+        self.in_proj_qkvz = ReplicatedLinear(config.hidden_size, 2 * key_dim + 2 * value_dim)
+        self.in_proj_ba = ReplicatedLinear(config.hidden_size, 2 * self.num_v_heads)
+        self.conv1d = nn.Conv1d(2 * key_dim + value_dim, 2 * key_dim + value_dim, kernel, bias=False,
+                                groups=2 * key_dim + value_dim)  # a weight holder: the conv runs in GatedDeltaRule
+        self.conv1d.weight.requires_grad_(False)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = ReplicatedLinear(value_dim, config.hidden_size)
+        self.delta_rule = GatedDeltaRule(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim, kernel)
+
+    def forward(self, x: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
+        n, group = x.shape[0], self.num_v_heads // self.num_k_heads
+        qkvz = self.in_proj_qkvz(x).view(n, self.num_k_heads, -1)
+        value_width = group * self.head_v_dim
+        q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, value_width, value_width], -1)
+        b, a = self.in_proj_ba(x).view(n, self.num_k_heads, 2 * group).split([group, group], -1)
+        mixed_qkv = torch.cat((q.flatten(1), k.flatten(1), v.flatten(1)), -1)
+        beta = b.reshape(n, self.num_v_heads).float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(n, self.num_v_heads).float() + self.dt_bias.float())
+        out = self.delta_rule(mixed_qkv, self.conv1d.weight.squeeze(1), g, beta, batch).to(x.dtype)
+        out = self.norm(out, z.reshape(n, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(out.flatten(1))
+
+
+class Qwen3NextSparseMoeBlock(nn.Module):
+    """Top-k routed experts plus a shared expert that every token passes through, scaled by sigmoid(its gate)."""
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts)  # the router
+        self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
+                                config.moe_intermediate_size, renormalize=config.norm_topk_prob)
+        self.shared_expert = LlamaMLP(config, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.experts(x, self.gate(x)) + shared
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = Qwen3NextGatedDeltaNet(config)
+        elif self.layer_type == "full_attention":
+            options = AttentionOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm=True,
+                                       output_gate=True, zero_centered_norm=True)
+            self.self_attn = LlamaAttention(config, options)
+        else:
+            raise ValueError(f"unsupported layer type {self.layer_type!r} in layer {layer_idx}")
+        # Which layers are sparse, exactly as transformers decides it.
+        sparse = (layer_idx not in config.mlp_only_layers and config.num_experts > 0
+                  and (layer_idx + 1) % config.decoder_sparse_step == 0)
+        self.mlp = Qwen3NextSparseMoeBlock(config) if sparse else LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata, batch: RecurrentBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        if self.layer_type == "linear_attention":
+            x = self.linear_attn(x, batch)
+        else:
+            x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Qwen3NextModel(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.state_slots is None:  # the encoder pass of LLM.embed: no sequences, no state
+            raise ValueError("Qwen3-Next's linear-attention layers are causal and recurrent: the model cannot run "
+                             "as a bidirectional encoder (LLM.embed)")
+        batch = RecurrentBatch.from_metadata(meta)
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta, batch)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
+    # Multi-token-prediction weights some checkpoints carry: not used for plain decoding.
+    ignored_weight_prefixes = ("mtp.",)
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.model = Qwen3NextModel(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    forward = LlamaForCausalLM.forward
+    compute_logits = LlamaForCausalLM.compute_logits
