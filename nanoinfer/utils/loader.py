@@ -29,6 +29,10 @@ class LazyTensor:
     def __getitem__(self, index) -> torch.Tensor:
         return self._slice[index]
 
+    def __getattr__(self, name: str):
+        """Any other tensor method (a loader that needs it all, e.g. `.float()`) reads the whole tensor."""
+        return getattr(self._slice[...], name)
+
 
 def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, LazyTensor]]:
     files = sorted(model_dir.glob("*.safetensors"))
