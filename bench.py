@@ -10,7 +10,8 @@ Measures, for a batch of random-token prompts generated greedily with ignore_eos
 The default model is a random-weight Qwen3 (~133.5M params) built once and cached under
 <nanoinfer cache>/bench-qwen3-<config hash>; --model takes any model dir or .gguf instead.
 
-    PYTHONPATH=. python bench.py [--num-seqs 64] [--output-len 128] [--compare-hf [--hf-static]] [--json out.json]
+    PYTHONPATH=. python bench.py [--num-seqs 64] [--output-len 128] [--tp 2] [--compare-hf [--hf-static]]
+                                 [--json out.json]
 """
 import argparse
 import hashlib
@@ -45,6 +46,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (default 128)")
     p.add_argument("--random-output", action="store_true", help="output lengths uniform in [1, output-len]")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's default)")
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size: ranks share the cores (default 1)")
     p.add_argument("--max-num-seqs", type=int, help="engine max_num_seqs (default: --num-seqs)")
     p.add_argument("--max-num-batched-tokens", type=int, help="engine max_num_batched_tokens (default: engine's)")
     p.add_argument("--num-kvcache-blocks", type=int, help="engine num_kvcache_blocks (default: engine's)")
@@ -235,20 +237,23 @@ def main() -> None:
     llm = LLM(model, max_model_len=args.max_input + args.output_len,
               max_num_seqs=args.max_num_seqs or args.num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, num_kvcache_blocks=args.num_kvcache_blocks,
-              enable_prefix_caching=True, seed=0)
-    engine = llm.llm_engine
+              enable_prefix_caching=True, seed=0, tensor_parallel_size=args.tp)
+    engine, threads = llm.llm_engine, torch.get_num_threads()
     net, cfg = engine.model_runner.model, engine.config.hf_config
-    # Packed linear layers keep their weights outside the parameters; a tied LM head is counted once.
-    linear_params = sum((m.weight if m.packed_weight is None else m.packed_weight).numel()
-                        for m in net.modules() if isinstance(m, LinearBase))
+    # Packed linear layers keep their weights outside the parameters; a tied LM head is counted once. Every
+    # decoder linear layer is split across the ranks (exactly, unless KV heads are replicated), so x tp.
+    linear_params = args.tp * sum((m.weight if m.packed_weight is None else m.packed_weight).numel()
+                                  for m in net.modules() if isinstance(m, LinearBase))
     num_params = sum(p.numel() for p in net.parameters()) + sum(
         m.packed_weight.numel() for m in net.modules() if isinstance(m, LinearBase) and m.packed_weight is not None)
     head_params = cfg.vocab_size * cfg.hidden_size
     ecfg = engine.config
     print(f"model: {model}")
-    print(f"params: {num_params / 1e6:.2f}M (decoder linear {linear_params / 1e6:.2f}M, "
-          f"LM head {head_params / 1e6:.2f}M) | threads: {torch.get_num_threads()} | max_num_seqs {ecfg.max_num_seqs}, "
-          f"max_num_batched_tokens {ecfg.max_num_batched_tokens}, kv blocks {engine.model_runner.num_kvcache_blocks}")
+    per_rank = " per rank" if args.tp > 1 else ""
+    print(f"params{per_rank}: {num_params / 1e6:.2f}M | whole model: decoder linear {linear_params / 1e6:.2f}M, "
+          f"LM head {head_params / 1e6:.2f}M | tp {args.tp}, threads{per_rank}: {threads} | max_num_seqs "
+          f"{ecfg.max_num_seqs}, max_num_batched_tokens {ecfg.max_num_batched_tokens}, "
+          f"kv blocks {engine.model_runner.num_kvcache_blocks}")
 
     prompts, out_lens = make_workload(args, cfg.vocab_size)
     num_prompt, num_output = sum(map(len, prompts)), sum(out_lens)
@@ -261,10 +266,14 @@ def main() -> None:
     k, n = cfg.hidden_size, cfg.intermediate_size
     plain = {m: matmul_gflops(m, k, n, packed=False) for m in (64, 256)}
     peak = {m: max(plain[m], matmul_gflops(m, k, n, packed=True)) for m in (64, 256)}
-    print(f"matmul fp32, K={k} N={n}: F.linear M=64 {plain[64]:.1f}, M=256 {plain[256]:.1f} GFLOP/s | "
+    if args.tp > 1:  # measured with one rank's threads; the ranks together have tp times as many
+        plain, peak = ({m: args.tp * v[m] for m in v} for v in (plain, peak))
+    ranks = f" x {args.tp} ranks" if args.tp > 1 else ""
+    print(f"matmul fp32{ranks}, K={k} N={n}: F.linear M=64 {plain[64]:.1f}, M=256 {plain[256]:.1f} GFLOP/s | "
           f"peak (best of F.linear and oneDNN-packed) M=64 {peak[64]:.1f}, M=256 {peak[256]:.1f} GFLOP/s")
 
     ours = run_ours(llm, prompts, out_lens, linear_params, head_params)
+    llm.close()  # stops the workers and gives this process its threads back
     pre, dec, wall = ours["steps"]["prefill"], ours["steps"]["decode"], ours["wall"]
     gflops = (pre["gflop"] + dec["gflop"]) / wall
     print(f"nanoinfer: {wall:.2f}s | output {num_output / wall:.1f} tok/s | "
@@ -275,7 +284,7 @@ def main() -> None:
           f"decode {dec['gflops']:.1f} ({dec['gflops'] / peak[64]:.0%} of M=64 peak) | overall {gflops:.1f} "
           f"({gflops / peak[256]:.0%} of M=256, {gflops / peak[64]:.0%} of M=64 peak)")
     result = dict(model=model, params=num_params, linear_params=linear_params, lm_head_params=head_params,
-                  threads=torch.get_num_threads(), args=vars(args), prompt_tokens=num_prompt,
+                  threads=threads, tp=args.tp, args=vars(args), prompt_tokens=num_prompt,
                   output_tokens=num_output, matmul_peak_gflops={"M=64": peak[64], "M=256": peak[256]},
                   f_linear_gflops={"M=64": plain[64], "M=256": plain[256]},
                   nanoinfer=dict(wall_s=wall, output_tok_s=num_output / wall,

@@ -2,6 +2,7 @@
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence as SequenceABC
 
 from tqdm.auto import tqdm
@@ -13,12 +14,26 @@ from nanoinfer.sampling_params import SamplingParams
 
 
 class LLM:
+    """With tensor_parallel_size=N, a plain process starts N - 1 worker processes, stopped by close(), by leaving a
+    `with` block, or at interpreter exit; under torchrun, every rank builds an LLM and calls generate."""
+
     def __init__(self, model: str | os.PathLike, **kwargs):
         unknown = sorted(set(kwargs) - Config.field_names())
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s) {unknown}; known: {sorted(Config.field_names() - {'model'})}")
         self.llm_engine = LLMEngine(Config(model, **kwargs))
         self._lock = threading.Lock()  # one engine, one scheduler: concurrent generate calls take turns
+        self._finalizer = weakref.finalize(self, self.llm_engine.close)  # also runs at interpreter exit
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers and leave the process group; generate raises afterwards."""
+        self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     @property
     def tokenizer(self):
@@ -27,8 +42,14 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """One output per prompt, in input order."""
+        """One output per prompt, in input order. Under torchrun every rank must call it; rank 0's prompts are
+        run and every rank returns the same outputs."""
         with self._lock:
+            if self.llm_engine.closed:
+                raise RuntimeError("this LLM is closed")
+            if self.llm_engine.tp.torchrun:
+                return self.llm_engine.run_on_every_rank(
+                    lambda: self._generate(_as_prompt_list(prompts), sampling_params, use_tqdm))
             return self._generate(_as_prompt_list(prompts), sampling_params, use_tqdm)
 
     def embed(self, prompts: Prompt | list[Prompt], pooling: str = "mean",

@@ -161,5 +161,5 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm, [tokens, hidden]."""
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden_states)
