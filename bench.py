@@ -10,7 +10,8 @@ Measures, for a batch of random-token prompts generated greedily with ignore_eos
 The default model is a random-weight Qwen3 (~133.5M params) built once and cached under
 <nanoinfer cache>/bench-qwen3-<config hash>; --model takes any model dir or .gguf instead.
 
-    PYTHONPATH=. python bench.py [--num-seqs 64] [--output-len 128] [--compare-hf [--hf-static]] [--json out.json]
+    PYTHONPATH=. python bench.py [--num-seqs 64] [--output-len 128] [--tp 2] [--compare-hf [--hf-static]]
+                                 [--json out.json]
 """
 import argparse
 import hashlib
@@ -45,12 +46,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (default 128)")
     p.add_argument("--random-output", action="store_true", help="output lengths uniform in [1, output-len]")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's default)")
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size: ranks share the cores (default 1)")
     p.add_argument("--max-num-seqs", type=int, help="engine max_num_seqs (default: --num-seqs)")
     p.add_argument("--max-num-batched-tokens", type=int, help="engine max_num_batched_tokens (default: engine's)")
     p.add_argument("--num-kvcache-blocks", type=int, help="engine num_kvcache_blocks (default: engine's)")
     p.add_argument("--compare-hf", action="store_true", help="also run transformers generate on the same prompts")
     p.add_argument("--hf-batch-size", type=int, help="HF generate batch size (default: all prompts in one batch)")
     p.add_argument("--hf-static", action="store_true", help='HF generate with cache_implementation="static"')
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed run, profile full-batch decode steps: matmuls vs attention vs the rest")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     return p.parse_args()
 
@@ -148,6 +152,49 @@ def run_ours(llm: LLM, prompts: list[list[int]], out_lens: list[int], linear_par
     return dict(wall=wall, outputs=outputs, steps=stats, preemptions=engine.scheduler.num_preemptions)
 
 
+def profile_decode(llm: LLM, prompts: list[list[int]], warm_steps: int = 48, steps: int = 16) -> dict:
+    """Where a decode step at full batch goes, a third to two thirds of the way into 128 output tokens
+    (around the mean context of the workload's decode steps): `steps` steps are timed plainly, then as many
+    under torch.profiler, which gives the time inside matmuls (oneDNN or F.linear, LM head included), the C
+    attention kernel and the other C kernels (norms, rotary, SiLU, KV store, argmax); the rest (sampling,
+    building inputs, scheduling, Python, and the profiler's own overhead) is the profiled step minus those."""
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"profile-{i}", p,
+                           SamplingParams(temperature=0, max_tokens=warm_steps + 2 * steps + 2, ignore_eos=True))
+    engine.step()
+    while engine.last_batch.is_prefill:
+        engine.step()
+    for _ in range(warm_steps):
+        engine.step()
+
+    def timed_steps() -> list[float]:
+        walls = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t)
+        return walls
+
+    plain = timed_steps()
+    batch_size = len(engine.scheduler.running)
+    context = sum(map(len, engine.scheduler.running)) / batch_size
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        profiled = timed_steps()
+    engine.abort_all()
+    ms = {"matmul": 0.0, "attention": 0.0, "small_ops": 0.0}
+    for e in prof.key_averages():
+        kind = ("matmul" if e.key in ("mkldnn::_linear_pointwise", "aten::linear") else
+                "attention" if e.key == "nanoinfer::paged_decode_attention" else
+                "small_ops" if e.key.startswith("nanoinfer::") else None)
+        if kind:
+            ms[kind] += e.cpu_time_total / 1e3 / steps
+    step = sum(profiled) / steps * 1e3  # a mean, like the category times
+    return dict(batch=batch_size, context=context, plain_step_ms=sorted(plain)[steps // 2] * 1e3, step_ms=step,
+                **{f"{k}_ms": v for k, v in ms.items()}, rest_ms=step - sum(ms.values()),
+                ratio=step / ms["matmul"] if ms["matmul"] else float("nan"))
+
+
 def run_hf(model: str, prompts: list[list[int]], out_lens: list[int], batch_size: int, static: bool) -> dict:
     """transformers batched greedy generate, left-padded with token 0 (masked out)."""
     from transformers import AutoModelForCausalLM
@@ -193,20 +240,23 @@ def main() -> None:
     llm = LLM(model, max_model_len=args.max_input + args.output_len,
               max_num_seqs=args.max_num_seqs or args.num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, num_kvcache_blocks=args.num_kvcache_blocks,
-              enable_prefix_caching=True, seed=0)
-    engine = llm.llm_engine
+              enable_prefix_caching=True, seed=0, tensor_parallel_size=args.tp)
+    engine, threads = llm.llm_engine, torch.get_num_threads()
     net, cfg = engine.model_runner.model, engine.config.hf_config
-    # Packed linear layers keep their weights outside the parameters; a tied LM head is counted once.
-    linear_params = sum((m.weight if m.packed_weight is None else m.packed_weight).numel()
-                        for m in net.modules() if isinstance(m, LinearBase))
+    # Packed linear layers keep their weights outside the parameters; a tied LM head is counted once. Every
+    # decoder linear layer is split across the ranks (exactly, unless KV heads are replicated), so x tp.
+    linear_params = args.tp * sum((m.weight if m.packed_weight is None else m.packed_weight).numel()
+                                  for m in net.modules() if isinstance(m, LinearBase))
     num_params = sum(p.numel() for p in net.parameters()) + sum(
         m.packed_weight.numel() for m in net.modules() if isinstance(m, LinearBase) and m.packed_weight is not None)
     head_params = cfg.vocab_size * cfg.hidden_size
     ecfg = engine.config
     print(f"model: {model}")
-    print(f"params: {num_params / 1e6:.2f}M (decoder linear {linear_params / 1e6:.2f}M, "
-          f"LM head {head_params / 1e6:.2f}M) | threads: {torch.get_num_threads()} | max_num_seqs {ecfg.max_num_seqs}, "
-          f"max_num_batched_tokens {ecfg.max_num_batched_tokens}, kv blocks {engine.model_runner.num_kvcache_blocks}")
+    per_rank = " per rank" if args.tp > 1 else ""
+    print(f"params{per_rank}: {num_params / 1e6:.2f}M | whole model: decoder linear {linear_params / 1e6:.2f}M, "
+          f"LM head {head_params / 1e6:.2f}M | tp {args.tp}, threads{per_rank}: {threads} | max_num_seqs "
+          f"{ecfg.max_num_seqs}, max_num_batched_tokens {ecfg.max_num_batched_tokens}, "
+          f"kv blocks {engine.model_runner.num_kvcache_blocks}")
 
     prompts, out_lens = make_workload(args, cfg.vocab_size)
     num_prompt, num_output = sum(map(len, prompts)), sum(out_lens)
@@ -219,10 +269,14 @@ def main() -> None:
     k, n = cfg.hidden_size, cfg.intermediate_size
     plain = {m: matmul_gflops(m, k, n, packed=False) for m in (64, 256)}
     peak = {m: max(plain[m], matmul_gflops(m, k, n, packed=True)) for m in (64, 256)}
-    print(f"matmul fp32, K={k} N={n}: F.linear M=64 {plain[64]:.1f}, M=256 {plain[256]:.1f} GFLOP/s | "
+    if args.tp > 1:  # measured with one rank's threads; the ranks together have tp times as many
+        plain, peak = ({m: args.tp * v[m] for m in v} for v in (plain, peak))
+    ranks = f" x {args.tp} ranks" if args.tp > 1 else ""
+    print(f"matmul fp32{ranks}, K={k} N={n}: F.linear M=64 {plain[64]:.1f}, M=256 {plain[256]:.1f} GFLOP/s | "
           f"peak (best of F.linear and oneDNN-packed) M=64 {peak[64]:.1f}, M=256 {peak[256]:.1f} GFLOP/s")
 
     ours = run_ours(llm, prompts, out_lens, linear_params, head_params)
+    llm.close()  # stops the workers and gives this process its threads back
     pre, dec, wall = ours["steps"]["prefill"], ours["steps"]["decode"], ours["wall"]
     gflops = (pre["gflop"] + dec["gflop"]) / wall
     print(f"nanoinfer: {wall:.2f}s | output {num_output / wall:.1f} tok/s | "
@@ -233,12 +287,20 @@ def main() -> None:
           f"decode {dec['gflops']:.1f} ({dec['gflops'] / peak[64]:.0%} of M=64 peak) | overall {gflops:.1f} "
           f"({gflops / peak[256]:.0%} of M=256, {gflops / peak[64]:.0%} of M=64 peak)")
     result = dict(model=model, params=num_params, linear_params=linear_params, lm_head_params=head_params,
-                  threads=torch.get_num_threads(), args=vars(args), prompt_tokens=num_prompt,
+                  threads=threads, tp=args.tp, args=vars(args), prompt_tokens=num_prompt,
                   output_tokens=num_output, matmul_peak_gflops={"M=64": peak[64], "M=256": peak[256]},
                   f_linear_gflops={"M=64": plain[64], "M=256": plain[256]},
                   nanoinfer=dict(wall_s=wall, output_tok_s=num_output / wall,
                                  total_tok_s=(num_prompt + num_output) / wall, linear_gflops=gflops,
                                  preemptions=ours["preemptions"], prefill=pre, decode=dec))
+
+    if args.profile:
+        d = result["decode_profile"] = profile_decode(llm, prompts)
+        print(f"decode step at batch {d['batch']} (mean context {d['context']:.0f} tokens), profiled: {d['step_ms']:.1f} "
+              f"ms = matmuls {d['matmul_ms']:.1f} + attention {d['attention_ms']:.1f} + other C kernels "
+              f"{d['small_ops_ms']:.1f} + rest {d['rest_ms']:.1f} (sampling, inputs, Python, profiler) | "
+              f"{d['ratio']:.2f}x its matmuls | unprofiled step (median) {d['plain_step_ms']:.1f} ms, "
+              f"{d['plain_step_ms'] / d['matmul_ms']:.2f}x")
 
     if args.compare_hf:
         bs = args.hf_batch_size or len(prompts)

@@ -80,9 +80,21 @@ class Config:
                 raise ValueError(
                     f"num_kvcache_blocks={self.num_kvcache_blocks} x kvcache_block_size={self.kvcache_block_size} "
                     f"cannot hold one sequence of max_model_len={self.max_model_len}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        self._check_shardable()
         self.eos_token_ids = self._eos_token_ids()
+
+    def _check_shardable(self) -> None:
+        """Each rank holds whole heads and an equal share of the MLP; fewer KV heads than ranks are replicated."""
+        tp, cfg = self.tensor_parallel_size, self.hf_config
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        for name, value in (("num_attention_heads", heads), ("intermediate_size", cfg.intermediate_size)):
+            if value % tp:
+                raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name} ({value})")
+        if kv_heads % tp and tp % kv_heads:
+            raise ValueError(f"tensor_parallel_size={tp} and the model's num_key_value_heads ({kv_heads}): "
+                             "one must divide the other")
 
     def _resolve_dtype(self) -> torch.dtype:
         if isinstance(self.dtype, torch.dtype):

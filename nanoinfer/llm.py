@@ -3,6 +3,7 @@ import dataclasses
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 from itertools import count
@@ -19,6 +20,9 @@ Conversation = list[dict]
 
 
 class LLM:
+    """With tensor_parallel_size=N, a plain process starts N - 1 worker processes, stopped by close(), by leaving a
+    `with` block, or at interpreter exit; under torchrun, every rank builds an LLM and calls generate."""
+
     def __init__(self, model: str | os.PathLike, **kwargs):
         unknown = sorted(set(kwargs) - Config.field_names())
         if unknown:
@@ -28,6 +32,17 @@ class LLM:
         self._lock = threading.RLock()
         self._streaming = False
         self._request_ids = count()
+        self._finalizer = weakref.finalize(self, self.llm_engine.close)  # also runs at interpreter exit
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers and leave the process group; generate raises afterwards."""
+        self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     @property
     def tokenizer(self):
@@ -36,10 +51,13 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """One finished output per prompt, in input order."""
+        """One finished output per prompt, in input order. Under torchrun every rank must call it; rank 0's prompts
+        are run and every rank returns the same outputs."""
         requests = self._make_requests(prompts, sampling_params, RequestOutputKind.FINAL_ONLY)
         with self._lock:
-            self._check_not_streaming()
+            self._check_usable()
+            if self.llm_engine.tp.torchrun:
+                return self.llm_engine.run_on_every_rank(lambda: self._run(requests, use_tqdm))
             return self._run(requests, use_tqdm)
 
     def generate_iter(self, prompts: Prompt | list[Prompt],
@@ -49,6 +67,9 @@ class LLM:
         early (break) aborts its unfinished requests and frees their KV blocks. The stream owns the LLM until
         it ends: other threads' calls wait for it."""
         requests = self._make_requests(prompts, sampling_params, None)  # bad input raises here, not on next()
+        if self.llm_engine.tp.torchrun:
+            raise ValueError("generate_iter is not available under torchrun, where every rank runs rank 0's steps: "
+                             "use generate")
         return self._stream(requests)
 
     def chat(self, messages: Conversation | list[Conversation],
@@ -84,7 +105,7 @@ class LLM:
         if not isinstance(normalize, bool):
             raise TypeError(f"normalize must be a bool, got {normalize!r}")
         with self._lock:
-            self._check_not_streaming()
+            self._check_usable()
             return self.llm_engine.embed(_as_prompt_list(prompts), pooling, normalize)
 
     def _make_requests(self, prompts: Prompt | list[Prompt],
@@ -121,7 +142,7 @@ class LLM:
 
     def _stream(self, requests: list[list[Sequence]]) -> Iterator[RequestOutput]:
         with self._lock:
-            self._check_not_streaming()
+            self._check_usable()
             self._streaming = True
             engine, ids = self.llm_engine, [seqs[0].request_id for seqs in requests]
             try:
@@ -138,7 +159,9 @@ class LLM:
             finally:
                 self._streaming = False
 
-    def _check_not_streaming(self) -> None:
+    def _check_usable(self) -> None:
+        if self.llm_engine.closed:
+            raise RuntimeError("this LLM is closed")
         if self._streaming:
             raise RuntimeError("this LLM is driven by an open generate_iter stream: finish or close it first")
 

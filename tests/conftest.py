@@ -9,6 +9,7 @@ name of every model is its kind, e.g. `qwen3_dir.name == "qwen3"`):
     qwen2_dir            Qwen2, q/k/v bias, GQA 4q/2kv, untied
     llama_dir            Llama, llama3 rope scaling, GQA 4q/2kv, eos = [0, 4]
     qwen3_sharded_dir    same weights as qwen3_dir, saved as 4 safetensors shards + index
+    (model_dir(models.ODD_KIND): Qwen2, vocabulary 509, 4q/1kv heads, for tensor parallelism)
     any_model_dir        parametrized over the 4 main kinds (qwen3, qwen3-untied, qwen2, llama)
 
 Env: NANOINFER_TEST_THREADS (default 2) -> torch.set_num_threads.
@@ -43,8 +44,8 @@ def model_dir(tmp_path_factory):
     built: dict[str, pathlib.Path] = {}
 
     def get(kind: str) -> pathlib.Path:
-        if kind not in models.ALL_KINDS:
-            raise ValueError(f"unknown model kind {kind!r}; expected one of {models.ALL_KINDS}")
+        if kind not in (*models.ALL_KINDS, models.ODD_KIND):
+            raise ValueError(f"unknown model kind {kind!r}; expected one of {(*models.ALL_KINDS, models.ODD_KIND)}")
         if kind not in built:
             built[kind] = models.build_model(kind, root / kind)
         return built[kind]

@@ -123,6 +123,8 @@ EXTRA_KINDS = ("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KI
 # Sliding windows of the *-swa kinds and mistral: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20}
 ALL_KINDS = MODEL_KINDS + ("qwen3-sharded",) + EXTRA_KINDS
+# For tensor parallelism: a vocabulary that 2 ranks cannot split evenly (padded) and one KV head (replicated).
+ODD_KIND = "qwen2-mqa-oddvocab"
 
 # Std used for linear/embedding init. transformers' default (0.02) gives near-uniform logits
 # and near-uniform attention; this spreads logits and sharpens attention (measured in
@@ -146,7 +148,7 @@ _COMMON = dict(
 )
 
 _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678,
-          "qwen2-swa": 6789, "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789}
+          "qwen2-swa": 6789, "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, ODD_KIND: 9012}
 
 
 def _token_ids():
@@ -245,6 +247,15 @@ def make_config(kind: str):
             tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         )
+    if kind == ODD_KIND:
+        return Qwen2Config(
+            **{**_COMMON, "vocab_size": 509},
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        )
     if kind == "llama":
         return LlamaConfig(
             **_COMMON,
@@ -286,7 +297,7 @@ def make_config(kind: str):
             decoder_sparse_step=1,
             mlp_only_layers=[0],
         )
-    raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS}")
+    raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND,)}")
 
 
 def _randomize_qwen3_next_(model, seed: int) -> None:
@@ -488,6 +499,20 @@ def assert_greedy_match(ours: Sequence[int], ref_tokens: Sequence[int], ref_logi
             f"length mismatch: ours has {len(ours)} tokens, ref has {len(ref_tokens)} "
             f"(first {n} agree)\nours={ours}\nref ={ref_tokens}"
         )
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's weights as held in memory (oneDNN-packed copies included), norms aside."""
+    seen, total = set(), 0
+    for module in model.modules():
+        if "Norm" in type(module).__name__:
+            continue
+        tensors = [*module.parameters(recurse=False), getattr(module, "packed_weight", None)]
+        for t in tensors:
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
 
 
 def random_prompts(n: int, vocab_lo: int, vocab_hi: int, len_lo: int, len_hi: int, seed: int) -> list[list[int]]:

@@ -151,7 +151,9 @@ def test_unknown_keyword_is_a_type_error(qwen3_dir):
     (dict(seed=2**70), ValueError, "seed"),
     (dict(enable_prefix_caching="no"), TypeError, "enable_prefix_caching"),
     (dict(num_kvcache_blocks=2**40), ValueError, "num_kvcache_blocks"),
-    (dict(tensor_parallel_size=2), ValueError, "tensor_parallel_size"),
+    (dict(tensor_parallel_size=3), ValueError, "tensor_parallel_size=3 does not divide"),
+    (dict(tensor_parallel_size=0), ValueError, "tensor_parallel_size"),
+    (dict(tensor_parallel_size="2"), TypeError, "tensor_parallel_size"),
 ])
 def test_bad_engine_argument(qwen3_dir, kwargs, exc, match):
     with pytest.raises(exc, match=match):

@@ -1,10 +1,13 @@
-"""The C paged decode-attention kernel against the PyTorch gather + SDPA path, on random paged caches."""
+"""The C kernels of the CPU path against PyTorch: paged decode attention (against the gather + SDPA path, on
+random paged caches) and the fused small ops (against the op chains they replace)."""
 import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from nanoinfer.kernels.cpu import paged_decode_attention_available
+from nanoinfer.kernels import cpu as cpu_kernels
+from nanoinfer.kernels.cpu import paged_decode_attention, paged_decode_attention_available
 from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.attention.cpu import CPUAttentionBackend
 
@@ -26,6 +29,18 @@ def decode_metadata(context_lens: list[int], block_size: int, num_blocks: int, s
         max_seqlen_q=1, max_seqlen_k=max(context_lens), block_size=block_size)
 
 
+def random_case(heads: int, kv_heads: int, head_dim: int, block_size: int, context_lens: list[int]
+                ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
+    meta = decode_metadata(context_lens, block_size, num_blocks=sum(-(-n // block_size) for n in context_lens) + 5,
+                           seed=heads + block_size)
+    g = torch.Generator().manual_seed(0)
+    num_blocks = meta.block_tables.max().item() + 6
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    q = torch.randn(len(context_lens), heads, head_dim, generator=g) * 2  # sharper softmax than N(0, 1)
+    return meta, q, k_cache, v_cache
+
+
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 def test_kernel_builds_where_a_compiler_exists():
     assert paged_decode_attention_available()
@@ -38,16 +53,13 @@ def test_kernel_builds_where_a_compiler_exists():
     (12, 3, 40, 8, [9, 100]),                    # 4 query heads per KV head, head_dim not a power of two
     (6, 1, 128, 1, [5, 2, 31]),                  # block size 1, a single KV head
     (8, 2, 64, 16, [2000, 3]),                   # long context next to a short one
+    (16, 8, 64, 16, [300]),                      # one sequence: work split across KV heads
+    (10, 5, 16, 16, [40, 1, 17]),                # KV heads split unevenly across work items
+    (3, 3, 72, 32, [1, 64, 65, 33]),             # odd head count, a vector and a scalar part per row
 ])
 @pytest.mark.parametrize("window", [None, 1, 7, 40])  # sliding window: only the last `window` positions
 def test_decode_kernel_matches_sdpa(heads, kv_heads, head_dim, block_size, context_lens, window):
-    meta = decode_metadata(context_lens, block_size, num_blocks=sum(-(-n // block_size) for n in context_lens) + 5,
-                           seed=heads + block_size)
-    g = torch.Generator().manual_seed(0)
-    num_blocks = meta.block_tables.max().item() + 6
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
-    q = torch.randn(len(context_lens), heads, head_dim, generator=g) * 2  # sharper softmax than N(0, 1)
+    meta, q, k_cache, v_cache = random_case(heads, kv_heads, head_dim, block_size, context_lens)
     scale = head_dim ** -0.5
     kernel, torch_path = CPUAttentionBackend(torch.float32), CPUAttentionBackend(torch.float32)
     torch_path.decode_kernel = False
@@ -65,6 +77,22 @@ def test_decode_kernel_matches_sdpa(heads, kv_heads, head_dim, block_size, conte
         assert torch.equal(longer, (full - ours).abs().amax(1) > 1e-3)
 
 
+@pytest.mark.skipif(not paged_decode_attention_available(), reason="the C kernel did not build here")
+@pytest.mark.parametrize("window", [1, 16, 17, 100])
+def test_decode_kernel_sliding_window(window):
+    """window > 0 attends to each sequence's last `window` tokens, as a sliding-window model's decode step does."""
+    context_lens, block_size = [1, 16, 40, 130], 16
+    meta, q, k_cache, v_cache = random_case(8, 2, 64, block_size, context_lens)
+    scale = 64 ** -0.5
+    ours = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window)
+    for i, n in enumerate(context_lens):
+        blocks = meta.block_tables[i, :-(-n // block_size)].long()
+        k, v = (c[blocks].flatten(0, 1)[max(0, n - window):n].transpose(0, 1) for c in (k_cache, v_cache))
+        ref = F.scaled_dot_product_attention(q[i].unsqueeze(1), k, v, scale=scale, enable_gqa=True).squeeze(1)
+        err = (ours[i] - ref).abs().max().item()
+        assert err < 1e-5, f"sequence {i} (context {n}, window {window}): max |kernel - SDPA| = {err:.2e}"
+
+
 def test_a_failing_build_falls_back_to_pytorch(monkeypatch, tmp_path):
     from nanoinfer.kernels import cpu
 
@@ -77,3 +105,84 @@ def test_a_failing_build_falls_back_to_pytorch(monkeypatch, tmp_path):
         assert not CPUAttentionBackend(torch.float32).decode_kernel
     finally:
         cpu._library.cache_clear()
+
+
+needs_kernels = pytest.mark.skipif(not paged_decode_attention_available(), reason="the C kernels did not build here")
+
+
+def strided(x: torch.Tensor, pad: int = 3) -> torch.Tensor:
+    """The same values as a view whose token rows are `pad` floats wider apart, like a fused projection's slices."""
+    wide = torch.randn(x.shape[0], x[0].numel() + pad)
+    wide[:, :x[0].numel()] = x.flatten(1)
+    return wide[:, :x[0].numel()].view(x.shape)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(5, 64), (3, 7, 24), (1, 1, 1)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_kernel(shape, with_residual):
+    g = torch.Generator().manual_seed(len(shape))
+    x, weight = torch.randn(shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
+    residual = torch.randn(shape, generator=g) if with_residual else None
+    ref_in = x + residual if with_residual else x
+    ref = weight * (ref_in * torch.rsqrt(ref_in.pow(2).mean(-1, keepdim=True) + 1e-6))
+    ours = cpu_kernels.rms_norm(strided(x), weight, 1e-6, strided(residual) if with_residual else None)
+    if with_residual:
+        ours, new_residual = ours
+        assert torch.equal(new_residual, ref_in)
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads, dim, half", [(4, 64, 32), (3, 10, 5), (2, 16, 4)])  # last: partial rotary
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_rotary_kernel(heads, dim, half, with_norm):
+    g = torch.Generator().manual_seed(dim)
+    x = torch.randn(6, heads, dim, generator=g)
+    weight = torch.randn(dim, generator=g)
+    angles = torch.outer(torch.arange(50, dtype=torch.float32), torch.rand(half, generator=g))
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.tensor([0, 49, 3, 3, 17, 1])
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    normed = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)) if with_norm else x
+    x1, x2, rest = normed[..., :half], normed[..., half:2 * half], normed[..., 2 * half:]
+    ref = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), -1)
+    norm_args = (weight, 1e-5) if with_norm else ()
+    ours = cpu_kernels.rotary_neox(strided(x), positions, cos, sin, *norm_args)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_silu_and_mul_kernel():
+    g = torch.Generator().manual_seed(0)
+    gate = torch.cat([torch.randn(4, 100, generator=g) * 4, torch.tensor([[0.0, -0.0, 90.0, -90.0] * 25])])
+    x = torch.cat([gate, torch.randn(5, 100, generator=g)], -1)
+    ref = F.silu(x[:, :100]) * x[:, 100:]
+    torch.testing.assert_close(cpu_kernels.silu_and_mul(x), ref, rtol=1e-6, atol=1e-7)
+
+
+@needs_kernels
+def test_store_kvcache_kernel():
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(6, 4, 3, 8, generator=g), torch.randn(6, 4, 3, 8, generator=g)
+    k, v = torch.randn(5, 3, 8, generator=g), torch.randn(5, 3, 8, generator=g)
+    slots = torch.tensor([7, 0, 23, -1, 12])  # -1: skipped
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    ref_k.view(-1, 3, 8)[slots[keep]] = k[keep]
+    ref_v.view(-1, 3, 8)[slots[keep]] = v[keep]
+    cpu_kernels.store_kvcache(strided(k), strided(v), k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+@needs_kernels
+def test_argmax_kernel():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 1000, generator=g)
+    x[1, 10] = x[1, 900] = 50.0  # a tie: the first index wins
+    x[2, :] = 0.0
+    x[3, 999] = float("inf")
+    x[4, 500] = float("nan")  # NaN counts as the largest, as in torch
+    x[5, 0] = 7.0
+    assert torch.equal(cpu_kernels.argmax(x), x.argmax(-1))
+    assert cpu_kernels.argmax(x).tolist()[:5] == [x[0].argmax().item(), 10, 0, 999, 500]

@@ -1,8 +1,9 @@
 """Turns requests into sequences, steps the scheduler and the model runner, checks stops, and reports outputs
 (vLLM's step API: add_request, step, abort_request)."""
 import dataclasses
+import pickle
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceABC
 
 import torch
@@ -11,6 +12,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanoinfer.config import Config
 from nanoinfer.engine.model_runner import ModelRunner, RunnerOutput, TokenLogprobs
+from nanoinfer.engine.parallel import start_tensor_parallel
 from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestMetrics,
@@ -26,7 +28,14 @@ class LLMEngine:
     def __init__(self, config: Config):
         self.config = config
         self.tokenizer = _load_tokenizer(config)
-        self.model_runner = ModelRunner(config)
+        self.tp = start_tensor_parallel(config)
+        try:
+            self.model_runner = ModelRunner(config, self.tp)
+        except BaseException as e:
+            dead = self.tp.abort()
+            if dead is None:
+                raise
+            raise RuntimeError(f"tensor-parallel start-up failed: {dead}") from e
         self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks, self.model_runner.num_state_slots)
         self.vocab_size: int = config.hf_config.vocab_size
         self.eos_token_ids = set(config.eos_token_ids)
@@ -130,7 +139,11 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        result = self.model_runner.run(batch)
+        try:
+            result = self.model_runner.run(batch)
+        except BaseException as e:
+            self._fail(e)
+            raise
         self._record_logprobs(batch, result)
         now = time.time()
         advanced: dict[str, None] = {}
@@ -163,8 +176,47 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+    def _fail(self, error: BaseException) -> None:
+        """A rank that fails mid-step leaves the others waiting in a collective: with tensor parallelism, the whole
+        group is shut down and the error says which worker died, if one did."""
+        if self.tp.size == 1:
+            return
+        dead = self.tp.abort()
+        if isinstance(error, Exception):
+            raise RuntimeError(f"tensor-parallel step failed on rank {self.tp.rank} ({dead or error}); "
+                               "this LLM is closed, create a new one") from error
+
+    def run_on_every_rank(self, generate: Callable[[], list[RequestOutput]]) -> list[RequestOutput]:
+        """Under torchrun every rank calls generate: rank 0 runs it while the others serve its steps; then every
+        rank returns rank 0's outputs (or raises its error)."""
+        if self.tp.rank > 0:
+            try:
+                self.model_runner.serve()
+                result = self.tp.broadcast()
+            except BaseException as e:
+                self._fail(e)
+                raise
+        else:
+            try:
+                result = generate()
+            except Exception as e:  # noqa: BLE001 - sent to the other ranks, raised below
+                result = e
+            if not self.tp.closed:
+                self.tp.broadcast(None)  # ends serve() on the other ranks
+                try:
+                    self.tp.broadcast(result)
+                except (pickle.PicklingError, TypeError, AttributeError):
+                    self.tp.broadcast(RuntimeError(f"rank 0 failed: {result!r}"))
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    @property
+    def closed(self) -> bool:
+        return self.tp.closed
+
+    def close(self) -> None:
+        self.tp.close()
 
     def _check_stop(self, seq: Sequence) -> None:
         """vLLM's order: nothing stops before min_tokens; then EOS, stop token, stop string, length."""

@@ -1,4 +1,5 @@
-"""Builds a step's model inputs from scheduled sequences, runs the model over the paged KV cache, samples."""
+"""Builds a step's model inputs from scheduled sequences, runs the model over the paged KV cache, samples.
+With tensor parallelism there is one per rank: rank 0's builds the inputs and samples, the others serve its steps."""
 import math
 import os
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ import torch
 from nanoinfer.config import Config
 from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.gpu_memory import profile_kv_cache_blocks
+from nanoinfer.engine.parallel import TPGroup
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention, AttentionMetadata, get_backend
@@ -17,6 +19,7 @@ from nanoinfer.layers.gated_delta_rule import GatedDeltaRule
 from nanoinfer.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata, top_logprobs
 from nanoinfer.models.registry import get_model_class
 from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.utils.dist import tp_scope
 from nanoinfer.utils.gguf_loader import iter_gguf_weights
 from nanoinfer.utils.loader import iter_safetensors, load_weights
 from nanoinfer.utils.memory import keep_freed_memory
@@ -39,15 +42,17 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, tp: TPGroup | None = None):
         self.config = config
+        self.tp = tp or TPGroup()
         self.block_size = config.kvcache_block_size
-        # Resolved in this process: a bare "cuda" is each tensor-parallel rank's own GPU.
-        self.device = resolve_device(config.device)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
         keep_freed_memory()
-        self.model = self._load_model(config).to(self.device)
+        with tp_scope(self.tp.rank, self.tp.size, self.tp.group):
+            # Resolved in this process: a bare "cuda" is each tensor-parallel rank's own GPU.
+            self.device = resolve_device(config.device)
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            self.model = self._load_model(config).to(self.device)
         for module in self.model.modules():
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading(min(config.max_num_seqs, 256))
@@ -88,7 +93,8 @@ class ModelRunner:
         ssm_dtype = torch.promote_types(dtype, torch.float32)  # the delta rule runs in fp32 at least
         slot_bytes = sum(math.prod(a.conv_state_shape) * dtype.itemsize
                          + math.prod(a.ssm_state_shape) * ssm_dtype.itemsize for a in layers)
-        budget = min(KV_CACHE_MAX_BYTES, _available_memory() * KV_CACHE_MEMORY_FRACTION) // 2
+        available = self.tp.all_min(_available_memory() // self.tp.local_size)  # every rank gets the same slots
+        budget = min(KV_CACHE_MAX_BYTES, available * KV_CACHE_MEMORY_FRACTION) // 2
         num_slots = min(self.config.max_num_seqs, int(budget // slot_bytes))
         if num_slots < 1:
             raise ValueError(f"not enough memory for the recurrent state of one sequence ({slot_bytes} bytes)")
@@ -103,20 +109,22 @@ class ModelRunner:
         itemsize = self.config.torch_dtype.itemsize
         block_bytes = sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in layers)
         num_blocks = self.config.num_kvcache_blocks
+        # Every rank must get the same number of blocks: the tightest one decides. Ranks on one host share its memory.
+        available = None if self.device.type == "cuda" else self.tp.all_min(_available_memory() // self.tp.local_size)
         if self.device.type == "cuda":
             if num_blocks is None:
-                num_blocks = profile_kv_cache_blocks(self._warm_up, self.device, self.config.gpu_memory_utilization,
-                                                     block_bytes)
+                num_blocks = self.tp.all_min(profile_kv_cache_blocks(
+                    self._warm_up, self.device, self.config.gpu_memory_utilization, block_bytes))
             if num_blocks * self.block_size < self.config.max_model_len:
                 raise ValueError(f"GPU memory left for the KV cache holds {num_blocks} blocks of {self.block_size} "
                                  f"tokens, less than max_model_len={self.config.max_model_len}; raise "
                                  f"gpu_memory_utilization or lower max_model_len")
-        elif num_blocks is not None and num_blocks * block_bytes > _available_memory():
+        elif num_blocks is not None and num_blocks * block_bytes > available:
             raise ValueError(f"num_kvcache_blocks={num_blocks} needs {num_blocks * block_bytes / 2**30:.1f} GiB, more "
-                             f"than the {_available_memory() / 2**30:.1f} GiB available")
+                             f"than the {available / 2**30:.1f} GiB available")
         elif num_blocks is None:
             wanted = -(-self.config.max_num_seqs * self.config.max_model_len // self.block_size)
-            budget = min(KV_CACHE_MAX_BYTES, _available_memory() * KV_CACHE_MEMORY_FRACTION) - reserved_bytes
+            budget = min(KV_CACHE_MAX_BYTES, available * KV_CACHE_MEMORY_FRACTION) - reserved_bytes
             affordable = int(budget) // block_bytes
             num_blocks = min(wanted, affordable)
             if num_blocks * self.block_size < self.config.max_model_len:
@@ -137,7 +145,8 @@ class ModelRunner:
         seqs = [Sequence([0] * length, SamplingParams(temperature=0), self.block_size) for _ in range(count)]
         for seq in seqs:
             seq.block_table = [0] * seq.num_blocks
-        self.run(ScheduledBatch(seqs, [length] * count))
+        batch = ScheduledBatch(seqs, [length] * count)
+        self.execute(*self.prepare(batch, batch.samples))  # every rank warms up alike: nothing to broadcast
 
     def _capture_graphs(self) -> CUDAGraphRunner | None:
         """Decode graphs for the flash backend (whose decode reads only fixed-address tensors) unless enforce_eager;
@@ -189,31 +198,48 @@ class ModelRunner:
         chunks), with logprobs where asked for."""
         samples = batch.samples
         input_ids, positions, meta, sample_rows = self.prepare(batch, samples)
-        input_ids, positions = input_ids.to(self.device), positions.to(self.device)
-        meta = meta.to(self.device)
+        prompt_rows = self._prompt_logit_rows(batch, meta.cu_seqlens_q.tolist())
+        rows = sample_rows + [row for row, _, _ in prompt_rows]
+        # The other ranks execute the same step (serve). Sampling runs on the CPU, where the per-request
+        # generators live.
+        logits = self.execute(*self.tp.broadcast((input_ids, positions, meta, rows)))
+        out = RunnerOutput([None] * len(batch.seqs))
+        if logits is None:
+            return out
+        logits = logits.cpu()
+        if prompt_rows:
+            out.prompt_logprobs = self._prompt_logprobs(batch, prompt_rows, logits[len(sample_rows):])
+        sampled = [i for i, s in enumerate(samples) if s]
+        if not sampled:
+            return out
+        result = self.sample([batch.seqs[i] for i in sampled], logits[:len(sample_rows)])
+        tokens = result.token_ids.tolist()
+        for i, token in zip(sampled, tokens):
+            out.token_ids[i] = token
+        if result.logprobs is not None:
+            out.logprobs = [None] * len(batch.seqs)
+            for i, row in zip(sampled, _logprob_rows(tokens, result.logprobs)):
+                out.logprobs[i] = row
+        return out
+
+    @torch.inference_mode()
+    def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                logit_rows: list[int]) -> torch.Tensor | None:
+        """One forward pass of prepare()'s CPU tensors on this rank's device; the logits of logit_rows on rank 0
+        (gathered from every rank), None elsewhere."""
+        input_ids, positions, meta = input_ids.to(self.device), positions.to(self.device), meta.to(self.device)
         hidden = None
         if self.graph_runner is not None and meta.is_decode:
             hidden = self.graph_runner.run(input_ids, positions, meta)
         if hidden is None:
             self.backend.prepare(meta)
             hidden = self.model(input_ids, positions, meta)
-        out = RunnerOutput([None] * len(batch.seqs))
-        if any(s.needs_prompt_logits for s in batch.seqs):
-            out.prompt_logprobs = self._prompt_logprobs(batch, hidden, meta.cu_seqlens_q.tolist())
-        rows = [i for i, sampled in enumerate(samples) if sampled]
-        if not rows:
-            return out
-        # Sampling runs on the CPU, where the per-request generators live.
-        logits = self.model.compute_logits(hidden[sample_rows]).cpu()
-        result = self.sample([batch.seqs[i] for i in rows], logits)
-        tokens = result.token_ids.tolist()
-        for i, token in zip(rows, tokens):
-            out.token_ids[i] = token
-        if result.logprobs is not None:
-            out.logprobs = [None] * len(batch.seqs)
-            for i, row in zip(rows, _logprob_rows(tokens, result.logprobs)):
-                out.logprobs[i] = row
-        return out
+        return self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
+
+    def serve(self) -> None:
+        """Ranks > 0: execute rank 0's steps until it sends None."""
+        while (step := self.tp.broadcast()) is not None:
+            self.execute(*step)
 
     @torch.inference_mode()
     def encode(self, prompts: list[list[int]]) -> list[torch.Tensor]:
@@ -255,23 +281,25 @@ class ModelRunner:
             m.penalties = _penalties([seqs[i] for i in penalized], penalized, vocab)
         return m
 
-    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor, cu_q: list[int]
-                         ) -> list[list[TokenLogprobs] | None]:
-        """Per sequence owing prompt logprobs: those of the prompt tokens that this step's rows predict."""
-        rows, targets, owners = [], [], []
+    @staticmethod
+    def _prompt_logit_rows(batch: ScheduledBatch, cu_q: list[int]) -> list[tuple[int, int, int]]:
+        """(hidden row, prompt token it predicts, sequence index) of each row this step owes prompt logprobs."""
+        rows = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if seq.needs_prompt_logits:
                 start = seq.num_computed_tokens
-                for pos in range(start, min(start + n, seq.num_prompt_tokens - 1)):
-                    rows.append(cu_q[i] + pos - start)
-                    targets.append(seq.token_ids[pos + 1])
-                    owners.append(i)
-        out: list[list[TokenLogprobs] | None] = [None] * len(batch.seqs)
-        if not rows:
-            return out
+                rows += [(cu_q[i] + pos - start, seq.token_ids[pos + 1], i)
+                         for pos in range(start, min(start + n, seq.num_prompt_tokens - 1))]
+        return rows
+
+    @staticmethod
+    def _prompt_logprobs(batch: ScheduledBatch, rows: list[tuple[int, int, int]], logits: torch.Tensor
+                         ) -> list[list[TokenLogprobs] | None]:
+        """Per sequence owing prompt logprobs: those of the prompt tokens that this step's rows predict."""
+        _, targets, owners = zip(*rows)
         k = max(batch.seqs[i].params.prompt_logprobs for i in set(owners))
-        logits = self.model.compute_logits(hidden[rows]).cpu()
-        for i, row in zip(owners, _logprob_rows(targets, top_logprobs(logits, torch.tensor(targets), k))):
+        out: list[list[TokenLogprobs] | None] = [None] * len(batch.seqs)
+        for i, row in zip(owners, _logprob_rows(list(targets), top_logprobs(logits, torch.tensor(targets), k))):
             out[i] = (out[i] or []) + [row]
         return out
 

@@ -1,17 +1,18 @@
-"""Vocabulary-parallel token embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+"""Vocabulary-parallel token embedding and LM head: each rank holds a contiguous slice of the vocabulary
+(padded so that all slices are equal); the LM head gathers the logits on rank 0, which samples."""
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.layers.linear import copy_weight, linear, pack_weight
-from nanoinfer.utils.dist import tp_rank, tp_size
+from nanoinfer.utils.dist import tp_group, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank(), tp_size(), tp_group()
         self.num_embeddings = num_embeddings
         # Pad so every rank holds the same number of rows; padded rows are never real tokens.
         self.num_embeddings_per_rank = -(-num_embeddings // self.tp_size)
@@ -22,9 +23,9 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.shape[0] != self.num_embeddings:
             raise ValueError(f"shape mismatch: checkpoint vocabulary {loaded.shape[0]}, model {self.num_embeddings}")
-        shard = loaded[self.vocab_start:self.vocab_start + self.num_embeddings_per_rank]
-        param.data[shard.shape[0]:].zero_()
-        copy_weight(param.data.narrow(0, 0, shard.shape[0]), shard)
+        rows = max(0, min(self.num_embeddings - self.vocab_start, self.num_embeddings_per_rank))
+        param.data[rows:].zero_()
+        copy_weight(param.data.narrow(0, 0, rows), loaded.narrow(0, min(self.vocab_start, self.num_embeddings), rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -32,7 +33,7 @@ class VocabParallelEmbedding(nn.Module):
         local = x - self.vocab_start
         mine = (local >= 0) & (local < self.num_embeddings_per_rank)
         y = F.embedding(local.clamp(0, self.num_embeddings_per_rank - 1), self.weight) * mine.unsqueeze(-1)
-        dist.all_reduce(y)
+        dist.all_reduce(y, group=self.tp_group)
         return y
 
 
@@ -43,11 +44,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         # The dense weight stays: it may be the (tied) input embedding too.
         self.packed_weight = pack_weight(self.weight, batch_size_hint)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits over the full vocabulary for the given hidden states (callers pass only rows they sample)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits over the full vocabulary for the given hidden states (callers pass only rows they sample);
+        None on ranks other than 0."""
         logits = linear(x, self.weight, None, self.packed_weight)
         if self.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            dist.all_gather(parts, logits)
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+            dist.gather(logits, parts, dst=0, group=self.tp_group)
+            if parts is None:
+                return None
             logits = torch.cat(parts, -1)
-        return logits[:, :self.num_embeddings]
+        return logits[:, :self.num_embeddings].float()

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.layers.linear import copy_weight
-from nanoinfer.utils.dist import tp_rank, tp_size
+from nanoinfer.utils.dist import tp_group, tp_rank, tp_size
 
 # HF checkpoints store each expert separately: `<moe>.experts.<e>.{gate,up,down}_proj.weight`.
 _EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -55,7 +55,7 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  reduce_results: bool = True):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank(), tp_size(), tp_group()
         if intermediate_size % self.tp_size:
             raise ValueError(f"expert intermediate size {intermediate_size} is not divisible by the "
                              f"tensor-parallel size {self.tp_size}")
@@ -91,5 +91,5 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         y = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         if self.reduce_results and self.tp_size > 1:
-            dist.all_reduce(y)
+            dist.all_reduce(y, group=self.tp_group)
         return y

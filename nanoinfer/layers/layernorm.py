@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoinfer.kernels import cpu as cpu_kernels
 from nanoinfer.kernels.cuda import triton_layers
 from nanoinfer.layers.linear import copy_weight
 
@@ -29,6 +30,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if cpu_kernels.use_cpu_kernels(x):  # one pass instead of ~8 ops
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
         if x.is_cuda and (kernels := triton_layers()) is not None:  # one kernel instead of ~8
             return kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:

@@ -4,7 +4,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.utils.dist import tp_rank, tp_size
+from nanoinfer.utils.dist import tp_group, tp_rank, tp_size
 
 
 def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor | None:
@@ -23,9 +23,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def copy_weight(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """loaded: a tensor, or a checkpoint slice (utils.loader.LazyTensor) read only now, by `[...]`."""
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: checkpoint tensor {tuple(loaded.shape)}, parameter {tuple(param.shape)}")
-    param.data.copy_(loaded)
+    param.data.copy_(loaded[...])
 
 
 class LinearBase(nn.Module):
@@ -34,7 +35,7 @@ class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_dim: int | None = None):
         super().__init__()
         self.tp_dim = tp_dim
-        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank(), tp_size(), tp_group()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -125,5 +126,5 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.packed_weight)
         if self.tp_size > 1:
-            dist.all_reduce(y)
+            dist.all_reduce(y, group=self.tp_group)
         return y

@@ -4,6 +4,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanoinfer.kernels import cpu as cpu_kernels
+from nanoinfer.layers.layernorm import RMSNorm
+
 
 def rope_parameters(config: PretrainedConfig) -> dict:
     """The rope settings of transformers 5 (`rope_parameters`) or 4 (`rope_theta` + `rope_scaling`)."""
@@ -41,7 +44,15 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = 2 * inv_freq.shape[0]  # the leading dims that rotate; the rest pass through
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None = None,
+                k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim] -> rotated copies; per-head RMSNorms
+        (Qwen3's q/k norm), if given, are applied first, in the same pass on the CPU path."""
+        if cpu_kernels.use_cpu_kernels(q):
+            return (cpu_kernels.rotary_neox(q, positions, self.cos, self.sin, *_norm_args(q_norm)),
+                    cpu_kernels.rotary_neox(k, positions, self.cos, self.sin, *_norm_args(k_norm)))
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
@@ -54,6 +65,10 @@ class RotaryEmbedding(nn.Module):
         if self.rotary_dim < self.head_dim:
             parts += (x[..., self.rotary_dim:],)
         return torch.cat(parts, -1).to(dtype)
+
+
+def _norm_args(norm: RMSNorm | None) -> tuple:
+    return () if norm is None else (norm.weight, norm.eps)
 
 
 def get_rope(config: PretrainedConfig, head_dim: int, max_position: int) -> RotaryEmbedding:

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanoinfer.kernels import cpu as cpu_kernels
+
 
 @dataclass
 class Penalties:
@@ -47,7 +49,7 @@ class Sampler(nn.Module):
         """logits [B, V] fp32."""
         raw = logits
         logits = self.penalize(logits, m)
-        tokens = logits.argmax(-1)
+        tokens = cpu_kernels.argmax(logits) if cpu_kernels.use_cpu_kernels(logits) else logits.argmax(-1)
         if not m.all_greedy:
             probs = torch.softmax(self.warp(logits, m), -1)
             # Exponential race (argmax p / E, E ~ Exp(1)) draws from probs; the noise of a seeded request comes

@@ -64,10 +64,11 @@ class LlamaAttention(nn.Module):
         if self.q_factor == 2:
             q, gate = q.chunk(2, -1)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if positions is not None:  # None: no position encoding at all (an encoder pass, see LLM.embed)
-            q, k = self.rotary_emb(positions, q, k)
+        if positions is None:  # None: no position encoding at all (an encoder pass, see LLM.embed)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+        else:  # the q/k norms go in with the rotation: one pass on the CPU path
+            q, k = self.rotary_emb(positions, q, k, *((self.q_norm, self.k_norm) if self.qk_norm else ()))
         o = self.attn(q, k, v, meta)
         if self.q_factor == 2:
             o = o * torch.sigmoid(gate.flatten(1))
@@ -160,5 +161,5 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm, [tokens, hidden]."""
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden_states)

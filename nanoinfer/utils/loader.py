@@ -13,17 +13,38 @@ from nanoinfer.layers.linear import copy_weight
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+class LazyTensor:
+    """A checkpoint tensor not read yet: a weight_loader narrows it to this rank's shard, and only that is read."""
+
+    def __init__(self, tensor_slice) -> None:  # safetensors' PySafeSlice, valid while its file is open
+        self._slice = tensor_slice
+        self.shape = torch.Size(tensor_slice.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self[(slice(None),) * dim + (slice(start, start + length),)]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._slice[index]
+
+    def __getattr__(self, name: str):
+        """Any other tensor method (a loader that needs it all, e.g. `.float()`) reads the whole tensor."""
+        return getattr(self._slice[...], name)
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, LazyTensor]]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights found in {model_dir}")
     for file in files:
         with safe_open(file, "pt", "cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, LazyTensor(f.get_slice(name))
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | LazyTensor]]) -> None:
     """Route every checkpoint tensor to its parameter's weight_loader; fail on strays and on gaps."""
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, int | str]] = getattr(model, "packed_modules_mapping", {})

@@ -5,7 +5,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanoinfer.kernels.cpu import paged_decode_attention, paged_decode_attention_available
+from nanoinfer.kernels.cpu import (paged_decode_attention, paged_decode_attention_available, store_kvcache,
+                                  use_cpu_kernels)
 from nanoinfer.layers.attention.metadata import AttentionMetadata
 
 
@@ -41,6 +42,8 @@ class CPUAttentionBackend:
 
     def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
+        if use_cpu_kernels(k):
+            return store_kvcache(k, v, k_cache, v_cache, slot_mapping)
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
@@ -52,8 +55,8 @@ class CPUAttentionBackend:
         if not meta.is_decode:
             return self._prefill(q, k, v, k_cache, v_cache, meta, scale, window if meta.causal else None)
         if self.decode_kernel:
-            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                          meta.max_seqlen_k, scale, window).flatten(1)
+            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                          window).flatten(1)
         state: CPUState = meta.backend_state
         b, slots = meta.num_seqs, state.mask.shape[-1]
         mask = state.mask
