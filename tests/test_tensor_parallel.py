@@ -29,8 +29,8 @@ def tp1(model_dir: Path) -> dict:
     if model_dir.name not in _TP1:
         with LLM(str(model_dir), max_model_len=256) as llm:
             _TP1[model_dir.name] = dict(
-                greedy=[o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)],
-                sampled=[o.token_ids for o in llm.generate(PROMPTS, SEEDED, use_tqdm=False)],
+                greedy=[o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)],
+                sampled=[o.outputs[0].token_ids for o in llm.generate(PROMPTS, SEEDED, use_tqdm=False)],
                 weight_bytes=weight_bytes(llm.llm_engine.model_runner.model),
                 hf=hf_greedy(model_dir, PROMPTS, MAX_TOKENS))
     return _TP1[model_dir.name]
@@ -71,11 +71,11 @@ def test_spawned_tp2_matches_tp1_and_hf(kind, model_dir, torchrun_launch, captur
     with LLM(str(d), max_model_len=256, tensor_parallel_size=2) as llm:
         assert len(llm.llm_engine.tp.workers) == 1
         greedy = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        sampled = [o.token_ids for o in llm.generate(PROMPTS, SEEDED, use_tqdm=False)]
+        sampled = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SEEDED, use_tqdm=False)]
         shard = weight_bytes(llm.llm_engine.model_runner.model)
         worker = llm.llm_engine.tp.workers[0]
     assert worker.returncode == 0 and not dist.is_initialized()  # closed cleanly
-    assert [o.token_ids for o in greedy] == ref["greedy"]
+    assert [o.outputs[0].token_ids for o in greedy] == ref["greedy"]
     worst = check_against_hf(greedy, ref["hf"], captured_logits)
     report_logit_diff(f"{kind}, tensor parallel 2", worst)
     assert worst < LOGIT_ATOL, f"{kind}: max |logit diff| vs transformers {worst:.2e}"
@@ -152,5 +152,5 @@ def test_gguf_tp2_matches_tp1(tmp_path, monkeypatch):
     outputs = []
     for tp in (1, 2):
         with LLM(str(path), max_model_len=64, tensor_parallel_size=tp) as llm:
-            outputs.append([o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+            outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
     assert outputs[0] == outputs[1]

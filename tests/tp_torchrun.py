@@ -30,7 +30,8 @@ def run(model: str) -> dict:
     with LLM(model, max_model_len=256, tensor_parallel_size=2) as llm:
         greedy = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         sampled = llm.generate(PROMPTS, SEEDED, use_tqdm=False)
-        return dict(greedy=[o.token_ids for o in greedy], sampled=[o.token_ids for o in sampled],
+        return dict(greedy=[o.outputs[0].token_ids for o in greedy],
+                    sampled=[o.outputs[0].token_ids for o in sampled],
                     weight_bytes=weight_bytes(llm.llm_engine.model_runner.model), threads=torch.get_num_threads())
 
 
