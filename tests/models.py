@@ -392,6 +392,17 @@ def load_hf_model(model_dir):
     return _HF_CACHE[key]
 
 
+_HF_GREEDY: dict[tuple, list[dict]] = {}
+
+
+def cached_hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tokens: int) -> list[dict]:
+    """hf_greedy, computed once per (model, prompts, length) in a test process: several tests share a reference."""
+    key = (str(model_dir), max_new_tokens, tuple(map(tuple, prompts_token_ids)))
+    if key not in _HF_GREEDY:
+        _HF_GREEDY[key] = hf_greedy(model_dir, prompts_token_ids, max_new_tokens)
+    return _HF_GREEDY[key]
+
+
 @torch.inference_mode()
 def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tokens: int) -> list[dict]:
     """Greedy-decode each prompt separately with transformers (fp32, KV cache, no EOS stop).

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from models import EXTRA_KINDS, MODEL_KINDS, SLIDING_WINDOW, check_against_hf, hf_greedy, random_prompts
+from models import EXTRA_KINDS, MODEL_KINDS, SLIDING_WINDOW, cached_hf_greedy, check_against_hf, random_prompts
 from nanoinfer import LLM, SamplingParams
 
 MAX_TOKENS = 24
@@ -10,14 +10,10 @@ LOGIT_ATOL = 1e-4
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # Lengths straddle block boundaries (block size 16) and include a one-token prompt.
 PROMPTS = random_prompts(6, 5, 440, 2, 90, seed=7) + [[17]]
-_REFERENCE: dict[str, list[dict]] = {}
 
 
 def reference(model_dir, prompts=PROMPTS) -> list[dict]:
-    key = f"{model_dir}:{hash(tuple(map(tuple, prompts)))}"
-    if key not in _REFERENCE:
-        _REFERENCE[key] = hf_greedy(model_dir, prompts, MAX_TOKENS)
-    return _REFERENCE[key]
+    return cached_hf_greedy(model_dir, prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("kind", MODEL_KINDS + ("qwen3-sharded",) + EXTRA_KINDS)

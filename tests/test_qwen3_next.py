@@ -3,7 +3,7 @@ state's lifecycle, and the delta rule's chunked form against its recurrent form.
 import pytest
 import torch
 
-from models import QWEN3_NEXT_KINDS, check_against_hf, hf_greedy, random_prompts
+from models import QWEN3_NEXT_KINDS, cached_hf_greedy, check_against_hf, random_prompts
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.layers.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule, l2norm,
                                                recurrent_gated_delta_rule)
@@ -14,14 +14,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # Different lengths in one batch, two of them over the delta rule's 64-token chunk, and a one-token prompt
 # (a single-row step at position 0).
 PROMPTS = random_prompts(6, 5, 440, 2, 110, seed=12) + [[17]]
-_REFERENCE: dict[str, list[dict]] = {}
 
 
 def reference(model_dir, prompts=PROMPTS) -> list[dict]:
-    key = f"{model_dir}:{hash(tuple(map(tuple, prompts)))}"
-    if key not in _REFERENCE:
-        _REFERENCE[key] = hf_greedy(model_dir, prompts, MAX_TOKENS)
-    return _REFERENCE[key]
+    return cached_hf_greedy(model_dir, prompts, MAX_TOKENS)
 
 
 def run(model_dir, captured, prompts=PROMPTS, **kwargs):
