@@ -21,13 +21,13 @@ class Config:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    kvcache_block_size: int | None = None  # 16 for the cpu backend, 256 for flash (flash-attn's paged KV rule)
+    kvcache_block_size: int | None = None  # 16 (cpu, triton), 256 for flash (flash-attn's paged KV rule)
     num_kvcache_blocks: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1
     device: str | torch.device = "auto"  # CUDA when visible, else CPU
-    attention_backend: str = "auto"  # "flash" on CUDA with flash-attn, else "cpu" (PyTorch)
+    attention_backend: str = "auto"  # CUDA: "flash" with flash-attn, else "triton"; CPU: "cpu" (PyTorch)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the GPU's memory the engine may use, KV cache included
     hf_config: PretrainedConfig = field(init=False, repr=False)

@@ -51,11 +51,12 @@ def test_every_module_imports_and_the_cpu_path_runs_without_cuda_triton_or_flash
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     # Only Triton source in nanoinfer/kernels/ needs triton to import; everything else imports it lazily.
-    assert set(result["failed"]) == {"nanoinfer.kernels.triton_kvcache", "nanoinfer.kernels.triton_layers"}, \
-        result["failed"]
+    assert set(result["failed"]) == {"nanoinfer.kernels.triton_kvcache", "nanoinfer.kernels.triton_layers",
+                                     "nanoinfer.kernels.triton_attention"}, result["failed"]
     assert all("triton" in error for error in result["failed"].values())
     assert not result["cuda_layer_kernels"]  # CUDA tensors would stay on the PyTorch layers
-    for name in ("nanoinfer.layers.attention.flash", "nanoinfer.kernels.cuda", "nanoinfer.engine.cuda_graph", "nanoinfer.engine.gpu_memory",
+    for name in ("nanoinfer.layers.attention.flash", "nanoinfer.layers.attention.triton", "nanoinfer.kernels.cuda",
+                 "nanoinfer.engine.cuda_graph", "nanoinfer.engine.gpu_memory",
                  "nanoinfer.layers.attention.selector", "nanoinfer.engine.model_runner", "nanoinfer.llm"):
         assert name in result["imported"]
     assert len(result["tokens"]) == 4
@@ -108,11 +109,15 @@ def test_backend_choice_on_cuda(fake_cuda, monkeypatch):
     assert selector.select_backend("auto", gpu) == "flash"
     assert selector.select_backend("flash", gpu) == "flash"
     assert selector.select_backend("cpu", gpu) == "cpu"
+    assert selector.select_backend("triton", gpu) == "triton"
     fake_cuda(False)
-    with pytest.warns(UserWarning, match="falls back to the PyTorch SDPA backend"):
-        assert selector.select_backend("auto", gpu) == "cpu"
+    assert selector.select_backend("auto", gpu) == "triton"  # the Triton kernels, not the PyTorch fallback
     with pytest.raises(ValueError, match=r"pip install 'nanoinfer\[cuda\]'"):
         selector.select_backend("flash", gpu)
+    monkeypatch.setattr(selector, "triton_available", lambda: False)
+    for requested in ("auto", "triton"):
+        with pytest.raises(ValueError, match="needs triton: pip install triton"):
+            selector.select_backend(requested, gpu)
 
 
 def test_flash_limits():
@@ -142,9 +147,8 @@ def test_config_on_cuda_defaults_and_errors(fake_cuda, qwen3_dir):
     sdpa = Config(qwen3_dir, attention_backend="cpu", dtype="float32")
     assert (sdpa.attention_backend, sdpa.kvcache_block_size, sdpa.torch_dtype) == ("cpu", 16, torch.float32)
     fake_cuda(False)
-    with pytest.warns(UserWarning, match="flash-attn is not installed"):
-        c = Config(qwen3_dir)
-    assert (c.attention_backend, c.kvcache_block_size) == ("cpu", 16)
+    c = Config(qwen3_dir)
+    assert (c.attention_backend, c.kvcache_block_size) == ("triton", 16)
 
 
 def test_config_on_cpu_and_new_argument_errors(qwen3_dir):
@@ -153,7 +157,8 @@ def test_config_on_cpu_and_new_argument_errors(qwen3_dir):
         torch.device("cpu"), "cpu", 16, torch.float32)
     for kwargs, error, match in [
         (dict(attention_backend="flash"), ValueError, "needs a CUDA device"),
-        (dict(attention_backend="triton"), ValueError, "unknown attention_backend"),
+        (dict(attention_backend="triton"), ValueError, "runs only in Triton's interpreter"),
+        (dict(attention_backend="xformers"), ValueError, "unknown attention_backend"),
         (dict(device="cuda"), ValueError, "sees no CUDA device"),
         (dict(device="mps"), ValueError, "unsupported device"),
         (dict(device="npu0"), ValueError, "unknown device"),

@@ -1,5 +1,6 @@
-"""Runs tests/triton_interpreted.py in a pytest process of its own with TRITON_INTERPRET=1: the variable must be
-set before triton defines a kernel, so it cannot share this process with code that imported triton normally."""
+"""Runs tests/triton_interpreted.py and tests/triton_attention_interpreted.py in a pytest process of their own
+with TRITON_INTERPRET=1: the variable must be set before triton defines a kernel, so they cannot share this
+process with code that imported triton normally."""
 import importlib.util
 import os
 import re
@@ -20,11 +21,11 @@ def test_triton_kernels_under_the_interpreter(report_logit_diff):
         pytest.skip("triton is not installed")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                        "tests/triton_interpreted.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                        "tests/triton_interpreted.py", "tests/triton_attention_interpreted.py"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=1200)
     summary = r.stdout[-4000:] + r.stderr[-2000:]
     assert r.returncode == 0, summary
     counts = re.search(r"(\d+) passed", r.stdout)
     assert counts and int(counts.group(1)) >= 43 and "skipped" not in r.stdout.splitlines()[-1], summary
-    for name, value in re.findall(r"^(.*flash backend.*): ([0-9.e+-]+)$", r.stdout, re.M):
+    for name, value in re.findall(r"^(.*(?:flash|triton) backend.*): ([0-9.e+-]+)$", r.stdout, re.M):
         report_logit_diff(name, float(value))

@@ -149,9 +149,10 @@ class ModelRunner:
         self.execute(*self.prepare(batch, batch.samples))  # every rank warms up alike: nothing to broadcast
 
     def _capture_graphs(self) -> CUDAGraphRunner | None:
-        """Decode graphs for the flash backend (whose decode reads only fixed-address tensors) unless enforce_eager;
-        not for models with recurrent state, whose per-step slot lookups are not captured."""
-        if self.config.enforce_eager or self.config.attention_backend != "flash" or self.num_state_slots:
+        """Decode graphs on CUDA for the flash and triton backends (whose decode reads only fixed-address tensors)
+        unless enforce_eager; not for models with recurrent state, whose per-step slot lookups are not captured."""
+        if (self.config.enforce_eager or self.device.type != "cuda" or self.config.attention_backend == "cpu"
+                or self.num_state_slots):
             return None
         runner = CUDAGraphRunner(self.model, self.backend, self.config.max_num_seqs, self.config.max_model_len,
                                  self.block_size, self.config.hf_config.hidden_size, self.config.torch_dtype,

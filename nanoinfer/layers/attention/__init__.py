@@ -7,13 +7,17 @@ from nanoinfer.layers.attention.metadata import AttentionMetadata
 
 
 def get_backend(name: str, dtype: torch.dtype, device: torch.device = torch.device("cpu")):
-    """"cpu": PyTorch (SDPA, plus the C decode kernel on CPU tensors), on any device; "flash": flash-attn on CUDA."""
+    """"cpu": PyTorch (SDPA, plus the C decode kernel on CPU tensors), on any device; "flash": flash-attn on CUDA;
+    "triton": paged Triton kernels on CUDA (on the CPU in Triton's interpreter)."""
     if name == "cpu":
         return CPUAttentionBackend(dtype, device)
     if name == "flash":
         from nanoinfer.layers.attention.flash import FlashAttentionBackend  # imports flash_attn and triton
         return FlashAttentionBackend(dtype, device)
-    raise ValueError(f"unknown attention backend {name!r}; available: ['cpu', 'flash']")
+    if name == "triton":
+        from nanoinfer.layers.attention.triton import TritonAttentionBackend  # imports triton
+        return TritonAttentionBackend(dtype, device)
+    raise ValueError(f"unknown attention backend {name!r}; available: ['cpu', 'flash', 'triton']")
 
 
 class Attention(nn.Module):

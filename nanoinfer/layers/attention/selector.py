@@ -1,18 +1,20 @@
 """Chooses the device and the attention backend once at start-up, and the KV block sizes each backend accepts."""
+import importlib.util
 import os
-import warnings
 
 import torch
 
 from nanoinfer.utils.dist import tp_rank
 
-BACKEND_CHOICES = ("auto", "cpu", "flash")
+BACKEND_CHOICES = ("auto", "cpu", "flash", "triton")
 # flash-attn 2 refuses a paged KV cache whose page is not a multiple of 256 tokens (flash_api.cpp, both
 # mha_varlen_fwd and mha_fwd_kvcache: "Paged KV cache block size must be divisible by 256").
 FLASH_BLOCK_MULTIPLE = 256
-DEFAULT_BLOCK_SIZE = {"cpu": 16, "flash": 256}
+DEFAULT_BLOCK_SIZE = {"cpu": 16, "flash": 256, "triton": 16}
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
+# The Triton kernels keep a [rows, head_dim] fp32 accumulator in registers.
+TRITON_MAX_HEAD_DIM = 256
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -47,11 +49,19 @@ def flash_attn_available() -> bool:
     return True
 
 
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def select_backend(requested: str, device: torch.device) -> str:
-    """'flash' on CUDA with flash-attn installed; otherwise 'cpu', the PyTorch backend (SDPA, plus a C decode
-    kernel on CPU), which also runs on CUDA, slower, when flash-attn is missing."""
+    """'flash' on CUDA with flash-attn installed, else 'triton' (paged Triton kernels; triton ships with CUDA
+    builds of torch); 'cpu', the PyTorch backend, on the CPU or when asked for. 'triton' on a CPU device runs
+    in Triton's interpreter, which only TRITON_INTERPRET=1 turns on (tests prove the kernels' logic that way)."""
     if requested not in BACKEND_CHOICES:
         raise ValueError(f"unknown attention_backend {requested!r}; use one of {list(BACKEND_CHOICES)}")
+    if requested == "triton":
+        _check_triton(device)
+        return "triton"
     if device.type != "cuda":
         if requested == "flash":
             raise ValueError(f"attention_backend='flash' needs a CUDA device, but the device is {device}")
@@ -62,12 +72,24 @@ def select_backend(requested: str, device: torch.device) -> str:
         return "flash"
     if requested == "flash":
         raise ValueError("attention_backend='flash' needs flash-attn and triton: pip install 'nanoinfer[cuda]'")
-    warnings.warn("flash-attn is not installed: attention on CUDA falls back to the PyTorch SDPA backend "
-                  "(slower, no CUDA graphs); pip install 'nanoinfer[cuda]' for the flash backend", stacklevel=3)
-    return "cpu"
+    _check_triton(device)
+    return "triton"
+
+
+def _check_triton(device: torch.device) -> None:
+    if not triton_available():
+        raise ValueError("the triton attention backend needs triton: pip install triton (Linux CUDA builds of "
+                         "torch ship it), or pass attention_backend='cpu' (PyTorch SDPA, slower)")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"attention_backend='triton' on the {device} device runs only in Triton's interpreter, "
+                         "which needs TRITON_INTERPRET=1 in the environment before triton is imported (it is "
+                         "slow: for tests); use attention_backend='cpu' on the CPU")
 
 
 def check_backend_limits(backend: str, block_size: int, dtype: torch.dtype, head_dim: int) -> None:
+    if backend == "triton" and head_dim > TRITON_MAX_HEAD_DIM:
+        raise ValueError(f"the triton attention backend supports head_dim <= {TRITON_MAX_HEAD_DIM}, the model has "
+                         f"{head_dim}; use attention_backend='cpu'")
     if backend != "flash":
         return
     if block_size % FLASH_BLOCK_MULTIPLE:

@@ -1,0 +1,252 @@
+"""Triton kernels for paged attention (CUDA; importing this module needs triton): a varlen prefill kernel over
+this step's K/V or the paged cache, and a split-KV decode kernel with the reduce that merges its segments.
+
+Every program handles one KV head and all the query heads of its group (GQA): its tile rows are (query token,
+head in group) pairs, so each K/V tile is loaded once per group. K/V tiles are gathered key by key through the
+block table, so any KV block size works. Softmax runs online in fp32, in base 2 with the scale folded in."""
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MAX_SEGMENTS = 16  # split-KV segments per sequence at most (the reduce kernel's tile)
+
+
+@triton.jit
+def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence owning query tile `tile`; sequence s owns the tiles from cu_seqlens_q[s] // BLOCK_Q + s on
+    (at least as many as it needs), so the grid is sized from shapes alone, without a host sync."""
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit(do_not_specialize=["num_seqs"])  # a loop bound in _find_seq: must stay a tensor, even when 1
+def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, block_tables_ptr,
+                      context_lens_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, qk_scale, window, num_seqs, num_heads,
+                      num_segments, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
+                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
+                      DECODE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                      SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Grid (query tiles, KV heads, segments). A tile: BLOCK_Q tokens of one sequence x the GROUP query heads of
+    one KV head; in a decode step, sequence i's single token. A segment: one of num_segments equal slices (whole
+    BLOCK_N tiles) of the keys the tile sees; split, its max, sum and unnormalized output go to the partial buffers
+    for the reduce kernel, else the output itself."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
+    if DECODE:  # one token per sequence: tile i is sequence i
+        seq = tile
+        q_start = tile
+        q_len = 1
+        first_q = 0
+    else:
+        seq = _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q)
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        first_q = (tile - q_start // BLOCK_Q - seq) * BLOCK_Q
+        if first_q >= q_len:  # a spare tile of this sequence
+            return
+    ctx = tl.load(context_lens_ptr + seq)  # 0 on a row padding a CUDA graph's batch: no key is read
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q_idx = first_q + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
+    token = (q_start + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + (token * stride_qt + head * stride_qh)[:, None] + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:  # Triton's interpreter computes bf16 wrong (triton-lang/triton#11584): there, tiles go fp32
+        q = q.to(tl.float32)
+    # Bottom-right alignment: query j of a sequence with q_len new tokens and context ctx sits at ctx - q_len + j.
+    q_pos = ctx - q_len + q_idx
+
+    lo = 0
+    hi = ctx
+    if CAUSAL:
+        hi = ctx - q_len + tl.minimum(first_q + BLOCK_Q, q_len)  # one past the tile's last query position
+        if HAS_WINDOW:
+            lo = tl.maximum(ctx - q_len + first_q - window + 1, 0)
+    # Segments of whole tiles, sized from this context: one CUDA graph serves every context length.
+    seg_len = tl.cdiv(tl.cdiv(hi - lo, num_segments), BLOCK_N) * BLOCK_N
+    lo = lo + segment * seg_len
+    hi = tl.minimum(lo + seg_len, hi)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    row_base = tl.load(cu_seqlens_k_ptr + seq)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        key_pos = start + offs_n
+        key_ok = key_pos < hi
+        if PAGED:  # cache slots through the block table, key by key: any KV block size
+            block = tl.load(table + key_pos // KV_BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+            rows = block * KV_BLOCK_SIZE + key_pos % KV_BLOCK_SIZE
+        else:  # this step's k/v: the sequence's rows from cu_seqlens_k
+            rows = (row_base + key_pos).to(tl.int64)
+        k = tl.load(k_ptr + kv_head * stride_kh + (rows * stride_kt)[None, :] + offs_d[:, None],
+                    mask=d_ok[:, None] & key_ok[None, :], other=0.0).to(q.dtype)
+        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        visible = key_ok[None, :]
+        if CAUSAL:
+            visible &= key_pos[None, :] <= q_pos[:, None]
+            if HAS_WINDOW:
+                visible &= key_pos[None, :] > q_pos[:, None] - window
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no visible key yet keeps max -inf: subtract 0 instead, so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        v = tl.load(v_ptr + kv_head * stride_vh + (rows * stride_vt)[:, None] + offs_d[None, :],
+                    mask=key_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        part = (token * num_segments + segment) * num_heads + head
+        tl.store(part_acc_ptr + (part * HEAD_DIM)[:, None] + offs_d[None, :], acc, mask=mask)
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # no visible key (context 0): 0
+        tl.store(out_ptr + ((token * num_heads + head) * HEAD_DIM)[:, None] + offs_d[None, :], out, mask=mask)
+
+
+@triton.jit
+def _reduce_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num_segments, num_heads,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Grid (query tokens, query heads): merges the segments' partial softmax results into the output."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_segments
+    d_ok = offs_d < HEAD_DIM
+    part = (token * num_segments + offs_s) * num_heads + head
+    m = tl.load(part_max_ptr + part, mask=s_ok, other=float("-inf"))
+    m_all = tl.max(m, 0)
+    # Empty segments hold max -inf: weight 0. All empty (context 0): the output is 0.
+    w = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))
+    total = tl.sum(tl.load(part_sum_ptr + part, mask=s_ok, other=0.0) * w, 0)
+    acc = tl.load(part_acc_ptr + (part * HEAD_DIM)[:, None] + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                  other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + (token * num_heads + head) * HEAD_DIM + offs_d, out, mask=d_ok)
+
+
+@dataclass
+class DecodePartials:
+    """Per (query token, segment, head) partial results of a split decode; allocated once, at a fixed address."""
+    acc: torch.Tensor  # [capacity, heads, head_dim] fp32: unnormalized outputs
+    max: torch.Tensor  # [capacity, heads] fp32: running max (log2 domain)
+    sum: torch.Tensor  # [capacity, heads] fp32: running sum of exp2
+
+    @classmethod
+    def allocate(cls, capacity: int, num_heads: int, head_dim: int, device: torch.device) -> "DecodePartials":
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(torch.empty(capacity, num_heads, head_dim, **f32), torch.empty(capacity, num_heads, **f32),
+                   torch.empty(capacity, num_heads, **f32))
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # tile rows: (query token, head in group) pairs
+    block_n: int  # keys per K/V tile
+    num_warps: int
+    num_stages: int
+
+
+def prefill_config(group: int, head_dim: int, itemsize: int, max_seqlen_q: int) -> TileConfig:
+    """Large query tiles for long prompts (the shapes of Triton's fused-attention tutorial on an H100), small
+    ones for short chunks; always at least one token's whole group."""
+    wide = head_dim <= 128 and itemsize == 2
+    block_m = min(128 if wide else 64, max(16, triton.next_power_of_2(max_seqlen_q * group)))
+    block_m = max(block_m, triton.next_power_of_2(group))
+    return TileConfig(block_m, 64 if wide else 32, 8 if block_m >= 128 else 4, 3 if wide else 2)
+
+
+def decode_config(group: int, head_dim: int, itemsize: int) -> TileConfig:
+    """One token's group of heads (rows padded to 16 for tl.dot), K/V tiles double-buffered."""
+    wide = head_dim <= 128 and itemsize == 2
+    return TileConfig(max(16, triton.next_power_of_2(group)), 64 if wide else 32, 4, 2)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                      max_seqlen_q: int, scale: float, causal: bool = True, window: int | None = None,
+                      config: TileConfig | None = None) -> torch.Tensor:
+    """q [tokens, heads, dim] -> [tokens, heads * dim]. k, v: the paged caches [blocks, block_size, kv_heads, dim]
+    (keys through block_tables), or this step's [tokens, kv_heads, dim] when each context is just this step's
+    tokens (rows from cu_seqlens_k). Causal: query j of a sequence with n new tokens and context c sits at
+    c - n + j and sees the keys at positions <= its own (and > its own - window with a window)."""
+    group = q.shape[1] // k.shape[-2]
+    config = config or prefill_config(group, q.shape[-1], q.element_size(), max_seqlen_q)
+    num_tiles = q.shape[0] // (config.block_m // group) + context_lens.shape[0]
+    return _attention(q, k, v, block_tables, context_lens, cu_seqlens_q, cu_seqlens_k, scale, causal,
+                      window if causal else None, config, num_tiles, decode=False)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, window: int | None = None, num_segments: int = 1,
+                     partials: DecodePartials | None = None, config: TileConfig | None = None) -> torch.Tensor:
+    """One query token per sequence: q [seqs, heads, dim] over the paged caches -> [seqs, heads * dim]; a context
+    length 0 gives zeros. With num_segments > 1 each context is split into that many segments computed in
+    parallel into `partials` (capacity >= seqs * num_segments), then merged by a reduce kernel."""
+    config = config or decode_config(q.shape[1] // k_cache.shape[2], q.shape[-1], q.element_size())
+    return _attention(q, k_cache, v_cache, block_tables, context_lens, None, None, scale, True, window, config,
+                      q.shape[0], decode=True, num_segments=num_segments, partials=partials)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
+               context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+               scale: float, causal: bool, window: int | None, config: TileConfig, num_tiles: int, decode: bool,
+               num_segments: int = 1, partials: DecodePartials | None = None) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[-2]
+    paged = k.dim() == 4
+    assert num_heads % num_kv_heads == 0 and k.shape[-1] == v.shape[-1] == head_dim and q.dtype == k.dtype == v.dtype
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and (not paged or k.is_contiguous() and v.is_contiguous())
+    assert 1 <= num_segments <= MAX_SEGMENTS
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+    if num_tokens == 0:
+        return out
+    split = num_segments > 1
+    if split:
+        assert partials.acc.shape[0] >= num_tokens * num_segments and partials.acc.shape[1:] == (num_heads, head_dim)
+        bufs = (partials.acc, partials.max, partials.sum)
+    else:
+        bufs = (out, out, out)  # not read
+    group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every tile side >= 16
+    cu_q = context_lens if cu_seqlens_q is None else cu_seqlens_q  # not read in a decode step
+    cu_k = context_lens if cu_seqlens_k is None else cu_seqlens_k
+    _attention_kernel[(num_tiles, num_kv_heads, num_segments)](
+        q, k, v, out, *bufs, block_tables, context_lens, cu_q, cu_k, scale * LOG2E, window or 0,
+        context_lens.shape[0], num_heads, num_segments, q.stride(0), q.stride(1), k.stride(-3), k.stride(-2),
+        v.stride(-3), v.stride(-2), block_tables.stride(0), GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M=config.block_m, BLOCK_Q=config.block_m // group, BLOCK_N=config.block_n,
+        KV_BLOCK_SIZE=k.shape[1] if paged else 1, DECODE=decode, PAGED=paged, CAUSAL=causal,
+        HAS_WINDOW=window is not None, SPLIT=split, num_warps=config.num_warps, num_stages=config.num_stages,
+        # fp32 dots in full precision (Triton's default on CUDA is TF32); CPU tensors get here only in the
+        # interpreter, whose bf16 needs the upcast.
+        UPCAST=q.dtype == torch.bfloat16 and q.device.type == "cpu",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    if split:
+        _reduce_kernel[(num_tokens, num_heads)](out, *bufs, num_segments, num_heads, HEAD_DIM=head_dim,
+                                                BLOCK_D=block_d, BLOCK_S=MAX_SEGMENTS, num_warps=4)
+    return out

@@ -1,0 +1,62 @@
+"""Paged attention in Triton, the CUDA default without flash-attn: varlen prefill over this step's K/V or the
+paged cache, and split-KV decode that a CUDA graph can capture. Triton is imported when the backend is created,
+so this module imports anywhere; on CPU tensors the kernels run only in Triton's interpreter (tests)."""
+import torch
+
+from nanoinfer.layers.attention.metadata import AttentionMetadata
+
+# Decode programs wanted per SM: when (sequences x KV heads) is fewer than that, contexts are split into segments.
+PROGRAMS_PER_SM = 4
+# Without a GPU (Triton's interpreter, tests only): small, so that small batches split and the reduce runs too.
+INTERPRETER_SPLIT_TARGET = 8
+
+
+class TritonAttentionBackend:
+    """Takes the metadata as built; a decode step reads only block_tables, context_lens and the partial buffers
+    (allocated once), all at fixed addresses, and decides its grid from shapes alone: no host sync."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        from nanoinfer.kernels import triton_attention
+        from nanoinfer.kernels.triton_kvcache import store_kvcache
+        self.kernels, self.store_kvcache = triton_attention, store_kvcache
+        self.split_target = (PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+                             if device.type == "cuda" else INTERPRETER_SPLIT_TARGET)
+        self.partials: dict[tuple[int, int], triton_attention.DecodePartials] = {}  # by (heads, head_dim)
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        pass
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None
+                ) -> torch.Tensor:
+        """q [tokens, heads, dim], this step's k, v [tokens, kv_heads, dim] (already stored) -> [tokens, heads*dim].
+        With a window, a query at position p sees keys at p - window < position <= p."""
+        if meta.is_decode:
+            return self._decode(q, k_cache, v_cache, meta, scale, window)
+        if meta.has_cached_prefix:  # keys come from the cache: the prefix was computed in earlier steps
+            k, v = k_cache, v_cache
+        return self.kernels.prefill_attention(q, k, v, meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
+                                              meta.cu_seqlens_k, meta.max_seqlen_q, scale, meta.causal, window)
+
+    def num_segments(self, num_seqs: int, num_kv_heads: int) -> int:
+        """Segments per context: enough (sequence, KV head, segment) programs to fill the GPU. A function of the
+        batch's shape only, so each captured graph has its own, fixed number."""
+        programs = num_seqs * num_kv_heads
+        if programs >= self.split_target:
+            return 1
+        return min(self.kernels.MAX_SEGMENTS, -(-self.split_target // programs))
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, window: int | None) -> torch.Tensor:
+        num_seqs, num_heads, head_dim = q.shape
+        segments = self.num_segments(num_seqs, k_cache.shape[2])
+        partials = None
+        if segments > 1:
+            partials = self.partials.get((num_heads, head_dim))
+            if partials is None:
+                # Splitting needs num_seqs * kv_heads < target, so num_seqs * segments < target / kv_heads + num_seqs
+                # <= 2 * target: one allocation serves every batch, and graphs keep its address.
+                partials = self.partials[num_heads, head_dim] = self.kernels.DecodePartials.allocate(
+                    2 * self.split_target, num_heads, head_dim, q.device)
+        return self.kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window,
+                                             segments, partials)

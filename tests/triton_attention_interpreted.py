@@ -1,0 +1,310 @@
+"""The Triton attention backend run by Triton's interpreter on CPU tensors: each kernel against a float64
+reference, the backend against the PyTorch one on ModelRunner's metadata, and the whole engine against
+transformers (plain, prefix-cache hits, chunked prefill, sliding windows, the CUDA-graph runner, the encoder
+pass). TRITON_INTERPRET=1 must be set before triton defines a kernel, so tests/test_triton.py runs this file in
+a pytest process of its own."""
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.exit("run through tests/test_triton.py (needs TRITON_INTERPRET=1 from the start)", returncode=4)
+
+import cuda_fakes  # noqa: E402  (tests/cuda_fakes.py)
+from models import check_against_hf, hf_encoder_states, hf_greedy, random_prompts  # noqa: E402
+
+from nanoinfer import LLM, SamplingParams  # noqa: E402
+from nanoinfer.engine.model_runner import ModelRunner  # noqa: E402
+from nanoinfer.engine.scheduler import ScheduledBatch  # noqa: E402
+from nanoinfer.engine.sequence import Sequence  # noqa: E402
+from nanoinfer.kernels import triton_attention  # noqa: E402
+from nanoinfer.kernels.triton_attention import (DecodePartials, TileConfig, decode_attention,  # noqa: E402
+                                                prefill_attention)
+from nanoinfer.layers.attention import get_backend  # noqa: E402
+
+# Worst |ours - reference| / (1 + |reference|): fp32 differs in summation order only; fp16/bf16 by about one
+# rounding of the output, plus (fp16) the probabilities rounded to fp16 for the P @ V product.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}
+DTYPES = list(TOLERANCE)
+# Small tiles, so that the tiny contexts here still span several K/V tiles and segments.
+SMALL = TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+
+
+def _error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    assert ours.shape == ref.shape and bool(torch.isfinite(ours).all())
+    return ((ours.double() - ref).abs() / (1 + ref.abs())).max().item()
+
+
+def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], q_lens: list[int],
+              scale: float, causal: bool = True, window: int | None = None) -> torch.Tensor:
+    """float64 attention, sequence by sequence: q [tokens, heads, dim], keys[i]/values[i] [ctx_i, kv_heads, dim]
+    -> [tokens, heads * dim]; query j of n new tokens sits at ctx - n + j; a row seeing no key gives 0."""
+    out, start = [], 0
+    for k, v, n in zip(keys, values, q_lens):
+        ctx, group = k.shape[0], q.shape[1] // k.shape[1]
+        k, v = (x.double().repeat_interleave(group, 1) for x in (k, v))
+        scores = torch.einsum("nhd,lhd->hnl", q[start:start + n].double(), k) * scale
+        if causal:
+            q_pos, k_pos = torch.arange(ctx - n, ctx)[:, None], torch.arange(ctx)[None, :]
+            visible = k_pos <= q_pos
+            if window is not None:
+                visible &= k_pos > q_pos - window
+            scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, -1).nan_to_num(0.0)
+        out.append(torch.einsum("hnl,lhd->nhd", probs, v).flatten(1))
+        start += n
+    return torch.cat(out)
+
+
+def paged_cache(contexts: list[int], kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list, list]:
+    """Random caches, and block tables giving each sequence shuffled blocks (-1 padded; a context 0 gets none);
+    the keys and values each sequence sees, gathered in Python for the reference."""
+    counts = [-(-c // block_size) for c in contexts]
+    num_blocks = sum(counts) + 2  # two blocks nobody owns
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+                        for _ in range(2))
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.full((len(contexts), max(counts) + 1), -1, dtype=torch.int32)
+    keys, values = [], []
+    for i, (ctx, count) in enumerate(zip(contexts, counts)):
+        blocks, order = order[:count], order[count:]
+        tables[i, :count] = torch.tensor(blocks, dtype=torch.int32)
+        keys.append(k_cache[blocks].flatten(0, 1)[:ctx])
+        values.append(v_cache[blocks].flatten(0, 1)[:ctx])
+    return k_cache, v_cache, tables, keys, values
+
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+# (query heads, KV heads, head dim, KV block size): GQA ratios 1 to 8, odd head counts, head dims that are not
+# powers of two, block sizes 16 (the default), 5 and 1. Each in fp32, and the other dtypes in turn.
+SHAPES = [(4, 4, 64, 16), (6, 2, 80, 16), (8, 1, 96, 5), (3, 1, 128, 16), (5, 5, 32, 1), (8, 2, 64, 16)]
+SHAPE_DTYPES = [(shape, dtype) for i, shape in enumerate(SHAPES)
+                for dtype in dict.fromkeys([torch.float32, DTYPES[1 + i % 2]])]
+
+
+@pytest.mark.parametrize("shape, dtype", SHAPE_DTYPES, ids=str)
+def test_prefill_kernel_over_the_paged_cache(shape, dtype):
+    """A mixed batch as the scheduler makes them: (context, new tokens) = a one-token prompt, a decode row just
+    past a block boundary, a chunk after a cached prefix, a fresh prompt of just over two blocks, a sequence
+    with no new token. A window shorter than the contexts, and one longer."""
+    heads, kv_heads, head_dim, block_size = shape
+    g = torch.Generator().manual_seed(heads * 1000 + head_dim + block_size)
+    contexts, q_lens = [1, 17, 40, 33, 16], [1, 1, 9, 33, 0]
+    k_cache, v_cache, tables, keys, values = paged_cache(contexts, kv_heads, head_dim, block_size, dtype, g)
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)
+    cu = _cu(q_lens)
+    scale = head_dim ** -0.5
+    for window, config in [(7, SMALL), (100, None)]:  # None: the tiles the backend picks
+        ours = prefill_attention(q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), cu,
+                                 _cu(contexts), max(q_lens), scale, window=window, config=config)
+        err = _error(ours, reference(q, keys, values, q_lens, scale, window=window))
+        assert err < TOLERANCE[dtype], f"window {window}: max error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal, window", [(True, None), (True, 5), (False, None), (False, 5)])
+def test_prefill_kernel_over_this_steps_kv(dtype, causal, window):
+    """No cached prefix: keys are this step's k, v, row-strided views into one fused qkv tensor (Qwen3's k is
+    normed into a tensor of its own, v stays a view: both layouts). Non-causal (the encoder pass) ignores
+    the window, as the PyTorch backend does."""
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, head_dim, lens = 6, 2, 48, [1, 19, 40]
+    qkv = torch.randn(sum(lens), (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], 1)
+    q, v = q.view(-1, heads, head_dim), v.view(-1, kv_heads, head_dim)
+    k = k.reshape(-1, kv_heads, head_dim).clone()
+    cu = _cu(lens)
+    ours = prefill_attention(q, k, v, torch.empty(3, 0, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                             cu, cu, max(lens), 0.3, causal, window, config=SMALL)
+    keys, values = k.split(lens), v.split(lens)
+    err = _error(ours, reference(q, keys, values, lens, 0.3, causal, window if causal else None))
+    assert err < TOLERANCE[dtype], f"max error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 64), (8, 1, 80), (3, 3, 96)], ids=str)
+def test_decode_kernel_split_kv(dtype, heads, kv_heads, head_dim):
+    """Contexts: 0 (a row padding a graph's batch: no block, output 0), 1, a full block, one past it, and
+    several tiles; 1 segment (no reduce), 2, 5; windows shorter and longer than the contexts.
+    The partial buffers start as NaN: every entry the reduce reads must have been written."""
+    g = torch.Generator().manual_seed(heads + head_dim)
+    contexts = [0, 1, 16, 17, 150]
+    k_cache, v_cache, tables, keys, values = paged_cache(contexts, kv_heads, head_dim, 16, dtype, g)
+    q = torch.randn(len(contexts), heads, head_dim, generator=g).to(dtype)
+    context_lens = torch.tensor(contexts, dtype=torch.int32)
+    for window, segments in [(None, 1), (10, 2), (200, 5)]:
+        partials = DecodePartials.allocate(len(contexts) * segments, heads, head_dim, q.device)
+        for t in (partials.acc, partials.max, partials.sum):
+            t.fill_(float("nan"))
+        ours = decode_attention(q, k_cache, v_cache, tables, context_lens, 0.2, window, segments, partials,
+                                config=SMALL)
+        assert torch.equal(ours[0], torch.zeros_like(ours[0]))
+        err = _error(ours, reference(q, keys, values, [1] * len(contexts), 0.2, window=window))
+        assert err < TOLERANCE[dtype], f"window {window}, {segments} segments: max error {err:.2e}"
+
+
+def test_decode_segments_really_split():
+    """The 150-token context over 5 segments of 32-key tiles fills all 5 partial rows; the 17-token one fits in
+    the first segment and leaves the others empty (max -inf, sum 0). The most segments give the same output."""
+    g = torch.Generator().manual_seed(0)
+    contexts = [17, 150]
+    k_cache, v_cache, tables, keys, values = paged_cache(contexts, 1, 32, 16, torch.float32, g)
+    q = torch.randn(2, 2, 32, generator=g)
+    ref = reference(q, keys, values, [1, 1], 0.2)
+    partials = DecodePartials.allocate(2 * triton_attention.MAX_SEGMENTS, 2, 32, torch.device("cpu"))
+    for segments in (5, triton_attention.MAX_SEGMENTS):
+        ours = decode_attention(q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), 0.2, None,
+                                segments, partials, config=TileConfig(16, 32, 4, 1))
+        assert _error(ours, ref) < TOLERANCE[torch.float32]
+        if segments == 5:
+            sums = partials.sum[:10, 0].view(2, 5).clone()
+            maxes = partials.max[:10, 0].view(2, 5).clone()
+    assert bool((sums[1] > 0).all()) and sums[0, 0] > 0
+    assert bool((sums[0, 1:] == 0).all()) and bool((maxes[0, 1:] == float("-inf")).all())
+
+
+def _seq(num_tokens: int, computed: int, table: list[int], block_size: int = 16) -> Sequence:
+    seq = Sequence(list(range(num_tokens)), SamplingParams(), block_size)
+    seq.num_computed_tokens, seq.block_table = computed, table
+    return seq
+
+
+BATCHES = {
+    # 40 tokens with 32 cached; a chunk (tokens 16..43 of 70) after a first one; a fresh 37-token prompt.
+    "prefix-and-chunk": ScheduledBatch([_seq(40, 32, [4, 1, 9]), _seq(70, 16, [0, 3, 5, 7, 8]),
+                                        _seq(37, 0, [2, 6, 10])], [8, 28, 37]),
+    "fresh": ScheduledBatch([_seq(5, 0, [1]), _seq(33, 0, [0, 3, 2])], [5, 33]),
+    "decode": ScheduledBatch([_seq(17, 16, [2, 5]), _seq(9, 8, [0]), _seq(60, 59, [1, 3, 4, 6])], [1, 1, 1]),
+    # Decode rows beside a prompt chunk: one step, one kernel.
+    "mixed": ScheduledBatch([_seq(17, 16, [2, 5]), _seq(30, 0, [0, 3]), _seq(60, 59, [1, 4, 6, 7])], [1, 30, 1]),
+}
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("kind", sorted(BATCHES))
+def test_backend_equals_pytorch_backend_on_the_same_metadata(kind, window):
+    """One metadata, built by ModelRunner.prepare, fed to the triton and the PyTorch backends: same caches
+    (the store kernel), same outputs."""
+    runner = object.__new__(ModelRunner)
+    runner.block_size, runner.num_state_slots = 16, 0
+    batch = BATCHES[kind]
+    _, _, meta, _ = runner.prepare(batch, batch.samples)
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, tokens = 6, 2, 32, meta.slot_mapping.numel()
+    q = torch.randn(tokens, heads, dim, generator=g)
+    k, v = torch.randn(2, tokens, kv_heads, dim, generator=g)
+    caches = torch.randn(2, 11, 16, kv_heads, dim, generator=g)  # stale contents stand in for earlier steps
+    outs = []
+    for name in ("triton", "cpu"):
+        backend = get_backend(name, torch.float32)
+        k_cache, v_cache = caches.clone()
+        backend.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        backend.prepare(meta)
+        outs.append((backend.forward(q, k, v, k_cache, v_cache, meta, dim ** -0.5, window), k_cache, v_cache))
+    (ours, tk, tv), (cpu, ck, cv) = outs
+    assert torch.equal(tk, ck) and torch.equal(tv, cv)
+    err = (ours - cpu).abs().max().item()
+    assert err < 1e-5, f"max |triton - cpu| = {err:.2e}"
+
+
+def test_backend_segment_policy_and_one_partial_buffer():
+    """Small batches split (up to MAX_SEGMENTS), large ones do not; one partial buffer per head shape serves
+    every batch size, so the addresses captured in CUDA graphs stay valid."""
+    backend = get_backend("triton", torch.float32)
+    target = backend.split_target
+    assert backend.num_segments(target, 1) == backend.num_segments(1, target) == 1
+    assert backend.num_segments(1, 1) == min(target, triton_attention.MAX_SEGMENTS)
+    for num_seqs in range(1, target + 1):
+        for kv_heads in (1, 2, 3, 8):
+            assert num_seqs * backend.num_segments(num_seqs, kv_heads) <= 2 * target
+    runner = object.__new__(ModelRunner)
+    runner.block_size, runner.num_state_slots = 16, 0
+    k_cache = v_cache = torch.randn(11, 16, 1, 32)
+    buffers = set()
+    for n in (1, 2, 3):
+        batch = ScheduledBatch([_seq(20 + i, 19 + i, [i, i + 1]) for i in range(n)], [1] * n)
+        _, _, meta, _ = runner.prepare(batch, batch.samples)
+        backend.forward(torch.randn(n, 4, 32), None, None, k_cache, v_cache, meta, 0.2)
+        buffers |= {p.acc.data_ptr() for p in backend.partials.values()}
+    assert len(buffers) == 1
+
+
+# ---- the whole engine against transformers ----
+
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def triton_llm(model_dir, **kwargs) -> LLM:
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", attention_backend="triton", max_num_seqs=8, **kwargs)
+    runner = llm.llm_engine.model_runner
+    assert type(runner.backend).__name__ == "TritonAttentionBackend" and runner.block_size == 16
+    return llm
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graph-runner", "eager"])
+def test_engine_matches_hf(graphs, qwen3_dir, captured_logits, report_logit_diff, monkeypatch):
+    """Prompts of lengths around block boundaries and a one-token one. Eager, the 3-row decode batches split
+    their contexts (3 x 2 KV heads < the interpreter's target of 8 programs); with the stand-in graphs they
+    run padded to 4 rows, the padding with context 0."""
+    prompts = random_prompts(2, 5, 440, 15, 33, seed=21) + [[17]]
+    llm = triton_llm(qwen3_dir, max_model_len=128)
+    runner = llm.llm_engine.model_runner
+    if graphs:
+        cuda_fakes.capture_eager_graphs(runner)
+    segments = []
+    policy = runner.backend.num_segments
+    monkeypatch.setattr(runner.backend, "num_segments", lambda *a: segments.append(policy(*a)) or segments[-1])
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    worst = check_against_hf(outputs, hf_greedy(qwen3_dir, prompts, MAX_TOKENS), captured_logits)
+    report_logit_diff(f"qwen3, triton backend ({'CUDA-graph runner' if graphs else 'eager'})", worst)
+    assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
+    assert set(segments) == ({1} if graphs else {2})
+
+
+def test_engine_prefix_hits_and_chunked_prefill_match_hf(qwen3_dir, captured_logits, report_logit_diff):
+    """Shared 40-token prefix (two full blocks cached), a 24-token budget: chunks that end mid-block, and steps
+    mixing prompt chunks with decode rows."""
+    shared = random_prompts(1, 5, 440, 40, 40, seed=3)[0]
+    prompts = [shared + tail for tail in random_prompts(3, 5, 440, 1, 20, seed=4)]
+    llm = triton_llm(qwen3_dir, max_model_len=128, max_num_batched_tokens=24)
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    second = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 32 for o in second)
+    refs = hf_greedy(qwen3_dir, prompts, MAX_TOKENS)
+    worst = max(check_against_hf(first, refs, captured_logits), check_against_hf(second, refs, captured_logits))
+    report_logit_diff("qwen3, triton backend, prefix hits + chunked prefill", worst)
+    assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
+
+
+def test_engine_sliding_window_matches_hf(model_dir, captured_logits, report_logit_diff):
+    """qwen3-swa: windowed (9) and full layers; contexts a few windows long, prefilled in 7-token chunks with
+    8-token blocks, then again with a cached prefix."""
+    d = model_dir("qwen3-swa")
+    shared = random_prompts(1, 5, 440, 24, 24, seed=8)[0]
+    prompts = [shared + tail for tail in random_prompts(2, 5, 440, 1, 12, seed=9)]
+    llm = LLM(str(d), device="cpu", dtype="float32", attention_backend="triton", max_num_seqs=4,
+              max_model_len=64, max_num_batched_tokens=7, kvcache_block_size=8)
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    second = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 16 for o in second)
+    refs = hf_greedy(d, prompts, MAX_TOKENS)
+    worst = max(check_against_hf(first, refs, captured_logits), check_against_hf(second, refs, captured_logits))
+    report_logit_diff("qwen3-swa, triton backend, sliding window", worst)
+    assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
+
+
+def test_encoder_pass_matches_hf(llama_dir, report_logit_diff):
+    """LLM.embed: non-causal, nothing cached (no slot mapping), keys are this step's k, v."""
+    prompts = random_prompts(3, 5, 440, 1, 40, seed=11)
+    llm = triton_llm(llama_dir, max_model_len=64)
+    outputs = llm.embed(prompts, pooling="last")
+    worst = max((torch.tensor(o.outputs.embedding) - hf_encoder_states(llama_dir, p)[-1]).abs().max().item()
+                for o, p in zip(outputs, prompts))
+    report_logit_diff("llama, triton backend, embeddings (max |diff|)", worst)
+    assert worst < 1e-4, f"max |embedding diff| {worst:.2e}"
