@@ -1,0 +1,94 @@
+"""The Triton attention backend on a real GPU (skipped without CUDA): against the PyTorch backend at Qwen3-0.6B's
+attention sizes, decode replayed from a CUDA graph, and the engine against transformers."""
+import pytest
+import torch
+
+from models import check_against_hf, hf_greedy, random_prompts
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.engine.scheduler import ScheduledBatch
+from nanoinfer.layers.attention import get_backend
+from test_cuda_path import _prepare, _seq
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16  # Qwen3-0.6B
+REL_TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
+
+
+def _table(first: int, tokens: int) -> list[int]:
+    return list(range(first, first + -(-tokens // BLOCK)))
+
+
+def _batch(kind: str) -> ScheduledBatch:
+    """(tokens, computed, new) per sequence; each gets its own run of blocks."""
+    shapes = {
+        "fresh": [(900, 0, 900), (1, 0, 1), (257, 0, 257), (100, 0, 100)],
+        "prefix-and-chunk": [(1200, 1024, 176), (2000, 512, 512), (33, 16, 17)],
+        "mixed": [(1500, 1499, 1), (700, 0, 700), (64, 63, 1), (300, 256, 44)],
+        "decode-small": [(3000, 2999, 1), (17, 16, 1)],  # split into segments
+        "decode-large": [(1024 + i, 1023 + i, 1) for i in range(256)],  # one segment, fills the GPU
+    }[kind]
+    seqs, first = [], 0
+    for tokens, computed, _ in shapes:
+        seqs.append(_seq(tokens, computed, _table(first, tokens), BLOCK))
+        first += len(seqs[-1].block_table)
+    return ScheduledBatch(seqs, [new for _, _, new in shapes])
+
+
+def _run(name: str, dtype: torch.dtype, meta, q, k, v, caches, window):
+    backend = get_backend(name, dtype, torch.device("cuda"))
+    k_cache, v_cache = (c.clone() for c in caches)
+    backend.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    backend.prepare(meta)
+    return backend.forward(q, k, v, k_cache, v_cache, meta, HEAD_DIM ** -0.5, window)
+
+
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("kind", ["fresh", "prefix-and-chunk", "mixed", "decode-small", "decode-large"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_backend_matches_pytorch_backend_at_real_sizes(dtype, kind, window):
+    batch = _batch(kind)
+    _, _, meta, _ = _prepare(batch, BLOCK)
+    meta = meta.to(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tokens, num_blocks = meta.slot_mapping.numel(), sum(len(s.block_table) for s in batch.seqs)
+    q = torch.randn(tokens, HEADS, HEAD_DIM, generator=g, device="cuda").to(dtype)
+    k, v = torch.randn(2, tokens, KV_HEADS, HEAD_DIM, generator=g, device="cuda").to(dtype)
+    caches = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g, device="cuda").to(dtype)
+    ours = _run("triton", dtype, meta, q, k, v, caches, window).float()
+    ref = _run("cpu", dtype, meta, q, k, v, caches, window).float()
+    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert rel < REL_TOLERANCE[dtype], f"relative error {rel:.2e}"
+
+
+def test_decode_replays_from_a_cuda_graph():
+    """Captured once with fixed buffers, replayed with other contexts and tables: equals an eager step."""
+    batch = _batch("decode-small")
+    _, _, meta, _ = _prepare(batch, BLOCK)
+    meta = meta.to(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(2, HEADS, HEAD_DIM, generator=g, device="cuda", dtype=torch.bfloat16)
+    k_cache, v_cache = torch.randn(2, 200, BLOCK, KV_HEADS, HEAD_DIM, generator=g, device="cuda").bfloat16()
+    backend = get_backend("triton", torch.bfloat16, torch.device("cuda"))
+    backend.forward(q, None, None, k_cache, v_cache, meta, 0.1)  # warm-up: compile, allocate the partials
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, None, None, k_cache, v_cache, meta, 0.1)
+    meta.context_lens.copy_(torch.tensor([1900, 30], dtype=torch.int32))  # the second has 2 blocks
+    tables = meta.block_tables
+    tables.copy_(torch.where(tables >= 0, 199 - tables, tables))  # other blocks of the 200
+    q.normal_(generator=g)
+    graph.replay()
+    eager = backend.forward(q, None, None, k_cache, v_cache, meta, 0.1)
+    assert torch.equal(out, eager)
+
+
+def test_engine_matches_hf_on_the_gpu(qwen3_dir, captured_logits):
+    """fp32 on the GPU, the triton backend with CUDA graphs, against transformers fp32 on the CPU."""
+    prompts = random_prompts(6, 5, 440, 2, 90, seed=7) + [[17]]
+    llm = LLM(str(qwen3_dir), device="cuda", dtype="float32", attention_backend="triton", max_model_len=256)
+    assert llm.llm_engine.model_runner.graph_runner is not None
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outputs = llm.generate(prompts, greedy, use_tqdm=False)
+    worst = check_against_hf(outputs, hf_greedy(qwen3_dir, prompts, 16), captured_logits)
+    assert worst < 1e-3, f"max |logit diff| {worst:.2e}"
