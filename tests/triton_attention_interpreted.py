@@ -13,6 +13,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 import cuda_fakes  # noqa: E402  (tests/cuda_fakes.py)
 from models import check_against_hf, hf_encoder_states, hf_greedy, random_prompts  # noqa: E402
+from triton_interpreted import backends_on_the_same_metadata  # noqa: E402  (tests/triton_interpreted.py)
 
 from nanoinfer import LLM, SamplingParams  # noqa: E402
 from nanoinfer.engine.model_runner import ModelRunner  # noqa: E402
@@ -190,23 +191,7 @@ BATCHES = {
 def test_backend_equals_pytorch_backend_on_the_same_metadata(kind, window):
     """One metadata, built by ModelRunner.prepare, fed to the triton and the PyTorch backends: same caches
     (the store kernel), same outputs."""
-    runner = object.__new__(ModelRunner)
-    runner.block_size, runner.num_state_slots = 16, 0
-    batch = BATCHES[kind]
-    _, _, meta, _ = runner.prepare(batch, batch.samples)
-    g = torch.Generator().manual_seed(3)
-    heads, kv_heads, dim, tokens = 6, 2, 32, meta.slot_mapping.numel()
-    q = torch.randn(tokens, heads, dim, generator=g)
-    k, v = torch.randn(2, tokens, kv_heads, dim, generator=g)
-    caches = torch.randn(2, 11, 16, kv_heads, dim, generator=g)  # stale contents stand in for earlier steps
-    outs = []
-    for name in ("triton", "cpu"):
-        backend = get_backend(name, torch.float32)
-        k_cache, v_cache = caches.clone()
-        backend.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-        backend.prepare(meta)
-        outs.append((backend.forward(q, k, v, k_cache, v_cache, meta, dim ** -0.5, window), k_cache, v_cache))
-    (ours, tk, tv), (cpu, ck, cv) = outs
+    (ours, tk, tv), (cpu, ck, cv) = backends_on_the_same_metadata(("triton", "cpu"), BATCHES[kind], 16, 11, window)
     assert torch.equal(tk, ck) and torch.equal(tv, cv)
     err = (ours - cpu).abs().max().item()
     assert err < 1e-5, f"max |triton - cpu| = {err:.2e}"
@@ -267,17 +252,23 @@ def test_engine_matches_hf(graphs, qwen3_dir, captured_logits, report_logit_diff
     assert set(segments) == ({1} if graphs else {2})
 
 
+def twice_against_hf(llm: LLM, model_dir, prompts: list[list[int]], cached: int, captured_logits) -> float:
+    """Generates the prompts twice (the second time from the prefix cache) and compares both with transformers:
+    the max |logit difference|."""
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    second = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens >= cached for o in second)
+    refs = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    return max(check_against_hf(first, refs, captured_logits), check_against_hf(second, refs, captured_logits))
+
+
 def test_engine_prefix_hits_and_chunked_prefill_match_hf(qwen3_dir, captured_logits, report_logit_diff):
     """Shared 40-token prefix (two full blocks cached), a 24-token budget: chunks that end mid-block, and steps
     mixing prompt chunks with decode rows."""
     shared = random_prompts(1, 5, 440, 40, 40, seed=3)[0]
     prompts = [shared + tail for tail in random_prompts(3, 5, 440, 1, 20, seed=4)]
     llm = triton_llm(qwen3_dir, max_model_len=128, max_num_batched_tokens=24)
-    first = llm.generate(prompts, GREEDY, use_tqdm=False)
-    second = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert all(o.num_cached_tokens >= 32 for o in second)
-    refs = hf_greedy(qwen3_dir, prompts, MAX_TOKENS)
-    worst = max(check_against_hf(first, refs, captured_logits), check_against_hf(second, refs, captured_logits))
+    worst = twice_against_hf(llm, qwen3_dir, prompts, 32, captured_logits)
     report_logit_diff("qwen3, triton backend, prefix hits + chunked prefill", worst)
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
@@ -290,11 +281,7 @@ def test_engine_sliding_window_matches_hf(model_dir, captured_logits, report_log
     prompts = [shared + tail for tail in random_prompts(2, 5, 440, 1, 12, seed=9)]
     llm = LLM(str(d), device="cpu", dtype="float32", attention_backend="triton", max_num_seqs=4,
               max_model_len=64, max_num_batched_tokens=7, kvcache_block_size=8)
-    first = llm.generate(prompts, GREEDY, use_tqdm=False)
-    second = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert all(o.num_cached_tokens >= 16 for o in second)
-    refs = hf_greedy(d, prompts, MAX_TOKENS)
-    worst = max(check_against_hf(first, refs, captured_logits), check_against_hf(second, refs, captured_logits))
+    worst = twice_against_hf(llm, d, prompts, 16, captured_logits)
     report_logit_diff("qwen3-swa, triton backend, sliding window", worst)
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 

@@ -157,6 +157,28 @@ def _seq(num_tokens: int, computed: int, table: list[int]) -> Sequence:
     return seq
 
 
+def backends_on_the_same_metadata(names: tuple[str, ...], batch: ScheduledBatch, block_size: int, num_blocks: int,
+                                  window: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """ModelRunner.prepare's metadata for `batch` fed to each backend on the same q, k, v (6 q / 2 KV heads, dim
+    32) and the same stale caches: (output, k_cache, v_cache) per backend, the caches after its store."""
+    runner = object.__new__(ModelRunner)
+    runner.block_size, runner.num_state_slots = block_size, 0
+    _, _, meta, _ = runner.prepare(batch, batch.samples)
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, tokens = 6, 2, 32, meta.slot_mapping.numel()
+    q = torch.randn(tokens, heads, dim, generator=g)
+    k, v = torch.randn(2, tokens, kv_heads, dim, generator=g)
+    caches = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g)  # stand-ins for earlier steps
+    outs = []
+    for name in names:
+        backend = get_backend(name, torch.float32)
+        k_cache, v_cache = caches.clone()
+        backend.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        backend.prepare(meta)
+        outs.append((backend.forward(q, k, v, k_cache, v_cache, meta, dim ** -0.5, window), k_cache, v_cache))
+    return outs
+
+
 @pytest.mark.parametrize("kind", ["prefix-and-chunk", "fresh", "decode"])
 def test_flash_backend_equals_cpu_backend_on_the_same_metadata(kind, flash_on_cpu):
     """One metadata, built by ModelRunner.prepare, fed to both backends: same caches, same outputs."""
@@ -167,25 +189,9 @@ def test_flash_backend_equals_cpu_backend_on_the_same_metadata(kind, flash_on_cp
         "fresh": ScheduledBatch([_seq(5, 0, [1]), _seq(260, 0, [0, 3])], [5, 260]),
         "decode": ScheduledBatch([_seq(257, 256, [2, 5]), _seq(9, 8, [0]), _seq(600, 599, [1, 3, 4])], [1, 1, 1]),
     }
-    runner = object.__new__(ModelRunner)
-    runner.block_size, runner.num_state_slots = 256, 0
-    batch = batches[kind]
-    _, _, meta, _ = runner.prepare(batch, batch.samples)
-    g = torch.Generator().manual_seed(3)
-    heads, kv_heads, dim, tokens = 6, 2, 32, meta.slot_mapping.numel()
-    q = torch.randn(tokens, heads, dim, generator=g)
-    k, v = torch.randn(2, tokens, kv_heads, dim, generator=g)
-    caches = torch.randn(2, 6, 256, kv_heads, dim, generator=g)  # stale contents stand in for earlier steps
-    outs = []
-    for name in ("flash", "cpu"):
-        backend = get_backend(name, torch.float32)
-        k_cache, v_cache = caches.clone()
-        backend.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-        backend.prepare(meta)
-        outs.append((backend.forward(q, k, v, k_cache, v_cache, meta, dim ** -0.5), k_cache, v_cache))
-    (flash, fk, fv), (cpu, ck, cv) = outs
+    (flash, fk, fv), (cpu, ck, cv) = backends_on_the_same_metadata(("flash", "cpu"), batches[kind], 256, 6)
     assert torch.equal(fk, ck) and torch.equal(fv, cv)
-    assert flash.shape == cpu.shape == (tokens, heads * dim)
+    assert flash.shape == cpu.shape and flash.shape[1] == 6 * 32
     err = (flash - cpu).abs().max().item()
     assert err < 1e-5, f"max |flash - cpu| = {err:.2e}"
     expected = {"prefix-and-chunk": ("varlen", True), "fresh": ("varlen", False), "decode": ("kvcache", True)}[kind]
