@@ -5,7 +5,8 @@ Defaults are Qwen3-0.6B's attention (16 query / 8 KV heads, head_dim 128, bf16, 
 batch 256 with 1,024-token contexts (K/V bytes read / time, against a device-to-device copy's bytes read +
 written / time), and a split-KV decode of a few long contexts; prefill of 32 prompts of U[100, 1024] tokens,
 over this step's K/V and over the paged cache, against torch.nn.attention.varlen.varlen_attn (or aten's
-_flash_attention_forward on torch versions without it). --sweep also times other decode tile shapes.
+_flash_attention_forward on torch versions without it). --sweep also times other decode tile shapes and
+segment counts.
 
     PYTHONPATH=. python benchmarks/attention.py [--batch 256] [--context 1024] [--sweep]
     TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/attention.py --small   # the script's logic on a CPU
@@ -38,7 +39,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    p.add_argument("--sweep", action="store_true", help="also time 27 decode tile shapes, print the fastest 5")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time 29 decode tile shapes / segment counts, print the fastest 5")
     p.add_argument("--small", action="store_true",
                    help="tiny shapes on the CPU (run with TRITON_INTERPRET=1): checks the script, not the speed")
     args = p.parse_args()
@@ -181,22 +183,26 @@ def prefill_rows(args, time_fn, backend, dtype, device, g) -> list[tuple[str, fl
 
 
 def sweep_rows(args, time_fn, dtype, device, g, copy_bw) -> list[tuple[str, float, str, str]]:
-    from nanoinfer.kernels.triton_attention import TileConfig, decode_attention
+    """The batch-256 decode with other tile shapes and segment counts than the backend picks: the fastest five."""
+    from nanoinfer.kernels.triton_attention import DecodePartials, TileConfig, decode_attention, decode_config
     contexts = [args.context] * args.batch
     k_cache, v_cache, tables = paged(contexts, args.kv_heads, args.head_dim, dtype, device, g)
     q = torch.randn(args.batch, args.heads, args.head_dim, generator=g).to(dtype).to(device)
     lens = torch.tensor(contexts, dtype=torch.int32, device=device)
-    block_m = max(16, 1 << (args.heads // args.kv_heads - 1).bit_length())
+    default = decode_config(args.heads // args.kv_heads, args.head_dim, dtype.itemsize)
+    partials = DecodePartials.allocate(args.batch * 4, args.heads, args.head_dim, device)
+    shapes = [(TileConfig(default.block_m, block_n, warps, stages), 1)
+              for block_n in (32, 64, 128) for warps in (2, 4, 8) for stages in (2, 3, 4)]
+    shapes += [(default, 2), (default, 4)]
     rows = []
-    for block_n in (32, 64, 128):
-        for warps in (2, 4, 8):
-            for stages in (2, 3, 4):
-                config = TileConfig(block_m, block_n, warps, stages)
-                seconds = time_fn(lambda: decode_attention(q, k_cache, v_cache, tables, lens, 0.1, config=config))
-                bandwidth = kv_bytes(contexts, args.kv_heads, args.head_dim, dtype.itemsize) / seconds
-                rows.append((f"  decode tiles: {block_n} keys, {warps} warps, {stages} stages", seconds,
-                             f"{bandwidth / 1e9:,.1f} GB/s", f"{bandwidth / copy_bw:.0%} of copy"))
-    return sorted(rows, key=lambda r: r[1])[:5]  # the fastest five
+    for config, segments in shapes:
+        seconds = time_fn(lambda: decode_attention(q, k_cache, v_cache, tables, lens, 0.1, None, segments, partials,
+                                                   config))
+        bandwidth = kv_bytes(contexts, args.kv_heads, args.head_dim, dtype.itemsize) / seconds
+        rows.append((f"  decode: {config.block_n}-key tiles, {config.num_warps} warps, {config.num_stages} stages, "
+                     f"{segments} segment(s)", seconds, f"{bandwidth / 1e9:,.1f} GB/s",
+                     f"{bandwidth / copy_bw:.0%} of copy"))
+    return sorted(rows, key=lambda r: r[1])[:5]
 
 
 def main() -> None:

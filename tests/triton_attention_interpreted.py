@@ -229,6 +229,7 @@ def triton_llm(model_dir, **kwargs) -> LLM:
     llm = LLM(str(model_dir), device="cpu", dtype="float32", attention_backend="triton", max_num_seqs=8, **kwargs)
     runner = llm.llm_engine.model_runner
     assert type(runner.backend).__name__ == "TritonAttentionBackend" and runner.block_size == 16
+    assert runner.graph_runner is None  # a CPU device: no CUDA graphs
     return llm
 
 

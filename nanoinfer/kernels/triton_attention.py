@@ -1,5 +1,6 @@
-"""Triton kernels for paged attention (CUDA; importing this module needs triton): a varlen prefill kernel over
-this step's K/V or the paged cache, and a split-KV decode kernel with the reduce that merges its segments.
+"""Triton kernels for paged attention (CUDA; importing this module needs triton): one attention kernel for varlen
+prefill (over this step's K/V or the paged cache), mixed batches and split-KV decode, and the reduce kernel that
+merges a split decode's segments.
 
 Every program handles one KV head and all the query heads of its group (GQA): its tile rows are (query token,
 head in group) pairs, so each K/V tile is loaded once per group. K/V tiles are gathered key by key through the
