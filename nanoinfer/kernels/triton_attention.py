@@ -164,6 +164,10 @@ class DecodePartials:
                    torch.empty(capacity, num_heads, **f32))
 
 
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every tile side >= 16
+
+
 @dataclass(frozen=True)
 class TileConfig:
     block_m: int  # tile rows: (query token, head in group) pairs
@@ -178,7 +182,9 @@ def prefill_config(group: int, head_dim: int, itemsize: int, max_seqlen_q: int) 
     wide = head_dim <= 128 and itemsize == 2
     block_m = min(128 if wide else 64, max(16, triton.next_power_of_2(max_seqlen_q * group)))
     block_m = max(block_m, triton.next_power_of_2(group))
-    return TileConfig(block_m, 64 if wide else 32, 8 if block_m >= 128 else 4, 3 if wide else 2)
+    # 8 warps from a 128 x 128 fp32 accumulator up: with 4, ptxas spills registers (seen for head_dim 256).
+    warps = 8 if block_m * _block_d(head_dim) >= 128 * 128 else 4
+    return TileConfig(block_m, 64 if wide else 32, warps, 3 if wide else 2)
 
 
 def decode_config(group: int, head_dim: int, itemsize: int) -> TileConfig:
@@ -233,7 +239,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: 
     else:
         bufs = (out, out, out)  # not read
     group = num_heads // num_kv_heads
-    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every tile side >= 16
+    block_d = _block_d(head_dim)
     cu_q = context_lens if cu_seqlens_q is None else cu_seqlens_q  # not read in a decode step
     cu_k = context_lens if cu_seqlens_k is None else cu_seqlens_k
     _attention_kernel[(num_tiles, num_kv_heads, num_segments)](
@@ -243,10 +249,11 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: 
         BLOCK_M=config.block_m, BLOCK_Q=config.block_m // group, BLOCK_N=config.block_n,
         KV_BLOCK_SIZE=k.shape[1] if paged else 1, DECODE=decode, PAGED=paged, CAUSAL=causal,
         HAS_WINDOW=window is not None, SPLIT=split, num_warps=config.num_warps, num_stages=config.num_stages,
-        # fp32 dots in full precision (Triton's default on CUDA is TF32); CPU tensors get here only in the
+        # fp32 dots as three TF32 products (fp32-accurate; Triton's default, one TF32 product, is not; "ieee"
+        # compiles to FMA loops that spill kilobytes of registers on sm_90). CPU tensors get here only in the
         # interpreter, whose bf16 needs the upcast.
         UPCAST=q.dtype == torch.bfloat16 and q.device.type == "cpu",
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32")
     if split:
         _reduce_kernel[(num_tokens, num_heads)](out, *bufs, num_segments, num_heads, HEAD_DIM=head_dim,
                                                 BLOCK_D=block_d, BLOCK_S=MAX_SEGMENTS, num_warps=4)

@@ -1,0 +1,90 @@
+"""The attention kernels compiled ahead of time for an H100 (sm_90) by Triton's own compiler and ptxas, which
+need no GPU: what the interpreter cannot show — that every variant compiles, that the K/V loads are pipelined
+(cp.async) and that the 16-bit kernels keep to registers (no spills)."""
+import importlib.util
+import os
+import subprocess
+import tempfile
+
+import pytest
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("compiles real kernels: run without TRITON_INTERPRET", allow_module_level=True)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from nanoinfer.kernels import triton_attention as ta  # noqa: E402
+
+H100 = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+POINTERS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "part_acc_ptr", "part_max_ptr", "part_sum_ptr", "block_tables_ptr",
+            "context_lens_ptr", "cu_seqlens_q_ptr", "cu_seqlens_k_ptr")
+STRIDES = ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh")
+
+
+def compile_attention(dtype: str, group: int, head_dim: int, config: ta.TileConfig, **flags: bool):
+    """The kernel as a launch would specialize it: 16-byte aligned pointers, strides divisible by 16."""
+    fn = ta._attention_kernel
+    split = flags["SPLIT"]
+    types = {name: "*i32" for name in POINTERS[7:]}
+    types.update({name: f"*{dtype}" for name in POINTERS[:4]})
+    types.update({name: "*fp32" if split else f"*{dtype}" for name in POINTERS[4:7]})
+    types.update({name: "i32" for name in ("window", "num_seqs", "num_heads", "num_segments", "stride_bt")})
+    types.update({name: "i32" for name in STRIDES}, qk_scale="fp32")
+    constants = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=ta._block_d(head_dim),
+                     BLOCK_M=config.block_m, BLOCK_Q=config.block_m // group, BLOCK_N=config.block_n,
+                     KV_BLOCK_SIZE=16, UPCAST=False, PRECISION="tf32x3" if dtype == "fp32" else "tf32", **flags)
+    types.update({name: "constexpr" for name in constants})
+    aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in (*POINTERS, *STRIDES)}
+    source = ASTSource(fn, {name: types[name] for name in fn.arg_names}, constexprs=constants, attrs=aligned)
+    return triton.compile(source, target=H100, options=dict(num_warps=config.num_warps,
+                                                            num_stages=config.num_stages))
+
+
+def stack_bytes(cubin: bytes) -> int:
+    """Per-thread stack of the compiled kernel: register spills land there."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               timeout=60, check=True).stdout
+    return int(usage.split("STACK:")[1].split()[0])
+
+
+DECODE = dict(DECODE=True, PAGED=True, CAUSAL=True)
+CASES = [  # (dtype, group, head_dim, config, flags): Qwen3-0.6B's shapes first, then odd ones
+    ("bf16", 2, 128, ta.decode_config(2, 128, 2), dict(DECODE, HAS_WINDOW=False, SPLIT=False)),
+    ("bf16", 2, 128, ta.decode_config(2, 128, 2), dict(DECODE, HAS_WINDOW=True, SPLIT=True)),
+    ("bf16", 2, 128, ta.prefill_config(2, 128, 2, 1024),
+     dict(DECODE=False, PAGED=False, CAUSAL=True, HAS_WINDOW=False, SPLIT=False)),
+    ("bf16", 2, 128, ta.prefill_config(2, 128, 2, 1024),
+     dict(DECODE=False, PAGED=True, CAUSAL=True, HAS_WINDOW=True, SPLIT=False)),
+    ("fp16", 3, 80, ta.prefill_config(3, 80, 2, 7),
+     dict(DECODE=False, PAGED=True, CAUSAL=True, HAS_WINDOW=False, SPLIT=False)),
+    ("bf16", 1, 256, ta.prefill_config(1, 256, 2, 1024),
+     dict(DECODE=False, PAGED=False, CAUSAL=False, HAS_WINDOW=False, SPLIT=False)),
+    ("fp32", 2, 128, ta.decode_config(2, 128, 4), dict(DECODE, HAS_WINDOW=False, SPLIT=True)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype, group, head_dim, config, flags", CASES,
+                         ids=[f"{c[0]}-group{c[1]}-d{c[2]}-{'decode' if c[4]['DECODE'] else 'prefill'}" for c in CASES])
+def test_attention_kernel_compiles_for_sm90(dtype, group, head_dim, config, flags):
+    kernel = compile_attention(dtype, group, head_dim, config, **flags)
+    assert "cp.async" in kernel.asm["ptx"]  # K/V tiles are loaded asynchronously, num_stages deep
+    if dtype != "fp32":  # fp32 (tf32x3) is there for exactness, not speed
+        assert stack_bytes(kernel.asm["cubin"]) == 0
+
+
+@pytest.mark.slow
+def test_reduce_kernel_compiles_for_sm90():
+    source = ASTSource(ta._reduce_kernel, dict(out_ptr="*bf16", part_acc_ptr="*fp32", part_max_ptr="*fp32",
+                                                 part_sum_ptr="*fp32", num_segments="i32", num_heads="i32",
+                                                 HEAD_DIM="constexpr", BLOCK_D="constexpr", BLOCK_S="constexpr"),
+                       constexprs=dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_S=ta.MAX_SEGMENTS))
+    assert "ld.global" in triton.compile(source, target=H100, options=dict(num_warps=4)).asm["ptx"]
