@@ -217,6 +217,7 @@ class LLMEngine:
 
     def close(self) -> None:
         self.tp.close()
+        self.model_runner.close()
 
     def _check_stop(self, seq: Sequence) -> None:
         """vLLM's order: nothing stops before min_tokens; then EOS, stop token, stop string, length."""

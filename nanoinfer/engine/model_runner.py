@@ -1,11 +1,13 @@
 """Builds a step's model inputs from scheduled sequences, runs the model over the paged KV cache, samples.
 With tensor parallelism there is one per rank: rank 0's builds the inputs and samples, the others serve its steps."""
+import logging
 import math
 import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
 from nanoinfer.config import Config
 from nanoinfer.engine.cuda_graph import CUDAGraphRunner
@@ -23,6 +25,8 @@ from nanoinfer.utils.dist import tp_scope
 from nanoinfer.utils.gguf_loader import iter_gguf_weights
 from nanoinfer.utils.loader import iter_safetensors, load_weights
 from nanoinfer.utils.memory import keep_freed_memory
+
+logger = logging.getLogger(__name__)
 
 # Without num_kvcache_blocks, the cache holds max_num_seqs full-length sequences, within 4 GiB (the default
 # of vLLM's CPU backend) and 30% of available memory: it is zero-filled, so every byte is really committed.
@@ -46,17 +50,21 @@ class ModelRunner:
         self.config = config
         self.tp = tp or TPGroup()
         self.block_size = config.kvcache_block_size
-        keep_freed_memory()
         with tp_scope(self.tp.rank, self.tp.size, self.tp.group):
             # Resolved in this process: a bare "cuda" is each tensor-parallel rank's own GPU.
             self.device = resolve_device(config.device)
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            self.model = self._load_model(config).to(self.device)
+            else:
+                keep_freed_memory()  # a CPU-path tuning: on CUDA it would only hold on to freed host memory
+            self.model: nn.Module | None = self._load_model(config, self.device)
         for module in self.model.modules():
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading(min(config.max_num_seqs, 256))
+        # Before the caches: on CUDA the warm-up that sizes them runs the attention layers.
         self.backend = get_backend(config.attention_backend, config.torch_dtype, self.device)
+        for a in self._attention_layers():
+            a.backend = self.backend
         self.graph_runner: CUDAGraphRunner | None = None
         self.num_state_slots, state_bytes = self._allocate_state_cache()
         self.num_kvcache_blocks = self._allocate_kv_cache(state_bytes)
@@ -65,12 +73,15 @@ class ModelRunner:
         self.generator = torch.Generator().manual_seed(config.seed)
 
     @staticmethod
-    def _load_model(config: Config) -> torch.nn.Module:
+    def _load_model(config: Config, device: torch.device) -> nn.Module:
+        """The model built where it runs, in its dtype (no host copy of the weights on CUDA), then filled from the
+        checkpoint one tensor, or one tensor-parallel slice of it, at a time."""
         cls = get_model_class(config.hf_config.architectures)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.torch_dtype)
         try:
-            model = cls(config.hf_config)
+            with device:
+                model = cls(config.hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
         if config.gguf_path is not None:
@@ -80,8 +91,30 @@ class ModelRunner:
         load_weights(model, weights)
         return model.eval()
 
+    def close(self) -> None:
+        """Give back the memory of the model, its caches and graphs (on CUDA, to the device): they are dropped
+        here, so nothing waits for the engine itself to be garbage-collected."""
+        if self.model is None:
+            return
+        for module in self.model.modules():
+            if isinstance(module, Attention):
+                module.k_cache = module.v_cache = torch.empty(0)
+                module.backend = None
+            elif isinstance(module, GatedDeltaRule):
+                module.conv_state = module.ssm_state = torch.empty(0)
+        self.model = self.backend = self.graph_runner = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def _available_memory(self) -> int:
+        """Memory this rank's caches may take from: its GPU's free memory, or its share of the host's (ranks on
+        one host share it). Every rank gets the same cache: the tightest one decides."""
+        if self.device.type == "cuda":
+            return self.tp.all_min(torch.cuda.mem_get_info(self.device)[0])
+        return self.tp.all_min(available_host_memory() // self.tp.local_size)
 
     def _allocate_state_cache(self) -> tuple[int, int]:
         """Recurrent-state slots of the linear-attention layers, one per running sequence (max_num_seqs, or fewer
@@ -93,8 +126,7 @@ class ModelRunner:
         ssm_dtype = torch.promote_types(dtype, torch.float32)  # the delta rule runs in fp32 at least
         slot_bytes = sum(math.prod(a.conv_state_shape) * dtype.itemsize
                          + math.prod(a.ssm_state_shape) * ssm_dtype.itemsize for a in layers)
-        available = self.tp.all_min(_available_memory() // self.tp.local_size)  # every rank gets the same slots
-        budget = min(KV_CACHE_MAX_BYTES, available * KV_CACHE_MEMORY_FRACTION) // 2
+        budget = min(KV_CACHE_MAX_BYTES, self._available_memory() * KV_CACHE_MEMORY_FRACTION) // 2
         num_slots = min(self.config.max_num_seqs, int(budget // slot_bytes))
         if num_slots < 1:
             raise ValueError(f"not enough memory for the recurrent state of one sequence ({slot_bytes} bytes)")
@@ -104,13 +136,13 @@ class ModelRunner:
         return num_slots, num_slots * slot_bytes
 
     def _allocate_kv_cache(self, reserved_bytes: int = 0) -> int:
-        """KV blocks of the attention layers, within the cache budget minus reserved_bytes (the recurrent state)."""
+        """KV blocks of the attention layers: num_kvcache_blocks if given; else on CUDA what gpu_memory_utilization
+        leaves after the weights and the warm-up's activations, on the CPU the cache budget minus reserved_bytes
+        (the recurrent state)."""
         layers = self._attention_layers()
         itemsize = self.config.torch_dtype.itemsize
         block_bytes = sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in layers)
         num_blocks = self.config.num_kvcache_blocks
-        # Every rank must get the same number of blocks: the tightest one decides. Ranks on one host share its memory.
-        available = None if self.device.type == "cuda" else self.tp.all_min(_available_memory() // self.tp.local_size)
         if self.device.type == "cuda":
             if num_blocks is None:
                 num_blocks = self.tp.all_min(profile_kv_cache_blocks(
@@ -119,34 +151,50 @@ class ModelRunner:
                 raise ValueError(f"GPU memory left for the KV cache holds {num_blocks} blocks of {self.block_size} "
                                  f"tokens, less than max_model_len={self.config.max_model_len}; raise "
                                  f"gpu_memory_utilization or lower max_model_len")
-        elif num_blocks is not None and num_blocks * block_bytes > available:
-            raise ValueError(f"num_kvcache_blocks={num_blocks} needs {num_blocks * block_bytes / 2**30:.1f} GiB, more "
-                             f"than the {available / 2**30:.1f} GiB available")
-        elif num_blocks is None:
-            wanted = -(-self.config.max_num_seqs * self.config.max_model_len // self.block_size)
-            budget = min(KV_CACHE_MAX_BYTES, available * KV_CACHE_MEMORY_FRACTION) - reserved_bytes
-            affordable = int(budget) // block_bytes
-            num_blocks = min(wanted, affordable)
-            if num_blocks * self.block_size < self.config.max_model_len:
-                raise ValueError(f"not enough memory for a KV cache holding max_model_len={self.config.max_model_len}"
-                                 f" tokens ({affordable} blocks affordable); lower max_model_len")
+        else:
+            num_blocks = self._cpu_kv_cache_blocks(num_blocks, block_bytes, reserved_bytes)
         for a in layers:
             shape = (num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
             # Zeros, not empty: never-written slots are masked, but NaN garbage would leak through the softmax.
             a.k_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
             a.v_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
-            a.backend = self.backend
+        if self.tp.rank == 0:
+            logger.info("KV cache: %d blocks of %d tokens (%d tokens), %.2f GiB%s", num_blocks, self.block_size,
+                        num_blocks * self.block_size, num_blocks * block_bytes / 2**30,
+                        f" per rank x {self.tp.size}" if self.tp.size > 1 else "")
+        return num_blocks
+
+    def _cpu_kv_cache_blocks(self, num_blocks: int | None, block_bytes: int, reserved_bytes: int) -> int:
+        available = self._available_memory()
+        if num_blocks is not None:
+            if num_blocks * block_bytes > available:
+                raise ValueError(f"num_kvcache_blocks={num_blocks} needs {num_blocks * block_bytes / 2**30:.1f} GiB, "
+                                 f"more than the {available / 2**30:.1f} GiB available")
+            return num_blocks
+        wanted = -(-self.config.max_num_seqs * self.config.max_model_len // self.block_size)
+        budget = min(KV_CACHE_MAX_BYTES, available * KV_CACHE_MEMORY_FRACTION) - reserved_bytes
+        affordable = int(budget) // block_bytes
+        num_blocks = min(wanted, affordable)
+        if num_blocks * self.block_size < self.config.max_model_len:
+            raise ValueError(f"not enough memory for a KV cache holding max_model_len={self.config.max_model_len}"
+                             f" tokens ({affordable} blocks affordable); lower max_model_len")
         return num_blocks
 
     def _warm_up(self) -> None:
-        """A prefill of the largest step the scheduler can make, before the cache exists (nothing is stored)."""
-        length = min(self.config.max_model_len, self.config.max_num_batched_tokens)
-        count = max(1, min(self.config.max_num_seqs, self.config.max_num_batched_tokens // length))
-        seqs = [Sequence([0] * length, SamplingParams(temperature=0), self.block_size) for _ in range(count)]
+        """The largest step the scheduler can make, before the cache exists (nothing is stored): its most tokens,
+        longest sequence and most sequences (see warm_up_lengths), with the logits of every row, as if all of them
+        were sampled or owed prompt logprobs, and their log-softmax and ranks (what logprobs compute from them)."""
+        c = self.config
+        lengths = warm_up_lengths(c.max_num_batched_tokens, c.max_num_seqs, c.max_model_len)
+        seqs = [Sequence([0] * n, SamplingParams(temperature=0), self.block_size) for n in lengths]
         for seq in seqs:
             seq.block_table = [0] * seq.num_blocks
-        batch = ScheduledBatch(seqs, [length] * count)
-        self.execute(*self.prepare(batch, batch.samples))  # every rank warms up alike: nothing to broadcast
+        batch = ScheduledBatch(seqs, lengths)
+        input_ids, positions, meta, _ = self.prepare(batch, batch.samples)
+        # Every rank warms up alike (nothing to broadcast); the logits are gathered on rank 0.
+        logits = self.execute(input_ids, positions, meta, list(range(sum(lengths))))
+        if logits is not None:
+            top_logprobs(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device), 1)
 
     def _capture_graphs(self) -> CUDAGraphRunner | None:
         """Decode graphs for the flash backend (whose decode reads only fixed-address tensors) unless enforce_eager;
@@ -328,7 +376,20 @@ def _penalties(seqs: list[Sequence], rows: list[int], vocab: int) -> Penalties:
     )
 
 
-def _available_memory() -> int:
+def warm_up_lengths(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
+    """Prompt lengths of the step that needs the most activation memory: as many tokens as the budget allows, as
+    many sequences (sampled rows) as allowed, the first as long as the others leave room for (attention's largest
+    temporaries); at least 2 tokens in the first whenever the budget allows, so that the step is a prefill."""
+    num_seqs = min(max_num_seqs, max(1, max_num_batched_tokens - 1))
+    total = min(max_num_batched_tokens, num_seqs * max_model_len)
+    first = min(max_model_len, total - (num_seqs - 1))
+    if num_seqs == 1:
+        return [first]
+    per_seq, extra = divmod(total - first, num_seqs - 1)
+    return [first] + [per_seq + 1] * extra + [per_seq] * (num_seqs - 1 - extra)
+
+
+def available_host_memory() -> int:
     try:
         with open("/proc/meminfo") as f:
             info = dict(line.split(":", 1) for line in f)

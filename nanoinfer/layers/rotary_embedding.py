@@ -37,6 +37,8 @@ def inv_frequencies(config: PretrainedConfig, rotary_dim: int) -> tuple[torch.Te
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, scaling: float = 1.0):
         super().__init__()
+        # transformers' rope functions return CPU tensors; the table is built where the model is (its default device).
+        inv_freq = inv_freq.to(torch.get_default_device())
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         # Non-persistent: derived from the config, never in a checkpoint.
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
