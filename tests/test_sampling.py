@@ -167,7 +167,7 @@ MAX_LEN = 96
 
 @pytest.fixture(scope="module")
 def llm(qwen3_dir):
-    return LLM(str(qwen3_dir), max_model_len=MAX_LEN, seed=0, kvcache_block_size=8)
+    return LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=MAX_LEN, seed=0, kvcache_block_size=8)
 
 
 def tokens_of(llm, prompts, params):
@@ -204,7 +204,8 @@ def test_unseeded_requests_reproducible_across_fresh_engines_with_the_same_seed(
     params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
 
     def run(seed):
-        return tokens_of(LLM(str(qwen3_dir), max_model_len=MAX_LEN, seed=seed), prompts, params)
+        return tokens_of(LLM(str(qwen3_dir), device="cpu", dtype="float32",
+                             max_model_len=MAX_LEN, seed=seed), prompts, params)
 
     a, b, c = run(7), run(7), run(8)
     assert a == b

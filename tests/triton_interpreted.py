@@ -128,7 +128,8 @@ def test_flash_backend_matches_hf(enforce_eager, qwen3_dir, flash_on_cpu, captur
     prompts = ([shared + tail for tail in random_prompts(3, 5, 440, 1, 40, seed=12)]
                + random_prompts(2, 5, 440, 2, 90, seed=13) + [[17]])
     # A 400-token budget chunks the long prompts: later chunks attend to pages stored by earlier steps.
-    llm = LLM(str(qwen3_dir), attention_backend="flash", max_model_len=512, max_num_seqs=8,
+    llm = LLM(str(qwen3_dir), device="cpu", dtype="float32",
+              attention_backend="flash", max_model_len=512, max_num_seqs=8,
               max_num_batched_tokens=400, enforce_eager=enforce_eager)
     assert llm.llm_engine.config.kvcache_block_size == 256
     runner = llm.llm_engine.model_runner
