@@ -104,6 +104,8 @@ class ModelRunner:
                 module.conv_state = module.ssm_state = torch.empty(0)
         self.model = self.backend = self.graph_runner = None
         if self.device.type == "cuda":
+            # cuBLAS keeps a workspace per stream it ran on (the graphs' capture stream too) for the process's life.
+            getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
             torch.cuda.empty_cache()
 
     def _attention_layers(self) -> list[Attention]:
