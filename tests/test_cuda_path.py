@@ -2,6 +2,7 @@
 flash-attn's limits, the metadata every backend receives, CUDA-graph bookkeeping, GPU KV-cache sizing."""
 import gc
 import json
+import logging
 import subprocess
 import sys
 import textwrap
@@ -374,9 +375,10 @@ def test_warm_up_lengths(budget, max_num_seqs, max_model_len, expected):
     assert sum(lengths) == min(budget, max_num_seqs * max_model_len) and max(lengths) <= max_model_len
 
 
-def test_warm_up_runs_with_the_backend_and_every_logits_row(qwen3_dir, monkeypatch):
+def test_warm_up_runs_with_the_backend_and_every_logits_row(qwen3_dir, monkeypatch, caplog):
     """On CUDA the warm-up runs where _allocate_kv_cache starts (run here the same way, on the CPU): the attention
-    layers already have their backend then, and it computes the logits of every row of the largest step."""
+    layers already have their backend then, and it computes the logits of every row of the largest step. Start-up
+    logs the cache's size in one line."""
     steps = []
     execute, allocate = ModelRunner.execute, ModelRunner._allocate_kv_cache
 
@@ -391,8 +393,13 @@ def test_warm_up_runs_with_the_backend_and_every_logits_row(qwen3_dir, monkeypat
 
     monkeypatch.setattr(ModelRunner, "execute", recording_execute)
     monkeypatch.setattr(ModelRunner, "_allocate_kv_cache", warm_up_first)
-    llm = LLM(str(qwen3_dir), device="cpu", max_model_len=64, max_num_seqs=5, max_num_batched_tokens=100)
+    with caplog.at_level(logging.INFO, logger="nanoinfer.engine.model_runner"):
+        llm = LLM(str(qwen3_dir), device="cpu", max_model_len=64, max_num_seqs=5, max_num_batched_tokens=100)
     assert steps == [([64, 9, 9, 9, 9], 100, (100, 512))]
+    blocks = llm.llm_engine.model_runner.num_kvcache_blocks
+    block_bytes = 3 * 2 * 16 * 2 * 32 * 4  # layers x (K, V) x tokens x KV heads x head_dim x fp32
+    assert [r.getMessage() for r in caplog.records] == [
+        f"KV cache: {blocks} blocks of 16 tokens ({blocks * 16} tokens), {blocks * block_bytes / 2**30:.2f} GiB"]
     llm.close()
 
 
