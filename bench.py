@@ -335,18 +335,23 @@ def weight_bytes(net: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*net.parameters(), *packed])
 
 
-def profile_decode_gpu(llm: LLM, prompts: list[list[int]], batch: int, bandwidth: float, warm_steps: int = 8,
-                       steps: int = 16) -> dict:
+def profile_decode_gpu(llm: LLM, prompts: list[list[int]], batch: int, bandwidth: float, time_limit: float,
+                       warm_steps: int = 8, steps: int = 16) -> dict | None:
     """A decode step at `batch` sequences (nano-vllm's prompts, temperature 0.6) against its floor: the weights plus
     the KV cache it reads, over the measured copy bandwidth. The GPU's busy time per step comes from
-    torch.profiler (CUDA kernels and copies); the rest of a step's wall time is the host's, not overlapped."""
+    torch.profiler (CUDA kernels and copies); the rest of a step's wall time is the host's, not overlapped.
+    None if the prompts are not prefilled within time_limit seconds."""
     engine, runner = llm.llm_engine, llm.llm_engine.model_runner
     device = runner.device
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=512, output_kind=RequestOutputKind.FINAL_ONLY)
     for i in range(batch):
         engine.add_request(f"profile-{i}", prompts[i % len(prompts)], params)
+    t0 = time.perf_counter()
     engine.step()
     while engine.last_batch.is_prefill:
+        if time.perf_counter() - t0 > time_limit:
+            engine.abort_all()
+            return None
         engine.step()
     for _ in range(warm_steps):
         engine.step()
@@ -440,14 +445,19 @@ def main_gpu(args: argparse.Namespace, device: torch.device) -> None:
                      f"{' (nanoinfer cut short)' if mine['cut_short'] else ''}"))
 
     if args.profile:
-        d = result["decode_profile"] = profile_decode_gpu(llm, prompts, work.profile_batch, bandwidth)
-        print(f"decode step at batch {d['batch']} (mean context {d['context']:.0f}): {d['step_ms']:.2f} ms | floor "
-              f"{d['floor_ms']:.2f} ms (weights {d['weight_bytes'] / 1e9:.2f} GB + KV {d['kv_bytes'] / 1e9:.2f} GB at "
-              f"{bandwidth / 1e12:.2f} TB/s) = {d['ratio']:.2f}x | GPU busy {d['device_ms']:.2f} ms, host (not "
-              f"overlapped) {d['host_ms']:.2f} ms")
-        rows.append((f"decode step, batch {d['batch']}, mean context {d['context']:.0f}",
-                     f"{d['step_ms']:.2f} ms vs floor {d['floor_ms']:.2f} ms = **{d['ratio']:.2f}x**"))
-        rows.append(("host time per decode step (wall - GPU busy)", f"{d['host_ms']:.2f} ms"))
+        d = result["decode_profile"] = profile_decode_gpu(llm, prompts, work.profile_batch, bandwidth,
+                                                          args.time_limit)
+        if d is None:
+            rows.append((f"decode step, batch {work.profile_batch}", f"not measured: prefill took over "
+                                                                      f"{args.time_limit:.0f} s"))
+        else:
+            print(f"decode step at batch {d['batch']} (mean context {d['context']:.0f}): {d['step_ms']:.2f} ms | "
+                  f"floor {d['floor_ms']:.2f} ms (weights {d['weight_bytes'] / 1e9:.2f} GB + KV "
+                  f"{d['kv_bytes'] / 1e9:.2f} GB at {bandwidth / 1e12:.2f} TB/s) = {d['ratio']:.2f}x | GPU busy "
+                  f"{d['device_ms']:.2f} ms, host (not overlapped) {d['host_ms']:.2f} ms")
+            rows.append((f"decode step, batch {d['batch']}, mean context {d['context']:.0f}",
+                         f"{d['step_ms']:.2f} ms vs floor {d['floor_ms']:.2f} ms = **{d['ratio']:.2f}x**"))
+            rows.append(("host time per decode step (wall - GPU busy)", f"{d['host_ms']:.2f} ms"))
     llm.close()
     print("\n| measure | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows))
     if args.json:
