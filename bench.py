@@ -470,6 +470,8 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench.py: --device cuda, but torch sees no CUDA device")
     device = torch.device("cuda" if args.device == "cuda" or args.device == "auto" and torch.cuda.is_available()
                           else "cpu")
     if device.type == "cuda" or args.dry_run:

@@ -1,5 +1,6 @@
 """The persistent input batch: on random schedules (prefix hits, chunked prefill, preemption, aborts, mixed
 prefill + decode batches) its step inputs equal those of the former per-step builder, and rows are released."""
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanoinfer.engine.input_batch import InputBatch
+from nanoinfer.engine.input_batch import InputBatch, StepBuffers
 from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.sampling_params import SamplingParams
@@ -172,27 +173,51 @@ def test_step_tensors_are_the_staging_buffers_on_the_cpu():
     assert batch_inputs.logit_index([5, 2]).tolist() == [5, 2]
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_uploads_to_cuda_equal_the_host_inputs():
-    """Pinned staging, one non_blocking copy per tensor into device buffers; a TP rank's received (unpinned)
-    tensors go through its own staging."""
-    device = torch.device("cuda")
-    batch_inputs = InputBatch(4, MAX_MODEL_LEN, 13, 4, device)
-    receiver = InputBatch(4, MAX_MODEL_LEN, 13, 4, device)  # another rank: gets copies of rank 0's tensors
-    assert batch_inputs.host.block_tables.is_pinned()
+class NoEvent:
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def uploading_input_batch(kind: str) -> InputBatch:
+    if kind == "cuda":
+        batch_inputs = InputBatch(4, MAX_MODEL_LEN, 13, 4, torch.device("cuda"))
+        assert batch_inputs.host.block_tables.is_pinned()
+        return batch_inputs
+    # The CUDA path's bookkeeping on the CPU: device buffers apart from the staging ones, no event to wait for.
+    batch_inputs = InputBatch(4, MAX_MODEL_LEN, 13, 4, torch.device("cpu"))
+    batch_inputs.on_cuda, batch_inputs.uploaded = True, NoEvent()
+    batch_inputs.device = StepBuffers.allocate(13, 4, batch_inputs.max_blocks, torch.device("cpu"))
+    return batch_inputs
+
+
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                          reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("kind", [CUDA, "separate-cpu-buffers"])
+def test_uploads_to_the_device_buffers_equal_the_host_inputs(kind):
+    """One copy per tensor from staging into the device buffers; a TP rank's received tensors (not its staging)
+    go through its own staging first."""
+    batch_inputs, receiver = uploading_input_batch(kind), uploading_input_batch(kind)  # rank 0 and another rank
 
     def check(scheduler: Scheduler, batch: ScheduledBatch, samples: list[bool]) -> None:
         ids, pos, meta, rows = batch_inputs.prepare(batch, samples)
         want = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in as_dict(ids, pos, meta, rows).items()}
-        copies = [ids.clone(), pos.clone(), meta]
-        for runner_inputs, args in ((batch_inputs, (ids, pos, meta)), (receiver, copies)):
+        received = [ids.clone(), pos.clone(), dataclasses.replace(meta, **{
+            f: getattr(meta, f).clone() for f in ("slot_mapping", "block_tables", "context_lens", "cu_seqlens_q",
+                                                  "cu_seqlens_k")})]
+        for runner_inputs, args in ((batch_inputs, (ids, pos, meta)), (receiver, received)):
             d_ids, d_pos, d_meta = runner_inputs.to_device(*args)
             index = runner_inputs.logit_index(rows)
             runner_inputs.record_uploads()
+            assert d_meta.block_tables.data_ptr() == runner_inputs.device.block_tables.data_ptr()
+            assert d_ids.data_ptr() == runner_inputs.device.input_ids.data_ptr() != ids.data_ptr()
             got = {k: v.cpu() if isinstance(v, torch.Tensor) else v
                    for k, v in as_dict(d_ids, d_pos, d_meta, rows).items()}
-            assert d_meta.block_tables.is_cuda and index.tolist() == rows
+            assert index.tolist() == rows
             assert_same(got, want)
 
     run_random_schedule(0, check)
