@@ -147,6 +147,25 @@ def test_rows_of_finished_and_preempted_sequences_are_released():
     assert batch_inputs.block_table[:, :3].tolist().count([-1, -1, -1]) == 3  # released rows are blank again
 
 
+def test_freed_ids_are_sent_again_until_a_step_completes():
+    """A step that fails (no postprocess) may not have released the rows: the next batch carries the ids again."""
+    config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64, kvcache_block_size=4,
+                             enable_prefix_caching=False)
+    scheduler = Scheduler(config, num_kvcache_blocks=8)
+    a, b = (Sequence([1, 2, 3], SamplingParams(), 4, max_tokens=8) for _ in range(2))
+    scheduler.add(a)
+    scheduler.add(b)
+    scheduler.postprocess(scheduler.schedule(), [7, 7])
+    scheduler.finish(a)
+    first = scheduler.schedule()
+    assert first.freed_seq_ids == [a.seq_id]
+    retry = scheduler.schedule()  # the first step failed: nothing was postprocessed
+    assert retry.freed_seq_ids == [a.seq_id]
+    scheduler.finish(b)  # during the step: reported by a later batch
+    scheduler.postprocess(retry, [None])
+    assert scheduler.freed_seq_ids == [b.seq_id]
+
+
 def test_rows_persist_and_only_new_blocks_are_read():
     """A step reads a sequence's block table only where it grew: the host work is O(changed rows)."""
     batch_inputs = InputBatch(2, 32, 32, 4, torch.device("cpu"))

@@ -34,7 +34,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
-        self.freed_seq_ids: list[int] = []  # preempted or finished, not yet reported in a batch (to the runner's rows)
+        self.freed_seq_ids: list[int] = []  # preempted or finished, not yet reported to the runner by a completed step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -69,8 +69,8 @@ class Scheduler:
             self.running.append(self.waiting.popleft())
             budget -= self._take(batch, seq, min(len(seq) - seq.num_computed_tokens, budget))
         assert batch.seqs or self.is_finished(), "nothing to schedule: a single sequence must always fit the KV cache"
-        if batch.seqs:  # an empty batch never reaches the runner: keep them for the next one
-            batch.freed_seq_ids, self.freed_seq_ids = self.freed_seq_ids, []
+        if batch.seqs:  # sent again until a step completes (postprocess): a failed one may not have read them
+            batch.freed_seq_ids = self.freed_seq_ids[:]
         return batch
 
     def _take(self, batch: ScheduledBatch, seq: Sequence, num_tokens: int) -> int:
@@ -91,6 +91,7 @@ class Scheduler:
 
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int | None]) -> list[Sequence]:
         """Record computed tokens and sampled ones; return the sequences that got a token."""
+        del self.freed_seq_ids[:len(batch.freed_seq_ids)]  # the runner has them; later ones were appended after
         grown = []
         for seq, n, token in zip(batch.seqs, batch.num_new_tokens, token_ids):
             seq.num_computed_tokens += n
