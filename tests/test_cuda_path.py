@@ -17,8 +17,9 @@ from cuda_fakes import EagerGraph
 from nanoinfer.config import Config
 from nanoinfer import LLM
 from nanoinfer.engine import cuda_graph
-from nanoinfer.engine.cuda_graph import CUDAGraphRunner, capture_sizes, pad_decode_inputs, padded_size
+from nanoinfer.engine.cuda_graph import CUDAGraphRunner, capture_sizes, padded_size
 from nanoinfer.engine.gpu_memory import kv_cache_blocks_for_gpu, profile_kv_cache_blocks
+from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.model_runner import ModelRunner, warm_up_lengths
 from nanoinfer.engine.parallel import TPGroup
 from nanoinfer.engine.scheduler import ScheduledBatch
@@ -189,8 +190,9 @@ def _seq(num_tokens: int, computed: int, table: list[int], block_size: int) -> S
 
 
 def _prepare(batch: ScheduledBatch, block_size: int):
-    runner = object.__new__(ModelRunner)  # prepare needs only the block size and the number of state slots
-    runner.block_size, runner.num_state_slots = block_size, 0
+    runner = object.__new__(ModelRunner)  # prepare needs only its input batch and the number of state slots
+    runner.num_state_slots = 0
+    runner.input_batch = InputBatch(8, 64, 64, block_size, torch.device("cpu"))
     return runner.prepare(batch, batch.samples)
 
 
@@ -253,25 +255,30 @@ def _decode_meta(context_lens: list[int], tables: list[list[int]], slots: list[i
         max_seqlen_q=1, max_seqlen_k=max(context_lens), block_size=4)
 
 
-def test_pad_decode_inputs():
+def test_decode_inputs_are_padded_in_the_staging_buffers():
+    batch = InputBatch(8, 20, 16, 4, torch.device("cpu"))
+    batch.np["input_ids"][:] = batch.np["slot_mapping"][:] = batch.np["block_tables"][:] = 99  # an earlier step
     meta = _decode_meta([5, 9, 2], [[3, 1, -1], [0, 2, 6], [4, -1, -1]], [4, 24, 17])
-    p = pad_decode_inputs(torch.tensor([11, 12, 13]), torch.tensor([4, 8, 1]), meta, size=4, width=5)
+    p = batch.decode_inputs(torch.tensor([11, 12, 13]), torch.tensor([4, 8, 1]), meta, size=4)
     assert p.input_ids.tolist() == [11, 12, 13, 0]
     assert p.positions.tolist() == [4, 8, 1, 0]
     assert p.slot_mapping.tolist() == [4, 24, 17, -1]
     assert p.context_lens.tolist() == [5, 9, 2, 0]
-    assert p.block_tables.tolist() == [[3, 1, -1, -1, -1], [0, 2, 6, -1, -1], [4, -1, -1, -1, -1], [-1] * 5]
+    assert p.block_tables.tolist() == [[3, 1, -1], [0, 2, 6], [4, -1, -1], [-1] * 3]
     assert (p.slot_mapping.dtype, p.context_lens.dtype, p.block_tables.dtype) == (torch.int64, torch.int32,
                                                                                   torch.int32)
+    assert p.input_ids.data_ptr() == batch.host.input_ids.data_ptr()  # the staging buffers themselves
 
 
 class EchoModel(torch.nn.Module):
-    """Hidden state = what the step read: ids, positions, context length, slot, and its block table's real
-    entries (count * 1000 + sum: the -1 padding of a wider table does not change it)."""
+    """Hidden state = what the step read: ids, positions, context length, slot, and the block-table entries that
+    cover its context (count * 1000 + sum; what lies past the context is never read)."""
 
     def forward(self, input_ids, positions, meta):
-        real = meta.block_tables >= 0
-        blocks = real.sum(1) * 1000 + meta.block_tables.clamp_min(0).sum(1)
+        width = meta.block_tables.shape[1]
+        num_blocks = (meta.context_lens + meta.block_size - 1).div(meta.block_size, rounding_mode="floor")
+        read = torch.arange(width) < num_blocks[:, None]
+        blocks = read.sum(1) * 1000 + (meta.block_tables * read).sum(1)
         return torch.stack([input_ids, positions, meta.context_lens.long(), meta.slot_mapping, blocks], 1).float()
 
 
@@ -286,19 +293,20 @@ def test_graph_runner_pads_replays_and_slices(monkeypatch):
                              hidden_size=5, dtype=torch.float32, device=torch.device("cpu"))
     runner.capture()
     assert sorted(runner.graphs) == [1, 2, 4, 8] and runner.width == 5
-    for ctx, tables, slots in [([5, 9, 2], [[3, 1], [0, 2], [4, -1]], [4, 24, 17]),   # 3 -> graph of 4
+    staging = InputBatch(8, 20, 16, 4, torch.device("cpu"))
+    for ctx, tables, slots in [([5, 9, 2], [[3, 1, -1], [0, 2, 6], [4, -1, -1]], [4, 24, 17]),  # 3 -> graph of 4
                                ([7], [[2, 5]], [21]),                                   # 1 -> graph of 1
-                               ([1] * 5, [[i] for i in range(5)], list(range(0, 20, 4)))]:  # 5 -> 8
+                               ([1] * 5, [[i] for i in range(5)], list(range(0, 20, 4))),  # 5 -> 8
+                               ([6, 3, 4], [[1, 4], [2, -1], [3, -1]], [5, 10, 15])]:  # 3 -> 4 over the 5 rows
         n = len(ctx)
         ids, pos = torch.arange(50, 50 + n), torch.tensor(ctx) - 1
         meta = _decode_meta(ctx, tables, slots)
-        out = runner.run(ids, pos, meta)
+        size = runner.padded_size(n)
+        out = runner.run(staging.decode_inputs(ids, pos, meta, size), n)
         assert torch.equal(out, EchoModel()(ids, pos, meta))  # real rows, sliced from the padded batch
-        size = padded_size(n, runner.sizes)
         pad_row = [0, 0, 0, -1, 0]  # padding: token 0, position 0, no context, no slot, no blocks
         assert runner.outputs[n:size].tolist() == [pad_row] * (size - n)
-    too_many = _decode_meta([1] * 9, [[0]] * 9, list(range(9)))
-    assert runner.run(torch.zeros(9, dtype=torch.long), torch.zeros(9, dtype=torch.long), too_many) is None
+    assert runner.padded_size(9) is None
 
 
 # ---- KV cache sizing on the GPU ----

@@ -12,6 +12,7 @@ from torch import nn
 from nanoinfer.config import Config
 from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.gpu_memory import profile_kv_cache_blocks
+from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.parallel import TPGroup
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
@@ -66,6 +67,8 @@ class ModelRunner:
         for a in self._attention_layers():
             a.backend = self.backend
         self.graph_runner: CUDAGraphRunner | None = None
+        self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_num_batched_tokens,
+                                      self.block_size, self.device)
         self.num_state_slots, state_bytes = self._allocate_state_cache()
         self.num_kvcache_blocks = self._allocate_kv_cache(state_bytes)
         self.graph_runner = self._capture_graphs()
@@ -197,6 +200,7 @@ class ModelRunner:
         logits = self.execute(input_ids, positions, meta, list(range(sum(lengths))))
         if logits is not None:
             top_logprobs(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device), 1)
+        self.input_batch.remove([seq.seq_id for seq in seqs])
 
     def _capture_graphs(self) -> CUDAGraphRunner | None:
         """Decode graphs for the flash backend (whose decode reads only fixed-address tensors) unless enforce_eager;
@@ -211,36 +215,12 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch, samples: list[bool]
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """input_ids, positions, attention metadata, and the rows whose logits are sampled."""
-        input_ids, positions, slots, block_tables = [], [], [], []
-        cu_q, cu_k, context_lens, sample_rows = [0], [0], [], []
-        for seq, n, sampled in zip(batch.seqs, batch.num_new_tokens, samples):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            table = seq.block_table[:-(-end // self.block_size)]
-            input_ids.extend(seq.token_ids[start:end])
-            pos = np.arange(start, end)
-            positions.append(pos)
-            slots.append(np.asarray(table)[pos // self.block_size] * self.block_size + pos % self.block_size)
-            block_tables.append(table)
-            cu_q.append(cu_q[-1] + n)
-            cu_k.append(cu_k[-1] + end)
-            context_lens.append(end)
-            if sampled:
-                sample_rows.append(cu_q[-1] - 1)
-        width = max(map(len, block_tables))
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)),
-            block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in block_tables], dtype=torch.int32),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32),
-            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32),
-            cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32),
-            max_seqlen_q=max(batch.num_new_tokens),
-            max_seqlen_k=max(context_lens),
-            block_size=self.block_size,
-            has_cached_prefix=cu_k[-1] > cu_q[-1],
-            state_slots=torch.tensor([s.state_slot for s in batch.seqs]) if self.num_state_slots else None,
-        )
-        return torch.tensor(input_ids), torch.from_numpy(np.concatenate(positions)), meta, sample_rows
+        """input_ids, positions, attention metadata (host tensors, valid until the next step), and the rows whose
+        logits are sampled."""
+        input_ids, positions, meta, sample_rows = self.input_batch.prepare(batch, samples)
+        if self.num_state_slots:
+            meta.state_slots = torch.tensor([s.state_slot for s in batch.seqs])
+        return input_ids, positions, meta, sample_rows
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> RunnerOutput:
@@ -277,14 +257,17 @@ class ModelRunner:
                 logit_rows: list[int]) -> torch.Tensor | None:
         """One forward pass of prepare()'s CPU tensors on this rank's device; the logits of logit_rows on rank 0
         (gathered from every rank), None elsewhere."""
-        input_ids, positions, meta = input_ids.to(self.device), positions.to(self.device), meta.to(self.device)
-        hidden = None
-        if self.graph_runner is not None and meta.is_decode:
-            hidden = self.graph_runner.run(input_ids, positions, meta)
-        if hidden is None:
+        rows = self.input_batch.logit_index(logit_rows)
+        size = self.graph_runner.padded_size(meta.num_seqs) if self.graph_runner and meta.is_decode else None
+        if size is not None:
+            hidden = self.graph_runner.run(self.input_batch.decode_inputs(input_ids, positions, meta, size),
+                                           meta.num_seqs)
+        else:
+            input_ids, positions, meta = self.input_batch.to_device(input_ids, positions, meta)
             self.backend.prepare(meta)
             hidden = self.model(input_ids, positions, meta)
-        return self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
+        self.input_batch.record_uploads()
+        return self.model.compute_logits(hidden[rows]) if logit_rows else None
 
     def serve(self) -> None:
         """Ranks > 0: execute rank 0's steps until it sends None."""
