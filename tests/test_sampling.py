@@ -3,29 +3,38 @@ the engine, and SamplingParams validation."""
 from __future__ import annotations
 
 import math
+import random
 
+import numpy as np
 import pytest
 import torch
 
 from models import random_prompts
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.layers.sampler import Sampler, SamplingMetadata
+from nanoinfer.layers.sampler import Sampler, SamplingMetadata, noise_keys
 
 # Chi-square critical values at the 0.999 quantile (scipy.stats.chi2.ppf(0.999, df)); scipy is not installed.
 CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515}
 
 
-def sample(logits, temperature, top_k=-1, top_p=1.0, generators=None, seed=0):
-    """One call of the Sampler; scalars are broadcast over the rows."""
+def keys(seeds, positions) -> torch.Tensor:
+    return torch.from_numpy(noise_keys(np.array(seeds, dtype=np.uint64), np.array(positions, dtype=np.uint64)))
+
+
+def sample(logits, temperature, top_k=-1, top_p=1.0, seeds=None, seed=0, positions=None):
+    """One call of the Sampler; scalars are broadcast over the rows. Rows without a seed of their own draw one
+    from `seed`, as the engine does for unseeded requests."""
     b = logits.shape[0]
 
     def col(v, dtype):
         return torch.tensor(v if isinstance(v, list) else [v] * b, dtype=dtype)
 
+    rng = random.Random(seed)
+    seeds = [s if s is not None else rng.getrandbits(64) for s in (seeds or [None] * b)]
+    temperatures = col(temperature, torch.float32)
     return Sampler()(logits.float(), SamplingMetadata(
-        temperatures=col(temperature, torch.float32), top_k=col(top_k, torch.int64),
-        top_p=col(top_p, torch.float32), generators=generators if generators is not None else [None] * b,
-        default_generator=torch.Generator().manual_seed(seed))).token_ids
+        temperatures=temperatures, top_k=col(top_k, torch.int64), top_p=col(top_p, torch.float32),
+        noise_keys=keys(seeds, positions or [0] * b), all_greedy=bool((temperatures == 0).all()))).token_ids
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -113,8 +122,8 @@ def test_temperature_zero_rows_are_argmax_in_a_mixed_batch():
     argmax = logits.argmax(-1)
     seen_non_argmax = False
     for seed in range(40):
-        gens = [torch.Generator().manual_seed(100 + seed) if i % 2 else None for i in range(6)]
-        out = sample(logits, temps, top_k=top_k, top_p=top_p, generators=gens, seed=seed)
+        seeds = [100 + seed if i % 2 else None for i in range(6)]
+        out = sample(logits, temps, top_k=top_k, top_p=top_p, seeds=seeds, seed=seed)
         assert out[greedy_rows].tolist() == argmax[greedy_rows].tolist()
         seen_non_argmax |= bool((out[sampled_rows] != argmax[sampled_rows]).any())
     assert seen_non_argmax, "the sampled rows never left the argmax: they were not sampled"
@@ -128,12 +137,15 @@ def test_all_greedy_batch_is_argmax():
 LOGITS6 = torch.tensor([2.0, 1.5, 1.0, 0.6, 0.2, -0.5])
 
 
-@pytest.mark.parametrize("per_request_generators", [False, True], ids=["engine-generator", "seeded-generators"])
-def test_temperature_chi_square_goodness_of_fit(per_request_generators):
+@pytest.mark.parametrize("keying", ["engine-seed", "consecutive-seeds", "consecutive-positions"])
+def test_temperature_chi_square_goodness_of_fit(keying):
+    """Rows keyed by seeds drawn from the engine's seed, by seeds 0..n-1 at one position, or by one seed at
+    positions 0..n-1 (a long sequence's successive tokens): all must follow softmax(logits / T)."""
     n, temperature = 20_000, 0.7
     expected = torch.softmax(LOGITS6.double() / temperature, -1)
-    gens = [torch.Generator().manual_seed(s) for s in range(n)] if per_request_generators else None
-    tokens = sample(LOGITS6.expand(n, -1).contiguous(), temperature, generators=gens, seed=11)
+    seeds = {"engine-seed": None, "consecutive-seeds": list(range(n)), "consecutive-positions": [7] * n}[keying]
+    positions = list(range(n)) if keying == "consecutive-positions" else None
+    tokens = sample(LOGITS6.expand(n, -1).contiguous(), temperature, seeds=seeds, seed=11, positions=positions)
     counts = torch.bincount(tokens, minlength=6).double()
     stat = chi_square(counts, expected)
     assert stat < CHI2_999[5], f"chi2={stat:.1f} (df=5); counts={counts.tolist()} expected={(expected * n).tolist()}"

@@ -2,8 +2,6 @@
 from enum import Enum, auto
 from itertools import count
 
-import torch
-
 from nanoinfer.outputs import Logprob, RequestMetrics
 from nanoinfer.sampling_params import SamplingParams
 
@@ -44,10 +42,9 @@ class Sequence:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             [None] if params.prompt_logprobs is not None and index == 0 else None)
         self.num_emitted_tokens = self.num_emitted_chars = 0  # what earlier DELTA outputs already carried
-        # A private generator makes seeded sampling independent of what else is in the batch.
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        # The key of this sequence's sampling noise, with the position (see sampler.noise_keys): an explicit seed
+        # makes its tokens independent of what else is in the batch; None is drawn from the engine's seed.
+        self.seed: int | None = None if params.seed is None else params.seed % 2**64
 
     @property
     def is_finished(self) -> bool:
