@@ -11,7 +11,11 @@ import torch
 
 from models import random_prompts
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.layers.sampler import Sampler, SamplingMetadata, noise_keys
+from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.engine.sampling_state import PenaltyCache
+from nanoinfer.engine.sequence import Sequence
+from nanoinfer.layers import sampler as sampler_module
+from nanoinfer.layers.sampler import Sampler, SamplingMetadata, exponential_noise, noise_keys
 
 # Chi-square critical values at the 0.999 quantile (scipy.stats.chi2.ppf(0.999, df)); scipy is not installed.
 CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515}
@@ -168,6 +172,153 @@ def test_top_k_top_p_combined_renormalised_chi_square():
     wrong = filtered_probs(LOGITS6, 1.0, top_k, top_p)
     assert [i for i in range(6) if wrong[i] > 0] == kept
     assert chi_square(counts[kept], wrong[kept]) > 10 * CHI2_999[len(kept) - 1]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Counter-based noise and sampling where the logits are
+# ----------------------------------------------------------------------------------------------------------
+
+def test_noise_depends_only_on_seed_position_and_token():
+    vocab = 1000
+    k = keys([5, 5, 6, 2**64 - 1], [10, 11, 10, 10])
+    batch = exponential_noise(k, vocab)
+    assert batch.shape == (4, vocab) and batch.dtype == torch.float32
+    # A row's noise is the same in any batch, alone or elsewhere; a different seed or position changes it.
+    assert torch.equal(exponential_noise(k[[2, 0]], vocab), batch[[2, 0]])
+    assert torch.equal(exponential_noise(k[1:2], vocab + 7)[:, :vocab], batch[1:2])
+    for a, b in [(0, 1), (0, 2), (0, 3)]:
+        assert (batch[a] != batch[b]).float().mean() > 0.99
+    # Exp(1): the fractions below quantiles match 1 - exp(-x) within 1% over 4,000 draws, and nothing is 0 or inf.
+    assert bool(torch.isfinite(batch).all()) and float(batch.min()) > 0
+    for x in (0.1, 0.5, 1.0, 2.0, 4.0):
+        assert abs(float((batch < x).float().mean()) - (1 - math.exp(-x))) < 0.025
+    # Consecutive seeds and positions give uncorrelated rows.
+    rows = exponential_noise(keys(list(range(64)), [0] * 64), vocab)
+    corr = torch.corrcoef(rows)
+    assert float((corr - torch.eye(64)).abs().max()) < 0.2
+
+
+def test_sampled_tokens_of_a_row_do_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(5, 300, generator=g) * 2
+    seeds, positions = [11, 12, 13, 14, 15], [3, 40, 7, 7, 100]
+    args = dict(temperature=[0.9, 1.3, 0.0, 0.7, 1.0], top_k=[-1, 50, -1, 10, -1], top_p=[1.0, 0.9, 1.0, 0.95, 0.8])
+    full = sample(logits, seeds=seeds, positions=positions, **args)
+    for rows in ([3], [4, 0], [1, 3, 2]):
+        sub = sample(logits[rows], seeds=[seeds[r] for r in rows], positions=[positions[r] for r in rows],
+                     **{k: [v[r] for r in rows] for k, v in args.items()})
+        assert sub.tolist() == full[rows].tolist()
+
+
+def test_all_greedy_batch_draws_no_noise(monkeypatch):
+    monkeypatch.setattr(sampler_module, "exponential_noise", lambda *a: pytest.fail("noise drawn for greedy rows"))
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(8))
+    assert sample(logits, 0.0).tolist() == logits.argmax(-1).tolist()
+
+
+def meta_runner() -> ModelRunner:
+    """The sampling half of a ModelRunner on the meta device, where any host synchronisation (.item(), .tolist(),
+    bool() of a tensor, a copy to the CPU) raises: what passes here never waits for the device."""
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device = torch.device("meta")
+    runner.sampler, runner.seeds = Sampler(), random.Random(0)
+    runner.penalty_cache = PenaltyCache(runner.device)
+    return runner
+
+
+def test_sampling_with_every_feature_never_synchronises_with_the_device():
+    vocab = 97
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=2),
+              SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=3, min_tokens=4,
+                             stop_token_ids=[7]),
+              SamplingParams(temperature=1.2, presence_penalty=0.5, frequency_penalty=0.3, logprobs=0),
+              SamplingParams(temperature=0.0)]
+    seqs = [Sequence([1, 2, 3, 2], p, 4, eos_token_ids=frozenset({0})) for p in params]
+    seqs[2].token_ids += [5, 5, 9]
+    runner = meta_runner()
+    for _ in range(2):
+        out = runner.sample(seqs, torch.empty(4, vocab, device="meta"))
+        assert out.token_ids.device.type == "meta" and out.token_ids.shape == (4,)
+        assert all(t.device.type == "meta" for t in out.logprobs) and out.logprobs[2].shape == (4, 2)
+        for seq in seqs:
+            seq.token_ids.append(4)
+    m = runner._sampling_metadata(seqs, vocab)
+    assert m.penalties.output_counts.device.type == "meta" and m.noise_keys.device.type == "meta"
+
+
+class HostCopies:
+    """Records every copy to the host (cpu(), tolist(), numpy(), item(), to("cpu")) of a tensor of at least
+    `size` elements."""
+
+    def __init__(self, monkeypatch, size: int):
+        self.seen: list[tuple[str, tuple[int, ...]]] = []
+        for name in ("cpu", "tolist", "numpy", "item", "to"):
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._recording(name, original, size))
+
+    def _recording(self, name, original, size):
+        def method(t, *args, **kwargs):
+            to_cpu = name != "to" or any(str(a) == "cpu" for a in (*args, *kwargs.values()))
+            if to_cpu and t.numel() >= size:
+                self.seen.append((name, tuple(t.shape)))
+            return original(t, *args, **kwargs)
+        return method
+
+
+def test_logits_stay_where_they_are_computed(llm, monkeypatch):
+    """No [rows, vocab] tensor is copied to the host, whatever the request asks for; only ids and the requested
+    logprobs are (on the CPU the device is the host, so this counts the calls that would copy)."""
+    vocab = llm.llm_engine.vocab_size
+    prompts = random_prompts(3, 5, 60, 6, 12, seed=41)
+    params = [SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=1),
+              SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.2,
+                             presence_penalty=0.3, frequency_penalty=0.2, min_tokens=2, max_tokens=5, seed=1),
+              SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)]
+    copies = HostCopies(monkeypatch, vocab)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(c.token_ids) for c in outs[0].outputs + outs[2].outputs] == [5, 5] and len(outs[1].outputs) == 2
+    assert len(outs[0].outputs[0].logprobs) == 5 and len(outs[0].prompt_logprobs) == len(prompts[0])
+    assert copies.seen == [], f"[rows, vocab] tensors copied to the host: {copies.seen}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Penalty counts on the device
+# ----------------------------------------------------------------------------------------------------------
+
+def test_penalty_counts_follow_the_tokens_across_preemption_and_n(llama_dir, monkeypatch):
+    """Each step the cache's rows equal the prompt mask and output counts rebuilt from the token ids, through
+    preemption (recompute) and slot reuse, and a sequence's slot is filled once, not every step."""
+    checked, claims = [0], []
+    gather, claim = PenaltyCache.gather, PenaltyCache._claim
+
+    def checking_gather(self, seqs, vocab):
+        mask, counts = gather(self, seqs, vocab)
+        for seq, m, c in zip(seqs, mask, counts):
+            ref_mask = torch.zeros(vocab, dtype=torch.bool)
+            ref_mask[seq.token_ids[:seq.num_prompt_tokens]] = True
+            ref_counts = torch.bincount(torch.tensor(seq.completion_token_ids, dtype=torch.long), minlength=vocab)
+            assert torch.equal(m, ref_mask) and torch.equal(c, ref_counts.float())
+            checked[0] += 1
+        return mask, counts
+
+    def counting_claim(self, seq, vocab):
+        claims.append(seq.seq_id)
+        return claim(self, seq, vocab)
+
+    monkeypatch.setattr(PenaltyCache, "gather", checking_gather)
+    monkeypatch.setattr(PenaltyCache, "_claim", counting_claim)
+    llm = LLM(str(llama_dir), max_model_len=96, num_kvcache_blocks=12, max_num_batched_tokens=24,
+              kvcache_block_size=8, max_num_seqs=6)
+    prompts = random_prompts(12, 5, 30, 10, 40, seed=42)  # a narrow id range: repeats in prompt and output
+    params = SamplingParams(n=2, temperature=0.8, repetition_penalty=1.5, frequency_penalty=0.4, max_tokens=20,
+                            ignore_eos=True, seed=3)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(len(c.token_ids) == 20 for o in outs for c in o.outputs)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    cache = llm.llm_engine.model_runner.penalty_cache
+    assert checked[0] >= 24 * 20 and len(cache.owners) <= 8  # slots of finished sequences are reused
+    # Once per sequence, plus once per readmission after its slot went to another sequence while it waited.
+    assert len(set(claims)) == 24 and len(claims) < 24 + llm.llm_engine.scheduler.num_preemptions + 1
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -225,7 +225,8 @@ class ModelRunner:
         if result.logprobs is not None:
             out.logprobs = [None] * len(batch.seqs)
             for i, row in zip(sampled, _logprob_rows(tokens, host[1:len(sampled_parts)])):
-                out.logprobs[i] = row
+                if batch.seqs[i].params.logprobs is not None:  # rows are computed for the whole batch
+                    out.logprobs[i] = row
         return out
 
     @torch.inference_mode()

@@ -7,9 +7,9 @@ from nanoinfer.engine.sequence import Sequence, SequenceStatus
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small host tensor on device without waiting for the work queued there (pinned, non_blocking on CUDA)."""
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 class PenaltyCache:

@@ -2,6 +2,7 @@
 from enum import Enum, auto
 from itertools import count
 
+from nanoinfer.engine.detokenizer import IncrementalDetokenizer
 from nanoinfer.outputs import Logprob, RequestMetrics
 from nanoinfer.sampling_params import SamplingParams
 
@@ -35,7 +36,8 @@ class Sequence:
         self.state_slot = -1  # recurrent-state slot while it holds blocks (models with linear attention)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.text = ""  # the decoded completion, cut at a stop string (kept up to date only when needed)
+        # The decoded completion, cut at a stop string (kept up to date only when text is needed).
+        self.detokenizer = IncrementalDetokenizer(params.skip_special_tokens)
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         # Only the first completion computes the prompt's logprobs, so it alone skips the prefix cache.
@@ -54,6 +56,10 @@ class Sequence:
     def needs_prompt_logits(self) -> bool:
         """Whether prompt logprobs are still owed: then every prompt position is computed, none taken from the cache."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text
 
     def __len__(self) -> int:
         return len(self.token_ids)
