@@ -1,21 +1,34 @@
-"""Sampling: the Sampler on hand-made logits (filters, greedy rows, goodness of fit), per-request seeds through
-the engine, and SamplingParams validation."""
+"""Sampling: the Sampler on hand-made logits (filters, greedy rows, goodness of fit), counter-based noise and
+sampling where the logits are (no host copy of [rows, vocab], no host sync), penalty counts kept on the device,
+per-request seeds through the engine, incremental detokenization, and SamplingParams validation."""
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from transformers import AutoTokenizer
+
 from models import random_prompts
-from nanoinfer import LLM, SamplingParams
+from nanoinfer import LLM, RequestOutputKind, SamplingParams
+from nanoinfer.engine.detokenizer import IncrementalDetokenizer
 from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.engine.sampling_state import PenaltyCache
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers import sampler as sampler_module
 from nanoinfer.layers.sampler import Sampler, SamplingMetadata, exponential_noise, noise_keys
+from nanoinfer.utils import default_model
+from nanoinfer.utils.gguf_loader import load_gguf_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # Chi-square critical values at the 0.999 quantile (scipy.stats.chi2.ppf(0.999, df)); scipy is not installed.
 CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515}
@@ -198,6 +211,71 @@ def test_noise_depends_only_on_seed_position_and_token():
     assert float((corr - torch.eye(64)).abs().max()) < 0.2
 
 
+NOISE_KERNEL_CHECK = """
+import numpy as np, torch
+from nanoinfer.kernels.triton_sampling import exponential_noise as kernel
+from nanoinfer.layers.sampler import exponential_noise, noise_keys
+k = torch.from_numpy(noise_keys(np.array([0, 1, 2**64 - 1, 12345], dtype=np.uint64),
+                                np.array([0, 5, 9, 2**40], dtype=np.uint64)))
+for vocab in (1, 1000, 3001):
+    # The same integers; log may differ in the last bit between numpy (the interpreter) and torch.
+    torch.testing.assert_close(kernel(k, vocab), exponential_noise(k, vocab), rtol=1e-6, atol=0)
+print("noise kernel ok")
+"""
+
+
+@pytest.mark.slow
+def test_triton_noise_kernel_equals_the_torch_noise_under_the_interpreter():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    r = subprocess.run([sys.executable, "-c", NOISE_KERNEL_CHECK], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    assert r.returncode == 0 and "noise kernel ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_noise_and_seeded_tokens_are_the_same_on_cuda_and_cpu():
+    k = keys([0, 3, 2**63], [1, 2, 3])
+    torch.testing.assert_close(exponential_noise(k.cuda(), 151_936).cpu(), exponential_noise(k, 151_936),
+                               rtol=1e-5, atol=0)
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(9))
+    args = dict(temperature=[0.7, 1.0, 1.3], top_k=[-1, 40, -1], top_p=[1.0, 1.0, 0.9], seeds=[0, 3, 2**63],
+                positions=[1, 2, 3])
+    on_cuda = Sampler()(logits.cuda(), SamplingMetadata(
+        temperatures=torch.tensor(args["temperature"]).cuda(), top_k=torch.tensor(args["top_k"]).cuda(),
+        top_p=torch.tensor(args["top_p"]).cuda(), noise_keys=k.cuda(), all_greedy=False)).token_ids
+    assert on_cuda.device.type == "cuda" and on_cuda.tolist() == sample(logits, **args).tolist()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_host_copy_per_step_on_cuda(qwen3_dir, monkeypatch):
+    """Token ids, logprobs and prompt logprobs of a step come back in a single device-to-host copy."""
+    llm = LLM(str(qwen3_dir), max_model_len=MAX_LEN, device="cuda", dtype="float32", enforce_eager=True)
+    runner = llm.llm_engine.model_runner
+    copies, steps = [0], [0]
+    copy_, run = torch.Tensor.copy_, ModelRunner.run
+
+    def counting_copy(dst, src, *args, **kwargs):
+        copies[0] += dst.device.type == "cpu" and src.device.type == "cuda"
+        return copy_(dst, src, *args, **kwargs)
+
+    def counting_run(self, batch):
+        steps[0] += 1
+        return run(self, batch)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counting_copy)
+    monkeypatch.setattr(ModelRunner, "run", counting_run)
+    big = HostCopies(monkeypatch, llm.llm_engine.vocab_size, "cuda")
+    params = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2, logprobs=2, prompt_logprobs=1,
+                            max_tokens=6, ignore_eos=True, seed=0)
+    outs = llm.generate(random_prompts(3, 5, 400, 5, 9, seed=44), params, use_tqdm=False)
+    assert all(len(o.outputs[0].logprobs) == 6 and len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in outs)
+    assert runner.to_host.buffer.is_pinned()
+    assert copies[0] == steps[0] and big.seen == []
+
+
 def test_sampled_tokens_of_a_row_do_not_depend_on_the_batch():
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(5, 300, generator=g) * 2
@@ -247,19 +325,19 @@ def test_sampling_with_every_feature_never_synchronises_with_the_device():
 
 
 class HostCopies:
-    """Records every copy to the host (cpu(), tolist(), numpy(), item(), to("cpu")) of a tensor of at least
-    `size` elements."""
+    """Records every copy to the host (cpu(), tolist(), numpy(), item(), to("cpu")) of a tensor on `device_type`
+    of at least `size` elements."""
 
-    def __init__(self, monkeypatch, size: int):
+    def __init__(self, monkeypatch, size: int, device_type: str):
         self.seen: list[tuple[str, tuple[int, ...]]] = []
         for name in ("cpu", "tolist", "numpy", "item", "to"):
             original = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name, self._recording(name, original, size))
+            monkeypatch.setattr(torch.Tensor, name, self._recording(name, original, size, device_type))
 
-    def _recording(self, name, original, size):
+    def _recording(self, name, original, size, device_type):
         def method(t, *args, **kwargs):
             to_cpu = name != "to" or any(str(a) == "cpu" for a in (*args, *kwargs.values()))
-            if to_cpu and t.numel() >= size:
+            if to_cpu and t.numel() >= size and t.device.type == device_type:
                 self.seen.append((name, tuple(t.shape)))
             return original(t, *args, **kwargs)
         return method
@@ -274,7 +352,7 @@ def test_logits_stay_where_they_are_computed(llm, monkeypatch):
               SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.2,
                              presence_penalty=0.3, frequency_penalty=0.2, min_tokens=2, max_tokens=5, seed=1),
               SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)]
-    copies = HostCopies(monkeypatch, vocab)
+    copies = HostCopies(monkeypatch, vocab, "cpu")
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [len(c.token_ids) for c in outs[0].outputs + outs[2].outputs] == [5, 5] and len(outs[1].outputs) == 2
     assert len(outs[0].outputs[0].logprobs) == 5 and len(outs[0].prompt_logprobs) == len(prompts[0])
@@ -429,3 +507,72 @@ def test_sampling_params_valid_edge_values():
     for seed in (-2**63, -1, 2**64 - 1):  # the whole range torch.Generator.manual_seed accepts
         SamplingParams(seed=seed)
     assert math.isclose(SamplingParams(top_p=1e-9).top_p, 1e-9)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Incremental detokenization
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizers(qwen3_dir):
+    """The test models' byte-level BPE tokenizer, and SmolLM2's (a real 49,152-token vocabulary) when cached."""
+    toks = {"test": AutoTokenizer.from_pretrained(qwen3_dir)}
+    try:
+        toks["smollm2"] = load_gguf_tokenizer(default_model.default_model_path())
+    except RuntimeError:
+        pass  # not downloadable here; the test tokenizer still runs
+    return toks
+
+
+def random_completion(tok, rng: random.Random) -> list[int]:
+    """Random ids (mostly lone bytes and fragments of multi-byte characters for a byte-level vocabulary) with
+    special tokens and a run of real multi-byte text."""
+    text = tok.encode(rng.choice(["héllo wörld", "€ 😀 日本語", "naïve café ✓", "Ω≈ç√∫"]), add_special_tokens=False)
+    ids = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 30))]
+    ids[rng.randint(0, len(ids)):0] = text
+    for _ in range(rng.randint(0, 3)):
+        ids.insert(rng.randint(0, len(ids)), rng.choice(tok.all_special_ids))
+    return ids
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_incremental_detokenization_equals_decoding_the_whole_completion(tokenizers, skip_special_tokens):
+    for name, tok in tokenizers.items():
+        rng = random.Random(43)
+        held_back = 0
+        for _ in range(200):
+            ids = random_completion(tok, rng)
+            detok = IncrementalDetokenizer(skip_special_tokens)
+            for j in range(1, len(ids) + 1):
+                text = detok.update(tok, ids[:j])
+                whole = tok.decode(ids[:j], skip_special_tokens=skip_special_tokens)
+                # Streamed text never has to be taken back: it is a prefix of every later decode.
+                assert whole.startswith(text) and tok.decode(ids, skip_special_tokens=skip_special_tokens
+                                                             ).startswith(text), (name, ids[:j])
+                held_back += text != whole
+            final = detok.update(tok, ids, final=True)
+            assert final == tok.decode(ids, skip_special_tokens=skip_special_tokens), (name, ids)
+        assert held_back > 50, f"{name}: no incomplete character was ever held back: the test proves little"
+
+
+def test_detokenization_decodes_only_the_new_tokens(llm, monkeypatch):
+    """Streaming a completion with a stop string decodes O(1) tokens per step (not the whole completion each
+    step), and its text equals decoding the whole completion."""
+    tok = llm.tokenizer
+    decoded = [0]
+    decode = type(tok).decode
+
+    def counting(self, ids, *args, **kwargs):
+        decoded[0] += len(ids)
+        return decode(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(type(tok), "decode", counting)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, stop=["never \x00 in this text"],
+                            output_kind=RequestOutputKind.DELTA)
+    pieces = [o.outputs[0] for o in llm.generate_iter(["The scheduler decides"], params)]
+    token_ids = [t for p in pieces for t in p.token_ids]
+    assert len(token_ids) == 60
+    assert "".join(p.text for p in pieces) == decode(tok, token_ids, skip_special_tokens=True)
+    # A few tokens of context per step (more while a character is incomplete); re-decoding the completion every
+    # step would be 60 * 61 / 2 = 1,830 tokens.
+    assert decoded[0] < 12 * 60, f"{decoded[0]} tokens decoded for a 60-token completion"

@@ -268,10 +268,10 @@ class ModelRunner:
     def _sampling_metadata(self, seqs: list[Sequence], vocab: int) -> SamplingMetadata:
         params = [s.params for s in seqs]
         temperatures = [p.temperature for p in params]
-        m = SamplingMetadata(
-            temperatures=self._device_tensor(temperatures, torch.float32), top_k=None, top_p=None,
-            noise_keys=self._device_tensor(self._noise_keys(seqs), torch.int64),
-            all_greedy=not any(temperatures), all_random=all(temperatures))
+        m = SamplingMetadata(temperatures=self._device_tensor(temperatures, torch.float32), top_k=None, top_p=None,
+                             all_greedy=not any(temperatures), all_random=all(temperatures))
+        if not m.all_greedy:
+            m.noise_keys = self._device_tensor(self._noise_keys(seqs), torch.int64)
         # Everything below costs nothing unless some request asks for it.
         if any(0 < p.top_k < vocab for p in params):
             m.top_k = self._device_tensor([p.top_k for p in params], torch.int64)

@@ -76,7 +76,7 @@ class HostTransfer:
         self.buffer = torch.empty(0, dtype=torch.float64)
 
     def __call__(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or not tensors:
             return tensors
         # float64 holds token ids, ranks (< 2^53) and fp32 logprobs exactly.
         flat = torch.cat([t.reshape(-1).double() for t in tensors])

@@ -28,9 +28,9 @@ class SamplingMetadata:
     temperatures: torch.Tensor  # [B]; 0 means greedy
     top_k: torch.Tensor | None  # [B]; <= 0 or >= V disables; None when no row uses it
     top_p: torch.Tensor | None  # [B]; 1 disables; None when no row uses it
-    noise_keys: torch.Tensor  # [B, 2] int64: each row's 64-bit noise key (see noise_keys) as two 32-bit halves
     all_greedy: bool  # known on the host, so that nothing waits for the device to decide
     all_random: bool = False  # no greedy row: the argmax of the plain logits is not needed
+    noise_keys: torch.Tensor | None = None  # [B, 2] int64 (see noise_keys); None when all rows are greedy
     min_p: torch.Tensor | None = None  # [B]; None when no row uses it
     penalties: Penalties | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) not allowed yet (min_tokens)
