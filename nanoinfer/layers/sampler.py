@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from nanoinfer.kernels import cpu as cpu_kernels
+from nanoinfer.kernels.cuda import triton_sampling
 
 MASK32 = 0xFFFFFFFF
 
@@ -119,9 +120,8 @@ def noise_keys(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
 def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """Exp(1) noise [B, vocab] (fp32) from a counter-based hash of (row key, token id): two rounds of a 32-bit mixer
     keyed by the key's halves, in int64 ops whose products never overflow (the same integers on every device)."""
-    if keys.device.type == "cuda":
-        from nanoinfer.kernels.triton_sampling import exponential_noise as triton_noise
-        return triton_noise(keys, vocab)
+    if keys.device.type == "cuda" and (kernels := triton_sampling()) is not None:
+        return kernels.exponential_noise(keys, vocab)
     x = _mix32(torch.arange(vocab, device=keys.device) ^ keys[:, :1])
     x = _mix32(x ^ keys[:, 1:])
     # The top 24 bits as a uniform in (0, 1), never 0 or 1: E = -log(u) is finite and > 0.
