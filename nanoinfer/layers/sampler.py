@@ -123,20 +123,21 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     if keys.device.type == "cuda" and (kernels := triton_sampling()) is not None:
         return kernels.exponential_noise(keys, vocab)
     x = _mix32(torch.arange(vocab, device=keys.device) ^ keys[:, :1])
-    x = _mix32(x ^ keys[:, 1:])
+    x = _mix32(x.bitwise_xor_(keys[:, 1:]))
     # The top 24 bits as a uniform in (0, 1), never 0 or 1: E = -log(u) is finite and > 0.
-    u = ((x >> 8).float() + 0.5) * 2.0 ** -24
+    u = x.bitwise_right_shift_(8).float().add_(0.5).mul_(2.0 ** -24)
     return u.log_().neg_()
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer finaliser (hash-prospector's lowbias32 shape) on int64 values in [0, 2^32): its multipliers
     are below 2^31, so every product fits in int64 and nothing relies on overflow."""
-    x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & MASK32
-    return x ^ (x >> 15)
+    x = x ^ (x >> 16)  # a new tensor; the rest works in place
+    x.mul_(0x21F0AAAD).bitwise_and_(MASK32)
+    x ^= x >> 15
+    x.mul_(0x735A2D97).bitwise_and_(MASK32)
+    x ^= x >> 15
+    return x
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
