@@ -3,6 +3,7 @@ With tensor parallelism there is one per rank: rank 0's builds the inputs and sa
 import logging
 import math
 import os
+import random
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,12 +15,13 @@ from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.gpu_memory import profile_kv_cache_blocks
 from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.parallel import TPGroup
+from nanoinfer.engine.sampling_state import HostTransfer, PenaltyCache, to_device
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention, AttentionMetadata, get_backend
 from nanoinfer.layers.attention.selector import resolve_device
 from nanoinfer.layers.gated_delta_rule import GatedDeltaRule
-from nanoinfer.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata, top_logprobs
+from nanoinfer.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata, noise_keys, top_logprobs
 from nanoinfer.models.registry import get_model_class
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.utils.dist import tp_scope
@@ -73,7 +75,9 @@ class ModelRunner:
         self.num_kvcache_blocks = self._allocate_kv_cache(state_bytes)
         self.graph_runner = self._capture_graphs()
         self.sampler = Sampler()
-        self.generator = torch.Generator().manual_seed(config.seed)
+        self.seeds = random.Random(config.seed)  # the noise seeds of requests without one
+        self.penalty_cache = PenaltyCache(self.device)
+        self.to_host = HostTransfer(self.device)
 
     @staticmethod
     def _load_model(config: Config, device: torch.device) -> nn.Module:
@@ -106,6 +110,7 @@ class ModelRunner:
             elif isinstance(module, GatedDeltaRule):
                 module.conv_state = module.ssm_state = torch.empty(0)
         self.model = self.backend = self.graph_runner = None
+        self.input_batch = self.penalty_cache = self.to_host = None  # their device and pinned buffers
         if self.device.type == "cuda":
             # cuBLAS keeps a workspace per stream it ran on (the graphs' capture stream too) for the process's life.
             getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
@@ -230,26 +235,29 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = self.prepare(batch, samples)
         prompt_rows = self._prompt_logit_rows(batch, meta.cu_seqlens_q.tolist())
         rows = sample_rows + [row for row, _, _ in prompt_rows]
-        # The other ranks execute the same step (serve). Sampling runs on the CPU, where the per-request
-        # generators live.
+        # The other ranks execute the same step (serve).
         logits = self.execute(*self.tp.broadcast((input_ids, positions, meta, rows)))
         out = RunnerOutput([None] * len(batch.seqs))
         if logits is None:
             return out
-        logits = logits.cpu()
-        if prompt_rows:
-            out.prompt_logprobs = self._prompt_logprobs(batch, prompt_rows, logits[len(sample_rows):])
+        # Everything is computed where the logits are; only ids and logprobs come back, in one transfer.
         sampled = [i for i, s in enumerate(samples) if s]
-        if not sampled:
+        result = self.sample([batch.seqs[i] for i in sampled], logits[:len(sample_rows)]) if sampled else None
+        prompt = self._prompt_logprobs(batch, prompt_rows, logits[len(sample_rows):]) if prompt_rows else ()
+        sampled_parts = [] if result is None else [result.token_ids, *(result.logprobs or ())]
+        host = self.to_host(sampled_parts + list(prompt))
+        if prompt_rows:
+            out.prompt_logprobs = _prompt_logprob_lists(batch, prompt_rows, host[len(sampled_parts):])
+        if result is None:
             return out
-        result = self.sample([batch.seqs[i] for i in sampled], logits[:len(sample_rows)])
-        tokens = result.token_ids.tolist()
+        tokens = host[0].tolist()
         for i, token in zip(sampled, tokens):
             out.token_ids[i] = token
         if result.logprobs is not None:
             out.logprobs = [None] * len(batch.seqs)
-            for i, row in zip(sampled, _logprob_rows(tokens, result.logprobs)):
-                out.logprobs[i] = row
+            for i, row in zip(sampled, _logprob_rows(tokens, host[1:len(sampled_parts)])):
+                if batch.seqs[i].params.logprobs is not None:  # rows are computed for the whole batch
+                    out.logprobs[i] = row
         return out
 
     @torch.inference_mode()
@@ -293,26 +301,49 @@ class ModelRunner:
 
     def _sampling_metadata(self, seqs: list[Sequence], vocab: int) -> SamplingMetadata:
         params = [s.params for s in seqs]
-        m = SamplingMetadata(
-            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            top_k=torch.tensor([min(p.top_k, vocab) for p in params]),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
-            generators=[s.generator for s in seqs],
-            default_generator=self.generator,
-        )
+        temperatures = [p.temperature for p in params]
+        m = SamplingMetadata(temperatures=self._device_tensor(temperatures, torch.float32), top_k=None, top_p=None,
+                             all_greedy=not any(temperatures), all_random=all(temperatures))
+        if not m.all_greedy:
+            m.noise_keys = self._device_tensor(self._noise_keys(seqs), torch.int64)
         # Everything below costs nothing unless some request asks for it.
+        if any(0 < p.top_k < vocab for p in params):
+            m.top_k = self._device_tensor([p.top_k for p in params], torch.int64)
+        if any(p.top_p < 1 for p in params):
+            m.top_p = self._device_tensor([p.top_p for p in params], torch.float32)
         if any(p.min_p > 0 for p in params):
-            m.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+            m.min_p = self._device_tensor([p.min_p for p in params], torch.float32)
         if any(p.logprobs is not None for p in params):
             m.num_logprobs = max(p.logprobs or 0 for p in params)
         banned = [(i, t) for i, s in enumerate(seqs) if s.num_completion_tokens < s.params.min_tokens
                   for t in (*s.eos_token_ids, *s.params.stop_token_ids)]
         if banned:
-            m.banned = tuple(torch.tensor(c) for c in zip(*banned))
+            m.banned = tuple(self._device_tensor(list(zip(*banned)), torch.int64))
         penalized = [i for i, p in enumerate(params) if p.penalized]
         if penalized:
-            m.penalties = _penalties([seqs[i] for i in penalized], penalized, vocab)
+            m.penalties = self._penalties([seqs[i] for i in penalized], penalized, vocab)
         return m
+
+    def _noise_keys(self, seqs: list[Sequence]) -> np.ndarray:
+        """Each row's noise key: its sequence's seed (drawn from the engine's seed the first time if the request
+        gave none) and the position of the token being sampled."""
+        for seq in seqs:
+            if seq.seed is None:
+                seq.seed = self.seeds.getrandbits(64)
+        return noise_keys(np.array([s.seed for s in seqs], dtype=np.uint64),
+                          np.array([len(s) for s in seqs], dtype=np.uint64))
+
+    def _device_tensor(self, values: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return to_device(torch.as_tensor(values, dtype=dtype), self.device)
+
+    def _penalties(self, seqs: list[Sequence], rows: list[int], vocab: int) -> Penalties:
+        """The penalized rows' parameters, and their prompt masks and output counts from the device-side cache."""
+        prompt_mask, output_counts = self.penalty_cache.gather(seqs, vocab)
+        values = self._device_tensor([(p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
+                                      for p in (s.params for s in seqs)], torch.float32)
+        return Penalties(rows=self._device_tensor(rows, torch.int64), repetition=values[:, 0],
+                         presence=values[:, 1], frequency=values[:, 2], prompt_mask=prompt_mask,
+                         output_counts=output_counts)
 
     @staticmethod
     def _prompt_logit_rows(batch: ScheduledBatch, cu_q: list[int]) -> list[tuple[int, int, int]]:
@@ -325,40 +356,29 @@ class ModelRunner:
                          for pos in range(start, min(start + n, seq.num_prompt_tokens - 1))]
         return rows
 
-    @staticmethod
-    def _prompt_logprobs(batch: ScheduledBatch, rows: list[tuple[int, int, int]], logits: torch.Tensor
-                         ) -> list[list[TokenLogprobs] | None]:
-        """Per sequence owing prompt logprobs: those of the prompt tokens that this step's rows predict."""
+    def _prompt_logprobs(self, batch: ScheduledBatch, rows: list[tuple[int, int, int]], logits: torch.Tensor
+                         ) -> tuple[torch.Tensor, ...]:
+        """top_logprobs of the prompt tokens this step's rows predict, on the logits' device."""
         _, targets, owners = zip(*rows)
         k = max(batch.seqs[i].params.prompt_logprobs for i in set(owners))
-        out: list[list[TokenLogprobs] | None] = [None] * len(batch.seqs)
-        for i, row in zip(owners, _logprob_rows(list(targets), top_logprobs(logits, torch.tensor(targets), k))):
-            out[i] = (out[i] or []) + [row]
-        return out
+        return top_logprobs(logits, self._device_tensor(targets, torch.int64), k)
 
 
-def _logprob_rows(token_ids: list[int], result: tuple[torch.Tensor, ...]) -> list[TokenLogprobs]:
+def _prompt_logprob_lists(batch: ScheduledBatch, rows: list[tuple[int, int, int]], result: list[torch.Tensor]
+                          ) -> list[list[TokenLogprobs] | None]:
+    """Per sequence owing prompt logprobs: those of the prompt tokens that this step's rows predict."""
+    _, targets, owners = zip(*rows)
+    out: list[list[TokenLogprobs] | None] = [None] * len(batch.seqs)
+    for i, row in zip(owners, _logprob_rows(list(targets), result)):
+        out[i] = (out[i] or []) + [row]
+    return out
+
+
+def _logprob_rows(token_ids: list[int], result: list[torch.Tensor]) -> list[TokenLogprobs]:
     chosen, ranks, top_ids, top_lps = (t.tolist() for t in result)
     top_ranks = list(range(1, result[2].shape[-1] + 1))
     return [([tok] + ids, [lp] + lps, [rank] + top_ranks)
             for tok, lp, rank, ids, lps in zip(token_ids, chosen, ranks, top_ids, top_lps)]
-
-
-def _penalties(seqs: list[Sequence], rows: list[int], vocab: int) -> Penalties:
-    prompt_mask = torch.zeros(len(seqs), vocab, dtype=torch.bool)
-    output_counts = torch.zeros(len(seqs), vocab)
-    for r, s in enumerate(seqs):
-        prompt_mask[r, s.token_ids[:s.num_prompt_tokens]] = True
-        output_counts[r] = torch.bincount(torch.tensor(s.completion_token_ids, dtype=torch.long), minlength=vocab)
-    params = [s.params for s in seqs]
-    return Penalties(
-        rows=torch.tensor(rows),
-        repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
-        presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
-        frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
-        prompt_mask=prompt_mask,
-        output_counts=output_counts,
-    )
 
 
 def warm_up_lengths(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
