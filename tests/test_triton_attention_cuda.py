@@ -5,14 +5,23 @@ import torch
 
 from models import check_against_hf, hf_greedy, random_prompts
 from nanoinfer import LLM, SamplingParams
+from nanoinfer.engine.input_batch import InputBatch
+from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.layers.attention import get_backend
-from test_cuda_path import _prepare, _seq
+from test_cuda_path import _seq
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16  # Qwen3-0.6B
 REL_TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
+
+
+def _prepare(batch: ScheduledBatch):
+    runner = object.__new__(ModelRunner)  # prepare needs only its input batch and the number of state slots
+    runner.num_state_slots = 0
+    runner.input_batch = InputBatch(256, 4096, 8192, BLOCK, torch.device("cpu"))
+    return runner.prepare(batch, batch.samples)
 
 
 def _table(first: int, tokens: int) -> list[int]:
@@ -48,7 +57,7 @@ def _run(name: str, dtype: torch.dtype, meta, q, k, v, caches, window):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_backend_matches_pytorch_backend_at_real_sizes(dtype, kind, window):
     batch = _batch(kind)
-    _, _, meta, _ = _prepare(batch, BLOCK)
+    _, _, meta, _ = _prepare(batch)
     meta = meta.to(torch.device("cuda"))
     g = torch.Generator(device="cuda").manual_seed(0)
     tokens, num_blocks = meta.slot_mapping.numel(), sum(len(s.block_table) for s in batch.seqs)
@@ -64,7 +73,7 @@ def test_backend_matches_pytorch_backend_at_real_sizes(dtype, kind, window):
 def test_decode_replays_from_a_cuda_graph():
     """Captured once with fixed buffers, replayed with other contexts and tables: equals an eager step."""
     batch = _batch("decode-small")
-    _, _, meta, _ = _prepare(batch, BLOCK)
+    _, _, meta, _ = _prepare(batch)
     meta = meta.to(torch.device("cuda"))
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(2, HEADS, HEAD_DIM, generator=g, device="cuda", dtype=torch.bfloat16)

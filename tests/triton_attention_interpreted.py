@@ -16,6 +16,7 @@ from models import check_against_hf, hf_encoder_states, hf_greedy, random_prompt
 from triton_interpreted import backends_on_the_same_metadata  # noqa: E402  (tests/triton_interpreted.py)
 
 from nanoinfer import LLM, SamplingParams  # noqa: E402
+from nanoinfer.engine.input_batch import InputBatch  # noqa: E402
 from nanoinfer.engine.model_runner import ModelRunner  # noqa: E402
 from nanoinfer.engine.scheduler import ScheduledBatch  # noqa: E402
 from nanoinfer.engine.sequence import Sequence  # noqa: E402
@@ -207,8 +208,9 @@ def test_backend_segment_policy_and_one_partial_buffer():
     for num_seqs in range(1, target + 1):
         for kv_heads in (1, 2, 3, 8):
             assert num_seqs * backend.num_segments(num_seqs, kv_heads) <= 2 * target
-    runner = object.__new__(ModelRunner)
-    runner.block_size, runner.num_state_slots = 16, 0
+    runner = object.__new__(ModelRunner)  # prepare needs only its input batch and the number of state slots
+    runner.num_state_slots = 0
+    runner.input_batch = InputBatch(8, 64, 64, 16, torch.device("cpu"))
     k_cache = v_cache = torch.randn(11, 16, 1, 32)
     buffers = set()
     for n in (1, 2, 3):

@@ -17,6 +17,7 @@ from models import check_against_hf, hf_greedy, random_prompts  # noqa: E402
 
 import nanoinfer.config as config_module  # noqa: E402
 from nanoinfer import LLM, SamplingParams  # noqa: E402
+from nanoinfer.engine.input_batch import InputBatch  # noqa: E402
 from nanoinfer.engine.model_runner import ModelRunner  # noqa: E402
 from nanoinfer.engine.scheduler import ScheduledBatch  # noqa: E402
 from nanoinfer.engine.sequence import Sequence  # noqa: E402
@@ -126,8 +127,8 @@ def test_flash_backend_matches_hf(graphs, qwen3_dir, flash_on_cpu, captured_logi
     prompts = ([shared + tail for tail in random_prompts(3, 5, 440, 1, 40, seed=12)]
                + random_prompts(2, 5, 440, 2, 90, seed=13) + [[17]])
     # A 400-token budget chunks the long prompts: later chunks attend to pages stored by earlier steps.
-    llm = LLM(str(qwen3_dir), attention_backend="flash", max_model_len=512, max_num_seqs=8,
-              max_num_batched_tokens=400)
+    llm = LLM(str(qwen3_dir), device="cpu", dtype="float32", attention_backend="flash", max_model_len=512,
+              max_num_seqs=8, max_num_batched_tokens=400)
     assert llm.llm_engine.config.kvcache_block_size == 256
     runner = llm.llm_engine.model_runner
     assert type(runner.backend).__name__ == "FlashAttentionBackend"
@@ -161,8 +162,9 @@ def backends_on_the_same_metadata(names: tuple[str, ...], batch: ScheduledBatch,
                                   window: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """ModelRunner.prepare's metadata for `batch` fed to each backend on the same q, k, v (6 q / 2 KV heads, dim
     32) and the same stale caches: (output, k_cache, v_cache) per backend, the caches after its store."""
-    runner = object.__new__(ModelRunner)
-    runner.block_size, runner.num_state_slots = block_size, 0
+    runner = object.__new__(ModelRunner)  # prepare needs only its input batch and the number of state slots
+    runner.num_state_slots = 0
+    runner.input_batch = InputBatch(8, 1024, 1024, block_size, torch.device("cpu"))
     _, _, meta, _ = runner.prepare(batch, batch.samples)
     g = torch.Generator().manual_seed(3)
     heads, kv_heads, dim, tokens = 6, 2, 32, meta.slot_mapping.numel()

@@ -45,8 +45,10 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, LazyTensor]]:
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | LazyTensor]]) -> None:
-    """Route every checkpoint tensor to its parameter's weight_loader; fail on strays and on gaps."""
+    """Route every checkpoint tensor to the weight_loader of the module owning its parameter (copy_weight if it
+    has none), which copies this rank's slice into the parameter where it lives; fail on strays and on gaps."""
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
     packed: dict[str, tuple[str, int | str]] = getattr(model, "packed_modules_mapping", {})
     # A packed parameter is complete once every source mapped to it has arrived (experts: see FusedMoE).
     shards_per_param = {target: sum(t == target for t, _ in packed.values()) for target, _ in packed.values()}
@@ -61,11 +63,14 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | L
         param = params.get(target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
+        # Looked up on the module, not stored on the parameter: a bound method there would make a module <->
+        # parameter reference cycle, keeping a closed engine's weights alive until the garbage collector runs.
+        weight_loader = getattr(modules[target.rpartition(".")[0]], "weight_loader", copy_weight)
         try:
             if shard is None:
-                getattr(param, "weight_loader", copy_weight)(param, tensor)
+                weight_loader(param, tensor)
             else:
-                param.weight_loader(param, tensor, shard)
+                weight_loader(param, tensor, shard)
         except ValueError as e:
             raise ValueError(f"cannot load checkpoint tensor {name!r}: {e}") from None
         loaded.setdefault(target, set()).add(shard)
