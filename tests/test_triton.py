@@ -20,9 +20,9 @@ def test_triton_kernels_under_the_interpreter(report_logit_diff):
             pytest.fail("triton is not installed; `make test` installs it (see the Makefile)")
         pytest.skip("triton is not installed")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                        "tests/triton_interpreted.py", "tests/triton_attention_interpreted.py"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=1200)
+    files = ["tests/triton_interpreted.py", "tests/triton_attention_interpreted.py"]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *files], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=1200)
     summary = r.stdout[-4000:] + r.stderr[-2000:]
     assert r.returncode == 0, summary
     counts = re.search(r"(\d+) passed", r.stdout)
