@@ -145,7 +145,8 @@ class LLM:
         if kind is not None:
             replaced = {id(p): dataclasses.replace(p, output_kind=kind) for p in params if isinstance(p, SamplingParams)}
             params = [replaced.get(id(p), p) for p in params]
-        return [self.llm_engine.make_sequences(self._next_request_id(), prompt, p) for prompt, p in zip(prompts, params)]
+        return [self.llm_engine.make_sequences(self._next_request_id(), prompt, p)
+                for prompt, p in zip(prompts, params)]
 
     def _next_request_id(self) -> str:
         """A fresh id, skipping any that a request added through the step API holds."""
