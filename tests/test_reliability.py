@@ -37,18 +37,26 @@ def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def fail_step(monkeypatch, llm, at: int, error: type[BaseException] = RuntimeError) -> None:
-    """The model fails (raises `error`) in the at-th step from now."""
+def at_step(monkeypatch, llm, at: int, action) -> None:
+    """Call action() as the at-th step from now starts running the model."""
     runner = llm.llm_engine.model_runner
     real_run, calls = runner.run, []
 
     def run(batch):
         calls.append(1)
         if len(calls) == at:
-            raise error("simulated failure in the model")
+            action()
         return real_run(batch)
 
     monkeypatch.setattr(runner, "run", run)
+
+
+def fail_step(monkeypatch, llm, at: int, error: type[BaseException] = RuntimeError) -> None:
+    """The model fails (raises `error`) in the at-th step from now."""
+    def fail() -> None:
+        raise error("simulated failure in the model")
+
+    at_step(monkeypatch, llm, at, fail)
 
 
 def drain(engine) -> dict:
@@ -240,18 +248,8 @@ def test_stopped_worker_fails_generate_within_the_timeout_naming_it(qwen3_dir, m
     timeout = 3
     monkeypatch.setenv("NANOINFER_TP_TIMEOUT", str(timeout))
     llm = LLM(str(qwen3_dir), max_model_len=256, tensor_parallel_size=2, device="cpu", dtype="float32")
-    worker = llm.llm_engine.tp.workers[0]
-    runner = llm.llm_engine.model_runner
-    run, steps, stopped = runner.run, [], []
-
-    def run_and_stop(batch):
-        steps.append(1)
-        if len(steps) == 3:
-            os.kill(worker.pid, signal.SIGSTOP)
-            stopped.append(time.monotonic())
-        return run(batch)
-
-    runner.run = run_and_stop
+    worker, stopped = llm.llm_engine.tp.workers[0], []
+    at_step(monkeypatch, llm, 3, lambda: (os.kill(worker.pid, signal.SIGSTOP), stopped.append(time.monotonic())))
     try:
         generating = OtherThread().submit(llm.generate, [[5, 6, 7, 8]] * 4,
                                           SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)
