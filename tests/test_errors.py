@@ -3,9 +3,7 @@ engine usable, at every entry point; bad model directories fail at construction;
 (preemption, recompute) matches a roomy-cache run."""
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import random
 import shutil
 
