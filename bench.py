@@ -1,4 +1,13 @@
-"""Offline throughput benchmark for nanoinfer (nano-vllm's bench.py, scaled for a CPU).
+"""Offline throughput benchmark for nanoinfer: nano-vllm's bench.py on CUDA, and a workload scaled for a CPU.
+
+On CUDA (--device cuda, or by itself where a GPU is visible): nano-vllm's benchmark exactly: a random
+Qwen3-0.6B (bf16), 256 prompts of random ids with lengths uniform in [100, 1024], outputs uniform in [100, 1024],
+temperature 0.6, ignore_eos, drawn as nano-vllm draws them after seed(0); output tok/s. --compare-hf runs
+transformers `generate` (dynamic cache, bf16, batch 64) and nanoinfer on 64 prompts x 256 greedy tokens;
+--profile times a decode step at batch 256 against its bandwidth floor. A table ends the run. --dry-run runs
+that code at toy size on any device (a smoke test: its numbers mean nothing).
+
+On the CPU:
 
 Measures, for a batch of random-token prompts generated greedily with ignore_eos:
   * wall time, output tok/s and total (prompt + output) tok/s;
@@ -12,22 +21,29 @@ The default model is a random-weight Qwen3 (~133.5M params) built once and cache
 
     PYTHONPATH=. python bench.py [--num-seqs 64] [--output-len 128] [--tp 2] [--compare-hf [--hf-static]]
                                  [--json out.json]
+    PYTHONPATH=. python bench.py --device cuda [--compare-hf] [--profile] [--time-limit 300]
 """
 import argparse
+import gc
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from transformers.utils import logging as hf_logging
 
 from nanoinfer import LLM, RequestOutputKind, SamplingParams
+from nanoinfer.layers.attention import Attention
 from nanoinfer.layers.linear import LinearBase, linear, pack_weight
 from nanoinfer.utils.default_model import cache_dir
 
@@ -35,6 +51,27 @@ BENCH_QWEN3 = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16
                    head_dim=64, intermediate_size=3072, vocab_size=32000, tie_word_embeddings=True,
                    max_position_embeddings=4096)
 WEIGHT_SEED = 0
+# Qwen3-0.6B's shapes (nano-vllm benchmarks that model), random weights in bf16.
+QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                  intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
+                  max_position_embeddings=40960)
+# --dry-run: the same code on a toy model whose vocabulary still holds nano-vllm's token ids (0..10000).
+TOY_QWEN3 = dict(QWEN3_0_6B, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, intermediate_size=128, vocab_size=10240)
+
+
+@dataclass
+class GPUWorkload:
+    num_seqs: int = 256  # nano-vllm's bench.py
+    max_input_len: int = 1024
+    max_output_len: int = 1024
+    greedy_seqs: int = 64  # --compare-hf: a fixed greedy workload, transformers' batch size
+    greedy_output_len: int = 256
+    profile_batch: int = 256  # --profile
+
+
+TOY_WORKLOAD = GPUWorkload(num_seqs=8, max_input_len=128, max_output_len=104, greedy_seqs=4, greedy_output_len=8,
+                           profile_batch=8)
 
 
 def parse_args() -> argparse.Namespace:
@@ -56,20 +93,31 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="after the timed run, profile full-batch decode steps: matmuls vs attention vs the rest")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="cuda: nano-vllm's benchmark (the CPU workload options above do not apply); auto: cuda "
+                        "where a GPU is visible")
+    p.add_argument("--dry-run", action="store_true",
+                   help="the CUDA benchmark's code at toy size, on --device (the CPU too): a smoke test")
+    p.add_argument("--attention-backend", default="auto", help="CUDA: engine attention_backend (default auto)")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
+    p.add_argument("--time-limit", type=float, default=600,
+                   help="CUDA: seconds each nanoinfer run may take before it is cut short and reported as such")
     return p.parse_args()
 
 
-def bench_model() -> Path:
-    """The default random Qwen3, built (seeded) and saved as safetensors on first use."""
+def bench_model(spec: dict = BENCH_QWEN3, dtype: str = "float32", device: str = "cpu") -> Path:
+    """A random Qwen3 of shapes `spec`, built (seeded, on `device`) and saved as safetensors on first use."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    key = json.dumps({**BENCH_QWEN3, "dtype": "float32", "seed": WEIGHT_SEED}, sort_keys=True)
+    key = json.dumps({**spec, "dtype": dtype, "seed": WEIGHT_SEED}, sort_keys=True)
     path = cache_dir() / f"bench-qwen3-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (path / "config.json").is_file() and list(path.glob("*.safetensors")):
         return path
     print(f"building random Qwen3 in {path} ...", flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(WEIGHT_SEED)
-    model = Qwen3ForCausalLM(Qwen3Config(**BENCH_QWEN3, dtype="float32")).float()
+    with torch.device(device):  # random initialisation of 0.6B parameters is much faster on a GPU
+        model = Qwen3ForCausalLM(Qwen3Config(**spec, dtype=dtype))
+    model = model.to("cpu", getattr(torch, dtype))
     tmp = tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent)
     model.save_pretrained(tmp)
     for f in [tmp, *Path(tmp).iterdir()]:  # mkdtemp makes 0700 dirs; the cache may be shared
@@ -195,17 +243,18 @@ def profile_decode(llm: LLM, prompts: list[list[int]], warm_steps: int = 48, ste
                 ratio=step / ms["matmul"] if ms["matmul"] else float("nan"))
 
 
-def run_hf(model: str, prompts: list[list[int]], out_lens: list[int], batch_size: int, static: bool) -> dict:
+def run_hf(model: str, prompts: list[list[int]], out_lens: list[int], batch_size: int, static: bool,
+           dtype: torch.dtype = torch.float32, device: str = "cpu") -> dict:
     """transformers batched greedy generate, left-padded with token 0 (masked out)."""
     from transformers import AutoModelForCausalLM
     path = Path(model)
     kw = dict(gguf_file=path.name) if path.suffix == ".gguf" else {}
-    hf = AutoModelForCausalLM.from_pretrained(path.parent if kw else path, dtype=torch.float32, **kw).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path.parent if kw else path, dtype=dtype, **kw).to(device).eval()
 
     def generate(batch: list[list[int]], n: int, cache: str | None) -> list[list[int]]:
         width = max(map(len, batch))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
         out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                           pad_token_id=0, cache_implementation=cache)
         return out[:, width:].tolist()
@@ -230,14 +279,206 @@ def run_hf(model: str, prompts: list[list[int]], out_lens: list[int], batch_size
     return dict(wall=time.perf_counter() - t0, outputs=outputs, cache=cache or "dynamic")
 
 
+def nano_vllm_workload(num_seqs: int, max_input_len: int, max_output_len: int) -> tuple[list[list[int]], list[int]]:
+    """Prompts and max_tokens drawn as nano-vllm's bench.py draws them after seed(0): each prompt's length, then its
+    tokens, prompt after prompt; then each request's max_tokens. Random(0) draws what seed(0) + randint draw."""
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, max_input_len))] for _ in range(num_seqs)]
+    return prompts, [rng.randint(100, max_output_len) for _ in range(num_seqs)]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, trials: int = 10) -> float:
+    """Bytes moved (read + written) per second by the best of `trials` device-to-device copies of nbytes."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(trials):
+        sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def run_requests(llm: LLM, name: str, prompts: list[list[int]], params: list[SamplingParams],
+                 time_limit: float) -> dict:
+    """Drive the engine until every request is done or time_limit seconds have passed (the rest is aborted and
+    the run reported as cut short): wall time, output tokens, each finished request's tokens."""
+    engine = llm.llm_engine
+    t0 = time.perf_counter()
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"{name}-{i}", p, sp)
+    outputs: list[list[int] | None] = [None] * len(prompts)
+    cut_short = False
+    while engine.has_unfinished_requests():
+        if time.perf_counter() - t0 > time_limit:
+            cut_short = True
+            break
+        for out in engine.step():
+            outputs[int(out.request_id.rsplit("-", 1)[1])] = out.outputs[0].token_ids
+    wall = time.perf_counter() - t0
+    partial = sum(s.num_completion_tokens for seqs in engine.requests.values() for s in seqs)
+    engine.abort_all()
+    done = [o for o in outputs if o is not None]
+    return dict(wall=wall, outputs=outputs, output_tokens=sum(map(len, done)) + partial, finished=len(done),
+                cut_short=cut_short)
+
+
+def weight_bytes(net: torch.nn.Module) -> int:
+    """Bytes of the weights a forward pass reads (a tied LM head counted once; packed CPU weights included)."""
+    packed = [m.packed_weight for m in net.modules() if isinstance(m, LinearBase) and m.packed_weight is not None]
+    return sum(t.numel() * t.element_size() for t in [*net.parameters(), *packed])
+
+
+def profile_decode_gpu(llm: LLM, prompts: list[list[int]], batch: int, bandwidth: float, time_limit: float,
+                       warm_steps: int = 8, steps: int = 16) -> dict | None:
+    """A decode step at `batch` sequences (nano-vllm's prompts, temperature 0.6) against its floor: the weights plus
+    the KV cache it reads, over the measured copy bandwidth. The GPU's busy time per step comes from
+    torch.profiler (CUDA kernels and copies); the rest of a step's wall time is the host's, not overlapped.
+    None if the prompts are not prefilled within time_limit seconds."""
+    engine, runner = llm.llm_engine, llm.llm_engine.model_runner
+    device = runner.device
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=512, output_kind=RequestOutputKind.FINAL_ONLY)
+    for i in range(batch):
+        engine.add_request(f"profile-{i}", prompts[i % len(prompts)], params)
+    t0 = time.perf_counter()
+    engine.step()
+    while engine.last_batch.is_prefill:
+        if time.perf_counter() - t0 > time_limit:
+            engine.abort_all()
+            return None
+        engine.step()
+    for _ in range(warm_steps):
+        engine.step()
+    kv_token_bytes = sum(2 * a.num_kv_heads * a.head_dim * a.k_cache.element_size()
+                         for a in runner.model.modules() if isinstance(a, Attention))
+    walls, kv_tokens = [], []
+    for _ in range(steps):
+        kv_tokens.append(sum(map(len, engine.scheduler.running)))  # each context, with the token this step adds
+        sync(device)
+        t = time.perf_counter()
+        engine.step()
+        sync(device)
+        walls.append(time.perf_counter() - t)
+    real_batch = len(engine.last_batch.seqs)
+    device_ms = math.nan
+    if device.type == "cuda":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            sync(device)
+        # Kernels and copies are events of their own (device_type CUDA); CPU ops only attribute them again.
+        busy = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == DeviceType.CUDA)
+        device_ms = busy / 1e3 / steps if busy else math.nan
+    engine.abort_all()
+    step_ms = statistics.median(walls) * 1e3
+    weights, kv = weight_bytes(runner.model), statistics.mean(kv_tokens) * kv_token_bytes
+    floor_ms = (weights + kv) / bandwidth * 1e3
+    return dict(batch=real_batch, context=statistics.mean(kv_tokens) / real_batch, step_ms=step_ms,
+                weight_bytes=weights, kv_bytes=kv, floor_ms=floor_ms, ratio=step_ms / floor_ms, device_ms=device_ms,
+                host_ms=step_ms - device_ms)
+
+
+def main_gpu(args: argparse.Namespace, device: torch.device) -> None:
+    """nano-vllm's benchmark (and --compare-hf, --profile) on `device`; at toy size with --dry-run."""
+    spec, work = (TOY_QWEN3, TOY_WORKLOAD) if args.dry_run else (QWEN3_0_6B, GPUWorkload())
+    model = args.model or str(bench_model(spec, "bfloat16", device.type))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"model: {model} | device: {name} | torch {torch.__version__}{' | dry run (toy sizes)' if args.dry_run else ''}")
+    prompts, max_tokens = nano_vllm_workload(work.num_seqs, work.max_input_len, work.max_output_len)
+    greedy = nano_vllm_workload(work.greedy_seqs, work.max_input_len, work.max_output_len)[0]
+    result: dict = dict(model=model, device=name, torch=torch.__version__, args=vars(args))
+    rows = [("device", f"{name}, torch {torch.__version__}")]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # transformers' (the engine's: its "auto")
+    if args.compare_hf:  # first, while the GPU is free: the engine's KV cache takes what transformers leaves
+        hf = run_hf(model, greedy, [work.greedy_output_len] * len(greedy), len(greedy), False, dtype, device.type)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    # Measured before the engine takes the GPU's memory.
+    bandwidth = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (64 << 20))
+    print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s (read + write)")
+    llm = LLM(model, max_model_len=4096, seed=0, device=device.type, attention_backend=args.attention_backend,
+              enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs or 256,
+              max_num_batched_tokens=args.max_num_batched_tokens, num_kvcache_blocks=args.num_kvcache_blocks)
+    cfg = llm.llm_engine.config
+    print(f"engine: {cfg.attention_backend} attention, {cfg.torch_dtype}, block {cfg.kvcache_block_size}, "
+          f"{llm.llm_engine.model_runner.num_kvcache_blocks} KV blocks, CUDA graphs "
+          f"{llm.llm_engine.model_runner.graph_runner is not None}")
+    llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(max_tokens=16), use_tqdm=False)  # nano-vllm's warm-up
+
+    ours = run_requests(llm, "bench", prompts, [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, output_kind=RequestOutputKind.FINAL_ONLY)
+        for m in max_tokens], args.time_limit)
+    tok_s = ours["output_tokens"] / ours["wall"]
+    short = f" (cut short at {args.time_limit:.0f} s: {ours['finished']} of {len(prompts)} done)" \
+        if ours["cut_short"] else ""
+    print(f"nano-vllm workload: {ours['output_tokens']} output tokens in {ours['wall']:.2f}s = {tok_s:.1f} tok/s{short}")
+    result["nano_vllm"] = dict(wall_s=ours["wall"], output_tokens=ours["output_tokens"], output_tok_s=tok_s,
+                               finished=ours["finished"], cut_short=ours["cut_short"])
+    rows.append((f"nano-vllm workload ({len(prompts)} seqs, in/out U[100,{work.max_input_len}]/U[100,"
+                 f"{work.max_output_len}], T=0.6)", f"{ours['wall']:.2f} s, **{tok_s:,.0f} output tok/s**{short}"))
+
+    if args.compare_hf:
+        n = work.greedy_output_len
+        mine = run_requests(llm, "greedy", greedy, [
+            SamplingParams(temperature=0, ignore_eos=True, max_tokens=n, output_kind=RequestOutputKind.FINAL_ONLY)
+        ] * len(greedy), args.time_limit)
+        pairs = [(a, b) for a, b in zip(mine["outputs"], hf["outputs"]) if a is not None]
+        same = sum(a == b for a, b in pairs)
+        common = statistics.mean(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), n) for a, b in pairs) \
+            if pairs else math.nan
+        print(f"greedy {len(greedy)} x {n}: nanoinfer {mine['wall']:.2f}s | transformers ({hf['cache']} cache, batch "
+              f"{len(greedy)}) {hf['wall']:.2f}s | {hf['wall'] / mine['wall']:.2f}x | identical {same}/{len(pairs)}, "
+              f"mean common prefix {common:.0f} tokens")
+        result["greedy"] = dict(nanoinfer_s=mine["wall"], hf_s=hf["wall"], ratio=hf["wall"] / mine["wall"],
+                                identical=same, mean_common_prefix=common, cut_short=mine["cut_short"])
+        rows.append((f"greedy {len(greedy)} x {n}: nanoinfer / transformers generate ({str(dtype)[6:]}, "
+                     f"{hf['cache']} cache)",
+                     f"{mine['wall']:.2f} s / {hf['wall']:.2f} s = **{hf['wall'] / mine['wall']:.2f}x**"
+                     f"{' (nanoinfer cut short)' if mine['cut_short'] else ''}"))
+
+    if args.profile:
+        d = result["decode_profile"] = profile_decode_gpu(llm, prompts, work.profile_batch, bandwidth,
+                                                          args.time_limit)
+        if d is None:
+            rows.append((f"decode step, batch {work.profile_batch}", f"not measured: prefill took over "
+                                                                      f"{args.time_limit:.0f} s"))
+        else:
+            print(f"decode step at batch {d['batch']} (mean context {d['context']:.0f}): {d['step_ms']:.2f} ms | "
+                  f"floor {d['floor_ms']:.2f} ms (weights {d['weight_bytes'] / 1e9:.2f} GB + KV "
+                  f"{d['kv_bytes'] / 1e9:.2f} GB at {bandwidth / 1e12:.2f} TB/s) = {d['ratio']:.2f}x | GPU busy "
+                  f"{d['device_ms']:.2f} ms, host (not overlapped) {d['host_ms']:.2f} ms")
+            rows.append((f"decode step, batch {d['batch']}, mean context {d['context']:.0f}",
+                         f"{d['step_ms']:.2f} ms vs floor {d['floor_ms']:.2f} ms = **{d['ratio']:.2f}x**"))
+            rows.append(("host time per decode step (wall - GPU busy)", f"{d['host_ms']:.2f} ms"))
+    llm.close()
+    print("\n| measure | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
 def main() -> None:
     args = parse_args()
     sys.stdout.reconfigure(line_buffering=True)
     hf_logging.disable_progress_bar()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench.py: --device cuda, but torch sees no CUDA device")
+    device = torch.device("cuda" if args.device == "cuda" or args.device == "auto" and torch.cuda.is_available()
+                          else "cpu")
+    if device.type == "cuda" or args.dry_run:
+        return main_gpu(args, device)
     model = args.model or str(bench_model())
-    llm = LLM(model, max_model_len=args.max_input + args.output_len,
+    llm = LLM(model, max_model_len=args.max_input + args.output_len, device="cpu",
               max_num_seqs=args.max_num_seqs or args.num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, num_kvcache_blocks=args.num_kvcache_blocks,
               enable_prefix_caching=True, seed=0, tensor_parallel_size=args.tp)

@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
-from nanoinfer.layers.attention.selector import DEFAULT_BLOCK_SIZE, check_backend_limits, resolve_device, select_backend
+from nanoinfer.layers.attention.selector import (DEFAULT_BLOCK_SIZE, check_backend_limits,
+                                                  check_tensor_parallel_devices, resolve_device, select_backend)
 from nanoinfer.layers.rotary_embedding import rope_parameters
 from nanoinfer.sampling_params import check_seed
 from nanoinfer.utils.gguf_loader import load_gguf_config, resolve_gguf
@@ -89,6 +90,7 @@ class Config:
                     f"num_kvcache_blocks={self.num_kvcache_blocks} x kvcache_block_size={self.kvcache_block_size} "
                     f"cannot hold one sequence of max_model_len={self.max_model_len}")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        check_tensor_parallel_devices(self.device, self.torch_device, self.tensor_parallel_size)
         self._check_shardable()
         self.eos_token_ids = self._eos_token_ids()
 

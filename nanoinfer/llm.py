@@ -58,7 +58,8 @@ class LLM:
         self._finalizer = weakref.finalize(self, self.llm_engine.close)  # also runs at interpreter exit
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers and leave the process group; generate raises afterwards."""
+        """Stop the tensor-parallel workers, leave the process group and give back the memory of the model and its
+        caches (GPU memory included); generate raises afterwards."""
         self._finalizer()
 
     def __enter__(self) -> "LLM":

@@ -13,7 +13,8 @@ name of every model is its kind, e.g. `qwen3_dir.name == "qwen3"`):
     any_model_dir        parametrized over the 4 main kinds (qwen3, qwen3-untied, qwen2, llama)
 
 Env: NANOINFER_TEST_THREADS (default 2) -> torch.set_num_threads.
-Markers: `slow`.
+Markers: `slow`; `cuda` (tests/test_gpu.py: skipped, with the reason, where no CUDA device is visible).
+Every other test pins device="cpu", so the suite is the same on a GPU machine.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import models  # noqa: E402  (tests/models.py)
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-running test (deselect with -m 'not slow')")
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one; select with -m cuda)")
     torch.set_num_threads(int(os.environ.get("NANOINFER_TEST_THREADS", "2")))
 
 
@@ -117,3 +119,12 @@ def captured_logits(monkeypatch) -> dict[int, list[torch.Tensor]]:
 
     monkeypatch.setattr(ModelRunner, "sample", recording_sample)
     return captured
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU: torch {torch.__version__} sees none")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)

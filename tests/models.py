@@ -405,7 +405,8 @@ def cached_hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_
 
 @torch.inference_mode()
 def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tokens: int) -> list[dict]:
-    """Greedy-decode each prompt separately with transformers (fp32, KV cache, no EOS stop).
+    """Greedy-decode each prompt separately with transformers (fp32, KV cache, no EOS stop); `model_dir` may also
+    be a loaded model (any device and dtype: the logits come back as float32 on the CPU).
 
     Returns, per prompt, a dict with
       "token_ids":      list[int] of length max_new_tokens,
@@ -417,15 +418,16 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
     from transformers import DynamicCache
 
     model = model_dir if isinstance(model_dir, torch.nn.Module) else load_hf_model(model_dir)
+    device = model.device
     results = []
     for prompt in prompts_token_ids:
         prompt = [int(t) for t in prompt]
         assert len(prompt) > 0, "empty prompt"
         cache = DynamicCache(config=model.config)
-        input_ids = torch.tensor([prompt], dtype=torch.long)
+        input_ids = torch.tensor([prompt], dtype=torch.long, device=device)
         out = model(input_ids=input_ids, past_key_values=cache, use_cache=True)
         cache = out.past_key_values
-        step_logits = out.logits[0, -1].float().clone()
+        step_logits = out.logits[0, -1].float().to("cpu", copy=True)
         prefill_logits = step_logits.clone()
         tokens: list[int] = []
         all_logits = []
@@ -437,14 +439,14 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
                 break
             pos = len(prompt) + i
             out = model(
-                input_ids=torch.tensor([[nxt]], dtype=torch.long),
+                input_ids=torch.tensor([[nxt]], dtype=torch.long, device=device),
                 past_key_values=cache,
                 use_cache=True,
-                position_ids=torch.tensor([[pos]], dtype=torch.long),
-                cache_position=torch.tensor([pos], dtype=torch.long),
+                position_ids=torch.tensor([[pos]], dtype=torch.long, device=device),
+                cache_position=torch.tensor([pos], dtype=torch.long, device=device),
             )
             cache = out.past_key_values
-            step_logits = out.logits[0, -1].float().clone()
+            step_logits = out.logits[0, -1].float().to("cpu", copy=True)
         logits = (
             torch.stack(all_logits)
             if all_logits
@@ -545,7 +547,7 @@ def check_against_hf(outputs, refs: list[dict], captured: dict[int, list[torch.T
         out = request.outputs[0]
         assert_greedy_match(out.token_ids, ref["token_ids"], ref["logits"])
         if captured is not None:
-            ours = torch.stack(captured[request.request_id])
+            ours = torch.stack(captured[request.request_id]).cpu()
             steps = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref["token_ids"])) if a != b),
                          len(ref["token_ids"]) - 1) + 1
             worst = max(worst, (ours[:steps] - ref["logits"][:steps]).abs().max().item())

@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(qwen3_dir):
-    return LLM(str(qwen3_dir), max_model_len=128, kvcache_block_size=8)
+    return LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=128, kvcache_block_size=8)
 
 
 def assert_idle(llm):
@@ -88,7 +88,7 @@ FEATURES = {
 @pytest.mark.parametrize("feature", FEATURES)
 def test_processed_logits_match_transformers_processors(feature, qwen3_dir, processed, report_logit_diff):
     kwargs, reference = FEATURES[feature]
-    llm = LLM(str(qwen3_dir), max_model_len=128)
+    llm = LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=128)
     # A short vocabulary range makes repeats (what the penalties act on) frequent in prompt and output.
     prompts = random_prompts(3, 5, 40, 6, 20, seed=31)
     params = SamplingParams(seed=5, max_tokens=10, ignore_eos=True, **kwargs)
@@ -112,7 +112,7 @@ def test_processed_logits_match_transformers_processors(feature, qwen3_dir, proc
 
 
 def test_min_tokens_masks_eos_like_transformers(qwen3_dir, processed):
-    llm = LLM(str(qwen3_dir), max_model_len=128)
+    llm = LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=128)
     prompt = random_prompts(1, 5, 500, 12, 12, seed=32)[0]
     params = SamplingParams(temperature=1.0, seed=3, min_tokens=4, max_tokens=8, stop_token_ids=[7])
     out = llm.generate([prompt], params, use_tqdm=False)[0]
@@ -126,7 +126,7 @@ def test_min_tokens_masks_eos_like_transformers(qwen3_dir, processed):
 
 
 def test_greedy_takes_the_argmax_of_penalized_logits(qwen3_dir, processed):
-    llm = LLM(str(qwen3_dir), max_model_len=128)
+    llm = LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=128)
     prompts = random_prompts(2, 5, 30, 8, 16, seed=33)
     params = SamplingParams(temperature=0, repetition_penalty=2.0, frequency_penalty=0.5, max_tokens=12,
                             ignore_eos=True)
@@ -200,7 +200,8 @@ def check_logprobs(entry: dict, actual: int, ref: torch.Tensor, k: int) -> float
 
 @pytest.mark.parametrize("budget", [4096, 5], ids=["one-chunk", "chunked-prefill"])
 def test_logprobs_and_prompt_logprobs_match_transformers(qwen2_dir, budget, report_logit_diff):
-    llm = LLM(str(qwen2_dir), max_model_len=128, max_num_batched_tokens=budget, kvcache_block_size=8)
+    llm = LLM(str(qwen2_dir), device="cpu", dtype="float32",
+              max_model_len=128, max_num_batched_tokens=budget, kvcache_block_size=8)
     prompts = random_prompts(3, 5, 440, 9, 30, seed=34)
     params = SamplingParams(temperature=1.0, seed=8, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     worst = 0.0
@@ -238,7 +239,7 @@ def test_greedy_logprobs_rank_one_and_decoded_tokens(llm):
 # ----------------------------------------------------------------------------------------------------------
 
 def test_n_completions_share_prompt_blocks_and_are_reproducible(qwen3_dir):
-    llm = LLM(str(qwen3_dir), max_model_len=128, kvcache_block_size=8)
+    llm = LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=128, kvcache_block_size=8)
     prompt = random_prompts(1, 5, 500, 37, 37, seed=35)[0]
     params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
     engine = llm.llm_engine
@@ -374,7 +375,7 @@ def run_staggered(llm, arrivals: list[tuple[int, list[int]]], params) -> tuple[l
 
 
 def test_decode_continues_while_long_prompts_are_prefilled(qwen2_dir, captured_logits, report_logit_diff):
-    llm = LLM(str(qwen2_dir), max_model_len=256, max_num_batched_tokens=16)
+    llm = LLM(str(qwen2_dir), device="cpu", dtype="float32", max_model_len=256, max_num_batched_tokens=16)
     prompts = random_prompts(4, 5, 440, 3, 6, seed=36) + random_prompts(2, 5, 440, 100, 140, seed=37)
     arrivals = [(0, prompts[0]), (0, prompts[1]), (2, prompts[4]), (3, prompts[2]), (5, prompts[5]),
                 (9, prompts[3])]
@@ -394,7 +395,8 @@ def test_mixed_schedule_with_preemption_and_prefix_hits_matches_hf(llama_dir, ca
     tails = random_prompts(5, 5, 440, 2, 30, seed=39)
     arrivals = [(0, shared + tails[0]), (1, shared + tails[1]), (1, tails[2]), (4, shared + tails[3]),
                 (6, shared + tails[4]), (8, shared)]
-    llm = LLM(str(llama_dir), max_model_len=96, num_kvcache_blocks=12, max_num_batched_tokens=24,
+    llm = LLM(str(llama_dir), device="cpu", dtype="float32",
+              max_model_len=96, num_kvcache_blocks=12, max_num_batched_tokens=24,
               kvcache_block_size=8)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs, mixed = run_staggered(llm, arrivals, params)

@@ -19,7 +19,7 @@ def reference(model_dir, prompts=PROMPTS) -> list[dict]:
 @pytest.mark.parametrize("kind", MODEL_KINDS + ("qwen3-sharded",) + EXTRA_KINDS)
 def test_greedy_and_logits_match_hf(kind, model_dir, captured_logits, report_logit_diff):
     d = model_dir(kind)
-    llm = LLM(str(d), max_model_len=256)
+    llm = LLM(str(d), device="cpu", dtype="float32", max_model_len=256)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.prompt_token_ids for o in outputs] == PROMPTS
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS and o.outputs[0].finish_reason == "length" for o in outputs)
@@ -30,7 +30,7 @@ def test_greedy_and_logits_match_hf(kind, model_dir, captured_logits, report_log
 
 def test_chunked_prefill_matches_hf(qwen2_dir, captured_logits, report_logit_diff):
     # A 7-token budget splits every prompt into many chunks, some ending mid-block.
-    llm = LLM(str(qwen2_dir), max_model_len=256, max_num_batched_tokens=7)
+    llm = LLM(str(qwen2_dir), device="cpu", dtype="float32", max_model_len=256, max_num_batched_tokens=7)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     worst = check_against_hf(outputs, reference(qwen2_dir), captured_logits)
     report_logit_diff("qwen2, chunked prefill", worst)
@@ -39,7 +39,8 @@ def test_chunked_prefill_matches_hf(qwen2_dir, captured_logits, report_logit_dif
 
 def test_preemption_matches_hf(llama_dir, captured_logits, report_logit_diff):
     # 8 blocks of 16 tokens cannot hold all sequences at once: decode must preempt and recompute.
-    llm = LLM(str(llama_dir), max_model_len=128, num_kvcache_blocks=8, max_num_batched_tokens=64)
+    llm = LLM(str(llama_dir), device="cpu", dtype="float32",
+              max_model_len=128, num_kvcache_blocks=8, max_num_batched_tokens=64)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     worst = check_against_hf(outputs, reference(llama_dir), captured_logits)
@@ -52,7 +53,7 @@ def test_preemption_matches_hf(llama_dir, captured_logits, report_logit_diff):
 def test_prefix_cache_hits_match_hf(qwen3_dir, captured_logits, report_logit_diff):
     shared = random_prompts(1, 5, 440, 40, 40, seed=3)[0]
     prompts = [shared + tail for tail in random_prompts(4, 5, 440, 1, 20, seed=4)] + [shared]
-    llm = LLM(str(qwen3_dir), max_model_len=256, kvcache_block_size=16)
+    llm = LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=256, kvcache_block_size=16)
     first = llm.generate(prompts, GREEDY, use_tqdm=False)
     # Admitted in the same step, the later prompts share the first one's two full prefix blocks.
     assert [o.num_cached_tokens for o in first] == [0, 32, 32, 32, 32]
@@ -69,9 +70,10 @@ def test_prefix_cache_with_chunks_and_preemption(qwen3_untied_dir):
     """Everything at once: shared prefixes, tiny budget, tiny cache. Tokens equal a plain run's."""
     shared = random_prompts(1, 5, 440, 35, 35, seed=5)[0]
     prompts = [shared + tail for tail in random_prompts(6, 5, 440, 1, 20, seed=6)]
-    plain = LLM(str(qwen3_untied_dir), max_model_len=80, enable_prefix_caching=False)
+    plain = LLM(str(qwen3_untied_dir), device="cpu", dtype="float32", max_model_len=80, enable_prefix_caching=False)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
-    llm = LLM(str(qwen3_untied_dir), max_model_len=80, num_kvcache_blocks=10, max_num_batched_tokens=20,
+    llm = LLM(str(qwen3_untied_dir), device="cpu", dtype="float32",
+              max_model_len=80, num_kvcache_blocks=10, max_num_batched_tokens=20,
               kvcache_block_size=8)
     for _ in range(2):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
@@ -87,7 +89,7 @@ def test_sliding_window_chunked_prefill_and_prefix_cache_match_hf(kind, model_di
     shared = random_prompts(1, 5, 440, 40, 40, seed=8)[0]
     prompts = [shared + tail for tail in random_prompts(3, 5, 440, 1, 30, seed=9)]
     refs = reference(d, prompts)
-    llm = LLM(str(d), max_model_len=128, max_num_batched_tokens=7, kvcache_block_size=8)
+    llm = LLM(str(d), device="cpu", dtype="float32", max_model_len=128, max_num_batched_tokens=7, kvcache_block_size=8)
     first = llm.generate(prompts, GREEDY, use_tqdm=False)
     second = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert all(o.num_cached_tokens >= 40 for o in second)
@@ -101,7 +103,7 @@ def test_sliding_window_is_what_makes_the_match(model_dir, captured_logits):
     from nanoinfer.layers.attention import Attention
 
     d = model_dir("qwen2-swa")
-    llm = LLM(str(d), max_model_len=256)
+    llm = LLM(str(d), device="cpu", dtype="float32", max_model_len=256)
     layers = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Attention)]
     assert [a.sliding_window for a in layers] == [None, SLIDING_WINDOW["qwen2-swa"], SLIDING_WINDOW["qwen2-swa"]]
     for a in layers:
@@ -114,7 +116,7 @@ def test_sliding_window_is_what_makes_the_match(model_dir, captured_logits):
 
 def test_string_prompts_and_eos(llama_dir):
     """String prompts are tokenized like transformers does; an EOS from generation_config (a list) stops."""
-    llm = LLM(str(llama_dir), max_model_len=256)
+    llm = LLM(str(llama_dir), device="cpu", dtype="float32", max_model_len=256)
     tok = llm.tokenizer
     request = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
     assert request.prompt_token_ids == tok.encode("The quick brown fox")

@@ -1,24 +1,33 @@
 """The CUDA path's CPU-checkable parts: imports without CUDA/triton/flash-attn, device and backend choice,
 flash-attn's limits, the metadata every backend receives, CUDA-graph bookkeeping, GPU KV-cache sizing."""
+import gc
 import json
+import logging
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from cuda_fakes import EagerGraph
 from nanoinfer.config import Config
+from nanoinfer import LLM
 from nanoinfer.engine import cuda_graph
-from nanoinfer.engine.cuda_graph import CUDAGraphRunner, capture_sizes, pad_decode_inputs, padded_size
-from nanoinfer.engine.gpu_memory import kv_cache_blocks_for_gpu
-from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.engine.cuda_graph import CUDAGraphRunner, capture_sizes, padded_size
+from nanoinfer.engine.gpu_memory import kv_cache_blocks_for_gpu, profile_kv_cache_blocks
+from nanoinfer.engine.input_batch import InputBatch
+from nanoinfer.engine.model_runner import ModelRunner, warm_up_lengths
+from nanoinfer.engine.parallel import TPGroup
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
-from nanoinfer.layers.attention import selector
+from nanoinfer.layers.attention import Attention, selector
+from nanoinfer.layers.attention.cpu import CPUAttentionBackend
 from nanoinfer.layers.attention.metadata import AttentionMetadata
+from nanoinfer.layers.gated_delta_rule import GatedDeltaRule
 from nanoinfer.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,8 +49,8 @@ def test_every_module_imports_and_the_cpu_path_runs_without_cuda_triton_or_flash
                 imported.append(m.name)
             except ImportError as e:
                 failed[m.name] = str(e)
-        out = LLM(sys.argv[1], max_model_len=64).generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4),
-                                                          use_tqdm=False)[0]
+        llm = LLM(sys.argv[1], max_model_len=64, device="cpu")
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
         from nanoinfer.kernels.cuda import triton_layers
         print(json.dumps(dict(imported=imported, failed=failed, tokens=out.outputs[0].token_ids,
                               cuda_layer_kernels=triton_layers() is not None)))
@@ -51,7 +60,8 @@ def test_every_module_imports_and_the_cpu_path_runs_without_cuda_triton_or_flash
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     # Only Triton source in nanoinfer/kernels/ needs triton to import; everything else imports it lazily.
-    assert set(result["failed"]) == {"nanoinfer.kernels.triton_kvcache", "nanoinfer.kernels.triton_layers"}, \
+    assert set(result["failed"]) == {"nanoinfer.kernels.triton_kvcache", "nanoinfer.kernels.triton_layers",
+                                     "nanoinfer.kernels.triton_sampling"}, \
         result["failed"]
     assert all("triton" in error for error in result["failed"].values())
     assert not result["cuda_layer_kernels"]  # CUDA tensors would stay on the PyTorch layers
@@ -63,7 +73,13 @@ def test_every_module_imports_and_the_cpu_path_runs_without_cuda_triton_or_flash
 
 # ---- device and backend choice ----
 
-def test_device_resolution_on_a_machine_without_cuda():
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """A machine without CUDA, even where tests run on a GPU machine."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_device_resolution_on_a_machine_without_cuda(no_cuda):
     assert selector.resolve_device("auto") == torch.device("cpu")
     assert selector.resolve_device("cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="sees no CUDA device"):
@@ -74,7 +90,7 @@ def test_device_resolution_on_a_machine_without_cuda():
         selector.resolve_device("gpu0")
 
 
-def test_backend_choice_without_cuda():
+def test_backend_choice_without_cuda(no_cuda):
     cpu = torch.device("cpu")
     assert selector.select_backend("auto", cpu) == "cpu"
     assert selector.select_backend("cpu", cpu) == "cpu"
@@ -147,7 +163,7 @@ def test_config_on_cuda_defaults_and_errors(fake_cuda, qwen3_dir):
     assert (c.attention_backend, c.kvcache_block_size) == ("cpu", 16)
 
 
-def test_config_on_cpu_and_new_argument_errors(qwen3_dir):
+def test_config_on_cpu_and_new_argument_errors(no_cuda, qwen3_dir):
     c = Config(qwen3_dir)
     assert (c.torch_device, c.attention_backend, c.kvcache_block_size, c.torch_dtype) == (
         torch.device("cpu"), "cpu", 16, torch.float32)
@@ -175,8 +191,9 @@ def _seq(num_tokens: int, computed: int, table: list[int], block_size: int) -> S
 
 
 def _prepare(batch: ScheduledBatch, block_size: int):
-    runner = object.__new__(ModelRunner)  # prepare needs only the block size and the number of state slots
-    runner.block_size, runner.num_state_slots = block_size, 0
+    runner = object.__new__(ModelRunner)  # prepare needs only its input batch and the number of state slots
+    runner.num_state_slots = 0
+    runner.input_batch = InputBatch(8, 64, 64, block_size, torch.device("cpu"))
     return runner.prepare(batch, batch.samples)
 
 
@@ -239,25 +256,30 @@ def _decode_meta(context_lens: list[int], tables: list[list[int]], slots: list[i
         max_seqlen_q=1, max_seqlen_k=max(context_lens), block_size=4)
 
 
-def test_pad_decode_inputs():
+def test_decode_inputs_are_padded_in_the_staging_buffers():
+    batch = InputBatch(8, 20, 16, 4, torch.device("cpu"))
+    batch.np["input_ids"][:] = batch.np["slot_mapping"][:] = batch.np["block_tables"][:] = 99  # an earlier step
     meta = _decode_meta([5, 9, 2], [[3, 1, -1], [0, 2, 6], [4, -1, -1]], [4, 24, 17])
-    p = pad_decode_inputs(torch.tensor([11, 12, 13]), torch.tensor([4, 8, 1]), meta, size=4, width=5)
+    p = batch.decode_inputs(torch.tensor([11, 12, 13]), torch.tensor([4, 8, 1]), meta, size=4)
     assert p.input_ids.tolist() == [11, 12, 13, 0]
     assert p.positions.tolist() == [4, 8, 1, 0]
     assert p.slot_mapping.tolist() == [4, 24, 17, -1]
     assert p.context_lens.tolist() == [5, 9, 2, 0]
-    assert p.block_tables.tolist() == [[3, 1, -1, -1, -1], [0, 2, 6, -1, -1], [4, -1, -1, -1, -1], [-1] * 5]
+    assert p.block_tables.tolist() == [[3, 1, -1], [0, 2, 6], [4, -1, -1], [-1] * 3]
     assert (p.slot_mapping.dtype, p.context_lens.dtype, p.block_tables.dtype) == (torch.int64, torch.int32,
                                                                                   torch.int32)
+    assert p.input_ids.data_ptr() == batch.host.input_ids.data_ptr()  # the staging buffers themselves
 
 
 class EchoModel(torch.nn.Module):
-    """Hidden state = what the step read: ids, positions, context length, slot, and its block table's real
-    entries (count * 1000 + sum: the -1 padding of a wider table does not change it)."""
+    """Hidden state = what the step read: ids, positions, context length, slot, and the block-table entries that
+    cover its context (count * 1000 + sum; what lies past the context is never read)."""
 
     def forward(self, input_ids, positions, meta):
-        real = meta.block_tables >= 0
-        blocks = real.sum(1) * 1000 + meta.block_tables.clamp_min(0).sum(1)
+        width = meta.block_tables.shape[1]
+        num_blocks = (meta.context_lens + meta.block_size - 1).div(meta.block_size, rounding_mode="floor")
+        read = torch.arange(width) < num_blocks[:, None]
+        blocks = read.sum(1) * 1000 + (meta.block_tables * read).sum(1)
         return torch.stack([input_ids, positions, meta.context_lens.long(), meta.slot_mapping, blocks], 1).float()
 
 
@@ -272,19 +294,20 @@ def test_graph_runner_pads_replays_and_slices(monkeypatch):
                              hidden_size=5, dtype=torch.float32, device=torch.device("cpu"))
     runner.capture()
     assert sorted(runner.graphs) == [1, 2, 4, 8] and runner.width == 5
-    for ctx, tables, slots in [([5, 9, 2], [[3, 1], [0, 2], [4, -1]], [4, 24, 17]),   # 3 -> graph of 4
+    staging = InputBatch(8, 20, 16, 4, torch.device("cpu"))
+    for ctx, tables, slots in [([5, 9, 2], [[3, 1, -1], [0, 2, 6], [4, -1, -1]], [4, 24, 17]),  # 3 -> graph of 4
                                ([7], [[2, 5]], [21]),                                   # 1 -> graph of 1
-                               ([1] * 5, [[i] for i in range(5)], list(range(0, 20, 4)))]:  # 5 -> 8
+                               ([1] * 5, [[i] for i in range(5)], list(range(0, 20, 4))),  # 5 -> 8
+                               ([6, 3, 4], [[1, 4], [2, -1], [3, -1]], [5, 10, 15])]:  # 3 -> 4 over the 5 rows
         n = len(ctx)
         ids, pos = torch.arange(50, 50 + n), torch.tensor(ctx) - 1
         meta = _decode_meta(ctx, tables, slots)
-        out = runner.run(ids, pos, meta)
+        size = runner.padded_size(n)
+        out = runner.run(staging.decode_inputs(ids, pos, meta, size), n)
         assert torch.equal(out, EchoModel()(ids, pos, meta))  # real rows, sliced from the padded batch
-        size = padded_size(n, runner.sizes)
         pad_row = [0, 0, 0, -1, 0]  # padding: token 0, position 0, no context, no slot, no blocks
         assert runner.outputs[n:size].tolist() == [pad_row] * (size - n)
-    too_many = _decode_meta([1] * 9, [[0]] * 9, list(range(9)))
-    assert runner.run(torch.zeros(9, dtype=torch.long), torch.zeros(9, dtype=torch.long), too_many) is None
+    assert runner.padded_size(9) is None
 
 
 # ---- KV cache sizing on the GPU ----
@@ -295,3 +318,186 @@ def test_kv_cache_blocks_for_gpu():
     # what is allocated now -> 72 - 20 - 6 = 46 GiB for blocks of 64 MiB.
     assert kv_cache_blocks_for_gpu(80 * gib, 60 * gib, 16 * gib, 10 * gib, 0.9, 64 << 20) == 46 * 16
     assert kv_cache_blocks_for_gpu(10 * gib, 1 * gib, 2 * gib, 1 * gib, 0.9, 1 << 20) == 0  # over budget: none
+
+
+class FakeAllocator:
+    """torch.cuda's memory calls over a pretend GPU: bytes allocated, what the caching allocator holds (reserved),
+    and memory used outside it (CUDA context, other processes)."""
+
+    def __init__(self, total: int, outside: int, allocated: int) -> None:
+        self.total, self.outside = total, outside
+        self.allocated = self.reserved = self.peak = allocated
+
+    def alloc(self, n: int) -> None:
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+        self.reserved = max(self.reserved, self.allocated)
+
+    def free(self, n: int) -> None:
+        self.allocated -= n  # the allocator keeps it cached: still reserved
+
+    def empty_cache(self) -> None:
+        self.reserved = self.allocated
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        self.peak = self.allocated
+
+    def mem_get_info(self, device=None) -> tuple[int, int]:
+        return self.total - self.outside - self.reserved, self.total
+
+    def memory_stats(self, device=None) -> dict[str, int]:
+        return {"allocated_bytes.all.peak": self.peak, "allocated_bytes.all.current": self.allocated}
+
+    def install(self, monkeypatch) -> None:
+        for name in ("empty_cache", "reset_peak_memory_stats", "mem_get_info", "memory_stats"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+
+def test_kv_sizing_counts_the_warm_up_activations_once(monkeypatch):
+    gib = 1 << 30
+    gpu = FakeAllocator(total=80 * gib, outside=1 * gib, allocated=10 * gib)  # 10 GiB of weights
+    gpu.install(monkeypatch)
+
+    def warm_up() -> None:
+        gpu.alloc(6 * gib)  # activations of the largest step
+        gpu.alloc(gib // 2)  # kept: lazily created workspaces
+        gpu.free(6 * gib)
+
+    blocks = profile_kv_cache_blocks(warm_up, torch.device("cuda", 0), 0.9, 64 << 20)
+    # 72 GiB allowed - 1 outside - 10.5 allocated - 6 of activation headroom = 54.5 GiB; the activations' cached
+    # memory is given back before free memory is read, so it is not subtracted a second time.
+    assert blocks == 54.5 * 16
+    assert gpu.reserved == gpu.allocated  # the cache was emptied after the warm-up
+
+
+@pytest.mark.parametrize("budget, max_num_seqs, max_model_len, expected", [
+    (100, 5, 64, [64, 9, 9, 9, 9]),
+    (8192, 256, 4096, [4096] + [17] * 16 + [16] * 239),
+    (8192, 1, 4096, [4096]),
+    (10, 256, 4096, [2] + [1] * 8),  # the first keeps 2 tokens: a prefill
+    (64, 4, 8, [8, 8, 8, 8]),  # 4 full-length sequences are all a step can hold
+])
+def test_warm_up_lengths(budget, max_num_seqs, max_model_len, expected):
+    lengths = warm_up_lengths(budget, max_num_seqs, max_model_len)
+    assert lengths == expected
+    assert sum(lengths) == min(budget, max_num_seqs * max_model_len) and max(lengths) <= max_model_len
+
+
+def test_warm_up_runs_with_the_backend_and_every_logits_row(qwen3_dir, monkeypatch, caplog):
+    """On CUDA the warm-up runs where _allocate_kv_cache starts (run here the same way, on the CPU): the attention
+    layers already have their backend then, and it computes the logits of every row of the largest step. Start-up
+    logs the cache's size in one line."""
+    steps = []
+    execute, allocate = ModelRunner.execute, ModelRunner._allocate_kv_cache
+
+    def recording_execute(self, input_ids, positions, meta, logit_rows):
+        logits = execute(self, input_ids, positions, meta, logit_rows)
+        steps.append((meta.cu_seqlens_q.diff().tolist(), len(logit_rows), tuple(logits.shape)))
+        return logits
+
+    def warm_up_first(self, reserved_bytes=0):
+        self._warm_up()
+        return allocate(self, reserved_bytes)
+
+    monkeypatch.setattr(ModelRunner, "execute", recording_execute)
+    monkeypatch.setattr(ModelRunner, "_allocate_kv_cache", warm_up_first)
+    with caplog.at_level(logging.INFO, logger="nanoinfer.engine.model_runner"):
+        llm = LLM(str(qwen3_dir), device="cpu", max_model_len=64, max_num_seqs=5, max_num_batched_tokens=100)
+    assert steps == [([64, 9, 9, 9, 9], 100, (100, 512))]
+    blocks = llm.llm_engine.model_runner.num_kvcache_blocks
+    block_bytes = 3 * 2 * 16 * 2 * 32 * 4  # layers x (K, V) x tokens x KV heads x head_dim x fp32
+    assert [r.getMessage() for r in caplog.records] == [
+        f"KV cache: {blocks} blocks of 16 tokens ({blocks * 16} tokens), {blocks * block_bytes / 2**30:.2f} GiB"]
+    llm.close()
+
+
+def _memory_of(llm: LLM) -> list[weakref.ref]:
+    """Weak references to the model, every parameter, and the KV cache and recurrent state tensors."""
+    model = llm.llm_engine.model_runner.model
+    tensors = [*model.parameters()]
+    for m in model.modules():
+        if isinstance(m, Attention):
+            tensors += [m.k_cache, m.v_cache]
+        elif isinstance(m, GatedDeltaRule):
+            tensors += [m.conv_state, m.ssm_state]
+    return [weakref.ref(model), *map(weakref.ref, tensors)]
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3-moe", "qwen3-next"])
+def test_close_del_and_with_free_the_model_and_caches_without_the_garbage_collector(kind, model_dir):
+    """Reference counting alone frees everything (no module <-> parameter cycles), after close(), after del and
+    after a with block; an engine made next works the same."""
+    d = model_dir(kind)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    gc.collect()
+    gc.disable()
+    try:
+        llm = LLM(str(d), device="cpu", max_model_len=64)
+        expected = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+        memory = _memory_of(llm)
+        llm.close()
+        assert [r for r in memory if r() is not None] == []
+        with pytest.raises(RuntimeError, match="closed"):
+            llm.generate([[5, 6, 7]], params, use_tqdm=False)
+        llm = LLM(str(d), device="cpu", max_model_len=64)
+        memory = _memory_of(llm)
+        del llm
+        assert [r for r in memory if r() is not None] == []
+        with LLM(str(d), device="cpu", max_model_len=64) as llm:
+            memory = _memory_of(llm)
+            assert llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids == expected
+        assert [r for r in memory if r() is not None] == []
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen3-moe", "qwen3-next"])
+def test_model_is_built_on_the_target_device_in_its_dtype(kind, model_dir):
+    """Built under the device (meta here, CUDA in use) and filled there: no parameter or buffer is ever made on
+    the host, so loading on CUDA needs no host copy of the model."""
+    config = Config(model_dir(kind), device="cpu", dtype="bfloat16")
+    model = ModelRunner._load_model(config, torch.device("meta"))
+    assert {t.device.type for t in (*model.parameters(), *model.buffers())} == {"meta"}
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_sliding_window_decode_stays_on_the_inputs_device():
+    """The PyTorch backend's decode (on CUDA: no C kernel) with a window, on meta tensors: a tensor it made on
+    the CPU would fail to combine with them."""
+    device = torch.device("meta")
+    backend = CPUAttentionBackend(torch.float32, device)
+    meta = _decode_meta([5, 9], [[0, 1, -1], [2, 3, 4]], [4, 8]).to(device)
+    backend.prepare(meta)
+    cache, q = torch.zeros(5, 4, 2, 8, device=device), torch.zeros(2, 4, 8, device=device)
+    out = backend.forward(q, q, q, cache, cache, meta, 0.3, window=3)
+    assert out.shape == (2, 32) and out.device == device
+
+
+def test_tensor_parallel_needs_a_gpu_per_rank(fake_cuda, monkeypatch, qwen3_dir):
+    cuda_sdpa = dict(attention_backend="cpu", dtype="float32")
+    assert Config(qwen3_dir, tensor_parallel_size=2, **cuda_sdpa).tensor_parallel_size == 2  # 2 GPUs visible
+    with pytest.raises(ValueError, match="all 2 tensor-parallel ranks on one GPU"):
+        Config(qwen3_dir, tensor_parallel_size=2, device="cuda:1", **cuda_sdpa)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs 2 GPUs .* 1 CUDA device\(s\) are visible"):
+        Config(qwen3_dir, tensor_parallel_size=2, **cuda_sdpa)
+    assert Config(qwen3_dir, tensor_parallel_size=2, device="cpu").torch_device == torch.device("cpu")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # torchrun, one rank on this machine and one elsewhere
+    assert Config(qwen3_dir, tensor_parallel_size=2, **cuda_sdpa).tensor_parallel_size == 2
+
+
+@pytest.mark.skipif(dist.is_initialized(), reason="needs this process to have no process group yet")
+def test_tensor_parallel_on_the_cpu_uses_gloo_and_no_gpu(monkeypatch):
+    """device='cpu' on a GPU machine: the ranks never select a GPU (a second rank would find no GPU 1 on a
+    one-GPU machine) and talk over gloo."""
+    def no_gpu(device) -> None:
+        raise AssertionError(f"torch.cuda.set_device({device}) called for a CPU engine")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", no_gpu)
+    group = TPGroup()
+    group._init_process_groups(False, store=dist.HashStore())
+    try:
+        assert dist.get_backend() == "gloo"
+    finally:
+        dist.destroy_process_group()

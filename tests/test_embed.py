@@ -26,7 +26,7 @@ def test_reference_is_bidirectional_and_position_free(llama_dir):
 def test_embeddings_match_transformers(kind, model_dir, report_logit_diff):
     d = model_dir(kind)
     # A 100-token budget splits the prompts over several encoder batches.
-    llm = LLM(str(d), max_model_len=128, max_num_batched_tokens=100)
+    llm = LLM(str(d), device="cpu", dtype="float32", max_model_len=128, max_num_batched_tokens=100)
     states = [hf_encoder_states(d, p) for p in PROMPTS]
     worst = 0.0
     for pooling, pool in (("mean", lambda h: h.mean(0)), ("last", lambda h: h[-1])):
@@ -45,7 +45,7 @@ def test_embeddings_match_transformers(kind, model_dir, report_logit_diff):
 
 
 def test_embed_strings_errors_and_generation_untouched(qwen3_dir):
-    llm = LLM(str(qwen3_dir), max_model_len=128)
+    llm = LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=128)
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     before = llm.generate(PROMPTS[:3], greedy, use_tqdm=False)
     text = "The quick brown fox"

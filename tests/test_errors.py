@@ -21,7 +21,7 @@ BASE_PROMPTS = ["The quick brown fox", [5, 6, 7, 8, 9, 10, 11, 12, 13], list(ran
 
 @pytest.fixture(scope="module")
 def llm(qwen3_dir):
-    return LLM(str(qwen3_dir), max_model_len=MAX_LEN, kvcache_block_size=8, device="cpu")
+    return LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=MAX_LEN, kvcache_block_size=8)
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +202,8 @@ def test_failure_during_a_step_aborts_everything_and_engine_stays_usable(llm, ba
 
 
 def test_interrupted_step_does_not_poison_the_prefix_cache(qwen3_dir, monkeypatch):
-    llm = LLM(str(qwen3_dir), max_model_len=MAX_LEN, kvcache_block_size=8, device="cpu", dtype="float32")
+    llm = LLM(str(qwen3_dir), device="cpu", dtype="float32",
+              max_model_len=MAX_LEN, kvcache_block_size=8)  # own engine: this one gets poisoned
     prompt = list(range(200, 240))  # 5 full blocks of 8
     ref = hf_greedy(qwen3_dir, [prompt], 8)[0]
 
@@ -224,7 +225,7 @@ def test_interrupted_step_does_not_poison_the_prefix_cache(qwen3_dir, monkeypatc
 
 def test_unknown_keyword_is_a_type_error(qwen3_dir):
     with pytest.raises(TypeError, match="max_modle_len"):
-        LLM(str(qwen3_dir), max_modle_len=64)
+        LLM(str(qwen3_dir), device="cpu", dtype="float32", max_modle_len=64)
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
@@ -242,7 +243,7 @@ def test_unknown_keyword_is_a_type_error(qwen3_dir):
 ])
 def test_bad_engine_argument(qwen3_dir, kwargs, exc, match):
     with pytest.raises(exc, match=match):
-        LLM(str(qwen3_dir), **{"max_model_len": 64, **kwargs})
+        LLM(str(qwen3_dir), device="cpu", dtype="float32", **{"max_model_len": 64, **kwargs})
 
 
 def test_top_k_beyond_the_vocabulary_means_no_filter(llm):
@@ -274,12 +275,12 @@ def test_concurrent_generate_calls_take_turns(llm, baseline):
 
 def test_missing_model_dir(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
-        LLM(str(tmp_path / "nope"))
+        LLM(str(tmp_path / "nope"), device="cpu", dtype="float32")
 
 
 def test_dir_without_config(tmp_path):
     with pytest.raises(ValueError, match="config.json"):
-        LLM(str(tmp_path))
+        LLM(str(tmp_path), device="cpu", dtype="float32")
 
 
 def copy_model(src, dst):
@@ -293,7 +294,7 @@ def test_unknown_architecture(qwen3_dir, tmp_path):
     cfg["architectures"] = ["FooForCausalLM"]
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="FooForCausalLM"):
-        LLM(str(d), max_model_len=64)
+        LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
 
 
 def rewrite_weights(src, dst, edit):
@@ -314,7 +315,7 @@ def rewrite_weights(src, dst, edit):
 def test_checkpoint_missing_a_tensor(qwen3_dir, tmp_path, tensor, named):
     d = rewrite_weights(qwen3_dir, tmp_path / "m", lambda w: w.pop(tensor))
     with pytest.raises(ValueError, match="missing") as e:
-        LLM(str(d), max_model_len=64)
+        LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
     assert named in str(e.value)
 
 
@@ -323,7 +324,7 @@ def test_checkpoint_missing_a_tensor(qwen3_dir, tmp_path, tensor, named):
 def test_checkpoint_with_an_unknown_tensor(qwen3_dir, tmp_path, tensor):
     d = rewrite_weights(qwen3_dir, tmp_path / "m", lambda w: w.__setitem__(tensor, torch.ones(64)))
     with pytest.raises(ValueError, match="no parameter") as e:
-        LLM(str(d), max_model_len=64)
+        LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
     assert repr(tensor) in str(e.value)
 
 
@@ -345,7 +346,7 @@ def _reshape(name, fn):
 def test_checkpoint_tensor_with_wrong_shape(qwen3_dir, tmp_path, tensor, fn):
     d = rewrite_weights(qwen3_dir, tmp_path / "m", _reshape(tensor, fn))
     with pytest.raises(ValueError, match="shape") as e:
-        LLM(str(d), max_model_len=64)
+        LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
     assert tensor in str(e.value)
 
 
@@ -412,8 +413,10 @@ def test_integer_checkpoint_tensor_is_refused(qwen3_dir, tmp_path, tensor, named
 
 def test_kv_cache_too_small_for_max_model_len(qwen3_dir):
     with pytest.raises(ValueError, match="num_kvcache_blocks"):
-        LLM(str(qwen3_dir), max_model_len=128, kvcache_block_size=4, num_kvcache_blocks=31)
-    llm = LLM(str(qwen3_dir), max_model_len=128, kvcache_block_size=4, num_kvcache_blocks=32)
+        LLM(str(qwen3_dir), device="cpu", dtype="float32",
+            max_model_len=128, kvcache_block_size=4, num_kvcache_blocks=31)
+    llm = LLM(str(qwen3_dir), device="cpu", dtype="float32",
+              max_model_len=128, kvcache_block_size=4, num_kvcache_blocks=32)
     assert llm.llm_engine.model_runner.num_kvcache_blocks == 32
 
 
@@ -432,7 +435,8 @@ def test_many_short_requests_with_a_tiny_kv_cache(qwen3_dir):
         prompts[i] = prompts[i - 5][:] if i >= 5 else prompts[i]
         prompts[i + 1] = prompts[i][:8] + prompts[i + 1][:4]
 
-    small = LLM(str(qwen3_dir), max_model_len=64, kvcache_block_size=4, num_kvcache_blocks=64, max_num_seqs=256)
+    small = LLM(str(qwen3_dir), device="cpu", dtype="float32",
+                max_model_len=64, kvcache_block_size=4, num_kvcache_blocks=64, max_num_seqs=256)
     outs = small.generate(prompts, params, use_tqdm=False)
     engine = small.llm_engine
     assert len(outs) == n
@@ -442,7 +446,8 @@ def test_many_short_requests_with_a_tiny_kv_cache(qwen3_dir):
     assert engine.scheduler.num_preemptions > 0
     assert_idle(small)
 
-    roomy = LLM(str(qwen3_dir), max_model_len=64, kvcache_block_size=4, num_kvcache_blocks=2048, max_num_seqs=256)
+    roomy = LLM(str(qwen3_dir), device="cpu", dtype="float32",
+                max_model_len=64, kvcache_block_size=4, num_kvcache_blocks=2048, max_num_seqs=256)
     ref = roomy.generate(prompts, params, use_tqdm=False)
     assert roomy.llm_engine.scheduler.num_preemptions == 0
     mismatches = [i for i, (a, b) in enumerate(zip(outs, ref)) if a.outputs[0].token_ids != b.outputs[0].token_ids]

@@ -288,7 +288,7 @@ def test_smol_engine_greedy_matches_transformers(smol_path, captured_logits, rep
 
     from nanoinfer import LLM, SamplingParams
 
-    llm = LLM(str(smol_path), max_model_len=512)
+    llm = LLM(str(smol_path), device="cpu", dtype="float32", max_model_len=512)
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 7?",
                  "Name three programming languages."]
     conversations = [[{"role": "user", "content": q}] for q in questions]

@@ -21,7 +21,7 @@ def reference(model_dir, prompts=PROMPTS) -> list[dict]:
 
 
 def run(model_dir, captured, prompts=PROMPTS, **kwargs):
-    llm = LLM(str(model_dir), max_model_len=128, **kwargs)
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=128, **kwargs)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     worst = check_against_hf(outputs, reference(model_dir, prompts), captured)
     bm = llm.llm_engine.scheduler.block_manager
@@ -64,7 +64,7 @@ def test_no_prefix_cache_reuse(next_dir, captured_logits):
     """A cached prefix has K/V but no recurrent state: prefix caching is off for these models, even when asked."""
     shared = random_prompts(1, 5, 440, 40, 40, seed=3)[0]
     prompts = [shared + tail for tail in random_prompts(3, 5, 440, 1, 20, seed=4)] + [shared]
-    llm = LLM(str(next_dir), max_model_len=128, enable_prefix_caching=True)
+    llm = LLM(str(next_dir), device="cpu", dtype="float32", max_model_len=128, enable_prefix_caching=True)
     assert not llm.llm_engine.scheduler.block_manager.enable_prefix_caching
     for _ in range(2):
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -134,7 +134,7 @@ def test_causal_conv_carries_state_across_chunks():
 
 
 def test_embed_is_refused(next_dir):
-    llm = LLM(str(next_dir), max_model_len=64)
+    llm = LLM(str(next_dir), device="cpu", dtype="float32", max_model_len=64)
     with pytest.raises(ValueError, match="bidirectional encoder"):
         llm.embed([[5, 6, 7]])
     assert len(llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == MAX_TOKENS  # still usable
@@ -153,7 +153,7 @@ def test_multi_token_prediction_weights_are_skipped(next_dir, tmp_path):
                 (d / f.name).write_bytes(f.read_bytes())
         save_file({**weights, extra: torch.zeros(4, 4)}, d / "model.safetensors")
         if ok:
-            LLM(str(d), max_model_len=64)
+            LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
         else:
             with pytest.raises(ValueError, match="model.extra.weight"):
-                LLM(str(d), max_model_len=64)
+                LLM(str(d), device="cpu", dtype="float32", max_model_len=64)

@@ -1,31 +1,57 @@
-"""Sampling: the Sampler on hand-made logits (filters, greedy rows, goodness of fit), per-request seeds through
-the engine, and SamplingParams validation."""
+"""Sampling: the Sampler on hand-made logits (filters, greedy rows, goodness of fit), counter-based noise and
+sampling where the logits are (no host copy of [rows, vocab], no host sync), penalty counts kept on the device,
+per-request seeds through the engine, incremental detokenization, and SamplingParams validation."""
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from transformers import AutoTokenizer
+
 from models import random_prompts
-from nanoinfer import LLM, SamplingParams
-from nanoinfer.layers.sampler import Sampler, SamplingMetadata
+from nanoinfer import LLM, RequestOutputKind, SamplingParams
+from nanoinfer.engine.detokenizer import IncrementalDetokenizer
+from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.engine.sampling_state import PenaltyCache
+from nanoinfer.engine.sequence import Sequence
+from nanoinfer.layers import sampler as sampler_module
+from nanoinfer.layers.sampler import Sampler, SamplingMetadata, exponential_noise, noise_keys
+from nanoinfer.utils import default_model
+from nanoinfer.utils.gguf_loader import load_gguf_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # Chi-square critical values at the 0.999 quantile (scipy.stats.chi2.ppf(0.999, df)); scipy is not installed.
 CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515}
 
 
-def sample(logits, temperature, top_k=-1, top_p=1.0, generators=None, seed=0):
-    """One call of the Sampler; scalars are broadcast over the rows."""
+def keys(seeds, positions) -> torch.Tensor:
+    return torch.from_numpy(noise_keys(np.array(seeds, dtype=np.uint64), np.array(positions, dtype=np.uint64)))
+
+
+def sample(logits, temperature, top_k=-1, top_p=1.0, seeds=None, seed=0, positions=None):
+    """One call of the Sampler; scalars are broadcast over the rows. Rows without a seed of their own draw one
+    from `seed`, as the engine does for unseeded requests."""
     b = logits.shape[0]
 
     def col(v, dtype):
         return torch.tensor(v if isinstance(v, list) else [v] * b, dtype=dtype)
 
+    rng = random.Random(seed)
+    seeds = [s if s is not None else rng.getrandbits(64) for s in (seeds or [None] * b)]
+    temperatures = col(temperature, torch.float32)
     return Sampler()(logits.float(), SamplingMetadata(
-        temperatures=col(temperature, torch.float32), top_k=col(top_k, torch.int64),
-        top_p=col(top_p, torch.float32), generators=generators if generators is not None else [None] * b,
-        default_generator=torch.Generator().manual_seed(seed))).token_ids
+        temperatures=temperatures, top_k=col(top_k, torch.int64), top_p=col(top_p, torch.float32),
+        noise_keys=keys(seeds, positions or [0] * b), all_greedy=bool((temperatures == 0).all()))).token_ids
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -113,8 +139,8 @@ def test_temperature_zero_rows_are_argmax_in_a_mixed_batch():
     argmax = logits.argmax(-1)
     seen_non_argmax = False
     for seed in range(40):
-        gens = [torch.Generator().manual_seed(100 + seed) if i % 2 else None for i in range(6)]
-        out = sample(logits, temps, top_k=top_k, top_p=top_p, generators=gens, seed=seed)
+        seeds = [100 + seed if i % 2 else None for i in range(6)]
+        out = sample(logits, temps, top_k=top_k, top_p=top_p, seeds=seeds, seed=seed)
         assert out[greedy_rows].tolist() == argmax[greedy_rows].tolist()
         seen_non_argmax |= bool((out[sampled_rows] != argmax[sampled_rows]).any())
     assert seen_non_argmax, "the sampled rows never left the argmax: they were not sampled"
@@ -128,12 +154,15 @@ def test_all_greedy_batch_is_argmax():
 LOGITS6 = torch.tensor([2.0, 1.5, 1.0, 0.6, 0.2, -0.5])
 
 
-@pytest.mark.parametrize("per_request_generators", [False, True], ids=["engine-generator", "seeded-generators"])
-def test_temperature_chi_square_goodness_of_fit(per_request_generators):
+@pytest.mark.parametrize("keying", ["engine-seed", "consecutive-seeds", "consecutive-positions"])
+def test_temperature_chi_square_goodness_of_fit(keying):
+    """Rows keyed by seeds drawn from the engine's seed, by seeds 0..n-1 at one position, or by one seed at
+    positions 0..n-1 (a long sequence's successive tokens): all must follow softmax(logits / T)."""
     n, temperature = 20_000, 0.7
     expected = torch.softmax(LOGITS6.double() / temperature, -1)
-    gens = [torch.Generator().manual_seed(s) for s in range(n)] if per_request_generators else None
-    tokens = sample(LOGITS6.expand(n, -1).contiguous(), temperature, generators=gens, seed=11)
+    seeds = {"engine-seed": None, "consecutive-seeds": list(range(n)), "consecutive-positions": [7] * n}[keying]
+    positions = list(range(n)) if keying == "consecutive-positions" else None
+    tokens = sample(LOGITS6.expand(n, -1).contiguous(), temperature, seeds=seeds, seed=11, positions=positions)
     counts = torch.bincount(tokens, minlength=6).double()
     stat = chi_square(counts, expected)
     assert stat < CHI2_999[5], f"chi2={stat:.1f} (df=5); counts={counts.tolist()} expected={(expected * n).tolist()}"
@@ -159,6 +188,218 @@ def test_top_k_top_p_combined_renormalised_chi_square():
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Counter-based noise and sampling where the logits are
+# ----------------------------------------------------------------------------------------------------------
+
+def test_noise_depends_only_on_seed_position_and_token():
+    vocab = 1000
+    k = keys([5, 5, 6, 2**64 - 1], [10, 11, 10, 10])
+    batch = exponential_noise(k, vocab)
+    assert batch.shape == (4, vocab) and batch.dtype == torch.float32
+    # A row's noise is the same in any batch, alone or elsewhere; a different seed or position changes it.
+    assert torch.equal(exponential_noise(k[[2, 0]], vocab), batch[[2, 0]])
+    assert torch.equal(exponential_noise(k[1:2], vocab + 7)[:, :vocab], batch[1:2])
+    for a, b in [(0, 1), (0, 2), (0, 3)]:
+        assert (batch[a] != batch[b]).float().mean() > 0.99
+    # Exp(1): the fractions below quantiles match 1 - exp(-x) within 1% over 4,000 draws, and nothing is 0 or inf.
+    assert bool(torch.isfinite(batch).all()) and float(batch.min()) > 0
+    for x in (0.1, 0.5, 1.0, 2.0, 4.0):
+        assert abs(float((batch < x).float().mean()) - (1 - math.exp(-x))) < 0.025
+    # Consecutive seeds and positions give uncorrelated rows.
+    rows = exponential_noise(keys(list(range(64)), [0] * 64), vocab)
+    corr = torch.corrcoef(rows)
+    assert float((corr - torch.eye(64)).abs().max()) < 0.2
+
+
+NOISE_KERNEL_CHECK = """
+import numpy as np, torch
+from nanoinfer.kernels.triton_sampling import exponential_noise as kernel
+from nanoinfer.layers.sampler import exponential_noise, noise_keys
+k = torch.from_numpy(noise_keys(np.array([0, 1, 2**64 - 1, 12345], dtype=np.uint64),
+                                np.array([0, 5, 9, 2**40], dtype=np.uint64)))
+for vocab in (1, 1000, 3001):
+    # The same integers; log may differ in the last bit between numpy (the interpreter) and torch.
+    torch.testing.assert_close(kernel(k, vocab), exponential_noise(k, vocab), rtol=1e-6, atol=0)
+print("noise kernel ok")
+"""
+
+
+@pytest.mark.slow
+def test_triton_noise_kernel_equals_the_torch_noise_under_the_interpreter():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    r = subprocess.run([sys.executable, "-c", NOISE_KERNEL_CHECK], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    assert r.returncode == 0 and "noise kernel ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_noise_and_seeded_tokens_are_the_same_on_cuda_and_cpu():
+    k = keys([0, 3, 2**63], [1, 2, 3])
+    torch.testing.assert_close(exponential_noise(k.cuda(), 151_936).cpu(), exponential_noise(k, 151_936),
+                               rtol=1e-5, atol=0)
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(9))
+    args = dict(temperature=[0.7, 1.0, 1.3], top_k=[-1, 40, -1], top_p=[1.0, 1.0, 0.9], seeds=[0, 3, 2**63],
+                positions=[1, 2, 3])
+    on_cuda = Sampler()(logits.cuda(), SamplingMetadata(
+        temperatures=torch.tensor(args["temperature"]).cuda(), top_k=torch.tensor(args["top_k"]).cuda(),
+        top_p=torch.tensor(args["top_p"]).cuda(), noise_keys=k.cuda(), all_greedy=False)).token_ids
+    assert on_cuda.device.type == "cuda" and on_cuda.tolist() == sample(logits, **args).tolist()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_host_copy_per_step_on_cuda(qwen3_dir, monkeypatch):
+    """Token ids, logprobs and prompt logprobs of a step come back in a single device-to-host copy."""
+    llm = LLM(str(qwen3_dir), max_model_len=MAX_LEN, device="cuda", dtype="float32", enforce_eager=True)
+    runner = llm.llm_engine.model_runner
+    copies, steps = [0], [0]
+    copy_, run = torch.Tensor.copy_, ModelRunner.run
+
+    def counting_copy(dst, src, *args, **kwargs):
+        copies[0] += dst.device.type == "cpu" and src.device.type == "cuda"
+        return copy_(dst, src, *args, **kwargs)
+
+    def counting_run(self, batch):
+        steps[0] += 1
+        return run(self, batch)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counting_copy)
+    monkeypatch.setattr(ModelRunner, "run", counting_run)
+    big = HostCopies(monkeypatch, llm.llm_engine.vocab_size, "cuda")
+    params = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2, logprobs=2, prompt_logprobs=1,
+                            max_tokens=6, ignore_eos=True, seed=0)
+    outs = llm.generate(random_prompts(3, 5, 400, 5, 9, seed=44), params, use_tqdm=False)
+    assert all(len(o.outputs[0].logprobs) == 6 and len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in outs)
+    assert runner.to_host.buffer.is_pinned()
+    assert copies[0] == steps[0] and big.seen == []
+
+
+def test_sampled_tokens_of_a_row_do_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(5, 300, generator=g) * 2
+    seeds, positions = [11, 12, 13, 14, 15], [3, 40, 7, 7, 100]
+    args = dict(temperature=[0.9, 1.3, 0.0, 0.7, 1.0], top_k=[-1, 50, -1, 10, -1], top_p=[1.0, 0.9, 1.0, 0.95, 0.8])
+    full = sample(logits, seeds=seeds, positions=positions, **args)
+    for rows in ([3], [4, 0], [1, 3, 2]):
+        sub = sample(logits[rows], seeds=[seeds[r] for r in rows], positions=[positions[r] for r in rows],
+                     **{k: [v[r] for r in rows] for k, v in args.items()})
+        assert sub.tolist() == full[rows].tolist()
+
+
+def test_all_greedy_batch_draws_no_noise(monkeypatch):
+    monkeypatch.setattr(sampler_module, "exponential_noise", lambda *a: pytest.fail("noise drawn for greedy rows"))
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(8))
+    assert sample(logits, 0.0).tolist() == logits.argmax(-1).tolist()
+
+
+def meta_runner() -> ModelRunner:
+    """The sampling half of a ModelRunner on the meta device, where any host synchronisation (.item(), .tolist(),
+    bool() of a tensor, a copy to the CPU) raises: what passes here never waits for the device."""
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device = torch.device("meta")
+    runner.sampler, runner.seeds = Sampler(), random.Random(0)
+    runner.penalty_cache = PenaltyCache(runner.device)
+    return runner
+
+
+def test_sampling_with_every_feature_never_synchronises_with_the_device():
+    vocab = 97
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=2),
+              SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=3, min_tokens=4,
+                             stop_token_ids=[7]),
+              SamplingParams(temperature=1.2, presence_penalty=0.5, frequency_penalty=0.3, logprobs=0),
+              SamplingParams(temperature=0.0)]
+    seqs = [Sequence([1, 2, 3, 2], p, 4, eos_token_ids=frozenset({0})) for p in params]
+    seqs[2].token_ids += [5, 5, 9]
+    runner = meta_runner()
+    for _ in range(2):
+        out = runner.sample(seqs, torch.empty(4, vocab, device="meta"))
+        assert out.token_ids.device.type == "meta" and out.token_ids.shape == (4,)
+        assert all(t.device.type == "meta" for t in out.logprobs) and out.logprobs[2].shape == (4, 2)
+        for seq in seqs:
+            seq.token_ids.append(4)
+    m = runner._sampling_metadata(seqs, vocab)
+    assert m.penalties.output_counts.device.type == "meta" and m.noise_keys.device.type == "meta"
+
+
+class HostCopies:
+    """Records every copy to the host (cpu(), tolist(), numpy(), item(), to("cpu")) of a tensor on `device_type`
+    of at least `size` elements."""
+
+    def __init__(self, monkeypatch, size: int, device_type: str):
+        self.seen: list[tuple[str, tuple[int, ...]]] = []
+        for name in ("cpu", "tolist", "numpy", "item", "to"):
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._recording(name, original, size, device_type))
+
+    def _recording(self, name, original, size, device_type):
+        def method(t, *args, **kwargs):
+            to_cpu = name != "to" or any(str(a) == "cpu" for a in (*args, *kwargs.values()))
+            if to_cpu and t.numel() >= size and t.device.type == device_type:
+                self.seen.append((name, tuple(t.shape)))
+            return original(t, *args, **kwargs)
+        return method
+
+
+def test_logits_stay_where_they_are_computed(llm, monkeypatch):
+    """No [rows, vocab] tensor is copied to the host, whatever the request asks for; only ids and the requested
+    logprobs are (on the CPU the device is the host, so this counts the calls that would copy)."""
+    vocab = llm.llm_engine.vocab_size
+    prompts = random_prompts(3, 5, 60, 6, 12, seed=41)
+    params = [SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=1),
+              SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.2,
+                             presence_penalty=0.3, frequency_penalty=0.2, min_tokens=2, max_tokens=5, seed=1),
+              SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)]
+    copies = HostCopies(monkeypatch, vocab, "cpu")
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(c.token_ids) for c in outs[0].outputs + outs[2].outputs] == [5, 5] and len(outs[1].outputs) == 2
+    assert len(outs[0].outputs[0].logprobs) == 5 and len(outs[0].prompt_logprobs) == len(prompts[0])
+    assert copies.seen == [], f"[rows, vocab] tensors copied to the host: {copies.seen}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Penalty counts on the device
+# ----------------------------------------------------------------------------------------------------------
+
+def test_penalty_counts_follow_the_tokens_across_preemption_and_n(llama_dir, monkeypatch):
+    """Each step the cache's rows equal the prompt mask and output counts rebuilt from the token ids, through
+    preemption (recompute) and slot reuse, and a sequence's slot is filled once, not every step."""
+    checked, claims = [0], []
+    gather, claim = PenaltyCache.gather, PenaltyCache._claim
+
+    def checking_gather(self, seqs, vocab):
+        mask, counts = gather(self, seqs, vocab)
+        for seq, m, c in zip(seqs, mask, counts):
+            ref_mask = torch.zeros(vocab, dtype=torch.bool)
+            ref_mask[seq.token_ids[:seq.num_prompt_tokens]] = True
+            ref_counts = torch.bincount(torch.tensor(seq.completion_token_ids, dtype=torch.long), minlength=vocab)
+            assert torch.equal(m, ref_mask) and torch.equal(c, ref_counts.float())
+            checked[0] += 1
+        return mask, counts
+
+    def counting_claim(self, seq, vocab):
+        claims.append(seq.seq_id)
+        return claim(self, seq, vocab)
+
+    monkeypatch.setattr(PenaltyCache, "gather", checking_gather)
+    monkeypatch.setattr(PenaltyCache, "_claim", counting_claim)
+    llm = LLM(str(llama_dir), max_model_len=96, num_kvcache_blocks=12, max_num_batched_tokens=24,
+              kvcache_block_size=8, max_num_seqs=6)
+    prompts = random_prompts(12, 5, 30, 10, 40, seed=42)  # a narrow id range: repeats in prompt and output
+    params = SamplingParams(n=2, temperature=0.8, repetition_penalty=1.5, frequency_penalty=0.4, max_tokens=20,
+                            ignore_eos=True, seed=3)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(len(c.token_ids) == 20 for o in outs for c in o.outputs)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    cache = llm.llm_engine.model_runner.penalty_cache
+    assert checked[0] >= 24 * 20 and len(cache.owners) <= 8  # slots of finished sequences are reused
+    # Once per sequence, plus once per readmission after its slot went to another sequence while it waited.
+    assert len(set(claims)) == 24 and len(claims) < 24 + llm.llm_engine.scheduler.num_preemptions + 1
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Engine-level seeds
 # ----------------------------------------------------------------------------------------------------------
 
@@ -167,7 +408,7 @@ MAX_LEN = 96
 
 @pytest.fixture(scope="module")
 def llm(qwen3_dir):
-    return LLM(str(qwen3_dir), max_model_len=MAX_LEN, seed=0, kvcache_block_size=8)
+    return LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=MAX_LEN, seed=0, kvcache_block_size=8)
 
 
 def tokens_of(llm, prompts, params):
@@ -204,7 +445,8 @@ def test_unseeded_requests_reproducible_across_fresh_engines_with_the_same_seed(
     params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
 
     def run(seed):
-        return tokens_of(LLM(str(qwen3_dir), max_model_len=MAX_LEN, seed=seed), prompts, params)
+        return tokens_of(LLM(str(qwen3_dir), device="cpu", dtype="float32",
+                             max_model_len=MAX_LEN, seed=seed), prompts, params)
 
     a, b, c = run(7), run(7), run(8)
     assert a == b
@@ -266,3 +508,72 @@ def test_sampling_params_valid_edge_values():
     for seed in (-2**63, -1, 2**64 - 1):  # the whole range torch.Generator.manual_seed accepts
         SamplingParams(seed=seed)
     assert math.isclose(SamplingParams(top_p=1e-9).top_p, 1e-9)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Incremental detokenization
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizers(qwen3_dir):
+    """The test models' byte-level BPE tokenizer, and SmolLM2's (a real 49,152-token vocabulary) when cached."""
+    toks = {"test": AutoTokenizer.from_pretrained(qwen3_dir)}
+    try:
+        toks["smollm2"] = load_gguf_tokenizer(default_model.default_model_path())
+    except RuntimeError:
+        pass  # not downloadable here; the test tokenizer still runs
+    return toks
+
+
+def random_completion(tok, rng: random.Random) -> list[int]:
+    """Random ids (mostly lone bytes and fragments of multi-byte characters for a byte-level vocabulary) with
+    special tokens and a run of real multi-byte text."""
+    text = tok.encode(rng.choice(["héllo wörld", "€ 😀 日本語", "naïve café ✓", "Ω≈ç√∫"]), add_special_tokens=False)
+    ids = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 30))]
+    ids[rng.randint(0, len(ids)):0] = text
+    for _ in range(rng.randint(0, 3)):
+        ids.insert(rng.randint(0, len(ids)), rng.choice(tok.all_special_ids))
+    return ids
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_incremental_detokenization_equals_decoding_the_whole_completion(tokenizers, skip_special_tokens):
+    for name, tok in tokenizers.items():
+        rng = random.Random(43)
+        held_back = 0
+        for _ in range(200):
+            ids = random_completion(tok, rng)
+            detok = IncrementalDetokenizer(skip_special_tokens)
+            for j in range(1, len(ids) + 1):
+                text = detok.update(tok, ids[:j])
+                whole = tok.decode(ids[:j], skip_special_tokens=skip_special_tokens)
+                # Streamed text never has to be taken back: it is a prefix of every later decode.
+                assert whole.startswith(text) and tok.decode(ids, skip_special_tokens=skip_special_tokens
+                                                             ).startswith(text), (name, ids[:j])
+                held_back += text != whole
+            final = detok.update(tok, ids, final=True)
+            assert final == tok.decode(ids, skip_special_tokens=skip_special_tokens), (name, ids)
+        assert held_back > 50, f"{name}: no incomplete character was ever held back: the test proves little"
+
+
+def test_detokenization_decodes_only_the_new_tokens(llm, monkeypatch):
+    """Streaming a completion with a stop string decodes O(1) tokens per step (not the whole completion each
+    step), and its text equals decoding the whole completion."""
+    tok = llm.tokenizer
+    decoded = [0]
+    decode = type(tok).decode
+
+    def counting(self, ids, *args, **kwargs):
+        decoded[0] += len(ids)
+        return decode(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(type(tok), "decode", counting)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, stop=["never \x00 in this text"],
+                            output_kind=RequestOutputKind.DELTA)
+    pieces = [o.outputs[0] for o in llm.generate_iter(["The scheduler decides"], params)]
+    token_ids = [t for p in pieces for t in p.token_ids]
+    assert len(token_ids) == 60
+    assert "".join(p.text for p in pieces) == decode(tok, token_ids, skip_special_tokens=True)
+    # A few tokens of context per step (more while a character is incomplete); re-decoding the completion every
+    # step would be 60 * 61 / 2 = 1,830 tokens.
+    assert decoded[0] < 12 * 60, f"{decoded[0]} tokens decoded for a 60-token completion"

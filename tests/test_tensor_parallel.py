@@ -27,7 +27,7 @@ _TP1: dict[str, dict] = {}
 def tp1(model_dir: Path) -> dict:
     """The single-process run every TP=2 run must reproduce, and transformers' greedy reference."""
     if model_dir.name not in _TP1:
-        with LLM(str(model_dir), max_model_len=256) as llm:
+        with LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=256) as llm:
             _TP1[model_dir.name] = dict(
                 greedy=[o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)],
                 sampled=[o.outputs[0].token_ids for o in llm.generate(PROMPTS, SEEDED, use_tqdm=False)],
@@ -68,7 +68,7 @@ def test_spawned_tp2_matches_tp1_and_hf(kind, model_dir, torchrun_launch, captur
     d = model_dir(kind)
     ref = tp1(d)
     captured_logits.clear()
-    with LLM(str(d), max_model_len=256, tensor_parallel_size=2) as llm:
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=256, tensor_parallel_size=2) as llm:
         assert len(llm.llm_engine.tp.workers) == 1
         greedy = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         sampled = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SEEDED, use_tqdm=False)]
@@ -84,7 +84,7 @@ def test_spawned_tp2_matches_tp1_and_hf(kind, model_dir, torchrun_launch, captur
 
 
 def test_killed_worker_fails_generate_fast(qwen3_dir):
-    llm = LLM(str(qwen3_dir), max_model_len=256, tensor_parallel_size=2)
+    llm = LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=256, tensor_parallel_size=2)
     worker = llm.llm_engine.tp.workers[0]
     runner = llm.llm_engine.model_runner
     run, steps, killed = runner.run, [], []
@@ -151,6 +151,6 @@ def test_gguf_tp2_matches_tp1(tmp_path, monkeypatch):
     prompts = [[5, 6, 7, 8], list(range(9, 40))]
     outputs = []
     for tp in (1, 2):
-        with LLM(str(path), max_model_len=64, tensor_parallel_size=tp) as llm:
+        with LLM(str(path), device="cpu", dtype="float32", max_model_len=64, tensor_parallel_size=tp) as llm:
             outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
     assert outputs[0] == outputs[1]

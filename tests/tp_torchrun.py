@@ -27,7 +27,7 @@ SEEDED = [SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=100 + i, ma
 
 
 def run(model: str) -> dict:
-    with LLM(model, max_model_len=256, tensor_parallel_size=2) as llm:
+    with LLM(model, device="cpu", dtype="float32", max_model_len=256, tensor_parallel_size=2) as llm:
         greedy = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         sampled = llm.generate(PROMPTS, SEEDED, use_tqdm=False)
         return dict(greedy=[o.outputs[0].token_ids for o in greedy],
@@ -36,7 +36,7 @@ def run(model: str) -> dict:
 
 
 def die_mid_generation(model: str, out: Path, rank: int) -> None:
-    llm = LLM(model, max_model_len=256, tensor_parallel_size=2)
+    llm = LLM(model, device="cpu", dtype="float32", max_model_len=256, tensor_parallel_size=2)
     if rank == 1:
         execute, calls = ModelRunner.execute, []
 

@@ -18,6 +18,7 @@ from models import check_against_hf, hf_greedy, random_prompts  # noqa: E402
 import nanoinfer.config as config_module  # noqa: E402
 from nanoinfer import LLM, SamplingParams  # noqa: E402
 from nanoinfer.engine import cuda_graph  # noqa: E402
+from nanoinfer.engine.input_batch import InputBatch  # noqa: E402
 from nanoinfer.engine.model_runner import ModelRunner  # noqa: E402
 from nanoinfer.engine.scheduler import ScheduledBatch  # noqa: E402
 from nanoinfer.engine.sequence import Sequence  # noqa: E402
@@ -128,7 +129,8 @@ def test_flash_backend_matches_hf(enforce_eager, qwen3_dir, flash_on_cpu, captur
     prompts = ([shared + tail for tail in random_prompts(3, 5, 440, 1, 40, seed=12)]
                + random_prompts(2, 5, 440, 2, 90, seed=13) + [[17]])
     # A 400-token budget chunks the long prompts: later chunks attend to pages stored by earlier steps.
-    llm = LLM(str(qwen3_dir), attention_backend="flash", max_model_len=512, max_num_seqs=8,
+    llm = LLM(str(qwen3_dir), device="cpu", dtype="float32",
+              attention_backend="flash", max_model_len=512, max_num_seqs=8,
               max_num_batched_tokens=400, enforce_eager=enforce_eager)
     assert llm.llm_engine.config.kvcache_block_size == 256
     runner = llm.llm_engine.model_runner
@@ -168,8 +170,9 @@ def test_flash_backend_equals_cpu_backend_on_the_same_metadata(kind, flash_on_cp
         "fresh": ScheduledBatch([_seq(5, 0, [1]), _seq(260, 0, [0, 3])], [5, 260]),
         "decode": ScheduledBatch([_seq(257, 256, [2, 5]), _seq(9, 8, [0]), _seq(600, 599, [1, 3, 4])], [1, 1, 1]),
     }
-    runner = object.__new__(ModelRunner)
-    runner.block_size, runner.num_state_slots = 256, 0
+    runner = object.__new__(ModelRunner)  # prepare needs only its input batch and the number of state slots
+    runner.num_state_slots = 0
+    runner.input_batch = InputBatch(8, 1024, 1024, 256, torch.device("cpu"))
     batch = batches[kind]
     _, _, meta, _ = runner.prepare(batch, batch.samples)
     g = torch.Generator().manual_seed(3)

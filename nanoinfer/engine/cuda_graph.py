@@ -34,21 +34,6 @@ class DecodeInputs:
     block_tables: torch.Tensor  # [size, width] int32, padding -1 (never read: it lies past each context)
 
 
-def pad_decode_inputs(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, size: int,
-                      width: int) -> DecodeInputs:
-    """One decode step's inputs padded to `size` rows and block tables to `width` columns."""
-    n, blocks = meta.block_tables.shape
-    assert n == input_ids.shape[0] <= size and blocks <= width and meta.is_decode
-
-    def pad(x: torch.Tensor, value: int, shape: tuple[int, ...]) -> torch.Tensor:
-        out = x.new_full(shape, value)
-        out[tuple(slice(0, d) for d in x.shape)] = x
-        return out
-
-    return DecodeInputs(pad(input_ids, 0, (size,)), pad(positions, 0, (size,)), pad(meta.slot_mapping, -1, (size,)),
-                        pad(meta.context_lens, 0, (size,)), pad(meta.block_tables, -1, (size, width)))
-
-
 class CUDAGraph:
     """torch.cuda.CUDAGraph behind the calls the runner makes."""
 
@@ -109,15 +94,19 @@ class CUDAGraphRunner:
             pool = graph.capture(step, pool)
             self.graphs[size] = graph
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        """Hidden states of a decode step from its graph, or None when no graph is large enough."""
-        n = input_ids.shape[0]
-        size = padded_size(n, self.sizes)
-        if size is None:
-            return None
-        padded = pad_decode_inputs(input_ids, positions, meta, size, self.width)
-        for f in fields(padded):
-            getattr(self.buffers, f.name)[:size].copy_(getattr(padded, f.name))
-        self.graphs[size].replay()
-        return self.outputs[:n]
+    def padded_size(self, num_seqs: int) -> int | None:
+        """The captured size a decode step of num_seqs sequences replays, or None: run it eagerly."""
+        return padded_size(num_seqs, self.sizes)
 
+    def run(self, inputs: DecodeInputs, num_seqs: int) -> torch.Tensor:
+        """Hidden states of a decode step of num_seqs sequences from the graph of its padded size: `inputs` (host
+        staging, padded to that size) go into the static buffers with one non_blocking copy each. Block-table
+        columns past `inputs`' width keep ids of earlier steps; they lie past every context, so nothing reads them."""
+        size, width = inputs.block_tables.shape
+        for f in fields(inputs):
+            src = getattr(inputs, f.name)
+            dst = getattr(self.buffers, f.name)
+            dst = dst[:size, :width] if f.name == "block_tables" else dst[:size]
+            dst.copy_(src, non_blocking=True)
+        self.graphs[size].replay()
+        return self.outputs[:num_seqs]

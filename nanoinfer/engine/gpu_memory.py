@@ -1,4 +1,4 @@
-"""Sizes the KV cache on CUDA from the memory left after a warm-up forward at the largest prefill shape."""
+"""Sizes the KV cache on CUDA from the memory left after a warm-up forward of the largest step."""
 from collections.abc import Callable
 
 import torch
@@ -6,8 +6,9 @@ import torch
 
 def kv_cache_blocks_for_gpu(total: int, free: int, peak: int, current: int, utilization: float,
                             block_bytes: int) -> int:
-    """Blocks that fit in utilization * total, after what is in use now (weights, other processes, the
-    allocator's cache: total - free) and the activation headroom the warm-up needed above that (peak - current)."""
+    """Blocks that fit in utilization * total, after what is in use now (weights, CUDA context, other processes:
+    total - free, read with the allocator's cache emptied) and the activation headroom the warm-up needed above
+    what stays allocated (peak - current)."""
     budget = total * utilization - (total - free) - (peak - current)
     return max(0, int(budget) // block_bytes)
 
@@ -18,7 +19,10 @@ def profile_kv_cache_blocks(warm_up: Callable[[], None], device: torch.device, u
     torch.cuda.reset_peak_memory_stats(device)
     warm_up()
     torch.cuda.synchronize(device)
-    free, total = torch.cuda.mem_get_info(device)
     stats = torch.cuda.memory_stats(device)
+    # The warm-up's activations are freed but still cached by the allocator: counted in total - free they would
+    # be subtracted twice, once as in use and once as the headroom peak - current.
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
     return kv_cache_blocks_for_gpu(total, free, stats["allocated_bytes.all.peak"],
                                    stats["allocated_bytes.all.current"], utilization, block_bytes)

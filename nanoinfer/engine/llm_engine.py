@@ -239,6 +239,7 @@ class LLMEngine:
 
     def close(self) -> None:
         self.tp.close()
+        self.model_runner.close()
 
     def _check_stop(self, seq: Sequence) -> None:
         """vLLM's order: nothing stops before min_tokens; then EOS, stop token, stop string, length."""
@@ -257,22 +258,24 @@ class LLMEngine:
             seq.finish_reason = "length"
 
     def _update_text(self, seq: Sequence, search: bool) -> str | None:
-        """Decode the completion; if a stop string ends in the new text, cut the text there and return it."""
+        """Decode the new tokens; if a stop string ends in the new text, cut the text there and return it."""
         seen = len(seq.text)
-        seq.text = self._decode(seq)
+        text = self._decode(seq)
         if not search:
             return None
-        hits = [(i, s) for s in seq.params.stop_strings if (i := seq.text.find(s, max(0, seen - len(s) + 1))) >= 0]
+        hits = [(i, s) for s in seq.params.stop_strings if (i := text.find(s, max(0, seen - len(s) + 1))) >= 0]
         if not hits:
             return None
         i, stop = min(hits)
-        seq.text = seq.text[:i + len(stop) if seq.params.include_stop_str_in_output else i]
+        seq.detokenizer.truncate(i + len(stop) if seq.params.include_stop_str_in_output else i,
+                                 seq.num_completion_tokens)
         return stop
 
     def _decode(self, seq: Sequence) -> str:
+        """The completion's text, decoding only the tokens added since the last call; complete once finished."""
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        return seq.detokenizer.update(self.tokenizer, seq.completion_token_ids, final=seq.is_finished)
 
     def _record_logprobs(self, batch: ScheduledBatch, result: RunnerOutput) -> None:
         for i, seq in enumerate(batch.seqs):
@@ -307,7 +310,7 @@ class LLMEngine:
                              first.metrics, sum(s.num_cached_tokens for s in seqs))
 
     def _completion(self, seq: Sequence, delta: bool) -> CompletionOutput:
-        text = seq.text if seq.params.stop_strings else self._decode(seq)
+        text = self._decode(seq)
         token_ids, logprobs = seq.completion_token_ids, seq.logprobs
         if delta:
             tokens_before, chars_before = seq.num_emitted_tokens, seq.num_emitted_chars

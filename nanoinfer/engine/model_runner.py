@@ -1,28 +1,35 @@
 """Builds a step's model inputs from scheduled sequences, runs the model over the paged KV cache, samples.
 With tensor parallelism there is one per rank: rank 0's builds the inputs and samples, the others serve its steps."""
+import logging
 import math
 import os
+import random
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
 from nanoinfer.config import Config
 from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.gpu_memory import profile_kv_cache_blocks
+from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.parallel import TPGroup
+from nanoinfer.engine.sampling_state import HostTransfer, PenaltyCache, to_device
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention, AttentionMetadata, get_backend
 from nanoinfer.layers.attention.selector import resolve_device
 from nanoinfer.layers.gated_delta_rule import GatedDeltaRule
-from nanoinfer.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata, top_logprobs
+from nanoinfer.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata, noise_keys, top_logprobs
 from nanoinfer.models.registry import get_model_class
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.utils.dist import tp_scope
 from nanoinfer.utils.gguf_loader import iter_gguf_weights
 from nanoinfer.utils.loader import iter_safetensors, load_weights
 from nanoinfer.utils.memory import keep_freed_memory
+
+logger = logging.getLogger(__name__)
 
 # Without num_kvcache_blocks, the cache holds max_num_seqs full-length sequences, within 4 GiB (the default
 # of vLLM's CPU backend) and 30% of available memory: it is zero-filled, so every byte is really committed.
@@ -46,31 +53,42 @@ class ModelRunner:
         self.config = config
         self.tp = tp or TPGroup()
         self.block_size = config.kvcache_block_size
-        keep_freed_memory()
         with tp_scope(self.tp.rank, self.tp.size, self.tp.group):
             # Resolved in this process: a bare "cuda" is each tensor-parallel rank's own GPU.
             self.device = resolve_device(config.device)
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            self.model = self._load_model(config).to(self.device)
+            else:
+                keep_freed_memory()  # a CPU-path tuning: on CUDA it would only hold on to freed host memory
+            self.model: nn.Module | None = self._load_model(config, self.device)
         for module in self.model.modules():
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading(min(config.max_num_seqs, 256))
+        # Before the caches: on CUDA the warm-up that sizes them runs the attention layers.
         self.backend = get_backend(config.attention_backend, config.torch_dtype, self.device)
+        for a in self._attention_layers():
+            a.backend = self.backend
         self.graph_runner: CUDAGraphRunner | None = None
+        self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_num_batched_tokens,
+                                      self.block_size, self.device)
         self.num_state_slots, state_bytes = self._allocate_state_cache()
         self.num_kvcache_blocks = self._allocate_kv_cache(state_bytes)
         self.graph_runner = self._capture_graphs()
         self.sampler = Sampler()
-        self.generator = torch.Generator().manual_seed(config.seed)
+        self.seeds = random.Random(config.seed)  # the noise seeds of requests without one
+        self.penalty_cache = PenaltyCache(self.device)
+        self.to_host = HostTransfer(self.device)
 
     @staticmethod
-    def _load_model(config: Config) -> torch.nn.Module:
+    def _load_model(config: Config, device: torch.device) -> nn.Module:
+        """The model built where it runs, in its dtype (no host copy of the weights on CUDA), then filled from the
+        checkpoint one tensor, or one tensor-parallel slice of it, at a time."""
         cls = get_model_class(config.hf_config.architectures)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.torch_dtype)
         try:
-            model = cls(config.hf_config)
+            with device:
+                model = cls(config.hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
         if config.gguf_path is not None:
@@ -80,8 +98,33 @@ class ModelRunner:
         load_weights(model, weights)
         return model.eval()
 
+    def close(self) -> None:
+        """Give back the memory of the model, its caches and graphs (on CUDA, to the device): they are dropped
+        here, so nothing waits for the engine itself to be garbage-collected."""
+        if self.model is None:
+            return
+        for module in self.model.modules():
+            if isinstance(module, Attention):
+                module.k_cache = module.v_cache = torch.empty(0)
+                module.backend = None
+            elif isinstance(module, GatedDeltaRule):
+                module.conv_state = module.ssm_state = torch.empty(0)
+        self.model = self.backend = self.graph_runner = None
+        self.input_batch = self.penalty_cache = self.to_host = None  # their device and pinned buffers
+        if self.device.type == "cuda":
+            # cuBLAS keeps a workspace per stream it ran on (the graphs' capture stream too) for the process's life.
+            getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
+            torch.cuda.empty_cache()
+
     def _attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def _available_memory(self) -> int:
+        """Memory this rank's caches may take from: its GPU's free memory, or its share of the host's (ranks on
+        one host share it). Every rank gets the same cache: the tightest one decides."""
+        if self.device.type == "cuda":
+            return self.tp.all_min(torch.cuda.mem_get_info(self.device)[0])
+        return self.tp.all_min(available_host_memory() // self.tp.local_size)
 
     def _allocate_state_cache(self) -> tuple[int, int]:
         """Recurrent-state slots of the linear-attention layers, one per running sequence (max_num_seqs, or fewer
@@ -93,8 +136,7 @@ class ModelRunner:
         ssm_dtype = torch.promote_types(dtype, torch.float32)  # the delta rule runs in fp32 at least
         slot_bytes = sum(math.prod(a.conv_state_shape) * dtype.itemsize
                          + math.prod(a.ssm_state_shape) * ssm_dtype.itemsize for a in layers)
-        available = self.tp.all_min(_available_memory() // self.tp.local_size)  # every rank gets the same slots
-        budget = min(KV_CACHE_MAX_BYTES, available * KV_CACHE_MEMORY_FRACTION) // 2
+        budget = min(KV_CACHE_MAX_BYTES, self._available_memory() * KV_CACHE_MEMORY_FRACTION) // 2
         num_slots = min(self.config.max_num_seqs, int(budget // slot_bytes))
         if num_slots < 1:
             raise ValueError(f"not enough memory for the recurrent state of one sequence ({slot_bytes} bytes)")
@@ -104,13 +146,13 @@ class ModelRunner:
         return num_slots, num_slots * slot_bytes
 
     def _allocate_kv_cache(self, reserved_bytes: int = 0) -> int:
-        """KV blocks of the attention layers, within the cache budget minus reserved_bytes (the recurrent state)."""
+        """KV blocks of the attention layers: num_kvcache_blocks if given; else on CUDA what gpu_memory_utilization
+        leaves after the weights and the warm-up's activations, on the CPU the cache budget minus reserved_bytes
+        (the recurrent state)."""
         layers = self._attention_layers()
         itemsize = self.config.torch_dtype.itemsize
         block_bytes = sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in layers)
         num_blocks = self.config.num_kvcache_blocks
-        # Every rank must get the same number of blocks: the tightest one decides. Ranks on one host share its memory.
-        available = None if self.device.type == "cuda" else self.tp.all_min(_available_memory() // self.tp.local_size)
         if self.device.type == "cuda":
             if num_blocks is None:
                 num_blocks = self.tp.all_min(profile_kv_cache_blocks(
@@ -119,34 +161,51 @@ class ModelRunner:
                 raise ValueError(f"GPU memory left for the KV cache holds {num_blocks} blocks of {self.block_size} "
                                  f"tokens, less than max_model_len={self.config.max_model_len}; raise "
                                  f"gpu_memory_utilization or lower max_model_len")
-        elif num_blocks is not None and num_blocks * block_bytes > available:
-            raise ValueError(f"num_kvcache_blocks={num_blocks} needs {num_blocks * block_bytes / 2**30:.1f} GiB, more "
-                             f"than the {available / 2**30:.1f} GiB available")
-        elif num_blocks is None:
-            wanted = -(-self.config.max_num_seqs * self.config.max_model_len // self.block_size)
-            budget = min(KV_CACHE_MAX_BYTES, available * KV_CACHE_MEMORY_FRACTION) - reserved_bytes
-            affordable = int(budget) // block_bytes
-            num_blocks = min(wanted, affordable)
-            if num_blocks * self.block_size < self.config.max_model_len:
-                raise ValueError(f"not enough memory for a KV cache holding max_model_len={self.config.max_model_len}"
-                                 f" tokens ({affordable} blocks affordable); lower max_model_len")
+        else:
+            num_blocks = self._cpu_kv_cache_blocks(num_blocks, block_bytes, reserved_bytes)
         for a in layers:
             shape = (num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
             # Zeros, not empty: never-written slots are masked, but NaN garbage would leak through the softmax.
             a.k_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
             a.v_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
-            a.backend = self.backend
+        if self.tp.rank == 0:
+            logger.info("KV cache: %d blocks of %d tokens (%d tokens), %.2f GiB%s", num_blocks, self.block_size,
+                        num_blocks * self.block_size, num_blocks * block_bytes / 2**30,
+                        f" per rank x {self.tp.size}" if self.tp.size > 1 else "")
+        return num_blocks
+
+    def _cpu_kv_cache_blocks(self, num_blocks: int | None, block_bytes: int, reserved_bytes: int) -> int:
+        available = self._available_memory()
+        if num_blocks is not None:
+            if num_blocks * block_bytes > available:
+                raise ValueError(f"num_kvcache_blocks={num_blocks} needs {num_blocks * block_bytes / 2**30:.1f} GiB, "
+                                 f"more than the {available / 2**30:.1f} GiB available")
+            return num_blocks
+        wanted = -(-self.config.max_num_seqs * self.config.max_model_len // self.block_size)
+        budget = min(KV_CACHE_MAX_BYTES, available * KV_CACHE_MEMORY_FRACTION) - reserved_bytes
+        affordable = int(budget) // block_bytes
+        num_blocks = min(wanted, affordable)
+        if num_blocks * self.block_size < self.config.max_model_len:
+            raise ValueError(f"not enough memory for a KV cache holding max_model_len={self.config.max_model_len}"
+                             f" tokens ({affordable} blocks affordable); lower max_model_len")
         return num_blocks
 
     def _warm_up(self) -> None:
-        """A prefill of the largest step the scheduler can make, before the cache exists (nothing is stored)."""
-        length = min(self.config.max_model_len, self.config.max_num_batched_tokens)
-        count = max(1, min(self.config.max_num_seqs, self.config.max_num_batched_tokens // length))
-        seqs = [Sequence([0] * length, SamplingParams(temperature=0), self.block_size) for _ in range(count)]
+        """The largest step the scheduler can make, before the cache exists (nothing is stored): its most tokens,
+        longest sequence and most sequences (see warm_up_lengths), with the logits of every row, as if all of them
+        were sampled or owed prompt logprobs, and their log-softmax and ranks (what logprobs compute from them)."""
+        c = self.config
+        lengths = warm_up_lengths(c.max_num_batched_tokens, c.max_num_seqs, c.max_model_len)
+        seqs = [Sequence([0] * n, SamplingParams(temperature=0), self.block_size) for n in lengths]
         for seq in seqs:
             seq.block_table = [0] * seq.num_blocks
-        batch = ScheduledBatch(seqs, [length] * count)
-        self.execute(*self.prepare(batch, batch.samples))  # every rank warms up alike: nothing to broadcast
+        batch = ScheduledBatch(seqs, lengths)
+        input_ids, positions, meta, _ = self.prepare(batch, batch.samples)
+        # Every rank warms up alike (nothing to broadcast); the logits are gathered on rank 0.
+        logits = self.execute(input_ids, positions, meta, list(range(sum(lengths))))
+        if logits is not None:
+            top_logprobs(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device), 1)
+        self.input_batch.remove([seq.seq_id for seq in seqs])
 
     def _capture_graphs(self) -> CUDAGraphRunner | None:
         """Decode graphs for the flash backend (whose decode reads only fixed-address tensors) unless enforce_eager;
@@ -161,36 +220,12 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch, samples: list[bool]
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """input_ids, positions, attention metadata, and the rows whose logits are sampled."""
-        input_ids, positions, slots, block_tables = [], [], [], []
-        cu_q, cu_k, context_lens, sample_rows = [0], [0], [], []
-        for seq, n, sampled in zip(batch.seqs, batch.num_new_tokens, samples):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            table = seq.block_table[:-(-end // self.block_size)]
-            input_ids.extend(seq.token_ids[start:end])
-            pos = np.arange(start, end)
-            positions.append(pos)
-            slots.append(np.asarray(table)[pos // self.block_size] * self.block_size + pos % self.block_size)
-            block_tables.append(table)
-            cu_q.append(cu_q[-1] + n)
-            cu_k.append(cu_k[-1] + end)
-            context_lens.append(end)
-            if sampled:
-                sample_rows.append(cu_q[-1] - 1)
-        width = max(map(len, block_tables))
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)),
-            block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in block_tables], dtype=torch.int32),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32),
-            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32),
-            cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32),
-            max_seqlen_q=max(batch.num_new_tokens),
-            max_seqlen_k=max(context_lens),
-            block_size=self.block_size,
-            has_cached_prefix=cu_k[-1] > cu_q[-1],
-            state_slots=torch.tensor([s.state_slot for s in batch.seqs]) if self.num_state_slots else None,
-        )
-        return torch.tensor(input_ids), torch.from_numpy(np.concatenate(positions)), meta, sample_rows
+        """input_ids, positions, attention metadata (host tensors, valid until the next step), and the rows whose
+        logits are sampled."""
+        input_ids, positions, meta, sample_rows = self.input_batch.prepare(batch, samples)
+        if self.num_state_slots:
+            meta.state_slots = torch.tensor([s.state_slot for s in batch.seqs])
+        return input_ids, positions, meta, sample_rows
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> RunnerOutput:
@@ -200,26 +235,29 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = self.prepare(batch, samples)
         prompt_rows = self._prompt_logit_rows(batch, meta.cu_seqlens_q.tolist())
         rows = sample_rows + [row for row, _, _ in prompt_rows]
-        # The other ranks execute the same step (serve). Sampling runs on the CPU, where the per-request
-        # generators live.
+        # The other ranks execute the same step (serve).
         logits = self.execute(*self.tp.broadcast((input_ids, positions, meta, rows)))
         out = RunnerOutput([None] * len(batch.seqs))
         if logits is None:
             return out
-        logits = logits.cpu()
-        if prompt_rows:
-            out.prompt_logprobs = self._prompt_logprobs(batch, prompt_rows, logits[len(sample_rows):])
+        # Everything is computed where the logits are; only ids and logprobs come back, in one transfer.
         sampled = [i for i, s in enumerate(samples) if s]
-        if not sampled:
+        result = self.sample([batch.seqs[i] for i in sampled], logits[:len(sample_rows)]) if sampled else None
+        prompt = self._prompt_logprobs(batch, prompt_rows, logits[len(sample_rows):]) if prompt_rows else ()
+        sampled_parts = [] if result is None else [result.token_ids, *(result.logprobs or ())]
+        host = self.to_host(sampled_parts + list(prompt))
+        if prompt_rows:
+            out.prompt_logprobs = _prompt_logprob_lists(batch, prompt_rows, host[len(sampled_parts):])
+        if result is None:
             return out
-        result = self.sample([batch.seqs[i] for i in sampled], logits[:len(sample_rows)])
-        tokens = result.token_ids.tolist()
+        tokens = host[0].tolist()
         for i, token in zip(sampled, tokens):
             out.token_ids[i] = token
         if result.logprobs is not None:
             out.logprobs = [None] * len(batch.seqs)
-            for i, row in zip(sampled, _logprob_rows(tokens, result.logprobs)):
-                out.logprobs[i] = row
+            for i, row in zip(sampled, _logprob_rows(tokens, host[1:len(sampled_parts)])):
+                if batch.seqs[i].params.logprobs is not None:  # rows are computed for the whole batch
+                    out.logprobs[i] = row
         return out
 
     @torch.inference_mode()
@@ -227,14 +265,17 @@ class ModelRunner:
                 logit_rows: list[int]) -> torch.Tensor | None:
         """One forward pass of prepare()'s CPU tensors on this rank's device; the logits of logit_rows on rank 0
         (gathered from every rank), None elsewhere."""
-        input_ids, positions, meta = input_ids.to(self.device), positions.to(self.device), meta.to(self.device)
-        hidden = None
-        if self.graph_runner is not None and meta.is_decode:
-            hidden = self.graph_runner.run(input_ids, positions, meta)
-        if hidden is None:
+        rows = self.input_batch.logit_index(logit_rows)
+        size = self.graph_runner.padded_size(meta.num_seqs) if self.graph_runner and meta.is_decode else None
+        if size is not None:
+            hidden = self.graph_runner.run(self.input_batch.decode_inputs(input_ids, positions, meta, size),
+                                           meta.num_seqs)
+        else:
+            input_ids, positions, meta = self.input_batch.to_device(input_ids, positions, meta)
             self.backend.prepare(meta)
             hidden = self.model(input_ids, positions, meta)
-        return self.model.compute_logits(hidden[logit_rows]) if logit_rows else None
+        self.input_batch.record_uploads()
+        return self.model.compute_logits(hidden[rows]) if logit_rows else None
 
     def serve(self) -> None:
         """Ranks > 0: execute rank 0's steps until it sends None."""
@@ -260,26 +301,49 @@ class ModelRunner:
 
     def _sampling_metadata(self, seqs: list[Sequence], vocab: int) -> SamplingMetadata:
         params = [s.params for s in seqs]
-        m = SamplingMetadata(
-            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            top_k=torch.tensor([min(p.top_k, vocab) for p in params]),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
-            generators=[s.generator for s in seqs],
-            default_generator=self.generator,
-        )
+        temperatures = [p.temperature for p in params]
+        m = SamplingMetadata(temperatures=self._device_tensor(temperatures, torch.float32), top_k=None, top_p=None,
+                             all_greedy=not any(temperatures), all_random=all(temperatures))
+        if not m.all_greedy:
+            m.noise_keys = self._device_tensor(self._noise_keys(seqs), torch.int64)
         # Everything below costs nothing unless some request asks for it.
+        if any(0 < p.top_k < vocab for p in params):
+            m.top_k = self._device_tensor([p.top_k for p in params], torch.int64)
+        if any(p.top_p < 1 for p in params):
+            m.top_p = self._device_tensor([p.top_p for p in params], torch.float32)
         if any(p.min_p > 0 for p in params):
-            m.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+            m.min_p = self._device_tensor([p.min_p for p in params], torch.float32)
         if any(p.logprobs is not None for p in params):
             m.num_logprobs = max(p.logprobs or 0 for p in params)
         banned = [(i, t) for i, s in enumerate(seqs) if s.num_completion_tokens < s.params.min_tokens
                   for t in (*s.eos_token_ids, *s.params.stop_token_ids)]
         if banned:
-            m.banned = tuple(torch.tensor(c) for c in zip(*banned))
+            m.banned = tuple(self._device_tensor(list(zip(*banned)), torch.int64))
         penalized = [i for i, p in enumerate(params) if p.penalized]
         if penalized:
-            m.penalties = _penalties([seqs[i] for i in penalized], penalized, vocab)
+            m.penalties = self._penalties([seqs[i] for i in penalized], penalized, vocab)
         return m
+
+    def _noise_keys(self, seqs: list[Sequence]) -> np.ndarray:
+        """Each row's noise key: its sequence's seed (drawn from the engine's seed the first time if the request
+        gave none) and the position of the token being sampled."""
+        for seq in seqs:
+            if seq.seed is None:
+                seq.seed = self.seeds.getrandbits(64)
+        return noise_keys(np.array([s.seed for s in seqs], dtype=np.uint64),
+                          np.array([len(s) for s in seqs], dtype=np.uint64))
+
+    def _device_tensor(self, values: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return to_device(torch.as_tensor(values, dtype=dtype), self.device)
+
+    def _penalties(self, seqs: list[Sequence], rows: list[int], vocab: int) -> Penalties:
+        """The penalized rows' parameters, and their prompt masks and output counts from the device-side cache."""
+        prompt_mask, output_counts = self.penalty_cache.gather(seqs, vocab)
+        values = self._device_tensor([(p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
+                                      for p in (s.params for s in seqs)], torch.float32)
+        return Penalties(rows=self._device_tensor(rows, torch.int64), repetition=values[:, 0],
+                         presence=values[:, 1], frequency=values[:, 2], prompt_mask=prompt_mask,
+                         output_counts=output_counts)
 
     @staticmethod
     def _prompt_logit_rows(batch: ScheduledBatch, cu_q: list[int]) -> list[tuple[int, int, int]]:
@@ -292,43 +356,45 @@ class ModelRunner:
                          for pos in range(start, min(start + n, seq.num_prompt_tokens - 1))]
         return rows
 
-    @staticmethod
-    def _prompt_logprobs(batch: ScheduledBatch, rows: list[tuple[int, int, int]], logits: torch.Tensor
-                         ) -> list[list[TokenLogprobs] | None]:
-        """Per sequence owing prompt logprobs: those of the prompt tokens that this step's rows predict."""
+    def _prompt_logprobs(self, batch: ScheduledBatch, rows: list[tuple[int, int, int]], logits: torch.Tensor
+                         ) -> tuple[torch.Tensor, ...]:
+        """top_logprobs of the prompt tokens this step's rows predict, on the logits' device."""
         _, targets, owners = zip(*rows)
         k = max(batch.seqs[i].params.prompt_logprobs for i in set(owners))
-        out: list[list[TokenLogprobs] | None] = [None] * len(batch.seqs)
-        for i, row in zip(owners, _logprob_rows(list(targets), top_logprobs(logits, torch.tensor(targets), k))):
-            out[i] = (out[i] or []) + [row]
-        return out
+        return top_logprobs(logits, self._device_tensor(targets, torch.int64), k)
 
 
-def _logprob_rows(token_ids: list[int], result: tuple[torch.Tensor, ...]) -> list[TokenLogprobs]:
+def _prompt_logprob_lists(batch: ScheduledBatch, rows: list[tuple[int, int, int]], result: list[torch.Tensor]
+                          ) -> list[list[TokenLogprobs] | None]:
+    """Per sequence owing prompt logprobs: those of the prompt tokens that this step's rows predict."""
+    _, targets, owners = zip(*rows)
+    out: list[list[TokenLogprobs] | None] = [None] * len(batch.seqs)
+    for i, row in zip(owners, _logprob_rows(list(targets), result)):
+        out[i] = (out[i] or []) + [row]
+    return out
+
+
+def _logprob_rows(token_ids: list[int], result: list[torch.Tensor]) -> list[TokenLogprobs]:
     chosen, ranks, top_ids, top_lps = (t.tolist() for t in result)
     top_ranks = list(range(1, result[2].shape[-1] + 1))
     return [([tok] + ids, [lp] + lps, [rank] + top_ranks)
             for tok, lp, rank, ids, lps in zip(token_ids, chosen, ranks, top_ids, top_lps)]
 
 
-def _penalties(seqs: list[Sequence], rows: list[int], vocab: int) -> Penalties:
-    prompt_mask = torch.zeros(len(seqs), vocab, dtype=torch.bool)
-    output_counts = torch.zeros(len(seqs), vocab)
-    for r, s in enumerate(seqs):
-        prompt_mask[r, s.token_ids[:s.num_prompt_tokens]] = True
-        output_counts[r] = torch.bincount(torch.tensor(s.completion_token_ids, dtype=torch.long), minlength=vocab)
-    params = [s.params for s in seqs]
-    return Penalties(
-        rows=torch.tensor(rows),
-        repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
-        presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
-        frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
-        prompt_mask=prompt_mask,
-        output_counts=output_counts,
-    )
+def warm_up_lengths(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
+    """Prompt lengths of the step that needs the most activation memory: as many tokens as the budget allows, as
+    many sequences (sampled rows) as allowed, the first as long as the others leave room for (attention's largest
+    temporaries); at least 2 tokens in the first whenever the budget allows, so that the step is a prefill."""
+    num_seqs = min(max_num_seqs, max(1, max_num_batched_tokens - 1))
+    total = min(max_num_batched_tokens, num_seqs * max_model_len)
+    first = min(max_model_len, total - (num_seqs - 1))
+    if num_seqs == 1:
+        return [first]
+    per_seq, extra = divmod(total - first, num_seqs - 1)
+    return [first] + [per_seq + 1] * extra + [per_seq] * (num_seqs - 1 - extra)
 
 
-def _available_memory() -> int:
+def available_host_memory() -> int:
     try:
         with open("/proc/meminfo") as f:
             info = dict(line.split(":", 1) for line in f)

@@ -116,13 +116,14 @@ class TPGroup:
         self._caller_threads = torch.get_num_threads()
         torch.set_num_threads(max(1, min(self._caller_threads, cores // self.local_size)))
 
-    def _init_process_groups(self, **kwargs) -> None:
-        """Create the default process group if there is none yet, then ours: every rank is in all of them."""
+    def _init_process_groups(self, cuda: bool, **kwargs) -> None:
+        """Create the default process group if there is none yet, then ours: every rank is in all of them. `cuda`:
+        the engine runs on CUDA (else on the CPU, with gloo, even where GPUs are visible)."""
         if not dist.is_initialized():
-            if torch.cuda.is_available():
+            if cuda:
                 torch.cuda.set_device(self.local_rank)
-            # NCCL for CUDA tensors, gloo for CPU ones (the whole engine on a CPU-only machine).
-            backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+            # NCCL for CUDA tensors, gloo for CPU ones.
+            backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
             dist.init_process_group(backend, rank=self.rank, world_size=self.size, timeout=START_TIMEOUT, **kwargs)
         self.group = dist.new_group(timeout=self.step_timeout)
         self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
@@ -146,14 +147,14 @@ def start_tensor_parallel(config: Config) -> TPGroup:
     if size == 1:
         return TPGroup()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _join_torchrun(size)
+        return _join_torchrun(size, config.torch_device.type == "cuda")
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process (is another tensor-parallel "
                            "LLM alive? close() it first); to use an existing process group, launch with torchrun")
     return _spawn_workers(config)
 
 
-def _join_torchrun(size: int) -> TPGroup:
+def _join_torchrun(size: int, cuda: bool) -> TPGroup:
     world = int(os.environ["WORLD_SIZE"])
     if world != size:
         raise ValueError(f"tensor_parallel_size={size} but torchrun started {world} processes; they must match")
@@ -165,7 +166,7 @@ def _join_torchrun(size: int) -> TPGroup:
     try:
         # The default process group stays for the process's lifetime (the script's, or created here): a re-created
         # one would meet stale addresses in the launcher's store. Each LLM makes and removes groups of its own.
-        group._init_process_groups(init_method="env://")
+        group._init_process_groups(cuda, init_method="env://")
     except BaseException:
         group.close()
         raise
@@ -188,7 +189,7 @@ def _spawn_workers(config: Config) -> TPGroup:
             p.stdin.write(args)
             p.stdin.close()
         _wait_until_ready(store, group.workers)
-        group._init_process_groups(store=store)
+        group._init_process_groups(config.torch_device.type == "cuda", store=store)
         group.owns_process_group = True  # it lives on this LLM's store: it goes when the LLM does
     except BaseException:
         group.close(abort=True)
@@ -220,7 +221,7 @@ def worker_main() -> None:
     store = dist.TCPStore("127.0.0.1", args["port"], args["size"], is_master=False, timeout=START_TIMEOUT)
     store.set(f"ready{rank}", "1")
     group = TPGroup(rank, args["size"], args["size"], rank)
-    group._init_process_groups(store=store)
+    group._init_process_groups(args["config"].torch_device.type == "cuda", store=store)
     group.owns_process_group = True
     try:
         ModelRunner(args["config"], group).serve()

@@ -1,6 +1,6 @@
 """Continuous batching: decides which sequences run each step and how many tokens each computes."""
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
@@ -11,6 +11,7 @@ from nanoinfer.engine.sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # tokens each sequence computes this step, from seq.num_computed_tokens on
+    freed_seq_ids: list[int] = field(default_factory=list)  # sequences that left the running set since the last batch
 
     @property
     def is_prefill(self) -> bool:
@@ -33,6 +34,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.freed_seq_ids: list[int] = []  # preempted or finished, not yet reported to the runner by a completed step
         self.step_in_flight = False  # scheduled but not postprocessed: if the next schedule() finds it so, it failed
 
     def add(self, seq: Sequence) -> None:
@@ -71,6 +73,8 @@ class Scheduler:
             self.running.append(self.waiting.popleft())
             budget -= self._take(batch, seq, min(len(seq) - seq.num_computed_tokens, budget))
         assert batch.seqs or self.is_finished(), "nothing to schedule: a single sequence must always fit the KV cache"
+        if batch.seqs:  # sent again until a step completes (postprocess): a failed one may not have read them
+            batch.freed_seq_ids = self.freed_seq_ids[:]
         return batch
 
     def _take(self, batch: ScheduledBatch, seq: Sequence, num_tokens: int) -> int:
@@ -84,6 +88,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks; it is recomputed (prompt and generated tokens) when readmitted."""
         self.block_manager.free(seq)
+        self.freed_seq_ids.append(seq.seq_id)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -101,6 +106,7 @@ class Scheduler:
         sequences that got a token."""
         self.block_manager.publish()
         self.step_in_flight = False
+        del self.freed_seq_ids[:len(batch.freed_seq_ids)]  # the runner has them; later ones were appended after
         grown = []
         for seq, n, token in zip(batch.seqs, batch.num_new_tokens, token_ids):
             if token is not None:  # None: a prompt chunk that did not reach the end of the sequence
@@ -118,6 +124,7 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq.block_table:
             self.block_manager.free(seq)
+        self.freed_seq_ids.append(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
 
     def abort_all(self) -> None:

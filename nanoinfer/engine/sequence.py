@@ -2,8 +2,7 @@
 from enum import Enum, auto
 from itertools import count
 
-import torch
-
+from nanoinfer.engine.detokenizer import IncrementalDetokenizer
 from nanoinfer.outputs import Logprob, RequestMetrics
 from nanoinfer.sampling_params import SamplingParams
 
@@ -37,17 +36,17 @@ class Sequence:
         self.state_slot = -1  # recurrent-state slot while it holds blocks (models with linear attention)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.text = ""  # the decoded completion, cut at a stop string (kept up to date only when needed)
+        # The decoded completion, cut at a stop string (kept up to date only when text is needed).
+        self.detokenizer = IncrementalDetokenizer(params.skip_special_tokens)
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         # Only the first completion computes the prompt's logprobs, so it alone skips the prefix cache.
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             [None] if params.prompt_logprobs is not None and index == 0 else None)
         self.num_emitted_tokens = self.num_emitted_chars = 0  # what earlier DELTA outputs already carried
-        # A private generator makes seeded sampling independent of what else is in the batch.
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        # The key of this sequence's sampling noise, with the position (see sampler.noise_keys): an explicit seed
+        # makes its tokens independent of what else is in the batch; None is drawn from the engine's seed.
+        self.seed: int | None = None if params.seed is None else params.seed % 2**64
 
     @property
     def is_finished(self) -> bool:
@@ -57,6 +56,10 @@ class Sequence:
     def needs_prompt_logits(self) -> bool:
         """Whether prompt logprobs are still owed: then every prompt position is computed, none taken from the cache."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -11,3 +11,12 @@ def triton_layers() -> ModuleType | None:
         return None
     from nanoinfer.kernels import triton_layers as kernels
     return kernels
+
+
+@functools.cache
+def triton_sampling() -> ModuleType | None:
+    """The sampler's noise kernel; None without triton (the sampler then computes the same noise in torch ops)."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from nanoinfer.kernels import triton_sampling as kernels
+    return kernels

@@ -18,7 +18,6 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings_per_rank = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.num_embeddings_per_rank
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_rank, embedding_dim), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.shape[0] != self.num_embeddings:

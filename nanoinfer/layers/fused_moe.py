@@ -69,8 +69,6 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, inter), requires_grad=False)
         self.w13_weight.num_shards = 2 * num_experts  # the loader checks that every expert's gate and up arrived
         self.w2_weight.num_shards = num_experts
-        for w in (self.w13_weight, self.w2_weight):
-            w.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
         """One expert's full gate_proj/up_proj [inter, hidden] or down_proj [hidden, inter] from the checkpoint."""

@@ -81,10 +81,11 @@ class RecurrentBatch:
     def from_metadata(cls, meta: AttentionMetadata) -> "RecurrentBatch":
         cu, ctx, slots = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist(), meta.state_slots.tolist()
         single = [i for i in range(meta.num_seqs) if cu[i + 1] - cu[i] == 1]
+        index = dict(dtype=torch.long, device=meta.context_lens.device)  # they index the state where it lives
         return cls(
-            fresh_slots=torch.tensor([s for i, s in enumerate(slots) if ctx[i] == cu[i + 1] - cu[i]], dtype=torch.long),
-            single_rows=torch.tensor([cu[i] for i in single], dtype=torch.long),
-            single_slots=torch.tensor([slots[i] for i in single], dtype=torch.long),
+            fresh_slots=torch.tensor([s for i, s in enumerate(slots) if ctx[i] == cu[i + 1] - cu[i]], **index),
+            single_rows=torch.tensor([cu[i] for i in single], **index),
+            single_slots=torch.tensor([slots[i] for i in single], **index),
             spans=[(cu[i], cu[i + 1], slots[i]) for i in range(meta.num_seqs) if cu[i + 1] - cu[i] > 1],
         )
 

@@ -15,12 +15,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        if zero_centered:
-            self.weight.weight_loader = self.zero_centered_loader
+        self.zero_centered = zero_centered
 
-    @staticmethod
-    def zero_centered_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-        copy_weight(param, loaded.float() + 1.0)
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        copy_weight(param, loaded.float() + 1.0 if self.zero_centered else loaded)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 and cast back before the weight, as transformers does.

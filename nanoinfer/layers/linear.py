@@ -37,10 +37,8 @@ class LinearBase(nn.Module):
         self.tp_dim = tp_dim
         self.tp_rank, self.tp_size, self.tp_group = tp_rank(), tp_size(), tp_group()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
         self.packed_weight: torch.Tensor | None = None

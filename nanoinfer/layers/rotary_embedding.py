@@ -37,6 +37,7 @@ def inv_frequencies(config: PretrainedConfig, rotary_dim: int) -> tuple[torch.Te
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, scaling: float = 1.0):
         super().__init__()
+        inv_freq = inv_freq.to(torch.get_default_device())  # the table is built where the model is
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         # Non-persistent: derived from the config, never in a checkpoint.
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
@@ -73,5 +74,6 @@ def _norm_args(norm: RMSNorm | None) -> tuple:
 
 def get_rope(config: PretrainedConfig, head_dim: int, max_position: int) -> RotaryEmbedding:
     rotary_dim = int(head_dim * rope_parameters(config).get("partial_rotary_factor", 1.0))
-    inv_freq, scaling = inv_frequencies(config, rotary_dim)
+    with torch.device("cpu"):  # the model may be built under another device; transformers' functions need data
+        inv_freq, scaling = inv_frequencies(config, rotary_dim)
     return RotaryEmbedding(head_dim, max_position, inv_freq, scaling)

@@ -1,11 +1,16 @@
-"""Turns last-position logits into next tokens: penalties, min_tokens, greedy, temperature, min_p, top-k and
-top-p (vLLM's order and definitions), per-request seeds, and the top-k logprobs of the raw distribution."""
+"""Turns last-position logits into next tokens where the logits are (CPU or GPU): penalties, min_tokens, greedy,
+temperature, min_p, top-k and top-p (vLLM's order and definitions), per-request seeds as counter-based noise, and the
+top-k logprobs of the raw distribution."""
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from nanoinfer.kernels import cpu as cpu_kernels
+from nanoinfer.kernels.cuda import triton_sampling
+
+MASK32 = 0xFFFFFFFF
 
 
 @dataclass
@@ -22,18 +27,15 @@ class Penalties:
 @dataclass
 class SamplingMetadata:
     temperatures: torch.Tensor  # [B]; 0 means greedy
-    top_k: torch.Tensor  # [B]; <= 0 or >= V disables
-    top_p: torch.Tensor  # [B]; 1 disables
-    generators: list[torch.Generator | None]
-    default_generator: torch.Generator
+    top_k: torch.Tensor | None  # [B]; <= 0 or >= V disables; None when no row uses it
+    top_p: torch.Tensor | None  # [B]; 1 disables; None when no row uses it
+    all_greedy: bool  # known on the host, so that nothing waits for the device to decide
+    all_random: bool = False  # no greedy row: the argmax of the plain logits is not needed
+    noise_keys: torch.Tensor | None = None  # [B, 2] int64 (see noise_keys); None when all rows are greedy
     min_p: torch.Tensor | None = None  # [B]; None when no row uses it
     penalties: Penalties | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) not allowed yet (min_tokens)
     num_logprobs: int | None = None  # the most top logprobs any row asks for; None: no logprobs
-
-    @property
-    def all_greedy(self) -> bool:
-        return bool((self.temperatures == 0).all())
 
 
 @dataclass
@@ -46,20 +48,16 @@ class SamplerOutput:
 
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
-        """logits [B, V] fp32."""
+        """logits [B, V] fp32; every result stays on the logits' device."""
         raw = logits
         logits = self.penalize(logits, m)
-        tokens = cpu_kernels.argmax(logits) if cpu_kernels.use_cpu_kernels(logits) else logits.argmax(-1)
+        tokens = None if m.all_random else greedy(logits)
         if not m.all_greedy:
             probs = torch.softmax(self.warp(logits, m), -1)
-            # Exponential race (argmax p / E, E ~ Exp(1)) draws from probs; the noise of a seeded request comes
-            # from its own generator, so its tokens do not depend on the rest of the batch.
-            noise = torch.empty_like(probs).exponential_(generator=m.default_generator)
-            for i, g in enumerate(m.generators):
-                if g is not None:
-                    noise[i].exponential_(generator=g)
-            noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # a zero would turn a filtered token's 0 / 0 into NaN
-            tokens = torch.where(m.temperatures == 0, tokens, (probs / noise).argmax(-1))
+            # Exponential race: argmax p / E with E ~ Exp(1) draws from probs. A row's noise is a hash of its own
+            # key (seed, position) and the token id, so its token does not depend on the rest of the batch.
+            sampled = probs.div_(exponential_noise(m.noise_keys, probs.shape[-1])).argmax(-1)
+            tokens = sampled if tokens is None else torch.where(m.temperatures == 0, tokens, sampled)
         if m.num_logprobs is None:
             return SamplerOutput(tokens)
         return SamplerOutput(tokens, top_logprobs(raw, tokens, m.num_logprobs))
@@ -89,10 +87,17 @@ class Sampler(nn.Module):
             probs = logits.softmax(-1)
             drop = probs < m.min_p.unsqueeze(1) * probs.amax(-1, keepdim=True)
             logits = logits.masked_fill(drop, float("-inf"))
+        if m.top_k is None and m.top_p is None:
+            return logits
         return _filter_top_k_top_p(logits, m.top_k, m.top_p)
 
     def processed_logits(self, logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
         return self.warp(self.penalize(logits, m), m)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1), through the C kernel for fp32 CPU tensors (torch's is single-threaded there)."""
+    return cpu_kernels.argmax(logits) if cpu_kernels.use_cpu_kernels(logits) else logits.argmax(-1)
 
 
 def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int
@@ -105,18 +110,56 @@ def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int
     return chosen.squeeze(-1), ranks, top.indices, top.values
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def noise_keys(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """[B, 2] int64 keys of the noise rows (seed, position in the sequence): splitmix64 of both, split into 32-bit
+    halves. The same (seed, position) always gets the same noise, whatever else is in the batch."""
+    key = _splitmix64(seeds.astype(np.uint64) ^ _splitmix64(positions.astype(np.uint64)))
+    return np.stack([key & np.uint64(MASK32), key >> np.uint64(32)], -1).astype(np.int64)
+
+
+def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [B, vocab] (fp32) from a counter-based hash of (row key, token id): two rounds of a 32-bit mixer
+    keyed by the key's halves, in int64 ops whose products never overflow (the same integers on every device)."""
+    if keys.device.type == "cuda" and (kernels := triton_sampling()) is not None:
+        return kernels.exponential_noise(keys, vocab)
+    x = _mix32(torch.arange(vocab, device=keys.device) ^ keys[:, :1])
+    x = _mix32(x.bitwise_xor_(keys[:, 1:]))
+    # The top 24 bits as a uniform in (0, 1), never 0 or 1: E = -log(u) is finite and > 0.
+    u = x.bitwise_right_shift_(8).float().add_(0.5).mul_(2.0 ** -24)
+    return u.log_().neg_()
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (hash-prospector's lowbias32 shape) on int64 values in [0, 2^32): its multipliers
+    are below 2^31, so every product fits in int64 and nothing relies on overflow."""
+    x = x ^ (x >> 16)  # a new tensor; the rest works in place
+    x.mul_(0x21F0AAAD).bitwise_and_(MASK32)
+    x ^= x >> 15
+    x.mul_(0x735A2D97).bitwise_and_(MASK32)
+    x ^= x >> 15
+    return x
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (numpy's uint64 arithmetic wraps modulo 2^64)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+                        ) -> torch.Tensor:
     vocab = logits.shape[-1]
-    use_k = (top_k > 0) & (top_k < vocab)
-    use_p = top_p < 1.0
-    if not bool(use_k.any() or use_p.any()):
-        return logits
     sorted_logits, order = logits.sort(-1, descending=True)
-    rank = torch.arange(vocab)
-    drop = use_k.unsqueeze(1) & (rank >= top_k.unsqueeze(1))
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = sorted_logits.softmax(-1)
-    # Drop a token once the tokens ranked above it already reach top_p; the first token always stays.
-    drop = use_p.unsqueeze(1) & (probs.cumsum(-1) - probs >= top_p.unsqueeze(1))
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    if top_k is not None:
+        use_k = (top_k > 0) & (top_k < vocab)
+        rank = torch.arange(vocab, device=logits.device)
+        drop = use_k.unsqueeze(1) & (rank >= top_k.unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(-1)
+        # Drop a token once the tokens ranked above it already reach top_p; the first token always stays.
+        drop = (top_p < 1.0).unsqueeze(1) & (probs.cumsum(-1) - probs >= top_p.unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)

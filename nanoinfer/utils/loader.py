@@ -54,8 +54,10 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, LazyTensor]]:
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | LazyTensor]]) -> None:
-    """Route every checkpoint tensor to its parameter's weight_loader; fail on strays and on gaps."""
+    """Route every checkpoint tensor to the weight_loader of the module owning its parameter (copy_weight if it
+    has none), which copies this rank's slice into the parameter where it lives; fail on strays and on gaps."""
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
     packed: dict[str, tuple[str, int | str]] = getattr(model, "packed_modules_mapping", {})
     # A packed parameter is complete once every source mapped to it has arrived (experts: see FusedMoE).
     shards_per_param = {target: sum(t == target for t, _ in packed.values()) for target, _ in packed.values()}
@@ -75,11 +77,14 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | L
         if param.is_floating_point() and not tensor.is_floating_point():  # copy_ would cast it silently
             raise ValueError(f"checkpoint tensor {name!r}{where} holds {tensor.stored_dtype if lazy else tensor.dtype}"
                              f" values, but {target!r} is a floating-point parameter")
+        # Looked up on the module, not stored on the parameter: a bound method there would make a module <->
+        # parameter reference cycle, keeping a closed engine's weights alive until the garbage collector runs.
+        weight_loader = getattr(modules[target.rpartition(".")[0]], "weight_loader", copy_weight)
         try:
             if shard is None:
-                getattr(param, "weight_loader", copy_weight)(param, tensor)
+                weight_loader(param, tensor)
             else:
-                param.weight_loader(param, tensor, shard)
+                weight_loader(param, tensor, shard)
         except ValueError as e:
             raise ValueError(f"cannot load checkpoint tensor {name!r}{where}: {e}") from None
         loaded.setdefault(target, set()).add(shard)

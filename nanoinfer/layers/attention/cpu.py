@@ -61,7 +61,8 @@ class CPUAttentionBackend:
         b, slots = meta.num_seqs, state.mask.shape[-1]
         mask = state.mask
         if window is not None:
-            mask = mask & (torch.arange(slots) >= (meta.context_lens - window).view(-1, 1, 1, 1))
+            slot = torch.arange(slots, device=mask.device)
+            mask = mask & (slot >= (meta.context_lens - window).view(-1, 1, 1, 1))
         k = self._gather("k", k_cache, state.block_index).view(b, slots, *k_cache.shape[2:]).transpose(1, 2)
         v = self._gather("v", v_cache, state.block_index).view(b, slots, *v_cache.shape[2:]).transpose(1, 2)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)

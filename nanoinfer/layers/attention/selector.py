@@ -37,6 +37,21 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device("cuda", index)
 
 
+def check_tensor_parallel_devices(requested: str | torch.device, device: torch.device,
+                                  tensor_parallel_size: int) -> None:
+    """On CUDA each tensor-parallel rank on this machine (LOCAL_WORLD_SIZE of them under torchrun, else all) needs
+    a GPU of its own: two ranks sharing one would each size their cache for the whole GPU."""
+    if device.type != "cuda" or tensor_parallel_size == 1:
+        return
+    if requested != "auto" and torch.device(requested).index is not None:
+        raise ValueError(f"device={str(requested)!r} would put all {tensor_parallel_size} tensor-parallel ranks on one "
+                         f"GPU; pass device='cuda' (rank i takes GPU i)")
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", tensor_parallel_size))
+    if ranks_here > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs {ranks_here} GPUs on this machine, but "
+                         f"{torch.cuda.device_count()} CUDA device(s) are visible; lower it, or pass device='cpu'")
+
+
 def flash_attn_available() -> bool:
     """flash-attn and triton (the `cuda` extra) import. Called only on CUDA machines."""
     try:

@@ -1,0 +1,191 @@
+"""The persistent input batch (vLLM v1's InputBatch): each running sequence owns a row of preallocated block-table
+arrays, and a step's model inputs are written with vectorized numpy into fixed staging buffers, then copied once."""
+from dataclasses import dataclass, fields, replace
+
+import numpy as np
+import torch
+
+from nanoinfer.engine.cuda_graph import DecodeInputs
+from nanoinfer.engine.scheduler import ScheduledBatch
+from nanoinfer.engine.sequence import Sequence
+from nanoinfer.layers.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class StepBuffers:
+    """Flat buffers a step fills a prefix of. block_tables holds the step's [num_seqs, width] table row-major."""
+    input_ids: torch.Tensor  # [max_tokens] int64
+    positions: torch.Tensor  # [max_tokens] int64
+    slot_mapping: torch.Tensor  # [max_tokens] int64
+    logit_rows: torch.Tensor  # [max_tokens] int64: hidden rows whose logits are computed
+    context_lens: torch.Tensor  # [max_num_seqs] int32
+    cu_seqlens_q: torch.Tensor  # [max_num_seqs + 1] int32
+    cu_seqlens_k: torch.Tensor  # [max_num_seqs + 1] int32
+    block_tables: torch.Tensor  # [max_num_seqs * max_blocks] int32
+
+    @classmethod
+    def allocate(cls, max_tokens: int, max_num_seqs: int, max_blocks: int, device: torch.device,
+                 pin_memory: bool = False) -> "StepBuffers":
+        def buf(n: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(n, dtype=dtype, device=device, pin_memory=pin_memory)
+        i64, i32 = torch.int64, torch.int32
+        return cls(buf(max_tokens, i64), buf(max_tokens, i64), buf(max_tokens, i64), buf(max_tokens, i64),
+                   buf(max_num_seqs, i32), buf(max_num_seqs + 1, i32), buf(max_num_seqs + 1, i32),
+                   buf(max_num_seqs * max_blocks, i32))
+
+
+class InputBatch:
+    """Rows of block tables that persist across steps (written only where a sequence gained blocks), and the
+    staging buffers of a step: pinned host memory on CUDA, copied non_blocking into device buffers; on the CPU
+    the staging buffers are the step's tensors."""
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, block_size: int,
+                 device: torch.device):
+        self.block_size = block_size
+        self.max_blocks = -(-max_model_len // block_size)
+        self.rows: dict[int, int] = {}  # seq_id -> row
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest row
+        self.block_table = np.full((max_num_seqs, self.max_blocks), -1, dtype=np.int32)  # -1 past each row's blocks
+        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int32)  # entries of each row written so far
+        # A padded decode graph reads up to max_num_seqs rows of the token buffers too.
+        max_tokens = max(max_num_batched_tokens, max_num_seqs)
+        self.on_cuda = device.type == "cuda"
+        # pin_memory needs a CUDA build with a driver: only on CUDA, where it makes non_blocking copies asynchronous.
+        self.host = StepBuffers.allocate(max_tokens, max_num_seqs, self.max_blocks, torch.device("cpu"), self.on_cuda)
+        self.np = {f.name: getattr(self.host, f.name).numpy() for f in fields(StepBuffers)}
+        self.device = StepBuffers.allocate(max_tokens, max_num_seqs, self.max_blocks, device) if self.on_cuda \
+            else self.host
+        # Recorded after each step's uploads: the host buffers are rewritten only once the GPU has read them.
+        self.uploaded = torch.cuda.Event() if self.on_cuda else None
+
+    def remove(self, seq_ids: list[int]) -> None:
+        """Release the rows of finished or preempted sequences (unknown ids are ignored)."""
+        for seq_id in seq_ids:
+            row = self.rows.pop(seq_id, None)
+            if row is not None:
+                self.block_table[row, :self.num_blocks[row]] = -1
+                self.num_blocks[row] = 0
+                self.free_rows.append(row)
+
+    def _add(self, seq: Sequence) -> int:
+        assert self.free_rows, "more running sequences than max_num_seqs"
+        row = self.rows[seq.seq_id] = self.free_rows.pop()
+        return row
+
+    def _sync_block_tables(self, seqs: list[Sequence], rows: np.ndarray, ends: np.ndarray) -> None:
+        """Copy in the block ids each sequence gained: its row covers the blocks of its first `end` tokens."""
+        need = -(-ends // self.block_size)
+        have = self.num_blocks[rows]
+        assert (need >= have).all(), "a sequence lost blocks without its row being released"
+        for i in np.flatnonzero(need > have):
+            self.block_table[rows[i], have[i]:need[i]] = seqs[i].block_table[have[i]:need[i]]
+        self.num_blocks[rows] = need
+
+    def _wait_for_uploads(self) -> None:
+        if self.uploaded is not None:
+            self.uploaded.synchronize()
+
+    def prepare(self, batch: ScheduledBatch, samples: list[bool]
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """input_ids, positions and attention metadata (views of the host staging buffers, valid until the next
+        step), and the rows whose logits are sampled."""
+        self._wait_for_uploads()
+        self.remove(batch.freed_seq_ids)
+        rows, starts, token_ids = [], [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            row = self.rows.get(seq.seq_id)
+            rows.append(self._add(seq) if row is None else row)
+            start = seq.num_computed_tokens
+            starts.append(start)
+            token_ids += seq.token_ids[start:start + n]
+        rows, num_new = np.array(rows), np.array(batch.num_new_tokens, dtype=np.int64)
+        ends = np.array(starts, dtype=np.int64) + num_new
+        self._sync_block_tables(batch.seqs, rows, ends)
+        num_seqs, num_tokens = len(rows), len(token_ids)
+        h = self.np
+        h["input_ids"][:num_tokens] = token_ids
+        cu_q = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(num_new, out=cu_q[1:])
+        h["cu_seqlens_q"][:num_seqs + 1] = cu_q
+        h["cu_seqlens_k"][0] = 0
+        np.cumsum(ends, out=h["cu_seqlens_k"][1:num_seqs + 1], dtype=np.int32)
+        h["context_lens"][:num_seqs] = ends
+        # Position of token j of sequence i: starts[i] + j - cu_q[i].
+        positions = h["positions"][:num_tokens]
+        np.subtract(np.arange(num_tokens), np.repeat(cu_q[:-1] - ends + num_new, num_new), out=positions)
+        blocks = self.block_table[np.repeat(rows, num_new), positions // self.block_size]
+        np.add(blocks * np.int64(self.block_size), positions % self.block_size, out=h["slot_mapping"][:num_tokens])
+        width = int(self.num_blocks[rows].max())
+        np.take(self.block_table[:, :width], rows, axis=0,
+                out=h["block_tables"][:num_seqs * width].reshape(num_seqs, width))
+        b = self.host
+        meta = AttentionMetadata(
+            slot_mapping=b.slot_mapping[:num_tokens],
+            block_tables=b.block_tables[:num_seqs * width].view(num_seqs, width),
+            context_lens=b.context_lens[:num_seqs],
+            cu_seqlens_q=b.cu_seqlens_q[:num_seqs + 1],
+            cu_seqlens_k=b.cu_seqlens_k[:num_seqs + 1],
+            max_seqlen_q=int(num_new.max()),
+            max_seqlen_k=int(ends.max()),
+            block_size=self.block_size,
+            has_cached_prefix=bool(ends.sum() > num_tokens),
+        )
+        sample_rows = (cu_q[1:][np.array(samples, dtype=bool)] - 1).tolist()
+        return b.input_ids[:num_tokens], b.positions[:num_tokens], meta, sample_rows
+
+    def _stage(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """t in the host staging buffer `name` (copied there unless it is already that buffer's prefix)."""
+        buf = getattr(self.host, name)
+        if t.data_ptr() == buf.data_ptr():
+            return t
+        return buf[:t.numel()].view(t.shape).copy_(t)
+
+    def _upload(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Host tensor t (a step input) in this rank's device buffer `name`: one non_blocking copy from staging."""
+        return getattr(self.device, name)[:t.numel()].view(t.shape).copy_(self._stage(name, t), non_blocking=True)
+
+    def to_device(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """A step's inputs (prepare()'s host tensors, or the same received from rank 0) in this rank's device
+        buffers. On the CPU nothing is copied."""
+        if not self.on_cuda:
+            return input_ids, positions, meta
+        self._wait_for_uploads()
+        names = ("input_ids", "positions", "slot_mapping", "context_lens", "cu_seqlens_q", "cu_seqlens_k",
+                 "block_tables")
+        ids, pos, slots, ctx, cu_q, cu_k, tables = (
+            self._upload(name, t) for name, t in zip(names, (input_ids, positions, meta.slot_mapping,
+                                                              meta.context_lens, meta.cu_seqlens_q,
+                                                              meta.cu_seqlens_k, meta.block_tables)))
+        state_slots = None if meta.state_slots is None else meta.state_slots.to(ctx.device, non_blocking=True)
+        return ids, pos, replace(meta, slot_mapping=slots, block_tables=tables, context_lens=ctx, cu_seqlens_q=cu_q,
+                                 cu_seqlens_k=cu_k, state_slots=state_slots)
+
+    def logit_index(self, logit_rows: list[int]) -> torch.Tensor:
+        """logit_rows as an index tensor on this rank's device."""
+        self._wait_for_uploads()
+        rows = self.host.logit_rows[:len(logit_rows)]
+        self.np["logit_rows"][:len(logit_rows)] = logit_rows
+        return self._upload("logit_rows", rows) if self.on_cuda else rows
+
+    def decode_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      size: int) -> DecodeInputs:
+        """A decode step's inputs padded to `size` rows in the host staging buffers (token 0, position 0, slot -1,
+        context length 0, no blocks), for a graph to copy into its static buffers."""
+        self._wait_for_uploads()
+        n, width = meta.block_tables.shape
+        for name, t in (("input_ids", input_ids), ("positions", positions), ("slot_mapping", meta.slot_mapping),
+                        ("context_lens", meta.context_lens), ("block_tables", meta.block_tables)):
+            self._stage(name, t)
+        h = self.np
+        h["input_ids"][n:size] = h["positions"][n:size] = h["context_lens"][n:size] = 0
+        h["slot_mapping"][n:size] = -1
+        h["block_tables"][n * width:size * width] = -1
+        b = self.host
+        return DecodeInputs(b.input_ids[:size], b.positions[:size], b.slot_mapping[:size], b.context_lens[:size],
+                            b.block_tables[:size * width].view(size, width))
+
+    def record_uploads(self) -> None:
+        """Mark the host buffers free to rewrite once the uploads queued so far have run."""
+        if self.uploaded is not None:
+            self.uploaded.record()

@@ -1,0 +1,268 @@
+"""nanoinfer on a CUDA GPU against transformers on the same GPU: every family in fp32 token for token, bf16 up to
+genuine bf16 near-ties, prefix-cache hits, chunked prefill and preemption, the KV cache sized from free memory,
+and GPU memory given back on close. Each test runs with every attention backend this build offers (skipped where
+one cannot run). All are marked `cuda`: skipped, with the reason, where no CUDA device is visible."""
+import gc
+import math
+
+import pytest
+import torch
+
+from models import EXTRA_KINDS, MODEL_KINDS, check_against_hf, hf_greedy, random_prompts
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.config import Config
+from nanoinfer.layers.attention import Attention
+from nanoinfer.layers.attention.selector import BACKEND_CHOICES
+
+pytestmark = pytest.mark.cuda
+
+MAX_TOKENS = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# Lengths straddle 16-token blocks and include a one-token prompt.
+PROMPTS = random_prompts(6, 5, 440, 2, 90, seed=7) + [[17]]
+FP32_LOGIT_ATOL = 2e-4  # the CPU suite sees ~2e-5; GPU reductions run in other orders
+# bf16 against transformers in bf16, both measured against transformers' own bf16 rounding error at each step
+# (its bf16 logits minus its fp32 logits on the same tokens; ~0.1-0.3 on these models, several bf16 steps): before
+# any divergence our logits stay within BF16_ERROR_RATIO times that error of its bf16 ones (0.7x typical, 2.3x at
+# worst on the CPU), and a divergence passes only where its top-2 gap is within twice that error, i.e. where
+# rounding alone can swap them (on the CPU every divergence sat below half of that).
+BF16_ERROR_RATIO = 4
+MIB = 1 << 20
+
+
+@pytest.fixture(params=BACKEND_CHOICES)
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def ieee_fp32(monkeypatch):
+    """fp32 means fp32 on both sides: matmuls use no TF32 unless asked to, but cuDNN convolutions (transformers'
+    Qwen3-Next) do by default."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+
+
+def small_cache_utilization() -> float:
+    """A gpu_memory_utilization leaving about 2 GiB for the KV cache: sized by the warm-up as by default, without
+    the millions of blocks 90% of a GPU makes for these tiny models."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return min(0.95, (total - free + (2 << 30)) / total)
+
+
+def make_llm(model_dir, backend: str, dtype: str, **kwargs) -> LLM:
+    """An engine on CUDA with this attention backend; the test is skipped where the backend cannot run here (not
+    installed, or not in this dtype or block size), as Config says."""
+    kwargs.setdefault("max_model_len", 256)
+    if "num_kvcache_blocks" not in kwargs:
+        kwargs["gpu_memory_utilization"] = small_cache_utilization()
+    try:
+        Config(model_dir, device="cuda", dtype=dtype, attention_backend=backend, **kwargs)
+    except ValueError as e:
+        pytest.skip(f"attention_backend={backend!r}, dtype={dtype}: {e}")
+    return LLM(str(model_dir), device="cuda", dtype=dtype, attention_backend=backend, **kwargs)
+
+
+_HF_MODELS: dict[tuple, torch.nn.Module] = {}
+_REFERENCES: dict[tuple, list[dict]] = {}
+
+
+def hf_model(model_dir, dtype: torch.dtype) -> torch.nn.Module:
+    """transformers' model on the GPU in `dtype` (loaded once per session)."""
+    from transformers import AutoModelForCausalLM
+
+    key = (str(model_dir), dtype)
+    if key not in _HF_MODELS:
+        _HF_MODELS[key] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to("cuda").eval()
+    return _HF_MODELS[key]
+
+
+def reference(model_dir, dtype: torch.dtype, prompts=PROMPTS) -> list[dict]:
+    """transformers' greedy tokens and logits, computed on the GPU in `dtype` (once per session)."""
+    key = (str(model_dir), dtype, tuple(map(tuple, prompts)))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = hf_greedy(hf_model(model_dir, dtype), prompts, MAX_TOKENS)
+    return _REFERENCES[key]
+
+
+# ---- correctness against transformers on the GPU ----
+
+@pytest.mark.parametrize("kind", MODEL_KINDS + EXTRA_KINDS)
+def test_fp32_matches_transformers(kind, backend, model_dir, captured_logits, report_logit_diff):
+    d = model_dir(kind)
+    llm = make_llm(d, backend, "float32")
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    worst = check_against_hf(outputs, reference(d, torch.float32), captured_logits)
+    report_logit_diff(f"{kind}, CUDA fp32, {backend}", worst)
+    assert worst < FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+    llm.close()
+
+
+def bf16_ulp(x: float) -> float:
+    """The distance between neighbouring bfloat16 numbers at |x|."""
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0 ** -133
+
+
+@torch.inference_mode()
+def hf_bf16_error(model_dir, prompt: list[int], ref: dict) -> list[float]:
+    """Per generated step, how far transformers' bf16 logits are from its fp32 logits for the same tokens (at
+    least one bf16 step of the largest): the rounding error bf16 itself brings."""
+    tokens = torch.tensor([prompt + ref["token_ids"][:-1]], device="cuda")
+    fp32 = hf_model(model_dir, torch.float32)(input_ids=tokens).logits[0, len(prompt) - 1:].float().cpu()
+    return [max((b - f).abs().max().item(), bf16_ulp(b.abs().max().item())) for b, f in zip(ref["logits"], fp32)]
+
+
+def check_bf16_against_hf(tokens: list[int], logits: torch.Tensor, ref: dict, error: list[float]) -> float:
+    """Until our tokens leave transformers' (bf16) ones, our logits stay within BF16_ERROR_RATIO x its own bf16
+    error of its logits; where they leave, its top-2 gap is within twice that error. Returns the largest
+    |ours - transformers'| in units of that error."""
+    ref_tokens, ref_logits = ref["token_ids"], ref["logits"]
+    diverged = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), None)
+    steps = len(tokens) if diverged is None else diverged + 1
+    worst = 0.0
+    for i in range(steps):
+        ratio = (logits[i] - ref_logits[i]).abs().max().item() / error[i]
+        assert ratio <= BF16_ERROR_RATIO, (f"step {i}: logits differ from transformers' by {ratio:.1f}x its own bf16 "
+                                           f"error ({error[i]:.3g})")
+        worst = max(worst, ratio)
+    if diverged is not None:
+        top = ref_logits[diverged].topk(2).values.tolist()
+        assert top[0] - top[1] <= 2 * error[diverged], (
+            f"bf16 divergence at step {diverged} where transformers' top-2 gap {top[0] - top[1]:.4g} exceeds twice "
+            f"its own bf16 error ({error[diverged]:.4g}): ours {tokens}, transformers {ref_tokens}")
+    return worst
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS + ("mistral",))
+def test_bf16_matches_transformers_up_to_bf16_rounding(kind, backend, model_dir, captured_logits,
+                                                       report_logit_diff):
+    """Dense families (mixture-of-experts routing can flip between near-equal experts in bf16, which is not a
+    near-tie of the output): transformers in bf16 on the same GPU is the reference."""
+    d = model_dir(kind)
+    llm = make_llm(d, backend, "bfloat16")
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    worst = 0.0
+    for prompt, out, ref in zip(PROMPTS, outputs, reference(d, torch.bfloat16)):
+        logits = torch.stack(captured_logits[out.request_id]).float().cpu()
+        worst = max(worst, check_bf16_against_hf(out.outputs[0].token_ids, logits, ref, hf_bf16_error(d, prompt, ref)))
+    report_logit_diff(f"{kind}, CUDA bf16, {backend} (x transformers' own bf16 error)", worst)
+    llm.close()
+
+
+def test_prefix_cache_hits_on_cuda(backend, qwen3_dir, captured_logits, report_logit_diff):
+    shared = random_prompts(1, 5, 440, 300, 300, seed=3)[0]  # a full page even for 256-token blocks
+    prompts = [shared + tail for tail in random_prompts(4, 5, 440, 1, 20, seed=4)] + [shared]
+    llm = make_llm(qwen3_dir, backend, "float32", max_model_len=512)
+    block_size = llm.llm_engine.config.kvcache_block_size
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    # Admitted in the same step, the later prompts share the first one's full prefix blocks.
+    assert [o.num_cached_tokens for o in first] == [0] + [300 // block_size * block_size] * 4
+    second = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 300 // block_size * block_size for o in second)
+    refs = reference(qwen3_dir, torch.float32, prompts)
+    worst = max(check_against_hf(first, refs, captured_logits), check_against_hf(second, refs, captured_logits))
+    report_logit_diff(f"qwen3, CUDA fp32 prefix-cache hits, {backend}", worst)
+    assert worst < FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+    llm.close()
+
+
+def test_chunked_prefill_on_cuda(backend, qwen2_dir, captured_logits, report_logit_diff):
+    llm = make_llm(qwen2_dir, backend, "float32", max_num_batched_tokens=7)  # every prompt in many chunks
+    worst = check_against_hf(llm.generate(PROMPTS, GREEDY, use_tqdm=False), reference(qwen2_dir, torch.float32),
+                             captured_logits)
+    report_logit_diff(f"qwen2, CUDA fp32 chunked prefill, {backend}", worst)
+    assert worst < FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+    llm.close()
+
+
+def test_preemption_on_cuda(backend, llama_dir, captured_logits, report_logit_diff):
+    # 8 blocks of 16 tokens cannot hold all sequences at once: decode must preempt and recompute.
+    llm = make_llm(llama_dir, backend, "float32", max_model_len=128, kvcache_block_size=16, num_kvcache_blocks=8,
+                   max_num_batched_tokens=64)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    worst = check_against_hf(outputs, reference(llama_dir, torch.float32), captured_logits)
+    report_logit_diff(f"llama, CUDA fp32 preemption, {backend}", worst)
+    assert worst < FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+    llm.close()
+
+
+def test_sliding_window_chunked_prefill_and_prefix_cache_on_cuda(backend, model_dir, captured_logits,
+                                                                 report_logit_diff):
+    d = model_dir("mistral")  # window 20, not a multiple of the 8-token blocks
+    shared = random_prompts(1, 5, 440, 40, 40, seed=8)[0]
+    prompts = [shared + tail for tail in random_prompts(3, 5, 440, 1, 30, seed=9)]
+    llm = make_llm(d, backend, "float32", max_model_len=128, max_num_batched_tokens=7, kvcache_block_size=8)
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    second = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 40 for o in second)
+    refs = reference(d, torch.float32, prompts)
+    worst = max(check_against_hf(first, refs, captured_logits), check_against_hf(second, refs, captured_logits))
+    report_logit_diff(f"mistral, CUDA fp32 window + chunks + prefix cache, {backend}", worst)
+    assert worst < FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+    llm.close()
+
+
+# ---- KV cache sizing and GPU memory ----
+
+def kv_cache_bytes(llm: LLM) -> int:
+    model = llm.llm_engine.model_runner.model
+    return sum(a.k_cache.nbytes + a.v_cache.nbytes for a in model.modules() if isinstance(a, Attention))
+
+
+def settled_memory() -> tuple[int, int]:
+    """(bytes allocated by tensors, bytes free on the device) with nothing cached by the allocator."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
+
+
+def test_default_engine_takes_what_gpu_memory_utilization_leaves_twice_in_a_row(qwen3_dir):
+    """LLM(model) as a new user makes it (auto backend and dtype, gpu_memory_utilization=0.9), two in a row: each
+    KV cache is within a few percent of 90% of the GPU minus what was in use before, the GPU keeps ~10% free,
+    and close() gives everything back."""
+    allocated, free = settled_memory()
+    total = torch.cuda.mem_get_info()[1]
+    allowed = 0.9 * total - (total - free)
+    for _ in range(2):
+        llm = LLM(str(qwen3_dir))
+        assert llm.llm_engine.model_runner.device.type == "cuda"
+        assert abs(kv_cache_bytes(llm) - allowed) < 0.03 * total, (kv_cache_bytes(llm), allowed)
+        assert abs(settled_memory()[1] - 0.1 * total) < 0.03 * total
+        out = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == MAX_TOKENS
+        llm.close()
+        assert settled_memory()[0] - allocated < 4 * MIB
+
+
+def test_memory_comes_back_after_close_del_and_with_and_stays_flat(qwen3_dir, backend):
+    def run(llm: LLM) -> None:
+        assert kv_cache_bytes(llm) > 1 << 30  # what a leak would keep
+        llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
+
+    make_llm(qwen3_dir, backend, "bfloat16").close()  # lazy start-up costs (kernels, workspaces) before measuring
+    allocated, _ = settled_memory()
+    gc.disable()  # reference counting alone gives it back
+    try:
+        llm = make_llm(qwen3_dir, backend, "bfloat16")
+        run(llm)
+        del llm
+        assert settled_memory()[0] - allocated < 4 * MIB
+        with make_llm(qwen3_dir, backend, "bfloat16") as llm:
+            run(llm)
+        assert settled_memory()[0] - allocated < 4 * MIB
+    finally:
+        gc.enable()
+    after = []
+    for _ in range(10):
+        llm = make_llm(qwen3_dir, backend, "bfloat16")
+        run(llm)
+        llm.close()
+        after.append(settled_memory())
+    assert max(a for a, _ in after) - allocated < 4 * MIB, after
+    assert max(f for _, f in after) - min(f for _, f in after) < 64 * MIB, after
+
+
+def test_more_tensor_parallel_ranks_than_gpus_is_a_value_error(qwen3_dir):
+    with pytest.raises(ValueError, match=r"CUDA device\(s\) are visible"):
+        LLM(str(qwen3_dir), device="cuda", tensor_parallel_size=torch.cuda.device_count() + 1)
