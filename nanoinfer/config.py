@@ -1,4 +1,5 @@
 """Engine settings given to `LLM(...)`, checked against the model's own config."""
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -8,6 +9,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from nanoinfer.layers.attention.selector import (DEFAULT_BLOCK_SIZE, check_backend_limits,
                                                   check_tensor_parallel_devices, resolve_device, select_backend)
+from nanoinfer.layers.rotary_embedding import rope_parameters
 from nanoinfer.sampling_params import check_seed
 from nanoinfer.utils.gguf_loader import load_gguf_config, resolve_gguf
 
@@ -36,6 +38,8 @@ class Config:
     eos_token_ids: list[int] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise TypeError(f"model must be a path (str or os.PathLike), got {self.model!r}")
         path = Path(os.fspath(self.model)).expanduser()
         if not path.exists():
             raise ValueError(f"model path {str(path)!r} does not exist")
@@ -44,9 +48,13 @@ class Config:
         if self.gguf_path is not None:
             self.hf_config = load_gguf_config(self.gguf_path)
         elif (path / "config.json").is_file():
-            self.hf_config = AutoConfig.from_pretrained(path)
+            try:
+                self.hf_config = AutoConfig.from_pretrained(path)
+            except Exception as e:  # transformers' own checks: bad JSON, a field of the wrong type, ...
+                raise ValueError(f"cannot read the model config {path / 'config.json'}: {e}") from e
         else:
             raise ValueError(f"{str(path)!r} holds neither a config.json nor a .gguf file")
+        self._check_model_config(self.gguf_path or path / "config.json")
         self.torch_device = resolve_device(self.device)
         self.attention_backend = select_backend(self.attention_backend, self.torch_device)
         self.torch_dtype = self._resolve_dtype()
@@ -85,6 +93,20 @@ class Config:
         check_tensor_parallel_devices(self.device, self.torch_device, self.tensor_parallel_size)
         self._check_shardable()
         self.eos_token_ids = self._eos_token_ids()
+
+    def _check_model_config(self, source: Path) -> None:
+        """The model's own sizes and constants, where a bad value would otherwise fail obscurely (or not at all)."""
+        cfg = self.hf_config
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                     "max_position_embeddings", "num_key_value_heads", "head_dim"):
+            value = getattr(cfg, name, None)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} in {source} must be a positive int")
+        for name, value in (("rope_theta", rope_parameters(cfg)["rope_theta"]),
+                            ("rms_norm_eps", getattr(cfg, "rms_norm_eps", None))):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{name}={value!r} in {source} must be a finite number > 0")
 
     def _check_shardable(self) -> None:
         """Each rank holds whole heads and an equal share of the MLP; fewer KV heads than ranks are replicated."""

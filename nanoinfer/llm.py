@@ -6,6 +6,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
+from contextlib import contextmanager
 from itertools import count
 
 from tqdm.auto import tqdm
@@ -19,6 +20,29 @@ from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 Conversation = list[dict]
 
 
+class _Turns:
+    """Who drives the engine: one generate/chat/embed call or one open generate_iter stream at a time. A flag under
+    a small lock, not a thread-owned lock: a stream may be advanced, closed or dropped from any thread."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._held = False
+        self.stream_thread: int | None = None  # while a stream holds the turn: the thread that last advanced it
+
+    def acquire(self) -> None:
+        with self._cond:
+            while self._held:
+                if self.stream_thread == threading.get_ident():  # waiting would deadlock: this thread drives it
+                    raise RuntimeError("this LLM is driven by an open generate_iter stream: finish or close it first")
+                self._cond.wait()
+            self._held = True
+
+    def release(self) -> None:
+        with self._cond:
+            self._held, self.stream_thread = False, None
+            self._cond.notify()
+
+
 class LLM:
     """With tensor_parallel_size=N, a plain process starts N - 1 worker processes, stopped by close(), by leaving a
     `with` block, or at interpreter exit; under torchrun, every rank builds an LLM and calls generate."""
@@ -29,8 +53,7 @@ class LLM:
             raise TypeError(f"LLM() got unknown argument(s) {unknown}; known: {sorted(Config.field_names() - {'model'})}")
         self.llm_engine = LLMEngine(Config(model, **kwargs))
         # One engine, one scheduler: generate calls from several threads take turns, and an open stream owns it.
-        self._lock = threading.RLock()
-        self._streaming = False
+        self._turns = _Turns()
         self._request_ids = count()
         self._finalizer = weakref.finalize(self, self.llm_engine.close)  # also runs at interpreter exit
 
@@ -55,8 +78,7 @@ class LLM:
         """One finished output per prompt, in input order. Under torchrun every rank must call it; rank 0's prompts
         are run and every rank returns the same outputs."""
         requests = self._make_requests(prompts, sampling_params, RequestOutputKind.FINAL_ONLY)
-        with self._lock:
-            self._check_usable()
+        with self._turn():
             if self.llm_engine.tp.torchrun:
                 return self.llm_engine.run_on_every_rank(lambda: self._run(requests, use_tqdm))
             return self._run(requests, use_tqdm)
@@ -65,8 +87,9 @@ class LLM:
                       sampling_params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[RequestOutput]:
         """Outputs as tokens arrive: each step yields the requests it advanced (everything so far, or only the
         new part with output_kind=DELTA); the last output of a request has finished=True. Closing the iterator
-        early (break) aborts its unfinished requests and frees their KV blocks. The stream owns the LLM until
-        it ends: other threads' calls wait for it."""
+        early (break), or dropping it, aborts its unfinished requests and frees their KV blocks. Any thread may
+        advance, close or drop it. The stream owns the LLM until it ends: other threads' calls wait for it, while
+        the thread that last advanced it gets a RuntimeError (waiting there would never end)."""
         requests = self._make_requests(prompts, sampling_params, None)  # bad input raises here, not on next()
         if self.llm_engine.tp.torchrun:
             raise ValueError("generate_iter is not available under torchrun, where every rank runs rank 0's steps: "
@@ -86,6 +109,12 @@ class LLM:
         if not isinstance(messages, SequenceABC) or isinstance(messages, str) or not messages or not all(
                 isinstance(c, SequenceABC) and c and all(isinstance(m, dict) for m in c) for c in messages):
             raise TypeError("messages must be a conversation (a non-empty list of message dicts) or a list of them")
+        for conversation in messages:
+            _check_messages(conversation)
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TypeError(f"chat_template must be a string, got {type(chat_template).__name__}")
+        if not isinstance(chat_template_kwargs, dict | None):
+            raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         kwargs = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                       **(chat_template_kwargs or {}))
         prompts = []
@@ -105,8 +134,7 @@ class LLM:
             raise ValueError(f"pooling must be 'mean' or 'last', got {pooling!r}")
         if not isinstance(normalize, bool):
             raise TypeError(f"normalize must be a bool, got {normalize!r}")
-        with self._lock:
-            self._check_usable()
+        with self._turn():
             return self.llm_engine.embed(_as_prompt_list(prompts), pooling, normalize)
 
     def _make_requests(self, prompts: Prompt | list[Prompt],
@@ -118,65 +146,79 @@ class LLM:
         if kind is not None:
             replaced = {id(p): dataclasses.replace(p, output_kind=kind) for p in params if isinstance(p, SamplingParams)}
             params = [replaced.get(id(p), p) for p in params]
-        return [self.llm_engine.make_sequences(str(next(self._request_ids)), prompt, p)
+        return [self.llm_engine.make_sequences(self._next_request_id(), prompt, p)
                 for prompt, p in zip(prompts, params)]
 
+    def _next_request_id(self) -> str:
+        """A fresh id, skipping any that a request added through the step API holds."""
+        while self.llm_engine.request_id_in_use(rid := str(next(self._request_ids))):
+            pass
+        return rid
+
+    @contextmanager
+    def _turn(self) -> Iterator[LLMEngine]:
+        """Hold the engine (after other threads' calls and streams), if it is still open."""
+        self._turns.acquire()
+        try:
+            if self.llm_engine.closed:
+                raise RuntimeError("this LLM is closed")
+            yield self.llm_engine
+        finally:
+            self._turns.release()
+
     def _run(self, requests: list[list[Sequence]], use_tqdm: bool) -> list[RequestOutput]:
-        engine, done = self.llm_engine, {}
-        for seqs in requests:
-            engine.enqueue(seqs)
+        engine, done, ids = self.llm_engine, {}, {seqs[0].request_id for seqs in requests}
         bar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         start, generated = time.perf_counter(), 0
         try:
+            for seqs in requests:
+                engine.enqueue(seqs)
             while len(done) < len(requests):
-                for out in engine.step():
+                for out in engine.step_for(ids):
                     done[out.request_id] = out
                     generated += sum(len(c.token_ids) for c in out.outputs)
                     bar.update(1)
                 bar.set_postfix(output=f"{generated / (time.perf_counter() - start):.0f}tok/s", refresh=False)
-        except BaseException:
-            engine.abort_all()  # leave no half-finished requests behind: the engine stays usable
-            raise
         finally:
             bar.close()
+            engine.abort_request(ids)  # those left unfinished by a failure or Ctrl-C: the engine stays usable
         return [done[seqs[0].request_id] for seqs in requests]
 
     def _stream(self, requests: list[list[Sequence]]) -> Iterator[RequestOutput]:
-        with self._lock:
-            self._check_usable()
-            self._streaming = True
-            engine, ids = self.llm_engine, [seqs[0].request_id for seqs in requests]
+        with self._turn() as engine:
+            ids = {seqs[0].request_id for seqs in requests}
             try:
                 for seqs in requests:
                     engine.enqueue(seqs)
                 while any(rid in engine.requests for rid in ids):
-                    yield from engine.step()
-            except GeneratorExit:
-                engine.abort_request(ids)
-                raise
-            except BaseException:
-                engine.abort_all()
-                raise
+                    self._turns.stream_thread = threading.get_ident()
+                    for out in engine.step_for(ids):
+                        yield out
+                        self._turns.stream_thread = threading.get_ident()  # resumed, maybe by another thread
             finally:
-                self._streaming = False
-
-    def _check_usable(self) -> None:
-        if self.llm_engine.closed:
-            raise RuntimeError("this LLM is closed")
-        if self._streaming:
-            raise RuntimeError("this LLM is driven by an open generate_iter stream: finish or close it first")
+                engine.abort_request(ids)  # those left unfinished: closed or dropped early, or a failed step
 
 
 def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if not isinstance(prompts, SequenceABC):
+    if isinstance(prompts, (bytes, bytearray, memoryview)) or not isinstance(prompts, SequenceABC):
         raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [list(prompts)]
     if not prompts:
         raise ValueError("no prompts given")
+    if any(isinstance(t, int) for t in prompts):  # one prompt of token ids (a bad id in it is named later)
+        return [list(prompts)]
     return list(prompts)
+
+
+def _check_messages(conversation: Conversation) -> None:
+    """Every message needs a string role and string content: chat templates fail obscurely on anything else."""
+    for i, message in enumerate(conversation):
+        for key in ("role", "content"):
+            if key not in message:
+                raise ValueError(f"chat message {i} has no {key!r}: {message!r}")
+            if not isinstance(message[key], str):
+                raise TypeError(f"chat message {i}: {key!r} must be a string, got {message[key]!r}")
 
 
 def _as_params_list(params: SamplingParams | list[SamplingParams] | None, n: int) -> list[SamplingParams]:

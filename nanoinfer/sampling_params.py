@@ -1,4 +1,5 @@
-"""User-facing sampling options of one request (vLLM's names and meanings), validated on construction."""
+"""User-facing sampling options of one request (vLLM's names and meanings), validated on construction and again
+when a request enters the engine (fields may have been changed since)."""
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -34,6 +35,11 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)  # `stop` as a list
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (TypeError/ValueError naming it) and refresh the normalized ones (`stop_strings`,
+        `stop_token_ids` as a list): what every entry point runs on each request's params."""
         _check_int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")

@@ -27,11 +27,13 @@ def make_seq(tokens, block_size=BS) -> Sequence:
 
 
 def allocate_and_compute(bm: BlockManager, tokens, block_size=BS) -> Sequence:
-    """Admit a sequence and 'prefill' it completely, as the scheduler does (commit of every computed token)."""
+    """Admit a sequence and 'prefill' it completely in one completed step, as the scheduler does (commit of every
+    computed token, published when the step completes)."""
     seq = make_seq(tokens, block_size)
     assert bm.can_allocate(seq)
     bm.allocate(seq)
     bm.commit(seq, len(seq))
+    bm.publish()
     seq.num_computed_tokens = len(seq)
     return seq
 
@@ -123,11 +125,52 @@ def test_commit_registers_only_full_blocks_within_num_tokens():
     bm.free(b)
     bm.commit(a, 7)  # only block 0 is full among the first 7 tokens
     assert [bm.blocks[x].hash != -1 for x in a.block_table] == [True, False, False]
-    assert len(bm.hash_to_block) == 1
+    assert len(bm.step_hash_to_block) == 1 and bm.hash_to_block == {}
+    bm.publish()
+    assert len(bm.hash_to_block) == 1 and bm.step_hash_to_block == {}
     c = make_seq(prompt + [1])
     bm.allocate(c)
     assert c.num_cached_tokens == 4 and c.block_table[0] == a.block_table[0]
     assert c.block_table[1] != a.block_table[1]
+
+
+def test_blocks_committed_in_a_step_are_shared_within_it_and_cached_once_it_completes():
+    bm = BlockManager(num_blocks=12, block_size=BS)
+    prompt = list(range(50, 60))  # 2 full blocks + 2 tokens
+    a = make_seq(prompt)
+    bm.allocate(a)
+    bm.commit(a, len(a))  # scheduled: this step writes its K/V
+    b = make_seq(prompt)  # admitted later in the same step: attends after every layer stored a's K/V
+    bm.allocate(b)
+    assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    assert bm.hash_to_block == {}, "not in the prefix cache before the step completes"
+    bm.publish()
+    shared = a.block_table[:2]
+    assert sorted(bm.hash_to_block.values()) == sorted(shared) and bm.step_hash_to_block == {}
+    bm.free(a)
+    bm.free(b)
+    c = make_seq(prompt)  # a later step: a cache hit
+    bm.allocate(c)
+    assert c.num_cached_tokens == 8 and c.block_table[:2] == shared
+
+
+def test_blocks_of_a_failed_step_never_reach_the_prefix_cache():
+    bm = BlockManager(num_blocks=12, block_size=BS)
+    prompt = list(range(50, 60))
+    a = make_seq(prompt)
+    bm.allocate(a)
+    bm.commit(a, len(a))
+    held = list(a.block_table)
+    bm.discard_unpublished()  # the step failed: their K/V may never have been written
+    bm.free(a)
+    assert bm.hash_to_block == {} and bm.step_hash_to_block == {}
+    assert all(bm.blocks[x].hash == -1 for x in held)
+    b = make_seq(prompt)
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0
+    bm.commit(b, len(b))  # recomputed in a step that completes: cached from then on
+    bm.publish()
+    assert len(bm.hash_to_block) == 2
 
 
 @pytest.mark.parametrize("length", [8, 9, 12])
@@ -342,13 +385,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         return seq.block_table[p // self.bs] * self.bs + p % self.bs
 
     def _compute(self, seq: Sequence, n: int) -> None:
-        """One scheduled step of n tokens: commit (as the scheduler does), then write their K/V."""
+        """One scheduled step of n tokens: commit (as the scheduler does), write their K/V, publish (completed)."""
         start = seq.num_computed_tokens
         assert 0 < n <= len(seq) - start
         assert len(seq.block_table) * self.bs >= start + n
         self.bm.commit(seq, start + n)
         for p in range(start, start + n):
             self.kv[self._slot(seq, p)] = tuple(seq.token_ids[:p + 1])
+        self.bm.publish()
         seq.num_computed_tokens += n
 
     # --- rules -----------------------------------------------------------------------------------------
@@ -392,6 +436,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
         todo = [s for s in self.running if s.num_computed_tokens < len(s)]
         seq = todo[i % len(todo)]
         self._compute(seq, min(chunk, len(seq) - seq.num_computed_tokens))
+
+    @precondition(lambda self: any(s.num_computed_tokens < len(s) for s in self.running))
+    @rule(i=st.integers(0, 10**6), chunk=st.integers(1, 16), written=st.integers(0, 16))
+    def failed_step(self, i, chunk, written):
+        """A step that commits, writes only some of its K/V (wrongly), and fails: the scheduler's roll-back."""
+        todo = [s for s in self.running if s.num_computed_tokens < len(s)]
+        seq = todo[i % len(todo)]
+        start = seq.num_computed_tokens
+        n = min(chunk, len(seq) - start)
+        self.bm.commit(seq, start + n)
+        for p in range(start, start + min(n, written)):
+            self.kv[self._slot(seq, p)] = ("garbage",)
+        self.bm.discard_unpublished()
+        self.preempt_seq(seq)  # recomputed when readmitted
 
     @precondition(lambda self: any(s.num_computed_tokens == len(s) for s in self.running))
     @rule(i=st.integers(0, 10**6), token=st.integers(0, 2))

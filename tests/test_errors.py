@@ -1,5 +1,6 @@
-"""Bad inputs raise clear errors and leave the engine usable; bad model directories fail at construction;
-a load test with a tiny KV cache (preemption, recompute) matches a roomy-cache run."""
+"""Bad inputs raise clear errors (naming the argument, the value, and the file where there is one) and leave the
+engine usable, at every entry point; bad model directories fail at construction; a load test with a tiny KV cache
+(preemption, recompute) matches a roomy-cache run."""
 from __future__ import annotations
 
 import json
@@ -63,7 +64,13 @@ BAD_REQUESTS = {
     "float-token-id": ([[1, 2.0]], None, TypeError, "int"),
     "str-token-id": ([[1, "2"]], None, TypeError, "int"),
     "bool-token-id": ([[True, 2]], None, TypeError, "int"),
-    "none-token-id": ([[1, None]], None, TypeError, "int"),
+    "none-token-id": ([[1, None]], None, TypeError, "token ids must be ints, got None"),
+    "none-in-a-flat-token-list": ([1, None], None, TypeError, "token ids must be ints, got None"),
+    "none-in-prompt-token-ids": ({"prompt_token_ids": [1, None]}, None, TypeError, "got None"),
+    "text-as-prompt-token-ids": ({"prompt_token_ids": "text"}, None, TypeError, "'prompt_token_ids'.*got str"),
+    "bytes-prompt": (b"abc", None, TypeError, "got bytes"),
+    "bytes-in-a-prompt-list": ([GOOD, b"abc"], None, TypeError, "got bytes"),
+    "bytearray-as-prompt-token-ids": ({"prompt_token_ids": bytearray(b"ab")}, None, TypeError, "got bytearray"),
     "prompt-of-wrong-type": (5, None, TypeError, "prompt"),
     "prompt-list-item-of-wrong-type": ([GOOD, 3.5], None, TypeError, "prompt"),
     "tensor-prompt": (torch.tensor([1, 2]), None, TypeError, "prompt"),
@@ -83,6 +90,84 @@ BAD_REQUESTS = {
 def test_bad_request_raises_and_engine_stays_usable(llm, baseline, prompts, params, exc, match):
     with pytest.raises(exc, match=match):
         llm.generate(prompts, params, use_tqdm=False)
+    assert_usable(llm, baseline)
+
+
+def _stream(llm, prompts, params):
+    return list(llm.generate_iter(prompts, params))
+
+
+def _add_request(llm, prompts, params):
+    llm.llm_engine.add_request("mutated", prompts, params)
+
+
+# SamplingParams fields set after construction: each entry point checks them again, with the same function.
+MUTATED_PARAMS = {
+    "temperature-nan": ("temperature", float("nan"), ValueError),
+    "max_tokens-0": ("max_tokens", 0, ValueError),
+    "top_p-0": ("top_p", 0, ValueError),
+    "top_k-0": ("top_k", 0, ValueError),
+    "n-0": ("n", 0, ValueError),
+    "stop-int": ("stop", 5, TypeError),
+    "repetition_penalty-negative": ("repetition_penalty", -1, ValueError),
+    "stop_token_ids-str": ("stop_token_ids", "7", TypeError),
+    "seed-float": ("seed", 1.5, TypeError),
+}
+
+
+@pytest.mark.parametrize("entry", [LLM.generate, _stream, _add_request], ids=["generate", "generate_iter",
+                                                                             "add_request"])
+@pytest.mark.parametrize("field, value, exc", MUTATED_PARAMS.values(), ids=MUTATED_PARAMS.keys())
+def test_sampling_params_changed_after_construction_are_checked_at_every_entry(llm, baseline, entry, field, value,
+                                                                                exc):
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    setattr(params, field, value)
+    with pytest.raises(exc, match=field):
+        entry(llm, [GOOD], params)
+    assert_usable(llm, baseline)
+
+
+def test_stop_token_ids_set_to_none_after_construction_means_none(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    params.stop_token_ids = None  # as SamplingParams(stop_token_ids=None): no stop tokens
+    llm.llm_engine.add_request("none-stop", GOOD, params)
+    while llm.llm_engine.has_unfinished_requests():
+        outs = llm.llm_engine.step()
+    assert len(outs[0].outputs[0].token_ids) == 4
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("request_ids, match", [(None, "got None"), (5, "got 5"), (["a", None], "got None")])
+def test_abort_request_refuses_what_is_not_request_ids(llm, baseline, request_ids, match):
+    with pytest.raises(TypeError, match=match):
+        llm.llm_engine.abort_request(request_ids)
+    assert_usable(llm, baseline)
+
+
+@pytest.mark.parametrize("prompts, exc, match", [
+    (b"abc", TypeError, "got bytes"),
+    ([1, None], TypeError, "got None"),
+    ({"prompt_token_ids": "text"}, TypeError, "got str"),
+])
+def test_bad_embed_prompts(llm, baseline, prompts, exc, match):
+    with pytest.raises(exc, match=match):
+        llm.embed(prompts)
+    assert_usable(llm, baseline)
+
+
+@pytest.mark.parametrize("messages, kwargs, exc, match", [
+    ([{"role": "user"}], {}, ValueError, "message 0 has no 'content'"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant"}], {}, ValueError, "message 1 has no 'content'"),
+    ([{"content": "hi"}], {}, ValueError, "message 0 has no 'role'"),
+    ([{"role": "user", "content": 5}], {}, TypeError, "'content' must be a string, got 5"),
+    ([{"role": "user", "content": ["hi"]}], {}, TypeError, "'content' must be a string"),
+    ([{"role": None, "content": "hi"}], {}, TypeError, "'role' must be a string, got None"),
+    ([{"role": "user", "content": "hi"}], {"chat_template_kwargs": 5}, TypeError, "chat_template_kwargs"),
+    ([{"role": "user", "content": "hi"}], {"chat_template": 5}, TypeError, "chat_template"),
+])
+def test_bad_chat_messages(llm, baseline, messages, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        llm.chat(messages, GREEDY, use_tqdm=False, **kwargs)
     assert_usable(llm, baseline)
 
 
@@ -263,6 +348,67 @@ def test_checkpoint_tensor_with_wrong_shape(qwen3_dir, tmp_path, tensor, fn):
     with pytest.raises(ValueError, match="shape") as e:
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
     assert tensor in str(e.value)
+
+
+def test_model_that_is_not_a_path():
+    with pytest.raises(TypeError, match="model must be a path.*5"):
+        LLM(5, device="cpu")
+
+
+@pytest.mark.parametrize("key, value", [("rope_theta", -1), ("rope_theta", 0), ("rms_norm_eps", 0),
+                                        ("num_attention_heads", 0), ("head_dim", -32), ("vocab_size", "x")])
+def test_bad_model_config_value_names_it_and_the_file(qwen3_dir, tmp_path, key, value):
+    d = copy_model(qwen3_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    (cfg["rope_parameters"] if key == "rope_theta" else cfg)[key] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=key) as e:
+        LLM(str(d), max_model_len=64, device="cpu")
+    assert str(d / "config.json") in str(e.value)
+
+
+def _damaged(data: bytes, damage: str) -> bytes:
+    garbage = random.Random(0).randbytes(4096)
+    return {"truncated": data[:len(data) * 2 // 3], "tail-cut": data[:-64], "empty": b"", "random": garbage,
+            "gguf-magic-and-garbage": b"GGUF" + garbage, "header-only": data[:200]}[damage]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "tail-cut", "empty", "random"])
+def test_unreadable_safetensors_names_the_file(qwen3_dir, tmp_path, damage):
+    f = copy_model(qwen3_dir, tmp_path / "m") / "model.safetensors"
+    f.write_bytes(_damaged(f.read_bytes(), damage))
+    with pytest.raises(ValueError, match="cannot read checkpoint file") as e:
+        LLM(str(f.parent), max_model_len=64, device="cpu")
+    assert str(f) in str(e.value)
+
+
+def test_truncated_shard_names_the_file(qwen3_sharded_dir, tmp_path):
+    shard = sorted(copy_model(qwen3_sharded_dir, tmp_path / "m").glob("*.safetensors"))[2]
+    shard.write_bytes(_damaged(shard.read_bytes(), "tail-cut"))
+    with pytest.raises(ValueError, match="cannot read checkpoint file") as e:
+        LLM(str(shard.parent), max_model_len=64, device="cpu")
+    assert str(shard) in str(e.value)
+
+
+@pytest.mark.parametrize("damage", ["gguf-magic-and-garbage", "truncated", "tail-cut", "header-only", "empty"])
+def test_unreadable_gguf_names_the_file(tmp_path, damage):
+    from test_gguf import _write_tiny_model
+    good, bad = tmp_path / "good.gguf", tmp_path / "bad" / f"{damage}.gguf"
+    _write_tiny_model(good, "llama", tied=True)
+    bad.parent.mkdir()
+    bad.write_bytes(_damaged(good.read_bytes(), damage))
+    with pytest.raises(ValueError, match="cannot read GGUF file") as e:
+        LLM(str(bad), max_model_len=64, device="cpu")
+    assert str(bad) in str(e.value)
+
+
+@pytest.mark.parametrize("tensor, named", [("model.norm.weight", "model.norm.weight"),
+                                           ("model.layers.0.self_attn.k_proj.weight", "qkv_proj")])
+def test_integer_checkpoint_tensor_is_refused(qwen3_dir, tmp_path, tensor, named):
+    d = rewrite_weights(qwen3_dir, tmp_path / "m", _reshape(tensor, lambda t: (t * 100).to(torch.int64)))
+    with pytest.raises(ValueError, match=f"'{tensor}'.*I64.*{named}.*floating-point") as e:
+        LLM(str(d), max_model_len=64, device="cpu")
+    assert str(d / "model.safetensors") in str(e.value)
 
 
 def test_kv_cache_too_small_for_max_model_len(qwen3_dir):

@@ -160,7 +160,7 @@ def test_freed_ids_are_sent_again_until_a_step_completes():
     first = scheduler.schedule()
     assert first.freed_seq_ids == [a.seq_id]
     retry = scheduler.schedule()  # the first step failed: nothing was postprocessed
-    assert retry.freed_seq_ids == [a.seq_id]
+    assert retry.freed_seq_ids == [a.seq_id, b.seq_id]  # b is rolled back (recomputed): a fresh row too
     scheduler.finish(b)  # during the step: reported by a later batch
     scheduler.postprocess(retry, [None])
     assert scheduler.freed_seq_ids == [b.seq_id]

@@ -1,5 +1,6 @@
-"""Paged KV-cache blocks: allocation, reference counts, and prefix caching keyed by a hash of the token prefix;
-plus the recurrent-state slots of models with linear attention, held by a sequence exactly while it holds blocks."""
+"""Paged KV-cache blocks: allocation, reference counts, and prefix caching keyed by a hash of the token prefix
+(a block joins the cache once the step writing it has completed); plus the recurrent-state slots of models with
+linear attention, held by a sequence exactly while it holds blocks."""
 from collections import OrderedDict
 
 import numpy as np
@@ -25,7 +26,9 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[int, int] = {}  # the prefix cache: blocks whose K/V a completed step wrote
+        # Blocks the step being scheduled writes: found only by sequences of that same step, until publish().
+        self.step_hash_to_block: dict[int, int] = {}
         # Free blocks, least recently freed first: cached contents survive until their block is reused.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         # A slot's state is valid only for the sequence holding it: freed (finish, abort, preemption) means gone.
@@ -65,7 +68,7 @@ class BlockManager:
         for i in range((len(seq) - 1) // self.block_size):
             tokens = seq.block(i)
             prefix_hash = self.compute_hash(tokens, prefix_hash)
-            block = self.blocks[self.hash_to_block.get(prefix_hash, 0)]
+            block = self.blocks[self.hash_to_block.get(prefix_hash, self.step_hash_to_block.get(prefix_hash, 0))]
             # Check tokens and parent too: a hash collision must never hand out someone else's K/V.
             if (block.hash != prefix_hash or block.token_ids != tokens
                     or block.parent != self._parent_key(hits[-1] if hits else None)):
@@ -117,7 +120,9 @@ class BlockManager:
             seq.block_table.append(self._take_free_block().block_id)
 
     def commit(self, seq: Sequence, num_tokens: int) -> None:
-        """Register the full blocks among the first num_tokens tokens, whose K/V this step writes or has written."""
+        """Register the full blocks among the first num_tokens tokens, whose K/V this step writes or has written.
+        Until publish(), only sequences scheduled in the same step find the new ones: every layer stores the whole
+        batch's K/V before attending, so they hold their K/V when read."""
         if not self.enable_prefix_caching:
             return
         # Registered blocks are always a prefix of the table: step back only over the newly filled ones.
@@ -130,11 +135,19 @@ class BlockManager:
             block.token_ids = seq.block(i)
             block.hash = self.compute_hash(block.token_ids, -1 if previous is None else previous.hash)
             block.parent = self._parent_key(previous)
-            self.hash_to_block.setdefault(block.hash, block.block_id)
+            if block.hash not in self.hash_to_block:
+                self.step_hash_to_block.setdefault(block.hash, block.block_id)
             previous = block
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every registration, e.g. after an aborted step whose registered blocks were never written."""
-        for block in self.blocks:
+    def publish(self) -> None:
+        """The step completed: the blocks it committed hold their K/V and join the prefix cache."""
+        for h, block_id in self.step_hash_to_block.items():
+            self.hash_to_block.setdefault(h, block_id)
+        self.step_hash_to_block.clear()
+
+    def discard_unpublished(self) -> None:
+        """The step failed: forget the blocks it committed, whose K/V may never have been written."""
+        for block_id in self.step_hash_to_block.values():
+            block = self.blocks[block_id]
             block.hash, block.token_ids, block.parent = -1, [], None
-        self.hash_to_block.clear()
+        self.step_hash_to_block.clear()

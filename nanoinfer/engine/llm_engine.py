@@ -3,7 +3,7 @@
 import dataclasses
 import pickle
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from collections.abc import Sequence as SequenceABC
 
 import torch
@@ -40,6 +40,8 @@ class LLMEngine:
         self.vocab_size: int = config.hf_config.vocab_size
         self.eos_token_ids = set(config.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}  # unfinished requests: their n completions
+        # Outputs of step-API requests produced while LLM.generate/generate_iter drove the steps: step() returns them.
+        self.held_outputs: list[RequestOutput] = []
         self.last_batch: ScheduledBatch | None = None  # what the latest step computed (for statistics)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
@@ -50,10 +52,11 @@ class LLMEngine:
         untouched."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        if request_id in self.requests:
+        if self.request_id_in_use(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params.validate()  # its fields may have changed since construction
         token_ids, text = self.prompt_token_ids(prompt)
         out_of_range = next((t for t in params.stop_token_ids if not 0 <= t < self.vocab_size), None)
         if out_of_range is not None:
@@ -61,7 +64,7 @@ class LLMEngine:
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > self.vocab_size:
                 raise ValueError(f"{name}={getattr(params, name)} exceeds the vocabulary size {self.vocab_size}")
-        max_tokens = params.max_tokens or self.config.max_model_len - len(token_ids)
+        max_tokens = self.config.max_model_len - len(token_ids) if params.max_tokens is None else params.max_tokens
         if max_tokens < max(1, params.min_tokens) or len(token_ids) + max_tokens > self.config.max_model_len:
             raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens={max_tokens} (min_tokens="
                              f"{params.min_tokens}) exceeds max_model_len={self.config.max_model_len}")
@@ -70,6 +73,10 @@ class LLMEngine:
                          request_id=request_id, index=i, max_tokens=max_tokens,
                          eos_token_ids=frozenset(self.eos_token_ids), metrics=metrics)
                 for i in range(params.n)]
+
+    def request_id_in_use(self, request_id: str) -> bool:
+        """Unfinished, or finished with outputs that step() has not returned yet."""
+        return request_id in self.requests or any(o.request_id == request_id for o in self.held_outputs)
 
     def prompt_token_ids(self, prompt: Prompt) -> tuple[list[int], str | None]:
         """A prompt's checked token ids, and its text if it was given as one."""
@@ -113,16 +120,13 @@ class LLMEngine:
                 raise TypeError(f"'prompt' must be a string, got {type(text).__name__}")
             if "prompt_token_ids" not in prompt:
                 return self._tokenize(text)
-            return self._tokenize(prompt["prompt_token_ids"])[0], text
+            return _token_ids("'prompt_token_ids'", prompt["prompt_token_ids"]), text
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
             return self.tokenizer.encode(prompt), prompt
-        if isinstance(prompt, SequenceABC):
-            bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, int)), None)
-            if bad is not None:
-                raise TypeError(f"token ids must be ints, got {bad!r}")
-            return list(prompt), None
+        if isinstance(prompt, SequenceABC) and not isinstance(prompt, _BYTES):
+            return _token_ids("token ids", prompt), None
         raise TypeError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def enqueue(self, seqs: list[Sequence]) -> None:
@@ -131,7 +135,20 @@ class LLMEngine:
             self.scheduler.add(seq)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return the outputs of the requests it advanced (per their output_kind)."""
+        """Run one scheduled batch; return the outputs of the requests it advanced (per their output_kind), after
+        the held outputs of steps that LLM.generate/generate_iter ran meanwhile."""
+        outputs = self._step()
+        held, self.held_outputs = self.held_outputs, []
+        return held + outputs
+
+    def step_for(self, request_ids: Container[str]) -> list[RequestOutput]:
+        """One step on behalf of some requests (LLM.generate): their outputs; other requests' are held for step()."""
+        mine = []
+        for out in self._step():
+            (mine if out.request_id in request_ids else self.held_outputs).append(out)
+        return mine
+
+    def _step(self) -> list[RequestOutput]:
         batch = self.last_batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -159,31 +176,36 @@ class LLMEngine:
         return [out for rid in advanced if (out := self._output(rid)) is not None]
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
-        """Drop requests (unknown or finished ones are ignored) and free their KV blocks."""
-        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+        """Drop requests (unknown or finished ones are ignored), their held outputs, and free their KV blocks."""
+        ids = _request_id_list(request_ids)
+        for rid in ids:
             for seq in self.requests.pop(rid, []):
                 if not seq.is_finished:
                     seq.finish_reason = "abort"
                     self.scheduler.finish(seq)
+        if self.held_outputs:
+            self.held_outputs = [o for o in self.held_outputs if o.request_id not in ids]
 
     def abort_all(self) -> None:
         self.scheduler.abort_all()
         self.requests.clear()
+        self.held_outputs.clear()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Whether step() has more to return: requests to run, or held outputs."""
+        return bool(self.requests or self.held_outputs)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
+        return len(self.requests.keys() | {o.request_id for o in self.held_outputs})
 
     def _fail(self, error: BaseException) -> None:
         """A rank that fails mid-step leaves the others waiting in a collective: with tensor parallelism, the whole
-        group is shut down and the error says which worker died, if one did."""
+        group is shut down and the error names the worker that failed (died, stopped, or silent past the timeout)."""
         if self.tp.size == 1:
             return
-        dead = self.tp.abort()
+        failed = self.tp.abort(error)
         if isinstance(error, Exception):
-            raise RuntimeError(f"tensor-parallel step failed on rank {self.tp.rank} ({dead or error}); "
+            raise RuntimeError(f"tensor-parallel step failed on rank {self.tp.rank} ({failed or error}); "
                                "this LLM is closed, create a new one") from error
 
     def run_on_every_rank(self, generate: Callable[[], list[RequestOutput]]) -> list[RequestOutput]:
@@ -297,6 +319,30 @@ class LLMEngine:
             logprobs = None if logprobs is None else logprobs[tokens_before:]
         cumulative = seq.cumulative_logprob if seq.logprobs is not None else None
         return CompletionOutput(seq.index, text, token_ids, cumulative, logprobs, seq.finish_reason, seq.stop_reason)
+
+
+_BYTES = (bytes, bytearray, memoryview)  # sequences of ints, but never token ids
+
+
+def _token_ids(name: str, value: object) -> list[int]:
+    if isinstance(value, (str, *_BYTES)) or not isinstance(value, SequenceABC):
+        raise TypeError(f"{name} must be a list of ints, got {type(value).__name__}")
+    bad = [t for t in value if isinstance(t, bool) or not isinstance(t, int)]
+    if bad:
+        raise TypeError(f"token ids must be ints, got {bad[0]!r}")
+    return list(value)
+
+
+def _request_id_list(request_ids: object) -> set[str]:
+    if isinstance(request_ids, str):
+        return {request_ids}
+    if not isinstance(request_ids, Iterable):
+        raise TypeError(f"request_ids must be a str or an iterable of strs, got {request_ids!r}")
+    ids = list(request_ids)
+    bad = [r for r in ids if not isinstance(r, str)]
+    if bad:
+        raise TypeError(f"request ids must be strs, got {bad[0]!r}")
+    return set(ids)
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -5,6 +5,7 @@ A plain process spawns its workers itself, meeting them on a TCPStore bound to a
 rank builds the engine and the engine joins the launcher's process group."""
 import datetime
 import io
+import math
 import os
 import pickle
 import signal
@@ -19,9 +20,8 @@ import torch.distributed as dist
 
 from nanoinfer.config import Config
 
-# A model collective waiting longer than this raises; a peer that dies is noticed at once (its sockets close).
-STEP_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("NANOINFER_TP_TIMEOUT", "30")))
-# Between steps, workers wait on the control group for as long as the LLM lives.
+# Between steps, workers wait on the control group for as long as the LLM lives (rank 0's waits are bounded by
+# step_timeout(); a peer that dies is noticed at once, its sockets close).
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 # Ranks may reach the process group far apart (imports, loading) on a busy machine.
 START_TIMEOUT = datetime.timedelta(seconds=300)
@@ -42,6 +42,7 @@ class TPGroup:
         self.owns_process_group = False
         self.closed = False
         self._caller_threads: int | None = None
+        self.step_timeout = step_timeout() if size > 1 else None
 
     def broadcast(self, obj: object = None) -> object:
         """Rank 0 sends obj (of any size: its length goes first); every rank returns it."""
@@ -49,14 +50,18 @@ class TPGroup:
             return obj
         if self.rank == 0:
             data = _dumps(obj)
-            length = torch.tensor([len(data)])
-        else:
-            length = torch.empty(1, dtype=torch.int64)
+            self._send(torch.tensor([len(data)]))
+            self._send(torch.frombuffer(data, dtype=torch.uint8))
+            return obj
+        length = torch.empty(1, dtype=torch.int64)
         dist.broadcast(length, 0, group=self.control)
-        buf = (torch.frombuffer(data, dtype=torch.uint8) if self.rank == 0
-               else torch.empty(int(length), dtype=torch.uint8))
+        buf = torch.empty(int(length), dtype=torch.uint8)
         dist.broadcast(buf, 0, group=self.control)
-        return obj if self.rank == 0 else pickle.loads(buf.numpy())
+        return pickle.loads(buf.numpy())
+
+    def _send(self, tensor: torch.Tensor) -> None:
+        """Rank 0's side of a control broadcast: a worker that stopped reading fails it after the step timeout."""
+        dist.broadcast(tensor, 0, group=self.control, async_op=True).wait(self.step_timeout)
 
     def all_min(self, value: int) -> int:
         """The smallest value over all ranks, so that every rank makes the same choice (e.g. KV cache blocks)."""
@@ -66,15 +71,18 @@ class TPGroup:
         dist.all_reduce(t, dist.ReduceOp.MIN, group=self.control)
         return int(t)
 
-    def abort(self) -> str | None:
-        """Shut everything down at once after a failure; which worker died, if one did."""
+    def abort(self, error: BaseException | None = None) -> str | None:
+        """Shut everything down at once after a failure; which workers failed (died, stopped, or, after a timeout,
+        silent), if any."""
         deadline = time.monotonic() + 1  # a worker killed a moment ago may not have been reaped yet
-        while self.workers and all(p.poll() is None for p in self.workers) and time.monotonic() < deadline:
+        while self.workers and not any(map(_failure, self.workers)) and time.monotonic() < deadline:
             time.sleep(0.02)
-        dead = [f"worker rank {r} (pid {p.pid}) {_exit_status(p.returncode)}"
-                for r, p in enumerate(self.workers, 1) if p.poll() is not None]
+        failed = [f"worker rank {r} (pid {p.pid}) {f}" for r, p in enumerate(self.workers, 1) if (f := _failure(p))]
+        if not failed and "timed out" in str(error).lower():  # gloo's words for it
+            failed = [f"worker rank {r} (pid {p.pid}) did not answer within {self.step_timeout.total_seconds():g} s"
+                      for r, p in enumerate(self.workers, 1)]
         self.close(abort=True)
-        return ", ".join(dead) or None
+        return ", ".join(failed) or None
 
     def close(self, abort: bool = False) -> None:
         """Stop the workers (politely, unless aborting after a failure) and leave the process group."""
@@ -88,7 +96,7 @@ class TPGroup:
                 pass
         for p in self.workers:
             if abort:
-                p.terminate()
+                p.kill()  # it may be stopped or stuck in a collective: only SIGKILL is sure to end it
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -117,8 +125,20 @@ class TPGroup:
             # NCCL for CUDA tensors, gloo for CPU ones.
             backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
             dist.init_process_group(backend, rank=self.rank, world_size=self.size, timeout=START_TIMEOUT, **kwargs)
-        self.group = dist.new_group(timeout=STEP_TIMEOUT)
+        self.group = dist.new_group(timeout=self.step_timeout)
         self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+
+def step_timeout() -> datetime.timedelta:
+    """How long rank 0 waits for a worker within a step: $NANOINFER_TP_TIMEOUT seconds, 30 by default."""
+    raw = os.environ.get("NANOINFER_TP_TIMEOUT", "30")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"NANOINFER_TP_TIMEOUT must be a number of seconds > 0, got {raw!r}")
+    return datetime.timedelta(seconds=seconds)
 
 
 def start_tensor_parallel(config: Config) -> TPGroup:
@@ -218,9 +238,19 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _exit_status(code: int | None) -> str:
-    if code is None:
-        return "is running"
+def _failure(p: subprocess.Popen) -> str | None:
+    """How a worker process failed: exited, killed, or stopped (SIGSTOP: alive but never answering); None if not."""
+    if p.poll() is not None:
+        return _exit_status(p.returncode)
+    try:
+        with open(f"/proc/{p.pid}/stat") as f:  # Linux: the state follows the parenthesized command name
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
+    return "is stopped (not responding)" if state in ("T", "t") else None
+
+
+def _exit_status(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
     return f"exited with code {code}"

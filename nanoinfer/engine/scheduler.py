@@ -35,6 +35,7 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
         self.freed_seq_ids: list[int] = []  # preempted or finished, not yet reported to the runner by a completed step
+        self.step_in_flight = False  # scheduled but not postprocessed: if the next schedule() finds it so, it failed
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -46,6 +47,9 @@ class Scheduler:
         """One token budget for everything: each running sequence, in admission order, computes what it lacks
         (a decode token or its next prompt chunk), then waiting sequences are admitted with what is left.
         Running sequences keep decoding while long prompts are prefilled chunk by chunk."""
+        if self.step_in_flight:
+            self._roll_back()
+        self.step_in_flight = True  # from the first change on: an interrupted schedule() is a failed step too
         batch, budget = ScheduledBatch([], []), self.max_num_batched_tokens
         preempted, i = False, 0
         while i < len(self.running) and budget > 0:
@@ -74,8 +78,8 @@ class Scheduler:
         return batch
 
     def _take(self, batch: ScheduledBatch, seq: Sequence, num_tokens: int) -> int:
-        """Add seq to the batch. Its blocks filled this step enter the prefix cache now, so that a prompt
-        admitted later in the same step shares them: every layer stores the whole batch's K/V before attending."""
+        """Add seq to the batch. Its blocks filled this step are committed now, so that a prompt admitted later in
+        the same step shares them (see BlockManager.commit); they join the prefix cache when the step completes."""
         batch.seqs.append(seq)
         batch.num_new_tokens.append(num_tokens)
         self.block_manager.commit(seq, seq.num_computed_tokens + num_tokens)
@@ -89,15 +93,27 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def _roll_back(self) -> None:
+        """The previous step never completed (an exception, Ctrl-C): forget the blocks it committed, and recompute
+        every running sequence, as after a preemption: one admitted in that step may count such blocks as computed."""
+        self.block_manager.discard_unpublished()
+        while self.running:
+            self._preempt(self.running.pop())
+        self.step_in_flight = False
+
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int | None]) -> list[Sequence]:
-        """Record computed tokens and sampled ones; return the sequences that got a token."""
+        """The step completed: publish the blocks it wrote, record computed tokens and sampled ones; return the
+        sequences that got a token."""
+        self.block_manager.publish()
+        self.step_in_flight = False
         del self.freed_seq_ids[:len(batch.freed_seq_ids)]  # the runner has them; later ones were appended after
         grown = []
         for seq, n, token in zip(batch.seqs, batch.num_new_tokens, token_ids):
-            seq.num_computed_tokens += n
             if token is not None:  # None: a prompt chunk that did not reach the end of the sequence
                 seq.token_ids.append(token)
                 grown.append(seq)
+            # After the append: interrupted in between, the sequence recomputes a token rather than skipping one.
+            seq.num_computed_tokens += n
         return grown
 
     def finish(self, seq: Sequence) -> None:
@@ -114,5 +130,3 @@ class Scheduler:
     def abort_all(self) -> None:
         for seq in (*self.running, *self.waiting):
             self.finish(seq)
-        # Blocks are registered when scheduled; an interrupted step may not have written them.
-        self.block_manager.reset_prefix_cache()

@@ -49,7 +49,10 @@ def _reader(path: pathlib.Path) -> gguf.GGUFReader:
     # Config and weights both need the parsed header; the key includes size+mtime so a
     # replaced file is re-read.
     st = path.stat()
-    return _open_reader(str(path.resolve()), st.st_size, st.st_mtime_ns)
+    try:
+        return _open_reader(str(path.resolve()), st.st_size, st.st_mtime_ns)
+    except Exception as e:  # gguf's parser fails in many ways on a corrupt or truncated file
+        raise ValueError(f"cannot read GGUF file {path} (truncated or corrupt?): {type(e).__name__}: {e}") from e
 
 
 def _field(reader: gguf.GGUFReader, key: str) -> str | int | float | None:

@@ -3,7 +3,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from nanoinfer.layers.fused_moe import expert_weight_target
@@ -16,9 +16,14 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class LazyTensor:
     """A checkpoint tensor not read yet: a weight_loader narrows it to this rank's shard, and only that is read."""
 
-    def __init__(self, tensor_slice) -> None:  # safetensors' PySafeSlice, valid while its file is open
+    def __init__(self, tensor_slice, file: Path) -> None:  # safetensors' PySafeSlice, valid while its file is open
         self._slice = tensor_slice
         self.shape = torch.Size(tensor_slice.get_shape())
+        self.file = file
+        self.stored_dtype: str = tensor_slice.get_dtype()  # safetensors' name: "F32", "BF16", "I64", ...
+
+    def is_floating_point(self) -> bool:
+        return self.stored_dtype.startswith(("F", "BF"))
 
     def dim(self) -> int:
         return len(self.shape)
@@ -39,9 +44,13 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, LazyTensor]]:
     if not files:
         raise ValueError(f"no *.safetensors weights found in {model_dir}")
     for file in files:
-        with safe_open(file, "pt", "cpu") as f:
+        try:
+            f = safe_open(file, "pt", "cpu")
+        except SafetensorError as e:  # truncated, empty or not safetensors at all
+            raise ValueError(f"cannot read checkpoint file {file}: {e}") from None
+        with f:
             for name in f.keys():
-                yield name, LazyTensor(f.get_slice(name))
+                yield name, LazyTensor(f.get_slice(name), file)
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | LazyTensor]]) -> None:
@@ -61,8 +70,13 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | L
             continue
         target, shard = _route(name, packed)
         param = params.get(target)
+        lazy = isinstance(tensor, LazyTensor)
+        where = f" in {tensor.file}" if lazy else ""
         if param is None:
-            raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
+            raise ValueError(f"checkpoint tensor {name!r}{where} has no parameter in {type(model).__name__}")
+        if param.is_floating_point() and not tensor.is_floating_point():  # copy_ would cast it silently
+            raise ValueError(f"checkpoint tensor {name!r}{where} holds {tensor.stored_dtype if lazy else tensor.dtype}"
+                             f" values, but {target!r} is a floating-point parameter")
         # Looked up on the module, not stored on the parameter: a bound method there would make a module <->
         # parameter reference cycle, keeping a closed engine's weights alive until the garbage collector runs.
         weight_loader = getattr(modules[target.rpartition(".")[0]], "weight_loader", copy_weight)
@@ -72,7 +86,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | L
             else:
                 weight_loader(param, tensor, shard)
         except ValueError as e:
-            raise ValueError(f"cannot load checkpoint tensor {name!r}: {e}") from None
+            raise ValueError(f"cannot load checkpoint tensor {name!r}{where}: {e}") from None
         loaded.setdefault(target, set()).add(shard)
     missing = [n for n, p in params.items() if len(loaded.get(n, ())) < getattr(
         p, "num_shards", shards_per_param.get(_packed_key(n, packed), 1))]
