@@ -14,6 +14,12 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles real kernels: run without TRITON_INTERPRET", allow_module_level=True)
 
 import triton  # noqa: E402
+
+# Triton's compiler API (ASTSource's attrs, GPUTarget) changes between releases: these checks are written for the
+# triton that `make test` installs; elsewhere (a CUDA machine's own triton) tests/test_triton_attention_cuda.py
+# runs the real kernels instead.
+if triton.__version__ != "3.7.1":
+    pytest.skip(f"compile checks written for triton 3.7.1, found {triton.__version__}", allow_module_level=True)
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
