@@ -154,12 +154,12 @@ static inline uint32_t mix32(uint32_t x) {
     return x ^ (x >> 15);
 }
 
-/* E = -log u for the hash of (row key, token): u from the hash's top 24 bits, + 0.5, * 2^-24, rounded in fp32 as
- * the torch ops round it. -log u is evaluated in double and rounded once, so E is the correctly rounded fp32 value
- * (checked against log in float64 for all 2^24 inputs); torch's fp32 log (MKL) is within 1 ulp of it. */
+/* E = -log u for the hash of (row key, token): u = (the hash's top 23 bits + 0.5) * 2^-23, exact in fp32. -log u
+ * is evaluated in double and rounded once, so E is the correctly rounded fp32 value (checked against log in
+ * float64 for all 2^23 inputs); torch's fp32 log (MKL) is within 1 ulp of it. */
 static inline float exponential_of(uint32_t lo, uint32_t hi, uint32_t token) {
     const uint32_t x = mix32(mix32(token ^ lo) ^ hi);
-    const float u = ((float)(int32_t)(x >> 8) + 0.5f) * 0x1p-24f;  /* in [2^-25, 1]: normal, never 0 */
+    const float u = ((float)(int32_t)(x >> 9) + 0.5f) * 0x1p-23f;  /* in [2^-24, 1 - 2^-24] */
     uint32_t bits;
     memcpy(&bits, &u, sizeof bits);
     /* u = m * 2^e with m in (sqrt(1/2), sqrt(2)]: |s| <= 0.172 below and no cancellation in e ln 2 + log m. In
@@ -182,7 +182,7 @@ static inline float exponential_of(uint32_t lo, uint32_t hi, uint32_t token) {
     p = p * s2 + 1.0 / 5;
     p = p * s2 + 1.0 / 3;
     const double log_u = (double)e * 0.69314718055994530942 + 2.0 * s * (1.0 + p * s2);
-    return -(float)log_u;  /* u = 1 gives -0.0, as torch's log(1).neg() does */
+    return -(float)log_u;
 }
 
 /* out[r, t] = E of (row r's key, token t) for keys [rows, 2] (the halves of each row's key, in int64). */

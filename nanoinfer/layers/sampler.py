@@ -136,8 +136,9 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
         return cpu_kernels.exponential_noise(keys, vocab)
     x = _mix32(torch.arange(vocab, device=keys.device) ^ keys[:, :1])
     x = _mix32(x.bitwise_xor_(keys[:, 1:]))
-    # The top 24 bits as a uniform in (0, 1), never 0 or 1: E = -log(u) is finite and > 0.
-    u = x.bitwise_right_shift_(8).float().add_(0.5).mul_(2.0 ** -24)
+    # The top 23 bits as a uniform in (0, 1), exact in fp32, never 0 or 1: E = -log(u) is finite and > 0. (With 24
+    # bits, 2^24 - 1 + 0.5 rounds to 2^24: u = 1, E = -0.0, and p / E is NaN for a p = 0 token, which then won.)
+    u = x.bitwise_right_shift_(9).float().add_(0.5).mul_(2.0 ** -23)
     return u.log_().neg_()
 
 
