@@ -1,7 +1,9 @@
 """The C kernels of the CPU path against PyTorch: paged decode attention (against the gather + SDPA path, on
 random paged caches) and the fused small ops (against the op chains they replace)."""
+import math
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +11,9 @@ import torch.nn.functional as F
 from nanoinfer.kernels import cpu as cpu_kernels
 from nanoinfer.kernels.cpu import paged_decode_attention, paged_decode_attention_available
 from nanoinfer.layers.attention import AttentionMetadata
+from nanoinfer.layers import sampler
 from nanoinfer.layers.attention.cpu import CPUAttentionBackend
+from nanoinfer.layers.sampler import noise_keys
 
 
 def decode_metadata(context_lens: list[int], block_size: int, num_blocks: int, seed: int) -> AttentionMetadata:
@@ -186,3 +190,96 @@ def test_argmax_kernel():
     x[5, 0] = 7.0
     assert torch.equal(cpu_kernels.argmax(x), x.argmax(-1))
     assert cpu_kernels.argmax(x).tolist()[:5] == [x[0].argmax().item(), 10, 0, 999, 500]
+
+
+# The sampler's noise and exponential race (layers/sampler.py) against its torch ops.
+
+def noise_test_keys() -> torch.Tensor:
+    """Rows keyed like the sampler's, plus (0, 0xD629356C), whose hash at token 0 is 0xFFFFFFFF: the largest u,
+    1 - 2^-24 (from 24 bits it rounded to 1, and E to -0.0)."""
+    seeded = torch.from_numpy(noise_keys(np.array([0, 5, 2**64 - 1, 12345], dtype=np.uint64),
+                                         np.array([0, 9, 3, 2**40], dtype=np.uint64)))
+    return torch.cat([seeded, torch.tensor([[0, 0xD629356C]])])
+
+
+def float64_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """-log u of the torch path's integer hash, in float64 and rounded once: what the C kernel must give."""
+    x = sampler._mix32(sampler._mix32(torch.arange(vocab) ^ keys[:, :1]) ^ keys[:, 1:])
+    u = ((x >> 9).float() + 0.5) * 2.0 ** -23
+    return u.double().log().neg().float()
+
+
+def torch_path(monkeypatch) -> None:
+    """Make the C kernels unavailable, as on a machine without a compiler."""
+    monkeypatch.setattr(cpu_kernels, "_library", lambda: None)
+
+
+@needs_kernels
+@pytest.mark.parametrize("vocab", [1, 7, 31, 32003])
+def test_exponential_noise_kernel(vocab, monkeypatch):
+    keys = noise_test_keys()
+    strided_keys = torch.cat([keys, keys], 1)[:, :2]  # rows 4 int64 apart
+    ours = sampler.exponential_noise(strided_keys, vocab)
+    # Bit for bit the correctly rounded -log u of the same hashes; the smallest E is -log(1 - 2^-24), not 0.
+    assert torch.equal(ours.view(torch.int32), float64_noise(keys, vocab).view(torch.int32))
+    assert ours.min() == ours[-1, 0] == torch.tensor(-math.log1p(-2.0 ** -24), dtype=torch.float32)
+    torch_path(monkeypatch)
+    ulps = (ours.view(torch.int32) - sampler.exponential_noise(keys, vocab).view(torch.int32)).abs()
+    assert int(ulps.max()) <= 1, "torch's fp32 log is within 1 ulp of the correctly rounded value"
+
+
+def race_case(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs [rows, vocab] and their keys: a softmax row, a tie (equal p and E, far apart), a near-tie the later
+    token wins, all zeros (every p / E ties at 0), two NaNs behind a large p, and p = 0 only where E is smallest."""
+    g = torch.Generator().manual_seed(vocab)
+    keys = torch.cat([noise_test_keys()[:1], torch.tensor([[0, 0]] * 4 + [[0, 0xD629356C]])])
+    probs = torch.zeros(6, vocab)
+    probs[0] = torch.softmax(torch.randn(vocab, generator=g) * 3, -1)
+    probs[5] = 1.0 / vocab
+    probs[5, 0] = 0.0
+    if vocab >= 38717:  # tokens 169 and 38716 hash to the same top 24 bits under key (0, 0): the same E
+        assert sampler.exponential_noise(keys[1:2], vocab)[0, [169, 38716]].unique().numel() == 1
+        probs[1, [169, 38716]] = 0.5
+        probs[2, [169, 38716]] = torch.tensor([0.5, 0.5000001])
+        probs[4, [30000, 35000]] = float("nan")
+        probs[4, 7] = 1.0
+    return probs, keys
+
+
+@needs_kernels
+@pytest.mark.parametrize("vocab", [1, 7, 31, 1025, 40003])
+def test_exponential_race_kernel(vocab, monkeypatch):
+    probs, keys = race_case(vocab)
+    ours = cpu_kernels.exponential_race(strided(probs), keys)
+    # The argmax of the same fp32 quotients, torch's rules (first of equals, the first NaN above all).
+    assert torch.equal(ours, (probs / sampler.exponential_noise(keys, vocab)).argmax(-1))
+    if vocab == 40003:
+        assert ours[1:].tolist() == [169, 38716, 0, 30000, ours[5].item()] and ours[5] != 0
+    torch_path(monkeypatch)
+    assert torch.equal(ours, sampler.exponential_race(probs.clone(), keys))
+
+
+@needs_kernels
+def test_sampler_noise_runs_in_c_where_the_kernels_are_built_and_in_torch_elsewhere(monkeypatch):
+    probs, keys = race_case(100)
+    with monkeypatch.context() as m:
+        m.setattr(sampler, "_mix32", lambda x: pytest.fail("torch ops used although the C kernels are built"))
+        noise, tokens = sampler.exponential_noise(keys, 100), sampler.exponential_race(probs.clone(), keys)
+    torch_path(monkeypatch)
+    for name in ("exponential_noise", "exponential_race"):
+        monkeypatch.setattr(cpu_kernels, name, lambda *a: pytest.fail("C kernel called without the kernels"))
+    assert torch.equal(sampler.exponential_race(probs.clone(), keys), tokens)
+    assert torch.allclose(sampler.exponential_noise(keys, 100), noise, rtol=2e-7, atol=0)
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_a_filtered_token_is_never_drawn_where_its_hash_is_all_ones(kernels, monkeypatch):
+    """Token 0 is outside the top 10, and its hash under this key is 0xFFFFFFFF: its E must stay > 0, or p / E = 0 / 0
+    is NaN, and NaN wins the argmax."""
+    if not kernels:
+        torch_path(monkeypatch)
+    logits = torch.zeros(1, 1000)
+    logits[0, 0] = -50.0
+    m = sampler.SamplingMetadata(temperatures=torch.tensor([1.0]), top_k=torch.tensor([10]), top_p=None,
+                                 all_greedy=False, all_random=True, noise_keys=noise_test_keys()[-1:])
+    assert sampler.Sampler()(logits, m).token_ids.item() != 0

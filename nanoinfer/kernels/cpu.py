@@ -28,6 +28,8 @@ _SIGNATURES = {
     "silu_and_mul": [_P, _P, _I, _I, _I],
     "store_kvcache": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I],
     "argmax_rows": [_P, _I, _I, _P, _I],
+    "exponential_noise": [_P, _I, _I, _P, _I],
+    "exponential_race": [_P, _I, _P, _I, _I, _P, _I],
 }
 
 
@@ -73,13 +75,17 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def paged_decode_attention_available() -> bool:
+def available() -> bool:
+    """Whether the kernels were built (or found built) on this machine."""
     return _library() is not None
+
+
+paged_decode_attention_available = available
 
 
 def use_cpu_kernels(x: torch.Tensor) -> bool:
     """Whether x [tokens, ...] can go through the C kernels: fp32 on the CPU, on a machine where they were built."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 2 and _library() is not None
+    return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 2 and available()
 
 
 def _run(name: str, *args) -> None:
@@ -172,4 +178,26 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _run("argmax_rows", x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The sampler's Exp(1) noise [rows, vocab] fp32 for keys [rows, 2] int64 (sampler.exponential_noise): the
+    same hashes, and -log u correctly rounded (torch's fp32 log is within 1 ulp of it)."""
+    keys = keys.contiguous()
+    assert keys.dtype == torch.int64 and keys.shape[1:] == (2,)
+    out = torch.empty(keys.shape[0], vocab, dtype=torch.float32)
+    _run("exponential_noise", keys.data_ptr(), keys.shape[0], vocab, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def exponential_race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """(probs / exponential_noise(keys, vocab)).argmax(-1) for probs [rows, vocab] fp32 (rows may be strided), in
+    one pass per row that never holds the [rows, vocab] noise in memory."""
+    probs, stride = _per_token(probs)
+    keys = keys.contiguous()
+    assert keys.dtype == torch.int64 and keys.shape == (probs.shape[0], 2)
+    out = torch.empty(probs.shape[0], dtype=torch.int64)
+    _run("exponential_race", probs.data_ptr(), stride, keys.data_ptr(), probs.shape[0], probs.shape[1],
+         out.data_ptr(), torch.get_num_threads())
     return out

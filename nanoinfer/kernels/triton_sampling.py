@@ -24,7 +24,7 @@ def _exponential_noise_kernel(keys_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
     hi = tl.load(keys_ptr + 2 * row + 1)
     x = _mix32(offs.to(tl.int64) ^ lo)
     x = _mix32(x ^ hi)
-    u = ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    u = ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
     tl.store(out_ptr + row.to(tl.int64) * vocab + offs, -tl.log(u), mask=offs < vocab)
 
 

@@ -56,7 +56,7 @@ class Sampler(nn.Module):
             probs = torch.softmax(self.warp(logits, m), -1)
             # Exponential race: argmax p / E with E ~ Exp(1) draws from probs. A row's noise is a hash of its own
             # key (seed, position) and the token id, so its token does not depend on the rest of the batch.
-            sampled = probs.div_(exponential_noise(m.noise_keys, probs.shape[-1])).argmax(-1)
+            sampled = exponential_race(probs, m.noise_keys)
             tokens = sampled if tokens is None else torch.where(m.temperatures == 0, tokens, sampled)
         if m.num_logprobs is None:
             return SamplerOutput(tokens)
@@ -117,15 +117,28 @@ def noise_keys(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return np.stack([key & np.uint64(MASK32), key >> np.uint64(32)], -1).astype(np.int64)
 
 
+def exponential_race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """argmax probs / E per row, E the rows' exponential_noise: a draw from probs [B, V]. For fp32 CPU tensors one
+    C pass per row that never materialises E (the same quotients and argmax rule as the torch ops)."""
+    if cpu_kernels.use_cpu_kernels(probs):
+        return cpu_kernels.exponential_race(probs, keys)
+    return probs.div_(exponential_noise(keys, probs.shape[-1])).argmax(-1)
+
+
 def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """Exp(1) noise [B, vocab] (fp32) from a counter-based hash of (row key, token id): two rounds of a 32-bit mixer
-    keyed by the key's halves, in int64 ops whose products never overflow (the same integers on every device)."""
+    keyed by the key's halves, in int64 ops whose products never overflow (the same integers on every device; C
+    on the CPU, Triton on CUDA). -log u may differ in the last bit between them: the C kernel rounds it correctly,
+    torch's fp32 log is within 1 ulp."""
     if keys.device.type == "cuda" and (kernels := triton_sampling()) is not None:
         return kernels.exponential_noise(keys, vocab)
+    if keys.device.type == "cpu" and cpu_kernels.available():
+        return cpu_kernels.exponential_noise(keys, vocab)
     x = _mix32(torch.arange(vocab, device=keys.device) ^ keys[:, :1])
     x = _mix32(x.bitwise_xor_(keys[:, 1:]))
-    # The top 24 bits as a uniform in (0, 1), never 0 or 1: E = -log(u) is finite and > 0.
-    u = x.bitwise_right_shift_(8).float().add_(0.5).mul_(2.0 ** -24)
+    # The top 23 bits as a uniform in (0, 1), exact in fp32, never 0 or 1: E = -log(u) is finite and > 0. (With 24
+    # bits, 2^24 - 1 + 0.5 rounds to 2^24: u = 1, E = -0.0, and p / E is NaN for a p = 0 token, which then won.)
+    u = x.bitwise_right_shift_(9).float().add_(0.5).mul_(2.0 ** -23)
     return u.log_().neg_()
 
 
