@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoinfer.kernels import cpu as cpu_kernels
-from nanoinfer.kernels.cpu import paged_decode_attention, paged_decode_attention_available
+from nanoinfer.kernels.cpu import available, paged_decode_attention
 from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers import sampler
 from nanoinfer.layers.attention.cpu import CPUAttentionBackend
@@ -47,10 +47,10 @@ def random_case(heads: int, kv_heads: int, head_dim: int, block_size: int, conte
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 def test_kernel_builds_where_a_compiler_exists():
-    assert paged_decode_attention_available()
+    assert available()
 
 
-@pytest.mark.skipif(not paged_decode_attention_available(), reason="the C kernel did not build here")
+@pytest.mark.skipif(not available(), reason="the C kernel did not build here")
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size, context_lens", [
     (16, 8, 64, 16, [1, 15, 16, 17, 250, 33]),   # block boundaries, a one-token context
     (4, 4, 32, 4, [7, 1, 64]),                   # MHA
@@ -81,7 +81,7 @@ def test_decode_kernel_matches_sdpa(heads, kv_heads, head_dim, block_size, conte
         assert torch.equal(longer, (full - ours).abs().amax(1) > 1e-3)
 
 
-@pytest.mark.skipif(not paged_decode_attention_available(), reason="the C kernel did not build here")
+@pytest.mark.skipif(not available(), reason="the C kernel did not build here")
 @pytest.mark.parametrize("window", [1, 16, 17, 100])
 def test_decode_kernel_sliding_window(window):
     """window > 0 attends to each sequence's last `window` tokens, as a sliding-window model's decode step does."""
@@ -105,13 +105,13 @@ def test_a_failing_build_falls_back_to_pytorch(monkeypatch, tmp_path):
     cpu._library.cache_clear()
     try:
         with pytest.warns(UserWarning, match="falls back to PyTorch"):
-            assert not cpu.paged_decode_attention_available()
+            assert not cpu.available()
         assert not CPUAttentionBackend(torch.float32).decode_kernel
     finally:
         cpu._library.cache_clear()
 
 
-needs_kernels = pytest.mark.skipif(not paged_decode_attention_available(), reason="the C kernels did not build here")
+needs_kernels = pytest.mark.skipif(not available(), reason="the C kernels did not build here")
 
 
 def strided(x: torch.Tensor, pad: int = 3) -> torch.Tensor:

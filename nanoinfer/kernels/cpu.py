@@ -80,9 +80,6 @@ def available() -> bool:
     return _library() is not None
 
 
-paged_decode_attention_available = available
-
-
 def use_cpu_kernels(x: torch.Tensor) -> bool:
     """Whether x [tokens, ...] can go through the C kernels: fp32 on the CPU, on a machine where they were built."""
     return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 2 and available()

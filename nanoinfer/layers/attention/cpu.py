@@ -5,8 +5,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanoinfer.kernels.cpu import (paged_decode_attention, paged_decode_attention_available, store_kvcache,
-                                  use_cpu_kernels)
+from nanoinfer.kernels import cpu as cpu_kernels
+from nanoinfer.kernels.cpu import paged_decode_attention, store_kvcache, use_cpu_kernels
 from nanoinfer.layers.attention.metadata import AttentionMetadata
 
 
@@ -26,7 +26,7 @@ class CPUAttentionBackend:
         self._buffers: dict[str, torch.Tensor] = {}
         # The kernel reads K/V in place: no gather, no padding, each block read once for all heads.
         self.decode_kernel = (device.type == "cpu" and dtype == torch.float32
-                              and paged_decode_attention_available())
+                              and cpu_kernels.available())
 
     def prepare(self, meta: AttentionMetadata) -> None:
         if meta.is_decode:
