@@ -201,6 +201,10 @@ class ModelRunner:
             seq.block_table = [0] * seq.num_blocks
         batch = ScheduledBatch(seqs, lengths)
         input_ids, positions, meta, _ = self.prepare(batch, batch.samples)
+        # A one-token budget makes a step of one 1-token prompt, which backends take for a decode over the cache
+        # that does not exist yet; attending non-causally over this step's one key is the same attention.
+        if meta.is_decode:
+            meta.causal = False
         # Every rank warms up alike (nothing to broadcast); the logits are gathered on rank 0.
         logits = self.execute(input_ids, positions, meta, list(range(sum(lengths))))
         if logits is not None:
