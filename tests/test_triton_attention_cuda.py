@@ -95,9 +95,9 @@ def test_decode_replays_from_a_cuda_graph():
 def test_engine_matches_hf_on_the_gpu(qwen3_dir, captured_logits):
     """fp32 on the GPU, the triton backend with CUDA graphs, against transformers fp32 on the CPU."""
     prompts = random_prompts(6, 5, 440, 2, 90, seed=7) + [[17]]
-    llm = LLM(str(qwen3_dir), device="cuda", dtype="float32", attention_backend="triton", max_model_len=256)
-    assert llm.llm_engine.model_runner.graph_runner is not None
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    outputs = llm.generate(prompts, greedy, use_tqdm=False)
+    with LLM(str(qwen3_dir), device="cuda", dtype="float32", attention_backend="triton", max_model_len=256) as llm:
+        assert llm.llm_engine.model_runner.graph_runner is not None
+        outputs = llm.generate(prompts, greedy, use_tqdm=False)
     worst = check_against_hf(outputs, hf_greedy(qwen3_dir, prompts, 16), captured_logits)
     assert worst < 1e-3, f"max |logit diff| {worst:.2e}"
