@@ -74,7 +74,7 @@ for name in cuda cpu; do
   [ -f "$OUT/$name.rc" ] || continue
   live=$OUT/$name.live
   echo "== $name tests: exit $(cat "$OUT/$name.rc") (124: cut at its time limit) |" \
-    "$(grep -E '[0-9]+ (passed|failed|skipped|errors?)' "$OUT/$name.log" | tail -n 1)"
+    "$(grep -E '^[0-9]+ (passed|failed|skipped|errors?|deselected)|no tests ran' "$OUT/$name.log" | tail -n 1)"
   for outcome in PASSED FAILED SKIPPED ERROR; do
     printf '%s %s  ' "$outcome" "$(grep -c "^\[[0-9:]*\] $outcome " "$live")"
   done
