@@ -1,11 +1,14 @@
 """CUDA-only paths found broken by reading them, checked on the CPU: the warm-up that sizes the KV cache on CUDA,
-which models get decode CUDA graphs, and the step API of a closed engine."""
+which models get decode CUDA graphs, the step API of a closed engine, and the PyTorch backend's decode buffers."""
 import pytest
 import torch
 
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.engine import model_runner
 from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.layers.attention import cpu as cpu_attention
+from nanoinfer.layers.attention.cpu import CPUAttentionBackend
+from nanoinfer.layers.attention.metadata import AttentionMetadata
 
 GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
@@ -75,3 +78,42 @@ def test_step_after_close_names_the_closed_engine(qwen3_dir):
     with pytest.raises(RuntimeError, match="closed"):
         engine.add_request("after", [5, 6, 7], GREEDY)
     engine.abort_request("before")  # what LLM.generate's clean-up does: still fine
+
+
+def test_pytorch_backend_decode_gathers_kv_in_bounded_groups(monkeypatch):
+    """Decode without the C kernel (always on CUDA) gathers K/V padded to the longest context: a group of sequences
+    at a time, so its buffers stay under DECODE_GATHER_BYTES instead of growing with the batch (GiBs at batch 256
+    that the KV-cache sizing never saw). The groups give what one gather of the whole batch gives."""
+    block_size, kv_heads, heads, head_dim = 4, 2, 4, 8
+    contexts = [37, 5, 64, 1, 50, 12]
+    tables, first = [], 0
+    for n in contexts:
+        tables.append(list(range(first, first + -(-n // block_size))))
+        first += len(tables[-1])
+    width = max(map(len, tables))
+    ctx = torch.tensor(contexts, dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=None, block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32),
+        context_lens=ctx, cu_seqlens_q=torch.arange(len(ctx) + 1, dtype=torch.int32),
+        cu_seqlens_k=torch.cat([torch.zeros(1, dtype=torch.int32), ctx.cumsum(0, dtype=torch.int32)]),
+        max_seqlen_q=1, max_seqlen_k=max(contexts), block_size=block_size)
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(2, first, block_size, kv_heads, head_dim, generator=g)
+    q = torch.randn(len(contexts), heads, head_dim, generator=g)
+
+    def decode(window: int | None) -> tuple[torch.Tensor, int]:
+        backend = CPUAttentionBackend(torch.float32)
+        backend.decode_kernel = False  # the gather path, as on CUDA
+        backend.prepare(meta)
+        out = backend.forward(q, None, None, k_cache, v_cache, meta, 0.3, window)
+        return out, sum(b.nbytes for b in backend._buffers.values())
+
+    slot_bytes = kv_heads * head_dim * 4
+    for window in (None, 9):
+        whole, whole_bytes = decode(window)
+        assert whole_bytes == 2 * len(contexts) * 64 * slot_bytes  # one gather of every sequence's 64 slots
+        monkeypatch.setattr(cpu_attention, "DECODE_GATHER_BYTES", 2 * 2 * 64 * slot_bytes)  # 2 sequences a group
+        grouped, grouped_bytes = decode(window)
+        monkeypatch.undo()
+        assert grouped_bytes == 2 * 2 * 64 * slot_bytes
+        torch.testing.assert_close(grouped, whole, rtol=0, atol=1e-6)
