@@ -33,10 +33,11 @@ def warm_up_before_the_cache(monkeypatch):
     return steps
 
 
-def test_warm_up_with_a_one_token_budget(qwen3_dir, warm_up_before_the_cache):
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3-next"])
+def test_warm_up_with_a_one_token_budget(kind, model_dir, warm_up_before_the_cache):
     """max_num_batched_tokens=1: the largest step is one 1-token prompt, which every backend would take for a decode
     step reading the KV cache, which does not exist during the warm-up (an IndexError on the empty cache)."""
-    with LLM(str(qwen3_dir), device="cpu", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=1) as llm:
+    with LLM(str(model_dir(kind)), device="cpu", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=1) as llm:
         assert warm_up_before_the_cache[0] == ([1], False)
         out = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]
         assert len(out.outputs[0].token_ids) == 3
