@@ -45,6 +45,7 @@ class LLMEngine:
         self.last_batch: ScheduledBatch | None = None  # what the latest step computed (for statistics)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+        self._check_open()
         self.enqueue(self.make_sequences(request_id, prompt, params))
 
     def make_sequences(self, request_id: str, prompt: Prompt, params: SamplingParams) -> list[Sequence]:
@@ -148,7 +149,12 @@ class LLMEngine:
             (mine if out.request_id in request_ids else self.held_outputs).append(out)
         return mine
 
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this engine is closed (its model and caches are freed): create a new LLM")
+
     def _step(self) -> list[RequestOutput]:
+        self._check_open()
         batch = self.last_batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
