@@ -20,6 +20,7 @@ functions over the decode steps of each case instead.
 import argparse
 import cProfile
 import functools
+import json
 import pstats
 import statistics
 import sys
@@ -35,7 +36,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanoinfer import LLM, SamplingParams  # noqa: E402
-from nanoinfer.engine.block_manager import BlockManager  # noqa: E402
+from nanoinfer.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from nanoinfer.engine.input_batch import InputBatch  # noqa: E402
 from nanoinfer.engine.llm_engine import LLMEngine  # noqa: E402
 from nanoinfer.engine.model_runner import ModelRunner  # noqa: E402
@@ -52,24 +53,26 @@ CASES = {
     "stream": (dict(temperature=0.0), "step"),
 }
 
-# (label, class, method): the parts of a step, timed inclusively. Indented labels are inside the one above.
+# (label, class, method): the parts of a step, timed inclusively; indented ones are inside the one above. Methods
+# called once a step, but for detokenization (per sequence, and costly enough for a wrapper not to matter).
 PARTS = [
-    ("schedule", Scheduler, "schedule"),
-    ("  block manager", BlockManager, ("can_append", "append_slots", "commit", "can_allocate", "allocate")),
-    ("runner.run", ModelRunner, "run"),
-    ("  prepare (input batch)", ModelRunner, "prepare"),
-    ("  execute (stubbed model)", ModelRunner, "execute"),
-    ("  sampling metadata", ModelRunner, "_sampling_metadata"),
-    ("  sampler (device work)", Sampler, "forward"),
-    ("  to_host", HostTransfer, "__call__"),
-    ("postprocess", Scheduler, "postprocess"),
-    ("  publish", BlockManager, "publish"),
-    ("stop checks + text", LLMEngine, "_check_stop"),
-    ("finish (free blocks)", Scheduler, "finish"),
-    ("outputs", LLMEngine, "_output"),
-    ("record logprobs", LLMEngine, "_record_logprobs"),
     ("engine._step", LLMEngine, "_step"),
+    ("  schedule (block manager incl.)", Scheduler, "schedule"),
+    ("  runner.run", ModelRunner, "run"),
+    ("    prepare (input batch)", ModelRunner, "prepare"),
+    ("    execute (stubbed model)", ModelRunner, "execute"),
+    ("    sampling metadata", ModelRunner, "_sampling_metadata"),
+    ("    sampler (device work)", Sampler, "forward"),
+    ("    to_host", HostTransfer, "__call__"),
+    ("  record logprobs", LLMEngine, "_record_logprobs"),
+    ("  postprocess", Scheduler, "postprocess"),
+    ("  detokenize", IncrementalDetokenizer, "update"),
 ]
+# Derived: parts of engine._step not covered above.
+ENGINE_REST = "  rest: stops, finish, outputs"  # detokenization apart
+RUNNER_REST = "    rest of runner.run"
+ENGINE_SIDE = "engine side: _step - runner.run"
+HOST = "host: _step - sampler"
 
 
 def parse_args() -> argparse.Namespace:
@@ -80,6 +83,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
     p.add_argument("--runs", type=int, default=3, help="timed runs per case; medians over all (default 3)")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    p.add_argument("--json", metavar="PATH", help="also write the table ({row: {case: ms}}) as JSON")
     p.add_argument("--profile", action="store_true", help="cProfile the decode steps instead of timing them")
     return p.parse_args()
 
@@ -140,6 +144,7 @@ def run_case(llm: LLM, case: str, args: argparse.Namespace, on_step: Callable[[]
     kwargs, api = CASES[case]
     params = SamplingParams(**kwargs, ignore_eos=True, max_tokens=args.steps + 1)
     engine = llm.llm_engine
+    engine.last_batch = None  # the previous run's
     if api == "generate":
         step_for = engine.step_for
 
@@ -190,7 +195,9 @@ class Parts:
     def install(self) -> None:
         for label, cls, names in PARTS:
             for name in (names,) if isinstance(names, str) else names:
-                original = cls.__dict__[name]
+                original = cls.__dict__.get(name)
+                if original is None:  # another version of the engine
+                    continue
                 self.originals.append((cls, name, original))
                 setattr(cls, name, self._wrap(label, original))
         self.overhead = self._calibrate()
@@ -276,21 +283,32 @@ def profile_case(llm: LLM, case: str, args: argparse.Namespace) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
-def ms(seconds: float) -> str:
-    return f"{seconds * 1e3:8.3f}"
+def table(results: dict[str, tuple[list[float], dict[str, list[float]]]]) -> dict[str, dict[str, float]]:
+    """{row label: {case: median ms}}: the step, its parts, the derived rests and sums."""
+    rows: dict[str, dict[str, float]] = defaultdict(dict)
+    for case, (step_times, parts) in results.items():
+        parts = dict(parts)
+        parts[RUNNER_REST] = [run - sum(p) for run, *p in zip(parts["  runner.run"], *(
+            parts[label] for label, _, _ in PARTS if label.startswith("    ")))]
+        parts[ENGINE_REST] = [step - sum(p) for step, *p in zip(parts["engine._step"], *(
+            parts[label] for label, _, _ in PARTS if label.startswith("  ") and not label.startswith("   ")))]
+        parts[ENGINE_SIDE] = [a - b for a, b in zip(parts["engine._step"], parts["  runner.run"])]
+        parts[HOST] = [a - b for a, b in zip(parts["engine._step"], parts["    sampler (device work)"])]
+        rows["step (loop included)"][case] = statistics.median(step_times) * 1e3
+        for label, values in parts.items():
+            rows[label][case] = statistics.median(values or [0.0]) * 1e3
+    order = [label for label, _, _ in PARTS]
+    order.insert(order.index("  record logprobs"), RUNNER_REST)
+    return {label: rows[label] for label in ["step (loop included)", *order, ENGINE_REST, ENGINE_SIDE, HOST]}
 
 
-def report(results: dict[str, tuple[list[float], dict[str, list[float]]]], args: argparse.Namespace) -> None:
-    cases = list(results)
+def report(rows: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
+    cases = list(rows["engine._step"])
     print(f"\nhost time per decode step at batch {args.batch}, vocab {args.vocab}, model stubbed, "
           f"medians over {args.runs} runs x {args.steps} steps (ms)")
-    print(f"{'':30}" + "".join(f"{c:>10}" for c in cases))
-    print(f"{'step (loop included)':30}" + "".join(f"{ms(statistics.median(results[c][0])):>10}" for c in cases))
-    for label, _, _ in PARTS:
-        print(f"{label:30}" + "".join(f"{ms(statistics.median(results[c][1][label] or [0.0])):>10}" for c in cases))
-    engine_side = {c: statistics.median(
-        s - r for s, r in zip(results[c][1]["engine._step"], results[c][1]["runner.run"])) for c in cases}
-    print(f"{'engine._step - runner.run':30}" + "".join(f"{ms(engine_side[c]):>10}" for c in cases))
+    print(f"{'':34}" + "".join(f"{c:>10}" for c in cases))
+    for label, values in rows.items():
+        print(f"{label:34}" + "".join(f"{values[c]:10.3f}" for c in cases))
 
 
 def main() -> None:
@@ -307,7 +325,10 @@ def main() -> None:
                 for case in cases:
                     profile_case(llm, case, args)
                 return
-            report({case: time_case(llm, case, args) for case in cases}, args)
+            rows = table({case: time_case(llm, case, args) for case in cases})
+    report(rows, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -88,11 +88,10 @@ def test_append_slots_grows_table_only_on_block_boundaries():
     bm.allocate(seq)
     assert len(seq.block_table) == 2 and bm.num_free_blocks == 2
     seq.token_ids.append(7)  # 8 tokens: still 2 blocks
-    assert bm.can_append(seq)
-    bm.append_slots(seq)
+    assert bm.append_slots(seq)
     assert len(seq.block_table) == 2 and bm.num_free_blocks == 2
     seq.token_ids.append(8)  # 9 tokens: a third block
-    bm.append_slots(seq)
+    assert bm.append_slots(seq)
     assert len(seq.block_table) == 3 and bm.num_free_blocks == 1
     assert len(set(seq.block_table)) == 3
 
@@ -328,7 +327,7 @@ def test_can_allocate_counts_revived_cached_blocks_against_the_free_list():
     assert not bm.can_allocate(make_seq([1]))
 
 
-def test_can_append_respects_free_count_and_may_evict_cached_blocks():
+def test_append_slots_respects_free_count_and_may_evict_cached_blocks():
     bm = BlockManager(num_blocks=3, block_size=BS)
     cached = allocate_and_compute(bm, range(50, 54))  # 1 block, registered
     cached_block = cached.block_table[0]
@@ -337,17 +336,16 @@ def test_can_append_respects_free_count_and_may_evict_cached_blocks():
     bm.allocate(seq)
     assert bm.num_free_blocks == 1 and len(bm.hash_to_block) == 1  # the free block is the cached one
     seq.token_ids.append(8)  # needs a third block: only the cached one is left, and it is evictable
-    assert bm.can_append(seq)
-    bm.append_slots(seq)
+    assert bm.append_slots(seq)
     assert seq.block_table[-1] == cached_block
     assert bm.num_free_blocks == 0 and bm.hash_to_block == {}
     for t in range(9, 12):  # fills the third block: no new block needed even with nothing free
         seq.token_ids.append(t)
-        assert bm.can_append(seq)
-        bm.append_slots(seq)
+        assert bm.append_slots(seq)
     assert len(seq.block_table) == 3
     seq.token_ids.append(12)
-    assert not bm.can_append(seq)
+    assert not bm.append_slots(seq)
+    assert len(seq.block_table) == 3  # nothing taken
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -460,11 +458,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.finish_running(seq)
             return
         seq.token_ids.append(token)  # the sampled token; its K/V is computed next step
-        needed = seq.num_blocks - len(seq.block_table)
-        ok = self.bm.can_append(seq)
-        assert ok == (needed <= self.bm.num_free_blocks)
+        needed, free = seq.num_blocks - len(seq.block_table), self.bm.num_free_blocks
+        ok = self.bm.append_slots(seq)
+        assert ok == (needed <= free)
         if ok:
-            self.bm.append_slots(seq)
             assert len(seq.block_table) == seq.num_blocks
             self._compute(seq, 1)
         else:

@@ -23,11 +23,13 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.prompt = prompt
         self.token_ids = list(token_ids)
+        self.prompt_token_ids = self.token_ids[:]  # what every output of the request carries: one list for all
         self.num_prompt_tokens = len(token_ids)
         self.params = params
         self.request_id, self.index = request_id, index  # completion `index` of request `request_id`
         self.max_tokens = params.max_tokens if max_tokens is None else max_tokens
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.stop_token_ids = self.eos_token_ids | frozenset(params.stop_token_ids)  # either ends it (as "stop")
         self.metrics = metrics  # shared by the n completions of a request
         self.block_size = block_size
         self.block_table: list[int] = []
@@ -37,7 +39,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         # The decoded completion, cut at a stop string (kept up to date only when text is needed).
-        self.detokenizer = IncrementalDetokenizer(params.skip_special_tokens)
+        self.detokenizer = IncrementalDetokenizer(params.skip_special_tokens, self.num_prompt_tokens)
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         # Only the first completion computes the prompt's logprobs, so it alone skips the prefix cache.
