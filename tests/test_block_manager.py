@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from nanoinfer.engine.block_manager import BlockManager
+from nanoinfer.engine.scheduler import Scheduler
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.sampling_params import SamplingParams
 
@@ -110,6 +112,25 @@ def test_prefix_hit_shares_leading_blocks_and_sets_num_cached_tokens():
     assert b.block_table[2] not in a.block_table
     assert b.num_cached_tokens == 8 and b.num_computed_tokens == 8
     assert bm.num_free_blocks == 12 - 3 - 1  # b took only one new block
+
+
+@pytest.mark.parametrize("budget", [3, 64])  # prompt chunks of 3 tokens (ending mid-block), or the whole prompt
+def test_scheduler_commits_every_block_a_step_fills(budget):
+    """Blocks filled by a prompt chunk that starts mid-block, or by a single decode token, join the prefix cache:
+    a later prompt holding those tokens finds all of them (the scheduler commits only in steps that fill blocks)."""
+    config = SimpleNamespace(max_num_seqs=2, max_num_batched_tokens=budget, kvcache_block_size=BS,
+                             enable_prefix_caching=True)
+    scheduler = Scheduler(config, num_kvcache_blocks=16)
+    seq = make_seq(range(100, 107))  # 7 tokens; decoding tokens 7 and 11 fills blocks 1 and 2
+    scheduler.add(seq)
+    while len(seq) < 13:
+        batch = scheduler.schedule()
+        scheduler.postprocess(batch, [200 + len(seq) if sampled else None for sampled in batch.samples])
+    assert seq.num_computed_tokens == 12
+    later = make_seq(seq.token_ids[:12] + [1])
+    scheduler.add(later)
+    scheduler.schedule()
+    assert later.num_cached_tokens == 12 and later.block_table[:3] == seq.block_table[:3]
 
 
 def test_commit_registers_only_full_blocks_within_num_tokens():

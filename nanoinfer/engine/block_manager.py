@@ -114,7 +114,9 @@ class BlockManager:
     def append_slots(self, seq: Sequence) -> bool:
         """Grow the block table to cover every token of the sequence; False, taking nothing, if too few blocks are
         free."""
-        missing = seq.num_blocks - len(seq.block_table)
+        missing = -(-len(seq.token_ids) // self.block_size) - len(seq.block_table)  # seq.num_blocks, inlined
+        if missing <= 0:
+            return True
         if missing > len(self.free_blocks):
             return False
         for _ in range(missing):
@@ -125,10 +127,10 @@ class BlockManager:
         """Register the full blocks among the first num_tokens tokens, whose K/V this step writes or has written.
         Until publish(), only sequences scheduled in the same step find the new ones: every layer stores the whole
         batch's K/V before attending, so they hold their K/V when read."""
-        end = start = num_tokens // self.block_size
-        if not self.enable_prefix_caching or not end or self.blocks[seq.block_table[end - 1]].hash != -1:
-            return  # nothing newly filled (most decode steps)
+        if not self.enable_prefix_caching:
+            return
         # Registered blocks are always a prefix of the table: step back only over the newly filled ones.
+        end = start = num_tokens // self.block_size
         while start > 0 and self.blocks[seq.block_table[start - 1]].hash == -1:
             start -= 1
         previous = self.blocks[seq.block_table[start - 1]] if start else None

@@ -30,6 +30,7 @@ class Scheduler:
     def __init__(self, config: Config, num_kvcache_blocks: int, num_state_slots: int = 0):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_size = config.kvcache_block_size
         # A cached prefix would bring K/V but no recurrent state (that exists only at a sequence's end): models with
         # linear attention compute every prompt in full.
         self.block_manager = BlockManager(num_kvcache_blocks, config.kvcache_block_size,
@@ -61,7 +62,7 @@ class Scheduler:
                 self._preempt(self.running.pop())  # seq itself when it is the latest: the loop ends
                 preempted = True
                 continue
-            budget -= self._take(batch, seq, min(len(seq.token_ids) - seq.num_computed_tokens, budget))
+            budget -= self._take(batch, seq, budget)
             i += 1
         batch.num_running = len(batch.seqs)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
@@ -71,21 +72,26 @@ class Scheduler:
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
-            budget -= self._take(batch, seq, min(len(seq.token_ids) - seq.num_computed_tokens, budget))
+            budget -= self._take(batch, seq, budget)
         assert batch.seqs or self.is_finished(), "nothing to schedule: a single sequence must always fit the KV cache"
         if batch.seqs:  # sent again until a step completes (postprocess): a failed one may not have read them
             batch.freed_seq_ids = self.freed_seq_ids[:]
         return batch
 
-    def _take(self, batch: ScheduledBatch, seq: Sequence, num_tokens: int) -> int:
-        """Add seq to the batch. Its blocks filled this step are committed now, so that a prompt admitted later in
-        the same step shares them (see BlockManager.commit); they join the prefix cache when the step completes."""
-        end = seq.num_computed_tokens + num_tokens
+    def _take(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
+        """Add seq to the batch with as many of the tokens it lacks as the budget allows; return how many. Its
+        blocks filled this step are committed now, so that a prompt admitted later in the same step shares them
+        (see BlockManager.commit); they join the prefix cache when the step completes."""
+        start, end = seq.num_computed_tokens, len(seq.token_ids)
+        sampled = end - start <= budget
+        if not sampled:
+            end = start + budget
         batch.seqs.append(seq)
-        batch.num_new_tokens.append(num_tokens)
-        batch.samples.append(end == len(seq.token_ids))
-        self.block_manager.commit(seq, end)
-        return num_tokens
+        batch.num_new_tokens.append(end - start)
+        batch.samples.append(sampled)
+        if end // self.block_size > start // self.block_size:  # it fills blocks
+            self.block_manager.commit(seq, end)
+        return end - start
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks; it is recomputed (prompt and generated tokens) when readmitted."""
