@@ -24,10 +24,14 @@ class IncrementalDetokenizer:
         start, num_tokens = self.start, len(token_ids) - self.start
         if self.read_offset >= num_tokens:
             return self.text
-        prefix = self._decode(tokenizer, token_ids[start + self.prefix_offset:start + self.read_offset])
-        full = self._decode(tokenizer, token_ids[start + self.prefix_offset:])
+        if tokenizer is not self.tokenizer:
+            self.tokenizer, self.decode = tokenizer, decode_function(tokenizer)
+        decode, skip, begin = self.decode, self.skip_special_tokens, start + self.prefix_offset
+        prefix = decode(token_ids[begin:start + self.read_offset], skip) if self.read_offset > self.prefix_offset \
+            else ""
+        full = decode(token_ids[begin:], skip)
         if not full.startswith(prefix):  # a decoder whose output is not a concatenation: decode everything
-            self.text = self._decode(tokenizer, token_ids[start:])
+            self.text = decode(token_ids[start:], skip)
         elif final or (len(full) > len(prefix) and not full.endswith("\ufffd")):
             self.text += full[len(prefix):]
         else:
@@ -39,11 +43,6 @@ class IncrementalDetokenizer:
         """Keep the first `length` characters as the final text of num_tokens tokens (cut at a stop string)."""
         self.text = self.text[:length]
         self.prefix_offset = self.read_offset = num_tokens
-
-    def _decode(self, tokenizer: PreTrainedTokenizerBase, token_ids: list[int]) -> str:
-        if tokenizer is not self.tokenizer:
-            self.tokenizer, self.decode = tokenizer, decode_function(tokenizer)
-        return self.decode(token_ids, skip_special_tokens=self.skip_special_tokens) if token_ids else ""
 
 
 def decode_function(tokenizer: PreTrainedTokenizerBase) -> Callable[..., str]:
