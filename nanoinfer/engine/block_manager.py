@@ -1,9 +1,9 @@
 """Paged KV-cache blocks: allocation, reference counts, and prefix caching keyed by a hash of the token prefix
 (a block joins the cache once the step writing it has completed); plus the recurrent-state slots of models with
 linear attention, held by a sequence exactly while it holds blocks."""
+from array import array
 from collections import OrderedDict
 
-import numpy as np
 import xxhash
 
 from nanoinfer.engine.sequence import Sequence
@@ -40,7 +40,7 @@ class BlockManager:
         h = xxhash.xxh64()
         if prefix_hash != -1:
             h.update(prefix_hash.to_bytes(8, "little"))
-        h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+        h.update(array("q", token_ids))  # int64s, as a buffer: no copy to bytes
         return h.intdigest()
 
     @property
