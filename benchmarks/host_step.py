@@ -46,6 +46,8 @@ from nanoinfer.layers.sampler import Sampler  # noqa: E402
 from tests import models  # noqa: E402
 
 BLOCK_SIZE = 16
+clock = time.perf_counter  # --cpu-time: time.thread_time
+
 CASES = {
     "greedy": (dict(temperature=0.0), "generate"),
     "temp": (dict(temperature=0.6), "generate"),
@@ -83,6 +85,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
     p.add_argument("--runs", type=int, default=3, help="timed runs per case; medians over all (default 3)")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time with this thread's CPU clock, not the wall clock: steadier while other processes load "
+                        "the machine (the stubbed step runs on this thread alone)")
     p.add_argument("--json", metavar="PATH", help="also write the table ({row: {case: ms}}) as JSON")
     p.add_argument("--profile", action="store_true", help="cProfile the decode steps instead of timing them")
     return p.parse_args()
@@ -174,7 +179,7 @@ class StepClock:
         self.times: list[float] = []
 
     def __call__(self) -> None:
-        now = time.perf_counter()
+        now = clock()
         b = self.engine.last_batch
         if self.last is not None and b is not None and not b.is_prefill and len(b.seqs) == self.batch:
             self.times.append(now - self.last)
@@ -211,13 +216,13 @@ class Parts:
         @functools.wraps(fn)
         def wrapper(*a, **kw):
             calls = self.calls
-            start = time.perf_counter()
+            start = clock()
             try:
                 return fn(*a, **kw)
             finally:
                 nested = self.calls - calls
                 self.calls += 1
-                self.totals[label] += time.perf_counter() - start - nested * self.overhead
+                self.totals[label] += clock() - start - nested * self.overhead
         return wrapper
 
     def _calibrate(self, n: int = 20000) -> float:
@@ -227,13 +232,13 @@ class Parts:
         bare = self._wrap("_calibrate", plain)
         times = []
         for _ in range(5):
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(n):
                 plain(self, n)
-            t1 = time.perf_counter()
+            t1 = clock()
             for _ in range(n):
                 bare(self, n)
-            times.append((time.perf_counter() - t1 - (t1 - t0)) / n)
+            times.append((clock() - t1 - (t1 - t0)) / n)
         self.totals.clear()
         self.calls = 0
         return statistics.median(times)
@@ -249,19 +254,19 @@ def time_case(llm: LLM, case: str, args: argparse.Namespace) -> tuple[list[float
     engine = llm.llm_engine
     times: list[float] = []
     for _ in range(args.runs):
-        clock = StepClock(engine, args.batch)
-        run_case(llm, case, args, clock)
-        times += clock.times
+        steps = StepClock(engine, args.batch)
+        run_case(llm, case, args, steps)
+        times += steps.times
     parts = Parts()
     parts.install()
     try:
         for _ in range(args.runs):
-            clock = StepClock(engine, args.batch)
+            steps = StepClock(engine, args.batch)
 
             def on_step():
-                before = len(clock.times)
-                clock()
-                parts.step_boundary(len(clock.times) > before)
+                before = len(steps.times)
+                steps()
+                parts.step_boundary(len(steps.times) > before)
             run_case(llm, case, args, on_step)
     finally:
         parts.uninstall()
@@ -304,7 +309,8 @@ def table(results: dict[str, tuple[list[float], dict[str, list[float]]]]) -> dic
 
 def report(rows: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
     cases = list(rows["engine._step"])
-    print(f"\nhost time per decode step at batch {args.batch}, vocab {args.vocab}, model stubbed, "
+    print(f"\nhost {'CPU' if args.cpu_time else 'wall'} time per decode step at batch {args.batch}, vocab {args.vocab}, "
+          f"model stubbed, "
           f"medians over {args.runs} runs x {args.steps} steps (ms)")
     print(f"{'':34}" + "".join(f"{c:>10}" for c in cases))
     for label, values in rows.items():
@@ -312,7 +318,10 @@ def report(rows: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    global clock
     args = parse_args()
+    if args.cpu_time:
+        clock = time.thread_time
     cases = args.cases.split(",")
     unknown = [c for c in cases if c not in CASES]
     if unknown:
