@@ -164,6 +164,7 @@ class LLMEngine:
         self._record_logprobs(batch, result)
         now = time.time()
         advanced: dict[str, None] = {}
+        final_only = RequestOutputKind.FINAL_ONLY  # looked up once: an Enum member costs ~0.3 us on Python 3.11
         for seq in self.scheduler.postprocess(batch, result.token_ids):
             m = seq.metrics
             if m.first_token_time is None:
@@ -173,7 +174,7 @@ class LLMEngine:
             self._check_stop(seq)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
-            elif seq.params.output_kind is RequestOutputKind.FINAL_ONLY:
+            elif seq.params.output_kind is final_only:
                 continue  # nothing to report before the request finishes
             advanced[seq.request_id] = None
         return [out for rid in advanced if (out := self._output(rid)) is not None]
@@ -304,14 +305,15 @@ class LLMEngine:
         seqs = self.requests[request_id]
         first = seqs[0]
         kind = first.params.output_kind
-        finished = all(s.is_finished for s in seqs)
-        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+        finished = seqs[-1].is_finished and all(s.is_finished for s in seqs)  # mostly decided by the first test
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         if finished:
             del self.requests[request_id]
             first.metrics.finished_time = time.time()
+        delta = kind is RequestOutputKind.DELTA
         return RequestOutput(request_id, first.prompt, first.prompt_token_ids, first.prompt_logprobs,
-                             [self._completion(s, kind == RequestOutputKind.DELTA) for s in seqs], finished,
+                             [self._completion(s, delta) for s in seqs], finished,
                              first.metrics, sum(s.num_cached_tokens for s in seqs))
 
     def _completion(self, seq: Sequence, delta: bool) -> CompletionOutput:
