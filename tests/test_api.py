@@ -28,7 +28,7 @@ def assert_idle(llm):
     engine = llm.llm_engine
     assert engine.scheduler.is_finished() and not engine.has_unfinished_requests()
     bm = engine.scheduler.block_manager
-    assert bm.num_free_blocks == len(bm.blocks) and all(b.ref_count == 0 for b in bm.blocks)
+    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks.values())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -252,7 +252,7 @@ def test_n_completions_share_prompt_blocks_and_are_reproducible(qwen3_dir):
     assert [bm.blocks[b].ref_count for b in tables[0]] == [3, 3, 3, 3, 1]
     assert len({t[4] for t in tables}) == 3
     engine.abort_request("r")
-    assert bm.num_free_blocks == len(bm.blocks)
+    assert bm.num_free_blocks == bm.num_blocks
 
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2] and all(len(c.token_ids) == 8 for c in out.outputs)
@@ -320,9 +320,9 @@ def test_step_api_abort_request_frees_blocks_and_others_continue(llm):
     for _ in range(3):
         engine.step()
     bm = engine.scheduler.block_manager
-    used = len(bm.blocks) - bm.num_free_blocks
+    used = bm.num_blocks - bm.num_free_blocks
     engine.abort_request("drop")
-    assert len(bm.blocks) - bm.num_free_blocks == used - 7  # 53 tokens in blocks of 8
+    assert bm.num_blocks - bm.num_free_blocks == used - 7  # 53 tokens in blocks of 8
     finished = []
     while engine.has_unfinished_requests():
         finished += [o for o in engine.step() if o.finished]

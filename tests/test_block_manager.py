@@ -24,6 +24,11 @@ from nanoinfer.sampling_params import SamplingParams
 BS = 4
 
 
+def free_order(bm: BlockManager) -> list[int]:
+    """The free block ids in the order they will be taken: never-used ones first, then freed ones (LRU)."""
+    return [*range(bm.num_used_blocks, bm.num_blocks), *bm.free_blocks]
+
+
 def make_seq(tokens, block_size=BS) -> Sequence:
     return Sequence(list(tokens), SamplingParams(), block_size)
 
@@ -60,14 +65,14 @@ def test_allocate_takes_ceil_len_over_block_size_and_free_returns_them(length):
     assert len(set(seq.block_table)) == expected
     assert bm.num_free_blocks == 10 - expected
     assert all(bm.blocks[b].ref_count == 1 for b in seq.block_table)
-    assert not set(seq.block_table) & set(bm.free_blocks)
+    assert not set(seq.block_table) & set(free_order(bm))
     assert seq.num_cached_tokens == 0 and seq.num_computed_tokens == 0  # nothing cached in a fresh manager
     held = list(seq.block_table)
     bm.free(seq)
     assert seq.block_table == []
     assert bm.num_free_blocks == 10
     assert all(bm.blocks[b].ref_count == 0 for b in held)
-    assert set(bm.free_blocks) == set(range(10))
+    assert set(free_order(bm)) == set(range(10))
 
 
 def test_two_sequences_get_disjoint_blocks_and_allocate_takes_least_recently_freed_first():
@@ -78,7 +83,7 @@ def test_two_sequences_get_disjoint_blocks_and_allocate_takes_least_recently_fre
     assert a.block_table == [0, 1, 2] and b.block_table == [3, 4]
     assert bm.num_free_blocks == 3
     bm.free(a)  # freed tail first: LRU order of the free list is now 5, 6, 7, 2, 1, 0
-    assert list(bm.free_blocks) == [5, 6, 7, 2, 1, 0]
+    assert free_order(bm) == [5, 6, 7, 2, 1, 0]
     c = make_seq(range(300, 316))  # 4 blocks, no prefix in common with anything
     bm.allocate(c)
     assert c.block_table == [5, 6, 7, 2]
@@ -219,11 +224,11 @@ def test_ref_counts_on_shared_blocks_go_2_1_0():
     assert bm.blocks[a.block_table[2]].ref_count == 1 and bm.blocks[b.block_table[2]].ref_count == 1
     bm.free(a)
     assert [bm.blocks[x].ref_count for x in shared] == [1, 1]
-    assert not set(shared) & set(bm.free_blocks), "a block still used by b must not be free"
+    assert not set(shared) & set(free_order(bm)), "a block still used by b must not be free"
     assert a.block_table == []
     bm.free(b)
     assert [bm.blocks[x].ref_count for x in shared] == [0, 0]
-    assert set(shared) <= set(bm.free_blocks)
+    assert set(shared) <= set(free_order(bm))
     assert bm.num_free_blocks == 12
 
 
@@ -261,7 +266,7 @@ def test_freed_cached_block_is_revived_until_evicted_by_lru_reuse():
 
     # Now take blocks until exactly the least recently freed cached block (a's block 2, freed before 1 and 0)
     # is evicted.
-    order = list(bm.free_blocks)
+    order = free_order(bm)
     evict_at = order.index(a_blocks[2])
     assert evict_at < order.index(a_blocks[1]) < order.index(a_blocks[0])
     f2 = filler(evict_at + 1, start=20_000)
@@ -334,7 +339,7 @@ def test_can_allocate_counts_revived_cached_blocks_against_the_free_list():
     bm.free(a)
     f = filler(3)  # takes the 3 never-used blocks; only a's 3 cached blocks remain free
     bm.allocate(f)
-    assert bm.num_free_blocks == 3 and set(bm.free_blocks) == set(a_blocks)
+    assert bm.num_free_blocks == 3 and set(free_order(bm)) == set(a_blocks)
     # 4 blocks, 3 of them cached but free (revived from the free list): needs 4 free blocks in total.
     assert not bm.can_allocate(make_seq(prompt + [1]))
     assert not bm.can_allocate(make_seq(prompt + [1, 2, 3, 4]))
@@ -526,11 +531,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for s in self.running:
             assert len(set(s.block_table)) == len(s.block_table), f"block twice in one table: {s.block_table}"
             assert len(s.block_table) == s.num_blocks, "the table must cover the sequence's tokens"
-        for block in bm.blocks:
+        for block in bm.blocks.values():
             assert block.ref_count == users[block.block_id], f"block {block.block_id} ref_count"
-        free = set(bm.free_blocks)
+        free = set(free_order(bm))
         assert len(free) == bm.num_free_blocks
-        assert free == {b.block_id for b in bm.blocks if b.ref_count == 0}
+        assert free == {i for i in range(bm.num_blocks) if i not in bm.blocks or bm.blocks[i].ref_count == 0}
         assert len(users) + bm.num_free_blocks == self.n
 
     @invariant()
@@ -568,3 +573,11 @@ BlockManagerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_block_manager_state_machine = BlockManagerMachine.TestCase
+
+
+def test_a_large_cache_starts_without_building_its_blocks():
+    # A GPU cache of a tiny model holds millions of blocks: they are made on first use, not at start-up.
+    bm = BlockManager(num_blocks=10**9, block_size=BS)
+    a = make_seq(range(9))
+    bm.allocate(a)
+    assert a.block_table == [0, 1, 2] and len(bm.blocks) == 3 and bm.num_free_blocks == 10**9 - 3

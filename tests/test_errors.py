@@ -36,7 +36,7 @@ def assert_idle(llm):
     assert engine.scheduler.is_finished(), "requests were left queued"
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == engine.model_runner.num_kvcache_blocks, "KV blocks were leaked"
-    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert all(b.ref_count == 0 for b in bm.blocks.values())
 
 
 def assert_usable(llm, baseline):

@@ -25,12 +25,16 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.num_blocks = num_blocks
+        # Made on first use: a GPU's cache can hold millions of blocks, and start-up must not build them all.
+        self.blocks: dict[int, Block] = {}
         self.hash_to_block: dict[int, int] = {}  # the prefix cache: blocks whose K/V a completed step wrote
         # Blocks the step being scheduled writes: found only by sequences of that same step, until publish().
         self.step_hash_to_block: dict[int, int] = {}
-        # Free blocks, least recently freed first: cached contents survive until their block is reused.
-        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Free blocks in the order they are taken: the never-used ones (ids from num_used_blocks up), then freed
+        # ones, least recently freed first: cached contents survive until their block is reused.
+        self.num_used_blocks = 0
+        self.free_blocks: OrderedDict[int, None] = OrderedDict()  # the freed ones
         # A slot's state is valid only for the sequence holding it: freed (finish, abort, preemption) means gone.
         self.num_state_slots = num_state_slots
         self.free_state_slots = list(range(num_state_slots))
@@ -45,9 +49,14 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return self.num_blocks - self.num_used_blocks + len(self.free_blocks)
 
     def _take_free_block(self) -> Block:
+        if self.num_used_blocks < self.num_blocks:
+            block = self.blocks[self.num_used_blocks] = Block(self.num_used_blocks)
+            self.num_used_blocks += 1
+            block.ref_count = 1
+            return block
         block = self.blocks[self.free_blocks.popitem(last=False)[0]]
         if self.hash_to_block.get(block.hash) == block.block_id:
             del self.hash_to_block[block.hash]
@@ -68,9 +77,9 @@ class BlockManager:
         for i in range((len(seq) - 1) // self.block_size):
             tokens = seq.block(i)
             prefix_hash = self.compute_hash(tokens, prefix_hash)
-            block = self.blocks[self.hash_to_block.get(prefix_hash, self.step_hash_to_block.get(prefix_hash, 0))]
+            block = self.blocks.get(self.hash_to_block.get(prefix_hash, self.step_hash_to_block.get(prefix_hash)))
             # Check tokens and parent too: a hash collision must never hand out someone else's K/V.
-            if (block.hash != prefix_hash or block.token_ids != tokens
+            if (block is None or block.hash != prefix_hash or block.token_ids != tokens
                     or block.parent != self._parent_key(hits[-1] if hits else None)):
                 break
             hits.append(block)
@@ -117,7 +126,7 @@ class BlockManager:
         missing = -(-len(seq.token_ids) // self.block_size) - len(seq.block_table)  # seq.num_blocks, inlined
         if missing <= 0:
             return True
-        if missing > len(self.free_blocks):
+        if missing > self.num_free_blocks:
             return False
         for _ in range(missing):
             seq.block_table.append(self._take_free_block().block_id)
