@@ -1,6 +1,6 @@
-"""The attention kernels compiled ahead of time for an H100 (sm_90) by Triton's own compiler and ptxas, which
-need no GPU: what the interpreter cannot show — that every variant compiles, that the K/V loads are pipelined
-(cp.async) and that the 16-bit kernels keep to registers (no spills)."""
+"""The Triton kernels compiled ahead of time for an H100 (sm_90) by Triton's own compiler and ptxas, which need no
+GPU: what the interpreter cannot show — that every variant compiles, that the attention kernel's K/V loads are
+pipelined (cp.async) and that the 16-bit kernels keep to registers (no spills)."""
 import importlib.util
 import os
 import subprocess
@@ -16,14 +16,16 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import triton  # noqa: E402
 
 # Triton's compiler API (ASTSource's attrs, GPUTarget) changes between releases: these checks are written for the
-# triton that `make test` installs; elsewhere (a CUDA machine's own triton) tests/test_triton_attention_cuda.py
-# runs the real kernels instead.
-if triton.__version__ != "3.7.1":
-    pytest.skip(f"compile checks written for triton 3.7.1, found {triton.__version__}", allow_module_level=True)
+# triton that `make test` installs and the one an H100 machine's torch 2.11 pins; elsewhere
+# tests/test_triton_attention_cuda.py runs the real kernels instead.
+if triton.__version__ not in ("3.6.0", "3.7.1"):
+    pytest.skip(f"compile checks written for triton 3.6.0 and 3.7.1, found {triton.__version__}",
+                allow_module_level=True)
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from nanoinfer.kernels import triton_attention as ta  # noqa: E402
+from nanoinfer.kernels import triton_kvcache, triton_layers, triton_sampling  # noqa: E402
 
 H100 = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -44,11 +46,16 @@ def compile_attention(dtype: str, group: int, head_dim: int, config: ta.TileConf
     constants = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=ta._block_d(head_dim),
                      BLOCK_M=config.block_m, BLOCK_Q=config.block_m // group, BLOCK_N=config.block_n,
                      KV_BLOCK_SIZE=16, UPCAST=False, PRECISION="tf32x3" if dtype == "fp32" else "tf32", **flags)
-    types.update({name: "constexpr" for name in constants})
-    aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in (*POINTERS, *STRIDES)}
-    source = ASTSource(fn, {name: types[name] for name in fn.arg_names}, constexprs=constants, attrs=aligned)
-    return triton.compile(source, target=H100, options=dict(num_warps=config.num_warps,
-                                                            num_stages=config.num_stages))
+    return compile_kernel(fn, types, constants, aligned=(*POINTERS, *STRIDES), num_warps=config.num_warps,
+                          num_stages=config.num_stages)
+
+
+def compile_kernel(fn, types: dict[str, str], constants: dict, aligned: tuple[str, ...], **options: int):
+    """`fn` compiled for sm_90 with the arguments in `aligned` marked divisible by 16, as a launch marks them."""
+    types = {**types, **{name: "constexpr" for name in constants}}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = ASTSource(fn, {name: types[name] for name in fn.arg_names}, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=H100, options=options)
 
 
 def stack_bytes(cubin: bytes) -> int:
@@ -103,8 +110,40 @@ def test_prefill_tiles_fit_the_h100_shared_memory(dtype, itemsize, head_dim):
 
 @pytest.mark.slow
 def test_reduce_kernel_compiles_for_sm90():
-    source = ASTSource(ta._reduce_kernel, dict(out_ptr="*bf16", part_acc_ptr="*fp32", part_max_ptr="*fp32",
-                                                 part_sum_ptr="*fp32", num_segments="i32", num_heads="i32",
-                                                 HEAD_DIM="constexpr", BLOCK_D="constexpr", BLOCK_S="constexpr"),
-                       constexprs=dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_S=ta.MAX_SEGMENTS))
-    assert "ld.global" in triton.compile(source, target=H100, options=dict(num_warps=4)).asm["ptx"]
+    kernel = compile_kernel(ta._reduce_kernel, dict(out_ptr="*bf16", part_acc_ptr="*fp32", part_max_ptr="*fp32",
+                                                    part_sum_ptr="*fp32", num_segments="i32", num_heads="i32"),
+                            dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_S=ta.MAX_SEGMENTS), aligned=(), num_warps=4)
+    assert "ld.global" in kernel.asm["ptx"]
+
+
+# The layer kernels as the CUDA engine launches them (Qwen3-0.6B's sizes: hidden 1024, intermediate 3072,
+# 8 KV heads x 128, vocabulary 151,936), in each activation dtype.
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_layer_kernels_compile_for_sm90(dtype):
+    kernels = [
+        compile_kernel(triton_layers._rms_norm_kernel,
+                       dict(x_ptr=f"*{dtype}", residual_ptr=f"*{dtype}", weight_ptr=f"*{dtype}", out_ptr=f"*{dtype}",
+                            residual_out_ptr=f"*{dtype}", x_stride="i32", residual_stride="i32", eps="fp32"),
+                       dict(N=1024, BLOCK=1024, HAS_RESIDUAL=True),
+                       aligned=("x_ptr", "residual_ptr", "weight_ptr", "out_ptr", "residual_out_ptr", "x_stride",
+                                "residual_stride"), num_warps=4),
+        compile_kernel(triton_layers._silu_and_mul_kernel, dict(x_ptr=f"*{dtype}", out_ptr=f"*{dtype}", x_stride="i32"),
+                       dict(N=3072, BLOCK=1024), aligned=("x_ptr", "out_ptr", "x_stride"), num_warps=4),
+        compile_kernel(triton_kvcache._store_kvcache_kernel,
+                       dict(k_ptr=f"*{dtype}", v_ptr=f"*{dtype}", k_cache_ptr=f"*{dtype}", v_cache_ptr=f"*{dtype}",
+                            slot_mapping_ptr="*i64", k_stride="i32", v_stride="i32"),
+                       dict(D=1024, BLOCK_D=1024),
+                       aligned=("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "slot_mapping_ptr", "k_stride",
+                                "v_stride"), num_warps=4),
+    ]
+    for kernel in kernels:
+        assert "st.global" in kernel.asm["ptx"] and stack_bytes(kernel.asm["cubin"]) == 0
+
+
+@pytest.mark.slow
+def test_sampling_kernel_compiles_for_sm90():
+    kernel = compile_kernel(triton_sampling._exponential_noise_kernel,
+                            dict(keys_ptr="*i64", out_ptr="*fp32", vocab="i32"), dict(BLOCK=1024),
+                            aligned=("keys_ptr", "out_ptr", "vocab"), num_warps=4)
+    assert "st.global" in kernel.asm["ptx"] and stack_bytes(kernel.asm["cubin"]) == 0

@@ -13,6 +13,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.exit("run through tests/test_triton.py (needs TRITON_INTERPRET=1 from the start)", returncode=4)
 
 import cuda_fakes  # noqa: E402  (tests/cuda_fakes.py)
+import triton  # noqa: E402
 from models import check_against_hf, hf_greedy, random_prompts  # noqa: E402
 
 import nanoinfer.config as config_module  # noqa: E402
@@ -28,6 +29,23 @@ from nanoinfer.layers.layernorm import RMSNorm  # noqa: E402
 from nanoinfer.layers.attention import get_backend, selector  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _index_scalars_with_numpy_2_4() -> None:
+    """Triton 3.6's interpreter (a GPU machine's torch 2.11 pins it) holds every scalar as an array of shape (1,)
+    and turns a loop bound into an int with int(array), which recent NumPy (2.4 here) refuses: there, apply the fix
+    triton 3.7 made (squeeze first), so that the attention kernel's loop over K/V tiles runs."""
+    from triton.runtime import interpreter
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+    interpreter._patch_lang_tensor = patched
+
+
+if tuple(map(int, triton.__version__.split(".")[:2])) < (3, 7):
+    _index_scalars_with_numpy_2_4()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -25,6 +25,10 @@ _PER_LAYER = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 
+# The tokenizer's special tokens, by the GGUF metadata key holding each one's id.
+_SPECIAL_TOKENS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                   "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
+
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
 
@@ -128,8 +132,13 @@ def load_gguf_tokenizer(gguf_path: str | os.PathLike) -> PreTrainedTokenizerBase
     """transformers fast tokenizer built from the GGUF vocabulary, with its chat template."""
     p = _gguf_file(gguf_path)
     tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    reader = _reader(p)
+    # The file's own ids: transformers 5.17 makes SmolLM2's <|im_start|> its EOS token and sets no padding token.
+    for name, key in _SPECIAL_TOKENS.items():
+        if (token_id := _field(reader, key)) is not None:
+            setattr(tok, name, tok.convert_ids_to_tokens(token_id))
     if not getattr(tok, "chat_template", None):
-        tok.chat_template = _field(_reader(p), "tokenizer.chat_template")
+        tok.chat_template = _field(reader, "tokenizer.chat_template")
     return tok
 
 
