@@ -154,8 +154,8 @@ class InputBatch:
         )
         sampled = np.array(samples, dtype=bool)
         self.sampled_rows, self.sampled_positions = rows[sampled], ends[sampled]
-        h["sampled_rows"][:len(self.sampled_rows)] = self.sampled_rows
         if self.feed_sampled_ids:
+            h["sampled_rows"][:len(self.sampled_rows)] = self.sampled_rows
             fed = (num_new == 1) & (self.sampled_at[rows] == starts)
             self.num_fed = np.count_nonzero(fed)
             h["fed_index"][:self.num_fed] = cu_q[:-1][fed]
