@@ -467,6 +467,16 @@ def test_unseeded_requests_reproducible_across_fresh_engines_with_the_same_seed(
     assert a[0] != a[1]  # different prompts, not a constant output
 
 
+def test_top_k_beyond_int64_beside_a_real_top_k_filters_nothing(llm):
+    """A row's top_k is kept in an int64 array: one past its range is as good as the vocabulary, even when another
+    row's top_k makes the step filter."""
+    prompts = random_prompts(2, 5, 448, 3, 9, seed=25)
+    huge, plain = (SamplingParams(temperature=1.0, top_k=k, seed=3, max_tokens=8, ignore_eos=True)
+                   for k in (2**70, -1))
+    other = SamplingParams(temperature=1.0, top_k=5, seed=4, max_tokens=8, ignore_eos=True)
+    assert tokens_of(llm, prompts, [huge, other])[0] == tokens_of(llm, prompts[:1], plain)[0]
+
+
 def test_top_k_1_and_tiny_top_p_equal_greedy(llm):
     prompts = random_prompts(4, 5, 448, 2, 15, seed=24)
     greedy = tokens_of(llm, prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))

@@ -32,8 +32,9 @@ class SamplingRows:
         self.flags[row] = (GREEDY * (p.temperature == 0) | TOP_K * (p.top_k > 0) | TOP_P * (p.top_p < 1)
                            | MIN_P * (p.min_p > 0) | PENALIZED * p.penalized | MIN_TOKENS * (p.min_tokens > 0)
                            | LOGPROBS * (p.logprobs is not None))
+        # A top_k of the vocabulary or more filters nothing; int64's largest says as much for any larger one.
         self.temperature[row], self.top_k[row], self.top_p[row], self.min_p[row] = (
-            p.temperature, p.top_k, p.top_p, p.min_p)
+            p.temperature, min(p.top_k, np.iinfo(np.int64).max), p.top_p, p.min_p)
         self.penalties[row] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
         self.num_logprobs[row] = p.logprobs or 0
         self.min_len[row] = seq.num_prompt_tokens + p.min_tokens
