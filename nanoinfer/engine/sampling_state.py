@@ -24,7 +24,7 @@ class SamplingRows:
         self.num_logprobs = np.zeros(n, dtype=np.int64)
         self.min_len = np.zeros(n, dtype=np.int64)  # stop and EOS tokens are banned at positions below this
         self.seed = np.zeros(n, dtype=np.uint64)
-        self.has_seed = np.zeros(n, dtype=bool)  # False until an unseeded sequence is first sampled (see set_seed)
+        self.has_seed = np.zeros(n, dtype=bool)  # False until an unseeded sequence is first sampled: drawn then
 
     def add(self, row: int, seq: Sequence) -> None:
         p = seq.params
