@@ -174,11 +174,15 @@ class LLM:
             for seqs in requests:
                 engine.enqueue(seqs)
             while len(done) < len(requests):
-                for out in engine.step_for(ids):
+                outputs = engine.step_for(ids)
+                if not outputs:
+                    continue
+                for out in outputs:
                     done[out.request_id] = out
                     generated += sum(len(c.token_ids) for c in out.outputs)
-                    bar.update(1)
+                # Shown by the update: the bar changes only when requests finish.
                 bar.set_postfix(output=f"{generated / (time.perf_counter() - start):.0f}tok/s", refresh=False)
+                bar.update(len(outputs))
         finally:
             bar.close()
             engine.abort_request(ids)  # those left unfinished by a failure or Ctrl-C: the engine stays usable

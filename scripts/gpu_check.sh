@@ -1,49 +1,119 @@
 #!/usr/bin/env bash
-# For a session with a CUDA GPU, in one device call from the repository root: the test suite with CUDA visible,
-# then bench.py's CUDA benchmark (nano-vllm's workload, --compare-hf, --profile). Logs go under $OUT (default
-# ./gpu-check); a short table ends the output. Each part has a time limit, so the whole fits one 10-minute call.
-#   scripts/gpu_check.sh [all|tests|bench]      (two calls, one part each, give each part more time)
-# Env: PYTHON (python3), TEST_TIMEOUT (240 s), BENCH_TIMEOUT (330 s), RUN_LIMIT (60 s per nanoinfer run in bench).
+# For a session with a CUDA GPU, in one 10-minute device call from the repository root: the CUDA tests first (the
+# Triton kernels at real sizes, then the engine against transformers on every backend), then bench.py's CUDA
+# benchmarks (benchmarks/attention.py's kernel speeds, bench.py: nano-vllm's workload, --compare-hf, --profile), then
+# the rest of the suite with whatever time is left.
+# Each test's result (and a failure's traceback) is logged the moment it ends (scripts/pytest_live_report.py), so a
+# part cut short by its time limit still shows everything it reached. Logs go under $OUT (default ./gpu-check); a
+# short summary ends the output.
+#   scripts/gpu_check.sh [all|cuda|bench|cpu]      (one part per call gives that part the whole budget)
+# Env: PYTHON (python3), TOTAL_LIMIT (570 s for the whole call); with `all`: CUDA_LIMIT (270 s), ATTN_LIMIT (60 s),
+#      BENCH_LIMIT (200 s), RUN_LIMIT (40 s per nanoinfer run inside bench.py; 120 s with `bench` alone);
+#      TEST_LIMIT (150 s: a test running longer dumps its stack).
+# Estimated for an H100, not measured (nothing here has run on one yet): the CUDA tests 3-5 min (the first
+# compilation of ~100 Triton kernel variants, ~100 engines, most with graph capture, transformers references), the
+# benchmarks 3-4 min at these limits, the rest of the suite 4-6 min (the interpreted Triton tests ~2 of them): not
+# all in one call. `all` runs what fits, in that order; a second call `scripts/gpu_check.sh cpu` runs the rest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-all}
+case "$PART" in all|cuda|bench|cpu) ;; *) echo "usage: $0 [all|cuda|bench|cpu]" >&2; exit 2;; esac
 OUT=${OUT:-$PWD/gpu-check}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NANOINFER_CACHE=${NANOINFER_CACHE:-/tmp/nanoinfer-cache}
+DEADLINE=$(( SECONDS + ${TOTAL_LIMIT:-570} ))
+# Called for one part, that part takes the whole call (and bench.py's runs have time to finish).
+if [ "$PART" = all ]; then
+  CUDA_LIMIT=${CUDA_LIMIT:-270} BENCH_LIMIT=${BENCH_LIMIT:-200} RUN_LIMIT=${RUN_LIMIT:-40}
+else
+  CUDA_LIMIT=${CUDA_LIMIT:-9999} BENCH_LIMIT=${BENCH_LIMIT:-9999} RUN_LIMIT=${RUN_LIMIT:-120}
+fi
+
+# Seconds a part may take: its own limit, or what is left of the call's (10 s kept for the summary), at least 1.
+budget() {
+  local left=$(( DEADLINE - SECONDS - 10 ))
+  local limit=$(( $1 < left ? $1 : left ))
+  echo $(( limit > 1 ? limit : 1 ))
+}
 
 {
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  $PY -c 'import torch, transformers; print("torch", torch.__version__, "| transformers", transformers.__version__,
-          "| cuda available:", torch.cuda.is_available())'
+  nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
+  $PY -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "| torch", torch.__version__,
+          "| transformers", transformers.__version__, "| cuda available:", torch.cuda.is_available())'
   $PY -c 'import triton; print("triton", triton.__version__)' || true
   $PY -c 'import flash_attn; print("flash-attn", flash_attn.__version__)' 2>/dev/null || echo "flash-attn: not installed"
+  for m in pytest hypothesis pytest_timeout; do
+    $PY -c "import $m" 2>/dev/null && echo "$m: installed" || echo "$m: MISSING"
+  done
+  command -v cc >/dev/null && echo "C compiler: $(command -v cc) (the CPU kernels build)" || echo "C compiler: none"
 } > "$OUT/env.txt" 2>&1
 
-tests_rc=skipped
-if [ "$PART" != bench ]; then
-  per_test=()
-  $PY -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout=180)  # a hung test must not eat the call
-  timeout -k 10 "${TEST_TIMEOUT:-240}" $PY -m pytest -q -rs -p no:cacheprovider "${per_test[@]}" > "$OUT/tests.log" 2>&1
-  tests_rc=$?
+PYTEST=($PY -m pytest -q -rs -p no:cacheprovider -p pytest_live_report --durations=15
+        -o "faulthandler_timeout=${TEST_LIMIT:-150}")
+$PY -c 'import pytest_timeout' 2>/dev/null && PYTEST+=(--timeout=$(( ${TEST_LIMIT:-150} + 60 )))
+
+# run_tests NAME LIMIT pytest-args...: the live results go to NAME.live, pytest's own output to NAME.log.
+run_tests() {
+  local name=$1 limit
+  limit=$(budget "$2")
+  shift 2
+  timeout -k 10 "$limit" "${PYTEST[@]}" "$@" > "$OUT/$name.log" 2> "$OUT/$name.live"
+  echo "$?" > "$OUT/$name.rc"
+}
+
+if [ "$PART" = all ] || [ "$PART" = cuda ]; then
+  run_tests cuda "$CUDA_LIMIT" -m cuda tests/test_triton_attention_cuda.py tests/test_gpu.py
+fi
+if [ "$PART" = all ] || [ "$PART" = bench ]; then
+  timeout -k 10 "$(budget "${ATTN_LIMIT:-60}")" $PY benchmarks/attention.py > "$OUT/attention.log" 2>&1
+  echo "$?" > "$OUT/attention.rc"
+  timeout -k 10 "$(budget "$BENCH_LIMIT")" $PY bench.py --device cuda --compare-hf --profile \
+    --time-limit "$RUN_LIMIT" --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+  echo "$?" > "$OUT/bench.rc"
+fi
+if [ "$PART" = all ] || [ "$PART" = cpu ]; then
+  if [ $(( DEADLINE - SECONDS )) -gt 40 ]; then
+    run_tests cpu "$(( DEADLINE - SECONDS ))" -m "not cuda"
+  else
+    echo "no time left for the rest of the suite: run scripts/gpu_check.sh cpu" > "$OUT/cpu.skipped"
+  fi
 fi
 
-bench_rc=skipped
-if [ "$PART" != tests ]; then
-  timeout -k 10 "${BENCH_TIMEOUT:-330}" $PY bench.py --device cuda --compare-hf --profile \
-    --time-limit "${RUN_LIMIT:-60}" --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
-  bench_rc=$?
-fi
-
+# ---- summary: what the output tail should hold ----
 echo "== environment"
 cat "$OUT/env.txt"
-if [ "$tests_rc" != skipped ]; then
-  echo "== tests: exit $tests_rc (124: timed out) | $(tail -n 1 "$OUT/tests.log")"
-  grep -E '^(FAILED|ERROR) ' "$OUT/tests.log" | head -n 20
+for name in cuda cpu; do
+  [ -f "$OUT/$name.rc" ] || continue
+  live=$OUT/$name.live
+  echo "== $name tests: exit $(cat "$OUT/$name.rc") (124: cut at its time limit) |" \
+    "$(grep -E '^[0-9]+ (passed|failed|skipped|errors?|deselected)|no tests ran' "$OUT/$name.log" | tail -n 1)"
+  for outcome in PASSED FAILED SKIPPED ERROR; do
+    printf '%s %s  ' "$outcome" "$(grep -c "^\[[0-9:]*\] $outcome " "$live")"
+  done
+  echo
+  grep -E "^\[[0-9:]*\] (FAILED|ERROR) " "$live" | head -n 40
+  last=$(grep -E "^\[[0-9:]*\] [A-Z]+ " "$live" | tail -n 1)
+  case "$last" in *" STARTED "*) echo "-- cut short while running: ${last#* STARTED }";; esac
+  echo "-- slowest:"
+  sed -nE 's/^\[[0-9:]*\] (PASSED|FAILED|ERROR) ([^ ]*) \(([0-9.]+) s\).*/\3 s \1 \2/p' "$live" | sort -rn | head -n 8
+  grep -E "^(Timeout|Fatal Python)" "$live" | head -n 5  # a hung test's stack dump (faulthandler) is in $live
+  # The largest logit differences reported (fp32: absolute; bf16: in units of transformers' own bf16 error).
+  table=$(sed -n '/max |logit diff|/,$p' "$OUT/$name.log" | grep -E ': [0-9.e+-]+$')
+  if [ -n "$table" ]; then
+    echo "-- largest logit differences (of $(echo "$table" | wc -l)):"
+    echo "$table" | grep -v bf16 | awk -F': ' '{print $NF "  " $0}' | sort -gr | head -n 6 | cut -d' ' -f3-
+    echo "$table" | grep bf16 | awk -F': ' '{print $NF "  " $0}' | sort -gr | head -n 4 | cut -d' ' -f3-
+  fi
+done
+[ -f "$OUT/cpu.skipped" ] && cat "$OUT/cpu.skipped"
+if [ -f "$OUT/attention.rc" ]; then
+  echo "== benchmarks/attention.py: exit $(cat "$OUT/attention.rc") (124: cut at its time limit)"
+  tail -n 12 "$OUT/attention.log"
 fi
-if [ "$bench_rc" != skipped ]; then
-  echo "== bench: exit $bench_rc (124: timed out)"
-  grep -E '^(nano-vllm|greedy|decode|device-to|engine)' "$OUT/bench.log"
-  grep -q '^| measure' "$OUT/bench.log" && sed -n '/^| measure/,$p' "$OUT/bench.log" || tail -n 15 "$OUT/bench.log"
+if [ -f "$OUT/bench.rc" ]; then
+  echo "== bench: exit $(cat "$OUT/bench.rc") (124: cut at its time limit)"
+  grep -E '^(model:|nano-vllm|greedy|decode|device-to|engine|KV cache)' "$OUT/bench.log"
+  if grep -q '^| measure' "$OUT/bench.log"; then sed -n '/^| measure/,$p' "$OUT/bench.log"; else tail -n 25 "$OUT/bench.log"; fi
 fi

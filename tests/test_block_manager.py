@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from nanoinfer.engine.block_manager import BlockManager
+from nanoinfer.engine.scheduler import Scheduler
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.sampling_params import SamplingParams
 
@@ -88,11 +90,10 @@ def test_append_slots_grows_table_only_on_block_boundaries():
     bm.allocate(seq)
     assert len(seq.block_table) == 2 and bm.num_free_blocks == 2
     seq.token_ids.append(7)  # 8 tokens: still 2 blocks
-    assert bm.can_append(seq)
-    bm.append_slots(seq)
+    assert bm.append_slots(seq)
     assert len(seq.block_table) == 2 and bm.num_free_blocks == 2
     seq.token_ids.append(8)  # 9 tokens: a third block
-    bm.append_slots(seq)
+    assert bm.append_slots(seq)
     assert len(seq.block_table) == 3 and bm.num_free_blocks == 1
     assert len(set(seq.block_table)) == 3
 
@@ -111,6 +112,25 @@ def test_prefix_hit_shares_leading_blocks_and_sets_num_cached_tokens():
     assert b.block_table[2] not in a.block_table
     assert b.num_cached_tokens == 8 and b.num_computed_tokens == 8
     assert bm.num_free_blocks == 12 - 3 - 1  # b took only one new block
+
+
+@pytest.mark.parametrize("budget", [3, 64])  # prompt chunks of 3 tokens (ending mid-block), or the whole prompt
+def test_scheduler_commits_every_block_a_step_fills(budget):
+    """Blocks filled by a prompt chunk that starts mid-block, or by a single decode token, join the prefix cache:
+    a later prompt holding those tokens finds all of them (the scheduler commits only in steps that fill blocks)."""
+    config = SimpleNamespace(max_num_seqs=2, max_num_batched_tokens=budget, kvcache_block_size=BS,
+                             enable_prefix_caching=True)
+    scheduler = Scheduler(config, num_kvcache_blocks=16)
+    seq = make_seq(range(100, 107))  # 7 tokens; decoding tokens 7 and 11 fills blocks 1 and 2
+    scheduler.add(seq)
+    while len(seq) < 13:
+        batch = scheduler.schedule()
+        scheduler.postprocess(batch, [200 + len(seq) if sampled else None for sampled in batch.samples])
+    assert seq.num_computed_tokens == 12
+    later = make_seq(seq.token_ids[:12] + [1])
+    scheduler.add(later)
+    scheduler.schedule()
+    assert later.num_cached_tokens == 12 and later.block_table[:3] == seq.block_table[:3]
 
 
 def test_commit_registers_only_full_blocks_within_num_tokens():
@@ -328,7 +348,7 @@ def test_can_allocate_counts_revived_cached_blocks_against_the_free_list():
     assert not bm.can_allocate(make_seq([1]))
 
 
-def test_can_append_respects_free_count_and_may_evict_cached_blocks():
+def test_append_slots_respects_free_count_and_may_evict_cached_blocks():
     bm = BlockManager(num_blocks=3, block_size=BS)
     cached = allocate_and_compute(bm, range(50, 54))  # 1 block, registered
     cached_block = cached.block_table[0]
@@ -337,17 +357,16 @@ def test_can_append_respects_free_count_and_may_evict_cached_blocks():
     bm.allocate(seq)
     assert bm.num_free_blocks == 1 and len(bm.hash_to_block) == 1  # the free block is the cached one
     seq.token_ids.append(8)  # needs a third block: only the cached one is left, and it is evictable
-    assert bm.can_append(seq)
-    bm.append_slots(seq)
+    assert bm.append_slots(seq)
     assert seq.block_table[-1] == cached_block
     assert bm.num_free_blocks == 0 and bm.hash_to_block == {}
     for t in range(9, 12):  # fills the third block: no new block needed even with nothing free
         seq.token_ids.append(t)
-        assert bm.can_append(seq)
-        bm.append_slots(seq)
+        assert bm.append_slots(seq)
     assert len(seq.block_table) == 3
     seq.token_ids.append(12)
-    assert not bm.can_append(seq)
+    assert not bm.append_slots(seq)
+    assert len(seq.block_table) == 3  # nothing taken
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -460,11 +479,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.finish_running(seq)
             return
         seq.token_ids.append(token)  # the sampled token; its K/V is computed next step
-        needed = seq.num_blocks - len(seq.block_table)
-        ok = self.bm.can_append(seq)
-        assert ok == (needed <= self.bm.num_free_blocks)
+        needed, free = seq.num_blocks - len(seq.block_table), self.bm.num_free_blocks
+        ok = self.bm.append_slots(seq)
+        assert ok == (needed <= free)
         if ok:
-            self.bm.append_slots(seq)
             assert len(seq.block_table) == seq.num_blocks
             self._compute(seq, 1)
         else:

@@ -90,12 +90,11 @@ def reference(model_dir, dtype: torch.dtype, prompts=PROMPTS) -> list[dict]:
 @pytest.mark.parametrize("kind", MODEL_KINDS + EXTRA_KINDS)
 def test_fp32_matches_transformers(kind, backend, model_dir, captured_logits, report_logit_diff):
     d = model_dir(kind)
-    llm = make_llm(d, backend, "float32")
-    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    worst = check_against_hf(outputs, reference(d, torch.float32), captured_logits)
-    report_logit_diff(f"{kind}, CUDA fp32, {backend}", worst)
-    assert worst < FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
-    llm.close()
+    with make_llm(d, backend, "float32") as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        worst = check_against_hf(outputs, reference(d, torch.float32), captured_logits)
+        report_logit_diff(f"{kind}, CUDA fp32, {backend}", worst)
+        assert worst < FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
 def bf16_ulp(x: float) -> float:
@@ -139,52 +138,59 @@ def test_bf16_matches_transformers_up_to_bf16_rounding(kind, backend, model_dir,
     """Dense families (mixture-of-experts routing can flip between near-equal experts in bf16, which is not a
     near-tie of the output): transformers in bf16 on the same GPU is the reference."""
     d = model_dir(kind)
-    llm = make_llm(d, backend, "bfloat16")
-    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    worst = 0.0
-    for prompt, out, ref in zip(PROMPTS, outputs, reference(d, torch.bfloat16)):
-        logits = torch.stack(captured_logits[out.request_id]).float().cpu()
-        worst = max(worst, check_bf16_against_hf(out.outputs[0].token_ids, logits, ref, hf_bf16_error(d, prompt, ref)))
-    report_logit_diff(f"{kind}, CUDA bf16, {backend} (x transformers' own bf16 error)", worst)
-    llm.close()
+    with make_llm(d, backend, "bfloat16") as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        worst = 0.0
+        for prompt, out, ref in zip(PROMPTS, outputs, reference(d, torch.bfloat16)):
+            logits = torch.stack(captured_logits[out.request_id]).float().cpu()
+            error = hf_bf16_error(d, prompt, ref)
+            worst = max(worst, check_bf16_against_hf(out.outputs[0].token_ids, logits, ref, error))
+        report_logit_diff(f"{kind}, CUDA bf16, {backend} (x transformers' own bf16 error)", worst)
 
 
 def test_prefix_cache_hits_on_cuda(backend, qwen3_dir, captured_logits, report_logit_diff):
     shared = random_prompts(1, 5, 440, 300, 300, seed=3)[0]  # a full page even for 256-token blocks
     prompts = [shared + tail for tail in random_prompts(4, 5, 440, 1, 20, seed=4)] + [shared]
-    llm = make_llm(qwen3_dir, backend, "float32", max_model_len=512)
-    block_size = llm.llm_engine.config.kvcache_block_size
-    first = llm.generate(prompts, GREEDY, use_tqdm=False)
-    # Admitted in the same step, the later prompts share the first one's full prefix blocks.
-    assert [o.num_cached_tokens for o in first] == [0] + [300 // block_size * block_size] * 4
-    second = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert all(o.num_cached_tokens >= 300 // block_size * block_size for o in second)
-    refs = reference(qwen3_dir, torch.float32, prompts)
-    worst = max(check_against_hf(first, refs, captured_logits), check_against_hf(second, refs, captured_logits))
-    report_logit_diff(f"qwen3, CUDA fp32 prefix-cache hits, {backend}", worst)
-    assert worst < FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
-    llm.close()
+    with make_llm(qwen3_dir, backend, "float32", max_model_len=512) as llm:
+        block_size = llm.llm_engine.config.kvcache_block_size
+        first = llm.generate(prompts, GREEDY, use_tqdm=False)
+        # Admitted in the same step, the later prompts share the first one's full prefix blocks.
+        assert [o.num_cached_tokens for o in first] == [0] + [300 // block_size * block_size] * 4
+        second = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert all(o.num_cached_tokens >= 300 // block_size * block_size for o in second)
+        refs = reference(qwen3_dir, torch.float32, prompts)
+        worst = max(check_against_hf(first, refs, captured_logits), check_against_hf(second, refs, captured_logits))
+        report_logit_diff(f"qwen3, CUDA fp32 prefix-cache hits, {backend}", worst)
+        assert worst < FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
 def test_chunked_prefill_on_cuda(backend, qwen2_dir, captured_logits, report_logit_diff):
-    llm = make_llm(qwen2_dir, backend, "float32", max_num_batched_tokens=7)  # every prompt in many chunks
-    worst = check_against_hf(llm.generate(PROMPTS, GREEDY, use_tqdm=False), reference(qwen2_dir, torch.float32),
-                             captured_logits)
-    report_logit_diff(f"qwen2, CUDA fp32 chunked prefill, {backend}", worst)
-    assert worst < FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
-    llm.close()
+    with make_llm(qwen2_dir, backend, "float32", max_num_batched_tokens=7) as llm:  # every prompt in many chunks
+        worst = check_against_hf(llm.generate(PROMPTS, GREEDY, use_tqdm=False), reference(qwen2_dir, torch.float32),
+                                 captured_logits)
+        report_logit_diff(f"qwen2, CUDA fp32 chunked prefill, {backend}", worst)
+        assert worst < FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
 def test_preemption_on_cuda(backend, llama_dir, captured_logits, report_logit_diff):
     # 8 blocks of 16 tokens cannot hold all sequences at once: decode must preempt and recompute.
-    llm = make_llm(llama_dir, backend, "float32", max_model_len=128, kvcache_block_size=16, num_kvcache_blocks=8,
-                   max_num_batched_tokens=64)
-    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert llm.llm_engine.scheduler.num_preemptions > 0
-    worst = check_against_hf(outputs, reference(llama_dir, torch.float32), captured_logits)
-    report_logit_diff(f"llama, CUDA fp32 preemption, {backend}", worst)
-    assert worst < FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
-    llm.close()
+    with make_llm(llama_dir, backend, "float32", max_model_len=128, kvcache_block_size=16, num_kvcache_blocks=8,
+                  max_num_batched_tokens=64) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+        worst = check_against_hf(outputs, reference(llama_dir, torch.float32), captured_logits)
+        report_logit_diff(f"llama, CUDA fp32 preemption, {backend}", worst)
+        assert worst < FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+def test_one_token_budget_on_cuda(backend, qwen3_dir, captured_logits, report_logit_diff):
+    """max_num_batched_tokens=1: the warm-up sizing the cache is one 1-token prompt (not a decode over the cache it
+    is sizing), and every later step one token."""
+    with make_llm(qwen3_dir, backend, "float32", max_num_batched_tokens=1, max_num_seqs=4) as llm:
+        worst = check_against_hf(llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False),
+                                 reference(qwen3_dir, torch.float32, PROMPTS[:3]), captured_logits)
+        report_logit_diff(f"qwen3, CUDA fp32 one-token budget, {backend}", worst)
+        assert worst < FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
 def test_sliding_window_chunked_prefill_and_prefix_cache_on_cuda(backend, model_dir, captured_logits,
@@ -192,15 +198,14 @@ def test_sliding_window_chunked_prefill_and_prefix_cache_on_cuda(backend, model_
     d = model_dir("mistral")  # window 20, not a multiple of the 8-token blocks
     shared = random_prompts(1, 5, 440, 40, 40, seed=8)[0]
     prompts = [shared + tail for tail in random_prompts(3, 5, 440, 1, 30, seed=9)]
-    llm = make_llm(d, backend, "float32", max_model_len=128, max_num_batched_tokens=7, kvcache_block_size=8)
-    first = llm.generate(prompts, GREEDY, use_tqdm=False)
-    second = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert all(o.num_cached_tokens >= 40 for o in second)
-    refs = reference(d, torch.float32, prompts)
-    worst = max(check_against_hf(first, refs, captured_logits), check_against_hf(second, refs, captured_logits))
-    report_logit_diff(f"mistral, CUDA fp32 window + chunks + prefix cache, {backend}", worst)
-    assert worst < FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
-    llm.close()
+    with make_llm(d, backend, "float32", max_model_len=128, max_num_batched_tokens=7, kvcache_block_size=8) as llm:
+        first = llm.generate(prompts, GREEDY, use_tqdm=False)
+        second = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert all(o.num_cached_tokens >= 40 for o in second)
+        refs = reference(d, torch.float32, prompts)
+        worst = max(check_against_hf(first, refs, captured_logits), check_against_hf(second, refs, captured_logits))
+        report_logit_diff(f"mistral, CUDA fp32 window + chunks + prefix cache, {backend}", worst)
+        assert worst < FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
 # ---- KV cache sizing and GPU memory ----
@@ -225,13 +230,12 @@ def test_default_engine_takes_what_gpu_memory_utilization_leaves_twice_in_a_row(
     total = torch.cuda.mem_get_info()[1]
     allowed = 0.9 * total - (total - free)
     for _ in range(2):
-        llm = LLM(str(qwen3_dir))
-        assert llm.llm_engine.model_runner.device.type == "cuda"
-        assert abs(kv_cache_bytes(llm) - allowed) < 0.03 * total, (kv_cache_bytes(llm), allowed)
-        assert abs(settled_memory()[1] - 0.1 * total) < 0.03 * total
-        out = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]
-        assert len(out.outputs[0].token_ids) == MAX_TOKENS
-        llm.close()
+        with LLM(str(qwen3_dir)) as llm:  # closed on failure too: the next tests need the GPU's memory
+            assert llm.llm_engine.model_runner.device.type == "cuda"
+            assert abs(kv_cache_bytes(llm) - allowed) < 0.03 * total, (kv_cache_bytes(llm), allowed)
+            assert abs(settled_memory()[1] - 0.1 * total) < 0.03 * total
+            out = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]
+            assert len(out.outputs[0].token_ids) == MAX_TOKENS
         assert settled_memory()[0] - allocated < 4 * MIB
 
 
@@ -255,9 +259,8 @@ def test_memory_comes_back_after_close_del_and_with_and_stays_flat(qwen3_dir, ba
         gc.enable()
     after = []
     for _ in range(10):
-        llm = make_llm(qwen3_dir, backend, "bfloat16")
-        run(llm)
-        llm.close()
+        with make_llm(qwen3_dir, backend, "bfloat16") as llm:
+            run(llm)
         after.append(settled_memory())
     assert max(a for a, _ in after) - allocated < 4 * MIB, after
     assert max(f for _, f in after) - min(f for _, f in after) < 64 * MIB, after

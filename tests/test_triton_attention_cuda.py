@@ -49,25 +49,39 @@ def _run(name: str, dtype: torch.dtype, meta, q, k, v, caches, window):
     k_cache, v_cache = (c.clone() for c in caches)
     backend.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     backend.prepare(meta)
-    return backend.forward(q, k, v, k_cache, v_cache, meta, HEAD_DIM ** -0.5, window)
+    return backend.forward(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5, window)
+
+
+def _check_against_pytorch_backend(dtype: torch.dtype, kind: str, window: int | None, heads: int = HEADS,
+                                   kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM) -> None:
+    batch = _batch(kind)
+    _, _, meta, _ = _prepare(batch)
+    meta = meta.to(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tokens, num_blocks = meta.slot_mapping.numel(), sum(len(s.block_table) for s in batch.seqs)
+    q = torch.randn(tokens, heads, head_dim, generator=g, device="cuda").to(dtype)
+    k, v = torch.randn(2, tokens, kv_heads, head_dim, generator=g, device="cuda").to(dtype)
+    caches = torch.randn(2, num_blocks, BLOCK, kv_heads, head_dim, generator=g, device="cuda").to(dtype)
+    ours = _run("triton", dtype, meta, q, k, v, caches, window).float()
+    ref = _run("cpu", dtype, meta, q, k, v, caches, window).float()
+    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert rel < REL_TOLERANCE[dtype], f"relative error {rel:.2e}"
 
 
 @pytest.mark.parametrize("window", [None, 300])
 @pytest.mark.parametrize("kind", ["fresh", "prefix-and-chunk", "mixed", "decode-small", "decode-large"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_backend_matches_pytorch_backend_at_real_sizes(dtype, kind, window):
-    batch = _batch(kind)
-    _, _, meta, _ = _prepare(batch)
-    meta = meta.to(torch.device("cuda"))
-    g = torch.Generator(device="cuda").manual_seed(0)
-    tokens, num_blocks = meta.slot_mapping.numel(), sum(len(s.block_table) for s in batch.seqs)
-    q = torch.randn(tokens, HEADS, HEAD_DIM, generator=g, device="cuda").to(dtype)
-    k, v = torch.randn(2, tokens, KV_HEADS, HEAD_DIM, generator=g, device="cuda").to(dtype)
-    caches = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g, device="cuda").to(dtype)
-    ours = _run("triton", dtype, meta, q, k, v, caches, window).float()
-    ref = _run("cpu", dtype, meta, q, k, v, caches, window).float()
-    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
-    assert rel < REL_TOLERANCE[dtype], f"relative error {rel:.2e}"
+    _check_against_pytorch_backend(dtype, kind, window)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(12, 4, 80), (8, 8, 256)])
+@pytest.mark.parametrize("kind", ["prefix-and-chunk", "decode-small"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_other_head_shapes_match_pytorch_backend(dtype, kind, heads, kv_heads, head_dim):
+    """Shapes a held-out model may have: head_dim 80 (a padded 128-wide tile) with 3 query heads per KV head, and
+    head_dim 256 (whose fp32 prefill tiles once needed more shared memory than an H100 has)."""
+    _check_against_pytorch_backend(dtype, kind, None, heads, kv_heads, head_dim)
 
 
 def test_decode_replays_from_a_cuda_graph():
@@ -95,9 +109,9 @@ def test_decode_replays_from_a_cuda_graph():
 def test_engine_matches_hf_on_the_gpu(qwen3_dir, captured_logits):
     """fp32 on the GPU, the triton backend with CUDA graphs, against transformers fp32 on the CPU."""
     prompts = random_prompts(6, 5, 440, 2, 90, seed=7) + [[17]]
-    llm = LLM(str(qwen3_dir), device="cuda", dtype="float32", attention_backend="triton", max_model_len=256)
-    assert llm.llm_engine.model_runner.graph_runner is not None
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    outputs = llm.generate(prompts, greedy, use_tqdm=False)
+    with LLM(str(qwen3_dir), device="cuda", dtype="float32", attention_backend="triton", max_model_len=256) as llm:
+        assert llm.llm_engine.model_runner.graph_runner is not None
+        outputs = llm.generate(prompts, greedy, use_tqdm=False)
     worst = check_against_hf(outputs, hf_greedy(qwen3_dir, prompts, 16), captured_logits)
     assert worst < 1e-3, f"max |logit diff| {worst:.2e}"

@@ -87,6 +87,20 @@ def test_attention_kernel_compiles_for_sm90(dtype, group, head_dim, config, flag
         assert stack_bytes(kernel.asm["cubin"]) == 0
 
 
+H100_SHARED_MEMORY = 227 << 10  # per block, opt-in: more and the launch raises OutOfResources
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype, itemsize, head_dim", [("fp32", 4, 256), ("fp32", 4, 160), ("bf16", 2, 256)])
+def test_prefill_tiles_fit_the_h100_shared_memory(dtype, itemsize, head_dim):
+    """Every head dim up to the backend's limit, in every dtype, launches on an H100 (fp32 tiles 256 wide once
+    took 256 KB)."""
+    config = ta.prefill_config(4, head_dim, itemsize, 1024)
+    kernel = compile_attention(dtype, 4, head_dim, config, DECODE=False, PAGED=True, CAUSAL=True, HAS_WINDOW=True,
+                               SPLIT=False)
+    assert kernel.metadata.shared <= H100_SHARED_MEMORY, (config, kernel.metadata.shared)
+
+
 @pytest.mark.slow
 def test_reduce_kernel_compiles_for_sm90():
     source = ASTSource(ta._reduce_kernel, dict(out_ptr="*bf16", part_acc_ptr="*fp32", part_max_ptr="*fp32",

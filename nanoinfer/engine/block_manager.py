@@ -1,9 +1,9 @@
 """Paged KV-cache blocks: allocation, reference counts, and prefix caching keyed by a hash of the token prefix
 (a block joins the cache once the step writing it has completed); plus the recurrent-state slots of models with
 linear attention, held by a sequence exactly while it holds blocks."""
+from array import array
 from collections import OrderedDict
 
-import numpy as np
 import xxhash
 
 from nanoinfer.engine.sequence import Sequence
@@ -40,7 +40,7 @@ class BlockManager:
         h = xxhash.xxh64()
         if prefix_hash != -1:
             h.update(prefix_hash.to_bytes(8, "little"))
-        h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+        h.update(array("q", token_ids))  # int64s, as a buffer: no copy to bytes
         return h.intdigest()
 
     @property
@@ -111,13 +111,17 @@ class BlockManager:
             self.free_state_slots.append(seq.state_slot)
             seq.state_slot = -1
 
-    def can_append(self, seq: Sequence) -> bool:
-        return seq.num_blocks - len(seq.block_table) <= self.num_free_blocks
-
-    def append_slots(self, seq: Sequence) -> None:
-        """Grow the block table to cover every token of the sequence."""
-        while len(seq.block_table) < seq.num_blocks:
+    def append_slots(self, seq: Sequence) -> bool:
+        """Grow the block table to cover every token of the sequence; False, taking nothing, if too few blocks are
+        free."""
+        missing = -(-len(seq.token_ids) // self.block_size) - len(seq.block_table)  # seq.num_blocks, inlined
+        if missing <= 0:
+            return True
+        if missing > len(self.free_blocks):
+            return False
+        for _ in range(missing):
             seq.block_table.append(self._take_free_block().block_id)
+        return True
 
     def commit(self, seq: Sequence, num_tokens: int) -> None:
         """Register the full blocks among the first num_tokens tokens, whose K/V this step writes or has written.

@@ -21,6 +21,7 @@ from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention, AttentionMetadata, get_backend
 from nanoinfer.layers.attention.selector import resolve_device
+from nanoinfer.layers.fused_moe import FusedMoE
 from nanoinfer.layers.gated_delta_rule import GatedDeltaRule
 from nanoinfer.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata, noise_keys, top_logprobs
 from nanoinfer.models.registry import get_model_class
@@ -205,6 +206,10 @@ class ModelRunner:
             seq.block_table = [0] * seq.num_blocks
         batch = ScheduledBatch(seqs, lengths)
         input_ids, positions, meta, _ = self.prepare(batch, batch.samples)
+        # A one-token budget makes a step of one 1-token prompt, which backends take for a decode over the cache
+        # that does not exist yet; attending non-causally over this step's one key is the same attention.
+        if meta.is_decode:
+            meta.causal = False
         # Every rank warms up alike (nothing to broadcast); the logits are gathered on rank 0.
         logits = self.execute(input_ids, positions, meta, list(range(sum(lengths))))
         if logits is not None:
@@ -213,9 +218,11 @@ class ModelRunner:
 
     def _capture_graphs(self) -> CUDAGraphRunner | None:
         """Decode graphs on CUDA for the flash and triton backends (whose decode reads only fixed-address tensors)
-        unless enforce_eager; not for models with recurrent state, whose per-step slot lookups are not captured."""
+        unless enforce_eager; not for models with recurrent state, whose per-step slot lookups are not captured, nor
+        for mixture-of-experts models, whose expert grouping syncs with the host (torch.bincount on CUDA reads the
+        largest id back; torch._grouped_mm outside bf16 on sm90 loops over offsets copied to the host)."""
         if (self.config.enforce_eager or self.device.type != "cuda" or self.config.attention_backend == "cpu"
-                or self.num_state_slots):
+                or self.num_state_slots or any(isinstance(m, FusedMoE) for m in self.model.modules())):
             return None
         runner = CUDAGraphRunner(self.model, self.backend, self.config.max_num_seqs, self.config.max_model_len,
                                  self.block_size, self.config.hf_config.hidden_size, self.config.torch_dtype,

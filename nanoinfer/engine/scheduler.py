@@ -12,21 +12,25 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # tokens each sequence computes this step, from seq.num_computed_tokens on
     freed_seq_ids: list[int] = field(default_factory=list)  # sequences that left the running set since the last batch
+    # Whether each sequence's scheduled tokens reach its end, so that its next token is sampled: fixed when the
+    # batch is made (the step's postprocess grows the sequences).
+    samples: list[bool] | None = None
+    num_running: int = 0  # seqs[:num_running] were running before this step; the rest were admitted by it
+
+    def __post_init__(self) -> None:
+        if self.samples is None:
+            self.samples = [s.num_computed_tokens + n == len(s) for s, n in zip(self.seqs, self.num_new_tokens)]
 
     @property
     def is_prefill(self) -> bool:
-        return any(n > 1 for n in self.num_new_tokens)
-
-    @property
-    def samples(self) -> list[bool]:
-        """Whether each sequence's scheduled tokens reach its end, so that its next token is sampled."""
-        return [s.num_computed_tokens + n == len(s) for s, n in zip(self.seqs, self.num_new_tokens)]
+        return max(self.num_new_tokens, default=0) > 1
 
 
 class Scheduler:
     def __init__(self, config: Config, num_kvcache_blocks: int, num_state_slots: int = 0):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_size = config.kvcache_block_size
         # A cached prefix would bring K/V but no recurrent state (that exists only at a sequence's end): models with
         # linear attention compute every prompt in full.
         self.block_manager = BlockManager(num_kvcache_blocks, config.kvcache_block_size,
@@ -50,20 +54,17 @@ class Scheduler:
         if self.step_in_flight:
             self._roll_back()
         self.step_in_flight = True  # from the first change on: an interrupted schedule() is a failed step too
-        batch, budget = ScheduledBatch([], []), self.max_num_batched_tokens
+        batch, budget = ScheduledBatch([], [], samples=[]), self.max_num_batched_tokens
         preempted, i = False, 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            while not self.block_manager.can_append(seq):  # out of blocks: the latest admitted goes back
-                victim = self.running.pop()
-                self._preempt(victim)
+            if not self.block_manager.append_slots(seq):  # out of blocks: the latest admitted goes back
+                self._preempt(self.running.pop())  # seq itself when it is the latest: the loop ends
                 preempted = True
-                if victim is seq:
-                    break
-            else:
-                self.block_manager.append_slots(seq)
-                budget -= self._take(batch, seq, min(len(seq) - seq.num_computed_tokens, budget))
-                i += 1
+                continue
+            budget -= self._take(batch, seq, budget)
+            i += 1
+        batch.num_running = len(batch.seqs)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq):
@@ -71,19 +72,26 @@ class Scheduler:
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
-            budget -= self._take(batch, seq, min(len(seq) - seq.num_computed_tokens, budget))
+            budget -= self._take(batch, seq, budget)
         assert batch.seqs or self.is_finished(), "nothing to schedule: a single sequence must always fit the KV cache"
         if batch.seqs:  # sent again until a step completes (postprocess): a failed one may not have read them
             batch.freed_seq_ids = self.freed_seq_ids[:]
         return batch
 
-    def _take(self, batch: ScheduledBatch, seq: Sequence, num_tokens: int) -> int:
-        """Add seq to the batch. Its blocks filled this step are committed now, so that a prompt admitted later in
-        the same step shares them (see BlockManager.commit); they join the prefix cache when the step completes."""
+    def _take(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
+        """Add seq to the batch with as many of the tokens it lacks as the budget allows; return how many. Its
+        blocks filled this step are committed now, so that a prompt admitted later in the same step shares them
+        (see BlockManager.commit); they join the prefix cache when the step completes."""
+        start, end = seq.num_computed_tokens, len(seq.token_ids)
+        sampled = end - start <= budget
+        if not sampled:
+            end = start + budget
         batch.seqs.append(seq)
-        batch.num_new_tokens.append(num_tokens)
-        self.block_manager.commit(seq, seq.num_computed_tokens + num_tokens)
-        return num_tokens
+        batch.num_new_tokens.append(end - start)
+        batch.samples.append(sampled)
+        if end // self.block_size > start // self.block_size:  # it fills blocks
+            self.block_manager.commit(seq, end)
+        return end - start
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks; it is recomputed (prompt and generated tokens) when readmitted."""

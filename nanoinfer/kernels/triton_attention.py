@@ -180,7 +180,10 @@ def prefill_config(group: int, head_dim: int, itemsize: int, max_seqlen_q: int) 
     """Large query tiles for long prompts (the shapes of Triton's fused-attention tutorial on an H100), small
     ones for short chunks; always at least one token's whole group."""
     wide = head_dim <= 128 and itemsize == 2
-    block_m = min(128 if wide else 64, max(16, triton.next_power_of_2(max_seqlen_q * group)))
+    # fp32 past head_dim 128 (256-wide tiles) takes 256 KB of shared memory at 64 query rows (Triton 3.7.1, sm_90),
+    # more than an H100 has (227 KB): the launch fails. At 32 rows it takes 136 KB.
+    top = 128 if wide else 32 if itemsize == 4 and _block_d(head_dim) > 128 else 64
+    block_m = min(top, max(16, triton.next_power_of_2(max_seqlen_q * group)))
     block_m = max(block_m, triton.next_power_of_2(group))
     # 8 warps from a 128 x 128 fp32 accumulator up: with 4, ptxas spills registers (seen for head_dim 256).
     warps = 8 if block_m * _block_d(head_dim) >= 128 * 128 else 4

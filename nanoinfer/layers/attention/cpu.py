@@ -9,6 +9,12 @@ from nanoinfer.kernels import cpu as cpu_kernels
 from nanoinfer.kernels.cpu import paged_decode_attention, store_kvcache, use_cpu_kernels
 from nanoinfer.layers.attention.metadata import AttentionMetadata
 
+# Decode without the kernel gathers each sequence's K/V, padded to the longest context: for a whole batch that is
+# GiBs (batch 256 x context 4k x 8 KV heads x 128 x bf16 = 2 GiB for K alone), which the KV cache, sized from what
+# gpu_memory_utilization leaves after a prefill warm-up, does not leave room for. Sequences go through in groups
+# whose gathered K and V stay under this many bytes together.
+DECODE_GATHER_BYTES = 256 << 20
+
 
 @dataclass
 class CPUState:
@@ -63,10 +69,16 @@ class CPUAttentionBackend:
         if window is not None:
             slot = torch.arange(slots, device=mask.device)
             mask = mask & (slot >= (meta.context_lens - window).view(-1, 1, 1, 1))
-        k = self._gather("k", k_cache, state.block_index).view(b, slots, *k_cache.shape[2:]).transpose(1, 2)
-        v = self._gather("v", v_cache, state.block_index).view(b, slots, *v_cache.shape[2:]).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        return o.flatten(1)
+        blocks = state.block_index.view(b, -1)
+        rows = max(1, DECODE_GATHER_BYTES // (2 * slots * k_cache[0, 0].nbytes))
+        outs = []
+        for i in range(0, b, rows):
+            n = min(rows, b - i)
+            k = self._gather("k", k_cache, blocks[i:i + n].flatten()).view(n, slots, *k_cache.shape[2:])
+            v = self._gather("v", v_cache, blocks[i:i + n].flatten()).view(n, slots, *v_cache.shape[2:])
+            outs.append(F.scaled_dot_product_attention(q[i:i + n].unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+                                                       attn_mask=mask[i:i + n], scale=scale, enable_gqa=True))
+        return (outs[0] if len(outs) == 1 else torch.cat(outs)).flatten(1)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:

@@ -1,0 +1,120 @@
+"""CUDA-only paths found broken by reading them, checked on the CPU: the warm-up that sizes the KV cache on CUDA,
+which models get decode CUDA graphs, the step API of a closed engine, and the PyTorch backend's decode buffers."""
+import pytest
+import torch
+
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.engine import model_runner
+from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.layers.attention import cpu as cpu_attention
+from nanoinfer.layers.attention.cpu import CPUAttentionBackend
+from nanoinfer.layers.attention.metadata import AttentionMetadata
+
+GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+
+@pytest.fixture
+def warm_up_before_the_cache(monkeypatch):
+    """Start-up as on CUDA, where _allocate_kv_cache runs the warm-up before the cache exists (see
+    profile_kv_cache_blocks); every warm-up step's (new tokens per sequence, causal) is recorded."""
+    steps = []
+    allocate, execute = ModelRunner._allocate_kv_cache, ModelRunner.execute
+
+    def warm_up_first(self, reserved_bytes=0):
+        self._warm_up()
+        return allocate(self, reserved_bytes)
+
+    def recording_execute(self, input_ids, positions, meta, logit_rows):
+        steps.append((meta.cu_seqlens_q.diff().tolist(), meta.causal))
+        return execute(self, input_ids, positions, meta, logit_rows)
+
+    monkeypatch.setattr(ModelRunner, "_allocate_kv_cache", warm_up_first)
+    monkeypatch.setattr(ModelRunner, "execute", recording_execute)
+    return steps
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3-next"])
+def test_warm_up_with_a_one_token_budget(kind, model_dir, warm_up_before_the_cache):
+    """max_num_batched_tokens=1: the largest step is one 1-token prompt, which every backend would take for a decode
+    step reading the KV cache, which does not exist during the warm-up (an IndexError on the empty cache)."""
+    with LLM(str(model_dir(kind)), device="cpu", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=1) as llm:
+        assert warm_up_before_the_cache[0] == ([1], False)
+        out = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 3
+        assert all(causal for _, causal in warm_up_before_the_cache[1:])  # real steps stay causal
+
+
+class RecordingGraphRunner:
+    """Stands in for CUDAGraphRunner (no CUDA here): records that graphs would be captured."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def capture(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kind, captured", [("qwen3", True), ("qwen3-moe", False), ("qwen3-next", False)])
+def test_decode_graphs_only_for_models_whose_forward_a_graph_can_capture(kind, captured, model_dir, monkeypatch):
+    """A mixture-of-experts forward syncs with the host (torch.bincount on CUDA reads the largest id back, and
+    _grouped_mm outside bf16 on sm90 loops over offsets copied to the host): capturing it would fail when the
+    engine starts. Decided as on CUDA with the triton backend (the runner here is a CPU one)."""
+    monkeypatch.setattr(model_runner, "CUDAGraphRunner", RecordingGraphRunner)
+    with LLM(str(model_dir(kind)), device="cpu", max_model_len=64) as llm:
+        runner = llm.llm_engine.model_runner
+        runner.device, runner.config.attention_backend = torch.device("cuda", 0), "triton"
+        try:
+            assert isinstance(runner._capture_graphs(), RecordingGraphRunner) == captured
+        finally:
+            runner.device = torch.device("cpu")
+
+
+def test_step_after_close_names_the_closed_engine(qwen3_dir):
+    llm = LLM(str(qwen3_dir), device="cpu", max_model_len=64)
+    engine = llm.llm_engine
+    engine.add_request("before", [5, 6, 7], GREEDY)
+    llm.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.step()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.add_request("after", [5, 6, 7], GREEDY)
+    engine.abort_request("before")  # what LLM.generate's clean-up does: still fine
+
+
+def test_pytorch_backend_decode_gathers_kv_in_bounded_groups(monkeypatch):
+    """Decode without the C kernel (always on CUDA) gathers K/V padded to the longest context: a group of sequences
+    at a time, so its buffers stay under DECODE_GATHER_BYTES instead of growing with the batch (GiBs at batch 256
+    that the KV-cache sizing never saw). The groups give what one gather of the whole batch gives."""
+    block_size, kv_heads, heads, head_dim = 4, 2, 4, 8
+    contexts = [37, 5, 64, 1, 50, 12]
+    tables, first = [], 0
+    for n in contexts:
+        tables.append(list(range(first, first + -(-n // block_size))))
+        first += len(tables[-1])
+    width = max(map(len, tables))
+    ctx = torch.tensor(contexts, dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=None, block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32),
+        context_lens=ctx, cu_seqlens_q=torch.arange(len(ctx) + 1, dtype=torch.int32),
+        cu_seqlens_k=torch.cat([torch.zeros(1, dtype=torch.int32), ctx.cumsum(0, dtype=torch.int32)]),
+        max_seqlen_q=1, max_seqlen_k=max(contexts), block_size=block_size)
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(2, first, block_size, kv_heads, head_dim, generator=g)
+    q = torch.randn(len(contexts), heads, head_dim, generator=g)
+
+    def decode(window: int | None) -> tuple[torch.Tensor, int]:
+        backend = CPUAttentionBackend(torch.float32)
+        backend.decode_kernel = False  # the gather path, as on CUDA
+        backend.prepare(meta)
+        out = backend.forward(q, None, None, k_cache, v_cache, meta, 0.3, window)
+        return out, sum(b.nbytes for b in backend._buffers.values())
+
+    slot_bytes = kv_heads * head_dim * 4
+    for window in (None, 9):
+        whole, whole_bytes = decode(window)
+        assert whole_bytes == 2 * len(contexts) * 64 * slot_bytes  # one gather of every sequence's 64 slots
+        monkeypatch.setattr(cpu_attention, "DECODE_GATHER_BYTES", 2 * 2 * 64 * slot_bytes)  # 2 sequences a group
+        grouped, grouped_bytes = decode(window)
+        monkeypatch.undo()
+        assert grouped_bytes == 2 * 2 * 64 * slot_bytes
+        torch.testing.assert_close(grouped, whole, rtol=0, atol=1e-6)
