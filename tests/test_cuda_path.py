@@ -9,6 +9,7 @@ import textwrap
 import weakref
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from nanoinfer.engine.gpu_memory import kv_cache_blocks_for_gpu, profile_kv_cach
 from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.model_runner import ModelRunner, warm_up_lengths
 from nanoinfer.engine.parallel import TPGroup
+from nanoinfer.engine.sampling_state import HostStaging
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention, selector
@@ -308,11 +310,76 @@ def test_graph_runner_pads_replays_and_slices(monkeypatch):
         ids, pos = torch.arange(50, 50 + n), torch.tensor(ctx) - 1
         meta = _decode_meta(ctx, tables, slots)
         size = runner.padded_size(n)
-        out = runner.run(staging.decode_inputs(ids, pos, meta, size), n)
+        static = runner.load(staging.decode_inputs(ids, pos, meta, size))
+        assert static.input_ids.data_ptr() == runner.buffers.input_ids.data_ptr()
+        out = runner.replay(size, n)
         assert torch.equal(out, EchoModel()(ids, pos, meta))  # real rows, sliced from the padded batch
         pad_row = [0, 0, 0, -1, 0]  # padding: token 0, position 0, no context, no slot, no blocks
         assert runner.outputs[n:size].tolist() == [pad_row] * (size - n)
     assert runner.padded_size(9) is None
+
+
+# ---- small uploads through persistent staging ----
+
+class CountingEvent:
+    def __init__(self) -> None:
+        self.recorded = self.waited = 0
+
+    def record(self) -> None:
+        self.recorded += 1
+
+    def synchronize(self) -> None:
+        self.waited += 1
+
+
+def staging(kind: str, capacity: int) -> HostStaging:
+    if kind == "cuda":
+        s = HostStaging(torch.device("cuda"), capacity)
+        assert s.buffer.is_pinned()
+        return s
+    # The CUDA branch on the CPU: the packed bytes are copied into a fresh tensor all the same.
+    s = HostStaging(torch.device("cpu"), capacity)
+    s.on_cuda, s.copied, s.buffer = True, CountingEvent(), torch.zeros(capacity, dtype=torch.uint8)
+    return s
+
+
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                          reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("kind", [CUDA, "fake-cuda"])
+def test_host_staging_packs_arrays_into_one_copy_and_reuses_its_buffer(kind):
+    upload = staging(kind, 64)
+    buffer = upload.buffer
+    arrays = [np.array([0.5, -1.25, 3.0], dtype=np.float32), np.arange(4, dtype=np.int64).reshape(2, 2) - 7,
+              np.zeros(0, dtype=np.int64), np.array([[1, 2], [3, 4], [5, 6]], dtype=np.int64).T[:, :0]]
+    first = upload(*arrays)
+    assert [t.shape for t in first] == [a.shape for a in arrays] and [t.dtype for t in first] == [
+        torch.float32, torch.int64, torch.int64, torch.int64]
+    assert all(np.array_equal(t.cpu().numpy(), a) for t, a in zip(first, arrays))
+    # One copy: every result is a view of one packed tensor, apart from the staging buffer.
+    assert len({t.untyped_storage().data_ptr() for t in first}) == 1
+    assert first[0].untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+    if kind == "cuda":
+        assert first[0].device.type == "cuda"
+        return
+    assert (upload.offset, upload.copied.waited) == (48, 0)  # 16 + 32 bytes, each array 8-byte aligned
+    second = upload(np.full(2, 9, dtype=np.int64))  # fits: written after the first
+    assert (upload.offset, upload.copied.waited, upload.buffer is buffer) == (64, 0, True)
+    upload(np.full(3, 8, dtype=np.int64))  # does not fit: back to the start once the copies so far have run
+    assert (upload.offset, upload.copied.waited, upload.buffer is buffer) == (24, 1, True)
+    assert buffer[:24].view(torch.int64).tolist() == [8, 8, 8]
+    # What came back earlier is a copy: rewriting the staging bytes leaves it as it was.
+    assert first[1].tolist() == [[-7, -6], [-5, -4]] and second[0].tolist() == [9, 9]
+    big = upload(np.arange(20, dtype=np.int64))[0]  # larger than the buffer: a bigger one
+    assert upload.buffer.numel() == 320 and upload.copied.waited == 2 and big.tolist() == list(range(20))
+    assert upload.copied.recorded == 4
+
+
+def test_host_staging_on_the_cpu_makes_no_copy():
+    a = np.array([1, 2], dtype=np.int64)
+    (t,) = HostStaging(torch.device("cpu"))(a)
+    assert t.data_ptr() == a.ctypes.data
 
 
 # ---- KV cache sizing on the GPU ----

@@ -20,8 +20,10 @@ from transformers import AutoTokenizer
 from models import random_prompts
 from nanoinfer import LLM, RequestOutputKind, SamplingParams
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer
+from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.model_runner import ModelRunner
-from nanoinfer.engine.sampling_state import PenaltyCache
+from nanoinfer.engine.sampling_state import HostStaging, PenaltyCache
+from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers import sampler as sampler_module
 from nanoinfer.layers.sampler import Sampler, SamplingMetadata, exponential_noise, noise_keys
@@ -301,7 +303,16 @@ def meta_runner() -> ModelRunner:
     runner.device = torch.device("meta")
     runner.sampler, runner.seeds = Sampler(), random.Random(0)
     runner.penalty_cache = PenaltyCache(runner.device)
+    runner.input_batch, runner.upload = InputBatch(4, 16, 32, 4, runner.device), HostStaging(runner.device)
     return runner
+
+
+def prepare_decode(runner: ModelRunner, seqs: list[Sequence]) -> None:
+    """The runner's prepare() of a step decoding the last token of each of seqs: their rows and sampled rows."""
+    for seq in seqs:
+        seq.num_computed_tokens, seq.block_table = len(seq) - 1, list(range(seq.num_blocks))
+    batch = ScheduledBatch(seqs, [1] * len(seqs))
+    runner.input_batch.prepare(batch, batch.samples)
 
 
 def test_sampling_with_every_feature_never_synchronises_with_the_device():
@@ -315,11 +326,13 @@ def test_sampling_with_every_feature_never_synchronises_with_the_device():
     seqs[2].token_ids += [5, 5, 9]
     runner = meta_runner()
     for _ in range(2):
+        prepare_decode(runner, seqs)
         out = runner.sample(seqs, torch.empty(4, vocab, device="meta"))
         assert out.token_ids.device.type == "meta" and out.token_ids.shape == (4,)
         assert all(t.device.type == "meta" for t in out.logprobs) and out.logprobs[2].shape == (4, 2)
         for seq in seqs:
             seq.token_ids.append(4)
+    prepare_decode(runner, seqs)
     m = runner._sampling_metadata(seqs, vocab)
     assert m.penalties.output_counts.device.type == "meta" and m.noise_keys.device.type == "meta"
 
@@ -452,6 +465,16 @@ def test_unseeded_requests_reproducible_across_fresh_engines_with_the_same_seed(
     assert a == b
     assert a != c
     assert a[0] != a[1]  # different prompts, not a constant output
+
+
+def test_top_k_beyond_int64_beside_a_real_top_k_filters_nothing(llm):
+    """A row's top_k is kept in an int64 array: one past its range is as good as the vocabulary, even when another
+    row's top_k makes the step filter."""
+    prompts = random_prompts(2, 5, 448, 3, 9, seed=25)
+    huge, plain = (SamplingParams(temperature=1.0, top_k=k, seed=3, max_tokens=8, ignore_eos=True)
+                   for k in (2**70, -1))
+    other = SamplingParams(temperature=1.0, top_k=5, seed=4, max_tokens=8, ignore_eos=True)
+    assert tokens_of(llm, prompts, [huge, other])[0] == tokens_of(llm, prompts[:1], plain)[0]
 
 
 def test_top_k_1_and_tiny_top_p_equal_greedy(llm):

@@ -98,15 +98,19 @@ class CUDAGraphRunner:
         """The captured size a decode step of num_seqs sequences replays, or None: run it eagerly."""
         return padded_size(num_seqs, self.sizes)
 
-    def run(self, inputs: DecodeInputs, num_seqs: int) -> torch.Tensor:
-        """Hidden states of a decode step of num_seqs sequences from the graph of its padded size: `inputs` (host
-        staging, padded to that size) go into the static buffers with one non_blocking copy each. Block-table
+    def load(self, inputs: DecodeInputs) -> DecodeInputs:
+        """Copy a decode step's `inputs` (host staging, padded to a captured size) into the static buffers, one
+        non_blocking copy each; returns the static views they went to, for ids fed on the device. Block-table
         columns past `inputs`' width keep ids of earlier steps; they lie past every context, so nothing reads them."""
         size, width = inputs.block_tables.shape
+        static = {}
         for f in fields(inputs):
-            src = getattr(inputs, f.name)
             dst = getattr(self.buffers, f.name)
-            dst = dst[:size, :width] if f.name == "block_tables" else dst[:size]
-            dst.copy_(src, non_blocking=True)
+            dst = static[f.name] = dst[:size, :width] if f.name == "block_tables" else dst[:size]
+            dst.copy_(getattr(inputs, f.name), non_blocking=True)
+        return DecodeInputs(**static)
+
+    def replay(self, size: int, num_seqs: int) -> torch.Tensor:
+        """Hidden states of the num_seqs real rows, from the graph of the padded size the inputs were loaded at."""
         self.graphs[size].replay()
         return self.outputs[:num_seqs]

@@ -1,11 +1,13 @@
-"""The persistent input batch (vLLM v1's InputBatch): each running sequence owns a row of preallocated block-table
-arrays, and a step's model inputs are written with vectorized numpy into fixed staging buffers, then copied once."""
+"""The persistent input batch (vLLM v1's InputBatch): each running sequence owns a row of preallocated arrays (block
+table, sampling parameters, last sampled token), and a step's model inputs are written with vectorized numpy into
+fixed staging buffers, then copied once."""
 from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
 
 from nanoinfer.engine.cuda_graph import DecodeInputs
+from nanoinfer.engine.sampling_state import SamplingRows
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention.metadata import AttentionMetadata
@@ -22,6 +24,9 @@ class StepBuffers:
     cu_seqlens_q: torch.Tensor  # [max_num_seqs + 1] int32
     cu_seqlens_k: torch.Tensor  # [max_num_seqs + 1] int32
     block_tables: torch.Tensor  # [max_num_seqs * max_blocks] int32
+    sampled_rows: torch.Tensor  # [max_num_seqs] int64: rows of the sequences sampled this step
+    fed_index: torch.Tensor  # [max_num_seqs] int64: input_ids entries taken from last_sampled ...
+    fed_rows: torch.Tensor  # [max_num_seqs] int64: ... of these rows
 
     @classmethod
     def allocate(cls, max_tokens: int, max_num_seqs: int, max_blocks: int, device: torch.device,
@@ -31,22 +36,36 @@ class StepBuffers:
         i64, i32 = torch.int64, torch.int32
         return cls(buf(max_tokens, i64), buf(max_tokens, i64), buf(max_tokens, i64), buf(max_tokens, i64),
                    buf(max_num_seqs, i32), buf(max_num_seqs + 1, i32), buf(max_num_seqs + 1, i32),
-                   buf(max_num_seqs * max_blocks, i32))
+                   buf(max_num_seqs * max_blocks, i32), buf(max_num_seqs, i64), buf(max_num_seqs, i64),
+                   buf(max_num_seqs, i64))
 
 
 class InputBatch:
-    """Rows of block tables that persist across steps (written only where a sequence gained blocks), and the
-    staging buffers of a step: pinned host memory on CUDA, copied non_blocking into device buffers; on the CPU
-    the staging buffers are the step's tensors."""
+    """Rows that persist across steps: block tables (written only where a sequence gained blocks), sampling
+    parameters (written when a sequence gets its row) and the token last sampled into each row, kept on the
+    device; and the staging buffers of a step: pinned host memory on CUDA, copied non_blocking into device
+    buffers; on the CPU the staging buffers are the step's tensors.
+
+    With feed_sampled_ids, a decode token's input id is taken on the device from last_sampled (see feed_sampled),
+    so that it never has to come from the host; the host's copy of it is overwritten."""
 
     def __init__(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, block_size: int,
-                 device: torch.device):
+                 device: torch.device, feed_sampled_ids: bool = True):
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
         self.rows: dict[int, int] = {}  # seq_id -> row
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest row
         self.block_table = np.full((max_num_seqs, self.max_blocks), -1, dtype=np.int32)  # -1 past each row's blocks
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int32)  # entries of each row written so far
+        self.sampling = SamplingRows(max_num_seqs)
+        self.feed_sampled_ids = feed_sampled_ids
+        self.last_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        # The position in its sequence of the token in last_sampled (-1: none): a step whose only token for a row
+        # is at that position (a decode step after the row's sampled token was appended) feeds it from there.
+        self.sampled_at = np.full(max_num_seqs, -1, dtype=np.int64)
+        # This step's sampled rows and the positions of the tokens sampled into them (see prepare).
+        self.sampled_rows = self.sampled_positions = np.zeros(0, dtype=np.int64)
+        self.num_fed = 0  # this step's input ids taken from last_sampled
         # A padded decode graph reads up to max_num_seqs rows of the token buffers too.
         max_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.on_cuda = device.type == "cuda"
@@ -70,6 +89,8 @@ class InputBatch:
     def _add(self, seq: Sequence) -> int:
         assert self.free_rows, "more running sequences than max_num_seqs"
         row = self.rows[seq.seq_id] = self.free_rows.pop()
+        self.sampling.add(row, seq)
+        self.sampled_at[row] = -1
         return row
 
     def _sync_block_tables(self, seqs: list[Sequence], rows: np.ndarray, ends: np.ndarray) -> None:
@@ -98,8 +119,9 @@ class InputBatch:
             start = seq.num_computed_tokens
             starts.append(start)
             token_ids += seq.token_ids[start:start + n]
-        rows, num_new = np.array(rows), np.array(batch.num_new_tokens, dtype=np.int64)
-        ends = np.array(starts, dtype=np.int64) + num_new
+        rows, num_new = np.array(rows, dtype=np.int64), np.array(batch.num_new_tokens, dtype=np.int64)
+        starts = np.array(starts, dtype=np.int64)
+        ends = starts + num_new
         self._sync_block_tables(batch.seqs, rows, ends)
         num_seqs, num_tokens = len(rows), len(token_ids)
         h = self.np
@@ -130,8 +152,15 @@ class InputBatch:
             block_size=self.block_size,
             has_cached_prefix=bool(ends.sum() > num_tokens),
         )
-        sample_rows = (cu_q[1:][np.array(samples, dtype=bool)] - 1).tolist()
-        return b.input_ids[:num_tokens], b.positions[:num_tokens], meta, sample_rows
+        sampled = np.array(samples, dtype=bool)
+        self.sampled_rows, self.sampled_positions = rows[sampled], ends[sampled]
+        if self.feed_sampled_ids:
+            h["sampled_rows"][:len(self.sampled_rows)] = self.sampled_rows
+            fed = (num_new == 1) & (self.sampled_at[rows] == starts)
+            self.num_fed = np.count_nonzero(fed)
+            h["fed_index"][:self.num_fed] = cu_q[:-1][fed]
+            h["fed_rows"][:self.num_fed] = rows[fed]
+        return b.input_ids[:num_tokens], b.positions[:num_tokens], meta, (cu_q[1:][sampled] - 1).tolist()
 
     def _stage(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """t in the host staging buffer `name` (copied there unless it is already that buffer's prefix)."""
@@ -184,6 +213,27 @@ class InputBatch:
         b = self.host
         return DecodeInputs(b.input_ids[:size], b.positions[:size], b.slot_mapping[:size], b.context_lens[:size],
                             b.block_tables[:size * width].view(size, width))
+
+    def feed_sampled(self, input_ids: torch.Tensor) -> None:
+        """Overwrite, on this rank's device, the input ids of this step's decode tokens that were sampled into
+        their rows by the previous step (input_ids: the step's ids there, a graph's static buffer included)."""
+        if not self.num_fed:
+            return
+        index, rows = self.host.fed_index[:self.num_fed], self.host.fed_rows[:self.num_fed]
+        if self.on_cuda:
+            index, rows = self._upload("fed_index", index), self._upload("fed_rows", rows)
+        input_ids[index] = self.last_sampled[rows]
+
+    def record_sampled(self, token_ids: torch.Tensor) -> None:
+        """Keep this step's sampled tokens (in the order of prepare's sample_rows) on the device, in their rows."""
+        if not self.feed_sampled_ids:
+            return
+        rows = self.host.sampled_rows[:len(self.sampled_rows)]
+        if self.on_cuda:
+            rows = self._upload("sampled_rows", rows)
+            self.record_uploads()  # after execute's: staging is rewritten only once this copy has run too
+        self.last_sampled[rows] = token_ids
+        self.sampled_at[self.sampled_rows] = self.sampled_positions
 
     def record_uploads(self) -> None:
         """Mark the host buffers free to rewrite once the uploads queued so far have run."""

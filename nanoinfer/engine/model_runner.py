@@ -15,7 +15,8 @@ from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.gpu_memory import profile_kv_cache_blocks
 from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.parallel import TPGroup
-from nanoinfer.engine.sampling_state import HostTransfer, PenaltyCache, to_device
+from nanoinfer.engine.sampling_state import (GREEDY, LOGPROBS, MIN_P, MIN_TOKENS, PENALIZED, TOP_K, TOP_P,
+                                              HostStaging, HostTransfer, PenaltyCache)
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention, AttentionMetadata, get_backend
@@ -70,14 +71,17 @@ class ModelRunner:
         for a in self._attention_layers():
             a.backend = self.backend
         self.graph_runner: CUDAGraphRunner | None = None
+        # Decode input ids are fed from the tokens sampled on the device only without tensor parallelism: rank 0
+        # alone samples, so the other ranks would not have them; they keep receiving the ids from rank 0.
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_num_batched_tokens,
-                                      self.block_size, self.device)
+                                      self.block_size, self.device, feed_sampled_ids=self.tp.size == 1)
         self.num_state_slots, state_bytes = self._allocate_state_cache()
         self.num_kvcache_blocks = self._allocate_kv_cache(state_bytes)
         self.graph_runner = self._capture_graphs()
         self.sampler = Sampler()
         self.seeds = random.Random(config.seed)  # the noise seeds of requests without one
         self.penalty_cache = PenaltyCache(self.device)
+        self.upload = HostStaging(self.device)
         self.to_host = HostTransfer(self.device)
 
     @staticmethod
@@ -111,7 +115,7 @@ class ModelRunner:
             elif isinstance(module, GatedDeltaRule):
                 module.conv_state = module.ssm_state = torch.empty(0)
         self.model = self.backend = self.graph_runner = None
-        self.input_batch = self.penalty_cache = self.to_host = None  # their device and pinned buffers
+        self.input_batch = self.penalty_cache = self.upload = self.to_host = None  # their device and pinned buffers
         if self.device.type == "cuda":
             # cuBLAS keeps a workspace per stream it ran on (the graphs' capture stream too) for the process's life.
             getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
@@ -251,6 +255,8 @@ class ModelRunner:
         # Everything is computed where the logits are; only ids and logprobs come back, in one transfer.
         sampled = [i for i, s in enumerate(samples) if s]
         result = self.sample([batch.seqs[i] for i in sampled], logits[:len(sample_rows)]) if sampled else None
+        if result is not None:
+            self.input_batch.record_sampled(result.token_ids)
         prompt = self._prompt_logprobs(batch, prompt_rows, logits[len(sample_rows):]) if prompt_rows else ()
         sampled_parts = [] if result is None else [result.token_ids, *(result.logprobs or ())]
         host = self.to_host(sampled_parts + list(prompt))
@@ -276,10 +282,12 @@ class ModelRunner:
         rows = self.input_batch.logit_index(logit_rows)
         size = self.graph_runner.padded_size(meta.num_seqs) if self.graph_runner and meta.is_decode else None
         if size is not None:
-            hidden = self.graph_runner.run(self.input_batch.decode_inputs(input_ids, positions, meta, size),
-                                           meta.num_seqs)
+            static = self.graph_runner.load(self.input_batch.decode_inputs(input_ids, positions, meta, size))
+            self.input_batch.feed_sampled(static.input_ids)
+            hidden = self.graph_runner.replay(size, meta.num_seqs)
         else:
             input_ids, positions, meta = self.input_batch.to_device(input_ids, positions, meta)
+            self.input_batch.feed_sampled(input_ids)
             self.backend.prepare(meta)
             hidden = self.model(input_ids, positions, meta)
         self.input_batch.record_uploads()
@@ -308,50 +316,65 @@ class ModelRunner:
         return self.sampler(logits, self._sampling_metadata(seqs, logits.shape[-1]))
 
     def _sampling_metadata(self, seqs: list[Sequence], vocab: int) -> SamplingMetadata:
-        params = [s.params for s in seqs]
-        temperatures = [p.temperature for p in params]
-        m = SamplingMetadata(temperatures=self._device_tensor(temperatures, torch.float32), top_k=None, top_p=None,
-                             all_greedy=not any(temperatures), all_random=all(temperatures))
-        if not m.all_greedy:
-            m.noise_keys = self._device_tensor(self._noise_keys(seqs), torch.int64)
-        # Everything below costs nothing unless some request asks for it.
-        if any(0 < p.top_k < vocab for p in params):
-            m.top_k = self._device_tensor([p.top_k for p in params], torch.int64)
-        if any(p.top_p < 1 for p in params):
-            m.top_p = self._device_tensor([p.top_p for p in params], torch.float32)
-        if any(p.min_p > 0 for p in params):
-            m.min_p = self._device_tensor([p.min_p for p in params], torch.float32)
-        if any(p.logprobs is not None for p in params):
-            m.num_logprobs = max(p.logprobs or 0 for p in params)
-        banned = [(i, t) for i, s in enumerate(seqs) if s.num_completion_tokens < s.params.min_tokens
-                  for t in (*s.eos_token_ids, *s.params.stop_token_ids)]
-        if banned:
-            m.banned = tuple(self._device_tensor(list(zip(*banned)), torch.int64))
-        penalized = [i for i, p in enumerate(params) if p.penalized]
-        if penalized:
-            m.penalties = self._penalties([seqs[i] for i in penalized], penalized, vocab)
+        """The metadata of this step's sampled sequences (seqs, in the order of prepare's sample_rows), gathered
+        from their InputBatch rows with numpy and uploaded in one copy; each feature costs nothing unless a row
+        uses it. Only ban lists, first seeds and penalty counts look at the sequences themselves."""
+        batch = self.input_batch
+        rows, positions, s = batch.sampled_rows, batch.sampled_positions, batch.sampling
+        assert len(rows) == len(seqs), "seqs are not the sequences prepare() sampled"
+        flags = s.flags[rows]
+        some, every = int(np.bitwise_or.reduce(flags)), int(np.bitwise_and.reduce(flags))
+        host = {"temperatures": s.temperature[rows]}
+        if not every & GREEDY:
+            self._draw_seeds(seqs, rows)
+            host["noise_keys"] = noise_keys(s.seed[rows], positions)
+        if some & TOP_K and (((k := s.top_k[rows]) > 0) & (k < vocab)).any():
+            host["top_k"] = k
+        if some & TOP_P:
+            host["top_p"] = s.top_p[rows]
+        if some & MIN_P:
+            host["min_p"] = s.min_p[rows]
+        if some & MIN_TOKENS and (banned := self._banned(seqs, flags, positions < s.min_len[rows])) is not None:
+            host["banned"] = banned
+        if some & PENALIZED:
+            host["penalty_rows"] = np.flatnonzero(flags & PENALIZED)
+            host["penalties"] = s.penalties[rows[host["penalty_rows"]]]
+        device = dict(zip(host, self.upload(*host.values())))
+        m = SamplingMetadata(temperatures=device["temperatures"], top_k=device.get("top_k"),
+                             top_p=device.get("top_p"), all_greedy=bool(every & GREEDY),
+                             all_random=not some & GREEDY, noise_keys=device.get("noise_keys"),
+                             min_p=device.get("min_p"))
+        if some & LOGPROBS:
+            m.num_logprobs = int(s.num_logprobs[rows].max())
+        if "banned" in device:
+            m.banned = tuple(device["banned"])
+        if some & PENALIZED:
+            m.penalties = self._penalties([seqs[i] for i in host["penalty_rows"].tolist()], device, vocab)
         return m
 
-    def _noise_keys(self, seqs: list[Sequence]) -> np.ndarray:
-        """Each row's noise key: its sequence's seed (drawn from the engine's seed the first time if the request
-        gave none) and the position of the token being sampled."""
-        for seq in seqs:
-            if seq.seed is None:
-                seq.seed = self.seeds.getrandbits(64)
-        return noise_keys(np.array([s.seed for s in seqs], dtype=np.uint64),
-                          np.array([len(s) for s in seqs], dtype=np.uint64))
+    def _draw_seeds(self, seqs: list[Sequence], rows: np.ndarray) -> None:
+        """Seeds for the rows' sequences that have none, drawn from the engine's seed the first time a sequence is
+        sampled, in batch order (the noise key is its seed and the position of the token being sampled)."""
+        s = self.input_batch.sampling
+        for i in np.flatnonzero(~s.has_seed[rows]).tolist():
+            seqs[i].seed = self.seeds.getrandbits(64)
+            s.set_seed(rows[i], seqs[i].seed)
 
-    def _device_tensor(self, values: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return to_device(torch.as_tensor(values, dtype=dtype), self.device)
+    @staticmethod
+    def _banned(seqs: list[Sequence], flags: np.ndarray, short: np.ndarray) -> np.ndarray | None:
+        """[2, N] (row, token id) pairs of the EOS and stop tokens that rows short of their min_tokens may not
+        sample yet; None if there are none."""
+        pairs = [(i, t) for i in np.flatnonzero((flags & MIN_TOKENS).astype(bool) & short).tolist()
+                 for t in (*seqs[i].eos_token_ids, *seqs[i].params.stop_token_ids)]
+        return np.array(pairs, dtype=np.int64).T if pairs else None
 
-    def _penalties(self, seqs: list[Sequence], rows: list[int], vocab: int) -> Penalties:
-        """The penalized rows' parameters, and their prompt masks and output counts from the device-side cache."""
+    def _penalties(self, seqs: list[Sequence], device: dict[str, torch.Tensor], vocab: int) -> Penalties:
+        """The penalized rows' parameters (uploaded), and their prompt masks and output counts from the device-side
+        cache."""
         prompt_mask, output_counts = self.penalty_cache.gather(seqs, vocab)
-        values = self._device_tensor([(p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
-                                      for p in (s.params for s in seqs)], torch.float32)
-        return Penalties(rows=self._device_tensor(rows, torch.int64), repetition=values[:, 0],
-                         presence=values[:, 1], frequency=values[:, 2], prompt_mask=prompt_mask,
-                         output_counts=output_counts)
+        values = device["penalties"]
+        return Penalties(rows=device["penalty_rows"], repetition=values[:, 0], presence=values[:, 1],
+                         frequency=values[:, 2], prompt_mask=prompt_mask, output_counts=output_counts)
 
     @staticmethod
     def _prompt_logit_rows(batch: ScheduledBatch, cu_q: list[int]) -> list[tuple[int, int, int]]:
@@ -369,7 +392,7 @@ class ModelRunner:
         """top_logprobs of the prompt tokens this step's rows predict, on the logits' device."""
         _, targets, owners = zip(*rows)
         k = max(batch.seqs[i].params.prompt_logprobs for i in set(owners))
-        return top_logprobs(logits, self._device_tensor(targets, torch.int64), k)
+        return top_logprobs(logits, self.upload(np.array(targets, dtype=np.int64))[0], k)
 
 
 def _prompt_logprob_lists(batch: ScheduledBatch, rows: list[tuple[int, int, int]], result: list[torch.Tensor]

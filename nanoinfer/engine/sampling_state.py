@@ -1,20 +1,95 @@
-"""Sampling state that lives on the model's device: per-sequence token statistics for penalties, updated with the
-tokens generated since a sequence's last step, and the transfers around sampling (small, pinned, non_blocking)."""
+"""Sampling state: each InputBatch row's sampling parameters in preallocated arrays, per-sequence token statistics
+for penalties kept on the model's device, and the transfers around sampling (small, pinned, non_blocking)."""
+import numpy as np
 import torch
 
 from nanoinfer.engine.sequence import Sequence, SequenceStatus
 
+# SamplingRows.flags bits: which features a row uses, so that a step learns from two reductions which it needs.
+GREEDY, TOP_K, TOP_P, MIN_P, PENALIZED, MIN_TOKENS, LOGPROBS = (1 << i for i in range(7))
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on device without waiting for the work queued there (pinned, non_blocking on CUDA)."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+
+class SamplingRows:
+    """The sampling parameters of each InputBatch row, written once when a sequence gets its row; a step gathers
+    those of its sampled rows with numpy fancy indexing (no per-sequence Python)."""
+
+    def __init__(self, max_num_seqs: int):
+        n = max_num_seqs
+        self.flags = np.zeros(n, dtype=np.uint8)
+        self.temperature = np.zeros(n, dtype=np.float32)
+        self.top_k = np.zeros(n, dtype=np.int64)
+        self.top_p = np.ones(n, dtype=np.float32)
+        self.min_p = np.zeros(n, dtype=np.float32)
+        self.penalties = np.zeros((n, 3), dtype=np.float32)  # repetition, presence, frequency
+        self.num_logprobs = np.zeros(n, dtype=np.int64)
+        self.min_len = np.zeros(n, dtype=np.int64)  # stop and EOS tokens are banned at positions below this
+        self.seed = np.zeros(n, dtype=np.uint64)
+        self.has_seed = np.zeros(n, dtype=bool)  # False until an unseeded sequence is first sampled: drawn then
+
+    def add(self, row: int, seq: Sequence) -> None:
+        p = seq.params
+        # The flags are decided here on the Python values, exactly as a per-step scan of the params would be.
+        self.flags[row] = (GREEDY * (p.temperature == 0) | TOP_K * (p.top_k > 0) | TOP_P * (p.top_p < 1)
+                           | MIN_P * (p.min_p > 0) | PENALIZED * p.penalized | MIN_TOKENS * (p.min_tokens > 0)
+                           | LOGPROBS * (p.logprobs is not None))
+        # A top_k of the vocabulary or more filters nothing; int64's largest says as much for any larger one.
+        self.temperature[row], self.top_k[row], self.top_p[row], self.min_p[row] = (
+            p.temperature, min(p.top_k, np.iinfo(np.int64).max), p.top_p, p.min_p)
+        self.penalties[row] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+        self.num_logprobs[row] = p.logprobs or 0
+        self.min_len[row] = seq.num_prompt_tokens + p.min_tokens
+        self.set_seed(row, seq.seed)
+
+    def set_seed(self, row: int, seed: int | None) -> None:
+        self.seed[row], self.has_seed[row] = seed or 0, seed is not None
+
+
+class HostStaging:
+    """Small host arrays uploaded to the device together, in one copy. On CUDA they are packed into a persistent
+    pinned buffer used as a ring (it wraps around once the copies from it have run) and copied non_blocking; on
+    the CPU the arrays are the tensors; elsewhere (meta, in tests) a plain copy."""
+
+    ALIGN = 8  # every array starts at a multiple of the largest itemsize, so each is a view of the packed bytes
+
+    def __init__(self, device: torch.device, capacity: int = 1 << 18):
+        self.device = device
+        self.on_cuda = device.type == "cuda"
+        # pin_memory needs a CUDA build with a driver: only on CUDA.
+        self.buffer = torch.empty(capacity if self.on_cuda else 0, dtype=torch.uint8, pin_memory=self.on_cuda)
+        self.offset = 0
+        self.copied = torch.cuda.Event() if self.on_cuda else None  # recorded after each copy from the buffer
+
+    def __call__(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+        if not self.on_cuda:
+            return [t.to(self.device) for t in tensors]
+        starts, end = [], 0
+        for t in tensors:
+            starts.append(end)
+            end += -(-t.nbytes // self.ALIGN) * self.ALIGN
+        host = self._claim(end)
+        for t, start in zip(tensors, starts):
+            host[start:start + t.nbytes].view(t.dtype).copy_(t.view(-1))
+        packed = torch.empty(end, dtype=torch.uint8, device=self.device).copy_(host, non_blocking=True)
+        self.copied.record()
+        return [packed[start:start + t.nbytes].view(t.dtype).view(t.shape) for t, start in zip(tensors, starts)]
+
+    def _claim(self, nbytes: int) -> torch.Tensor:
+        """nbytes of the buffer that no pending copy reads: the next ones, or, past its end, its start once the
+        copies queued so far have run (the buffer grows if it is too small)."""
+        if self.offset + nbytes > self.buffer.numel():
+            self.copied.synchronize()
+            if nbytes > self.buffer.numel():
+                self.buffer = torch.empty(2 * nbytes, dtype=torch.uint8, pin_memory=self.buffer.is_pinned())
+            self.offset = 0
+        self.offset += nbytes
+        return self.buffer[self.offset - nbytes:self.offset]
 
 
 class PenaltyCache:
     def __init__(self, device: torch.device):
         self.device = device
+        self.upload = HostStaging(device)
         self.prompt_mask = torch.zeros(0, 0, dtype=torch.bool, device=device)  # [slots, V]
         self.output_counts = torch.zeros(0, 0, device=device)  # [slots, V] fp32
         self.owners: list[Sequence | None] = []
@@ -23,27 +98,35 @@ class PenaltyCache:
 
     def gather(self, seqs: list[Sequence], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         """prompt_mask and output_counts rows [len(seqs), V] of seqs, brought up to date first: a sequence seen
-        for the first time gets a slot filled from its tokens, the others add the tokens appended since."""
+        for the first time gets a slot filled from its tokens, the others add the tokens appended since. Every
+        index goes to the device in one copy."""
         assert not self.owners or self.output_counts.shape[1] == vocab
-        slots, count_rows, count_tokens = [], [], []
+        slots, claimed, prompt, counted = [], [], ([], []), ([], [])
         for seq in seqs:
             slot = self.slot_of.get(seq.seq_id)
             if slot is None:
                 slot = self._claim(seq, vocab)
+                claimed.append(slot)
+                prompt[0].extend([slot] * seq.num_prompt_tokens)
+                prompt[1].extend(seq.token_ids[:seq.num_prompt_tokens])
             new = seq.token_ids[seq.num_prompt_tokens + self.num_counted[slot]:]
-            count_rows += [slot] * len(new)
-            count_tokens += new
+            counted[0].extend([slot] * len(new))
+            counted[1].extend(new)
             self.num_counted[slot] += len(new)
             slots.append(slot)
-        if count_tokens:
-            rows, tokens = to_device(torch.tensor([count_rows, count_tokens]), self.device)
-            self.output_counts.index_put_((rows, tokens), torch.ones((), device=self.device), accumulate=True)
-        index = to_device(torch.tensor(slots), self.device)
+        index, claimed_index, prompt_index, counted_index = self.upload(
+            *(np.array(x, dtype=np.int64) for x in (slots, claimed, prompt, counted)))
+        if claimed:
+            self.prompt_mask[claimed_index] = False
+            self.output_counts[claimed_index] = 0
+            self.prompt_mask[tuple(prompt_index)] = True
+        if counted[0]:
+            self.output_counts.index_put_(tuple(counted_index), torch.ones((), device=self.device), accumulate=True)
         return self.prompt_mask[index], self.output_counts[index]
 
     def _claim(self, seq: Sequence, vocab: int) -> int:
         """A slot for seq: one whose owner finished, else one whose owner waits (preempted: it is rebuilt when it
-        runs again), else a new one. Its prompt mask is set and its counts are zero."""
+        runs again), else a new one. gather() sets its prompt mask and zeroes its counts."""
         slot = next((i for i, s in enumerate(self.owners) if s is None or s.is_finished), None)
         if slot is None:
             slot = next((i for i, s in enumerate(self.owners) if s.status == SequenceStatus.WAITING), None)
@@ -53,10 +136,6 @@ class PenaltyCache:
         if (old := self.owners[slot]) is not None:
             del self.slot_of[old.seq_id]
         self.owners[slot], self.num_counted[slot], self.slot_of[seq.seq_id] = seq, 0, slot
-        prompt = to_device(torch.tensor(seq.token_ids[:seq.num_prompt_tokens]), self.device)
-        self.prompt_mask[slot] = False
-        self.prompt_mask[slot, prompt] = True
-        self.output_counts[slot] = 0
         return slot
 
     def _grow(self, num_slots: int, vocab: int) -> None:
