@@ -412,7 +412,8 @@ def sampling_runner() -> ModelRunner:
     runner = ModelRunner.__new__(ModelRunner)
     runner.device, runner.seeds = torch.device("cpu"), random.Random(0)
     runner.input_batch = InputBatch(4, MAX_MODEL_LEN, 13, 4, runner.device)
-    runner.penalty_cache, runner.upload = PenaltyCache(runner.device), HostStaging(runner.device)
+    runner.upload = HostStaging(runner.device)
+    runner.penalty_cache = PenaltyCache(runner.upload)
     return runner
 
 

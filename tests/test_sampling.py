@@ -302,8 +302,8 @@ def meta_runner() -> ModelRunner:
     runner = ModelRunner.__new__(ModelRunner)
     runner.device = torch.device("meta")
     runner.sampler, runner.seeds = Sampler(), random.Random(0)
-    runner.penalty_cache = PenaltyCache(runner.device)
     runner.input_batch, runner.upload = InputBatch(4, 16, 32, 4, runner.device), HostStaging(runner.device)
+    runner.penalty_cache = PenaltyCache(runner.upload)
     return runner
 
 

@@ -80,8 +80,8 @@ class ModelRunner:
         self.graph_runner = self._capture_graphs()
         self.sampler = Sampler()
         self.seeds = random.Random(config.seed)  # the noise seeds of requests without one
-        self.penalty_cache = PenaltyCache(self.device)
         self.upload = HostStaging(self.device)
+        self.penalty_cache = PenaltyCache(self.upload)
         self.to_host = HostTransfer(self.device)
 
     @staticmethod

@@ -87,9 +87,9 @@ class HostStaging:
 
 
 class PenaltyCache:
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.upload = HostStaging(device)
+    def __init__(self, upload: HostStaging):
+        self.device = device = upload.device
+        self.upload = upload  # the runner's: one staging ring for every small upload of a step
         self.prompt_mask = torch.zeros(0, 0, dtype=torch.bool, device=device)  # [slots, V]
         self.output_counts = torch.zeros(0, 0, device=device)  # [slots, V] fp32
         self.owners: list[Sequence | None] = []
