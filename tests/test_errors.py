@@ -3,9 +3,11 @@ engine usable, at every entry point; bad model directories fail at construction;
 (preemption, recompute) matches a roomy-cache run."""
 from __future__ import annotations
 
+import gc
 import json
 import random
 import shutil
+import weakref
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from models import assert_greedy_match, hf_greedy
 from nanoinfer import LLM, SamplingParams
+from nanoinfer.engine.model_runner import ModelRunner
 
 MAX_LEN = 128
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -418,6 +421,29 @@ def test_kv_cache_too_small_for_max_model_len(qwen3_dir):
     llm = LLM(str(qwen3_dir), device="cpu", dtype="float32",
               max_model_len=128, kvcache_block_size=4, num_kvcache_blocks=32)
     assert llm.llm_engine.model_runner.num_kvcache_blocks == 32
+
+
+def test_failed_start_up_frees_the_model_while_the_error_is_kept(qwen3_dir, monkeypatch):
+    """A start-up failing after the model is loaded (here: a KV cache larger than memory) gives the model back at
+    once, though the caller keeps the exception, whose traceback holds the runner's frames: on CUDA its GPU memory
+    would stay taken until then. The garbage collector is off, so nothing waits for a collection."""
+    loaded = []
+
+    def recording_load(config, device):
+        model = load(config, device)
+        loaded.append(weakref.ref(model))
+        return model
+
+    load = ModelRunner._load_model
+    monkeypatch.setattr(ModelRunner, "_load_model", staticmethod(recording_load))
+    gc.disable()
+    try:
+        with pytest.raises(ValueError, match="num_kvcache_blocks=1099511627776 needs") as error:
+            LLM(str(qwen3_dir), device="cpu", max_model_len=64, num_kvcache_blocks=2**40)
+        assert error.value.__traceback__ is not None and len(loaded) == 1
+        assert loaded[0]() is None, "the model outlives the failed start-up"
+    finally:
+        gc.enable()
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ import logging
 import math
 import os
 import random
+import traceback
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,11 +59,24 @@ class ModelRunner:
         with tp_scope(self.tp.rank, self.tp.size, self.tp.group):
             # Resolved in this process: a bare "cuda" is each tensor-parallel rank's own GPU.
             self.device = resolve_device(config.device)
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            else:
-                keep_freed_memory()  # a CPU-path tuning: on CUDA it would only hold on to freed host memory
-            self.model: nn.Module | None = self._load_model(config, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        else:
+            keep_freed_memory()  # a CPU-path tuning: on CUDA it would only hold on to freed host memory
+        self.model: nn.Module | None = None
+        try:
+            self._set_up(config)
+        except BaseException as e:
+            # The caller keeps the exception, whose traceback holds the frames below this one: without clearing
+            # them, the model and whatever caches exist would stay allocated (on CUDA, on the device) as long.
+            self.close()
+            traceback.clear_frames(e.__traceback__)
+            raise
+
+    def _set_up(self, config: Config) -> None:
+        """Model, backend, persistent batch, caches (sized on CUDA by a warm-up), decode graphs, sampling state."""
+        with tp_scope(self.tp.rank, self.tp.size, self.tp.group):
+            self.model = self._load_model(config, self.device)
         for module in self.model.modules():
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading(min(config.max_num_seqs, 256))
