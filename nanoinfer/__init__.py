@@ -2,6 +2,9 @@
 from nanoinfer.llm import LLM
 from nanoinfer.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
+from nanoinfer.utils.log import configure_logging
+
+configure_logging()
 
 __all__ = ["LLM", "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "Logprob", "RequestOutput",
            "RequestOutputKind", "SamplingParams"]

@@ -2,7 +2,7 @@
 flash-attn's limits, the metadata every backend receives, CUDA-graph bookkeeping, GPU KV-cache sizing."""
 import gc
 import json
-import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -456,10 +456,10 @@ def test_warm_up_lengths(budget, max_num_seqs, max_model_len, expected):
     assert sum(lengths) == min(budget, max_num_seqs * max_model_len) and max(lengths) <= max_model_len
 
 
-def test_warm_up_runs_with_the_backend_and_every_logits_row(qwen3_dir, monkeypatch, caplog):
+def test_warm_up_runs_with_the_backend_and_every_logits_row(qwen3_dir, monkeypatch, capsys):
     """On CUDA the warm-up runs where _allocate_kv_cache starts (run here the same way, on the CPU): the attention
     layers already have their backend then, and it computes the logits of every row of the largest step. Start-up
-    logs the cache's size in one line."""
+    logs the cache's size in one line, on stderr without any logging set-up (as vLLM does)."""
     steps = []
     execute, allocate = ModelRunner.execute, ModelRunner._allocate_kv_cache
 
@@ -474,14 +474,38 @@ def test_warm_up_runs_with_the_backend_and_every_logits_row(qwen3_dir, monkeypat
 
     monkeypatch.setattr(ModelRunner, "execute", recording_execute)
     monkeypatch.setattr(ModelRunner, "_allocate_kv_cache", warm_up_first)
-    with caplog.at_level(logging.INFO, logger="nanoinfer.engine.model_runner"):
-        llm = LLM(str(qwen3_dir), device="cpu", max_model_len=64, max_num_seqs=5, max_num_batched_tokens=100)
+    capsys.readouterr()
+    llm = LLM(str(qwen3_dir), device="cpu", max_model_len=64, max_num_seqs=5, max_num_batched_tokens=100)
     assert steps == [([64, 9, 9, 9, 9], 100, (100, 512))]
     blocks = llm.llm_engine.model_runner.num_kvcache_blocks
     block_bytes = 3 * 2 * 16 * 2 * 32 * 4  # layers x (K, V) x tokens x KV heads x head_dim x fp32
-    assert [r.getMessage() for r in caplog.records] == [
-        f"KV cache: {blocks} blocks of 16 tokens ({blocks * 16} tokens), {blocks * block_bytes / 2**30:.2f} GiB"]
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("INFO ") and lines[0].endswith(
+        f"[nanoinfer.engine.model_runner] KV cache: {blocks} blocks of 16 tokens ({blocks * 16} tokens), "
+        f"{blocks * block_bytes / 2**30:.2f} GiB"), lines
     llm.close()
+
+
+@pytest.mark.parametrize("root_configured, env, expected", [
+    (False, {}, ["INFO", "[nanoinfer.engine.model_runner] KV cache: 1 block"]),
+    (True, {}, ["INFO", "[nanoinfer.engine.model_runner] KV cache: 1 block"]),  # once, not again through the root
+    (False, {"NANOINFER_CONFIGURE_LOGGING": "0"}, None)])
+def test_start_up_log_line_shows_once_without_set_up_and_never_when_turned_off(root_configured, env, expected):
+    code = textwrap.dedent("""
+        import logging, sys
+        if sys.argv[1] == "1":
+            logging.basicConfig(level=logging.INFO, format="ROOT %(message)s")
+        import nanoinfer
+        logging.getLogger("nanoinfer.engine.model_runner").info("KV cache: 1 block")
+    """)
+    r = subprocess.run([sys.executable, "-c", code, str(int(root_configured))], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "NANOINFER_CONFIGURE_LOGGING": "1", **env})
+    assert r.returncode == 0 and not r.stdout, r.stderr[-3000:]
+    lines = r.stderr.splitlines()
+    if expected is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and lines[0].startswith(expected[0]) and lines[0].endswith(expected[1]), lines
 
 
 def _memory_of(llm: LLM) -> list[weakref.ref]:
