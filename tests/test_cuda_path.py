@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from cuda_fakes import EagerGraph
 from nanoinfer.config import Config
@@ -480,9 +481,12 @@ def test_warm_up_runs_with_the_backend_and_every_logits_row(qwen3_dir, monkeypat
     blocks = llm.llm_engine.model_runner.num_kvcache_blocks
     block_bytes = 3 * 2 * 16 * 2 * 32 * 4  # layers x (K, V) x tokens x KV heads x head_dim x fp32
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("INFO ") and lines[0].endswith(
-        f"[nanoinfer.engine.model_runner] KV cache: {blocks} blocks of 16 tokens ({blocks * 16} tokens), "
-        f"{blocks * block_bytes / 2**30:.2f} GiB"), lines
+    weight_gib = sum(t.numel() for t in load_file(qwen3_dir / "model.safetensors").values()) * 4 / 2**30
+    assert len(lines) == 2 and all(line.startswith("INFO ") for line in lines), lines
+    assert f"[nanoinfer.engine.model_runner] Model Qwen3ForCausalLM: {weight_gib:.2f} GiB of float32 weights on " \
+           "cpu, loaded in " in lines[0] and lines[0].endswith("; attention: CPUAttentionBackend"), lines
+    assert lines[1].endswith(f"[nanoinfer.engine.model_runner] KV cache: {blocks} blocks of 16 tokens "
+                             f"({blocks * 16} tokens), {blocks * block_bytes / 2**30:.2f} GiB"), lines
     llm.close()
 
 

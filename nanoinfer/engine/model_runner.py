@@ -4,6 +4,7 @@ import logging
 import math
 import os
 import random
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -75,13 +76,21 @@ class ModelRunner:
 
     def _set_up(self, config: Config) -> None:
         """Model, backend, persistent batch, caches (sized on CUDA by a warm-up), decode graphs, sampling state."""
+        start = time.perf_counter()
         with tp_scope(self.tp.rank, self.tp.size, self.tp.group):
             self.model = self._load_model(config, self.device)
+        # Counted before the CPU path repacks the linear weights out of their parameters.
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         for module in self.model.modules():
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading(min(config.max_num_seqs, 256))
         # Before the caches: on CUDA the warm-up that sizes them runs the attention layers.
         self.backend = get_backend(config.attention_backend, config.torch_dtype, self.device)
+        if self.tp.rank == 0:
+            logger.info("Model %s: %.2f GiB of %s weights on %s%s, loaded in %.1f s; attention: %s",
+                        type(self.model).__name__, weight_bytes / 2**30, str(config.torch_dtype).removeprefix("torch."),
+                        self.device, f" per rank x {self.tp.size}" if self.tp.size > 1 else "",
+                        time.perf_counter() - start, type(self.backend).__name__)
         for a in self._attention_layers():
             a.backend = self.backend
         self.graph_runner: CUDAGraphRunner | None = None
@@ -238,10 +247,14 @@ class ModelRunner:
         if (self.config.enforce_eager or self.device.type != "cuda" or self.config.attention_backend == "cpu"
                 or self.num_state_slots or any(isinstance(m, FusedMoE) for m in self.model.modules())):
             return None
+        start = time.perf_counter()
         runner = CUDAGraphRunner(self.model, self.backend, self.config.max_num_seqs, self.config.max_model_len,
                                  self.block_size, self.config.hf_config.hidden_size, self.config.torch_dtype,
                                  self.device)
         runner.capture()
+        if self.tp.rank == 0:
+            logger.info("CUDA graphs: decode at %d batch sizes (1 to %d) captured in %.1f s", len(runner.sizes),
+                        runner.sizes[-1], time.perf_counter() - start)
         return runner
 
     def prepare(self, batch: ScheduledBatch, samples: list[bool]
