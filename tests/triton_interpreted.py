@@ -1,4 +1,4 @@
-"""Triton kernels (store_kvcache, fused add + RMSNorm, SiLU-and-mul) run by Triton's interpreter on CPU tensors
+"""Triton kernels (store_kvcache, fused add + RMSNorm, SiLU-and-mul, rotary) run by Triton's interpreter on CPU tensors
 against the PyTorch code they replace on CUDA, and the flash backend
 driven end to end on the CPU (real Triton store kernel, flash-attn's contract emulated by cuda_fakes,
 CUDA graphs emulated by EagerGraph) against transformers. TRITON_INTERPRET=1 must be set before triton
@@ -23,9 +23,10 @@ from nanoinfer.engine.model_runner import ModelRunner  # noqa: E402
 from nanoinfer.engine.scheduler import ScheduledBatch  # noqa: E402
 from nanoinfer.engine.sequence import Sequence  # noqa: E402
 from nanoinfer.kernels.triton_kvcache import store_kvcache  # noqa: E402
-from nanoinfer.kernels.triton_layers import rms_norm, silu_and_mul  # noqa: E402
+from nanoinfer.kernels.triton_layers import rms_norm, rotary_neox, silu_and_mul  # noqa: E402
 from nanoinfer.layers.activation import SiluAndMul  # noqa: E402
 from nanoinfer.layers.layernorm import RMSNorm  # noqa: E402
+from nanoinfer.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 from nanoinfer.layers.attention import get_backend, selector  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -118,10 +119,41 @@ def test_silu_and_mul_matches_the_torch_layer(dtype, shape):
     assert err < TOLERANCE[dtype], f"max relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("heads, head_dim, rotary_dim", [
+    (2, 128, 128),  # Qwen3's heads
+    (3, 80, 80),    # odd head count, half 40 (masked lanes)
+    (17, 32, 32),   # more heads than one program's 16: two head blocks
+    (4, 96, 24),    # partial rotary: 72 dims pass through
+], ids=str)
+@pytest.mark.parametrize("with_norm", [False, True], ids=["rotary", "qk-norm+rotary"])
+def test_rotary_matches_the_torch_layers(dtype, heads, head_dim, rotary_dim, with_norm):
+    """Against the PyTorch code it replaces on CUDA (RMSNorm._norm, then RotaryEmbedding._rotate)."""
+    g = torch.Generator().manual_seed(heads * head_dim + rotary_dim)
+    rope = RotaryEmbedding(head_dim, 100, 1.0 / 1e4 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    tokens = 9
+    qkv = torch.randn(tokens, (heads + 6) * head_dim, generator=g).to(dtype)
+    x = qkv[:, 2 * head_dim:(2 + heads) * head_dim].view(tokens, heads, head_dim)  # strided rows, as q in qkv
+    positions = torch.randint(0, 100, (tokens,), generator=g)
+    positions[0], positions[-1] = 0, 99
+    norm = RMSNorm(head_dim, eps=1e-6)
+    norm.weight.data = torch.randn(head_dim, generator=g).to(dtype)
+    ours = rotary_neox(x, positions, rope.cos, rope.sin, *((norm.weight, norm.eps) if with_norm else ()))
+    ref = rope._rotate(norm._norm(x) if with_norm else x, rope.cos[positions].unsqueeze(1),
+                       rope.sin[positions].unsqueeze(1))
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype == dtype and ours.is_contiguous()
+    if not with_norm:  # the same fp32 products and sums, each rounded once: exact
+        assert torch.equal(ours, ref)
+    err = ((ours.float() - ref.float()).abs() / (1 + ref.float().abs())).max().item()
+    assert err < TOLERANCE[dtype], f"max relative error {err:.2e}"
+
+
 def test_empty_batches():
     w = torch.ones(8)
     assert rms_norm(torch.zeros(0, 8), w, 1e-6).shape == (0, 8)
     assert silu_and_mul(torch.zeros(0, 16)).shape == (0, 8)
+    table = torch.zeros(4, 4)
+    assert rotary_neox(torch.zeros(0, 2, 8), torch.zeros(0, dtype=torch.int64), table, table).shape == (0, 2, 8)
 
 
 @pytest.fixture

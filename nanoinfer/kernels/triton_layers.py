@@ -1,5 +1,6 @@
-"""Triton kernels for the two elementwise layers of every decoder block on CUDA: fused residual add + RMSNorm,
-and SiLU-and-mul. One program per token row; rounding follows the PyTorch layers step by step."""
+"""Triton kernels for the elementwise layers of every decoder block on CUDA: fused residual add + RMSNorm,
+SiLU-and-mul, and rotary embedding (with Qwen3's per-head q/k norm fused in). One program per token row; rounding
+follows the PyTorch layers step by step."""
 import torch
 import triton
 import triton.language as tl
@@ -67,3 +68,67 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows:
         _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), N=n, BLOCK=block)
     return out.view(*shape[:-1], n)
+
+
+@triton.jit
+def _rms_norm_part(x, weight_ptr, offs, mask, r, dtype: tl.constexpr):
+    """One slice of a head normalized by r = rsqrt(mean square + eps), rounded as _rms_norm_kernel rounds."""
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return ((x * r).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, positions_ptr, cos_ptr, sin_ptr, weight_ptr, out_ptr, stride_t, stride_h, num_heads, eps,
+                   HEAD_DIM: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Grid (tokens, head blocks): each head's dims [0, HALF) and [HALF, 2 HALF) rotated in fp32 by the cos/sin row
+    of the token's position (neox layout), the TAIL dims after them passed through; with HAS_NORM the head is
+    RMS-normalized first."""
+    token = tl.program_id(0).to(tl.int64)
+    heads = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H))[:, None]
+    offs = tl.arange(0, BLOCK_HALF)[None, :]
+    offs_t = tl.arange(0, BLOCK_TAIL)[None, :]
+    half_ok = offs < HALF
+    ok = (heads < num_heads) & half_ok
+    t_ok = (heads < num_heads) & (offs_t < TAIL)
+    src = x_ptr + token * stride_t + heads * stride_h
+    a = tl.load(src + offs, mask=ok, other=0.0)
+    dtype = a.dtype
+    a = a.to(tl.float32)
+    b = tl.load(src + HALF + offs, mask=ok, other=0.0).to(tl.float32)
+    t = tl.load(src + 2 * HALF + offs_t, mask=t_ok, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        r = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1) + tl.sum(t * t, 1)) / HEAD_DIM + eps)[:, None]
+        a = _rms_norm_part(a, weight_ptr, offs, half_ok, r, dtype)
+        b = _rms_norm_part(b, weight_ptr + HALF, offs, half_ok, r, dtype)
+        t = _rms_norm_part(t, weight_ptr + 2 * HALF, offs_t, offs_t < TAIL, r, dtype)
+    pos = tl.load(positions_ptr + token)
+    cos = tl.load(cos_ptr + pos * HALF + offs, mask=half_ok, other=0.0)
+    sin = tl.load(sin_ptr + pos * HALF + offs, mask=half_ok, other=0.0)
+    dst = out_ptr + (token * num_heads + heads) * HEAD_DIM
+    tl.store(dst + offs, (a * cos - b * sin).to(dtype), mask=ok)
+    tl.store(dst + HALF + offs, (b * cos + a * sin).to(dtype), mask=ok)
+    tl.store(dst + 2 * HALF + offs_t, t.to(dtype), mask=t_ok)
+
+
+def rotary_neox(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """x [tokens, heads, dim] (token and head rows may be strided) rotated by the fp32 cos/sin rows
+    [max_position, half] of `positions`; dims from 2 * half on pass through. With norm_weight, each head is
+    RMS-normalized first. Returns a new contiguous tensor. One launch where the PyTorch code takes ~20."""
+    tokens, heads, dim = x.shape
+    half = cos.shape[-1]
+    assert x.stride(-1) == 1 and 2 * half <= dim and positions.numel() == tokens
+    assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+    assert norm_weight is None or norm_weight.dtype == x.dtype and norm_weight.numel() == dim
+    out = torch.empty(tokens, heads, dim, dtype=x.dtype, device=x.device)
+    if tokens:
+        block_h = min(triton.next_power_of_2(heads), 16)
+        tail = dim - 2 * half
+        _rotary_kernel[(tokens, triton.cdiv(heads, block_h))](
+            x, positions, cos, sin, x if norm_weight is None else norm_weight, out, x.stride(0), x.stride(1), heads,
+            eps, HEAD_DIM=dim, HALF=half, TAIL=tail, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(half),
+            BLOCK_TAIL=triton.next_power_of_2(max(tail, 1)), HAS_NORM=norm_weight is not None,
+            # No a * b - c * d contracted into one FMA: each product rounded, as the PyTorch ops round them.
+            enable_fp_fusion=False)
+    return out

@@ -5,6 +5,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.kernels import cpu as cpu_kernels
+from nanoinfer.kernels.cuda import triton_layers
 from nanoinfer.layers.layernorm import RMSNorm
 
 
@@ -52,6 +53,9 @@ class RotaryEmbedding(nn.Module):
         if cpu_kernels.use_cpu_kernels(q):
             return (cpu_kernels.rotary_neox(q, positions, self.cos, self.sin, *_norm_args(q_norm)),
                     cpu_kernels.rotary_neox(k, positions, self.cos, self.sin, *_norm_args(k_norm)))
+        if q.is_cuda and (kernels := triton_layers()) is not None:  # one kernel each instead of ~20
+            return (kernels.rotary_neox(q, positions, self.cos, self.sin, *_norm_args(q_norm)),
+                    kernels.rotary_neox(k, positions, self.cos, self.sin, *_norm_args(k_norm)))
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         cos = self.cos[positions].unsqueeze(1)
