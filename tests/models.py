@@ -119,9 +119,10 @@ MODEL_KINDS = ("qwen3", "qwen3-untied", "qwen2", "llama")  # the 4 main architec
 # Further families, each tested on its own (not in every any_model_dir test).
 # Qwen3-Next: Gated DeltaNet + gated attention layers, a dense MLP and sparse MoE ones.
 QWEN3_NEXT_KINDS = ("qwen3-next",)
-EXTRA_KINDS = ("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS
-# Sliding windows of the *-swa kinds and mistral: shorter than most test prompts.
-SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20}
+# Gemma 3: sliding and full layers with different ropes, (1 + weight) norms, GeLU-tanh, final-logit softcapping.
+EXTRA_KINDS = ("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS + ("gemma3",)
+# Sliding windows of the *-swa kinds, mistral and gemma3: shorter than most test prompts.
+SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10}
 ALL_KINDS = MODEL_KINDS + ("qwen3-sharded",) + EXTRA_KINDS
 # For tensor parallelism: a vocabulary that 2 ranks cannot split evenly (padded) and one KV head (replicated).
 ODD_KIND = "qwen2-mqa-oddvocab"
@@ -148,7 +149,7 @@ _COMMON = dict(
 )
 
 _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678,
-          "qwen2-swa": 6789, "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, ODD_KIND: 9012}
+          "qwen2-swa": 6789, "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, "gemma3": 1357, ODD_KIND: 9012}
 
 
 def _token_ids():
@@ -158,7 +159,8 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
+                              Qwen3NextConfig)
 
     ids = _token_ids()
     special = dict(
@@ -297,11 +299,28 @@ def make_config(kind: str):
             decoder_sparse_step=1,
             mlp_only_layers=[0],
         )
+    if kind == "gemma3":
+        return Gemma3TextConfig(
+            **{k: v for k, v in _COMMON.items() if k != "hidden_act"},
+            **special,
+            hidden_activation="gelu_pytorch_tanh",
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=True,
+            query_pre_attn_scalar=20,  # scores scaled by 20 ** -0.5, not head_dim ** -0.5
+            sliding_window=SLIDING_WINDOW[kind],
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            # Local and global ropes differ in base and in scaling (linear, as Gemma 3's larger models).
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}},
+            final_logit_softcapping=5.0,  # below the test models' logits: a forgotten softcap shows
+        )
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND,)}")
 
 
-def _randomize_qwen3_next_(model, seed: int) -> None:
-    """Qwen3-Next specifics: its RMSNorms (all but the gated one) scale by 1 + weight, so their weights become
+def _randomize_zero_centered_norms_(model, seed: int) -> None:
+    """Qwen3-Next and Gemma 3 RMSNorms (all but Qwen3-Next's gated one) scale by 1 + weight, so their weights become
     NORM_NOISE * N(0,1); slow decays on some linear-attention heads (e^g near 1) carry the state far, across chunks."""
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -344,8 +363,8 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
     torch.manual_seed(_SEEDS[base_kind])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize_(model, _SEEDS[base_kind])
-    if kind in QWEN3_NEXT_KINDS:
-        _randomize_qwen3_next_(model, _SEEDS[base_kind])
+    if kind in QWEN3_NEXT_KINDS + ("gemma3",):
+        _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
     if config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     model.eval()

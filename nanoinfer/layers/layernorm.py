@@ -1,4 +1,5 @@
-"""RMSNorm, optionally fused with the residual add that precedes it, and the SiLU-gated RMSNorm of Gated DeltaNet."""
+"""RMSNorm, optionally fused with the residual add that precedes it; Gemma's (1 + weight) RMSNorm; the SiLU-gated
+RMSNorm of Gated DeltaNet."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,14 +29,32 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if cpu_kernels.use_cpu_kernels(x):  # one pass instead of ~8 ops
-            return cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
-        if x.is_cuda and (kernels := triton_layers()) is not None:  # one kernel instead of ~8
-            return kernels.rms_norm(x, self.weight, self.eps, residual)
+        if x.dtype == self.weight.dtype:  # the fused kernels take a weight of x's dtype
+            if cpu_kernels.use_cpu_kernels(x):  # one pass instead of ~8 ops
+                return cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
+            if x.is_cuda and (kernels := triton_layers()) is not None:  # one kernel instead of ~8
+                return kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+
+class GemmaRMSNorm(RMSNorm):
+    """x / rms(x) * (1 + w) as transformers' Gemma3RMSNorm computes it: w in the model's dtype (the one this is built
+    under), 1 + w in fp32, applied in fp32 before the cast back. In fp32 models: the plain RMSNorm's fused kernels."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__(hidden_size, eps)
+        self.model_dtype = self.weight.dtype
+        self.weight.data = self.weight.data.float()
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        copy_weight(param, loaded[...].to(self.model_dtype).float() + 1.0)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
 
 
 class GatedRMSNorm(RMSNorm):

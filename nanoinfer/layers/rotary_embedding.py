@@ -9,19 +9,31 @@ from nanoinfer.kernels.cuda import triton_layers
 from nanoinfer.layers.layernorm import RMSNorm
 
 
-def rope_parameters(config: PretrainedConfig) -> dict:
-    """The rope settings of transformers 5 (`rope_parameters`) or 4 (`rope_theta` + `rope_scaling`)."""
+def rope_layer_type(config: PretrainedConfig, layer_type: str | None = None) -> str | None:
+    """The key of the config's rope settings for `layer_type` (default: the first layer's) when transformers nests
+    them by layer type (Gemma 3: "sliding_attention" / "full_attention"); None when they are flat."""
+    params = getattr(config, "rope_parameters", None) or {}
+    nested = [t for t in (getattr(config, "layer_types", None) or ()) if t in params]
+    return (layer_type or nested[0]) if nested else None
+
+
+def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict:
+    """The rope settings of transformers 5 (`rope_parameters`, those of `layer_type` where nested) or 4
+    (`rope_theta` + `rope_scaling`)."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     params.update(getattr(config, "rope_scaling", None) or {})
+    if (nested_type := rope_layer_type(config, layer_type)) is not None:
+        params = dict(params[nested_type])
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     return params
 
 
-def inv_frequencies(config: PretrainedConfig, rotary_dim: int) -> tuple[torch.Tensor, float]:
+def inv_frequencies(config: PretrainedConfig, rotary_dim: int, layer_type: str | None = None
+                    ) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the attention scaling factor of the config's rope type (transformers' own
     functions for the non-default types read the head size and partial_rotary_factor from the config)."""
-    params = rope_parameters(config)
+    params = rope_parameters(config, layer_type)
     rope_type = params["rope_type"]
     if rope_type == "default":
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
@@ -31,7 +43,9 @@ def inv_frequencies(config: PretrainedConfig, rotary_dim: int) -> tuple[torch.Te
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unknown rope_type {rope_type!r}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    nested_type = rope_layer_type(config, layer_type)
+    kwargs = {} if nested_type is None else {"layer_type": nested_type}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
     return inv_freq.float(), float(scaling)
 
 
@@ -76,8 +90,10 @@ def _norm_args(norm: RMSNorm | None) -> tuple:
     return () if norm is None else (norm.weight, norm.eps)
 
 
-def get_rope(config: PretrainedConfig, head_dim: int, max_position: int) -> RotaryEmbedding:
-    rotary_dim = int(head_dim * rope_parameters(config).get("partial_rotary_factor", 1.0))
+def get_rope(config: PretrainedConfig, head_dim: int, max_position: int, layer_type: str | None = None
+             ) -> RotaryEmbedding:
+    """The rotary embedding of the config's rope settings (for `layer_type`, where they differ by layer type)."""
+    rotary_dim = int(head_dim * rope_parameters(config, layer_type).get("partial_rotary_factor", 1.0))
     with torch.device("cpu"):  # the model may be built under another device; transformers' functions need data
-        inv_freq, scaling = inv_frequencies(config, rotary_dim)
+        inv_freq, scaling = inv_frequencies(config, rotary_dim, layer_type)
     return RotaryEmbedding(head_dim, max_position, inv_freq, scaling)

@@ -1,5 +1,5 @@
 """Llama decoder; Qwen2, Qwen3, Qwen3-MoE and Mistral reuse it with their per-layer attention options (qkv bias,
-per-head q/k norm, sliding window) and, for MoE, their own MLP per layer."""
+per-head q/k norm, sliding window) and, for MoE, their own MLP per layer; Gemma 3 its attention and MLP."""
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -7,10 +7,10 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanoinfer.layers.activation import SiluAndMul
+from nanoinfer.layers.activation import get_act_and_mul
 from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanoinfer.layers.layernorm import RMSNorm
+from nanoinfer.layers.layernorm import GemmaRMSNorm, RMSNorm
 from nanoinfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanoinfer.layers.rotary_embedding import get_rope
 
@@ -25,6 +25,11 @@ class AttentionOptions:
     # and the q/k norms scale by 1 + weight.
     output_gate: bool = False
     zero_centered_norm: bool = False
+    # Gemma 3: q/k norms as its RMSNorm (1 + weight, in fp32), its own score scale (default head_dim ** -0.5), and
+    # the rope settings of the layer's type (its config nests them by "sliding_attention" / "full_attention").
+    gemma_norm: bool = False
+    scale: float | None = None
+    rope_layer_type: str | None = None
 
 
 def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
@@ -50,12 +55,14 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // self.q_factor, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, options.o_bias)
-        self.rotary_emb = get_rope(config, self.head_dim, config.max_position_embeddings)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
-                              options.sliding_window)
+        self.rotary_emb = get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type)
+        scale = self.head_dim ** -0.5 if options.scale is None else options.scale
+        self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window)
         if options.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, options.zero_centered_norm)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, options.zero_centered_norm)
+            eps = config.rms_norm_eps
+            norms = [GemmaRMSNorm(self.head_dim, eps) if options.gemma_norm
+                     else RMSNorm(self.head_dim, eps, options.zero_centered_norm) for _ in range(2)]
+            self.q_norm, self.k_norm = norms
         self.qk_norm = options.qk_norm
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -76,15 +83,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, intermediate_size: int | None = None):
+    def __init__(self, config: PretrainedConfig, intermediate_size: int | None = None, hidden_act: str | None = None):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias)
-        if config.hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
-        self.act_fn = SiluAndMul()
+        self.act_fn = get_act_and_mul(hidden_act or config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -96,20 +101,26 @@ MLPFactory = Callable[[PretrainedConfig, int], nn.Module]
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module):
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module,
+                 norm: type[RMSNorm] = RMSNorm):
         super().__init__()
         self.self_attn = LlamaAttention(config, options)
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def attention(self, positions: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor | None,
+                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's output and the residual stream (the input norm adds the last layer's output to it)."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
+        return self.self_attn(positions, x, meta), residual
+
+    def forward(self, positions: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.attention(positions, x, residual, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
