@@ -25,6 +25,7 @@ from nanoinfer.layers.attention import Attention, AttentionMetadata, get_backend
 from nanoinfer.layers.attention.selector import resolve_device
 from nanoinfer.layers.fused_moe import FusedMoE
 from nanoinfer.layers.gated_delta_rule import GatedDeltaRule
+from nanoinfer.layers.rotary_embedding import shared_rope_tables
 from nanoinfer.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata, noise_keys, top_logprobs
 from nanoinfer.models.registry import get_model_class
 from nanoinfer.sampling_params import SamplingParams
@@ -115,7 +116,7 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.torch_dtype)
         try:
-            with device:
+            with device, shared_rope_tables():
                 model = cls(config.hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
