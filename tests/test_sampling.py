@@ -762,8 +762,9 @@ def test_features_with_penalties_and_min_tokens_in_vllms_order(qwen3_dir, penali
     llm = LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=MAX_LEN)
     prompt = random_prompts(1, 100, 130, 12, 12, seed=53)[0]
     allowed = list(range(100, 130)) + [EOS]  # the prompt's range: tokens repeat, so the penalties act
+    bad_word = next(w for t in allowed if (w := round_trip_word(llm.tokenizer, [t])) is not None)
     params = SamplingParams(temperature=1.0, seed=4, max_tokens=14, min_tokens=5, stop_token_ids=[prompt[0]],
-                            allowed_token_ids=allowed, bad_words=["p", "\x00ver"], repetition_penalty=1.8,
+                            allowed_token_ids=allowed, bad_words=[bad_word, "p"], repetition_penalty=1.8,
                             presence_penalty=0.7, frequency_penalty=0.4,
                             logit_bias={t: (-1) ** t * 2.5 for t in prompt[:8]} | {EOS: 4.0})
     out = llm.generate([prompt], params, use_tqdm=False)[0]
