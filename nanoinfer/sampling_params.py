@@ -4,6 +4,8 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 
+from transformers import PreTrainedTokenizerBase
+
 
 class RequestOutputKind(Enum):
     CUMULATIVE = 0  # every output of a request holds everything generated so far
@@ -129,7 +131,7 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
-def bad_words_token_ids(bad_words: list[str], tokenizer) -> list[list[int]]:
+def bad_words_token_ids(bad_words: list[str], tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
     """vLLM's tokenization of bad words: each word as it stands (left-stripped), and once more after a space when
     that gives a different first token in as many tokens (the word inside a text, for tokenizers that fold the
     space into the token), without special tokens."""

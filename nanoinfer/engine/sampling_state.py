@@ -184,8 +184,10 @@ class TokenTables:
         new_rows.clear()
         host = {}
         if allowed:
-            host["allowed_rows"] = np.fromiter(allowed, dtype=np.int64)
-            host["allowed_pairs"] = np.array([(row, t) for row, ids in allowed.items() for t in ids], np.int64).T
+            rows = np.fromiter(allowed, dtype=np.int64)
+            ids = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in allowed.values()])
+            host["allowed_rows"] = rows
+            host["allowed_pairs"] = np.stack([np.repeat(rows, [len(ids) for ids in allowed.values()]), ids])
         if bias:
             width = max(map(len, bias.values()))
             self._grow_bias(width)
