@@ -4,6 +4,8 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 
+from transformers import PreTrainedTokenizerBase
+
 
 class RequestOutputKind(Enum):
     CUMULATIVE = 0  # every output of a request holds everything generated so far
@@ -32,6 +34,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None  # added to those tokens' logits
+    allowed_token_ids: list[int] | None = None  # every other token is masked
+    bad_words: list[str] | None = None  # see bad_words_token_ids
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: its last max_model_len
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)  # `stop` as a list
 
     def __post_init__(self) -> None:
@@ -87,6 +93,34 @@ class SamplingParams:
                     raise ValueError(f"{name} must be None or >= 0, got {value}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        self._validate_token_constraints()
+
+    def _validate_token_constraints(self) -> None:
+        """logit_bias, allowed_token_ids, bad_words, truncate_prompt_tokens: what can be checked without the model
+        (the engine checks token ids against its vocabulary)."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            for token, bias in self.logit_bias.items():
+                _check_token_id("logit_bias", token)
+                _check_number(f"logit_bias[{token}]", bias)
+                if not math.isfinite(bias):
+                    raise ValueError(f"logit_bias[{token}] must be finite, got {bias}")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids, int, single_ok=False)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+            for token in self.allowed_token_ids:
+                _check_token_id("allowed_token_ids", token)
+        if self.bad_words is not None:
+            self.bad_words = list(dict.fromkeys(_as_list("bad_words", self.bad_words, str, single_ok=False)))
+            if any(not w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must not hold empty or blank strings, got {self.bad_words!r}")
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1 (max_model_len), got "
+                                 f"{self.truncate_prompt_tokens}")
 
     @property
     def greedy(self) -> bool:
@@ -95,6 +129,22 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def bad_words_token_ids(bad_words: list[str], tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
+    """vLLM's tokenization of bad words: each word as it stands (left-stripped), and once more after a space when
+    that gives a different first token in as many tokens (the word inside a text, for tokenizers that fold the
+    space into the token), without special tokens."""
+    out = []
+    for word in bad_words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not plain:
+            raise ValueError(f"bad_words entry {word!r} encodes to no tokens")
+        out.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out
 
 
 def check_seed(name: str, value: object) -> None:
@@ -119,6 +169,13 @@ def _as_list(name: str, value: object, kind: type, single_ok: bool) -> list:
 def _check_number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+
+
+def _check_token_id(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} token ids must be ints, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} token ids must be >= 0, got {value}")
 
 
 def _check_int(name: str, value: object) -> None:

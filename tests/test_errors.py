@@ -86,6 +86,15 @@ BAD_REQUESTS = {
     "params-str": ([GOOD], "greedy", TypeError, "SamplingParams"),
     "one-bad-prompt-in-batch": ([GOOD, [4, 5, 6, 7], [1, 99999], GOOD], GREEDY, ValueError, "99999"),
     "one-bad-params-in-batch": ([GOOD, GOOD, GOOD], [GREEDY, GREEDY, 1], TypeError, "SamplingParams"),
+    # Token ids that only the model's vocabulary (512 ids) can check.
+    "logit-bias-id-equal-vocab": ([GOOD], SamplingParams(logit_bias={3: 1.0, 512: 2.0}), ValueError,
+                                  r"logit_bias token id 512 is outside the vocabulary \[0, 512\)"),
+    "allowed-id-huge": ([GOOD], SamplingParams(allowed_token_ids=[3, 10**9]), ValueError,
+                        "allowed_token_ids token id 1000000000 is outside the vocabulary"),
+    "truncate-beyond-max-model-len": ([GOOD], SamplingParams(truncate_prompt_tokens=MAX_LEN + 1), ValueError,
+                                      f"truncate_prompt_tokens={MAX_LEN + 1} exceeds max_model_len={MAX_LEN}"),
+    "truncated-prompt-still-too-long": ([[7] * 200], SamplingParams(truncate_prompt_tokens=-1), ValueError,
+                                        "prompt of 128 tokens.*max_model_len=128"),
 }
 
 
@@ -115,6 +124,11 @@ MUTATED_PARAMS = {
     "repetition_penalty-negative": ("repetition_penalty", -1, ValueError),
     "stop_token_ids-str": ("stop_token_ids", "7", TypeError),
     "seed-float": ("seed", 1.5, TypeError),
+    "logit_bias-list": ("logit_bias", [1.0], TypeError),
+    "logit_bias-inf": ("logit_bias", {3: float("-inf")}, ValueError),
+    "allowed_token_ids-empty": ("allowed_token_ids", [], ValueError),
+    "bad_words-str": ("bad_words", "word", TypeError),
+    "truncate_prompt_tokens-0": ("truncate_prompt_tokens", 0, ValueError),
 }
 
 

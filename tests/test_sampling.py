@@ -3,30 +3,33 @@ sampling where the logits are (no host copy of [rows, vocab], no host sync), pen
 per-request seeds through the engine, incremental detokenization, and SamplingParams validation."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
 import random
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, RepetitionPenaltyLogitsProcessor
 
-from models import random_prompts
+from models import hf_forward_logits, load_hf_model, random_prompts
 from nanoinfer import LLM, RequestOutputKind, SamplingParams
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer
 from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.model_runner import ModelRunner
-from nanoinfer.engine.sampling_state import HostStaging, PenaltyCache
+from nanoinfer.engine.sampling_state import HostStaging, PenaltyCache, TokenTables, bad_word_bans
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers import sampler as sampler_module
 from nanoinfer.layers.sampler import Sampler, SamplingMetadata, exponential_noise, noise_keys
+from nanoinfer.sampling_params import bad_words_token_ids
 from nanoinfer.utils import default_model
 from nanoinfer.utils.gguf_loader import load_gguf_tokenizer
 
@@ -303,7 +306,7 @@ def meta_runner() -> ModelRunner:
     runner.device = torch.device("meta")
     runner.sampler, runner.seeds = Sampler(), random.Random(0)
     runner.input_batch, runner.upload = InputBatch(4, 16, 32, 4, runner.device), HostStaging(runner.device)
-    runner.penalty_cache = PenaltyCache(runner.upload)
+    runner.penalty_cache, runner.token_tables = PenaltyCache(runner.upload), TokenTables(4, runner.upload)
     return runner
 
 
@@ -317,12 +320,15 @@ def prepare_decode(runner: ModelRunner, seqs: list[Sequence]) -> None:
 
 def test_sampling_with_every_feature_never_synchronises_with_the_device():
     vocab = 97
-    params = [SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=2),
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=2, logit_bias={3: 1.5, 9: -2.0}),
               SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=3, min_tokens=4,
-                             stop_token_ids=[7]),
-              SamplingParams(temperature=1.2, presence_penalty=0.5, frequency_penalty=0.3, logprobs=0),
+                             stop_token_ids=[7], allowed_token_ids=[1, 4, 7, 8]),
+              SamplingParams(temperature=1.2, presence_penalty=0.5, frequency_penalty=0.3, logprobs=0,
+                             logit_bias={5: 1.0}, allowed_token_ids=[4, 5]),
               SamplingParams(temperature=0.0)]
-    seqs = [Sequence([1, 2, 3, 2], p, 4, eos_token_ids=frozenset({0})) for p in params]
+    words = ((4,), (4, 6))
+    seqs = [Sequence([1, 2, 3, 2], p, 4, eos_token_ids=frozenset({0}), bad_words_token_ids=words * (i < 2))
+            for i, p in enumerate(params)]
     seqs[2].token_ids += [5, 5, 9]
     runner = meta_runner()
     for _ in range(2):
@@ -335,6 +341,8 @@ def test_sampling_with_every_feature_never_synchronises_with_the_device():
     prepare_decode(runner, seqs)
     m = runner._sampling_metadata(seqs, vocab)
     assert m.penalties.output_counts.device.type == "meta" and m.noise_keys.device.type == "meta"
+    assert m.disallowed[1].shape == (2, vocab) and m.logit_bias[1].shape == (2, 2)
+    assert m.banned[0].numel() == 6  # rows 0 and 1: tokens 4 and 6 (bad words); row 1: 0 and 7 (min_tokens)
 
 
 class HostCopies:
@@ -516,6 +524,22 @@ def test_top_k_1_and_tiny_top_p_equal_greedy(llm):
     (dict(seed=-2**63 - 1), ValueError, "seed"),
     (dict(stop_token_ids=5), TypeError, "stop_token_ids"),
     (dict(stop_token_ids=[1, "2"]), TypeError, "stop_token_ids"),
+    (dict(logit_bias=[(1, 2.0)]), TypeError, "logit_bias must be a dict.*got list"),
+    (dict(logit_bias={"5": 1.0}), TypeError, "logit_bias token ids must be ints, got '5'"),
+    (dict(logit_bias={5: "1"}), TypeError, r"logit_bias\[5\] must be a number"),
+    (dict(logit_bias={5: float("inf")}), ValueError, r"logit_bias\[5\] must be finite, got inf"),
+    (dict(logit_bias={5: float("nan")}), ValueError, r"logit_bias\[5\] must be finite, got nan"),
+    (dict(logit_bias={-1: 1.0}), ValueError, "logit_bias token ids must be >= 0, got -1"),
+    (dict(allowed_token_ids=[]), ValueError, "allowed_token_ids must not be empty"),
+    (dict(allowed_token_ids=5), TypeError, "allowed_token_ids"),
+    (dict(allowed_token_ids=[1, 2.0]), TypeError, "allowed_token_ids.*2.0"),
+    (dict(allowed_token_ids=[1, -3]), ValueError, "allowed_token_ids token ids must be >= 0, got -3"),
+    (dict(bad_words="word"), TypeError, "bad_words"),
+    (dict(bad_words=["a", 3]), TypeError, "bad_words.*3"),
+    (dict(bad_words=["a", " "]), ValueError, "bad_words.*' '"),
+    (dict(truncate_prompt_tokens=0), ValueError, "truncate_prompt_tokens.*got 0"),
+    (dict(truncate_prompt_tokens=-2), ValueError, "truncate_prompt_tokens.*got -2"),
+    (dict(truncate_prompt_tokens=1.5), TypeError, "truncate_prompt_tokens.*1.5"),
 ])
 def test_sampling_params_validation(kwargs, exc, name):
     with pytest.raises(exc, match=name):
@@ -600,3 +624,186 @@ def test_detokenization_decodes_only_the_new_tokens(llm, monkeypatch):
     # A few tokens of context per step (more while a character is incomplete); re-decoding the completion every
     # step would be 60 * 61 / 2 = 1,830 tokens.
     assert decoded[0] < 12 * 60, f"{decoded[0]} tokens decoded for a 60-token completion"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# logit_bias, allowed_token_ids, bad_words, truncate_prompt_tokens
+# ----------------------------------------------------------------------------------------------------------
+
+EOS = 0  # the test models' EOS: both engines stop there
+FEATURE_PROMPTS = random_prompts(3, 5, 500, 4, 12, seed=51)
+
+
+def greedy_params(**kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=12, **kwargs)
+
+
+def hf_generate(model_dir, prompt: list[int], max_new_tokens: int, **processors) -> list[int]:
+    """transformers' greedy generate with its own logits processors, cut after EOS (where it stops and pads)."""
+    out = load_hf_model(model_dir).generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+                                            **processors)[0, len(prompt):].tolist()
+    return out[:out.index(EOS) + 1] if EOS in out else out
+
+
+def test_logit_bias_greedy_matches_transformers_sequence_bias(llm, qwen3_dir):
+    plain = tokens_of(llm, FEATURE_PROMPTS, greedy_params())
+    # Down with each plain completion's first token, up with its fourth and with two fixed tokens.
+    biases = [{g[0]: -6.0, g[3]: 2.5, 300: 3.5, 17: 1.5} for g in plain]
+    ours = tokens_of(llm, FEATURE_PROMPTS, [greedy_params(logit_bias=b) for b in biases])
+    for prompt, b, got, before in zip(FEATURE_PROMPTS, biases, ours, plain):
+        assert got != before, "the bias did not change the greedy output: the comparison proves nothing"
+        assert got == hf_generate(qwen3_dir, prompt, 12, sequence_bias={(t,): v for t, v in b.items()})
+
+
+def test_allowed_token_ids_greedy_matches_transformers_prefix_allowed_tokens(llm, qwen3_dir):
+    plain = tokens_of(llm, FEATURE_PROMPTS, greedy_params())
+    allowed = [t for t in range(100, 160) if t not in {g[0] for g in plain}] + [EOS]
+    ours = tokens_of(llm, FEATURE_PROMPTS, greedy_params(allowed_token_ids=allowed))
+    for prompt, got, before in zip(FEATURE_PROMPTS, ours, plain):
+        assert got != before and set(got) <= set(allowed)
+        assert got == hf_generate(qwen3_dir, prompt, 12, prefix_allowed_tokens_fn=lambda batch, ids: allowed)
+
+
+def round_trip_word(tok, ids: list[int]) -> str | None:
+    """The text of ids if it encodes back to exactly ids (so that banning the word bans those tokens)."""
+    text = tok.decode(ids)
+    return text if tok.encode(text.lstrip(), add_special_tokens=False) == ids else None
+
+
+def test_bad_words_greedy_matches_transformers_bad_words_ids(llm, qwen3_dir):
+    tok = llm.tokenizer
+    plain = tokens_of(llm, FEATURE_PROMPTS, greedy_params())
+    for prompt, before in zip(FEATURE_PROMPTS, plain):
+        # A word of one token, always banned, and one of two, banned once its first token was generated.
+        single = next(w for t in before if (w := round_trip_word(tok, [t])) is not None)
+        pair = next(w for k in range(1, len(before)) if (w := round_trip_word(tok, before[k - 1:k + 1])))
+        words = bad_words_token_ids([single, pair], tok)
+        got = tokens_of(llm, [prompt], greedy_params(bad_words=[single, pair]))[0]
+        assert got != before and all(tuple(w) not in zip(*(got[i:] for i in range(len(w)))) for w in words)
+        # transformers matches a word's first tokens against the prompt too, vLLM only against generated tokens:
+        # that must not matter here for the comparison to hold.
+        assert all(len(w) == 1 or prompt[-1] != w[0] for w in words)
+        assert got == hf_generate(qwen3_dir, prompt, 12, bad_words_ids=words)
+
+
+def test_bad_words_ban_only_what_the_generated_tokens_would_complete():
+    """vLLM's rule on token ids: a word's last token is banned when the generated tokens (not the prompt) end with
+    its other tokens; a one-token word always."""
+    words = ((9,), (5, 7), (4, 5, 8), (3, 4, 5, 6), (2, 6), (5, 5, 4))
+    seq = Sequence([1, 2, 3], SamplingParams(), 4, bad_words_token_ids=words)
+    assert bad_word_bans(seq) == [9]  # nothing generated: (2, 6) is not completed by the prompt's last token
+    seq.token_ids += [4, 5]
+    assert bad_word_bans(seq) == [9, 7, 8]  # (3, 4, 5, 6) needs the prompt's 3: not banned
+
+
+def test_bad_words_tokenized_as_vllm_does(llm):
+    """Each word left-stripped, and after a space where that gives a different first token in as many tokens."""
+    tok = llm.tokenizer
+    p, spaced_p = tok.encode("p", add_special_tokens=False), tok.encode(" p", add_special_tokens=False)
+    hello, spaced_hello = (tok.encode(w, add_special_tokens=False) for w in ("hello", " hello"))
+    assert len(p) == len(spaced_p) and p[0] != spaced_p[0] and len(spaced_hello) != len(hello)
+    assert bad_words_token_ids(["p", "  hello"], tok) == [p, spaced_p, hello]
+
+
+def test_rows_without_the_features_are_unchanged_in_a_mixed_batch(llm):
+    """Seeded sampling is batch-independent on the CPU: every row gives what it gives alone, with or without the
+    new features beside it, and the features do change their own rows."""
+    prompts = random_prompts(4, 5, 500, 5, 12, seed=52)
+    features = dict(logit_bias={300: 4.0, 17: -3.0}, allowed_token_ids=list(range(0, 400, 3)), bad_words=["p"])
+    params = [SamplingParams(temperature=0.9, seed=1, max_tokens=10, ignore_eos=True, **features),
+              SamplingParams(temperature=0.9, seed=2, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logit_bias={300: 2.0})]
+    together = tokens_of(llm, prompts, params)
+    alone = [tokens_of(llm, [p], q)[0] for p, q in zip(prompts, params)]
+    assert together == alone
+    without = dataclasses.replace(params[0], logit_bias=None, allowed_token_ids=None, bad_words=None)
+    assert tokens_of(llm, prompts[:1], without)[0] != together[0]
+    assert set(together[0]) <= set(features["allowed_token_ids"])
+
+
+@pytest.fixture
+def penalized_logits(monkeypatch):
+    """Per request id, every sampled step: (token ids so far, the logits greedy rows take the argmax of)."""
+    captured = defaultdict(list)
+    sample_ = ModelRunner.sample
+
+    def recording(self, seqs, logits):
+        penalized = self.sampler.penalize(logits, self._sampling_metadata(seqs, logits.shape[-1]))
+        for seq, row in zip(seqs, penalized):
+            captured[seq.request_id].append((list(seq.token_ids), row.clone()))
+        return sample_(self, seqs, logits)
+
+    monkeypatch.setattr(ModelRunner, "sample", recording)
+    return captured
+
+
+def vllm_processed(logits: torch.Tensor, ids: list[int], num_prompt: int, p: SamplingParams,
+                   words: list[list[int]], bias_last: bool = False) -> torch.Tensor:
+    """vLLM v1's processing of one row's logits, written out: allowed_token_ids, bad words, min_tokens (stop and
+    EOS tokens), logit_bias, then repetition, frequency, presence penalties (bias_last: the bias after them)."""
+    x, generated = logits.clone(), ids[num_prompt:]
+    x[~torch.isin(torch.arange(len(x)), torch.tensor(p.allowed_token_ids))] = float("-inf")
+    for w in words:
+        if len(w) - 1 <= len(generated) and generated[len(generated) - len(w) + 1:] == w[:-1]:
+            x[w[-1]] = float("-inf")
+    if len(generated) < p.min_tokens:
+        x[[EOS, *p.stop_token_ids]] = float("-inf")
+    bias = torch.zeros_like(x).index_put_((torch.tensor(list(p.logit_bias)),), torch.tensor(list(
+        p.logit_bias.values())))
+    x = x if bias_last else x + bias
+    x = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(torch.tensor([ids]), x[None])[0]
+    counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=len(x)).float()
+    x = x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+    return x + bias if bias_last else x
+
+
+def test_features_with_penalties_and_min_tokens_in_vllms_order(qwen3_dir, penalized_logits):
+    llm = LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=MAX_LEN)
+    prompt = random_prompts(1, 100, 130, 12, 12, seed=53)[0]
+    allowed = list(range(100, 130)) + [EOS]  # the prompt's range: tokens repeat, so the penalties act
+    bad_word = next(w for t in allowed if (w := round_trip_word(llm.tokenizer, [t])) is not None)
+    params = SamplingParams(temperature=1.0, seed=4, max_tokens=14, min_tokens=5, stop_token_ids=[prompt[0]],
+                            allowed_token_ids=allowed, bad_words=[bad_word, "p"], repetition_penalty=1.8,
+                            presence_penalty=0.7, frequency_penalty=0.4,
+                            logit_bias={t: (-1) ** t * 2.5 for t in prompt[:8]} | {EOS: 4.0})
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    words = bad_words_token_ids(params.bad_words, llm.tokenizer)
+    steps = penalized_logits[out.request_id]
+    assert len(steps) == len(out.outputs[0].token_ids) >= 5
+    order_matters = 0.0
+    for ids, ours in steps:
+        logits = hf_forward_logits(qwen3_dir, ids)[-1]
+        ref = vllm_processed(logits, ids, len(prompt), params, words)
+        assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+        kept = ~torch.isinf(ref)
+        assert (ours[kept] - ref[kept]).abs().max() < 1e-4
+        wrong = vllm_processed(logits, ids, len(prompt), params, words, bias_last=True)
+        order_matters = max(order_matters, (wrong[kept] - ref[kept]).abs().max().item())
+    assert order_matters > 0.1, "bias before or after the penalties gives the same logits: the test proves nothing"
+
+
+def test_truncate_prompt_tokens_equals_running_the_truncated_prompt(llm):
+    prompt = random_prompts(1, 5, 500, 20, 20, seed=54)[0]
+    for params in (SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                   SamplingParams(temperature=1.0, seed=6, max_tokens=10, ignore_eos=True)):
+        truncated = llm.generate([prompt], dataclasses.replace(params, truncate_prompt_tokens=7), use_tqdm=False)[0]
+        assert truncated.prompt_token_ids == prompt[-7:]
+        assert truncated.outputs[0].token_ids == tokens_of(llm, [prompt[-7:]], params)[0]
+        assert truncated.outputs[0].token_ids != tokens_of(llm, [prompt], params)[0]
+        # -1 keeps the last max_model_len tokens; a k longer than the prompt keeps it all.
+        for keep in (-1, 50):
+            whole = llm.generate([prompt], dataclasses.replace(params, truncate_prompt_tokens=keep),
+                                 use_tqdm=False)[0]
+            assert whole.prompt_token_ids == prompt and whole.outputs[0].token_ids == tokens_of(llm, [prompt],
+                                                                                               params)[0]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_greedy_with_the_token_features_is_the_same_on_cuda_and_cpu(qwen3_dir, llm):
+    params = [greedy_params(logit_bias={300: 3.5, 17: 1.5}), greedy_params(allowed_token_ids=list(range(100, 160))),
+              greedy_params(bad_words=["p", "\x00ver"], logit_bias={311: 2.0}), greedy_params()]
+    prompts = random_prompts(4, 5, 500, 4, 12, seed=55)
+    on_cuda = LLM(str(qwen3_dir), device="cuda", dtype="float32", max_model_len=MAX_LEN)
+    assert tokens_of(on_cuda, prompts, params) == tokens_of(llm, prompts, params)

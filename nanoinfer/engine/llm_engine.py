@@ -17,7 +17,7 @@ from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestMetrics,
                                RequestOutput)
-from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
+from nanoinfer.sampling_params import RequestOutputKind, SamplingParams, bad_words_token_ids
 from nanoinfer.utils.gguf_loader import load_gguf_tokenizer
 
 # A prompt: text, token ids, or a dict with "prompt_token_ids" (and optionally its "prompt" text) or "prompt".
@@ -59,9 +59,11 @@ class LLMEngine:
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()  # its fields may have changed since construction
         token_ids, text = self.prompt_token_ids(prompt)
-        out_of_range = next((t for t in params.stop_token_ids if not 0 <= t < self.vocab_size), None)
-        if out_of_range is not None:
-            raise ValueError(f"stop token id {out_of_range} is outside the vocabulary [0, {self.vocab_size})")
+        token_ids = self._truncated(token_ids, params.truncate_prompt_tokens)
+        for name, ids in (("stop token id", params.stop_token_ids), ("logit_bias token id", params.logit_bias or ()),
+                          ("allowed_token_ids token id", params.allowed_token_ids or ())):
+            self._check_in_vocabulary(name, ids)
+        bad_words = self._bad_words_token_ids(params.bad_words)
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > self.vocab_size:
                 raise ValueError(f"{name}={getattr(params, name)} exceeds the vocabulary size {self.vocab_size}")
@@ -72,8 +74,31 @@ class LLMEngine:
         metrics = RequestMetrics(arrival_time=time.time())
         return [Sequence(token_ids, _child_params(params, i), self.config.kvcache_block_size, prompt=text,
                          request_id=request_id, index=i, max_tokens=max_tokens,
-                         eos_token_ids=frozenset(self.eos_token_ids), metrics=metrics)
+                         eos_token_ids=frozenset(self.eos_token_ids), metrics=metrics, bad_words_token_ids=bad_words)
                 for i in range(params.n)]
+
+    def _truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """truncate_prompt_tokens (vLLM's): the last `keep` tokens of the prompt; -1 keeps max_model_len."""
+        if keep is None:
+            return token_ids
+        max_len = self.config.max_model_len
+        if keep > max_len:
+            raise ValueError(f"truncate_prompt_tokens={keep} exceeds max_model_len={max_len}")
+        return token_ids[-(max_len if keep == -1 else keep):]
+
+    def _check_in_vocabulary(self, name: str, token_ids: Iterable[int]) -> None:
+        out_of_range = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if out_of_range is not None:
+            raise ValueError(f"{name} {out_of_range} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _bad_words_token_ids(self, bad_words: list[str] | None) -> tuple[tuple[int, ...], ...]:
+        if not bad_words:
+            return ()
+        if self.tokenizer is None:
+            raise ValueError(f"bad_words={bad_words!r} needs a tokenizer, and this model has none")
+        token_ids = bad_words_token_ids(bad_words, self.tokenizer)
+        self._check_in_vocabulary(f"bad_words={bad_words!r}: token id", (t for ids in token_ids for t in ids))
+        return tuple(map(tuple, token_ids))
 
     def request_id_in_use(self, request_id: str) -> bool:
         """Unfinished, or finished with outputs that step() has not returned yet."""

@@ -17,8 +17,9 @@ from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.gpu_memory import profile_kv_cache_blocks
 from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.parallel import TPGroup
-from nanoinfer.engine.sampling_state import (GREEDY, LOGPROBS, MIN_P, MIN_TOKENS, PENALIZED, TOP_K, TOP_P,
-                                              HostStaging, HostTransfer, PenaltyCache)
+from nanoinfer.engine.sampling_state import (ALLOWED_TOKENS, BAD_WORDS, GREEDY, LOGIT_BIAS, LOGPROBS, MIN_P,
+                                              MIN_TOKENS, PENALIZED, TOP_K, TOP_P, HostStaging, HostTransfer,
+                                              PenaltyCache, TokenTables, bad_word_bans)
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention, AttentionMetadata, get_backend
@@ -106,6 +107,7 @@ class ModelRunner:
         self.seeds = random.Random(config.seed)  # the noise seeds of requests without one
         self.upload = HostStaging(self.device)
         self.penalty_cache = PenaltyCache(self.upload)
+        self.token_tables = TokenTables(config.max_num_seqs, self.upload)
         self.to_host = HostTransfer(self.device)
 
     @staticmethod
@@ -139,7 +141,8 @@ class ModelRunner:
             elif isinstance(module, GatedDeltaRule):
                 module.conv_state = module.ssm_state = torch.empty(0)
         self.model = self.backend = self.graph_runner = None
-        self.input_batch = self.penalty_cache = self.upload = self.to_host = None  # their device and pinned buffers
+        # Their device and pinned buffers.
+        self.input_batch = self.penalty_cache = self.token_tables = self.upload = self.to_host = None
         if self.device.type == "cuda":
             # cuBLAS keeps a workspace per stream it ran on (the graphs' capture stream too) for the process's life.
             getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
@@ -362,11 +365,19 @@ class ModelRunner:
             host["top_p"] = s.top_p[rows]
         if some & MIN_P:
             host["min_p"] = s.min_p[rows]
-        if some & MIN_TOKENS and (banned := self._banned(seqs, flags, positions < s.min_len[rows])) is not None:
-            host["banned"] = banned
+        if some & (MIN_TOKENS | BAD_WORDS):
+            banned = self._banned(seqs, flags, positions < s.min_len[rows])
+            if banned is not None:
+                host["banned"] = banned
         if some & PENALIZED:
             host["penalty_rows"] = np.flatnonzero(flags & PENALIZED)
             host["penalties"] = s.penalties[rows[host["penalty_rows"]]]
+        if some & (ALLOWED_TOKENS | LOGIT_BIAS):
+            self.token_tables.write(s.new_token_rows, vocab)
+            for bit, name in ((ALLOWED_TOKENS, "allowed"), (LOGIT_BIAS, "bias")):
+                if some & bit:
+                    host[f"{name}_rows"] = np.flatnonzero(flags & bit)  # their batch rows, then InputBatch rows
+                    host[f"{name}_table_rows"] = rows[host[f"{name}_rows"]]
         device = dict(zip(host, self.upload(*host.values())))
         m = SamplingMetadata(temperatures=device["temperatures"], top_k=device.get("top_k"),
                              top_p=device.get("top_p"), all_greedy=bool(every & GREEDY),
@@ -378,6 +389,11 @@ class ModelRunner:
             m.banned = tuple(device["banned"])
         if some & PENALIZED:
             m.penalties = self._penalties([seqs[i] for i in host["penalty_rows"].tolist()], device, vocab)
+        if some & ALLOWED_TOKENS:
+            m.disallowed = device["allowed_rows"], self.token_tables.disallowed[device["allowed_table_rows"]]
+        if some & LOGIT_BIAS:
+            t, tables = device["bias_table_rows"], self.token_tables
+            m.logit_bias = device["bias_rows"], tables.bias_ids[t], tables.bias_values[t]
         return m
 
     def _draw_seeds(self, seqs: list[Sequence], rows: np.ndarray) -> None:
@@ -390,10 +406,11 @@ class ModelRunner:
 
     @staticmethod
     def _banned(seqs: list[Sequence], flags: np.ndarray, short: np.ndarray) -> np.ndarray | None:
-        """[2, N] (row, token id) pairs of the EOS and stop tokens that rows short of their min_tokens may not
-        sample yet; None if there are none."""
+        """[2, N] (row, token id) pairs the rows may not sample: the EOS and stop tokens of rows short of their
+        min_tokens, and the bad words each row's generated tokens would complete; None if there are none."""
         pairs = [(i, t) for i in np.flatnonzero((flags & MIN_TOKENS).astype(bool) & short).tolist()
                  for t in (*seqs[i].eos_token_ids, *seqs[i].params.stop_token_ids)]
+        pairs += [(i, t) for i in np.flatnonzero(flags & BAD_WORDS).tolist() for t in bad_word_bans(seqs[i])]
         return np.array(pairs, dtype=np.int64).T if pairs else None
 
     def _penalties(self, seqs: list[Sequence], device: dict[str, torch.Tensor], vocab: int) -> Penalties:

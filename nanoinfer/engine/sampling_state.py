@@ -4,9 +4,11 @@ import numpy as np
 import torch
 
 from nanoinfer.engine.sequence import Sequence, SequenceStatus
+from nanoinfer.sampling_params import SamplingParams
 
 # SamplingRows.flags bits: which features a row uses, so that a step learns from two reductions which it needs.
-GREEDY, TOP_K, TOP_P, MIN_P, PENALIZED, MIN_TOKENS, LOGPROBS = (1 << i for i in range(7))
+(GREEDY, TOP_K, TOP_P, MIN_P, PENALIZED, MIN_TOKENS, LOGPROBS, ALLOWED_TOKENS, LOGIT_BIAS,
+ BAD_WORDS) = (1 << i for i in range(10))
 
 
 class SamplingRows:
@@ -15,7 +17,7 @@ class SamplingRows:
 
     def __init__(self, max_num_seqs: int):
         n = max_num_seqs
-        self.flags = np.zeros(n, dtype=np.uint8)
+        self.flags = np.zeros(n, dtype=np.uint16)
         self.temperature = np.zeros(n, dtype=np.float32)
         self.top_k = np.zeros(n, dtype=np.int64)
         self.top_p = np.ones(n, dtype=np.float32)
@@ -25,13 +27,20 @@ class SamplingRows:
         self.min_len = np.zeros(n, dtype=np.int64)  # stop and EOS tokens are banned at positions below this
         self.seed = np.zeros(n, dtype=np.uint64)
         self.has_seed = np.zeros(n, dtype=bool)  # False until an unseeded sequence is first sampled: drawn then
+        # Rows taken by a sequence with allowed_token_ids or a logit_bias since TokenTables last wrote its rows.
+        self.new_token_rows: dict[int, SamplingParams] = {}
 
     def add(self, row: int, seq: Sequence) -> None:
         p = seq.params
         # The flags are decided here on the Python values, exactly as a per-step scan of the params would be.
         self.flags[row] = (GREEDY * (p.temperature == 0) | TOP_K * (p.top_k > 0) | TOP_P * (p.top_p < 1)
                            | MIN_P * (p.min_p > 0) | PENALIZED * p.penalized | MIN_TOKENS * (p.min_tokens > 0)
-                           | LOGPROBS * (p.logprobs is not None))
+                           | LOGPROBS * (p.logprobs is not None) | ALLOWED_TOKENS * (p.allowed_token_ids is not None)
+                           | LOGIT_BIAS * bool(p.logit_bias) | BAD_WORDS * bool(seq.bad_words_token_ids))
+        if p.allowed_token_ids is not None or p.logit_bias:
+            self.new_token_rows[row] = p
+        else:
+            self.new_token_rows.pop(row, None)  # a previous owner's, never written
         # A top_k of the vocabulary or more filters nothing; int64's largest says as much for any larger one.
         self.temperature[row], self.top_k[row], self.top_p[row], self.min_p[row] = (
             p.temperature, min(p.top_k, np.iinfo(np.int64).max), p.top_p, p.min_p)
@@ -42,6 +51,14 @@ class SamplingRows:
 
     def set_seed(self, row: int, seed: int | None) -> None:
         self.seed[row], self.has_seed[row] = seed or 0, seed is not None
+
+
+def bad_word_bans(seq: Sequence) -> list[int]:
+    """The last token of each of seq's bad words whose other tokens its generated tokens end with (vLLM's rule:
+    the prompt does not count; a one-token word is always banned)."""
+    tokens, num_generated = seq.token_ids, seq.num_completion_tokens
+    return [word[-1] for word in seq.bad_words_token_ids
+            if len(word) <= num_generated + 1 and tuple(tokens[len(tokens) - len(word) + 1:]) == word[:-1]]
 
 
 class HostStaging:
@@ -144,6 +161,64 @@ class PenaltyCache:
         self.output_counts = torch.cat([self.output_counts.view(-1, vocab), self.output_counts.new_zeros(extra, vocab)])
         self.owners += [None] * extra
         self.num_counted += [0] * extra
+
+
+class TokenTables:
+    """Per-InputBatch-row token tables on the model's device, written once when a sequence takes its row (from
+    SamplingRows.new_token_rows, at the next step that needs them), then only gathered: allowed_token_ids as a
+    mask [rows, V] (True: not allowed) and logit_bias as (token id, bias) pairs [rows, W], padded with (0, 0.0).
+    Each is allocated when a row first uses it. A row's entries are stale once its sequence leaves: only rows whose
+    flags say so are gathered."""
+
+    def __init__(self, num_rows: int, upload: HostStaging):
+        self.num_rows = num_rows
+        self.upload = upload  # the runner's staging ring
+        self.disallowed: torch.Tensor | None = None  # [num_rows, V] bool
+        self.bias_ids: torch.Tensor | None = None  # [num_rows, W] int64
+        self.bias_values: torch.Tensor | None = None  # [num_rows, W] fp32
+
+    def write(self, new_rows: dict[int, SamplingParams], vocab: int) -> None:
+        """Fill the tables of new_rows (then emptied) in one upload."""
+        allowed = {row: p.allowed_token_ids for row, p in new_rows.items() if p.allowed_token_ids is not None}
+        bias = {row: p.logit_bias for row, p in new_rows.items() if p.logit_bias}
+        new_rows.clear()
+        host = {}
+        if allowed:
+            rows = np.fromiter(allowed, dtype=np.int64)
+            ids = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in allowed.values()])
+            host["allowed_rows"] = rows
+            host["allowed_pairs"] = np.stack([np.repeat(rows, [len(ids) for ids in allowed.values()]), ids])
+        if bias:
+            width = max(map(len, bias.values()))
+            self._grow_bias(width)
+            ids = np.zeros((len(bias), self.bias_ids.shape[1]), dtype=np.int64)
+            values = np.zeros(ids.shape, dtype=np.float32)
+            for i, b in enumerate(bias.values()):
+                ids[i, :len(b)], values[i, :len(b)] = list(b), list(b.values())
+            host.update(bias_rows=np.fromiter(bias, dtype=np.int64), bias_ids=ids, bias_values=values)
+        if not host:
+            return
+        device = dict(zip(host, self.upload(*host.values())))
+        if allowed:
+            if self.disallowed is None:
+                self.disallowed = torch.ones(self.num_rows, vocab, dtype=torch.bool, device=self.upload.device)
+            self.disallowed[device["allowed_rows"]] = True
+            self.disallowed[tuple(device["allowed_pairs"])] = False
+        if bias:
+            self.bias_ids[device["bias_rows"]] = device["bias_ids"]
+            self.bias_values[device["bias_rows"]] = device["bias_values"]
+
+    def _grow_bias(self, width: int) -> None:
+        """Room for `width` pairs a row (a power of two, so that growing is rare); the rows kept as they are."""
+        have = 0 if self.bias_ids is None else self.bias_ids.shape[1]
+        if width <= have:
+            return
+        new = 1 << (width - 1).bit_length()
+        ids = torch.zeros(self.num_rows, new, dtype=torch.int64, device=self.upload.device)
+        values = torch.zeros(self.num_rows, new, dtype=torch.float32, device=self.upload.device)
+        if have:
+            ids[:, :have], values[:, :have] = self.bias_ids, self.bias_values
+        self.bias_ids, self.bias_values = ids, values
 
 
 class HostTransfer:

@@ -22,7 +22,8 @@ class Sequence:
 
     def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int, prompt: str | None = None,
                  request_id: str = "", index: int = 0, max_tokens: int | None = None,
-                 eos_token_ids: frozenset[int] = frozenset(), metrics: RequestMetrics | None = None):
+                 eos_token_ids: frozenset[int] = frozenset(), metrics: RequestMetrics | None = None,
+                 bad_words_token_ids: tuple[tuple[int, ...], ...] = ()):
         self.seq_id = next(Sequence.ids)
         self.status = SequenceStatus.WAITING
         self.prompt = prompt
@@ -34,6 +35,9 @@ class Sequence:
         self.max_tokens = params.max_tokens if max_tokens is None else max_tokens
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.stop_token_ids = self.eos_token_ids | frozenset(params.stop_token_ids)  # either ends it (as "stop")
+        # params.bad_words as token sequences (the engine tokenizes them): each one's last token is banned where
+        # the generated tokens end with the others.
+        self.bad_words_token_ids = bad_words_token_ids
         self.metrics = metrics  # shared by the n completions of a request
         self.block_size = block_size
         self.block_table: list[int] = []

@@ -1,6 +1,6 @@
-"""Turns last-position logits into next tokens where the logits are (CPU or GPU): penalties, min_tokens, greedy,
-temperature, min_p, top-k and top-p (vLLM's order and definitions), per-request seeds as counter-based noise, and the
-top-k logprobs of the raw distribution."""
+"""Turns last-position logits into next tokens where the logits are (CPU or GPU): allowed_token_ids, bad words,
+min_tokens, logit_bias, penalties, greedy, temperature, min_p, top-k and top-p (vLLM v1's order and definitions),
+per-request seeds as counter-based noise, and the top-k logprobs of the raw distribution."""
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +34,9 @@ class SamplingMetadata:
     noise_keys: torch.Tensor | None = None  # [B, 2] int64 (see noise_keys); None when all rows are greedy
     min_p: torch.Tensor | None = None  # [B]; None when no row uses it
     penalties: Penalties | None = None
-    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) not allowed yet (min_tokens)
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) banned: min_tokens, bad words
+    disallowed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [R], [R, V] bool: outside allowed_token_ids)
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows [R], ids [R, W], biases [R, W])
     num_logprobs: int | None = None  # the most top logprobs any row asks for; None: no logprobs
 
 
@@ -64,12 +66,21 @@ class Sampler(nn.Module):
 
     @staticmethod
     def penalize(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
-        """What greedy rows take the argmax of: min_tokens bans, then repetition, frequency, presence penalties."""
-        if m.banned is None and m.penalties is None:
+        """What greedy rows take the argmax of, in vLLM v1's order: allowed_token_ids, bad words and min_tokens
+        (-inf masks: their order does not matter), then logit_bias, then repetition, frequency and presence
+        penalties (the bias moves a logit before the penalties scale or lower it; a banned token stays -inf)."""
+        if m.banned is None and m.penalties is None and m.disallowed is None and m.logit_bias is None:
             return logits
         logits = logits.clone()
+        if m.disallowed is not None:
+            rows, disallowed = m.disallowed
+            logits[rows] = logits[rows].masked_fill_(disallowed, float("-inf"))
         if m.banned is not None:
             logits[m.banned] = float("-inf")
+        if m.logit_bias is not None:
+            rows, ids, biases = m.logit_bias
+            # Padding pairs add 0.0 to token 0; a token's one real bias is added exactly once.
+            logits.index_put_((rows.unsqueeze(1).expand_as(ids), ids), biases, accumulate=True)
         if (p := m.penalties) is not None:
             rows = logits[p.rows]
             seen = p.prompt_mask | (p.output_counts > 0)
