@@ -48,7 +48,7 @@ class RecordingGraphRunner:
     """Stands in for CUDAGraphRunner (no CUDA here): records that graphs would be captured."""
 
     def __init__(self, *args, **kwargs) -> None:
-        pass
+        self.sizes = [1]  # what start-up logs
 
     def capture(self) -> None:
         pass
