@@ -120,9 +120,13 @@ MODEL_KINDS = ("qwen3", "qwen3-untied", "qwen2", "llama")  # the 4 main architec
 # Qwen3-Next: Gated DeltaNet + gated attention layers, a dense MLP and sparse MoE ones.
 QWEN3_NEXT_KINDS = ("qwen3-next",)
 # Gemma 3: sliding and full layers with different ropes, (1 + weight) norms, GeLU-tanh, final-logit softcapping.
-EXTRA_KINDS = ("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS + ("gemma3",)
-# Sliding windows of the *-swa kinds, mistral and gemma3: shorter than most test prompts.
-SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10}
+# Phi-3: fused qkv_proj / gate_up_proj, partial rotary, longrope, a window on every layer.
+EXTRA_KINDS = ("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS + ("gemma3", "phi3")
+# Sliding windows of the *-swa kinds, mistral, gemma3 and phi3: shorter than most test prompts.
+SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "phi3": 24}
+# phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
+# continuations cross it.
+PHI3_ORIGINAL_MAX_POSITION = 80
 ALL_KINDS = MODEL_KINDS + ("qwen3-sharded",) + EXTRA_KINDS
 # For tensor parallelism: a vocabulary that 2 ranks cannot split evenly (padded) and one KV head (replicated).
 ODD_KIND = "qwen2-mqa-oddvocab"
@@ -149,7 +153,7 @@ _COMMON = dict(
 )
 
 _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678,
-          "qwen2-swa": 6789, "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, "gemma3": 1357, ODD_KIND: 9012}
+          "qwen2-swa": 6789, "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, "gemma3": 1357, "phi3": 2468, ODD_KIND: 9012}
 
 
 def _token_ids():
@@ -159,8 +163,8 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
-                              Qwen3NextConfig)
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig, Qwen3NextConfig)
 
     ids = _token_ids()
     special = dict(
@@ -315,6 +319,19 @@ def make_config(kind: str):
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                              "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}},
             final_logit_softcapping=5.0,  # below the test models' logits: a forgotten softcap shows
+        )
+    if kind == "phi3":  # Phi-4-mini's shape: GQA, 3/4 of each head rotated, longrope
+        return Phi3Config(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            sliding_window=SLIDING_WINDOW[kind],
+            original_max_position_embeddings=PHI3_ORIGINAL_MAX_POSITION,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75,
+                             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                             "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]},
         )
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND,)}")
 

@@ -80,7 +80,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        """shard_id: which of the stacked matrices `loaded` is; None: all of them, stacked (Phi-3's gate_up_proj)."""
+        if shard_id is None:
+            load_stacked(self, param, loaded, list(enumerate(self.output_sizes)))
+            return
         if loaded.shape[0] != self.output_sizes[shard_id]:
             raise ValueError(f"shape mismatch: checkpoint tensor has {loaded.shape[0]} rows, "
                              f"expected {self.output_sizes[shard_id]}")
@@ -102,7 +106,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         output_size = (total_num_heads + 2 * self.num_kv_heads * tp) * head_size
         super().__init__(hidden_size, output_size, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        """shard_id: "q", "k" or "v"; None: the three stacked in one tensor (Phi-3's qkv_proj)."""
+        if shard_id is None:
+            q_rows, kv_rows = self.total_num_heads * self.head_size, self.total_num_kv_heads * self.head_size
+            load_stacked(self, param, loaded, [("q", q_rows), ("k", kv_rows), ("v", kv_rows)])
+            return
         total_heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
         if loaded.shape[0] != total_heads * self.head_size:
             raise ValueError(f"shape mismatch: checkpoint tensor has {loaded.shape[0]} rows, "
@@ -113,6 +122,20 @@ class QKVParallelLinear(ColumnParallelLinear):
         head_start = self.tp_rank * total_heads // self.tp_size
         loaded = loaded.narrow(0, head_start * self.head_size, size)
         copy_weight(param.data.narrow(0, offset, size), loaded)
+
+
+def load_stacked(layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor, parts: list[tuple[int | str, int]]
+                 ) -> None:
+    """A checkpoint tensor holding several of the layer's matrices stacked along dim 0: each part (its shard id,
+    its rows) goes through the layer's weight_loader, which takes this rank's slice of it."""
+    total = sum(rows for _, rows in parts)
+    if loaded.shape[0] != total:
+        raise ValueError(f"shape mismatch: checkpoint tensor has {loaded.shape[0]} rows, expected {total} "
+                         f"({' + '.join(f'{shard_id}: {rows}' for shard_id, rows in parts)})")
+    start = 0
+    for shard_id, rows in parts:
+        layer.weight_loader(param, loaded.narrow(0, start, rows), shard_id)
+        start += rows
 
 
 class RowParallelLinear(LinearBase):

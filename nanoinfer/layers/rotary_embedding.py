@@ -41,7 +41,7 @@ def inv_frequencies(config: PretrainedConfig, rotary_dim: int, layer_type: str |
     if rope_type == "default":
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
         return 1.0 / (params["rope_theta"] ** exponents), 1.0
-    if rope_type in ("dynamic", "longrope"):
+    if rope_type == "dynamic":
         raise ValueError(f"rope_type {rope_type!r} depends on the sequence length and is not supported")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     if rope_type not in ROPE_INIT_FUNCTIONS:
@@ -52,16 +52,31 @@ def inv_frequencies(config: PretrainedConfig, rotary_dim: int, layer_type: str |
     return inv_freq.float(), float(scaling)
 
 
+def longrope_frequencies(config: PretrainedConfig, max_position: int) -> tuple[torch.Tensor, float]:
+    """Per-position inverse frequencies [max_position, rotary_dim / 2] of longrope (Phi-3, Phi-4-mini), and its
+    attention scaling. transformers rotates a forward pass with the long factors when its sequence reaches
+    beyond `original_max_position_embeddings`, else with the short ones; here each position takes the factors of
+    a sequence ending there. The same whenever a prompt fits in that length (a decode step past it included);
+    a longer prompt transformers rotates all with the long factors, here its first positions keep the short."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    original = rope_parameters(config)["original_max_position_embeddings"]
+    short, scaling = ROPE_INIT_FUNCTIONS["longrope"](config, torch.device("cpu"))
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, torch.device("cpu"), seq_len=original + 1)
+    beyond = torch.arange(max_position) >= original
+    return torch.where(beyond[:, None], long.float(), short.float()), float(scaling)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, scaling: float = 1.0):
+        """inv_freq: [rotary_dim / 2], or one row per position [max_position, rotary_dim / 2]."""
         super().__init__()
         inv_freq = inv_freq.to(torch.get_default_device())  # the table is built where the model is
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        freqs = torch.arange(max_position, dtype=torch.float32).unsqueeze(1) * inv_freq
         # Non-persistent: derived from the config, never in a checkpoint.
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
         self.head_dim = head_dim
-        self.rotary_dim = 2 * inv_freq.shape[0]  # the leading dims that rotate; the rest pass through
+        self.rotary_dim = 2 * inv_freq.shape[-1]  # the leading dims that rotate; the rest pass through
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None = None,
                 k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,10 +132,13 @@ def get_rope(config: PretrainedConfig, head_dim: int, max_position: int, layer_t
     rotary_dim = int(head_dim * rope_parameters(config, layer_type).get("partial_rotary_factor", 1.0))
     device = torch.get_default_device()
     with torch.device("cpu"):  # the model may be built under another device; transformers' functions need data
-        inv_freq, scaling = inv_frequencies(config, rotary_dim, layer_type)
+        if rope_parameters(config, layer_type)["rope_type"] == "longrope":
+            inv_freq, scaling = longrope_frequencies(config, max_position)
+        else:
+            inv_freq, scaling = inv_frequencies(config, rotary_dim, layer_type)
     if _shared is None:
         return RotaryEmbedding(head_dim, max_position, inv_freq, scaling)
-    key = (head_dim, max_position, tuple(inv_freq.tolist()), scaling, device)
+    key = (head_dim, max_position, tuple(inv_freq.shape), inv_freq.numpy().tobytes(), scaling, device)
     if key not in _shared:
         _shared[key] = RotaryEmbedding(head_dim, max_position, inv_freq, scaling)
     return _shared[key]

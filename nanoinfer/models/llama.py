@@ -1,5 +1,5 @@
-"""Llama decoder; Qwen2, Qwen3, Qwen3-MoE and Mistral reuse it with their per-layer attention options (qkv bias,
-per-head q/k norm, sliding window) and, for MoE, their own MLP per layer; Gemma 3 its attention and MLP."""
+"""Llama decoder; Qwen2, Qwen3, Qwen3-MoE, Mistral and Phi-3 reuse it with their per-layer attention options (qkv
+bias, per-head q/k norm, sliding window) and, for MoE, their own MLP per layer; Gemma 3 its layers' parts."""
 from collections.abc import Callable
 from dataclasses import dataclass
 
