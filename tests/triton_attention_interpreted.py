@@ -276,16 +276,18 @@ def test_engine_prefix_hits_and_chunked_prefill_match_hf(qwen3_dir, captured_log
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
 
-def test_engine_sliding_window_matches_hf(model_dir, captured_logits, report_logit_diff):
-    """qwen3-swa: windowed (9) and full layers; contexts a few windows long, prefilled in 7-token chunks with
-    8-token blocks, then again with a cached prefix."""
-    d = model_dir("qwen3-swa")
+@pytest.mark.parametrize("kind", ["qwen3-swa", "gemma3"])
+def test_engine_sliding_window_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
+    """Windowed (qwen3-swa: 9, gemma3: 10) and full layers (gemma3: with their own rope and a score scale that is
+    not head_dim ** -0.5); contexts a few windows long, prefilled in 7-token chunks with 8-token blocks, then again
+    with a cached prefix."""
+    d = model_dir(kind)
     shared = random_prompts(1, 5, 440, 24, 24, seed=8)[0]
     prompts = [shared + tail for tail in random_prompts(2, 5, 440, 1, 12, seed=9)]
     llm = LLM(str(d), device="cpu", dtype="float32", attention_backend="triton", max_num_seqs=4,
               max_model_len=64, max_num_batched_tokens=7, kvcache_block_size=8)
     worst = twice_against_hf(llm, d, prompts, 16, captured_logits)
-    report_logit_diff("qwen3-swa, triton backend, sliding window", worst)
+    report_logit_diff(f"{kind}, triton backend, sliding window", worst)
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
 
