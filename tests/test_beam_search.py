@@ -108,8 +108,9 @@ def vllm_beam_search(model_dir, prompt: list[int], params: BeamSearchParams, eos
     """vLLM's LLM.beam_search written out on transformers' logits (a whole forward per beam): each beam's top 2W
     tokens are its candidates; those ending in EOS are set aside (unless ignore_eos), whatever their rank; the W
     best of the others by vLLM's score go on; at the end the W best of both by that score."""
-    def score(beam):
-        return get_beam_search_score(beam[0], beam[1], eos, params.length_penalty)
+    def score(beam):  # written out again, not get_beam_search_score: a reference of its own
+        tokens, cum = beam
+        return cum / (len(tokens) - (tokens[-1] in eos)) ** params.length_penalty
 
     beams, completed = [(prompt, 0.0)], []
     for _ in range(params.max_tokens):
