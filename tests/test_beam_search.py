@@ -168,6 +168,18 @@ def test_width_1_is_greedy(llm):
     assert_idle(llm)
 
 
+def test_temperature_only_adds_the_sampled_candidate(llm):
+    """As in vLLM, temperature > 0 samples each beam's one token, which joins its step's candidates beside the top
+    2W when it is not among them; such a candidate ranks below 2W others of its beam, so without EOS the beams stay
+    those of temperature 0."""
+    cold = llm.beam_search(PROMPTS, BeamSearchParams(WIDTH, STEPS, ignore_eos=True))
+    hot = llm.beam_search(PROMPTS, BeamSearchParams(WIDTH, STEPS, ignore_eos=True, temperature=5.0))
+    assert_same_beams(beams_of(hot), beams_of(cold))
+    sizes = {len(step) for output in hot for s in output.sequences for step in s.logprobs}
+    assert sizes == {2 * WIDTH, 2 * WIDTH + 1}
+    assert_idle(llm)
+
+
 def test_prompt_forms_and_concurrency_limit(llm):
     """Text, token ids and prompt dicts as generate takes them, each with its own result, whatever the
     concurrency_limit (prompts searched at a time); one prompt alone gives a list of one."""
