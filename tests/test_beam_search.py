@@ -35,8 +35,8 @@ def llm(qwen3_dir):
 
 @pytest.fixture(scope="module")
 def eos_llm(qwen3_dir, tmp_path_factory):
-    """The qwen3 test model with EOS = 311 in its generation config (the real EOS, id 0, has a logprob near -11
-    on these prompts: it never enters the candidates)."""
+    """The qwen3 test model with EOS = 311 in its generation config: its real EOS, id 0, is never among the
+    candidates of a step on PROMPTS."""
     model_dir = tmp_path_factory.mktemp("beam_search") / "qwen3-eos311"
     shutil.copytree(qwen3_dir, model_dir)
     config_path = model_dir / "generation_config.json"
@@ -82,7 +82,8 @@ def test_matches_transformers_beam_search(model_dir, kind, length_penalty):
     cumulative logprob, vLLM from each beam's top 2W (the W best pairs are among them) by cum / length ** lp, and
     every live beam has the same length. Except in one case: vLLM's length leaves out a final EOS even under
     ignore_eos, so with lp != 0 a live beam ending in EOS ranks lower than transformers ranks it. On llama one does
-    (EOS 0 is among a step's W best on PROMPTS[1]), hence lp = 0 there; on qwen3 none does, so lp = 1 is compared.
+    (EOS 0 is among a step's W best on PROMPTS[1]), hence lp = 0 there; on qwen3 EOS is never even a candidate,
+    so lp = 1 is compared.
     Both end after STEPS tokens with W beams, so the final ranking (vLLM's length counts the prompt, transformers'
     only the completion) and early_stopping do not matter. With EOS in play the searches differ: see
     test_eos_as_in_vllm."""
@@ -158,6 +159,8 @@ def test_score_counts_prompt_and_not_final_eos():
 
 
 def test_width_1_is_greedy(llm):
+    """Tokens and cumulative logprob of greedy generate. Only with ignore_eos: otherwise vLLM's search sets an EOS
+    argmax aside and goes on with the runner-up, where greedy stops."""
     outputs = llm.beam_search(PROMPTS, BeamSearchParams(1, STEPS, ignore_eos=True))
     greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=0),
                           use_tqdm=False)
