@@ -1,4 +1,5 @@
-"""`LLM`: the user's entry point for offline generation: batch (`generate`, `chat`) or streaming (`generate_iter`)."""
+"""`LLM`: the user's entry point for offline generation: batch (`generate`, `chat`, `beam_search`) or streaming
+(`generate_iter`)."""
 import dataclasses
 import os
 import threading
@@ -11,6 +12,7 @@ from itertools import count
 
 from tqdm.auto import tqdm
 
+from nanoinfer.beam_search import BeamSearchOutput, BeamSearchParams, beam_search, check_beam_search
 from nanoinfer.config import Config
 from nanoinfer.engine.llm_engine import LLMEngine, Prompt
 from nanoinfer.engine.sequence import Sequence
@@ -125,6 +127,27 @@ class LLM:
             text = self.tokenizer.apply_chat_template(list(conversation), tokenize=False, **kwargs)
             prompts.append({"prompt_token_ids": list(ids), "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's beam search (see nanoinfer/beam_search.py): per prompt, in input order, a BeamSearchOutput whose
+        `sequences` are the best `params.beam_width` beams (prompt + completion tokens), best first."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        params.validate()
+        engine = self.llm_engine
+        token_ids = [engine.prompt_token_ids(p)[0] for p in _as_prompt_list(prompts)]
+        check_beam_search(token_ids, params, engine.vocab_size, engine.config.max_model_len, concurrency_limit)
+        step = params.step_params()
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+
+        def search() -> list[BeamSearchOutput]:
+            return beam_search(token_ids, params, engine.eos_token_ids,
+                               lambda beams: self._run(self._make_requests(beams, step, None), use_tqdm=False),
+                               decode, use_tqdm, concurrency_limit)
+
+        with self._turn():
+            return engine.run_on_every_rank(search) if engine.tp.torchrun else search()
 
     def embed(self, prompts: Prompt | list[Prompt], pooling: str = "mean",
               normalize: bool = False) -> list[EmbeddingRequestOutput]:
