@@ -121,13 +121,16 @@ def test_reduce_kernel_compiles_for_sm90():
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 def test_layer_kernels_compile_for_sm90(dtype):
-    kernels = [
+    kernels = [  # RMSNorm with a weight of the activations' dtype, and Gemma's fp32 one
         compile_kernel(triton_layers._rms_norm_kernel,
-                       dict(x_ptr=f"*{dtype}", residual_ptr=f"*{dtype}", weight_ptr=f"*{dtype}", out_ptr=f"*{dtype}",
-                            residual_out_ptr=f"*{dtype}", x_stride="i32", residual_stride="i32", eps="fp32"),
-                       dict(N=1024, BLOCK=1024, HAS_RESIDUAL=True),
+                       dict(x_ptr=f"*{dtype}", residual_ptr=f"*{dtype}", weight_ptr=f"*{weight_dtype}",
+                            out_ptr=f"*{dtype}", residual_out_ptr=f"*{dtype}", x_stride="i32", residual_stride="i32",
+                            eps="fp32"),
+                       dict(N=1024, BLOCK=1024, HAS_RESIDUAL=True, FP32_WEIGHT=weight_dtype != dtype),
                        aligned=("x_ptr", "residual_ptr", "weight_ptr", "out_ptr", "residual_out_ptr", "x_stride",
-                                "residual_stride"), num_warps=4),
+                                "residual_stride"), num_warps=4)
+        for weight_dtype in dict.fromkeys((dtype, "fp32"))
+    ] + [
         compile_kernel(triton_layers._silu_and_mul_kernel, dict(x_ptr=f"*{dtype}", out_ptr=f"*{dtype}", x_stride="i32"),
                        dict(N=3072, BLOCK=1024), aligned=("x_ptr", "out_ptr", "x_stride"), num_warps=4),
         compile_kernel(triton_kvcache._store_kvcache_kernel,

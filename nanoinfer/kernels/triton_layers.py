@@ -8,7 +8,7 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, x_stride, residual_stride, eps,
-                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, FP32_WEIGHT: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -21,24 +21,29 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
         tl.store(residual_out_ptr + row * N + offs, x, mask=mask)
         x = x.to(tl.float32)
     variance = tl.sum(x * x, axis=0) / N
-    y = (x * tl.rsqrt(variance + eps)).to(dtype).to(tl.float32)
+    y = x * tl.rsqrt(variance + eps)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if not FP32_WEIGHT:  # the normalized activation is rounded to its dtype before the weight (transformers' Llama)
+        y = y.to(dtype).to(tl.float32)
     tl.store(out_ptr + row * N + offs, (y * w).to(dtype), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm(x) * weight, or with a residual: (RMSNorm(x + residual) * weight, x + residual)."""
+    """RMSNorm(x) * weight, or with a residual: (RMSNorm(x + residual) * weight, x + residual). A weight of x's
+    dtype multiplies the normalized x rounded to that dtype; an fp32 weight on 16-bit x (Gemma's 1 + w) multiplies
+    it in fp32, rounded once after."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
-    assert x.stride(-1) == 1 and weight.dtype == x.dtype
+    assert x.stride(-1) == 1 and weight.dtype in (x.dtype, torch.float32)
     rows, n = x.shape
     out = torch.empty_like(x)
     res_in = x if residual is None else residual.reshape(-1, n)
     res_out = out if residual is None else torch.empty_like(x)
     if rows:
         _rms_norm_kernel[(rows,)](x, res_in, weight, out, res_out, x.stride(0), res_in.stride(0), eps, N=n,
-                                  BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None)
+                                  BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None,
+                                  FP32_WEIGHT=weight.dtype != x.dtype)
     if residual is None:
         return out.view(shape)
     return out.view(shape), res_out.view(shape)

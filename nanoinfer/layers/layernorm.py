@@ -12,6 +12,8 @@ from nanoinfer.layers.linear import copy_weight
 class RMSNorm(nn.Module):
     """With zero_centered, the checkpoint stores weight - 1 (Qwen3-Next scales by 1 + weight): 1 is added on load."""
 
+    fp32_weight = False  # an fp32 weight on 16-bit activations, applied in fp32 (GemmaRMSNorm)
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, zero_centered: bool = False):
         super().__init__()
         self.eps = eps
@@ -29,11 +31,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if x.dtype == self.weight.dtype:  # the fused kernels take a weight of x's dtype
-            if cpu_kernels.use_cpu_kernels(x):  # one pass instead of ~8 ops
-                return cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
-            if x.is_cuda and (kernels := triton_layers()) is not None:  # one kernel instead of ~8
-                return kernels.rms_norm(x, self.weight, self.eps, residual)
+        same_dtype = x.dtype == self.weight.dtype
+        if same_dtype and cpu_kernels.use_cpu_kernels(x):  # one pass instead of ~8 ops
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
+        # One kernel instead of ~8; it rounds as _norm does for a weight of x's dtype or Gemma's fp32 one.
+        if x.is_cuda and (same_dtype or self.fp32_weight) and (kernels := triton_layers()) is not None:
+            return kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual
@@ -42,7 +45,10 @@ class RMSNorm(nn.Module):
 
 class GemmaRMSNorm(RMSNorm):
     """x / rms(x) * (1 + w) as transformers' Gemma3RMSNorm computes it: w in the model's dtype (the one this is built
-    under), 1 + w in fp32, applied in fp32 before the cast back. In fp32 models: the plain RMSNorm's fused kernels."""
+    under), 1 + w in fp32, applied in fp32 before the cast back. In fp32 models: the plain RMSNorm's fused kernels;
+    on CUDA in every dtype: the Triton kernel, which rounds this way for an fp32 weight."""
+
+    fp32_weight = True
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__(hidden_size, eps)
