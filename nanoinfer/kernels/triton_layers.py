@@ -1,6 +1,6 @@
 """Triton kernels for the elementwise layers of every decoder block on CUDA: fused residual add + RMSNorm,
-SiLU-and-mul, and rotary embedding (with Qwen3's per-head q/k norm fused in). One program per token row; rounding
-follows the PyTorch layers step by step."""
+SiLU-and-mul, and rotary embedding (with Qwen3's per-head q/k norm fused in). Programs work on one token row (the
+rotary kernel: one block of its heads); rounding follows the PyTorch layers step by step."""
 import torch
 import triton
 import triton.language as tl
