@@ -129,10 +129,11 @@ def shared_rope_tables() -> Iterator[None]:
 def get_rope(config: PretrainedConfig, head_dim: int, max_position: int, layer_type: str | None = None
              ) -> RotaryEmbedding:
     """The rotary embedding of the config's rope settings (for `layer_type`, where they differ by layer type)."""
-    rotary_dim = int(head_dim * rope_parameters(config, layer_type).get("partial_rotary_factor", 1.0))
+    params = rope_parameters(config, layer_type)
+    rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
     device = torch.get_default_device()
     with torch.device("cpu"):  # the model may be built under another device; transformers' functions need data
-        if rope_parameters(config, layer_type)["rope_type"] == "longrope":
+        if params["rope_type"] == "longrope":
             inv_freq, scaling = longrope_frequencies(config, max_position)
         else:
             inv_freq, scaling = inv_frequencies(config, rotary_dim, layer_type)
