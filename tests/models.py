@@ -124,6 +124,10 @@ QWEN3_NEXT_KINDS = ("qwen3-next",)
 EXTRA_KINDS = ("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS + ("gemma3", "phi3")
 # Sliding windows of the *-swa kinds, mistral, gemma3 and phi3: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "phi3": 24}
+# Mixtral: a window on every layer and 2 of 8 experts per token on every layer, renormalized. Qwen2-MoE: 2 of 8
+# experts (not renormalized) plus a gated shared expert on layers 0 and 2, layer 1 dense.
+EXTRA_KINDS += ("mixtral", "qwen2-moe")
+SLIDING_WINDOW["mixtral"] = 14
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
 # continuations cross it.
 PHI3_ORIGINAL_MAX_POSITION = 80
@@ -154,6 +158,7 @@ _COMMON = dict(
 
 _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678,
           "qwen2-swa": 6789, "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, "gemma3": 1357, "phi3": 2468, ODD_KIND: 9012}
+_SEEDS.update({"mixtral": 3581, "qwen2-moe": 4681})
 
 
 def _token_ids():
@@ -332,6 +337,38 @@ def make_config(kind: str):
             rope_parameters={"rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75,
                              "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                              "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]},
+        )
+    if kind == "mixtral":
+        from transformers import MixtralConfig
+
+        return MixtralConfig(
+            **{**_COMMON, "intermediate_size": 32},  # each expert's
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            sliding_window=SLIDING_WINDOW[kind],
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        )
+    if kind == "qwen2-moe":
+        from transformers import Qwen2MoeConfig
+
+        return Qwen2MoeConfig(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         )
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND,)}")
 

@@ -7,11 +7,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.layers.linear import copy_weight
+from transformers import PretrainedConfig
+
+from nanoinfer.layers.linear import ReplicatedLinear, copy_weight
 from nanoinfer.utils.dist import tp_group, tp_rank, tp_size
 
-# HF checkpoints store each expert separately: `<moe>.experts.<e>.{gate,up,down}_proj.weight`.
-_EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+# HF checkpoints store each expert separately: `<moe>.experts.<e>.{gate,up,down}_proj.weight`, or, in Mixtral's
+# naming, `<moe>.experts.<e>.{w1,w3,w2}.weight`.
+_EXPERT_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+_EXPERT_WEIGHT = re.compile(rf"\.experts\.(\d+)\.({'|'.join(_EXPERT_PROJ)})\.weight$")
 
 
 def expert_weight_target(name: str) -> tuple[str, tuple[int, str]] | None:
@@ -19,8 +23,9 @@ def expert_weight_target(name: str) -> tuple[str, tuple[int, str]] | None:
     m = _EXPERT_WEIGHT.search(name)
     if m is None:
         return None
-    param = "w2_weight" if m.group(2) == "down" else "w13_weight"
-    return f"{name[:m.start()]}.experts.{param}", (int(m.group(1)), m.group(2))
+    proj = _EXPERT_PROJ[m.group(2)]
+    param = "w2_weight" if proj == "down" else "w13_weight"
+    return f"{name[:m.start()]}.experts.{param}", (int(m.group(1)), proj)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,3 +96,18 @@ class FusedMoE(nn.Module):
         if self.reduce_results and self.tp_size > 1:
             dist.all_reduce(y, group=self.tp_group)
         return y
+
+
+class SparseMoeBlock(nn.Module):
+    """An MoE layer's routed MLP: a replicated router (`gate`) scores the experts, each token goes to its top k."""
+
+    def __init__(self, config: PretrainedConfig, num_experts: int, intermediate_size: int, renormalize: bool):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
+        self.gate = ReplicatedLinear(config.hidden_size, num_experts)  # the router
+        self.experts = FusedMoE(num_experts, config.num_experts_per_tok, config.hidden_size, intermediate_size,
+                                renormalize)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.gate(x))

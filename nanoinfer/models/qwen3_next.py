@@ -7,11 +7,11 @@ from transformers import PretrainedConfig
 
 from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanoinfer.layers.fused_moe import FusedMoE
 from nanoinfer.layers.gated_delta_rule import GatedDeltaRule, RecurrentBatch
 from nanoinfer.layers.layernorm import GatedRMSNorm, RMSNorm
 from nanoinfer.layers.linear import ReplicatedLinear
 from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM, LlamaMLP
+from nanoinfer.models.qwen2_moe import Qwen2MoeSparseMoeBlock, is_sparse_layer
 
 
 class Qwen3NextGatedDeltaNet(nn.Module):
@@ -55,22 +55,6 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         return self.out_proj(out.flatten(1))
 
 
-class Qwen3NextSparseMoeBlock(nn.Module):
-    """Top-k routed experts plus a shared expert that every token passes through, scaled by sigmoid(its gate)."""
-
-    def __init__(self, config: PretrainedConfig):
-        super().__init__()
-        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts)  # the router
-        self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
-                                config.moe_intermediate_size, renormalize=config.norm_topk_prob)
-        self.shared_expert = LlamaMLP(config, config.shared_expert_intermediate_size)
-        self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.experts(x, self.gate(x)) + shared
-
-
 class Qwen3NextDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_idx: int):
         super().__init__()
@@ -83,10 +67,7 @@ class Qwen3NextDecoderLayer(nn.Module):
             self.self_attn = LlamaAttention(config, options)
         else:
             raise ValueError(f"unsupported layer type {self.layer_type!r} in layer {layer_idx}")
-        # Which layers are sparse, exactly as transformers decides it.
-        sparse = (layer_idx not in config.mlp_only_layers and config.num_experts > 0
-                  and (layer_idx + 1) % config.decoder_sparse_step == 0)
-        self.mlp = Qwen3NextSparseMoeBlock(config) if sparse else LlamaMLP(config)
+        self.mlp = Qwen2MoeSparseMoeBlock(config) if is_sparse_layer(config, layer_idx) else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
 

@@ -65,10 +65,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | L
     # Tied parameters (lm_head sharing the embedding) appear once; a checkpoint copy of the alias is redundant.
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - params.keys()
     ignored_prefixes: tuple[str, ...] = getattr(model, "ignored_weight_prefixes", ())
+    # Checkpoint names that differ from the model's own, e.g. Mixtral's `.block_sparse_moe.` for `.mlp.`.
+    substitutions: dict[str, str] = getattr(model, "weight_name_substitutions", {})
     for name, tensor in weights:
         if name.endswith(_IGNORED_SUFFIXES) or name in aliases or name.startswith(ignored_prefixes):
             continue
-        target, shard = _route(name, packed)
+        target, shard = _route(_substitute(name, substitutions), packed)
         param = params.get(target)
         lazy = isinstance(tensor, LazyTensor)
         where = f" in {tensor.file}" if lazy else ""
@@ -92,6 +94,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | L
         p, "num_shards", shards_per_param.get(_packed_key(n, packed), 1))]
     if missing:
         raise ValueError(f"checkpoint is missing weights for {len(missing)} parameter(s), e.g. {missing[:5]}")
+
+
+def _substitute(name: str, substitutions: dict[str, str]) -> str:
+    for old, new in substitutions.items():
+        name = name.replace(old, new)
+    return name
 
 
 def _route(name: str, packed: dict[str, tuple[str, int | str]]) -> tuple[str, object]:
