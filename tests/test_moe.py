@@ -1,13 +1,15 @@
-"""Qwen3-MoE: the fused expert layer against transformers' own MoE block, its tensor-parallel shards, which
-layers are sparse, and checkpoint mapping errors. (Whole-model greedy/logits: test_correctness.py.)"""
+"""Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE): the fused expert layer against transformers' own MoE block,
+its tensor-parallel shards, which layers are sparse, checkpoint mapping errors; routing equal to transformers' and
+varied, every schedule and TP=2 on whole models. (Plain whole-model greedy/logits: test_correctness.py.)"""
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import nanoinfer.layers.fused_moe as fused_moe
-from models import make_config
-from nanoinfer import LLM
-from nanoinfer.layers.fused_moe import FusedMoE
+from models import cached_hf_greedy, check_against_hf, load_hf_model, make_config, random_prompts
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, select_experts
 from nanoinfer.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSparseMoeBlock
 from nanoinfer.utils.loader import load_weights
 
@@ -107,3 +109,90 @@ def test_missing_or_extra_expert_is_reported(model_dir, tmp_path):
         save_file(tensors, broken / "model.safetensors")
         with pytest.raises(ValueError, match="missing weights.*w13_weight" if change == "drop" else "expert 8"):
             LLM(str(broken), device="cpu", dtype="float32", max_model_len=64)
+
+
+# ---- Mixtral and Qwen2-MoE, whole models against transformers ----
+
+NEW_KINDS = ("mixtral", "qwen2-moe")
+MAX_TOKENS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+PROMPTS = random_prompts(4, 5, 440, 5, 60, seed=41) + [[17]]
+LOGIT_ATOL = 1e-4
+
+
+def hf_routing(model_dir, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sparse layer of transformers' model over `tokens`: (router logits, chosen experts [tokens, k])."""
+    model, found = load_hf_model(model_dir), []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, out: found.append((out[0], out[2])))
+             for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    try:
+        with torch.inference_mode():
+            model(torch.tensor([tokens]), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return found
+
+
+@pytest.mark.parametrize("kind", NEW_KINDS)
+def test_routing_is_transformers_own_and_varied(kind, model_dir):
+    """Our routers pick the same experts as transformers' for every token of prompts and continuations; the
+    choice varies (every expert is used in every sparse layer, most pairs occur) and the k-th expert leads the next
+    by >= 1e-5 in probability, so the logit comparisons elsewhere do not hang on rounding."""
+    d = model_dir(kind)
+    refs = cached_hf_greedy(d, PROMPTS, MAX_TOKENS)
+    sequences = [p + r["token_ids"] for p, r in zip(PROMPTS, refs)]
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
+        blocks = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, SparseMoeBlock)]
+        ours: list[torch.Tensor] = []
+        hooks = [b.gate.register_forward_hook(lambda m, i, out: ours.append(out.clone())) for b in blocks]
+        for tokens in sequences:  # one prompt per step: each hook sees that sequence's tokens in order
+            llm.generate([tokens], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        for h in hooks:
+            h.remove()
+    assert len(blocks) == (3 if kind == "mixtral" else 2)  # qwen2-moe: layer 1 is dense (mlp_only_layers)
+    k = blocks[0].experts.top_k
+    chosen: list[list[torch.Tensor]] = [[] for _ in blocks]
+    for n, tokens in enumerate(sequences):
+        for layer, (hf_logits, hf_ids) in enumerate(hf_routing(d, tokens)):
+            logits = ours[n * len(blocks) + layer]
+            ids = select_experts(logits, k, blocks[layer].experts.renormalize)[1]
+            assert torch.equal(ids.sort(-1).values, hf_ids.sort(-1).values), f"sequence {n}, sparse layer {layer}"
+            top = torch.softmax(hf_logits.float(), -1).topk(k + 1, -1).values
+            assert (top[:, k - 1] - top[:, k]).min().item() >= 1e-5, f"near-tie: sequence {n}, layer {layer}"
+            chosen[layer].append(ids)
+    for ids in chosen:
+        ids = torch.cat(ids).sort(-1).values
+        assert ids.unique().numel() == 8 and ids.unique(dim=0).shape[0] >= 20  # of the 28 pairs of 8 experts
+
+
+@pytest.mark.parametrize("kind", NEW_KINDS)
+def test_chunked_prefill_prefix_cache_and_preemption_match_hf(kind, model_dir, captured_logits, report_logit_diff):
+    """Shared 24-token prefixes, prefilled in 7-token chunks, a cache too small for every sequence (preemption),
+    then the same prompts again from the prefix cache."""
+    d = model_dir(kind)
+    shared = random_prompts(1, 5, 440, 24, 24, seed=42)[0]
+    prompts = [shared + tail for tail in random_prompts(4, 5, 440, 1, 20, seed=43)]
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=64, max_num_batched_tokens=7, kvcache_block_size=8,
+             num_kvcache_blocks=12) as llm:
+        first = llm.generate(prompts, GREEDY, use_tqdm=False)
+        second = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert all(o.num_cached_tokens >= 24 for o in second)
+    refs = cached_hf_greedy(d, prompts, MAX_TOKENS)
+    worst = max(check_against_hf(first, refs, captured_logits), check_against_hf(second, refs, captured_logits))
+    report_logit_diff(f"{kind}, chunked + prefix cache + preemption", worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", NEW_KINDS)
+def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
+    """Two ranks (a spawned worker): each holds half of every expert's and the shared expert's intermediate
+    dimension, and a whole router and shared-expert gate."""
+    d = model_dir(kind)
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=2) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    worst = check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits)
+    report_logit_diff(f"{kind}, tensor parallel 2", worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
