@@ -83,6 +83,26 @@ def test_moe_tensor_parallel_shards_sum_to_the_whole(monkeypatch):
     assert (parts[0] - whole).abs().max().item() > 1e-2  # each rank alone is only part of it
 
 
+@torch.inference_mode()
+def test_stacked_experts_load_as_the_per_expert_ones(monkeypatch):
+    """transformers' own layout, all experts in `experts.gate_up_proj` / `experts.down_proj`, gives each
+    tensor-parallel rank the same slices as the per-expert tensors of the Hub's checkpoints."""
+    config, ref = hf_block(True, seed=2)
+    stacked = {"mlp.experts.gate_up_proj": ref.experts.gate_up_proj.detach(),
+               "mlp.experts.down_proj": ref.experts.down_proj.detach()}
+    per_expert = {k: v for k, v in expert_checkpoint(ref).items() if ".experts." in k}
+    monkeypatch.setattr(fused_moe, "tp_size", lambda: 2)
+    for rank in range(2):
+        monkeypatch.setattr(fused_moe, "tp_rank", lambda: rank)
+        a, b = (FusedMoE(8, 2, config.hidden_size, 32, renormalize=True) for _ in range(2))
+        load_weights(torch.nn.ModuleDict({"mlp": torch.nn.ModuleDict({"experts": a})}), per_expert.items())
+        load_weights(torch.nn.ModuleDict({"mlp": torch.nn.ModuleDict({"experts": b})}), stacked.items())
+        assert torch.equal(a.w13_weight, b.w13_weight) and torch.equal(a.w2_weight, b.w2_weight)
+    seven = {"mlp.experts.gate_up_proj": stacked["mlp.experts.gate_up_proj"][:7]}.items()
+    with pytest.raises(ValueError, match=r"'mlp.experts.gate_up_proj'.*shape mismatch.*\(8, 64, 64\)"):
+        load_weights(torch.nn.ModuleDict({"mlp": torch.nn.ModuleDict({"experts": a})}), seven)
+
+
 def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():
     config = make_config("qwen3-moe")
     config.num_hidden_layers, config.decoder_sparse_step, config.mlp_only_layers = 6, 2, [3]
@@ -196,3 +216,20 @@ def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_l
     worst = check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits)
     report_logit_diff(f"{kind}, tensor parallel 2", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+@pytest.mark.parametrize("kind", ("qwen3-moe",) + NEW_KINDS)
+def test_transformers_stacked_expert_layout_matches_hf(kind, model_dir, tmp_path, captured_logits):
+    """A checkpoint in transformers' own layout (`save_pretrained(save_original_format=False)`, which transformers
+    loads back): stacked experts, and Mixtral's MoE named `mlp` rather than `block_sparse_moe`."""
+    d = model_dir(kind)
+    stacked = tmp_path / kind
+    load_hf_model(d).save_pretrained(stacked, save_original_format=False)
+    for f in d.iterdir():
+        if f.suffix != ".safetensors":
+            (stacked / f.name).write_bytes(f.read_bytes())
+    with safe_open(stacked / "model.safetensors", "pt") as f:
+        assert "model.layers.0.mlp.experts.gate_up_proj" in f.keys()
+    with LLM(str(stacked), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL

@@ -16,16 +16,23 @@ from nanoinfer.utils.dist import tp_group, tp_rank, tp_size
 # naming, `<moe>.experts.<e>.{w1,w3,w2}.weight`.
 _EXPERT_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 _EXPERT_WEIGHT = re.compile(rf"\.experts\.(\d+)\.({'|'.join(_EXPERT_PROJ)})\.weight$")
+# transformers' own layout (what `save_pretrained(save_original_format=False)` writes, and loads back): every
+# expert in one tensor, `<moe>.experts.gate_up_proj` [experts, 2 * inter, hidden] (gate rows, then up rows) and
+# `<moe>.experts.down_proj` [experts, hidden, inter].
+_STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up|down)_proj$")
 
 
-def expert_weight_target(name: str) -> tuple[str, tuple[int, str]] | None:
-    """The FusedMoE parameter a checkpoint tensor belongs to and its (expert, "gate"|"up"|"down") shard id."""
-    m = _EXPERT_WEIGHT.search(name)
-    if m is None:
+def expert_weight_target(name: str) -> tuple[str, tuple[int, str] | None] | None:
+    """The FusedMoE parameter a checkpoint tensor belongs to and its (expert, "gate"|"up"|"down") shard id (None:
+    all experts' stacked)."""
+    if m := _EXPERT_WEIGHT.search(name):
+        proj = _EXPERT_PROJ[m.group(2)]
+        shard = (int(m.group(1)), proj)
+    elif m := _STACKED_EXPERTS.search(name):
+        proj, shard = m.group(1), None
+    else:
         return None
-    proj = _EXPERT_PROJ[m.group(2)]
-    param = "w2_weight" if proj == "down" else "w13_weight"
-    return f"{name[:m.start()]}.experts.{param}", (int(m.group(1)), proj)
+    return f"{name[:m.start()]}.experts.{'w2_weight' if proj == 'down' else 'w13_weight'}", shard
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,8 +82,14 @@ class FusedMoE(nn.Module):
         self.w13_weight.num_shards = 2 * num_experts  # the loader checks that every expert's gate and up arrived
         self.w2_weight.num_shards = num_experts
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
-        """One expert's full gate_proj/up_proj [inter, hidden] or down_proj [hidden, inter] from the checkpoint."""
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str] | None = None
+                      ) -> None:
+        """One expert's full gate_proj/up_proj [inter, hidden] or down_proj [hidden, inter] from the checkpoint, or
+        (shard_id None) all experts' stacked: gate_up_proj [experts, 2 * inter, hidden], down_proj [experts, hidden,
+        inter]."""
+        if shard_id is None:
+            self.load_stacked(param, loaded)
+            return
         expert, proj = shard_id
         if expert >= self.num_experts:
             raise ValueError(f"expert {expert} out of range: the model has {self.num_experts} experts")
@@ -89,6 +102,20 @@ class FusedMoE(nn.Module):
         if proj != "down":
             dest = dest.narrow(0, 0 if proj == "gate" else inter, inter)
         copy_weight(dest, loaded.narrow(dim, self.tp_rank * inter, inter))
+
+    def load_stacked(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        full, inter = self.intermediate_size, self.intermediate_size // self.tp_size
+        down = param is self.w2_weight
+        hidden = param.shape[1 if down else 2]
+        expected = (self.num_experts, hidden, full) if down else (self.num_experts, 2 * full, hidden)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"shape mismatch: checkpoint tensor {tuple(loaded.shape)}, expected {expected}")
+        start = self.tp_rank * inter
+        if down:
+            copy_weight(param.data, loaded.narrow(2, start, inter))
+            return
+        for half in range(2):  # this rank's gate rows, then its up rows
+            copy_weight(param.data.narrow(1, half * inter, inter), loaded.narrow(1, half * full + start, inter))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)

@@ -90,7 +90,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | L
         except ValueError as e:
             raise ValueError(f"cannot load checkpoint tensor {name!r}{where}: {e}") from None
         loaded.setdefault(target, set()).add(shard)
-    missing = [n for n, p in params.items() if len(loaded.get(n, ())) < getattr(
+    # Complete: loaded whole (shard None, e.g. all experts stacked in one tensor), or every shard arrived.
+    missing = [n for n, p in params.items() if None not in loaded.get(n, ()) and len(loaded.get(n, ())) < getattr(
         p, "num_shards", shards_per_param.get(_packed_key(n, packed), 1))]
     if missing:
         raise ValueError(f"checkpoint is missing weights for {len(missing)} parameter(s), e.g. {missing[:5]}")
