@@ -1,17 +1,21 @@
 """Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE): the fused expert layer against transformers' own MoE block,
-its tensor-parallel shards, which layers are sparse, checkpoint mapping errors; routing equal to transformers' and
-varied, every schedule and TP=2 on whole models. (Plain whole-model greedy/logits: test_correctness.py.)"""
+its tensor-parallel shards, which layers are sparse, checkpoint layouts (per expert as on the Hub, Mixtral's names,
+transformers' stacked experts) and mapping errors; on whole models, routing equal to transformers' and varied,
+chunked prefill + prefix cache + preemption, TP=2. (Plain whole-model greedy/logits: test_correctness.py.)"""
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
 
 import nanoinfer.layers.fused_moe as fused_moe
 from models import cached_hf_greedy, check_against_hf, load_hf_model, make_config, random_prompts
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, select_experts
+from nanoinfer.models.mixtral import MixtralForCausalLM
+from nanoinfer.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen2MoeSparseMoeBlock
 from nanoinfer.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSparseMoeBlock
-from nanoinfer.utils.loader import load_weights
+from nanoinfer.utils.loader import iter_safetensors, load_weights
 
 
 def hf_block(renormalize: bool, seed: int = 0):
@@ -103,11 +107,14 @@ def test_stacked_experts_load_as_the_per_expert_ones(monkeypatch):
         load_weights(torch.nn.ModuleDict({"mlp": torch.nn.ModuleDict({"experts": a})}), seven)
 
 
-def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():
-    config = make_config("qwen3-moe")
+@pytest.mark.parametrize("kind, cls, block", [("qwen3-moe", Qwen3MoeForCausalLM, Qwen3MoeSparseMoeBlock),
+                                               ("qwen2-moe", Qwen2MoeForCausalLM, Qwen2MoeSparseMoeBlock)])
+def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers(kind, cls, block):
+    config = make_config(kind)
     config.num_hidden_layers, config.decoder_sparse_step, config.mlp_only_layers = 6, 2, [3]
-    model = Qwen3MoeForCausalLM(config)
-    sparse = [isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) for layer in model.model.layers]
+    config.layer_types = ["full_attention"] * 6
+    model = cls(config)
+    sparse = [isinstance(layer.mlp, block) for layer in model.model.layers]
     assert sparse == [False, True, False, False, False, True]
 
 
@@ -184,6 +191,22 @@ def test_routing_is_transformers_own_and_varied(kind, model_dir):
     for ids in chosen:
         ids = torch.cat(ids).sort(-1).values
         assert ids.unique().numel() == 8 and ids.unique(dim=0).shape[0] >= 20  # of the 28 pairs of 8 experts
+
+
+def test_mixtral_hub_layout_loads(model_dir):
+    """transformers saves Mixtral as the Hub's checkpoints are: `block_sparse_moe`, experts' `w1`/`w3`/`w2`
+    (gate/up/down), which land in our `mlp` router and stacked expert weights."""
+    d = model_dir("mixtral")
+    weights = load_file(d / "model.safetensors")
+    assert not any(".mlp." in name for name in weights)
+    model = MixtralForCausalLM(AutoConfig.from_pretrained(d))
+    load_weights(model, iter_safetensors(d))
+    moe, prefix = model.model.layers[2].mlp, "model.layers.2.block_sparse_moe."
+    assert torch.equal(moe.gate.weight, weights[prefix + "gate.weight"])
+    for e in range(8):
+        w1, w3, w2 = (weights[f"{prefix}experts.{e}.w{i}.weight"] for i in (1, 3, 2))
+        assert torch.equal(moe.experts.w13_weight[e], torch.cat([w1, w3]))
+        assert torch.equal(moe.experts.w2_weight[e], w2)
 
 
 @pytest.mark.parametrize("kind", NEW_KINDS)
