@@ -1,7 +1,7 @@
 """Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE): the fused expert layer against transformers' own MoE block,
 its tensor-parallel shards, which layers are sparse, checkpoint layouts (per expert as on the Hub, Mixtral's names,
 transformers' stacked experts) and mapping errors; on whole models, routing equal to transformers' and varied,
-chunked prefill + prefix cache + preemption, TP=2. (Plain whole-model greedy/logits: test_correctness.py.)"""
+chunked prefill + prefix cache + preemption, with TP=1 and 2. (Plain whole-model greedy/logits: test_correctness.py.)"""
 import pytest
 import torch
 from safetensors import safe_open
@@ -209,35 +209,25 @@ def test_mixtral_hub_layout_loads(model_dir):
         assert torch.equal(moe.experts.w2_weight[e], w2)
 
 
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", NEW_KINDS)
-def test_chunked_prefill_prefix_cache_and_preemption_match_hf(kind, model_dir, captured_logits, report_logit_diff):
+def test_chunked_prefill_prefix_cache_and_preemption_match_hf(kind, tp, model_dir, captured_logits,
+                                                              report_logit_diff):
     """Shared 24-token prefixes, prefilled in 7-token chunks, a cache too small for every sequence (preemption),
-    then the same prompts again from the prefix cache."""
+    then the same prompts again from the prefix cache. With two ranks (a spawned worker), each holds half of every
+    expert's and the shared expert's intermediate dimension, and a whole router and shared-expert gate."""
     d = model_dir(kind)
     shared = random_prompts(1, 5, 440, 24, 24, seed=42)[0]
     prompts = [shared + tail for tail in random_prompts(4, 5, 440, 1, 20, seed=43)]
     with LLM(str(d), device="cpu", dtype="float32", max_model_len=64, max_num_batched_tokens=7, kvcache_block_size=8,
-             num_kvcache_blocks=12) as llm:
+             num_kvcache_blocks=12, tensor_parallel_size=tp) as llm:
         first = llm.generate(prompts, GREEDY, use_tqdm=False)
         second = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert llm.llm_engine.scheduler.num_preemptions > 0
     assert all(o.num_cached_tokens >= 24 for o in second)
     refs = cached_hf_greedy(d, prompts, MAX_TOKENS)
     worst = max(check_against_hf(first, refs, captured_logits), check_against_hf(second, refs, captured_logits))
-    report_logit_diff(f"{kind}, chunked + prefix cache + preemption", worst)
-    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", NEW_KINDS)
-def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
-    """Two ranks (a spawned worker): each holds half of every expert's and the shared expert's intermediate
-    dimension, and a whole router and shared-expert gate."""
-    d = model_dir(kind)
-    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=2) as llm:
-        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    worst = check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits)
-    report_logit_diff(f"{kind}, tensor parallel 2", worst)
+    report_logit_diff(f"{kind}, chunked + prefix cache + preemption, TP={tp}", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
