@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.linear import ReplicatedLinear, copy_weight
