@@ -1,5 +1,6 @@
 """Mixture-of-experts SwiGLU MLPs: top-k softmax routing, then every expert at once as two grouped matmuls over
-the token-expert pairs sorted by expert. Each rank holds a slice of every expert's intermediate dimension."""
+the token-expert pairs sorted by expert (FusedMoE; SparseMoeBlock puts the router in front). Each rank holds a slice
+of every expert's intermediate dimension."""
 import re
 
 import torch
