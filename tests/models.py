@@ -121,9 +121,12 @@ MODEL_KINDS = ("qwen3", "qwen3-untied", "qwen2", "llama")  # the 4 main architec
 QWEN3_NEXT_KINDS = ("qwen3-next",)
 # Gemma 3: sliding and full layers with different ropes, (1 + weight) norms, GeLU-tanh, final-logit softcapping.
 # Phi-3: fused qkv_proj / gate_up_proj, partial rotary, longrope, a window on every layer.
+# Granite: embedding, attention, residual and logit multipliers. SmolLM3: a NoPE layer, windowed.
 EXTRA_KINDS = ("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS + ("gemma3", "phi3")
+EXTRA_KINDS += ("granite", "smollm3")
 # Sliding windows of the *-swa kinds, mistral, gemma3 and phi3: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "phi3": 24}
+SLIDING_WINDOW["smollm3"] = 11
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
 # continuations cross it.
 PHI3_ORIGINAL_MAX_POSITION = 80
@@ -154,6 +157,7 @@ _COMMON = dict(
 
 _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678,
           "qwen2-swa": 6789, "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, "gemma3": 1357, "phi3": 2468, ODD_KIND: 9012}
+_SEEDS.update({"granite": 3579, "smollm3": 4680})
 
 
 def _token_ids():
@@ -163,8 +167,8 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
-                              Qwen3MoeConfig, Qwen3NextConfig)
+    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig, SmolLM3Config)
 
     ids = _token_ids()
     special = dict(
@@ -332,6 +336,33 @@ def make_config(kind: str):
             rope_parameters={"rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75,
                              "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                              "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]},
+        )
+    if kind == "granite":
+        return GraniteConfig(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+            # Each one away from 1 (and the score scale from head_dim ** -0.5), so a forgotten one shows.
+            embedding_multiplier=3.0,
+            attention_multiplier=0.4,
+            residual_multiplier=0.6,
+            logits_scaling=2.0,
+        )
+    if kind == "smollm3":
+        # no_rope_layers [1, 0, 1]: layer 1 has no rope; with use_sliding_window, it is also the windowed layer.
+        return SmolLM3Config(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+            no_rope_layer_interval=2,
+            use_sliding_window=True,
+            sliding_window=SLIDING_WINDOW[kind],
         )
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND,)}")
 
