@@ -122,14 +122,20 @@ QWEN3_NEXT_KINDS = ("qwen3-next",)
 # Gemma 3: sliding and full layers with different ropes, (1 + weight) norms, GeLU-tanh, final-logit softcapping.
 # Phi-3: fused qkv_proj / gate_up_proj, partial rotary, longrope, a window on every layer.
 EXTRA_KINDS = ("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS + ("gemma3", "phi3")
+# OLMo 2: RMSNorms over the whole q / k projections, norms after the sublayers. OLMo 3: plus sliding and full layers
+# with different ropes.
+EXTRA_KINDS += ("olmo2", "olmo3")
 # Sliding windows of the *-swa kinds, mistral, gemma3 and phi3: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "phi3": 24}
+SLIDING_WINDOW["olmo3"] = 11
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
 # continuations cross it.
 PHI3_ORIGINAL_MAX_POSITION = 80
 ALL_KINDS = MODEL_KINDS + ("qwen3-sharded",) + EXTRA_KINDS
 # For tensor parallelism: a vocabulary that 2 ranks cannot split evenly (padded) and one KV head (replicated).
 ODD_KIND = "qwen2-mqa-oddvocab"
+# OLMo 2 with one KV head, for tensor parallelism (each rank then holds all of k and of its norm).
+OLMO2_MQA_KIND = "olmo2-mqa"
 
 # Std used for linear/embedding init. transformers' default (0.02) gives near-uniform logits
 # and near-uniform attention; this spreads logits and sharpens attention (measured in
@@ -154,6 +160,7 @@ _COMMON = dict(
 
 _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678,
           "qwen2-swa": 6789, "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, "gemma3": 1357, "phi3": 2468, ODD_KIND: 9012}
+_SEEDS.update({"olmo2": 1470, "olmo3": 2581, OLMO2_MQA_KIND: 3692})
 
 
 def _token_ids():
@@ -163,8 +170,8 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
-                              Qwen3MoeConfig, Qwen3NextConfig)
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Olmo2Config, Olmo3Config, Phi3Config,
+                              Qwen2Config, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig)
 
     ids = _token_ids()
     special = dict(
@@ -333,7 +340,30 @@ def make_config(kind: str):
                              "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                              "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]},
         )
-    raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND,)}")
+    if kind in ("olmo2", OLMO2_MQA_KIND):  # q/k/v/o biases, which OLMo 2's checkpoints lack, tested all the same
+        return Olmo2Config(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2 if kind == "olmo2" else 1,
+            tie_word_embeddings=False,
+            attention_bias=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 500_000.0},
+        )
+    if kind == "olmo3":  # yarn on the full layer only, as transformers reads OLMo 3's rope_scaling
+        return Olmo3Config(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            sliding_window=SLIDING_WINDOW[kind],
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                             "full_attention": {"rope_type": "yarn", "rope_theta": 500_000.0, "factor": 8.0,
+                                                "original_max_position_embeddings": 64}},
+        )
+    raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND, OLMO2_MQA_KIND)}")
 
 
 def _randomize_zero_centered_norms_(model, seed: int) -> None:
