@@ -128,7 +128,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    decoder_layer: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer  # built as (config, attention options, mlp)
 
     def __init__(self, config: PretrainedConfig, attention_options: OptionsFactory, make_mlp: MLPFactory):
         super().__init__()
