@@ -134,6 +134,7 @@ SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, 
 # experts (not renormalized) plus a gated shared expert on layers 0 and 2, layer 1 dense.
 EXTRA_KINDS += ("mixtral", "qwen2-moe")
 SLIDING_WINDOW["mixtral"] = 14
+EXTRA_KINDS += ("granitemoe", "granitemoe-shared")
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
 # continuations cross it.
 PHI3_ORIGINAL_MAX_POSITION = 80
@@ -169,6 +170,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
 _SEEDS.update({"granite": 3579, "smollm3": 4680})
 _SEEDS.update({"olmo2": 1470, "olmo3": 2581, OLMO2_MQA_KIND: 3692})
 _SEEDS.update({"mixtral": 3581, "qwen2-moe": 4681})
+_SEEDS.update({"granitemoe": 5791, "granitemoe-shared": 6802})
 
 
 def _token_ids():
@@ -429,6 +431,25 @@ def make_config(kind: str):
             decoder_sparse_step=1,
             mlp_only_layers=[1],
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        )
+    if kind in ("granitemoe", "granitemoe-shared"):  # Granite's multipliers (as "granite") around routed experts
+        from transformers import GraniteMoeConfig, GraniteMoeSharedConfig
+
+        shared = dict(shared_intermediate_size=48) if kind == "granitemoe-shared" else {}
+        return (GraniteMoeSharedConfig if shared else GraniteMoeConfig)(
+            **{**_COMMON, "intermediate_size": 32},  # each expert's
+            **special,
+            **shared,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+            embedding_multiplier=3.0,
+            attention_multiplier=0.4,
+            residual_multiplier=0.6,
+            logits_scaling=2.0,
         )
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND, OLMO2_MQA_KIND)}")
 

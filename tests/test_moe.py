@@ -210,7 +210,7 @@ def test_mixtral_hub_layout_loads(model_dir):
 
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("kind", NEW_KINDS)
+@pytest.mark.parametrize("kind", NEW_KINDS + ("granitemoe-shared",))
 def test_chunked_prefill_prefix_cache_and_preemption_match_hf(kind, tp, model_dir, captured_logits,
                                                               report_logit_diff):
     """Shared 24-token prefixes, prefilled in 7-token chunks, a cache too small for every sequence (preemption),
