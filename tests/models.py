@@ -122,8 +122,13 @@ QWEN3_NEXT_KINDS = ("qwen3-next",)
 # Gemma 3: sliding and full layers with different ropes, (1 + weight) norms, GeLU-tanh, final-logit softcapping.
 # Phi-3: fused qkv_proj / gate_up_proj, partial rotary, longrope, a window on every layer.
 EXTRA_KINDS = ("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS + ("gemma3", "phi3")
+# Gemma 2: Gemma 3's layout without q/k norms, one rope, attention-logit softcapping.
+EXTRA_KINDS += ("gemma2",)
 # Sliding windows of the *-swa kinds, mistral, gemma3 and phi3: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "phi3": 24}
+SLIDING_WINDOW["gemma2"] = 11
+# gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
+GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
 # continuations cross it.
 PHI3_ORIGINAL_MAX_POSITION = 80
@@ -154,6 +159,7 @@ _COMMON = dict(
 
 _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678,
           "qwen2-swa": 6789, "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, "gemma3": 1357, "phi3": 2468, ODD_KIND: 9012}
+_SEEDS["gemma2"] = 1470
 
 
 def _token_ids():
@@ -165,6 +171,7 @@ def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
     from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
                               Qwen3MoeConfig, Qwen3NextConfig)
+    from transformers import Gemma2Config
 
     ids = _token_ids()
     special = dict(
@@ -320,6 +327,22 @@ def make_config(kind: str):
                              "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}},
             final_logit_softcapping=5.0,  # below the test models' logits: a forgotten softcap shows
         )
+    if kind == "gemma2":
+        return Gemma2Config(
+            **{k: v for k, v in _COMMON.items() if k != "hidden_act"},
+            **special,
+            hidden_activation="gelu_pytorch_tanh",
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=True,
+            query_pre_attn_scalar=24,  # scores scaled by 24 ** -0.5, not head_dim ** -0.5
+            sliding_window=SLIDING_WINDOW[kind],
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+            attn_logit_softcapping=GEMMA2_ATTN_SOFTCAP,
+            final_logit_softcapping=5.0,
+        )
     if kind == "phi3":  # Phi-4-mini's shape: GQA, 3/4 of each head rotated, longrope
         return Phi3Config(
             **_COMMON,
@@ -380,7 +403,7 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
     torch.manual_seed(_SEEDS[base_kind])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize_(model, _SEEDS[base_kind])
-    if kind in QWEN3_NEXT_KINDS + ("gemma3",):
+    if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2"):
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
     if config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
