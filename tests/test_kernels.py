@@ -97,6 +97,47 @@ def test_decode_kernel_sliding_window(window):
         assert err < 1e-5, f"sequence {i} (context {n}, window {window}): max |kernel - SDPA| = {err:.2e}"
 
 
+def softcapped_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                         scale: float, soft_cap: float, window: int | None) -> torch.Tensor:
+    """float64 decode, sequence by sequence: scores s * scale capped to soft_cap * tanh(s * scale / soft_cap)."""
+    outs = []
+    for i, n in enumerate(meta.context_lens.tolist()):
+        blocks = meta.block_tables[i, :-(-n // meta.block_size)].long()
+        first = 0 if window is None else max(0, n - window)
+        k, v = (c[blocks].flatten(0, 1)[first:n].double() for c in (k_cache, v_cache))
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+        scores = torch.einsum("hd,lhd->hl", q[i].double(), k) * scale
+        probs = torch.softmax(soft_cap * torch.tanh(scores / soft_cap), -1)
+        outs.append(torch.einsum("hl,lhd->hd", probs, v).flatten())
+    return torch.stack(outs)
+
+
+@pytest.mark.skipif(not available(), reason="the C kernel did not build here")
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size, context_lens", [
+    (16, 8, 64, 16, [1, 15, 16, 17, 250, 33]),
+    (12, 3, 40, 8, [9, 100]),
+    (6, 1, 128, 1, [5, 2, 31]),
+])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("decode_kernel", [True, False], ids=["kernel", "torch"])
+def test_decode_with_softcap_matches_float64(heads, kv_heads, head_dim, block_size, context_lens, window,
+                                              decode_kernel):
+    """Attention-logit softcapping (Gemma 2) in the C kernel and in the PyTorch path that SDPA leaves it to; a cap
+    of 2 bends most scores here (their std is ~2), so a missing or misplaced tanh shows."""
+    meta, q, k_cache, v_cache = random_case(heads, kv_heads, head_dim, block_size, context_lens)
+    scale, soft_cap = head_dim ** -0.5, 2.0
+    backend = CPUAttentionBackend(torch.float32)
+    backend.decode_kernel = decode_kernel
+    backend.prepare(meta)
+    unused = torch.empty(0)
+    ours = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window, soft_cap)
+    ref = softcapped_reference(q, k_cache, v_cache, meta, scale, soft_cap, window)
+    err = (ours.double() - ref).abs().max().item()
+    assert err < 1e-5, f"max |ours - float64| = {err:.2e}"
+    uncapped = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window)
+    assert (uncapped - ours).abs().max().item() > 1e-2
+
+
 def test_a_failing_build_falls_back_to_pytorch(monkeypatch, tmp_path):
     from nanoinfer.kernels import cpu
 
