@@ -138,6 +138,29 @@ def test_decode_with_softcap_matches_float64(heads, kv_heads, head_dim, block_si
     assert (uncapped - ours).abs().max().item() > 1e-2
 
 
+@pytest.mark.parametrize("budget_rows", [None, 3], ids=["whole", "chunked"])
+def test_softcapped_prefill_attention_matches_float64(budget_rows, monkeypatch):
+    """The explicit scores that stand in for SDPA in a softcapped prefill: GQA, a bottom-right causal mask with a
+    window over a cached prefix; with a small score budget, computed 3 query rows at a time."""
+    from nanoinfer.layers.attention import cpu as cpu_backend
+
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, n, keys, dim, scale, soft_cap = 6, 2, 10, 25, 32, 32 ** -0.5, 1.5
+    q = 2 * torch.randn(1, heads, n, dim, generator=g)
+    k, v = torch.randn(2, 1, kv_heads, keys, dim, generator=g)
+    q_pos, k_pos = torch.arange(keys - n, keys).unsqueeze(1), torch.arange(keys)
+    mask = (k_pos <= q_pos) & (k_pos > q_pos - 7)
+    if budget_rows:
+        monkeypatch.setattr(cpu_backend, "SOFTCAP_SCORE_BYTES", 4 * heads * keys * budget_rows)
+    ours = cpu_backend.attention(q, k, v, mask, True, scale, soft_cap)
+    kr, vr = (x.double().repeat_interleave(heads // kv_heads, 1) for x in (k, v))
+    scores = soft_cap * torch.tanh(q.double() @ kr.transpose(-1, -2) * scale / soft_cap)
+    ref = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ vr
+    assert (ours.double() - ref).abs().max().item() < 1e-5
+    uncapped = cpu_backend.attention(q, k, v, mask, True, scale, None)
+    assert (uncapped - ours).abs().max().item() > 1e-2
+
+
 def test_a_failing_build_falls_back_to_pytorch(monkeypatch, tmp_path):
     from nanoinfer.kernels import cpu
 

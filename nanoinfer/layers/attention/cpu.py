@@ -15,6 +15,9 @@ from nanoinfer.layers.attention.metadata import AttentionMetadata
 # gpu_memory_utilization leaves after a prefill warm-up, does not leave room for. Sequences go through in groups
 # whose gathered K and V stay under this many bytes together.
 DECODE_GATHER_BYTES = 256 << 20
+# Softcapped scores are materialized (SDPA cannot cap them): a long prompt's are computed this many bytes of fp32
+# scores at a time, query rows by query rows.
+SOFTCAP_SCORE_BYTES = 256 << 20
 
 
 @dataclass
@@ -44,6 +47,11 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     transformers' eager attention (Gemma 2), softmax in fp32. Each KV head serves its group of query heads as a
     broadcast dim: no repeated K/V."""
     b, heads, n, dim = q.shape
+    rows = max(1, SOFTCAP_SCORE_BYTES // (4 * b * heads * k.shape[2]))
+    if n > rows:  # chunks of query rows, each with its rows of the mask
+        mask = None if mask is None else mask.expand(*mask.shape[:-2], n, k.shape[2])
+        return torch.cat([softcapped_attention(q[:, :, i:i + rows], k, v, None if mask is None else
+                                               mask[..., i:i + rows, :], scale, soft_cap) for i in range(0, n, rows)], 2)
     kv_heads = k.shape[1]
     q = q.reshape(b, kv_heads, heads // kv_heads, n, dim)
     scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
