@@ -51,7 +51,8 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     if n > rows:  # chunks of query rows, each with its rows of the mask
         mask = None if mask is None else mask.expand(*mask.shape[:-2], n, k.shape[2])
         return torch.cat([softcapped_attention(q[:, :, i:i + rows], k, v, None if mask is None else
-                                               mask[..., i:i + rows, :], scale, soft_cap) for i in range(0, n, rows)], 2)
+                                               mask[..., i:i + rows, :], scale, soft_cap)
+                          for i in range(0, n, rows)], 2)
     kv_heads = k.shape[1]
     q = q.reshape(b, kv_heads, heads // kv_heads, n, dim)
     scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
