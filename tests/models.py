@@ -121,11 +121,17 @@ MODEL_KINDS = ("qwen3", "qwen3-untied", "qwen2", "llama")  # the 4 main architec
 QWEN3_NEXT_KINDS = ("qwen3-next",)
 # Gemma 3: sliding and full layers with different ropes, (1 + weight) norms, GeLU-tanh, final-logit softcapping.
 # Phi-3: fused qkv_proj / gate_up_proj, partial rotary, longrope, a window on every layer.
+# Granite: embedding, attention, residual and logit multipliers. SmolLM3: a NoPE layer, windowed.
 EXTRA_KINDS = ("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS + ("gemma3", "phi3")
+EXTRA_KINDS += ("granite", "smollm3")
+# OLMo 2: RMSNorms over the whole q / k projections, norms after the sublayers. OLMo 3: plus sliding and full layers
+# with different ropes.
+EXTRA_KINDS += ("olmo2", "olmo3")
 # Gemma 2: Gemma 3's layout without q/k norms, one rope, attention-logit softcapping.
 EXTRA_KINDS += ("gemma2",)
-# Sliding windows of the *-swa kinds, mistral, gemma3 and phi3: shorter than most test prompts.
-SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "phi3": 24}
+# Sliding windows of the *-swa kinds, mistral, gemma3, phi3, smollm3 and olmo3: shorter than most test prompts.
+SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "phi3": 24, "smollm3": 11,
+                  "olmo3": 11}
 SLIDING_WINDOW["gemma2"] = 11
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
@@ -135,6 +141,8 @@ PHI3_ORIGINAL_MAX_POSITION = 80
 ALL_KINDS = MODEL_KINDS + ("qwen3-sharded",) + EXTRA_KINDS
 # For tensor parallelism: a vocabulary that 2 ranks cannot split evenly (padded) and one KV head (replicated).
 ODD_KIND = "qwen2-mqa-oddvocab"
+# OLMo 2 with one KV head, for tensor parallelism (each rank then holds all of k and of its norm).
+OLMO2_MQA_KIND = "olmo2-mqa"
 
 # Std used for linear/embedding init. transformers' default (0.02) gives near-uniform logits
 # and near-uniform attention; this spreads logits and sharpens attention (measured in
@@ -159,6 +167,8 @@ _COMMON = dict(
 
 _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678,
           "qwen2-swa": 6789, "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, "gemma3": 1357, "phi3": 2468, ODD_KIND: 9012}
+_SEEDS.update({"granite": 3579, "smollm3": 4680})
+_SEEDS.update({"olmo2": 1470, "olmo3": 2581, OLMO2_MQA_KIND: 3692})
 _SEEDS["gemma2"] = 1470
 
 
@@ -169,8 +179,8 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
-                              Qwen3MoeConfig, Qwen3NextConfig)
+    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Olmo2Config, Olmo3Config,
+                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig, SmolLM3Config)
     from transformers import Gemma2Config
 
     ids = _token_ids()
@@ -356,7 +366,57 @@ def make_config(kind: str):
                              "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                              "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]},
         )
-    raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND,)}")
+    if kind == "granite":
+        return GraniteConfig(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+            # Each one away from 1 (and the score scale from head_dim ** -0.5), so a forgotten one shows.
+            embedding_multiplier=3.0,
+            attention_multiplier=0.4,
+            residual_multiplier=0.6,
+            logits_scaling=2.0,
+        )
+    if kind == "smollm3":
+        # no_rope_layers [1, 0, 1]: layer 1 has no rope; with use_sliding_window, it is also the windowed layer.
+        return SmolLM3Config(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+            no_rope_layer_interval=2,
+            use_sliding_window=True,
+            sliding_window=SLIDING_WINDOW[kind],
+        )
+    if kind in ("olmo2", OLMO2_MQA_KIND):  # q/k/v/o biases, which OLMo 2's checkpoints lack, tested all the same
+        return Olmo2Config(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2 if kind == "olmo2" else 1,
+            tie_word_embeddings=False,
+            attention_bias=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 500_000.0},
+        )
+    if kind == "olmo3":  # yarn on the full layer only, as transformers reads OLMo 3's rope_scaling
+        return Olmo3Config(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            sliding_window=SLIDING_WINDOW[kind],
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                             "full_attention": {"rope_type": "yarn", "rope_theta": 500_000.0, "factor": 8.0,
+                                                "original_max_position_embeddings": 64}},
+        )
+    raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND, OLMO2_MQA_KIND)}")
 
 
 def _randomize_zero_centered_norms_(model, seed: int) -> None:

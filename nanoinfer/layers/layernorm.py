@@ -63,6 +63,14 @@ class GemmaRMSNorm(RMSNorm):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
 
 
+class OlmoRMSNorm(GemmaRMSNorm):
+    """x / rms(x) * w as transformers' Olmo2RMSNorm / Olmo3RMSNorm compute it: w in the model's dtype, applied in fp32
+    before the cast back (Llama's RMSNorm casts first), i.e. GemmaRMSNorm's rounding on the weight as stored."""
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        copy_weight(param, loaded[...].to(self.model_dtype).float())
+
+
 class GatedRMSNorm(RMSNorm):
     """RMSNorm(x) * silu(gate), over the last dimension (one head)."""
 

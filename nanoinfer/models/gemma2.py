@@ -7,10 +7,9 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.attention import AttentionMetadata
-from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.layers.layernorm import GemmaRMSNorm
-from nanoinfer.models.llama import (AttentionOptions, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
-                                    OptionsFactory, layer_sliding_window)
+from nanoinfer.models.llama import (AttentionOptions, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel,
+                                    MLPFactory, OptionsFactory, layer_sliding_window)
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -34,8 +33,8 @@ def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOpti
 class Gemma2DecoderLayer(LlamaDecoderLayer):
     """Norms around both the attention and the MLP: the residual adds the post-norm outputs."""
 
-    def __init__(self, config: PretrainedConfig, options: AttentionOptions):
-        super().__init__(config, options, LlamaMLP(config, hidden_act=config.hidden_activation), GemmaRMSNorm)
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module):
+        super().__init__(config, options, mlp, GemmaRMSNorm)
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -46,40 +45,32 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
-class Gemma2Model(nn.Module):
-    def __init__(self, config: PretrainedConfig, attention_options: OptionsFactory):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+class Gemma2Model(LlamaModel):
+    decoder_layer = Gemma2DecoderLayer
+
+    def __init__(self, config: PretrainedConfig, attention_options: OptionsFactory, make_mlp: MLPFactory):
+        super().__init__(config, attention_options, make_mlp)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         # transformers multiplies by sqrt(hidden) rounded to the model's dtype (the one this is built under).
         self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=torch.get_default_dtype(), device="cpu").item()
-        self.layers = nn.ModuleList(Gemma2DecoderLayer(config, attention_options(config, i))
-                                    for i in range(config.num_hidden_layers))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, meta: AttentionMetadata
-                ) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids) * self.embed_scale, None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
-        return x
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale
 
 
-class Gemma2ForCausalLM(nn.Module):
-    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    model_class = Gemma2Model
     check_config = staticmethod(check_config)
     attention_options = staticmethod(attention_options)
 
-    def __init__(self, config: PretrainedConfig):
-        super().__init__()
-        self.check_config(config)
-        self.model = Gemma2Model(config, self.attention_options)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.final_logit_softcapping: float | None = config.final_logit_softcapping
+    @staticmethod
+    def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        return LlamaMLP(config, hidden_act=config.hidden_activation)
 
-    forward = LlamaForCausalLM.forward
+    def __init__(self, config: PretrainedConfig):
+        self.check_config(config)
+        super().__init__(config)
+        self.final_logit_softcapping: float | None = config.final_logit_softcapping
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head(hidden_states)

@@ -30,6 +30,7 @@ class AttentionOptions:
     gemma_norm: bool = False
     scale: float | None = None
     rope_layer_type: str | None = None
+    rope: bool = True  # SmolLM3's NoPE layers: no position encoding at all
     logits_soft_cap: float | None = None  # Gemma 2: scores capped to cap * tanh(score / cap)
 
 
@@ -56,7 +57,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // self.q_factor, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, options.o_bias)
-        self.rotary_emb = get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type)
+        self.rotary_emb = (get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type)
+                           if options.rope else None)
         scale = self.head_dim ** -0.5 if options.scale is None else options.scale
         self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window,
                               options.logits_soft_cap)
@@ -73,7 +75,7 @@ class LlamaAttention(nn.Module):
         if self.q_factor == 2:
             q, gate = q.chunk(2, -1)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if positions is None:  # None: no position encoding at all (an encoder pass, see LLM.embed)
+        if positions is None or self.rotary_emb is None:  # None: an encoder pass (see LLM.embed), or a NoPE layer
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
         else:  # the q/k norms go in with the rotation: one pass on the CPU path
@@ -128,16 +130,21 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer  # built as (config, attention options, mlp)
+
     def __init__(self, config: PretrainedConfig, attention_options: OptionsFactory, make_mlp: MLPFactory):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention_options(config, i), make_mlp(config, i))
+        self.layers = nn.ModuleList(self.decoder_layer(config, attention_options(config, i), make_mlp(config, i))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, meta: AttentionMetadata
                 ) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         x, _ = self.norm(x, residual)
@@ -145,6 +152,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    model_class: type[LlamaModel] = LlamaModel
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -164,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        self.model = LlamaModel(config, self.attention_options, self.make_mlp)
+        self.model = self.model_class(config, self.attention_options, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

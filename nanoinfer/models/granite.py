@@ -1,0 +1,49 @@
+"""IBM Granite (3.x dense): the Llama decoder with four scalars — embeddings times `embedding_multiplier`, scores
+scaled by `attention_multiplier`, each sublayer's output times `residual_multiplier`, logits over `logits_scaling`."""
+import torch
+from transformers import PretrainedConfig
+
+from nanoinfer.layers.attention import AttentionMetadata
+from nanoinfer.models.llama import (AttentionOptions, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, MLPFactory,
+                                    OptionsFactory)
+
+
+class GraniteDecoderLayer(LlamaDecoderLayer):
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: torch.nn.Module):
+        super().__init__(config, options, mlp)
+        self.residual_multiplier: float = config.residual_multiplier
+
+    def forward(self, positions: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        # The next norm adds its input to the residual stream: scaled first, as transformers' `residual + h * m`.
+        x, residual = self.attention(positions, x, residual, meta)
+        x, residual = self.post_attention_layernorm(x * self.residual_multiplier, residual)
+        return self.mlp(x) * self.residual_multiplier, residual
+
+
+class GraniteModel(LlamaModel):
+    decoder_layer = GraniteDecoderLayer
+
+    def __init__(self, config: PretrainedConfig, attention_options: OptionsFactory, make_mlp: MLPFactory):
+        super().__init__(config, attention_options, make_mlp)
+        self.embedding_multiplier: float = config.embedding_multiplier
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embedding_multiplier
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    model_class = GraniteModel
+
+    @staticmethod
+    def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
+        bias = config.attention_bias
+        return AttentionOptions(qkv_bias=bias, o_bias=bias, scale=config.attention_multiplier)
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__(config)
+        self.logits_scaling: float = config.logits_scaling
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = self.lm_head(hidden_states)
+        return None if logits is None else logits / self.logits_scaling

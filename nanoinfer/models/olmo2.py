@@ -1,0 +1,96 @@
+"""OLMo 2: the Llama attention with RMSNorms over the whole q and k projections (all heads at once, before rope), and
+norms after each sublayer instead of before it: h = x + norm(attn(x)); out = h + norm(mlp(h))."""
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import PretrainedConfig
+
+from nanoinfer.layers.attention import AttentionMetadata
+from nanoinfer.layers.layernorm import OlmoRMSNorm
+from nanoinfer.models.llama import (AttentionOptions, LlamaAttention, LlamaForCausalLM, LlamaModel, MLPFactory,
+                                    OptionsFactory)
+from nanoinfer.utils.dist import tp_group, tp_rank, tp_size
+
+
+class Olmo2QKNorm(OlmoRMSNorm):
+    """The RMSNorm of OLMo 2's whole q (or k) projection. Under tensor parallelism a rank holds its heads' columns of
+    the projection, as QKVParallelLinear slices them (with fewer KV heads than ranks, one KV head on several ranks),
+    and the same slice of the weight; the mean square is the full row's, summed across ranks (Olmo2Attention)."""
+
+    def __init__(self, total_heads: int, head_dim: int, eps: float):
+        size = tp_size()
+        super().__init__(max(1, total_heads // size) * head_dim, eps)
+        self.full_size = total_heads * head_dim
+        self.start = tp_rank() * total_heads // size * head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape[0] != self.full_size:
+            raise ValueError(f"shape mismatch: checkpoint q/k norm has {loaded.shape[0]} weights, "
+                             f"expected {self.full_size}")
+        super().weight_loader(param, loaded.narrow(0, self.start, self.weight.numel()))
+
+    def scale(self, x: torch.Tensor, mean_square: torch.Tensor) -> torch.Tensor:
+        """x [tokens, this rank's width] normalized by its full rows' mean squares [tokens, 1], times the weight."""
+        return (x.float() * torch.rsqrt(mean_square + self.eps) * self.weight).to(x.dtype)
+
+
+class Olmo2Attention(LlamaAttention):
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions):
+        super().__init__(config, options)
+        self.q_norm = Olmo2QKNorm(config.num_attention_heads, self.head_dim, config.rms_norm_eps)
+        self.k_norm = Olmo2QKNorm(config.num_key_value_heads, self.head_dim, config.rms_norm_eps)
+        self.tp_size, self.tp_group = tp_size(), tp_group()
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [tokens, q_size], k [tokens, kv_size] normalized over all heads' width (not per head, as Qwen3's): on one
+        rank the RMSNorm layer (its fused kernels); on several, one all-reduce of both mean squares per layer."""
+        if self.tp_size == 1:
+            return self.q_norm(q), self.k_norm(k)
+        # Every rank holds the same width of q (of k), and every KV head sits on as many ranks as any other: the
+        # mean over ranks of their rows' mean squares is the full rows'.
+        mean_square = torch.stack([q.float().pow(2).mean(-1), k.float().pow(2).mean(-1)], -1)
+        dist.all_reduce(mean_square, group=self.tp_group)
+        mean_square /= self.tp_size
+        return self.q_norm.scale(q, mean_square[:, :1]), self.k_norm.scale(k, mean_square[:, 1:])
+
+    def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], -1)
+        q, k = self.norm_qk(q, k)
+        q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
+        if positions is not None:  # None: no position encoding at all (an encoder pass, see LLM.embed)
+            q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class Olmo2DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module):
+        super().__init__()
+        self.self_attn = Olmo2Attention(config, options)
+        self.mlp = mlp
+        self.post_attention_layernorm = OlmoRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = OlmoRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """As LlamaDecoderLayer: the stream is x + residual, the add left to the next layer (or the final norm)."""
+        if residual is not None:
+            x = x + residual
+        h = x + self.post_attention_layernorm(self.self_attn(positions, x, meta))
+        return self.post_feedforward_layernorm(self.mlp(h)), h
+
+
+class Olmo2Model(LlamaModel):
+    decoder_layer = Olmo2DecoderLayer
+
+    def __init__(self, config: PretrainedConfig, attention_options: OptionsFactory, make_mlp: MLPFactory):
+        super().__init__(config, attention_options, make_mlp)
+        self.norm = OlmoRMSNorm(config.hidden_size, config.rms_norm_eps)  # the final norm rounds as the others
+
+
+class Olmo2ForCausalLM(LlamaForCausalLM):
+    model_class = Olmo2Model
+
+    @staticmethod
+    def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
+        bias = config.attention_bias
+        return AttentionOptions(qkv_bias=bias, o_bias=bias)
