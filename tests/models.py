@@ -320,38 +320,32 @@ def make_config(kind: str):
             decoder_sparse_step=1,
             mlp_only_layers=[0],
         )
+    gemma = dict(  # Gemma 2 and 3
+        **{k: v for k, v in _COMMON.items() if k != "hidden_act"},
+        **special,
+        hidden_activation="gelu_pytorch_tanh",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+        sliding_window=SLIDING_WINDOW.get(kind),
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        final_logit_softcapping=5.0,  # below the test models' logits: a forgotten softcap shows
+    )
     if kind == "gemma3":
         return Gemma3TextConfig(
-            **{k: v for k, v in _COMMON.items() if k != "hidden_act"},
-            **special,
-            hidden_activation="gelu_pytorch_tanh",
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            tie_word_embeddings=True,
+            **gemma,
             query_pre_attn_scalar=20,  # scores scaled by 20 ** -0.5, not head_dim ** -0.5
-            sliding_window=SLIDING_WINDOW[kind],
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             # Local and global ropes differ in base and in scaling (linear, as Gemma 3's larger models).
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                              "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}},
-            final_logit_softcapping=5.0,  # below the test models' logits: a forgotten softcap shows
         )
     if kind == "gemma2":
         return Gemma2Config(
-            **{k: v for k, v in _COMMON.items() if k != "hidden_act"},
-            **special,
-            hidden_activation="gelu_pytorch_tanh",
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            tie_word_embeddings=True,
-            query_pre_attn_scalar=24,  # scores scaled by 24 ** -0.5, not head_dim ** -0.5
-            sliding_window=SLIDING_WINDOW[kind],
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            **gemma,
+            query_pre_attn_scalar=24,
             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
             attn_logit_softcapping=GEMMA2_ATTN_SOFTCAP,
-            final_logit_softcapping=5.0,
         )
     if kind == "phi3":  # Phi-4-mini's shape: GQA, 3/4 of each head rotated, longrope
         return Phi3Config(
