@@ -30,8 +30,10 @@ def _gather(cache: torch.Tensor, table_row: torch.Tensor, length: int) -> torch.
     return cache[blocks.long()].flatten(0, 1)[:length]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """q [n, h, d], k, v [L, h_k, d] -> [n, h, d]; query j may see keys 0 .. L - n + j when causal."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, softcap: float
+            ) -> torch.Tensor:
+    """q [n, h, d], k, v [L, h_k, d] -> [n, h, d]; query j may see keys 0 .. L - n + j when causal; softcap > 0
+    caps the scores to softcap * tanh(score / softcap)."""
     n, heads, _ = q.shape
     length, kv_heads, _ = k.shape
     assert heads % kv_heads == 0, "Number of heads in key/value must divide number of heads in query"
@@ -40,6 +42,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     group = heads // kv_heads
     k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
     scores = torch.einsum("nhd,lhd->hnl", q.float(), k) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     if causal:
         visible = torch.arange(length)[None, :] <= torch.arange(n)[:, None] + (length - n)
         scores = scores.masked_fill(~visible, float("-inf"))
@@ -54,7 +58,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     assert batch > 0 and q.dim() == 3
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "Input tensor must have contiguous last dimension"
     assert q.dtype == k.dtype == v.dtype
-    assert dropout_p == 0.0 and window_size == (-1, -1) and softcap == 0.0 and alibi_slopes is None
+    assert dropout_p == 0.0 and window_size == (-1, -1) and alibi_slopes is None
     _check_int32("cu_seqlens_q", cu_seqlens_q, (batch + 1,))
     _check_int32("cu_seqlens_k", cu_seqlens_k, (batch + 1,))
     if block_table is not None:
@@ -71,7 +75,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             ks, vs = _gather(k, block_table[i], length), _gather(v, block_table[i], length)
         else:
             ks, vs = k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]]
-        out[cq[i]:cq[i + 1]] = _attend(q[cq[i]:cq[i + 1]], ks, vs, scale, causal)
+        out[cq[i]:cq[i + 1]] = _attend(q[cq[i]:cq[i + 1]], ks, vs, scale, causal, softcap)
     calls.append(dict(fn="varlen", paged=block_table is not None, batch=batch))
     return out
 
@@ -94,7 +98,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out = torch.empty_like(q)
     for i, length in enumerate(cache_seqlens.tolist()):
         ks, vs = _gather(k_cache, block_table[i], length), _gather(v_cache, block_table[i], length)
-        out[i] = _attend(q[i], ks, vs, scale, causal)
+        out[i] = _attend(q[i], ks, vs, scale, causal, softcap)
     calls.append(dict(fn="kvcache", paged=True, batch=batch))
     return out
 

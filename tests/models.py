@@ -120,21 +120,22 @@ MODEL_KINDS = ("qwen3", "qwen3-untied", "qwen2", "llama")  # the 4 main architec
 # Qwen3-Next: Gated DeltaNet + gated attention layers, a dense MLP and sparse MoE ones.
 QWEN3_NEXT_KINDS = ("qwen3-next",)
 # Gemma 3: sliding and full layers with different ropes, (1 + weight) norms, GeLU-tanh, final-logit softcapping.
+# Gemma 2: Gemma 3's layout without q/k norms, one rope, attention-logit softcapping.
 # Phi-3: fused qkv_proj / gate_up_proj, partial rotary, longrope, a window on every layer.
 # Granite: embedding, attention, residual and logit multipliers. SmolLM3: a NoPE layer, windowed.
-EXTRA_KINDS = ("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS + ("gemma3", "phi3")
-EXTRA_KINDS += ("granite", "smollm3")
 # OLMo 2: RMSNorms over the whole q / k projections, norms after the sublayers. OLMo 3: plus sliding and full layers
 # with different ropes.
-EXTRA_KINDS += ("olmo2", "olmo3")
-# Sliding windows of the *-swa kinds, mistral, gemma3, phi3, smollm3 and olmo3: shorter than most test prompts.
-SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "phi3": 24, "smollm3": 11,
-                  "olmo3": 11}
 # Mixtral: a window on every layer and 2 of 8 experts per token on every layer, renormalized. Qwen2-MoE: 2 of 8
-# experts (not renormalized) plus a gated shared expert on layers 0 and 2, layer 1 dense.
-EXTRA_KINDS += ("mixtral", "qwen2-moe")
-SLIDING_WINDOW["mixtral"] = 14
-EXTRA_KINDS += ("granitemoe", "granitemoe-shared")
+# experts (not renormalized) plus a gated shared expert on layers 0 and 2, layer 1 dense. Granite MoE: Granite's
+# multipliers around 2 of 8 experts (and, shared, an ungated shared expert).
+EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS
+               + ("gemma3", "gemma2", "phi3", "granite", "smollm3", "olmo2", "olmo3")
+               + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared"))
+# Sliding windows: shorter than most test prompts.
+SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "gemma2": 11, "phi3": 24,
+                  "smollm3": 11, "olmo3": 11, "mixtral": 14}
+# gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
+GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
 # continuations cross it.
 PHI3_ORIGINAL_MAX_POSITION = 80
@@ -165,12 +166,10 @@ _COMMON = dict(
     initializer_range=INIT_STD,
 )
 
-_SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678,
-          "qwen2-swa": 6789, "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, "gemma3": 1357, "phi3": 2468, ODD_KIND: 9012}
-_SEEDS.update({"granite": 3579, "smollm3": 4680})
-_SEEDS.update({"olmo2": 1470, "olmo3": 2581, OLMO2_MQA_KIND: 3692})
-_SEEDS.update({"mixtral": 3581, "qwen2-moe": 4681})
-_SEEDS.update({"granitemoe": 5791, "granitemoe-shared": 6802})
+_SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678, "qwen2-swa": 6789,
+          "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, "gemma3": 1357, "gemma2": 1470, "phi3": 2468,
+          "granite": 3579, "smollm3": 4680, "olmo2": 1470, "olmo3": 2581, OLMO2_MQA_KIND: 3692, "mixtral": 3581,
+          "qwen2-moe": 4681, "granitemoe": 5791, "granitemoe-shared": 6802, ODD_KIND: 9012}
 
 
 def _token_ids():
@@ -180,8 +179,9 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Olmo2Config, Olmo3Config,
-                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig, SmolLM3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
+                              LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig, SmolLM3Config)
 
     ids = _token_ids()
     special = dict(
@@ -320,22 +320,32 @@ def make_config(kind: str):
             decoder_sparse_step=1,
             mlp_only_layers=[0],
         )
+    gemma = dict(  # Gemma 2 and 3
+        **{k: v for k, v in _COMMON.items() if k != "hidden_act"},
+        **special,
+        hidden_activation="gelu_pytorch_tanh",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+        sliding_window=SLIDING_WINDOW.get(kind),
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        final_logit_softcapping=5.0,  # below the test models' logits: a forgotten softcap shows
+    )
     if kind == "gemma3":
         return Gemma3TextConfig(
-            **{k: v for k, v in _COMMON.items() if k != "hidden_act"},
-            **special,
-            hidden_activation="gelu_pytorch_tanh",
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            tie_word_embeddings=True,
+            **gemma,
             query_pre_attn_scalar=20,  # scores scaled by 20 ** -0.5, not head_dim ** -0.5
-            sliding_window=SLIDING_WINDOW[kind],
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             # Local and global ropes differ in base and in scaling (linear, as Gemma 3's larger models).
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                              "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}},
-            final_logit_softcapping=5.0,  # below the test models' logits: a forgotten softcap shows
+        )
+    if kind == "gemma2":
+        return Gemma2Config(
+            **gemma,
+            query_pre_attn_scalar=24,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+            attn_logit_softcapping=GEMMA2_ATTN_SOFTCAP,
         )
     if kind == "phi3":  # Phi-4-mini's shape: GQA, 3/4 of each head rotated, longrope
         return Phi3Config(
@@ -401,8 +411,6 @@ def make_config(kind: str):
                                                 "original_max_position_embeddings": 64}},
         )
     if kind == "mixtral":
-        from transformers import MixtralConfig
-
         return MixtralConfig(
             **{**_COMMON, "intermediate_size": 32},  # each expert's
             **special,
@@ -415,8 +423,6 @@ def make_config(kind: str):
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         )
     if kind == "qwen2-moe":
-        from transformers import Qwen2MoeConfig
-
         return Qwen2MoeConfig(
             **_COMMON,
             **special,
@@ -433,8 +439,6 @@ def make_config(kind: str):
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         )
     if kind in ("granitemoe", "granitemoe-shared"):  # Granite's multipliers (as "granite") around routed experts
-        from transformers import GraniteMoeConfig, GraniteMoeSharedConfig
-
         shared = dict(shared_intermediate_size=48) if kind == "granitemoe-shared" else {}
         return (GraniteMoeSharedConfig if shared else GraniteMoeConfig)(
             **{**_COMMON, "intermediate_size": 32},  # each expert's
@@ -498,7 +502,7 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
     torch.manual_seed(_SEEDS[base_kind])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize_(model, _SEEDS[base_kind])
-    if kind in QWEN3_NEXT_KINDS + ("gemma3",):
+    if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2"):
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
     if config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()

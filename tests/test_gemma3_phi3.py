@@ -1,5 +1,5 @@
-"""Gemma 3 and Phi-3 specifics beyond the shared correctness tests (tests/test_correctness.py): tensor parallelism,
-transformers' bf16 arithmetic in Gemma's norm, and the config settings the engine refuses by name."""
+"""Gemma 2, Gemma 3 and Phi-3 specifics beyond the shared correctness tests (tests/test_correctness.py): tensor
+parallelism, transformers' bf16 arithmetic in Gemma's norm, and the config settings the engine refuses by name."""
 import json
 import shutil
 
@@ -17,7 +17,7 @@ LOGIT_ATOL = 1e-4
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["gemma3", "phi3"])
+@pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2"])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): each holds half the heads and MLP; windows, ropes and norms per rank."""
     d = model_dir(kind)
@@ -71,11 +71,13 @@ def test_gemma3_hub_config_layout_matches_hf(model_dir, tmp_path, captured_logit
     assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
-    (dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
+@pytest.mark.parametrize("kind, changes, message", [
+    # transformers' Gemma 3 reads attn_logit_softcapping but never applies it: no reference to match.
+    ("gemma3", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
+    ("gemma3", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
+    ("gemma2", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
 ])
-def test_gemma3_settings_the_engine_cannot_run_are_refused_by_name(model_dir, tmp_path, changes, message):
-    d = edited_model(model_dir("gemma3"), tmp_path / "m", **changes)
+def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes, message):
+    d = edited_model(model_dir(kind), tmp_path / "m", **changes)
     with pytest.raises(ValueError, match=message):
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)

@@ -97,6 +97,70 @@ def test_decode_kernel_sliding_window(window):
         assert err < 1e-5, f"sequence {i} (context {n}, window {window}): max |kernel - SDPA| = {err:.2e}"
 
 
+def softcapped_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                         scale: float, soft_cap: float, window: int | None) -> torch.Tensor:
+    """float64 decode, sequence by sequence: scores s * scale capped to soft_cap * tanh(s * scale / soft_cap)."""
+    outs = []
+    for i, n in enumerate(meta.context_lens.tolist()):
+        blocks = meta.block_tables[i, :-(-n // meta.block_size)].long()
+        first = 0 if window is None else max(0, n - window)
+        k, v = (c[blocks].flatten(0, 1)[first:n].double() for c in (k_cache, v_cache))
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+        scores = torch.einsum("hd,lhd->hl", q[i].double(), k) * scale
+        probs = torch.softmax(soft_cap * torch.tanh(scores / soft_cap), -1)
+        outs.append(torch.einsum("hl,lhd->hd", probs, v).flatten())
+    return torch.stack(outs)
+
+
+@pytest.mark.skipif(not available(), reason="the C kernel did not build here")
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size, context_lens", [
+    (16, 8, 64, 16, [1, 15, 16, 17, 250, 33]),
+    (12, 3, 40, 8, [9, 100]),
+    (6, 1, 128, 1, [5, 2, 31]),
+])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("decode_kernel", [True, False], ids=["kernel", "torch"])
+def test_decode_with_softcap_matches_float64(heads, kv_heads, head_dim, block_size, context_lens, window,
+                                              decode_kernel):
+    """Attention-logit softcapping (Gemma 2) in the C kernel and in the PyTorch path that SDPA leaves it to; a cap
+    of 2 bends most scores here (their std is ~2), so a missing or misplaced tanh shows."""
+    meta, q, k_cache, v_cache = random_case(heads, kv_heads, head_dim, block_size, context_lens)
+    scale, soft_cap = head_dim ** -0.5, 2.0
+    backend = CPUAttentionBackend(torch.float32)
+    backend.decode_kernel = decode_kernel
+    backend.prepare(meta)
+    unused = torch.empty(0)
+    ours = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window, soft_cap)
+    ref = softcapped_reference(q, k_cache, v_cache, meta, scale, soft_cap, window)
+    err = (ours.double() - ref).abs().max().item()
+    assert err < 1e-5, f"max |ours - float64| = {err:.2e}"
+    uncapped = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window)
+    assert (uncapped - ours).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("budget_rows", [None, 3], ids=["whole", "chunked"])
+def test_softcapped_prefill_attention_matches_float64(budget_rows, monkeypatch):
+    """The explicit scores that stand in for SDPA in a softcapped prefill: GQA, a bottom-right causal mask with a
+    window over a cached prefix; with a small score budget, computed 3 query rows at a time."""
+    from nanoinfer.layers.attention import cpu as cpu_backend
+
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, n, keys, dim, scale, soft_cap = 6, 2, 10, 25, 32, 32 ** -0.5, 1.5
+    q = 2 * torch.randn(1, heads, n, dim, generator=g)
+    k, v = torch.randn(2, 1, kv_heads, keys, dim, generator=g)
+    q_pos, k_pos = torch.arange(keys - n, keys).unsqueeze(1), torch.arange(keys)
+    mask = (k_pos <= q_pos) & (k_pos > q_pos - 7)
+    if budget_rows:
+        monkeypatch.setattr(cpu_backend, "SOFTCAP_SCORE_BYTES", 4 * heads * keys * budget_rows)
+    ours = cpu_backend.attention(q, k, v, mask, True, scale, soft_cap)
+    kr, vr = (x.double().repeat_interleave(heads // kv_heads, 1) for x in (k, v))
+    scores = soft_cap * torch.tanh(q.double() @ kr.transpose(-1, -2) * scale / soft_cap)
+    ref = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ vr
+    assert (ours.double() - ref).abs().max().item() < 1e-5
+    uncapped = cpu_backend.attention(q, k, v, mask, True, scale, None)
+    assert (uncapped - ours).abs().max().item() > 1e-2
+
+
 def test_a_failing_build_falls_back_to_pytorch(monkeypatch, tmp_path):
     from nanoinfer.kernels import cpu
 

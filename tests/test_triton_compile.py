@@ -42,7 +42,8 @@ def compile_attention(dtype: str, group: int, head_dim: int, config: ta.TileConf
     types.update({name: f"*{dtype}" for name in POINTERS[:4]})
     types.update({name: "*fp32" if split else f"*{dtype}" for name in POINTERS[4:7]})
     types.update({name: "i32" for name in ("window", "num_seqs", "num_heads", "num_segments", "stride_bt")})
-    types.update({name: "i32" for name in STRIDES}, qk_scale="fp32")
+    types.update({name: "i32" for name in STRIDES}, qk_scale="fp32", cap_scale="fp32")
+    flags.setdefault("SOFTCAP", False)
     constants = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=ta._block_d(head_dim),
                      BLOCK_M=config.block_m, BLOCK_Q=config.block_m // group, BLOCK_N=config.block_n,
                      KV_BLOCK_SIZE=16, UPCAST=False, PRECISION="tf32x3" if dtype == "fp32" else "tf32", **flags)
@@ -81,12 +82,17 @@ CASES = [  # (dtype, group, head_dim, config, flags): Qwen3-0.6B's shapes first,
     ("bf16", 1, 256, ta.prefill_config(1, 256, 2, 1024),
      dict(DECODE=False, PAGED=False, CAUSAL=False, HAS_WINDOW=False, SPLIT=False)),
     ("fp32", 2, 128, ta.decode_config(2, 128, 4), dict(DECODE, HAS_WINDOW=False, SPLIT=True)),
+    # Gemma 2's softcapped scores (its 9B's shapes: 2 query heads per KV head, head_dim 256).
+    ("bf16", 2, 256, ta.decode_config(2, 256, 2), dict(DECODE, HAS_WINDOW=True, SPLIT=True, SOFTCAP=True)),
+    ("bf16", 2, 256, ta.prefill_config(2, 256, 2, 1024),
+     dict(DECODE=False, PAGED=True, CAUSAL=True, HAS_WINDOW=True, SPLIT=False, SOFTCAP=True)),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype, group, head_dim, config, flags", CASES,
-                         ids=[f"{c[0]}-group{c[1]}-d{c[2]}-{'decode' if c[4]['DECODE'] else 'prefill'}" for c in CASES])
+                         ids=[f"{c[0]}-group{c[1]}-d{c[2]}-{'decode' if c[4]['DECODE'] else 'prefill'}"
+                              f"{'-softcap' * c[4].get('SOFTCAP', False)}" for c in CASES])
 def test_attention_kernel_compiles_for_sm90(dtype, group, head_dim, config, flags):
     kernel = compile_attention(dtype, group, head_dim, config, **flags)
     assert "cp.async" in kernel.asm["ptx"]  # K/V tiles are loaded asynchronously, num_stages deep

@@ -12,8 +12,11 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.exit("run through tests/test_triton.py (needs TRITON_INTERPRET=1 from the start)", returncode=4)
 
 import cuda_fakes  # noqa: E402  (tests/cuda_fakes.py)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from models import check_against_hf, hf_encoder_states, hf_greedy, random_prompts  # noqa: E402
-from triton_interpreted import backends_on_the_same_metadata  # noqa: E402  (tests/triton_interpreted.py)
+from triton_interpreted import _seq as page_seq  # noqa: E402  (tests/triton_interpreted.py: 256-token blocks)
+from triton_interpreted import backends_on_the_same_metadata, flash_on_cpu  # noqa: E402, F401  (a fixture)
 
 from nanoinfer import LLM, SamplingParams  # noqa: E402
 from nanoinfer.engine.input_batch import InputBatch  # noqa: E402
@@ -39,14 +42,18 @@ def _error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], q_lens: list[int],
-              scale: float, causal: bool = True, window: int | None = None) -> torch.Tensor:
+              scale: float, causal: bool = True, window: int | None = None, soft_cap: float | None = None
+              ) -> torch.Tensor:
     """float64 attention, sequence by sequence: q [tokens, heads, dim], keys[i]/values[i] [ctx_i, kv_heads, dim]
-    -> [tokens, heads * dim]; query j of n new tokens sits at ctx - n + j; a row seeing no key gives 0."""
+    -> [tokens, heads * dim]; query j of n new tokens sits at ctx - n + j; a row seeing no key gives 0. With
+    soft_cap, scores s become soft_cap * tanh(s / soft_cap) before the mask."""
     out, start = [], 0
     for k, v, n in zip(keys, values, q_lens):
         ctx, group = k.shape[0], q.shape[1] // k.shape[1]
         k, v = (x.double().repeat_interleave(group, 1) for x in (k, v))
         scores = torch.einsum("nhd,lhd->hnl", q[start:start + n].double(), k) * scale
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
         if causal:
             q_pos, k_pos = torch.arange(ctx - n, ctx)[:, None], torch.arange(ctx)[None, :]
             visible = k_pos <= q_pos
@@ -150,6 +157,65 @@ def test_decode_kernel_split_kv(dtype, heads, kv_heads, head_dim):
         assert err < TOLERANCE[dtype], f"window {window}, {segments} segments: max error {err:.2e}"
 
 
+@triton.jit
+def _tanh_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, triton_attention._tanh(tl.load(x_ptr + offs, mask=offs < n)), mask=offs < n)
+
+
+def test_tanh_is_exact_to_fp32():
+    """The kernels' tanh (Triton has none of its own that runs here) within 2 ulp of float64's over the range where
+    it is not 0 or +-1 in fp32, both sides of the switch from polynomial to exponential at 0.625 included."""
+    x = torch.cat([torch.linspace(-10, 10, 200_001), torch.tensor([0.0, 0.625, -0.625, 1e-30, 50.0, -50.0]),
+                   torch.linspace(0.62, 0.63, 1001)])
+    out = torch.empty_like(x)
+    _tanh_kernel[(triton.cdiv(x.numel(), 4096),)](x, out, x.numel(), BLOCK=4096)
+    ref = torch.tanh(x.double())
+    ulp = (out.double() - ref).abs() / torch.finfo(torch.float32).eps / ref.abs().clamp_min(1e-38)
+    assert ulp.max().item() <= 2.0, f"{ulp.max().item():.2f} ulp at x = {x[ulp.argmax()].item()}"
+
+
+SOFT_CAP = 1.5  # below most of the random scores here (std ~2): the cap bends them, a missing tanh shows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_kernel_softcap(dtype, window):
+    """Attention-logit softcapping (Gemma 2) on a mixed batch over the paged cache: a cached prefix before a chunk,
+    a decode row, a fresh prompt."""
+    g = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, contexts, q_lens = 6, 2, 80, [40, 17, 33], [9, 1, 33]
+    k_cache, v_cache, tables, keys, values = paged_cache(contexts, kv_heads, head_dim, 16, dtype, g)
+    q = (2 * torch.randn(sum(q_lens), heads, head_dim, generator=g)).to(dtype)
+    scale = head_dim ** -0.5
+    ours = prefill_attention(q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), _cu(q_lens),
+                             _cu(contexts), max(q_lens), scale, window=window, config=SMALL, soft_cap=SOFT_CAP)
+    err = _error(ours, reference(q, keys, values, q_lens, scale, window=window, soft_cap=SOFT_CAP))
+    assert err < TOLERANCE[dtype], f"max error {err:.2e}"
+    assert _error(ours, reference(q, keys, values, q_lens, scale, window=window)) > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_decode_kernel_softcap_split_kv(dtype):
+    """Softcapped decode, whole and split into segments merged by the reduce kernel (which needs no change: the
+    partial maxima are of the capped scores)."""
+    g = torch.Generator().manual_seed(12)
+    heads, kv_heads, head_dim, contexts = 4, 2, 64, [0, 1, 17, 150]
+    k_cache, v_cache, tables, keys, values = paged_cache(contexts, kv_heads, head_dim, 16, dtype, g)
+    q = (2 * torch.randn(len(contexts), heads, head_dim, generator=g)).to(dtype)
+    context_lens = torch.tensor(contexts, dtype=torch.int32)
+    ref = reference(q, keys, values, [1] * len(contexts), 0.125, soft_cap=SOFT_CAP)
+    for window, segments in [(None, 1), (None, 3), (10, 2)]:
+        partials = DecodePartials.allocate(len(contexts) * segments, heads, head_dim, q.device)
+        ours = decode_attention(q, k_cache, v_cache, tables, context_lens, 0.125, window, segments, partials,
+                                config=SMALL, soft_cap=SOFT_CAP)
+        if window is not None:
+            ref = reference(q, keys, values, [1] * len(contexts), 0.125, window=window, soft_cap=SOFT_CAP)
+        err = _error(ours, ref)
+        assert err < TOLERANCE[dtype], f"window {window}, {segments} segments: max error {err:.2e}"
+    assert _error(ours, reference(q, keys, values, [1] * len(contexts), 0.125, window=10)) > 1e-2
+
+
 def test_decode_segments_really_split():
     """The 150-token context over 5 segments of 32-key tiles fills all 5 partial rows; the 17-token one fits in
     the first segment and leaves the others empty (max -inf, sum 0). The most segments give the same output."""
@@ -196,6 +262,28 @@ def test_backend_equals_pytorch_backend_on_the_same_metadata(kind, window):
     assert torch.equal(tk, ck) and torch.equal(tv, cv)
     err = (ours - cpu).abs().max().item()
     assert err < 1e-5, f"max |triton - cpu| = {err:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["prefix-and-chunk", "decode", "mixed"])
+def test_softcap_backend_equals_pytorch_backend_on_the_same_metadata(kind):
+    """Softcapped scores with a window, through the triton backend and the PyTorch one (explicit scores in prefill,
+    the C kernel in decode)."""
+    (ours, _, _), (cpu, _, _) = backends_on_the_same_metadata(("triton", "cpu"), BATCHES[kind], 16, 11, 6, SOFT_CAP)
+    [(uncapped, _, _)] = backends_on_the_same_metadata(("cpu",), BATCHES[kind], 16, 11, 6)
+    err = (ours - cpu).abs().max().item()
+    assert err < 1e-5, f"max |triton - cpu| = {err:.2e}"
+    assert (uncapped - cpu).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_flash_backend_passes_the_softcap(decode, flash_on_cpu):
+    """flash-attn's softcap (its fake here computes flash-attn's documented result) in both of its entry points."""
+    batch = (ScheduledBatch([page_seq(257, 256, [2, 5]), page_seq(600, 599, [1, 3, 4])], [1, 1]) if decode else
+             ScheduledBatch([page_seq(300, 256, [4, 1]), page_seq(37, 0, [2])], [44, 37]))
+    (flash, _, _), (cpu, _, _) = backends_on_the_same_metadata(("flash", "cpu"), batch, 256, 6, None, SOFT_CAP)
+    [(uncapped, _, _)] = backends_on_the_same_metadata(("cpu",), batch, 256, 6)
+    assert (flash - cpu).abs().max().item() < 1e-5 and (uncapped - cpu).abs().max().item() > 1e-2
+    assert [c["fn"] for c in flash_on_cpu] == ["kvcache" if decode else "varlen"]
 
 
 def test_backend_segment_policy_and_one_partial_buffer():
@@ -276,11 +364,11 @@ def test_engine_prefix_hits_and_chunked_prefill_match_hf(qwen3_dir, captured_log
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
 
-@pytest.mark.parametrize("kind", ["qwen3-swa", "gemma3", "olmo3"])
+@pytest.mark.parametrize("kind", ["qwen3-swa", "gemma3", "olmo3", "gemma2"])
 def test_engine_sliding_window_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
-    """Windowed (qwen3-swa: 9, gemma3: 10, olmo3: 11) and full layers (gemma3, olmo3: with their own rope; gemma3: a
-    score scale that is not head_dim ** -0.5); contexts a few windows long, prefilled in 7-token chunks with 8-token
-    blocks, then again with a cached prefix."""
+    """Windowed (qwen3-swa: 9, gemma3: 10, olmo3: 11, gemma2: 11) and full layers (gemma3, olmo3: with their own rope;
+    gemma3, gemma2: a score scale that is not head_dim ** -0.5; gemma2: softcapped scores); contexts a few windows
+    long, prefilled in 7-token chunks with 8-token blocks, then again with a cached prefix."""
     d = model_dir(kind)
     shared = random_prompts(1, 5, 440, 24, 24, seed=8)[0]
     prompts = [shared + tail for tail in random_prompts(2, 5, 440, 1, 12, seed=9)]

@@ -5,6 +5,7 @@
  * pass ahead, which roughly doubles the bandwidth reached (the hardware prefetcher alone leaves the loads
  * waiting on memory). Built with -fopenmp after torch is loaded, so it shares torch's OpenMP threads. */
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,6 +41,22 @@ INLINE vf exp_nonpositive(vf x) {
     return p * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
 }
 
+/* tanh lane by lane, within 2 ulp: an odd polynomial below 0.625 (Cephes' tanhf), where 1 - e^-2|x| would lose
+ * the leading bits, else (1 - e) / (1 + e) with e = e^-2|x|. */
+INLINE vf tanh_lanes(vf x) {
+    const vi sign = (vi){0} + INT32_MIN;
+    const vf z = (vf)((vi)x & ~sign), z2 = z * z;  /* |x| */
+    const vf e = exp_nonpositive(-2.f * z);
+    vf p = splat(-5.70498872745e-3f);
+    p = p * z2 + 2.06390887954e-2f;
+    p = p * z2 - 5.37397155531e-2f;
+    p = p * z2 + 1.33314422036e-1f;
+    p = p * z2 - 3.33332819422e-1f;
+    const vf small = p * z2 * z + z, large = (1.f - e) / (1.f + e);
+    const vi below = z < splat(0.625f);
+    return (vf)(((vi)small & below) | ((vi)large & ~below) | ((vi)x & sign));  /* x's sign */
+}
+
 /* p[i] -> the vector whose lane i is the sum of p[i]'s lanes: a transposing tree of 15 pairwise folds
  * instead of 16 separate horizontal sums. */
 INLINE vf sum_lanes(vf p[W]) {
@@ -65,14 +82,15 @@ typedef struct {
     const int32_t *block_tables, *context_lens;
     float *out;
     int64_t num_heads, num_kv_heads, block_size, max_blocks, window;
-    float scale;
+    float scale, soft_cap;
 } Args;
 
 /* Query heads [j0 * g, j1 * g) of one sequence against KV heads [j0, j1), over context tokens [first, len).
  * Scores are [token][head], heads padded to a multiple of W, so the online softmax runs across heads in
  * vectors. scratch: see scratch_floats. `dim` is a compile-time constant where it matters (see
- * attend_dispatch), so the loops over it unroll. */
-INLINE void attend(const Args *a, int64_t seq, int64_t j0, int64_t j1, int64_t dim, float *scratch) {
+ * attend_dispatch), so the loops over it unroll; so is `capped` (scores soft-capped: cap * tanh(score / cap)),
+ * so that the scores of uncapped models take no extra step. */
+INLINE void attend(const Args *a, int64_t seq, int64_t j0, int64_t j1, int64_t dim, bool capped, float *scratch) {
     const int64_t g = a->num_heads / a->num_kv_heads, nkv = j1 - j0, nh = nkv * g, row = a->num_kv_heads * dim;
     const int64_t hp = (nh + W - 1) / W * W, vec_dim = dim / W * W;
     const int64_t len = a->context_lens[seq];
@@ -105,7 +123,9 @@ INLINE void attend(const Args *a, int64_t seq, int64_t j0, int64_t j1, int64_t d
                     for (int64_t d = 0; d < vec_dim; d += W) part[i] += load(qh + d) * load(kh + d);
                     for (int64_t d = vec_dim; d < dim; ++d) part[i][0] += qh[d] * kh[d];
                 }
-                store(s + t * hp + h0, sum_lanes(part) * a->scale);
+                vf score = sum_lanes(part) * a->scale;
+                if (capped) score = a->soft_cap * tanh_lanes(score / a->soft_cap);
+                store(s + t * hp + h0, score);
             }
         }
         for (int64_t h0 = 0; h0 < nh; h0 += W) {  /* online softmax, W heads at a time */
@@ -148,25 +168,31 @@ static int64_t scratch_floats(int64_t num_heads, int64_t dim) {
     return num_heads * dim + CHUNK * hp + 2 * hp;
 }
 
+INLINE void attend_capped_or_not(const Args *a, int64_t seq, int64_t j0, int64_t j1, int64_t dim, float *scratch) {
+    if (a->soft_cap > 0.f) attend(a, seq, j0, j1, dim, true, scratch);
+    else attend(a, seq, j0, j1, dim, false, scratch);
+}
+
 static void attend_dispatch(const Args *a, int64_t seq, int64_t j0, int64_t j1, int64_t dim, float *scratch) {
     switch (dim) {  /* common head sizes get fully unrolled inner loops */
-        case 64: attend(a, seq, j0, j1, 64, scratch); break;
-        case 128: attend(a, seq, j0, j1, 128, scratch); break;
-        default: attend(a, seq, j0, j1, dim, scratch);
+        case 64: attend_capped_or_not(a, seq, j0, j1, 64, scratch); break;
+        case 128: attend_capped_or_not(a, seq, j0, j1, 128, scratch); break;
+        default: attend_capped_or_not(a, seq, j0, j1, dim, scratch);
     }
 }
 
 /* q, out: [seqs, heads, dim]; caches: [blocks, block_size, kv_heads, dim]; tables: [seqs, max_blocks].
- * window > 0 attends only to each sequence's last `window` tokens (sliding-window attention).
+ * window > 0 attends only to each sequence's last `window` tokens (sliding-window attention); soft_cap > 0 caps
+ * each scaled score s to soft_cap * tanh(s / soft_cap) (Gemma 2's attention-logit softcapping).
  * Work items are (sequence, slice of KV heads): whole rows (contiguous reads) when there are enough
  * sequences to keep every thread busy, finer slices for small batches. */
 void paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                             const int32_t *block_tables, const int32_t *context_lens, float *out,
                             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
                             int64_t block_size, int64_t max_blocks, int64_t window, int64_t num_threads,
-                            float scale) {
+                            float scale, float soft_cap) {
     const Args a = {q, k_cache, v_cache, block_tables, context_lens, out, num_heads, num_kv_heads, block_size,
-                    max_blocks, window, scale};
+                    max_blocks, window, scale, soft_cap};
     int64_t slices = (4 * num_threads + num_seqs - 1) / num_seqs;
     slices = slices < 1 ? 1 : slices > num_kv_heads ? num_kv_heads : slices;
     const int64_t items = num_seqs * slices;

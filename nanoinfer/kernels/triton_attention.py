@@ -4,7 +4,8 @@ merges a split decode's segments.
 
 Every program handles one KV head and all the query heads of its group (GQA): its tile rows are (query token,
 head in group) pairs, so each K/V tile is loaded once per group. K/V tiles are gathered key by key through the
-block table, so any KV block size works. Softmax runs online in fp32, in base 2 with the scale folded in."""
+block table, so any KV block size works. Softmax runs online in fp32, in base 2 with the scale folded in. Scores
+may be soft-capped (Gemma 2): cap * tanh(score / cap), in natural units, before the mask."""
 from dataclasses import dataclass
 
 import torch
@@ -30,18 +31,33 @@ def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
+@triton.jit
+def _tanh(x):
+    """tanh in fp32 to within 2 ulp from tl.exp alone (triton.language has no tanh, and libdevice's does not run in
+    the interpreter): Cephes' tanhf, an odd polynomial below 0.625, where 1 - e^-2|x| would lose the leading bits,
+    else (1 - e) / (1 + e) with e = e^-2|x|."""
+    z = tl.abs(x)
+    z2 = z * z
+    p = (((-5.70498872745e-3 * z2 + 2.06390887954e-2) * z2 - 5.37397155531e-2) * z2 + 1.33314422036e-1) * z2
+    e = tl.exp(-2.0 * z)
+    t = tl.where(z < 0.625, (p - 3.33332819422e-1) * z2 * z + z, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0, -t, t)
+
+
 @triton.jit(do_not_specialize=["num_seqs"])  # a loop bound in _find_seq: must stay a tensor, even when 1
 def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, block_tables_ptr,
-                      context_lens_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, qk_scale, window, num_seqs, num_heads,
-                      num_segments, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
+                      context_lens_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, qk_scale, cap_scale, window, num_seqs,
+                      num_heads, num_segments, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                      stride_bt,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
                       DECODE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                      SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                      SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Grid (query tiles, KV heads, segments). A tile: BLOCK_Q tokens of one sequence x the GROUP query heads of
     one KV head; in a decode step, sequence i's single token. A segment: one of num_segments equal slices (whole
     BLOCK_N tiles) of the keys the tile sees; split, its max, sum and unnormalized output go to the partial buffers
-    for the reduce kernel, else the output itself."""
+    for the reduce kernel, else the output itself. Scores are q.k * qk_scale in base 2; with SOFTCAP, qk_scale
+    is scale / cap and the score tanh(q.k * qk_scale) * cap_scale, cap_scale = cap * log2(e)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
@@ -100,6 +116,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, 
         k = tl.load(k_ptr + kv_head * stride_kh + (rows * stride_kt)[None, :] + offs_d[:, None],
                     mask=d_ok[:, None] & key_ok[None, :], other=0.0).to(q.dtype)
         s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        if SOFTCAP:
+            s = _tanh(s) * cap_scale
         visible = key_ok[None, :]
         if CAUSAL:
             visible &= key_pos[None, :] <= q_pos[:, None]
@@ -199,33 +217,44 @@ def decode_config(group: int, head_dim: int, itemsize: int) -> TileConfig:
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                       max_seqlen_q: int, scale: float, causal: bool = True, window: int | None = None,
-                      config: TileConfig | None = None) -> torch.Tensor:
+                      config: TileConfig | None = None, soft_cap: float | None = None) -> torch.Tensor:
     """q [tokens, heads, dim] -> [tokens, heads * dim]. k, v: the paged caches [blocks, block_size, kv_heads, dim]
     (keys through block_tables), or this step's [tokens, kv_heads, dim] when each context is just this step's
     tokens (rows from cu_seqlens_k). Causal: query j of a sequence with n new tokens and context c sits at
-    c - n + j and sees the keys at positions <= its own (and > its own - window with a window)."""
+    c - n + j and sees the keys at positions <= its own (and > its own - window with a window). With soft_cap,
+    each scaled score s becomes soft_cap * tanh(s / soft_cap)."""
     group = q.shape[1] // k.shape[-2]
     config = config or prefill_config(group, q.shape[-1], q.element_size(), max_seqlen_q)
     num_tiles = q.shape[0] // (config.block_m // group) + context_lens.shape[0]
-    return _attention(q, k, v, block_tables, context_lens, cu_seqlens_q, cu_seqlens_k, scale, causal,
+    return _attention(q, k, v, block_tables, context_lens, cu_seqlens_q, cu_seqlens_k, scale, soft_cap, causal,
                       window if causal else None, config, num_tiles, decode=False)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, window: int | None = None, num_segments: int = 1,
-                     partials: DecodePartials | None = None, config: TileConfig | None = None) -> torch.Tensor:
+                     partials: DecodePartials | None = None, config: TileConfig | None = None,
+                     soft_cap: float | None = None) -> torch.Tensor:
     """One query token per sequence: q [seqs, heads, dim] over the paged caches -> [seqs, heads * dim]; a context
     length 0 gives zeros. With num_segments > 1 each context is split into that many segments computed in
-    parallel into `partials` (capacity >= seqs * num_segments), then merged by a reduce kernel."""
+    parallel into `partials` (capacity >= seqs * num_segments), then merged by a reduce kernel. soft_cap: as in
+    prefill_attention."""
     config = config or decode_config(q.shape[1] // k_cache.shape[2], q.shape[-1], q.element_size())
-    return _attention(q, k_cache, v_cache, block_tables, context_lens, None, None, scale, True, window, config,
-                      q.shape[0], decode=True, num_segments=num_segments, partials=partials)
+    return _attention(q, k_cache, v_cache, block_tables, context_lens, None, None, scale, soft_cap, True, window,
+                      config, q.shape[0], decode=True, num_segments=num_segments, partials=partials)
+
+
+def _score_scales(scale: float, soft_cap: float | None) -> tuple[float, float]:
+    """The kernel's (qk_scale, cap_scale): scores in base 2, capped in natural units first with a soft cap."""
+    if soft_cap is None:
+        return scale * LOG2E, 0.0
+    return scale / soft_cap, soft_cap * LOG2E
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
-               scale: float, causal: bool, window: int | None, config: TileConfig, num_tiles: int, decode: bool,
-               num_segments: int = 1, partials: DecodePartials | None = None) -> torch.Tensor:
+               scale: float, soft_cap: float | None, causal: bool, window: int | None, config: TileConfig,
+               num_tiles: int, decode: bool, num_segments: int = 1, partials: DecodePartials | None = None
+               ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[-2]
     paged = k.dim() == 4
@@ -246,12 +275,13 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: 
     cu_q = context_lens if cu_seqlens_q is None else cu_seqlens_q  # not read in a decode step
     cu_k = context_lens if cu_seqlens_k is None else cu_seqlens_k
     _attention_kernel[(num_tiles, num_kv_heads, num_segments)](
-        q, k, v, out, *bufs, block_tables, context_lens, cu_q, cu_k, scale * LOG2E, window or 0,
+        q, k, v, out, *bufs, block_tables, context_lens, cu_q, cu_k, *_score_scales(scale, soft_cap), window or 0,
         context_lens.shape[0], num_heads, num_segments, q.stride(0), q.stride(1), k.stride(-3), k.stride(-2),
         v.stride(-3), v.stride(-2), block_tables.stride(0), GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=config.block_m, BLOCK_Q=config.block_m // group, BLOCK_N=config.block_n,
         KV_BLOCK_SIZE=k.shape[1] if paged else 1, DECODE=decode, PAGED=paged, CAUSAL=causal,
-        HAS_WINDOW=window is not None, SPLIT=split, num_warps=config.num_warps, num_stages=config.num_stages,
+        HAS_WINDOW=window is not None, SPLIT=split, SOFTCAP=soft_cap is not None, num_warps=config.num_warps,
+        num_stages=config.num_stages,
         # fp32 dots as three TF32 products (fp32-accurate; Triton's default, one TF32 product, is not; "ieee"
         # compiles to FMA loops that spill kilobytes of registers on sm_90). CPU tensors get here only in the
         # interpreter, whose bf16 needs the upcast.

@@ -31,6 +31,7 @@ class AttentionOptions:
     scale: float | None = None
     rope_layer_type: str | None = None
     rope: bool = True  # SmolLM3's NoPE layers: no position encoding at all
+    logits_soft_cap: float | None = None  # Gemma 2: scores capped to cap * tanh(score / cap)
 
 
 def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
@@ -59,7 +60,8 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = (get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type)
                            if options.rope else None)
         scale = self.head_dim ** -0.5 if options.scale is None else options.scale
-        self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window)
+        self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window,
+                              options.logits_soft_cap)
         if options.qk_norm:
             eps = config.rms_norm_eps
             norms = [GemmaRMSNorm(self.head_dim, eps) if options.gemma_norm

@@ -22,15 +22,18 @@ def get_backend(name: str, dtype: torch.dtype, device: torch.device = torch.devi
 
 class Attention(nn.Module):
     """Stores this step's K/V into the paged cache, then attends over each sequence's whole context, or over the
-    last `sliding_window` positions of it (the query's own included)."""
+    last `sliding_window` positions of it (the query's own included). With `logits_soft_cap` (Gemma 2), each
+    scaled score s becomes logits_soft_cap * tanh(s / logits_soft_cap) before masking and softmax."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-        self.sliding_window = sliding_window
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
+        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
         self.k_cache = self.v_cache = torch.empty(0)  # [num_blocks, block_size, kv_heads, head_dim], set by ModelRunner
         self.backend = None  # set by ModelRunner with the cache
 
@@ -41,7 +44,8 @@ class Attention(nn.Module):
         # Nothing to store in an encoder pass, nor during the warm-up that sizes the cache on CUDA.
         if meta.slot_mapping is not None and self.k_cache.numel():
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
+                                    self.logits_soft_cap)
 
 
 __all__ = ["Attention", "AttentionMetadata", "get_backend"]

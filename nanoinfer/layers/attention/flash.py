@@ -23,16 +23,18 @@ class FlashAttentionBackend:
         pass
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None
-                ) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
+                soft_cap: float | None = None) -> torch.Tensor:
         """q [tokens, heads, dim], this step's k, v [tokens, kv_heads, dim] (already stored) -> [tokens, heads*dim].
-        With a window, a query at position p sees keys at p - window < position <= p (flash-attn: left window-1)."""
+        With a window, a query at position p sees keys at p - window < position <= p (flash-attn: left window-1).
+        With soft_cap, scores are capped to soft_cap * tanh(score / soft_cap) (flash-attn: softcap, 0 for none)."""
         window_size = (-1, -1) if window is None or not meta.causal else (window - 1, 0)
+        softcap = soft_cap or 0.0
         if meta.is_decode:
             # One query per sequence; causal is moot for a single query row.
             o = self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
                                   block_table=meta.block_tables, softmax_scale=scale, causal=True,
-                                  window_size=window_size)
+                                  window_size=window_size, softcap=softcap)
             return o.flatten(1)
         table = None
         if meta.has_cached_prefix:  # keys come from the cache: the prefix was computed in earlier steps
@@ -41,5 +43,5 @@ class FlashAttentionBackend:
         # context c sits at position c - n + j, as in the CPU backend.
         o = self.varlen(q, k, v, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
                         max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, softmax_scale=scale,
-                        causal=meta.causal, window_size=window_size, block_table=table)
+                        causal=meta.causal, window_size=window_size, softcap=softcap, block_table=table)
         return o.flatten(1)
