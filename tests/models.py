@@ -537,6 +537,13 @@ def _quiet_transformers() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
+def hf_attention(model_dir) -> dict:
+    """from_pretrained's attention argument: eager where the model softcaps its scores (Gemma 2). transformers
+    5.17's Gemma 2 defaults to SDPA, which drops the softcap without a word (5.23 refuses SDPA for it)."""
+    config = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
+    return {"attn_implementation": "eager"} if config.get("attn_logit_softcapping") is not None else {}
+
+
 def load_hf_model(model_dir):
     """Load (and cache per process) the transformers fp32 model for `model_dir`."""
     from transformers import AutoModelForCausalLM
@@ -544,7 +551,7 @@ def load_hf_model(model_dir):
     _quiet_transformers()
     key = str(pathlib.Path(model_dir).resolve())
     if key not in _HF_CACHE:
-        m = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32)
+        m = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32, **hf_attention(key))
         m.eval()
         _HF_CACHE[key] = m
     return _HF_CACHE[key]

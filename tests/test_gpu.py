@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from models import EXTRA_KINDS, MODEL_KINDS, check_against_hf, hf_greedy, random_prompts
+from models import EXTRA_KINDS, MODEL_KINDS, check_against_hf, hf_attention, hf_greedy, random_prompts
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
 from nanoinfer.layers.attention import Attention
@@ -73,7 +73,8 @@ def hf_model(model_dir, dtype: torch.dtype) -> torch.nn.Module:
 
     key = (str(model_dir), dtype)
     if key not in _HF_MODELS:
-        _HF_MODELS[key] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to("cuda").eval()
+        _HF_MODELS[key] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                               **hf_attention(model_dir)).to("cuda").eval()
     return _HF_MODELS[key]
 
 
