@@ -1,5 +1,6 @@
-"""Gemma 2, Gemma 3 and Phi-3 specifics beyond the shared correctness tests (tests/test_correctness.py): tensor
-parallelism, transformers' bf16 arithmetic in Gemma's norm, and the config settings the engine refuses by name."""
+"""Dense families beyond the shared correctness tests (tests/test_correctness.py) without a file of their own (OLMo:
+test_olmo.py; MoE: test_moe.py): tensor parallelism against transformers, transformers' bf16 arithmetic in Gemma's
+norm, Gemma 3's Hub config layout, and the Gemma config settings the engine refuses by name."""
 import json
 import shutil
 
@@ -17,7 +18,7 @@ LOGIT_ATOL = 1e-4
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2"])
+@pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2", "granite", "smollm3"])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): each holds half the heads and MLP; windows, ropes and norms per rank."""
     d = model_dir(kind)
