@@ -1,6 +1,7 @@
 """GGUF loading: weight naming / un-permutation against transformers' own GGUF loader, plus the default model fetch."""
 import hashlib
 import pathlib
+import re
 import time
 
 import gguf
@@ -173,6 +174,138 @@ def test_tiny_checkpoint_matches_transformers(tmp_path: pathlib.Path, arch: str,
     if tied:
         ours["lm_head.weight"] = ours["model.embed_tokens.weight"]
     model.load_state_dict(ours, strict=True)
+
+
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def _gguf_tensors_from_hf(arch: str, state: dict[str, torch.Tensor], n_layers: int) -> dict[str, np.ndarray]:
+    """llama.cpp's tensor layout of an HF state dict: names from gguf's own HF->GGUF map, each layer's
+    experts stacked per projection, the shared-expert gate a vector. llama.cpp's MoE architectures have no
+    dense layers (the tiny models' mlp_only_layers): those get llama's ffn_gate/ffn_up/ffn_down names."""
+    model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    name_map = gguf.get_tensor_name_map(model_arch, n_layers)
+    llama_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layers)
+    tensors, experts = {}, {}
+    for hf_name, t in state.items():
+        if m := _EXPERT.fullmatch(hf_name):
+            experts.setdefault(f"blk.{m[1]}.ffn_{m[3]}_exps.weight", {})[int(m[2])] = t.numpy()
+            continue
+        base, suffix = hf_name.rsplit(".", 1)
+        gguf_name = name_map.get_name(base) or llama_map.get_name(base)
+        assert gguf_name is not None, hf_name
+        tensors[f"{gguf_name}.{suffix}"] = t.numpy().squeeze() if "shared_expert_gate" in base else t.numpy()
+    for name, per_expert in experts.items():
+        tensors[name] = np.stack([per_expert[e] for e in sorted(per_expert)])
+    return tensors
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _write_hf_as_gguf(path: pathlib.Path, arch: str, model_dir: pathlib.Path) -> None:
+    """Convert a tiny models.py checkpoint to an F32 GGUF file the way llama.cpp's converter does."""
+    from safetensors.torch import load_file
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(_head_dim(cfg))
+    w.add_value_length(_head_dim(cfg))
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_eos_token_id(cfg.eos_token_id)
+    if hasattr(cfg, "num_experts"):
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if hasattr(cfg, "shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    state = load_file(model_dir / "model.safetensors")
+    for name, t in _gguf_tensors_from_hf(arch, state, cfg.num_hidden_layers).items():
+        w.add_tensor(name, np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# models.py kind -> (GGUF architecture, nanoinfer/HF architecture, config fields transformers' GGUF
+# loader leaves at class defaults that ours must restore)
+_FROM_HF = {
+    "qwen3-moe": ("qwen3moe", "Qwen3MoeForCausalLM", ("moe_intermediate_size", "mlp_only_layers")),
+    "qwen2-moe": ("qwen2moe", "Qwen2MoeForCausalLM",
+                  ("moe_intermediate_size", "shared_expert_intermediate_size", "mlp_only_layers")),
+}
+_SAME_CONFIG = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "vocab_size", "num_experts", "num_experts_per_tok", "norm_topk_prob",
+                "tie_word_embeddings", "eos_token_id")
+
+
+@pytest.fixture
+def hf_as_gguf(model_dir, tmp_path: pathlib.Path):
+    """Factory: kind -> (GGUF file converted from the tiny model, the tiny model's directory)."""
+    def make(kind: str) -> tuple[pathlib.Path, pathlib.Path]:
+        path = tmp_path / f"{kind}.gguf"
+        _write_hf_as_gguf(path, _FROM_HF[kind][0], model_dir(kind))
+        return path, model_dir(kind)
+    return make
+
+
+@pytest.mark.parametrize("kind", list(_FROM_HF))
+def test_converted_checkpoint_matches_transformers(hf_as_gguf, kind: str):
+    """Config and weights of a llama.cpp-layout file equal the safetensors model's, and the weights equal
+    transformers' GGUF conversion bit for bit."""
+    path, src = hf_as_gguf(kind)
+    arch, hf_arch, restored = _FROM_HF[kind]
+    config, hf_config = load_gguf_config(path), AutoConfig.from_pretrained(src)
+    assert config.architectures == [hf_arch]
+    for key in _SAME_CONFIG + restored:
+        assert getattr(config, key) == getattr(hf_config, key), key
+    assert config.rope_parameters["rope_theta"] == hf_config.rope_parameters["rope_theta"]
+    assert config.head_dim == _head_dim(hf_config)
+    assert config.rms_norm_eps == pytest.approx(hf_config.rms_norm_eps, rel=1e-7)  # stored as float32
+    theirs_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    assert any(getattr(theirs_config, key) != getattr(hf_config, key) for key in restored)  # why we restore them
+
+    ours = dict(iter_gguf_weights(path, config))
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    expected = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).state_dict()
+    assert ours.keys() == expected.keys()
+    for name, t in ours.items():
+        assert t.dtype == torch.float32 and t.is_contiguous()
+        torch.testing.assert_close(t, expected[name], rtol=0, atol=0, msg=name)
+    theirs = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    # transformers maps names with gguf's table for the architecture, which lacks the dense layers' MLP.
+    dense = {f"model.layers.{i}.mlp.{p}_proj.weight" for i in hf_config.mlp_only_layers for p in ("gate", "up", "down")}
+    assert dense and ours.keys() - theirs.keys() == dense
+    for name, t in theirs.items():
+        torch.testing.assert_close(ours[name], t, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("kind", list(_FROM_HF))
+def test_converted_checkpoint_engine_greedy(hf_as_gguf, kind: str, monkeypatch, captured_logits):
+    """The engine on the GGUF file gives transformers' greedy tokens on the safetensors model (transformers'
+    own GGUF loading builds the wrong model: see _FROM_HF)."""
+    from models import check_against_hf, hf_greedy, random_prompts
+
+    import nanoinfer.engine.llm_engine as llm_engine
+    from nanoinfer import LLM, SamplingParams
+
+    path, src = hf_as_gguf(kind)
+    monkeypatch.setattr(llm_engine, "load_gguf_tokenizer", lambda _: None)  # the file has no vocabulary
+    prompts = random_prompts(3, 5, 400, 5, 20, seed=41)
+    with LLM(str(path), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert check_against_hf(outputs, hf_greedy(src, prompts, 12), captured_logits) < 1e-4
 
 
 def test_unknown_architecture(tmp_path: pathlib.Path):

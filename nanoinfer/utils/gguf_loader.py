@@ -1,5 +1,5 @@
-"""Load llama / qwen2 / qwen3 GGUF checkpoints as a transformers config, tokenizer and
-float32 weights named like a Hugging Face safetensors checkpoint."""
+"""Load llama.cpp GGUF checkpoints (architectures in SUPPORTED_ARCHS) as a transformers config,
+tokenizer and float32 weights named like a Hugging Face safetensors checkpoint."""
 import functools
 import os
 import pathlib
@@ -12,18 +12,27 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 # GGUF `general.architecture` values we can load.
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 # Keyed by HF model_type: transformers turns a "llama" GGUF whose name mentions mistral into a
 # MistralConfig, which has the same weights.
 _HF_ARCHITECTURE = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM",
-                    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 _TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _PER_LAYER = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# llama.cpp stacks all experts of a layer in one tensor per projection. Like transformers' GGUF
+# loader we yield the stacked HF names (no .weight suffix): gate_up_proj [experts, 2 * inter, hidden]
+# (gate rows, then up rows), down_proj [experts, hidden, inter].
+_EXPERTS = {"ffn_gate_exps": "mlp.experts.gate_up_proj", "ffn_up_exps": "mlp.experts.gate_up_proj",
+            "ffn_down_exps": "mlp.experts.down_proj"}
 
 # The tokenizer's special tokens, by the GGUF metadata key holding each one's id.
 _SPECIAL_TOKENS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
@@ -122,10 +131,30 @@ def load_gguf_config(gguf_path: str | os.PathLike) -> PretrainedConfig:
         config.eos_token_id = _field(reader, "tokenizer.ggml.eos_token_id")
     if config.eos_token_id is None:
         raise ValueError(f"{p} defines no EOS token (tokenizer.ggml.eos_token_id)")
+    if arch in ("qwen2moe", "qwen3moe"):
+        _fill_moe_config(config, names, p)
     if arch == "llama" and "rope_freqs.weight" in names:
         warnings.warn(f"{p} has rope_freqs (llama3-style RoPE scaling), which is not "
                       "reconstructed into the config; long-context outputs may differ from llama.cpp")
     return config
+
+
+def _fill_moe_config(config: PretrainedConfig, names: dict[str, gguf.ReaderTensor], path: pathlib.Path) -> None:
+    """Expert sizes and the dense layers, which transformers leaves at class defaults: it maps
+    neither expert_feed_forward_length nor expert_shared_feed_forward_length, so read them off
+    the tensors (GGUF shapes are [in, out, experts])."""
+    moe_layers = [i for i in range(config.num_hidden_layers) if f"blk.{i}.ffn_gate_inp.weight" in names]
+    if not moe_layers:
+        raise ValueError(f"{path} has no ffn_gate_inp (router) tensor in any layer; is it a MoE checkpoint?")
+    first = f"blk.{moe_layers[0]}."
+    if first + "ffn_down_exps.weight" not in names:
+        raise ValueError(f"{path} has a router but no {first}ffn_down_exps.weight tensor")
+    config.moe_intermediate_size = int(names[first + "ffn_down_exps.weight"].shape[0])
+    if first + "ffn_down_shexp.weight" in names:
+        config.shared_expert_intermediate_size = int(names[first + "ffn_down_shexp.weight"].shape[0])
+    # Layers without a router are dense MLPs (Qwen's mlp_only_layers).
+    config.decoder_sparse_step = 1
+    config.mlp_only_layers = [i for i in range(config.num_hidden_layers) if i not in moe_layers]
 
 
 def load_gguf_tokenizer(gguf_path: str | os.PathLike) -> PreTrainedTokenizerBase:
@@ -160,9 +189,23 @@ def _hf_name(gguf_name: str) -> str | None:
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _PER_LAYER:
         return f"model.layers.{parts[1]}.{_PER_LAYER[parts[2]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _EXPERTS and suffix == "weight":
+        return f"model.layers.{parts[1]}.{_EXPERTS[parts[2]]}"
     if base == "rope_freqs":  # derived from the rope config on the HF side
         return None
     raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file")
+
+
+def _dequantize(t: gguf.ReaderTensor, arch: str, name: str, n_heads: int, n_kv_heads: int) -> np.ndarray:
+    # GGUF lists dims fastest-first; numpy/torch want them slowest-first.
+    w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+    if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        w = unpermute_qk(w, n_heads)
+    elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        w = unpermute_qk(w, n_kv_heads)
+    elif name.endswith("shared_expert_gate.weight"):
+        w = w.reshape(1, -1)  # HF's [1, hidden] Linear; llama.cpp may store it as a vector
+    return w
 
 
 def iter_gguf_weights(gguf_path: str | os.PathLike, config: PretrainedConfig
@@ -175,17 +218,22 @@ def iter_gguf_weights(gguf_path: str | os.PathLike, config: PretrainedConfig
     if not isinstance(n_heads, int):
         raise TypeError(f"config must define num_attention_heads, got {type(config).__name__}")
     n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
+    gate_or_up: dict[str, tuple[str, np.ndarray]] = {}  # an expert gate_up_proj's first half read
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name is None:
             continue
-        # GGUF lists dims fastest-first; numpy/torch want them slowest-first.
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
-        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute_qk(w, n_heads)
-        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute_qk(w, n_kv_heads)
+        w = _dequantize(t, arch, name, n_heads, n_kv_heads)
+        if name.endswith("experts.gate_up_proj"):
+            if name not in gate_or_up:
+                gate_or_up[name] = (t.name, w)
+                continue
+            first_name, first = gate_or_up.pop(name)
+            w = np.concatenate((first, w) if ".ffn_gate_exps." in first_name else (w, first), axis=1)
         # F32 tensors come back as views into the mmap: copy so callers own ordinary memory.
         if np.may_share_memory(w, reader.data) or w.dtype != np.float32 or not w.flags.c_contiguous:
             w = np.array(w, dtype=np.float32, order="C")
         yield name, torch.from_numpy(w)
+    if gate_or_up:
+        first_name = next(iter(gate_or_up.values()))[0]
+        raise ValueError(f"{p} has {first_name} but not its ffn_gate_exps/ffn_up_exps partner")
