@@ -1,8 +1,11 @@
 """GGUF loading: weight naming / un-permutation against transformers' own GGUF loader, plus the default model fetch."""
 import hashlib
+import json
 import pathlib
 import re
+import shutil
 import time
+from typing import NamedTuple
 
 import gguf
 import numpy as np
@@ -181,7 +184,7 @@ _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)
 
 def _gguf_tensors_from_hf(arch: str, state: dict[str, torch.Tensor], n_layers: int) -> dict[str, np.ndarray]:
     """llama.cpp's tensor layout of an HF state dict: names from gguf's own HF->GGUF map, each layer's
-    experts stacked per projection, the shared-expert gate a vector. llama.cpp's MoE architectures have no
+    experts stacked per projection, the shared-expert gate a vector, Gemma's norms 1 + weight. llama.cpp's MoE architectures have no
     dense layers (the tiny models' mlp_only_layers): those get llama's ffn_gate/ffn_up/ffn_down names."""
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     name_map = gguf.get_tensor_name_map(model_arch, n_layers)
@@ -194,7 +197,11 @@ def _gguf_tensors_from_hf(arch: str, state: dict[str, torch.Tensor], n_layers: i
         base, suffix = hf_name.rsplit(".", 1)
         gguf_name = name_map.get_name(base) or llama_map.get_name(base)
         assert gguf_name is not None, hf_name
-        tensors[f"{gguf_name}.{suffix}"] = t.numpy().squeeze() if "shared_expert_gate" in base else t.numpy()
+        if "shared_expert_gate" in base:
+            t = t.squeeze()
+        elif arch.startswith("gemma") and hf_name.endswith("norm.weight"):
+            t = t + 1  # llama.cpp multiplies by the weight, Gemma's RMSNorm by 1 + weight
+        tensors[f"{gguf_name}.{suffix}"] = t.numpy()
     for name, per_expert in experts.items():
         tensors[name] = np.stack([per_expert[e] for e in sorted(per_expert)])
     return tensors
@@ -218,7 +225,18 @@ def _write_hf_as_gguf(path: pathlib.Path, arch: str, model_dir: pathlib.Path) ->
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(_head_dim(cfg))
     w.add_value_length(_head_dim(cfg))
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    # Gemma 3's local rope base is implied (10000); GGUF holds the global one and its scaling.
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    w.add_rope_freq_base(rope["rope_theta"])
+    if rope["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    if getattr(cfg, "attn_logit_softcapping", None):
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    if getattr(cfg, "final_logit_softcapping", None):
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if getattr(cfg, "sliding_window", None):
+        w.add_sliding_window(cfg.sliding_window)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_eos_token_id(cfg.eos_token_id)
@@ -237,56 +255,82 @@ def _write_hf_as_gguf(path: pathlib.Path, arch: str, model_dir: pathlib.Path) ->
     w.close()
 
 
-# models.py kind -> (GGUF architecture, nanoinfer/HF architecture, config fields transformers' GGUF
-# loader leaves at class defaults that ours must restore)
+class FromHF(NamedTuple):
+    arch: str  # GGUF general.architecture
+    hf_arch: str
+    config_keys: tuple[str, ...]  # the architecture's config fields ours must get right
+    restored: tuple[str, ...]  # of those, the ones transformers' GGUF loader leaves at class defaults
+    # config.json changes that make the tiny model what llama.cpp can express: it derives Gemma's score
+    # scale from head_dim and fixes Gemma 3's layer pattern (5 sliding, then 1 full).
+    expressible: dict
+
+
+_MOE_KEYS = ("num_experts", "num_experts_per_tok", "norm_topk_prob", "moe_intermediate_size", "mlp_only_layers")
+_GEMMA_KEYS = ("sliding_window", "layer_types", "attn_logit_softcapping", "final_logit_softcapping",
+               "query_pre_attn_scalar")
+# models.py kind -> how it converts
 _FROM_HF = {
-    "qwen3-moe": ("qwen3moe", "Qwen3MoeForCausalLM", ("moe_intermediate_size", "mlp_only_layers")),
-    "qwen2-moe": ("qwen2moe", "Qwen2MoeForCausalLM",
-                  ("moe_intermediate_size", "shared_expert_intermediate_size", "mlp_only_layers")),
+    "qwen3-moe": FromHF("qwen3moe", "Qwen3MoeForCausalLM", _MOE_KEYS, ("moe_intermediate_size", "mlp_only_layers"), {}),
+    "qwen2-moe": FromHF("qwen2moe", "Qwen2MoeForCausalLM", _MOE_KEYS + ("shared_expert_intermediate_size",),
+                        ("moe_intermediate_size", "shared_expert_intermediate_size", "mlp_only_layers"), {}),
+    "gemma2": FromHF("gemma2", "Gemma2ForCausalLM", _GEMMA_KEYS,
+                     ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"),
+                     {"query_pre_attn_scalar": 32}),
+    "gemma3": FromHF("gemma3", "Gemma3ForCausalLM", _GEMMA_KEYS,
+                     ("final_logit_softcapping", "query_pre_attn_scalar", "rope_parameters"),
+                     {"query_pre_attn_scalar": 32, "layer_types": ["sliding_attention"] * 3}),
 }
 _SAME_CONFIG = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "vocab_size", "num_experts", "num_experts_per_tok", "norm_topk_prob",
-                "tie_word_embeddings", "eos_token_id")
+                "vocab_size", "tie_word_embeddings", "eos_token_id", "rope_parameters")
 
 
 @pytest.fixture
 def hf_as_gguf(model_dir, tmp_path: pathlib.Path):
-    """Factory: kind -> (GGUF file converted from the tiny model, the tiny model's directory)."""
+    """Factory: kind -> (GGUF file converted from the tiny model, the model directory it equals)."""
     def make(kind: str) -> tuple[pathlib.Path, pathlib.Path]:
+        src = model_dir(kind)
+        if _FROM_HF[kind].expressible:
+            src = pathlib.Path(shutil.copytree(src, tmp_path / kind))
+            config = json.loads((src / "config.json").read_text())
+            (src / "config.json").write_text(json.dumps({**config, **_FROM_HF[kind].expressible}))
         path = tmp_path / f"{kind}.gguf"
-        _write_hf_as_gguf(path, _FROM_HF[kind][0], model_dir(kind))
-        return path, model_dir(kind)
+        _write_hf_as_gguf(path, _FROM_HF[kind].arch, src)
+        return path, src
     return make
 
 
 @pytest.mark.parametrize("kind", list(_FROM_HF))
 def test_converted_checkpoint_matches_transformers(hf_as_gguf, kind: str):
-    """Config and weights of a llama.cpp-layout file equal the safetensors model's, and the weights equal
-    transformers' GGUF conversion bit for bit."""
+    """Config and weights of a llama.cpp-layout file equal the safetensors model's (Gemma's norms up to the
+    rounding of (1 + w) - 1), and the weights equal transformers' GGUF conversion bit for bit."""
     path, src = hf_as_gguf(kind)
-    arch, hf_arch, restored = _FROM_HF[kind]
+    spec = _FROM_HF[kind]
     config, hf_config = load_gguf_config(path), AutoConfig.from_pretrained(src)
-    assert config.architectures == [hf_arch]
-    for key in _SAME_CONFIG + restored:
+    assert config.architectures == [spec.hf_arch]
+    for key in _SAME_CONFIG + spec.config_keys + spec.restored:
         assert getattr(config, key) == getattr(hf_config, key), key
-    assert config.rope_parameters["rope_theta"] == hf_config.rope_parameters["rope_theta"]
     assert config.head_dim == _head_dim(hf_config)
     assert config.rms_norm_eps == pytest.approx(hf_config.rms_norm_eps, rel=1e-7)  # stored as float32
     theirs_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    assert any(getattr(theirs_config, key) != getattr(hf_config, key) for key in restored)  # why we restore them
+    for key in spec.restored:  # why ours sets them
+        assert getattr(theirs_config, key) != getattr(hf_config, key), key
 
     ours = dict(iter_gguf_weights(path, config))
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     expected = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).state_dict()
+    if config.tie_word_embeddings:
+        del expected["lm_head.weight"]
     assert ours.keys() == expected.keys()
     for name, t in ours.items():
         assert t.dtype == torch.float32 and t.is_contiguous()
-        torch.testing.assert_close(t, expected[name], rtol=0, atol=0, msg=name)
+        exact = not (spec.arch.startswith("gemma") and name.endswith("norm.weight"))
+        torch.testing.assert_close(t, expected[name], rtol=0, atol=0 if exact else 1e-7, msg=name)
     theirs = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
     # transformers maps names with gguf's table for the architecture, which lacks the dense layers' MLP.
-    dense = {f"model.layers.{i}.mlp.{p}_proj.weight" for i in hf_config.mlp_only_layers for p in ("gate", "up", "down")}
-    assert dense and ours.keys() - theirs.keys() == dense
+    dense = {f"model.layers.{i}.mlp.{p}_proj.weight" for i in getattr(hf_config, "mlp_only_layers", ())
+             for p in ("gate", "up", "down")}
+    assert ours.keys() - theirs.keys() == dense
     for name, t in theirs.items():
         torch.testing.assert_close(ours[name], t, rtol=0, atol=0, msg=name)
 

@@ -12,12 +12,13 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 # GGUF `general.architecture` values we can load.
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3")
 # Keyed by HF model_type: transformers turns a "llama" GGUF whose name mentions mistral into a
 # MistralConfig, which has the same weights.
 _HF_ARCHITECTURE = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM",
                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 _TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _PER_LAYER = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -28,6 +29,10 @@ _PER_LAYER = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# Gemma normalizes before and after both the attention and the MLP.
+_GEMMA_PER_LAYER = {**_PER_LAYER, "post_attention_norm": "post_attention_layernorm",
+                    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_PER_LAYER_BY_ARCH = {"gemma2": _GEMMA_PER_LAYER, "gemma3": _GEMMA_PER_LAYER}
 # llama.cpp stacks all experts of a layer in one tensor per projection. Like transformers' GGUF
 # loader we yield the stacked HF names (no .weight suffix): gate_up_proj [experts, 2 * inter, hidden]
 # (gate rows, then up rows), down_proj [experts, hidden, inter].
@@ -133,6 +138,8 @@ def load_gguf_config(gguf_path: str | os.PathLike) -> PretrainedConfig:
         raise ValueError(f"{p} defines no EOS token (tokenizer.ggml.eos_token_id)")
     if arch in ("qwen2moe", "qwen3moe"):
         _fill_moe_config(config, names, p)
+    if arch in ("gemma2", "gemma3"):
+        _fill_gemma_config(config, reader, arch, p)
     if arch == "llama" and "rope_freqs.weight" in names:
         warnings.warn(f"{p} has rope_freqs (llama3-style RoPE scaling), which is not "
                       "reconstructed into the config; long-context outputs may differ from llama.cpp")
@@ -155,6 +162,31 @@ def _fill_moe_config(config: PretrainedConfig, names: dict[str, gguf.ReaderTenso
     # Layers without a router are dense MLPs (Qwen's mlp_only_layers).
     config.decoder_sparse_step = 1
     config.mlp_only_layers = [i for i in range(config.num_hidden_layers) if i not in moe_layers]
+
+
+# llama.cpp scales Gemma's scores by 1/sqrt(hidden / heads) in the 27B models, which it knows by their layer
+# count, and by 1/sqrt(head_dim) in the others: the query_pre_attn_scalar of Google's checkpoints.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _fill_gemma_config(config: PretrainedConfig, reader: gguf.GGUFReader, arch: str, path: pathlib.Path) -> None:
+    """What transformers leaves at class defaults: the softcaps the file holds, the score scale llama.cpp
+    derives, and Gemma 3's global rope scaling (its local rope base is llama.cpp's fixed 10000)."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if (value := _field(reader, f"{arch}.{key}")) is not None:
+            setattr(config, key, value)
+    is_27b = config.num_hidden_layers == _GEMMA_27B_LAYERS[arch]
+    config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if is_27b else config.head_dim
+    if arch != "gemma3":
+        return
+    scaling = _field(reader, "gemma3.rope.scaling.type")
+    if scaling not in (None, "none", "linear"):
+        raise ValueError(f"{path}: rope scaling {scaling!r} for gemma3; expected none or linear")
+    full = config.rope_parameters["full_attention"]
+    if scaling == "linear":
+        full.update(rope_type="linear", factor=_field(reader, "gemma3.rope.scaling.factor"))
+    if (local_base := _field(reader, "gemma3.rope.freq_base_swa")) is not None:
+        config.rope_parameters["sliding_attention"]["rope_theta"] = local_base
 
 
 def load_gguf_tokenizer(gguf_path: str | os.PathLike) -> PreTrainedTokenizerBase:
@@ -182,13 +214,14 @@ def unpermute_qk(w: ArrayT, n_heads: int) -> ArrayT:
     return w.reshape(n_heads, d // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str) -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     if base in _TOP_LEVEL:
         return f"{_TOP_LEVEL[base]}.{suffix}"
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _PER_LAYER:
-        return f"model.layers.{parts[1]}.{_PER_LAYER[parts[2]]}.{suffix}"
+    per_layer = _PER_LAYER_BY_ARCH.get(arch, _PER_LAYER)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in per_layer:
+        return f"model.layers.{parts[1]}.{per_layer[parts[2]]}.{suffix}"
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _EXPERTS and suffix == "weight":
         return f"model.layers.{parts[1]}.{_EXPERTS[parts[2]]}"
     if base == "rope_freqs":  # derived from the rope config on the HF side
@@ -205,6 +238,8 @@ def _dequantize(t: gguf.ReaderTensor, arch: str, name: str, n_heads: int, n_kv_h
         w = unpermute_qk(w, n_kv_heads)
     elif name.endswith("shared_expert_gate.weight"):
         w = w.reshape(1, -1)  # HF's [1, hidden] Linear; llama.cpp may store it as a vector
+    elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+        w = w - 1  # llama.cpp stored 1 + weight, what Gemma's RMSNorm multiplies by
     return w
 
 
@@ -220,7 +255,7 @@ def iter_gguf_weights(gguf_path: str | os.PathLike, config: PretrainedConfig
     n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
     gate_or_up: dict[str, tuple[str, np.ndarray]] = {}  # an expert gate_up_proj's first half read
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         if name is None:
             continue
         w = _dequantize(t, arch, name, n_heads, n_kv_heads)
