@@ -184,8 +184,8 @@ _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)
 
 def _gguf_tensors_from_hf(arch: str, state: dict[str, torch.Tensor], n_layers: int) -> dict[str, np.ndarray]:
     """llama.cpp's tensor layout of an HF state dict: names from gguf's own HF->GGUF map, each layer's
-    experts stacked per projection, the shared-expert gate a vector, Gemma's norms 1 + weight. llama.cpp's MoE architectures have no
-    dense layers (the tiny models' mlp_only_layers): those get llama's ffn_gate/ffn_up/ffn_down names."""
+    experts stacked per projection, the shared-expert gate a vector, Gemma's norms 1 + weight. llama.cpp's MoE
+    architectures have no dense layers (the tiny models' mlp_only_layers): those get llama's ffn_* names."""
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     name_map = gguf.get_tensor_name_map(model_arch, n_layers)
     llama_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layers)
@@ -225,6 +225,11 @@ def _write_hf_as_gguf(path: pathlib.Path, arch: str, model_dir: pathlib.Path) ->
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(_head_dim(cfg))
     w.add_value_length(_head_dim(cfg))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    w.add_pad_token_id(cfg.pad_token_id)
     # Gemma 3's local rope base is implied (10000); GGUF holds the global one and its scaling.
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
     w.add_rope_freq_base(rope["rope_theta"])
@@ -237,17 +242,20 @@ def _write_hf_as_gguf(path: pathlib.Path, arch: str, model_dir: pathlib.Path) ->
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     if getattr(cfg, "sliding_window", None):
         w.add_sliding_window(cfg.sliding_window)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_eos_token_id(cfg.eos_token_id)
+    if "partial_rotary_factor" in rope:
+        w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * _head_dim(cfg)))
+    tensors = _gguf_tensors_from_hf(arch, load_file(model_dir / "model.safetensors"), cfg.num_hidden_layers)
+    if rope["rope_type"] == "longrope":  # llama.cpp keeps longrope's factors as tensors
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        tensors |= {f"rope_factors_{kind}.weight": np.array(rope[f"{kind}_factor"], np.float32)
+                    for kind in ("short", "long")}
     if hasattr(cfg, "num_experts"):
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if hasattr(cfg, "shared_expert_intermediate_size"):
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    state = load_file(model_dir / "model.safetensors")
-    for name, t in _gguf_tensors_from_hf(arch, state, cfg.num_hidden_layers).items():
+    for name, t in tensors.items():
         w.add_tensor(name, np.ascontiguousarray(t))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -270,7 +278,8 @@ _GEMMA_KEYS = ("sliding_window", "layer_types", "attn_logit_softcapping", "final
                "query_pre_attn_scalar")
 # models.py kind -> how it converts
 _FROM_HF = {
-    "qwen3-moe": FromHF("qwen3moe", "Qwen3MoeForCausalLM", _MOE_KEYS, ("moe_intermediate_size", "mlp_only_layers"), {}),
+    "qwen3-moe": FromHF("qwen3moe", "Qwen3MoeForCausalLM", _MOE_KEYS,
+                        ("moe_intermediate_size", "mlp_only_layers"), {}),
     "qwen2-moe": FromHF("qwen2moe", "Qwen2MoeForCausalLM", _MOE_KEYS + ("shared_expert_intermediate_size",),
                         ("moe_intermediate_size", "shared_expert_intermediate_size", "mlp_only_layers"), {}),
     "gemma2": FromHF("gemma2", "Gemma2ForCausalLM", _GEMMA_KEYS,
@@ -279,9 +288,20 @@ _FROM_HF = {
     "gemma3": FromHF("gemma3", "Gemma3ForCausalLM", _GEMMA_KEYS,
                      ("final_logit_softcapping", "query_pre_attn_scalar", "rope_parameters"),
                      {"query_pre_attn_scalar": 32, "layer_types": ["sliding_attention"] * 3}),
+    "phi3": FromHF("phi3", "Phi3ForCausalLM", ("sliding_window", "original_max_position_embeddings"),
+                   ("sliding_window", "original_max_position_embeddings", "rope_parameters"), {}),
 }
 _SAME_CONFIG = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "vocab_size", "tie_word_embeddings", "eos_token_id", "rope_parameters")
+                "vocab_size", "tie_word_embeddings", "eos_token_id", "rope_parameters", "rms_norm_eps")
+
+
+def _float32(value):
+    """`value` with its floats rounded to float32, as GGUF stores them (config values, rope factors)."""
+    if isinstance(value, dict):
+        return {k: _float32(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_float32(v) for v in value]
+    return float(np.float32(value)) if isinstance(value, float) else value
 
 
 @pytest.fixture
@@ -308,12 +328,11 @@ def test_converted_checkpoint_matches_transformers(hf_as_gguf, kind: str):
     config, hf_config = load_gguf_config(path), AutoConfig.from_pretrained(src)
     assert config.architectures == [spec.hf_arch]
     for key in _SAME_CONFIG + spec.config_keys + spec.restored:
-        assert getattr(config, key) == getattr(hf_config, key), key
+        assert getattr(config, key) == _float32(getattr(hf_config, key)), key
     assert config.head_dim == _head_dim(hf_config)
-    assert config.rms_norm_eps == pytest.approx(hf_config.rms_norm_eps, rel=1e-7)  # stored as float32
     theirs_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     for key in spec.restored:  # why ours sets them
-        assert getattr(theirs_config, key) != getattr(hf_config, key), key
+        assert getattr(theirs_config, key) != _float32(getattr(hf_config, key)), key
 
     ours = dict(iter_gguf_weights(path, config))
     with no_init_weights():
@@ -346,7 +365,7 @@ def test_converted_checkpoint_engine_greedy(hf_as_gguf, kind: str, monkeypatch, 
 
     path, src = hf_as_gguf(kind)
     monkeypatch.setattr(llm_engine, "load_gguf_tokenizer", lambda _: None)  # the file has no vocabulary
-    prompts = random_prompts(3, 5, 400, 5, 20, seed=41)
+    prompts = random_prompts(3, 5, 400, 60, 75, seed=41)  # continuations cross phi3's PHI3_ORIGINAL_MAX_POSITION
     with LLM(str(path), device="cpu", dtype="float32", max_model_len=128) as llm:
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert check_against_hf(outputs, hf_greedy(src, prompts, 12), captured_logits) < 1e-4

@@ -12,13 +12,13 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 # GGUF `general.architecture` values we can load.
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3")
 # Keyed by HF model_type: transformers turns a "llama" GGUF whose name mentions mistral into a
 # MistralConfig, which has the same weights.
 _HF_ARCHITECTURE = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM",
                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 _TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _PER_LAYER = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -32,7 +32,11 @@ _PER_LAYER = {
 # Gemma normalizes before and after both the attention and the MLP.
 _GEMMA_PER_LAYER = {**_PER_LAYER, "post_attention_norm": "post_attention_layernorm",
                     "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-_PER_LAYER_BY_ARCH = {"gemma2": _GEMMA_PER_LAYER, "gemma3": _GEMMA_PER_LAYER}
+# Phi-3 checkpoints hold q/k/v and gate/up fused, as llama.cpp does.
+_PHI3_PER_LAYER = {**_PER_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_PER_LAYER_BY_ARCH = {"gemma2": _GEMMA_PER_LAYER, "gemma3": _GEMMA_PER_LAYER, "phi3": _PHI3_PER_LAYER}
+# Derived from the rope config on the HF side.
+_ROPE_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 # llama.cpp stacks all experts of a layer in one tensor per projection. Like transformers' GGUF
 # loader we yield the stacked HF names (no .weight suffix): gate_up_proj [experts, 2 * inter, hidden]
 # (gate rows, then up rows), down_proj [experts, hidden, inter].
@@ -122,16 +126,9 @@ def load_gguf_config(gguf_path: str | os.PathLike) -> PretrainedConfig:
     config = AutoConfig.from_pretrained(p.parent, gguf_file=p.name)
     config.architectures = [_HF_ARCHITECTURE[config.model_type]]
     names = {t.name: t for t in reader.tensors}
-    if "blk.0.attn_q.weight" not in names:
-        raise ValueError(f"{p} has no blk.0.attn_q.weight tensor; is it a complete {arch} checkpoint?")
     # No output.weight means llama.cpp dropped a tied lm_head.
     config.tie_word_embeddings = "output.weight" not in names
-    # transformers ignores attention.key_length for qwen and only falls back to a class default
-    # (128 for qwen3), so read head_dim off the Q projection: GGUF shapes are [in, out].
-    q_out = int(names["blk.0.attn_q.weight"].shape[1])
-    if q_out % config.num_attention_heads:
-        raise ValueError(f"{p}: attn_q rows ({q_out}) not divisible by head count {config.num_attention_heads}")
-    config.head_dim = q_out // config.num_attention_heads
+    config.head_dim = _head_dim(config, names, arch, p)
     if getattr(config, "eos_token_id", None) is None:
         config.eos_token_id = _field(reader, "tokenizer.ggml.eos_token_id")
     if config.eos_token_id is None:
@@ -140,6 +137,8 @@ def load_gguf_config(gguf_path: str | os.PathLike) -> PretrainedConfig:
         _fill_moe_config(config, names, p)
     if arch in ("gemma2", "gemma3"):
         _fill_gemma_config(config, reader, arch, p)
+    if arch == "phi3":
+        _fill_phi3_config(config, reader, names)
     if arch == "llama" and "rope_freqs.weight" in names:
         warnings.warn(f"{p} has rope_freqs (llama3-style RoPE scaling), which is not "
                       "reconstructed into the config; long-context outputs may differ from llama.cpp")
@@ -189,6 +188,43 @@ def _fill_gemma_config(config: PretrainedConfig, reader: gguf.GGUFReader, arch: 
         config.rope_parameters["sliding_attention"]["rope_theta"] = local_base
 
 
+def _head_dim(config: PretrainedConfig, names: dict[str, gguf.ReaderTensor], arch: str, path: pathlib.Path) -> int:
+    """transformers ignores attention.key_length for qwen and only falls back to a class default
+    (128 for qwen3), so read head_dim off the Q projection (or Phi-3's fused QKV): GGUF shapes are [in, out]."""
+    q_name, heads = "blk.0.attn_q.weight", config.num_attention_heads
+    if arch == "phi3":
+        q_name, heads = "blk.0.attn_qkv.weight", heads + 2 * config.num_key_value_heads
+    if q_name not in names:
+        raise ValueError(f"{path} has no {q_name} tensor; is it a complete {arch} checkpoint?")
+    rows = int(names[q_name].shape[1])
+    if rows % heads:
+        raise ValueError(f"{path}: {q_name} rows ({rows}) not divisible by its head count {heads}")
+    return rows // heads
+
+
+def _vector(names: dict[str, gguf.ReaderTensor], name: str) -> list[float]:
+    if name not in names:
+        raise ValueError(f"GGUF file has rope_factors_long but no {name}")
+    t = names[name]
+    return gguf.quants.dequantize(t.data, t.tensor_type).astype(float).ravel().tolist()
+
+
+def _fill_phi3_config(config: PretrainedConfig, reader: gguf.GGUFReader, names: dict[str, gguf.ReaderTensor]
+                      ) -> None:
+    """What transformers leaves at class defaults: the sliding window (0: none), the rotated share of each
+    head and longrope, whose factors llama.cpp keeps as tensors."""
+    config.sliding_window = _field(reader, "phi3.attention.sliding_window") or None
+    rope = {"rope_type": "default", "rope_theta": config.rope_parameters["rope_theta"]}
+    if (rotary_dim := _field(reader, "phi3.rope.dimension_count")) is not None:
+        rope["partial_rotary_factor"] = config.partial_rotary_factor = rotary_dim / config.head_dim
+    if "rope_factors_long.weight" in names:
+        factors = {f"{kind}_factor": _vector(names, f"rope_factors_{kind}.weight") for kind in ("short", "long")}
+        original = _field(reader, "phi3.rope.scaling.original_context_length")
+        rope.update(rope_type="longrope", original_max_position_embeddings=original, **factors)
+        config.original_max_position_embeddings = original
+    config.rope_parameters = rope
+
+
 def load_gguf_tokenizer(gguf_path: str | os.PathLike) -> PreTrainedTokenizerBase:
     """transformers fast tokenizer built from the GGUF vocabulary, with its chat template."""
     p = _gguf_file(gguf_path)
@@ -224,7 +260,7 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
         return f"model.layers.{parts[1]}.{per_layer[parts[2]]}.{suffix}"
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _EXPERTS and suffix == "weight":
         return f"model.layers.{parts[1]}.{_EXPERTS[parts[2]]}"
-    if base == "rope_freqs":  # derived from the rope config on the HF side
+    if base in _ROPE_TENSORS:
         return None
     raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file")
 
