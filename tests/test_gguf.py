@@ -211,8 +211,9 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _write_hf_as_gguf(path: pathlib.Path, arch: str, model_dir: pathlib.Path) -> None:
-    """Convert a tiny models.py checkpoint to an F32 GGUF file the way llama.cpp's converter does."""
+def _write_hf_as_gguf(path: pathlib.Path, arch: str, model_dir: pathlib.Path, q8_0: str | None = None) -> None:
+    """Convert a tiny models.py checkpoint to a GGUF file the way llama.cpp's converter does: F32, but Q8_0
+    for the tensors whose name contains `q8_0`."""
     from safetensors.torch import load_file
 
     cfg = AutoConfig.from_pretrained(model_dir)
@@ -255,8 +256,12 @@ def _write_hf_as_gguf(path: pathlib.Path, arch: str, model_dir: pathlib.Path) ->
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if hasattr(cfg, "shared_expert_intermediate_size"):
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    q8 = gguf.GGMLQuantizationType.Q8_0
     for name, t in tensors.items():
-        w.add_tensor(name, np.ascontiguousarray(t))
+        if q8_0 is not None and q8_0 in name:
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(t), q8), raw_dtype=q8)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(t))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -352,6 +357,26 @@ def test_converted_checkpoint_matches_transformers(hf_as_gguf, kind: str):
     assert ours.keys() - theirs.keys() == dense
     for name, t in theirs.items():
         torch.testing.assert_close(ours[name], t, rtol=0, atol=0, msg=name)
+
+
+def test_quantized_experts_match_transformers(model_dir, tmp_path: pathlib.Path):
+    """Q8_0 expert stacks (3-D quantized tensors) dequantize to transformers' conversion and to the rounded
+    safetensors weights, gate and up halves in place."""
+    path, src = tmp_path / "q.gguf", model_dir("qwen2-moe")
+    _write_hf_as_gguf(path, "qwen2moe", src, q8_0="_exps.")
+    config = load_gguf_config(path)
+    ours = dict(iter_gguf_weights(path, config))
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    theirs = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    for name, t in theirs.items():
+        torch.testing.assert_close(ours[name], t, rtol=0, atol=0, msg=name)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    expected = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).state_dict()
+    for proj in ("gate_up_proj", "down_proj"):
+        name = f"model.layers.0.mlp.experts.{proj}"
+        rounded = gguf.quants.dequantize(gguf.quants.quantize(expected[name].numpy(), q8), q8)
+        np.testing.assert_array_equal(ours[name].numpy(), rounded, err_msg=name)
 
 
 @pytest.mark.parametrize("kind", list(_FROM_HF))
