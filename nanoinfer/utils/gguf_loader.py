@@ -138,7 +138,7 @@ def load_gguf_config(gguf_path: str | os.PathLike) -> PretrainedConfig:
     if arch in ("gemma2", "gemma3"):
         _fill_gemma_config(config, reader, arch, p)
     if arch == "phi3":
-        _fill_phi3_config(config, reader, names)
+        _fill_phi3_config(config, reader, names, p)
     if arch == "llama" and "rope_freqs.weight" in names:
         warnings.warn(f"{p} has rope_freqs (llama3-style RoPE scaling), which is not "
                       "reconstructed into the config; long-context outputs may differ from llama.cpp")
@@ -202,15 +202,15 @@ def _head_dim(config: PretrainedConfig, names: dict[str, gguf.ReaderTensor], arc
     return rows // heads
 
 
-def _vector(names: dict[str, gguf.ReaderTensor], name: str) -> list[float]:
+def _vector(names: dict[str, gguf.ReaderTensor], name: str, path: pathlib.Path) -> list[float]:
     if name not in names:
-        raise ValueError(f"GGUF file has rope_factors_long but no {name}")
+        raise ValueError(f"{path} has rope_factors_long.weight but no {name}")
     t = names[name]
     return gguf.quants.dequantize(t.data, t.tensor_type).astype(float).ravel().tolist()
 
 
-def _fill_phi3_config(config: PretrainedConfig, reader: gguf.GGUFReader, names: dict[str, gguf.ReaderTensor]
-                      ) -> None:
+def _fill_phi3_config(config: PretrainedConfig, reader: gguf.GGUFReader, names: dict[str, gguf.ReaderTensor],
+                      path: pathlib.Path) -> None:
     """What transformers leaves at class defaults: the sliding window (0: none), the rotated share of each
     head and longrope, whose factors llama.cpp keeps as tensors."""
     config.sliding_window = _field(reader, "phi3.attention.sliding_window") or None
@@ -218,7 +218,8 @@ def _fill_phi3_config(config: PretrainedConfig, reader: gguf.GGUFReader, names: 
     if (rotary_dim := _field(reader, "phi3.rope.dimension_count")) is not None:
         rope["partial_rotary_factor"] = config.partial_rotary_factor = rotary_dim / config.head_dim
     if "rope_factors_long.weight" in names:
-        factors = {f"{kind}_factor": _vector(names, f"rope_factors_{kind}.weight") for kind in ("short", "long")}
+        factors = {f"{kind}_factor": _vector(names, f"rope_factors_{kind}.weight", path)
+                   for kind in ("short", "long")}
         original = _field(reader, "phi3.rope.scaling.original_context_length")
         rope.update(rope_type="longrope", original_max_position_embeddings=original, **factors)
         config.original_max_position_embeddings = original
