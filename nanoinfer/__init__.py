@@ -1,6 +1,7 @@
 """nanoinfer: a compact offline LLM inference engine with a paged KV cache and continuous batching."""
 from nanoinfer.beam_search import BeamSearchParams
 from nanoinfer.llm import LLM
+from nanoinfer.lora.request import LoRARequest
 from nanoinfer.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 from nanoinfer.utils.log import configure_logging
@@ -8,4 +9,4 @@ from nanoinfer.utils.log import configure_logging
 configure_logging()
 
 __all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "Logprob",
-           "RequestOutput", "RequestOutputKind", "SamplingParams"]
+           "LoRARequest", "RequestOutput", "RequestOutputKind", "SamplingParams"]
