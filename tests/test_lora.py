@@ -1,9 +1,11 @@
 """LoRA adapters (vLLM's enable_lora / LoRARequest): random PEFT adapters written in PEFT's file format, checked
 against transformers running the base checkpoint with each adapter merged into its weights (W + scale * B @ A);
 mixed batches, slot eviction, prefix caching, chunked prefill, preemption, tensor parallelism, bad adapters."""
+import gc
 import json
 import math
 import shutil
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,9 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models import cached_hf_greedy, check_against_hf, random_prompts
+from models import ODD_KIND, cached_hf_greedy, check_against_hf, random_prompts
 from nanoinfer import LLM, LoRARequest, SamplingParams
 from nanoinfer.config import Config
+from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.lora.model import LoRAModel
 
 MAX_TOKENS = 12
 LOGIT_ATOL = 1e-4
@@ -195,17 +199,63 @@ def test_chunked_prefill_and_preemption_keep_the_adapters(llama_dir, adapters):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_equals_1(llama_dir, adapters):
+@pytest.mark.parametrize("kind", ["llama", ODD_KIND])  # ODD_KIND: 1 KV head, replicated on both ranks
+def test_tensor_parallel_2_equals_1(kind, model_dir, adapters):
     """Column-parallel layers hold their rows of B, row-parallel ones their columns of A (summed by the all-reduce);
     two slots for three adapters, so the worker evicts and loads too."""
-    loras = [a.request for a in adapters("llama")] + [None]
-    prompts = PROMPTS * 2
+    base = model_dir(kind)
+    loras = [a.request for a in adapters(kind)] + [None]
     results = []
     for tp in (1, 2):
-        with lora_llm(llama_dir, max_loras=2, tensor_parallel_size=tp) as llm:
-            results.append(tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras * 2)))
+        with lora_llm(base, max_loras=2, tensor_parallel_size=tp) as llm:
+            results.append(tokens(llm.generate(PROMPTS * 2, GREEDY, use_tqdm=False, lora_request=loras * 2)))
     assert results[0] == results[1]
-    assert results[0][0] == reference(adapters("llama")[0], llama_dir)[0]["token_ids"]
+    for i, adapter in enumerate(adapters(kind)):
+        assert results[1][i] == reference(adapter, base)[i]["token_ids"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3-moe"])
+def test_slots_are_made_where_the_weights_live(kind, model_dir):
+    """On the weights' device (meta here, as CUDA would be) and in their dtype, one max-rank block per packed
+    sub-projection; mixture-of-experts layers get none."""
+    config = Config(model_dir(kind), device="cpu", dtype="bfloat16")
+    model = ModelRunner._load_model(config, torch.device("meta"))
+    lora = LoRAModel(model, max_loras=3, max_lora_rank=8)
+    blocks = {"qkv_proj": 3, "gate_up_proj": 2, "o_proj": 1, "down_proj": 1}
+    assert {name.rpartition(".")[2] for name in lora.layers} == set(blocks)
+    dense_mlps = 3 if kind == "llama" else 1  # qwen3-moe: layer 1 only (mlp_only_layers)
+    assert sum(name.endswith("down_proj") for name in lora.layers) == dense_mlps
+    for name, layer in lora.layers.items():
+        weight = model.get_submodule(name).weight
+        assert layer.lora_a.shape == (3, 8 * blocks[name.rpartition(".")[2]], weight.shape[1])
+        assert layer.lora_b.shape == (3, weight.shape[0], 8 * blocks[name.rpartition(".")[2]])
+        assert {t.device.type for t in (layer.lora_a, layer.lora_b)} == {"meta"}
+        assert {t.dtype for t in (layer.lora_a, layer.lora_b)} == {torch.bfloat16}
+
+
+def test_close_frees_the_slots_without_the_garbage_collector(llama_dir, adapters):
+    gc.collect()
+    gc.disable()
+    try:
+        llm = lora_llm(llama_dir)
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=adapters("llama")[0].request)
+        slots = [weakref.ref(t) for layer in llm.llm_engine.model_runner.lora.layers.values()
+                 for t in (layer.lora_a, layer.lora_b)]
+        llm.close()
+        assert [r for r in slots if r() is not None] == []
+    finally:
+        gc.enable()
+
+
+@pytest.mark.cuda
+def test_cuda_matches_transformers_on_merged_weights(llama_dir, adapters):
+    """On a GPU in fp32 (decode CUDA graphs are off with LoRA): greedy tokens equal transformers' up to near-ties."""
+    loras = [a.request for a in adapters("llama")] + [None]
+    llm = lora_llm(llama_dir, device="cuda", num_kvcache_blocks=64)
+    assert llm.llm_engine.model_runner.graph_runner is None
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
+    for i, (out, adapter) in enumerate(zip(outputs, adapters("llama") + [None])):
+        check_against_hf([out], reference(adapter, llama_dir)[i:i + 1])
 
 
 def edited_adapter(adapter: Adapter, dst: Path, config: dict | None = None, tensors: dict | None = None) -> LoRARequest:
