@@ -287,8 +287,11 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = self.prepare(batch, samples)
         prompt_rows = self._prompt_logit_rows(batch, meta.cu_seqlens_q.tolist())
         rows = sample_rows + [row for row, _, _ in prompt_rows]
+        step = (input_ids, positions, meta, rows)
+        if self.lora is not None:
+            step += (self.input_batch.lora_mapping,)
         # The other ranks execute the same step (serve).
-        logits = self.execute(*self.tp.broadcast((input_ids, positions, meta, rows, self.input_batch.lora_mapping)))
+        logits = self.execute(*self.tp.broadcast(step))
         out = RunnerOutput([None] * len(batch.seqs))
         if logits is None:
             return out
