@@ -17,6 +17,7 @@ from models import ODD_KIND, cached_hf_greedy, check_against_hf, random_prompts
 from nanoinfer import LLM, LoRARequest, SamplingParams
 from nanoinfer.config import Config
 from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.lora.layers import LoRALayer
 from nanoinfer.lora.model import LoRAModel
 
 MAX_TOKENS = 12
@@ -245,6 +246,27 @@ def test_close_frees_the_slots_without_the_garbage_collector(llama_dir, adapters
         assert [r for r in slots if r() is not None] == []
     finally:
         gc.enable()
+
+
+def test_warm_up_runs_every_layer_through_a_slot(llama_dir, adapters, monkeypatch):
+    """On CUDA the warm-up that sizes the KV cache must see the LoRA products' temporaries: it runs every token
+    through slot 0 (still zeros) in every layer; an adapter loaded there afterwards targets only its own layers."""
+    llm = lora_llm(llama_dir, max_loras=1, max_num_batched_tokens=64, max_num_seqs=4)
+    runner, seen = llm.llm_engine.model_runner, []
+    add_to = LoRALayer.add_to
+
+    def recording_add_to(self, y, x):
+        seen.append((id(self), len(x), [(slot, rows) for slot, rows in self.step.groups if self.active[slot]]))
+        add_to(self, y, x)
+
+    monkeypatch.setattr(LoRALayer, "add_to", recording_add_to)
+    runner._warm_up()
+    assert {layer for layer, _, _ in seen} == {id(layer) for layer in runner.lora.layers.values()}
+    assert all(n == 64 and groups == [(0, slice(0, 64))] for _, n, groups in seen)
+    a3 = adapters("llama")[2]  # on o_proj and the MLP of layers 0 and 2 only
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=a3.request)
+    assert tokens(outputs) == [r["token_ids"] for r in reference(a3, llama_dir)]
+    assert sum(layer.active[0] for layer in runner.lora.layers.values()) == 2 * 3
 
 
 @pytest.mark.cuda

@@ -244,8 +244,11 @@ class ModelRunner:
         # that does not exist yet; attending non-causally over this step's one key is the same attention.
         if meta.is_decode:
             meta.causal = False
+        step = (input_ids, positions, meta, list(range(sum(lengths))))
+        if self.lora is not None:  # every token through an adapter: the LoRA products' temporaries count too
+            step += (self.lora.warm_up_mapping(sum(lengths)),)
         # Every rank warms up alike (nothing to broadcast); the logits are gathered on rank 0.
-        logits = self.execute(input_ids, positions, meta, list(range(sum(lengths))))
+        logits = self.execute(*step)
         if logits is not None:
             top_logprobs(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device), 1)
         self.input_batch.remove([seq.seq_id for seq in seqs])

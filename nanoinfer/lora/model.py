@@ -95,6 +95,14 @@ class LoRAModel:
         self.step.groups = [(slot, rows if isinstance(rows, slice) else torch.from_numpy(rows).to(self.device))
                             for slot, rows in mapping.groups]
 
+    def warm_up_mapping(self, num_tokens: int) -> LoRAMapping:
+        """Every token through slot 0 in every layer, for the warm-up that sizes the KV cache on CUDA, so that it
+        counts the LoRA products' temporaries: the slot is still all zeros, and the first adapter loaded there sets
+        again which layers it is active in."""
+        for layer in self.layers.values():
+            layer.active[0] = True
+        return LoRAMapping({}, [(0, slice(0, num_tokens))])
+
     def _load(self, slot: int, request: LoRARequest) -> None:
         self.resident[slot] = None  # until every layer is written: a failure here leaves it to be written again
         weights = self.checked.pop(request.lora_int_id, None) or self.local_adapter(request)
