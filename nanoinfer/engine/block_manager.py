@@ -1,6 +1,6 @@
-"""Paged KV-cache blocks: allocation, reference counts, and prefix caching keyed by a hash of the token prefix
-(a block joins the cache once the step writing it has completed); plus the recurrent-state slots of models with
-linear attention, held by a sequence exactly while it holds blocks."""
+"""Paged KV-cache blocks: allocation, reference counts, and prefix caching keyed by a hash of the token prefix and
+its LoRA adapter (a block joins the cache once the step writing it has completed); plus the recurrent-state slots
+of models with linear attention, held by a sequence exactly while it holds blocks."""
 from array import array
 from collections import OrderedDict
 
