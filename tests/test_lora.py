@@ -47,7 +47,7 @@ def write_adapter(base: Path, dst: Path, lora_id: int, r: int, alpha: float, mod
         parts = module.split(".")
         if parts[-1] not in modules or (layers is not None and int(parts[2]) not in layers):
             continue
-        a, b = 0.2 * torch.randn(r, w.shape[1], generator=g), 0.2 * torch.randn(w.shape[0], r, generator=g)
+        a, b = 0.2 * torch.randn(r, w.shape[1], generator=g), 0.1 * torch.randn(w.shape[0], r, generator=g)
         tensors[f"base_model.model.{module}.lora_A.weight"] = a
         tensors[f"base_model.model.{module}.lora_B.weight"] = b
         merged[name] = w + scale * b @ a
@@ -64,6 +64,11 @@ def write_adapter(base: Path, dst: Path, lora_id: int, r: int, alpha: float, mod
     return Adapter(LoRARequest(f"adapter{lora_id}", lora_id, str(adapter)), dst / "merged")
 
 
+# Phi-3's checkpoints (and so its PEFT adapters) hold q/k/v and gate/up fused.
+PHI3_MODULES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+                "up_proj": "gate_up_proj"}
+
+
 @pytest.fixture(scope="module")
 def adapters(model_dir, tmp_path_factory):
     """adapters(kind) -> three adapters of distinct ranks, alphas and targets (the second rsLoRA, its targets a
@@ -73,11 +78,17 @@ def adapters(model_dir, tmp_path_factory):
     def get(kind: str) -> list[Adapter]:
         if kind not in made:
             base, root = model_dir(kind), tmp_path_factory.mktemp(f"lora_{kind}")
+            fused = PHI3_MODULES if kind == "phi3" else {}
+
+            def modules(*names: str) -> tuple[str, ...]:
+                return tuple(dict.fromkeys(fused.get(m, m) for m in names))
+
             made[kind] = [
-                write_adapter(base, root / "1", 1, r=8, alpha=16, modules=ATTENTION + MLP, seed=1),
-                write_adapter(base, root / "2", 2, r=4, alpha=6, modules=("q_proj", "v_proj", "down_proj"), seed=2,
-                              use_rslora=True, target_modules=r".*\.(q_proj|v_proj|down_proj)"),
-                write_adapter(base, root / "3", 3, r=2, alpha=3, modules=("o_proj",) + MLP, seed=3, layers=(0, 2)),
+                write_adapter(base, root / "1", 1, r=8, alpha=16, modules=modules(*ATTENTION, *MLP), seed=1),
+                write_adapter(base, root / "2", 2, r=4, alpha=6, modules=modules("q_proj", "v_proj", "down_proj"),
+                              seed=2, use_rslora=True, target_modules=r".*\.(q_proj|v_proj|down_proj)"),
+                write_adapter(base, root / "3", 3, r=2, alpha=3, modules=modules("o_proj", *MLP), seed=3,
+                              layers=(0, 2)),
             ]
         return made[kind]
     return get
@@ -96,7 +107,7 @@ def reference(adapter: Adapter | None, base: Path, prompts=PROMPTS) -> list[dict
     return cached_hf_greedy(base if adapter is None else adapter.merged, prompts, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "phi3"])
 def test_adapters_match_transformers_on_merged_weights(kind, model_dir, adapters, captured_logits,
                                                        report_logit_diff):
     base = model_dir(kind)
@@ -200,7 +211,7 @@ def test_chunked_prefill_and_preemption_keep_the_adapters(llama_dir, adapters):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama", ODD_KIND])  # ODD_KIND: 1 KV head, replicated on both ranks
+@pytest.mark.parametrize("kind", ["llama", ODD_KIND, "phi3"])  # ODD_KIND: 1 KV head on both ranks; phi3: fused
 def test_tensor_parallel_2_equals_1(kind, model_dir, adapters):
     """Column-parallel layers hold their rows of B, row-parallel ones their columns of A (summed by the all-reduce);
     two slots for three adapters, so the worker evicts and loads too."""
