@@ -203,8 +203,7 @@ def test_chunked_prefill_and_preemption_keep_the_adapters(llama_dir, adapters):
     expected[0] = reference(None, llama_dir)
     llm = lora_llm(llama_dir, num_kvcache_blocks=16, kvcache_block_size=8, max_num_batched_tokens=20)
     loras = [a1, a2, None, a3]
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                           use_tqdm=False, lora_request=loras)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     for i, (out, lora) in enumerate(zip(outputs, loras)):
         assert out.outputs[0].token_ids == expected[0 if lora is None else lora.lora_int_id][i]["token_ids"]
