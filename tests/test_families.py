@@ -125,9 +125,39 @@ def test_dense_mlp_activations_are_transformers_own():
     from nanoinfer.layers.activation import get_act
 
     x = 4 * torch.randn(4096, generator=torch.Generator().manual_seed(0))
-    for name in ("gelu", "gelu_new", "gelu_pytorch_tanh", "silu"):
+    for name in ("gelu", "gelu_fast", "gelu_new", "gelu_pytorch_tanh", "silu"):
         for dtype in (torch.float32, torch.bfloat16):
             assert torch.equal(get_act(name)(x.to(dtype)), ACT2FN[name](x.to(dtype))), (name, dtype)
     assert not torch.equal(get_act("gelu_new")(x), get_act("gelu_pytorch_tanh")(x))
     with pytest.raises(ValueError, match="'relu'"):
         get_act("relu")
+
+
+def test_stablelm_per_head_norm_takes_the_heads_its_rank_holds():
+    """StableLM's per-head q/k LayerNorm equals transformers' StableLmLayerNormPerHead on the heads each of 4 ranks
+    holds, as QKVParallelLinear assigns them: 8 query heads, 2 per rank; 2 KV heads, each on two ranks."""
+    from transformers.models.stablelm.modeling_stablelm import StableLmLayerNormPerHead
+
+    from nanoinfer.layers.layernorm import PerHeadLayerNorm
+    from nanoinfer.layers.linear import QKVParallelLinear
+    from nanoinfer.utils.dist import tp_scope
+
+    g = torch.Generator().manual_seed(0)
+    head_dim, hidden, eps = 8, 16, 1e-3
+    for shard_id, total in (("q", 8), ("k", 2)):
+        hf = StableLmLayerNormPerHead(head_dim, total, eps)
+        for norm in hf.norms:
+            norm.weight.data = 1 + 0.3 * torch.randn(head_dim, generator=g)
+        x = torch.randn(5, total, head_dim, generator=g)  # [tokens, heads, head_dim]
+        expected = hf(x.transpose(0, 1).unsqueeze(0))[0].transpose(0, 1)  # transformers': [batch, heads, tokens, dim]
+        head_of_row = torch.arange(total).repeat_interleave(head_dim)[:, None].float().expand(-1, hidden)
+        for rank in range(4):
+            with tp_scope(rank, 4, None):
+                qkv = QKVParallelLinear(hidden, head_dim, 8, 2)
+                ours = PerHeadLayerNorm(total, head_dim, eps)
+            qkv.weight_loader(qkv.weight, head_of_row, shard_id)
+            offset = 0 if shard_id == "q" else qkv.num_heads * head_dim
+            heads = qkv.weight[offset:offset + ours.num_heads * head_dim:head_dim, 0].long()
+            for h, norm in enumerate(hf.norms):
+                ours.weight_loader(ours.weight, norm.weight.data, h)
+            assert torch.allclose(ours(x[:, heads]), expected[:, heads], atol=1e-6), (shard_id, rank, heads)

@@ -47,8 +47,15 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
+def gelu_fast(x: torch.Tensor) -> torch.Tensor:
+    """transformers' "gelu_fast" (GPT-NeoX-20B's): the tanh approximation factored its own way, op for op as its
+    FastGELUActivation."""
+    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+
+
 _ACT = {
-    "gelu": F.gelu,  # exact (erf): GPT-NeoX
+    "gelu": F.gelu,  # exact (erf): Pythia
+    "gelu_fast": gelu_fast,
     "gelu_new": gelu_new,
     "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),  # StarCoder2
     "silu": F.silu,
