@@ -56,7 +56,7 @@ class LlamaAttention(nn.Module):
         # With an output gate, each head's query and gate rows load as two consecutive "heads" of q.
         self.q_factor = 2 if options.output_gate else 1
         self.qkv_proj = self.qkv_class(config.hidden_size, self.head_dim, num_heads * self.q_factor, num_kv_heads,
-                                          options.qkv_bias)
+                                       options.qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // self.q_factor, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, options.o_bias)
