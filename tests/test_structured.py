@@ -18,6 +18,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from models import load_hf_model, random_prompts
 from nanoinfer import LLM, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.sampler import apply_grammar_bitmask
 from nanoinfer.structured.grammar import Grammar, pack_bits
 from nanoinfer.structured.json_schema import json_object, schema_to_regex
@@ -400,6 +401,40 @@ def test_guided_decoding_is_the_older_name(llm):
     old = SamplingParams(temperature=0, max_tokens=30, guided_decoding=GuidedDecodingParams(regex=regex))
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, [new, old, old], use_tqdm=False)][1:] == \
         [o.outputs[0].token_ids for o in llm.generate(PROMPTS[1:], new, use_tqdm=False)]
+
+
+def test_sampling_structured_rows_never_synchronises_with_the_device():
+    """The bitmask is built on the host from each row's grammar state and uploaded with the step's other inputs;
+    nothing waits for the device (the meta device raises on any host synchronisation)."""
+    from test_sampling import meta_runner, prepare_decode  # the sampling half of a ModelRunner on the meta device
+
+    vocab = 97
+    grammar = Grammar("(?:ab|c)+", Vocabulary([None, "a", "b", "c", "ab", "x"] + [None] * (vocab - 6)))
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=1, top_k=3)]
+    seqs = [Sequence([1, 2, 3], params[i % 2], 4, eos_token_ids=frozenset({0}), grammar=grammar if i else None)
+            for i in range(3)]
+    runner = meta_runner()
+    prepare_decode(runner, seqs)
+    out = runner.sample(seqs, torch.empty(3, vocab, device="meta"))
+    assert out.token_ids.device.type == "meta" and out.token_ids.shape == (3,)
+    rows, words = runner._sampling_metadata(seqs, vocab).grammar_bitmask
+    assert rows.device.type == "meta" and words.shape == (2, 4)
+    seqs[1].token_ids.append(4)  # "ab": the match may end (EOS allowed) or go on
+    seqs[1].grammar_state.update(seqs[1].token_ids, seqs[1].num_prompt_tokens)
+    masks = [np.unpackbits(s.grammar_state.bitmask(s.eos_token_ids).view(np.uint8), bitorder="little")
+             for s in seqs[1:]]
+    assert np.flatnonzero(masks[0]).tolist() == [0, 1, 3, 4] and np.flatnonzero(masks[1]).tolist() == [1, 3, 4]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_outputs_equal_a_single_process(qwen3_dir, llm):
+    """Only rank 0 samples (the grammar lives there): TP=2 gives TP=1's tokens, greedy and seeded."""
+    params = [SamplingParams(temperature=0.9 * (i % 2), seed=i, max_tokens=40, structured_outputs=c)
+              for i, c in enumerate(list(CONSTRAINTS.values()) * 2)]
+    prompts = PROMPTS * 2
+    with LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=MAX_LEN, tensor_parallel_size=2) as tp:
+        got = [o.outputs[0].token_ids for o in tp.generate(prompts, params, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 # ----------------------------------------------------------------------------------------------------------
