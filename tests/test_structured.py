@@ -36,7 +36,7 @@ ALPHABET = "ab1 -\n.é٣"  # ٣: an Arabic-Indic digit, which \d and \w match in
 SHORT_STRINGS = ["".join(s) for n in range(4) for s in itertools.product(ALPHABET[:7], repeat=n)]
 ATOMS = ["a", "b", "1", "-", " ", ".", r"\d", r"\w", r"\s", r"\D", r"\W", "[ab]", "[^a]", "[a-b1]", r"[\d-]",
          "[^\n]", r"\-", r"\.", "é", "[é-ê]", r"\x61", r"[\s\S]", "(?:)", "[]a]", "[^-a]", r"\u00e9"]
-SUFFIXES = ["*", "+", "?", "{2}", "{1,2}", "{,2}", "{2,}", "*?", "+?", "{0}"]
+SUFFIXES = ["*", "+", "?", "{2}", "{1,2}", "{,2}", "{2,}", "*?", "+?", "{0}", "{,}", "{}", "{x}"]
 
 
 def _patterns() -> st.SearchStrategy[str]:

@@ -31,9 +31,10 @@ class StructuredOutputsParams:
         if kind == "grammar":
             raise ValueError(f"structured_outputs.grammar={value!r}: EBNF/Lark grammars are not supported; use "
                              "regex, json, json_object or choice")
-        expected = {"json": (str, dict, bool), "regex": str, "choice": (list, tuple), "json_object": bool}[kind]
+        expected, wanted = {"json": ((str, dict, bool), "a JSON schema (dict or str)"), "regex": (str, "a str"),
+                            "choice": ((list, tuple), "a list of str"), "json_object": (bool, "a bool")}[kind]
         if not isinstance(value, expected):
-            raise TypeError(f"structured_outputs.{kind} has the wrong type: {type(value).__name__}")
+            raise TypeError(f"structured_outputs.{kind} must be {wanted}, got {type(value).__name__}")
         if kind == "choice" and (not value or not all(isinstance(c, str) for c in value)):
             raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {value!r}")
 

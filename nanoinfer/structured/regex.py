@@ -89,12 +89,10 @@ class _Parser:
             if self.peek() == "$" and self.i == len(self.p) - 1:
                 self.i += 1
                 break
-            start = self.i
-            atom = self.atom()
-            items.append(self.quantified(atom, start))
+            items.append(self.quantified(self.atom()))
         return items[0] if len(items) == 1 else ("cat", items)
 
-    def quantified(self, atom: Node, start: int) -> Node:
+    def quantified(self, atom: Node) -> Node:
         bounds = self.quantifier()
         if bounds is None:
             return atom
@@ -119,14 +117,14 @@ class _Parser:
         return None
 
     def brace_bounds(self) -> tuple[tuple[int, int | None], int] | None:
-        """{m}, {m,}, {,n}, {m,n} at the current position: the bounds and the position after them; None when the
+        """{m}, {m,}, {,n}, {m,n}, {,} at the current position: the bounds and the position after them; None when the
         brace is a literal (as in Python)."""
         end = self.p.find("}", self.i)
         if end < 0:
             return None
         body = self.p[self.i + 1:end]
         lo, comma, hi = body.partition(",")
-        if not all(part == "" or part.isascii() and part.isdigit() for part in (lo, hi)) or not (lo or comma and hi):
+        if not all(part == "" or part.isascii() and part.isdigit() for part in (lo, hi)) or not (lo or comma):
             return None
         if not comma:
             return (int(lo), int(lo)), end + 1

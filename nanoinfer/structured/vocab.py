@@ -1,6 +1,7 @@
 """The text of every token id as a character-level DFA sees it (byte-level BPE, SentencePiece pieces with byte
 fallback, or plain pieces), and a trie of those texts that the allowed-token search walks."""
 import json
+from collections.abc import Callable
 from functools import lru_cache
 
 from transformers import PreTrainedTokenizerBase
@@ -47,7 +48,7 @@ def token_texts(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[str
     return texts
 
 
-def _piece_decoder(tokenizer: PreTrainedTokenizerBase):
+def _piece_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], str | None]:
     """piece -> text (None when its bytes are not UTF-8 on their own), after the tokenizer's decoder kind."""
     kinds = _decoder_types(tokenizer)
     if "ByteLevel" in kinds or hasattr(tokenizer, "byte_decoder"):
