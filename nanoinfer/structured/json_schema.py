@@ -1,6 +1,7 @@
 """JSON schema -> regex (the approach of outlines' build_regex_from_schema): properties in their declared order,
 compact JSON with at most one space where JSON allows whitespace, unsupported keywords refused by name."""
 import json
+from functools import lru_cache
 
 from nanoinfer.structured.regex import escape, parse
 
@@ -41,8 +42,9 @@ def any_value(depth: int = ANY_VALUE_DEPTH) -> str:
     return f"(?:{scalars}|{_object_of(inner)}|{_array_of(inner, 0, None)})"
 
 
+@lru_cache(maxsize=1)
 def json_object() -> str:
-    """json_object=True: any JSON object (see ANY_VALUE_DEPTH)."""
+    """json_object=True: any JSON object (see ANY_VALUE_DEPTH); built once, it is long (~36k characters)."""
     return _object_of(any_value())
 
 
