@@ -1,7 +1,7 @@
 """Turns last-position logits into next tokens where the logits are (CPU or GPU): structured outputs' grammar
-bitmask, allowed_token_ids, bad words,
-min_tokens, logit_bias, penalties, greedy, temperature, min_p, top-k and top-p (vLLM v1's order and definitions),
-per-request seeds as counter-based noise, and the top-k logprobs of the raw distribution."""
+bitmask, allowed_token_ids, bad words, min_tokens, logit_bias, penalties, greedy, temperature, min_p, top-k and top-p
+(vLLM v1's order and definitions), per-request seeds as counter-based noise, and the top-k logprobs of the raw
+distribution (after the grammar bitmask, as in vLLM)."""
 from dataclasses import dataclass
 
 import numpy as np
