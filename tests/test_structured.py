@@ -488,3 +488,16 @@ def test_structured_greedy_is_the_same_on_cuda_and_cpu(qwen3_dir, llm):
     on_cuda = LLM(str(qwen3_dir), device="cuda", dtype="float32", max_model_len=MAX_LEN)
     assert [o.outputs[0].token_ids for o in on_cuda.generate(PROMPTS, params, use_tqdm=False)] == \
         [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def test_logprobs_are_those_of_the_masked_distribution(llm):
+    """As in vLLM, the bitmask is applied before the sampler: a position's logprobs renormalize over what the grammar
+    allows there."""
+    params = StructuredOutputsParams(choice=["yes", "no"])
+    allowed = Grammar(params.pattern(), Vocabulary.from_tokenizer(llm.tokenizer, llm.llm_engine.vocab_size))
+    first = set(allowed.allowed_token_ids(allowed.start))
+    assert 1 < len(first) <= 5
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, logprobs=5, structured_outputs=params),
+                       use_tqdm=False)[0].outputs[0]
+    finite = {t: lp.logprob for t, lp in out.logprobs[0].items() if lp.logprob > float("-inf")}
+    assert set(finite) == first and sum(np.exp(list(finite.values()))) == pytest.approx(1.0, abs=1e-5)
