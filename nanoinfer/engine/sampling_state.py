@@ -64,7 +64,10 @@ def bad_word_bans(seq: Sequence) -> list[int]:
 
 def grammar_bitmask(seqs: list[Sequence], vocab: int) -> np.ndarray:
     """[len(seqs), ceil(vocab / 32)] int32: the tokens each sequence's grammar allows next, packed 32 to a word (see
-    Grammar.bitmask), one row per sequence."""
+    Grammar.bitmask), one row per sequence. Each state first reads any tokens it has not (the engine updates it
+    after each step; a step interrupted in between leaves it behind)."""
+    for seq in seqs:
+        seq.grammar_state.update(seq.token_ids, seq.num_prompt_tokens)
     masks = np.stack([seq.grammar_state.bitmask(seq.eos_token_ids) for seq in seqs])
     assert masks.shape[1] == -(-vocab // 32), "the grammar was built for another vocabulary size"
     return masks.view(np.int32)
