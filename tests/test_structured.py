@@ -225,7 +225,8 @@ def test_sentencepiece_token_texts_equal_decoding_in_context():
 
 
 def brute_force_allowed(pattern: str, prefix: str, texts: list[str | None]) -> list[int]:
-    return [t for t, s in enumerate(texts) if s is not None and regex_oracle.fullmatch(pattern, prefix + s, partial=True)]
+    return [t for t, s in enumerate(texts)
+            if s is not None and regex_oracle.fullmatch(pattern, prefix + s, partial=True)]
 
 
 GRAMMAR_PATTERNS = [r"(?:yes|no|maybe)", r"[a-z]+(?: [0-9]{2,3})?", r'"(?:[^"\\]|\\.)*"',
@@ -385,7 +386,8 @@ def test_min_tokens_and_ignore_eos_stop_where_the_grammar_ends(llm):
     """EOS is withheld by min_tokens (or ignore_eos) as usual; once the grammar allows nothing else the request
     stops ("stop") instead of sampling from all -inf."""
     choice = StructuredOutputsParams(choice=["yes", "no"])
-    outs = llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=20, min_tokens=10, structured_outputs=choice),
+    outs = llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=20, min_tokens=10,
+                                                 structured_outputs=choice),
                                   SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
                                                  structured_outputs=choice),
                                   SamplingParams(temperature=0, max_tokens=20, min_tokens=3,
@@ -445,7 +447,8 @@ def test_tensor_parallel_outputs_equal_a_single_process(qwen3_dir, llm):
 # ----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, exc, message", [
-    (dict(), ValueError, "exactly one of"), (dict(regex="a", choice=["a"]), ValueError, "exactly one of.*regex, choice"),
+    (dict(), ValueError, "exactly one of"),
+    (dict(regex="a", choice=["a"]), ValueError, "exactly one of.*regex, choice"),
     (dict(json_object=False), ValueError, "exactly one"), (dict(grammar="root ::= 'a'"), ValueError, "not supported"),
     (dict(choice=[]), ValueError, "non-empty"), (dict(choice=["a", 1]), ValueError, "choice"),
     (dict(regex=5), TypeError, "structured_outputs.regex"), (dict(json_object="yes"), TypeError, "json_object"),

@@ -102,7 +102,8 @@ class GrammarState:
     def exhausted(self, eos_allowed: bool) -> bool:
         """Whether nothing may be sampled next: no token continues the match, and EOS is not allowed (the match is
         incomplete, or min_tokens or ignore_eos withholds it)."""
-        return not self.grammar.allows_any_token(self.state) and not (eos_allowed and self.grammar.accepting(self.state))
+        grammar, state = self.grammar, self.state
+        return not grammar.allows_any_token(state) and not (eos_allowed and grammar.accepting(state))
 
 
 class GrammarCache:
