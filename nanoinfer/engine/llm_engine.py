@@ -18,6 +18,7 @@ from nanoinfer.engine.sequence import Sequence
 from nanoinfer.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestMetrics,
                                RequestOutput)
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams, bad_words_token_ids
+from nanoinfer.structured.grammar import Grammar, GrammarCache, GrammarState
 from nanoinfer.utils.gguf_loader import load_gguf_tokenizer
 
 # A prompt: text, token ids, or a dict with "prompt_token_ids" (and optionally its "prompt" text) or "prompt".
@@ -39,6 +40,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks, self.model_runner.num_state_slots)
         self.vocab_size: int = config.hf_config.vocab_size
         self.eos_token_ids = set(config.eos_token_ids)
+        self.grammars = GrammarCache(self.tokenizer, self.vocab_size)  # structured outputs' compiled regexes
         self.requests: dict[str, list[Sequence]] = {}  # unfinished requests: their n completions
         # Outputs of step-API requests produced while LLM.generate/generate_iter drove the steps: step() returns them.
         self.held_outputs: list[RequestOutput] = []
@@ -71,11 +73,25 @@ class LLMEngine:
         if max_tokens < max(1, params.min_tokens) or len(token_ids) + max_tokens > self.config.max_model_len:
             raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens={max_tokens} (min_tokens="
                              f"{params.min_tokens}) exceeds max_model_len={self.config.max_model_len}")
+        grammar = self._grammar(params)
         metrics = RequestMetrics(arrival_time=time.time())
         return [Sequence(token_ids, _child_params(params, i), self.config.kvcache_block_size, prompt=text,
                          request_id=request_id, index=i, max_tokens=max_tokens,
-                         eos_token_ids=frozenset(self.eos_token_ids), metrics=metrics, bad_words_token_ids=bad_words)
+                         eos_token_ids=frozenset(self.eos_token_ids), metrics=metrics, bad_words_token_ids=bad_words,
+                         grammar=grammar)
                 for i in range(params.n)]
+
+    def _grammar(self, params: SamplingParams) -> Grammar | None:
+        """params.structured_outputs compiled (cached by regex); ValueError when it cannot be, or when it cannot
+        produce a first token (only EOS would do, and ignore_eos or min_tokens withholds it)."""
+        if params.structured_outputs is None:
+            return None
+        grammar = self.grammars.get(params.structured_outputs)
+        eos_allowed = bool(self.eos_token_ids) and not params.ignore_eos and params.min_tokens == 0
+        if GrammarState(grammar).exhausted(eos_allowed):
+            raise ValueError(f"{params.structured_outputs.describe()} matches only the empty output, which "
+                             f"ignore_eos={params.ignore_eos} / min_tokens={params.min_tokens} rule out")
+        return grammar
 
     def _truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
         """truncate_prompt_tokens (vLLM's): the last `keep` tokens of the prompt; -1 keeps max_model_len."""
@@ -203,6 +219,8 @@ class LLMEngine:
             m.last_token_time = now
             m.num_generation_tokens += 1
             self._check_stop(seq)
+            if seq.grammar_state is not None and seq.finish_reason is None:
+                self._check_grammar(seq)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
             elif seq.params.output_kind is final_only:
@@ -291,6 +309,17 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", stop_string
         elif num_tokens >= seq.max_tokens:
             seq.finish_reason = "length"
+
+    @staticmethod
+    def _check_grammar(seq: Sequence) -> None:
+        """Follow the new token in the sequence's grammar. When nothing may be sampled next (no token continues the
+        match and EOS is withheld by min_tokens or ignore_eos), the sequence stops (finish_reason "stop") rather than
+        sample from all -inf; so does one whose token left the grammar (other constraints, allowed_token_ids or
+        bad_words, had masked every token it allows)."""
+        state = seq.grammar_state
+        state.update(seq.token_ids, seq.num_prompt_tokens)
+        if state.exhausted(bool(seq.eos_token_ids) and seq.num_completion_tokens >= seq.params.min_tokens):
+            seq.finish_reason = "stop"
 
     def _update_text(self, seq: Sequence, search: bool) -> str | None:
         """Decode the new tokens; if a stop string ends in the new text, cut the text there and return it."""

@@ -18,8 +18,9 @@ from nanoinfer.engine.gpu_memory import profile_kv_cache_blocks
 from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.parallel import TPGroup
 from nanoinfer.engine.sampling_state import (ALLOWED_TOKENS, BAD_WORDS, GREEDY, LOGIT_BIAS, LOGPROBS, MIN_P,
-                                              MIN_TOKENS, PENALIZED, TOP_K, TOP_P, HostStaging, HostTransfer,
-                                              PenaltyCache, TokenTables, bad_word_bans)
+                                              MIN_TOKENS, PENALIZED, STRUCTURED, TOP_K, TOP_P, HostStaging,
+                                              HostTransfer, PenaltyCache, TokenTables, bad_word_bans,
+                                              grammar_bitmask)
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention, AttentionMetadata, get_backend
@@ -378,6 +379,9 @@ class ModelRunner:
                 if some & bit:
                     host[f"{name}_rows"] = np.flatnonzero(flags & bit)  # their batch rows, then InputBatch rows
                     host[f"{name}_table_rows"] = rows[host[f"{name}_rows"]]
+        if some & STRUCTURED:
+            host["grammar_rows"] = np.flatnonzero(flags & STRUCTURED)
+            host["grammar_bitmask"] = grammar_bitmask([seqs[i] for i in host["grammar_rows"].tolist()], vocab)
         device = dict(zip(host, self.upload(*host.values())))
         m = SamplingMetadata(temperatures=device["temperatures"], top_k=device.get("top_k"),
                              top_p=device.get("top_p"), all_greedy=bool(every & GREEDY),
@@ -394,6 +398,8 @@ class ModelRunner:
         if some & LOGIT_BIAS:
             t, tables = device["bias_table_rows"], self.token_tables
             m.logit_bias = device["bias_rows"], tables.bias_ids[t], tables.bias_values[t]
+        if some & STRUCTURED:
+            m.grammar_bitmask = device["grammar_rows"], device["grammar_bitmask"]
         return m
 
     def _draw_seeds(self, seqs: list[Sequence], rows: np.ndarray) -> None:
