@@ -5,6 +5,7 @@ from itertools import count
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer
 from nanoinfer.outputs import Logprob, RequestMetrics
 from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.structured.grammar import Grammar, GrammarState
 
 
 class SequenceStatus(Enum):
@@ -23,7 +24,7 @@ class Sequence:
     def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int, prompt: str | None = None,
                  request_id: str = "", index: int = 0, max_tokens: int | None = None,
                  eos_token_ids: frozenset[int] = frozenset(), metrics: RequestMetrics | None = None,
-                 bad_words_token_ids: tuple[tuple[int, ...], ...] = ()):
+                 bad_words_token_ids: tuple[tuple[int, ...], ...] = (), grammar: Grammar | None = None):
         self.seq_id = next(Sequence.ids)
         self.status = SequenceStatus.WAITING
         self.prompt = prompt
@@ -38,6 +39,8 @@ class Sequence:
         # params.bad_words as token sequences (the engine tokenizes them): each one's last token is banned where
         # the generated tokens end with the others.
         self.bad_words_token_ids = bad_words_token_ids
+        # params.structured_outputs compiled (the engine does it): where the completion stands in it.
+        self.grammar_state = None if grammar is None else GrammarState(grammar)
         self.metrics = metrics  # shared by the n completions of a request
         self.block_size = block_size
         self.block_table: list[int] = []

@@ -27,13 +27,25 @@ _MODELS = {
     "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
 }
 
+# Sequence classification (see classification.py) over the decoder of the causal LM of the same family.
+_CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM" for family in (
+    "Gemma2", "Llama", "Mistral", "Mixtral", "Olmo2", "Olmo3", "Phi3", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe",
+    "SmolLM3")} | {"Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}
+
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    return sorted(_MODELS.keys() | _CLASSIFIERS.keys())
+
+
+def is_classifier(architectures: list[str] | None) -> bool:
+    return bool(architectures) and architectures[0] in _CLASSIFIERS
 
 
 def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
     for arch in architectures or []:
+        if arch in _CLASSIFIERS:
+            from nanoinfer.models.classification import sequence_classifier
+            return sequence_classifier(get_model_class([_CLASSIFIERS[arch]]))
         if arch in _MODELS:
             module, name = _MODELS[arch]
             return getattr(importlib.import_module(f"nanoinfer.models.{module}"), name)
