@@ -1,5 +1,5 @@
 """`LLM`: the user's entry point for offline generation: batch (`generate`, `chat`, `beam_search`) or streaming
-(`generate_iter`)."""
+(`generate_iter`); and for pooling (`embed`, `classify`, `score`)."""
 import dataclasses
 import os
 import threading
@@ -17,7 +17,8 @@ from nanoinfer.config import Config
 from nanoinfer.engine.llm_engine import LLMEngine, Prompt
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.lora.request import LoRARequest
-from nanoinfer.outputs import EmbeddingRequestOutput, RequestOutput
+from nanoinfer.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput,
+                               ScoringRequestOutput)
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict]
@@ -153,16 +154,42 @@ class LLM:
         with self._turn():
             return engine.run_on_every_rank(search) if engine.tp.torchrun else search()
 
-    def embed(self, prompts: Prompt | list[Prompt], pooling: str = "mean",
-              normalize: bool = False) -> list[EmbeddingRequestOutput]:
-        """The model as a bidirectional encoder without position encoding: each prompt's final-norm hidden states,
-        mean- or last-token-pooled (optionally L2-normalised), in `.outputs.embedding`; in input order."""
+    def embed(self, prompts: Prompt | list[Prompt], pooling: str = "mean", normalize: bool = False,
+              causal: bool = False) -> list[EmbeddingRequestOutput]:
+        """Each prompt's final-norm hidden states, mean- or last-token-pooled (optionally L2-normalised), in
+        `.outputs.embedding`; in input order. By default the model as a bidirectional encoder without position
+        encoding; `causal=True`: the model as it generates (vLLM's embedding of decoder models, e.g. Qwen3-Embedding
+        with pooling="last", normalize=True)."""
         if pooling not in ("mean", "last"):
             raise ValueError(f"pooling must be 'mean' or 'last', got {pooling!r}")
-        if not isinstance(normalize, bool):
-            raise TypeError(f"normalize must be a bool, got {normalize!r}")
+        _check_bool("normalize", normalize)
+        _check_bool("causal", causal)
         with self._turn():
-            return self.llm_engine.embed(_as_prompt_list(prompts), pooling, normalize)
+            return self.llm_engine.embed(_as_prompt_list(prompts), pooling, normalize, causal)
+
+    def classify(self, prompts: Prompt | list[Prompt], use_activation: bool = True
+                 ) -> list[ClassificationRequestOutput]:
+        """A sequence-classification model's label probabilities for each prompt (`.outputs.probs`: vLLM's activation,
+        a softmax over the labels or a sigmoid of a single one; the logits with use_activation=False), read at the
+        prompt's last token after a causal pass; in input order."""
+        _check_bool("use_activation", use_activation)
+        with self._turn():
+            return self.llm_engine.classify(_as_prompt_list(prompts), use_activation)
+
+    def score(self, data_1: Prompt | list[Prompt], data_2: Prompt | list[Prompt], use_activation: bool = True
+              ) -> list[ScoringRequestOutput]:
+        """A cross-encoder's (a classification model with one label) score of each pair: one data_1 against every
+        data_2, or data_1[i] against data_2[i]; `.outputs.score`, the sigmoid of the logit (the logit with
+        use_activation=False)."""
+        _check_bool("use_activation", use_activation)
+        first, second = _as_prompt_list(data_1), _as_prompt_list(data_2)
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second):
+            raise ValueError(f"data_1 has {len(first)} prompts and data_2 {len(second)}: give one data_1, or as many "
+                             f"as data_2")
+        with self._turn():
+            return self.llm_engine.score(list(zip(first, second)), use_activation)
 
     def _make_requests(self, prompts: Prompt | list[Prompt],
                        sampling_params: SamplingParams | list[SamplingParams] | None,
@@ -242,6 +269,11 @@ def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
     if any(isinstance(t, int) for t in prompts):  # one prompt of token ids (a bad id in it is named later)
         return [list(prompts)]
     return list(prompts)
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
 def _check_messages(conversation: Conversation) -> None:

@@ -1,5 +1,5 @@
 """What generation returns, shaped like vLLM's (a RequestOutput per prompt holding n CompletionOutputs),
-and what `LLM.embed` returns."""
+and what `LLM.embed`, `LLM.classify` and `LLM.score` return."""
 from dataclasses import dataclass
 
 
@@ -66,3 +66,29 @@ class EmbeddingRequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # [num_labels]: the activation's output (see LLM.classify), or the logits without it
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]  # the pair's, as the model read it
+    outputs: ScoringOutput

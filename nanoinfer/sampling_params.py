@@ -6,6 +6,8 @@ from enum import Enum
 
 from transformers import PreTrainedTokenizerBase
 
+from nanoinfer.structured.params import StructuredOutputsParams
+
 
 class RequestOutputKind(Enum):
     CUMULATIVE = 0  # every output of a request holds everything generated so far
@@ -38,6 +40,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # every other token is masked
     bad_words: list[str] | None = None  # see bad_words_token_ids
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: its last max_model_len
+    structured_outputs: StructuredOutputsParams | None = None  # the output must match a regex, JSON schema, ...
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name for structured_outputs
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)  # `stop` as a list
 
     def __post_init__(self) -> None:
@@ -94,6 +98,7 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self._validate_token_constraints()
+        self._validate_structured_outputs()
 
     def _validate_token_constraints(self) -> None:
         """logit_bias, allowed_token_ids, bad_words, truncate_prompt_tokens: what can be checked without the model
@@ -121,6 +126,17 @@ class SamplingParams:
             if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
                 raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1 (max_model_len), got "
                                  f"{self.truncate_prompt_tokens}")
+
+    def _validate_structured_outputs(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs not in (None, self.guided_decoding):
+                raise ValueError("give structured_outputs or guided_decoding (its older name), not both")
+            self.structured_outputs = self.guided_decoding
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise TypeError(f"structured_outputs must be StructuredOutputsParams, got "
+                                f"{type(self.structured_outputs).__name__}")
+            self.structured_outputs.validate()
 
     @property
     def greedy(self) -> bool:

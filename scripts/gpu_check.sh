@@ -64,7 +64,8 @@ run_tests() {
 }
 
 if [ "$PART" = all ] || [ "$PART" = cuda ]; then
-  run_tests cuda "$CUDA_LIMIT" -m cuda tests/test_triton_attention_cuda.py tests/test_gpu.py
+  # The kernels first, then the engine (pytest collects a file named twice once), then any other cuda test.
+  run_tests cuda "$CUDA_LIMIT" -m cuda tests/test_triton_attention_cuda.py tests/test_gpu.py tests
 fi
 if [ "$PART" = all ] || [ "$PART" = bench ]; then
   timeout -k 10 "$(budget "${ATTN_LIMIT:-60}")" $PY benchmarks/attention.py > "$OUT/attention.log" 2>&1

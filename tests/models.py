@@ -128,12 +128,19 @@ QWEN3_NEXT_KINDS = ("qwen3-next",)
 # Mixtral: a window on every layer and 2 of 8 experts per token on every layer, renormalized. Qwen2-MoE: 2 of 8
 # experts (not renormalized) plus a gated shared expert on layers 0 and 2, layer 1 dense. Granite MoE: Granite's
 # multipliers around 2 of 8 experts (and, shared, an ungated shared expert).
+# The LayerNorm families (LAYERNORM_KINDS), every norm with a random bias and an epsilon (LAYER_NORM_EPS) far from
+# the default: StarCoder2: biases on q/k/v/o and a GeLU-tanh MLP, GQA, a window on every layer. StableLM: q/k/v
+# biases, per-head q/k LayerNorms (GQA), the parallel residual with one norm, a quarter of each head rotated. Phi:
+# the same residual, q/k LayerNorms shared by the heads, biases everywhere (the LM head's too), "gelu_new". GPT-NeoX:
+# the per-head fused query_key_value, the parallel residual with two norms, a quarter rotated, exact GeLU.
+LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox")
+LAYER_NORM_EPS = 1e-3
 EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS
                + ("gemma3", "gemma2", "phi3", "granite", "smollm3", "olmo2", "olmo3")
-               + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared"))
+               + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared") + LAYERNORM_KINDS)
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "gemma2": 11, "phi3": 24,
-                  "smollm3": 11, "olmo3": 11, "mixtral": 14}
+                  "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -169,7 +176,8 @@ _COMMON = dict(
 _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678, "qwen2-swa": 6789,
           "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, "gemma3": 1357, "gemma2": 1470, "phi3": 2468,
           "granite": 3579, "smollm3": 4680, "olmo2": 1470, "olmo3": 2581, OLMO2_MQA_KIND: 3692, "mixtral": 3581,
-          "qwen2-moe": 4681, "granitemoe": 5791, "granitemoe-shared": 6802, ODD_KIND: 9012}
+          "qwen2-moe": 4681, "granitemoe": 5791, "granitemoe-shared": 6802, ODD_KIND: 9012, "starcoder2": 7913,
+          "stablelm": 8024, "phi": 9135, "gpt-neox": 1246}
 
 
 def _token_ids():
@@ -179,9 +187,10 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
-                              LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config,
-                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig, SmolLM3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig,
+                              GraniteMoeSharedConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config,
+                              Olmo3Config, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig, Qwen3NextConfig, SmolLM3Config, StableLmConfig, Starcoder2Config)
 
     ids = _token_ids()
     special = dict(
@@ -455,6 +464,29 @@ def make_config(kind: str):
             residual_multiplier=0.6,
             logits_scaling=2.0,
         )
+    layernorm = dict(  # the LayerNorm families: their own epsilon and activations, partial rotary but StarCoder2
+        **{k: v for k, v in _COMMON.items() if k not in ("rms_norm_eps", "hidden_act")},
+        **special,
+        num_attention_heads=4,
+        layer_norm_eps=LAYER_NORM_EPS,
+        tie_word_embeddings=False,
+    )
+    if kind == "starcoder2":  # tied; the epsilon named norm_epsilon
+        layernorm.update(norm_epsilon=layernorm.pop("layer_norm_eps"), tie_word_embeddings=True)
+        return Starcoder2Config(**layernorm, num_key_value_heads=2, hidden_act="gelu_pytorch_tanh", use_bias=True,
+                                sliding_window=SLIDING_WINDOW[kind],
+                                rope_parameters={"rope_type": "default", "rope_theta": 100_000.0})
+    if kind == "stablelm":
+        return StableLmConfig(**layernorm, num_key_value_heads=2, hidden_act="silu", use_qkv_bias=True,
+                              qk_layernorm=True, use_parallel_residual=True,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                                               "partial_rotary_factor": 0.25})
+    if kind == "phi":
+        return PhiConfig(**layernorm, hidden_act="gelu_new", qk_layernorm=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5})
+    if kind == "gpt-neox":  # rotary_pct: the Hub configs' name, which transformers moves into rope_parameters
+        return GPTNeoXConfig(**layernorm, hidden_act="gelu", use_parallel_residual=True, attention_bias=True,
+                             rotary_pct=0.25, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND, OLMO2_MQA_KIND)}")
 
 
@@ -477,10 +509,10 @@ def _randomize_(model, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
-            elif name.endswith(".bias"):
+            if name.endswith(".bias"):  # the LayerNorms' too
                 p.copy_(BIAS_STD * torch.randn(p.shape, generator=g))
+            elif name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(INIT_STD * torch.randn(p.shape, generator=g))
 
@@ -717,3 +749,21 @@ def check_against_hf(outputs, refs: list[dict], captured: dict[int, list[torch.T
                          len(ref["token_ids"]) - 1) + 1
             worst = max(worst, (ours[:steps] - ref["logits"][:steps]).abs().max().item())
     return worst
+
+
+def chunked_prefix_preemption_logit_diff(model_dir, captured: dict[int, list[torch.Tensor]], max_tokens: int) -> float:
+    """The engine with 7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once,
+    twice, against transformers: asserts the tokens (check_against_hf), that the second run hit the cached prefix
+    and that preemption happened; returns the max |logit difference| over both runs."""
+    from nanoinfer import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    shared = random_prompts(1, 5, 440, 40, 40, seed=8)[0]
+    prompts = [shared + tail for tail in random_prompts(4, 5, 440, 1, 30, seed=9)]
+    with LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=96, max_num_batched_tokens=7,
+             kvcache_block_size=8, num_kvcache_blocks=14) as llm:
+        first = llm.generate(prompts, greedy, use_tqdm=False)
+        second = llm.generate(prompts, greedy, use_tqdm=False)
+        assert llm.llm_engine.scheduler.num_preemptions > 0 and all(o.num_cached_tokens >= 40 for o in second)
+    refs = cached_hf_greedy(model_dir, prompts, max_tokens)
+    return max(check_against_hf(first, refs, captured), check_against_hf(second, refs, captured))

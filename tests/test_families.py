@@ -1,13 +1,15 @@
 """Dense families beyond the shared correctness tests (tests/test_correctness.py) without a file of their own (OLMo:
 test_olmo.py; MoE: test_moe.py): tensor parallelism against transformers, transformers' bf16 arithmetic in Gemma's
-norm, Gemma 3's Hub config layout, and the Gemma config settings the engine refuses by name."""
+norm, Gemma 3's and GPT-NeoX's Hub layouts, the Gemma config settings the engine refuses by name, and the parallel
+residual (Phi, GPT-NeoX) under chunked prefill, prefix-cache hits and preemption."""
 import json
 import shutil
 
 import pytest
 import torch
 
-from models import cached_hf_greedy, check_against_hf, random_prompts
+from models import (LAYERNORM_KINDS, cached_hf_greedy, check_against_hf, chunked_prefix_preemption_logit_diff,
+                    random_prompts)
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.layers.layernorm import GemmaRMSNorm
 
@@ -18,7 +20,7 @@ LOGIT_ATOL = 1e-4
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2", "granite", "smollm3"])
+@pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2", "granite", "smollm3", *LAYERNORM_KINDS])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): each holds half the heads and MLP; windows, ropes and norms per rank."""
     d = model_dir(kind)
@@ -82,3 +84,80 @@ def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_di
     d = edited_model(model_dir(kind), tmp_path / "m", **changes)
     with pytest.raises(ValueError, match=message):
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
+
+
+@pytest.mark.parametrize("kind", ["phi", "gpt-neox"])
+def test_parallel_residual_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, captured_logits,
+                                                                              report_logit_diff):
+    """7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once, twice."""
+    worst = chunked_prefix_preemption_logit_diff(model_dir(kind), captured_logits, MAX_TOKENS)
+    report_logit_diff(f"{kind}, chunked prefill + prefix hits + preemption", worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+@pytest.mark.parametrize("head", ["embed_out", "lm_head"])
+def test_gpt_neox_hub_checkpoint_layout_matches_hf(head, model_dir, tmp_path, captured_logits):
+    """Pythia's files: `rotary_pct` / `rotary_emb_base` instead of rope_parameters, the attention's causal-mask
+    buffers (`attention.bias`, `attention.masked_bias`) beside the weights, and the LM head as the Hub names it
+    (`embed_out`) or as transformers 5 does (`lm_head`)."""
+    from safetensors.torch import load_file, save_file
+
+    d = edited_model(model_dir("gpt-neox"), tmp_path / "m", rotary_pct=0.25, rotary_emb_base=10_000)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["rope_parameters"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    weights = load_file(d / "model.safetensors")
+    weights[f"{head}.weight"] = weights.pop("embed_out.weight")
+    for i in range(cfg["num_hidden_layers"]):
+        weights[f"gpt_neox.layers.{i}.attention.bias"] = torch.ones(1, 1, 64, 64, dtype=torch.bool).tril()
+        weights[f"gpt_neox.layers.{i}.attention.masked_bias"] = torch.tensor(-1e9)
+    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
+
+
+def test_dense_mlp_activations_are_transformers_own():
+    """Each `hidden_act` a dense MLP may name computes as transformers' ACT2FN does, bit for bit, in fp32 and bf16
+    ("gelu_new" writes out the tanh approximation that "gelu_pytorch_tanh" leaves to torch: they round apart)."""
+    from transformers.activations import ACT2FN
+
+    from nanoinfer.layers.activation import get_act
+
+    x = 4 * torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    for name in ("gelu", "gelu_fast", "gelu_new", "gelu_pytorch_tanh", "silu"):
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(get_act(name)(x.to(dtype)), ACT2FN[name](x.to(dtype))), (name, dtype)
+    assert not torch.equal(get_act("gelu_new")(x), get_act("gelu_pytorch_tanh")(x))
+    with pytest.raises(ValueError, match="'relu'"):
+        get_act("relu")
+
+
+def test_stablelm_per_head_norm_takes_the_heads_its_rank_holds():
+    """StableLM's per-head q/k LayerNorm equals transformers' StableLmLayerNormPerHead on the heads each of 4 ranks
+    holds, as QKVParallelLinear assigns them: 8 query heads, 2 per rank; 2 KV heads, each on two ranks."""
+    from transformers.models.stablelm.modeling_stablelm import StableLmLayerNormPerHead
+
+    from nanoinfer.layers.layernorm import PerHeadLayerNorm
+    from nanoinfer.layers.linear import QKVParallelLinear
+    from nanoinfer.utils.dist import tp_scope
+
+    g = torch.Generator().manual_seed(0)
+    head_dim, hidden, eps = 8, 16, 1e-3
+    for shard_id, total in (("q", 8), ("k", 2)):
+        hf = StableLmLayerNormPerHead(head_dim, total, eps)
+        for norm in hf.norms:
+            norm.weight.data = 1 + 0.3 * torch.randn(head_dim, generator=g)
+        x = torch.randn(5, total, head_dim, generator=g)  # [tokens, heads, head_dim]
+        expected = hf(x.transpose(0, 1).unsqueeze(0))[0].transpose(0, 1)  # transformers': [batch, heads, tokens, dim]
+        head_of_row = torch.arange(total).repeat_interleave(head_dim)[:, None].float().expand(-1, hidden)
+        for rank in range(4):
+            with tp_scope(rank, 4, None):
+                qkv = QKVParallelLinear(hidden, head_dim, 8, 2)
+                ours = PerHeadLayerNorm(total, head_dim, eps)
+            qkv.weight_loader(qkv.weight, head_of_row, shard_id)
+            offset = 0 if shard_id == "q" else qkv.num_heads * head_dim
+            heads = qkv.weight[offset:offset + ours.num_heads * head_dim:head_dim, 0].long()
+            for h, norm in enumerate(hf.norms):
+                ours.weight_loader(ours.weight, norm.weight.data, h)
+            assert torch.allclose(ours(x[:, heads]), expected[:, heads], atol=1e-6), (shard_id, rank, heads)

@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 
-from models import (OLMO2_MQA_KIND, build_model, cached_hf_greedy, check_against_hf, hf_encoder_states,
-                    random_prompts)
+from models import (OLMO2_MQA_KIND, build_model, cached_hf_greedy, check_against_hf,
+                    chunked_prefix_preemption_logit_diff, hf_encoder_states, random_prompts)
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.layers.layernorm import OlmoRMSNorm
 from nanoinfer.models.olmo2 import Olmo2QKNorm
@@ -40,16 +40,7 @@ def test_tensor_parallel_2_matches_hf(kind, model_dir, request, captured_logits,
 
 def test_olmo2_chunked_prefill_prefix_hits_and_preemption_match_hf(model_dir, captured_logits, report_logit_diff):
     """7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once, twice."""
-    d = model_dir("olmo2")
-    shared = random_prompts(1, 5, 440, 40, 40, seed=8)[0]
-    prompts = [shared + tail for tail in random_prompts(4, 5, 440, 1, 30, seed=9)]
-    llm = LLM(str(d), device="cpu", dtype="float32", max_model_len=96, max_num_batched_tokens=7,
-              kvcache_block_size=8, num_kvcache_blocks=14)
-    first = llm.generate(prompts, GREEDY, use_tqdm=False)
-    second = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.llm_engine.scheduler.num_preemptions > 0 and all(o.num_cached_tokens >= 40 for o in second)
-    refs = cached_hf_greedy(d, prompts, MAX_TOKENS)
-    worst = max(check_against_hf(first, refs, captured_logits), check_against_hf(second, refs, captured_logits))
+    worst = chunked_prefix_preemption_logit_diff(model_dir("olmo2"), captured_logits, MAX_TOKENS)
     report_logit_diff("olmo2, chunked prefill + prefix hits + preemption", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 

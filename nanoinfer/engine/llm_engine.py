@@ -16,9 +16,12 @@ from nanoinfer.engine.parallel import start_tensor_parallel
 from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.lora.request import LoRARequest
-from nanoinfer.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestMetrics,
-                               RequestOutput)
+from nanoinfer.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
+                               EmbeddingRequestOutput, Logprob, RequestMetrics, RequestOutput, ScoringOutput,
+                               ScoringRequestOutput)
+from nanoinfer.models.registry import is_classifier
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams, bad_words_token_ids
+from nanoinfer.structured.grammar import Grammar, GrammarCache, GrammarState
 from nanoinfer.utils.gguf_loader import load_gguf_tokenizer
 
 # A prompt: text, token ids, or a dict with "prompt_token_ids" (and optionally its "prompt" text) or "prompt".
@@ -40,7 +43,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks, self.model_runner.num_state_slots,
                                    config.max_loras)
         self.vocab_size: int = config.hf_config.vocab_size
+        self.is_classifier = is_classifier(config.hf_config.architectures)  # it pools and classifies, never generates
         self.eos_token_ids = set(config.eos_token_ids)
+        self.grammars = GrammarCache(self.tokenizer, self.vocab_size)  # structured outputs' compiled regexes
         self.requests: dict[str, list[Sequence]] = {}  # unfinished requests: their n completions
         # Outputs of step-API requests produced while LLM.generate/generate_iter drove the steps: step() returns them.
         self.held_outputs: list[RequestOutput] = []
@@ -61,6 +66,9 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if self.is_classifier:
+            raise ValueError(f"{self.config.model_path} is a sequence-classification model "
+                             f"({self.config.hf_config.architectures[0]}): use LLM.classify or LLM.score")
         params.validate()  # its fields may have changed since construction
         token_ids, text = self.prompt_token_ids(prompt)
         token_ids = self._truncated(token_ids, params.truncate_prompt_tokens)
@@ -75,13 +83,26 @@ class LLMEngine:
         if max_tokens < max(1, params.min_tokens) or len(token_ids) + max_tokens > self.config.max_model_len:
             raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens={max_tokens} (min_tokens="
                              f"{params.min_tokens}) exceeds max_model_len={self.config.max_model_len}")
+        grammar = self._grammar(params)
         self._check_lora(lora_request)
         metrics = RequestMetrics(arrival_time=time.time())
         return [Sequence(token_ids, _child_params(params, i), self.config.kvcache_block_size, prompt=text,
                          request_id=request_id, index=i, max_tokens=max_tokens,
                          eos_token_ids=frozenset(self.eos_token_ids), metrics=metrics, bad_words_token_ids=bad_words,
-                         lora_request=lora_request)
+                         grammar=grammar, lora_request=lora_request)
                 for i in range(params.n)]
+
+    def _grammar(self, params: SamplingParams) -> Grammar | None:
+        """params.structured_outputs compiled (cached by regex); ValueError when it cannot be, or when it cannot
+        produce a first token (only EOS would do, and ignore_eos or min_tokens withholds it)."""
+        if params.structured_outputs is None:
+            return None
+        grammar = self.grammars.get(params.structured_outputs)
+        eos_allowed = bool(self.eos_token_ids) and not params.ignore_eos and params.min_tokens == 0
+        if GrammarState(grammar).exhausted(eos_allowed):
+            raise ValueError(f"{params.structured_outputs.describe()} matches only the empty output, which "
+                             f"ignore_eos={params.ignore_eos} / min_tokens={params.min_tokens} rule out")
+        return grammar
 
     def _check_lora(self, lora_request: LoRARequest | None) -> None:
         """The adapter is read and checked against the model here, once per lora_int_id (see LoRAModel.check)."""
@@ -132,26 +153,65 @@ class LLMEngine:
             raise ValueError(f"token id {out_of_range} is outside the vocabulary [0, {self.vocab_size})")
         return token_ids, text
 
-    def embed(self, prompts: list[Prompt], pooling: str, normalize: bool) -> list[EmbeddingRequestOutput]:
-        """Pooled encoder states (see ModelRunner.encode), in batches of at most max_num_batched_tokens tokens."""
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError("embed does not support tensor parallelism yet")
-        checked = [self.prompt_token_ids(p) for p in prompts]  # all validated before any runs
-        too_long = next((len(ids) for ids, _ in checked if len(ids) > self.config.max_model_len), None)
-        if too_long is not None:
-            raise ValueError(f"prompt of {too_long} tokens exceeds max_model_len={self.config.max_model_len}")
-        states: list[torch.Tensor] = []
-        batch: list[list[int]] = []
-        for ids, _ in checked + [([], None)]:  # the empty sentinel flushes the last batch
-            if batch and (not ids or sum(map(len, batch)) + len(ids) > self.config.max_num_batched_tokens):
-                states += self.model_runner.encode(batch)
-                batch = []
-            batch.append(ids)
+    def embed(self, prompts: list[Prompt], pooling: str, normalize: bool, causal: bool
+              ) -> list[EmbeddingRequestOutput]:
+        """Pooled final hidden states (see ModelRunner.encode)."""
+        checked = self._pooling_prompts("embed", prompts)
+        states = self._in_batches([ids for ids, _ in checked], lambda batch: self.model_runner.encode(batch, causal))
         pooled = [h.float().mean(0) if pooling == "mean" else h[-1].float() for h in states]
         if normalize:
             pooled = [F.normalize(e, dim=0) for e in pooled]
         return [EmbeddingRequestOutput(next(Sequence.ids), text, ids, EmbeddingOutput(e.tolist()))
                 for (ids, text), e in zip(checked, pooled)]
+
+    def classify(self, prompts: list[Prompt], use_activation: bool, task: str = "classify"
+                 ) -> list[ClassificationRequestOutput]:
+        """Each prompt's label probabilities (see ModelRunner.classify and _activation), or logits."""
+        checked = self._pooling_prompts(task, prompts, classifier=True)
+        logits = torch.stack(self._in_batches([ids for ids, _ in checked], self.model_runner.classify))
+        probs = _activation(logits) if use_activation else logits
+        return [ClassificationRequestOutput(next(Sequence.ids), text, ids, ClassificationOutput(p.tolist()))
+                for (ids, text), p in zip(checked, probs)]
+
+    def score(self, pairs: list[tuple[Prompt, Prompt]], use_activation: bool) -> list[ScoringRequestOutput]:
+        """A one-label classifier as a cross-encoder: the score of each (query, document) pair read as one prompt,
+        two texts through the tokenizer's pair encoding, anything else as the two sides' token ids joined."""
+        if self.is_classifier and self.config.hf_config.num_labels != 1:
+            raise ValueError(f"score needs a classification model with num_labels=1 (a cross-encoder); "
+                             f"{self.config.model_path} has num_labels={self.config.hf_config.num_labels}")
+        joined = [self._pair_prompt(a, b) for a, b in pairs]
+        return [ScoringRequestOutput(out.request_id, None, out.prompt_token_ids,
+                                     ScoringOutput(out.outputs.probs[0]))
+                for out in self.classify(joined, use_activation, task="score")]
+
+    def _pair_prompt(self, first: Prompt, second: Prompt) -> list[int]:
+        if isinstance(first, str) and isinstance(second, str) and self.tokenizer is not None:
+            return self.tokenizer(first, second)["input_ids"]
+        return self._tokenize(first)[0] + self._tokenize(second)[0]
+
+    def _pooling_prompts(self, task: str, prompts: list[Prompt], classifier: bool = False
+                         ) -> list[tuple[list[int], str | None]]:
+        """Every prompt validated before any runs: token ids and text of each."""
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError(f"{task} does not support tensor parallelism yet")
+        if classifier and not self.is_classifier:
+            raise ValueError(f"{task} needs a sequence-classification model (*ForSequenceClassification); "
+                             f"{self.config.model_path} is {self.config.hf_config.architectures}")
+        checked = [self.prompt_token_ids(p) for p in prompts]
+        too_long = next((len(ids) for ids, _ in checked if len(ids) > self.config.max_model_len), None)
+        if too_long is not None:
+            raise ValueError(f"prompt of {too_long} tokens exceeds max_model_len={self.config.max_model_len}")
+        return checked
+
+    def _in_batches(self, prompts: list[list[int]], run: Callable[[list[list[int]]], Iterable]) -> list:
+        """run's results (one per prompt) over consecutive batches of at most max_num_batched_tokens tokens."""
+        results, batch = [], []
+        for ids in prompts + [[]]:  # the empty sentinel flushes the last batch
+            if batch and (not ids or sum(map(len, batch)) + len(ids) > self.config.max_num_batched_tokens):
+                results.append(run(batch))
+                batch = []
+            batch.append(ids)
+        return [r for result in results for r in result]
 
     def _tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, dict):
@@ -220,6 +280,8 @@ class LLMEngine:
             m.last_token_time = now
             m.num_generation_tokens += 1
             self._check_stop(seq)
+            if seq.grammar_state is not None and seq.finish_reason is None:
+                self._check_grammar(seq)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
             elif seq.params.output_kind is final_only:
@@ -308,6 +370,17 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", stop_string
         elif num_tokens >= seq.max_tokens:
             seq.finish_reason = "length"
+
+    @staticmethod
+    def _check_grammar(seq: Sequence) -> None:
+        """Follow the new token in the sequence's grammar. When nothing may be sampled next (no token continues the
+        match and EOS is withheld by min_tokens or ignore_eos), the sequence stops (finish_reason "stop") rather than
+        sample from all -inf; so does one whose token left the grammar (other constraints, allowed_token_ids or
+        bad_words, had masked every token it allows)."""
+        state = seq.grammar_state
+        state.update(seq.token_ids, seq.num_prompt_tokens)
+        if state.exhausted(bool(seq.eos_token_ids) and seq.num_completion_tokens >= seq.params.min_tokens):
+            seq.finish_reason = "stop"
 
     def _update_text(self, seq: Sequence, search: bool) -> str | None:
         """Decode the new tokens; if a stop string ends in the new text, cut the text there and return it."""
@@ -414,3 +487,8 @@ def _load_tokenizer(config: Config) -> PreTrainedTokenizerBase | None:
         return load_gguf_tokenizer(config.gguf_path)
     has_tokenizer = any((config.model_path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
     return AutoTokenizer.from_pretrained(config.model_path) if has_tokenizer else None
+
+
+def _activation(logits: torch.Tensor) -> torch.Tensor:
+    """vLLM's for classifiers: a sigmoid of a single label's logit, else a softmax over the labels."""
+    return logits.sigmoid() if logits.shape[-1] == 1 else logits.softmax(-1)

@@ -18,8 +18,9 @@ from nanoinfer.engine.gpu_memory import profile_kv_cache_blocks
 from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.parallel import TPGroup
 from nanoinfer.engine.sampling_state import (ALLOWED_TOKENS, BAD_WORDS, GREEDY, LOGIT_BIAS, LOGPROBS, MIN_P,
-                                              MIN_TOKENS, PENALIZED, TOP_K, TOP_P, HostStaging, HostTransfer,
-                                              PenaltyCache, TokenTables, bad_word_bans)
+                                              MIN_TOKENS, PENALIZED, STRUCTURED, TOP_K, TOP_P, HostStaging,
+                                              HostTransfer, PenaltyCache, TokenTables, bad_word_bans,
+                                              grammar_bitmask)
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention, AttentionMetadata, get_backend
@@ -30,7 +31,7 @@ from nanoinfer.layers.rotary_embedding import shared_rope_tables
 from nanoinfer.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata, noise_keys, top_logprobs
 from nanoinfer.lora.model import LoRAModel
 from nanoinfer.lora.slots import LoRAMapping, LoRASlots
-from nanoinfer.models.registry import get_model_class
+from nanoinfer.models.registry import get_model_class, is_classifier
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.utils.dist import tp_scope
 from nanoinfer.utils.gguf_loader import iter_gguf_weights
@@ -69,6 +70,7 @@ class ModelRunner:
         else:
             keep_freed_memory()  # a CPU-path tuning: on CUDA it would only hold on to freed host memory
         self.model: nn.Module | None = None
+        self.generates = not is_classifier(config.hf_config.architectures)  # classifiers only pool (LLM.classify)
         self.lora: LoRAModel | None = None  # the adapter slots, with enable_lora
         try:
             self._set_up(config)
@@ -185,13 +187,15 @@ class ModelRunner:
         return num_slots, num_slots * slot_bytes
 
     def _allocate_kv_cache(self, reserved_bytes: int = 0) -> int:
-        """KV blocks of the attention layers: num_kvcache_blocks if given; else on CUDA what gpu_memory_utilization
-        leaves after the weights and the warm-up's activations, on the CPU the cache budget minus reserved_bytes
-        (the recurrent state)."""
+        """KV blocks of the attention layers: num_kvcache_blocks if given; one sequence's for a classifier; else on
+        CUDA what gpu_memory_utilization leaves after the weights and the warm-up's activations, on the CPU the cache
+        budget minus reserved_bytes (the recurrent state)."""
         layers = self._attention_layers()
         itemsize = self.config.torch_dtype.itemsize
         block_bytes = sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in layers)
         num_blocks = self.config.num_kvcache_blocks
+        if num_blocks is None and not self.generates:  # the pooling passes never touch the cache
+            num_blocks = -(-self.config.max_model_len // self.block_size)
         if self.device.type == "cuda":
             if num_blocks is None:
                 num_blocks = self.tp.all_min(profile_kv_cache_blocks(
@@ -255,12 +259,13 @@ class ModelRunner:
 
     def _capture_graphs(self) -> CUDAGraphRunner | None:
         """Decode graphs on CUDA for the flash and triton backends (whose decode reads only fixed-address tensors)
-        unless enforce_eager; not for models with recurrent state, whose per-step slot lookups are not captured, nor
-        for mixture-of-experts models, whose expert grouping syncs with the host (torch.bincount on CUDA reads the
-        largest id back; torch._grouped_mm outside bf16 on sm90 loops over offsets copied to the host), nor with
-        LoRA, whose token groups (which tokens use which adapter) change shape from step to step."""
+        unless enforce_eager; not for classifiers, which never decode, nor for models with recurrent state, whose
+        per-step slot lookups are not captured, nor for mixture-of-experts models, whose expert grouping syncs with
+        the host (torch.bincount on CUDA reads the largest id back; torch._grouped_mm outside bf16 on sm90 loops over
+        offsets copied to the host), nor with LoRA, whose token groups (which tokens use which adapter) change shape
+        from step to step."""
         if (self.config.enforce_eager or self.device.type != "cuda" or self.config.attention_backend == "cpu"
-                or self.num_state_slots or self.lora is not None
+                or not self.generates or self.num_state_slots or self.lora is not None
                 or any(isinstance(m, FusedMoE) for m in self.model.modules())):
             return None
         start = time.perf_counter()
@@ -347,20 +352,33 @@ class ModelRunner:
             self.execute(*step)
 
     @torch.inference_mode()
-    def encode(self, prompts: list[list[int]]) -> list[torch.Tensor]:
-        """Each prompt's final hidden states [len, hidden] from a bidirectional pass without position encoding:
-        the decoder used as an encoder. Nothing touches the KV cache."""
+    def encode(self, prompts: list[list[int]], causal: bool) -> list[torch.Tensor]:
+        """Each prompt's final hidden states [len, hidden] (see _encode)."""
+        return list(self._encode(prompts, causal).cpu().split([len(p) for p in prompts]))
+
+    @torch.inference_mode()
+    def classify(self, prompts: list[list[int]]) -> torch.Tensor:
+        """The classification head's logits [prompts, num_labels] at each prompt's last token, after a causal pass."""
+        last = torch.tensor(np.cumsum([len(p) for p in prompts]) - 1, device=self.device)
+        return self.model.compute_logits(self._encode(prompts, causal=True)[last]).float().cpu()
+
+    def _encode(self, prompts: list[list[int]], causal: bool) -> torch.Tensor:
+        """Final hidden states [tokens, hidden] of the prompts, packed, without touching the KV cache: causal with
+        position encoding (the model as it generates), or bidirectional without (the decoder used as an encoder)."""
         lens = [len(p) for p in prompts]
         cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device) if causal else None
         meta = AttentionMetadata(
             slot_mapping=None, block_tables=torch.empty(len(prompts), 0, dtype=torch.int32),
             context_lens=torch.tensor(lens, dtype=torch.int32), cu_seqlens_q=cu, cu_seqlens_k=cu,
-            max_seqlen_q=max(lens), max_seqlen_k=max(lens), block_size=self.block_size, causal=False).to(self.device)
+            max_seqlen_q=max(lens), max_seqlen_k=max(lens), block_size=self.block_size, causal=causal).to(self.device)
+        # One-token prompts only: backends would take the step for a decode over the cache; attending
+        # non-causally over a prompt's one key is the same attention.
+        meta.causal = causal and meta.max_seqlen_q > 1
         self.backend.prepare(meta)
         if self.lora is not None:
             self.lora.set_step(None)  # the base model
-        hidden = self.model(torch.tensor([t for p in prompts for t in p], device=self.device), None, meta)
-        return list(hidden.cpu().split(lens))
+        return self.model(torch.tensor([t for p in prompts for t in p], device=self.device), positions, meta)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SamplerOutput:
         return self.sampler(logits, self._sampling_metadata(seqs, logits.shape[-1]))
@@ -397,6 +415,9 @@ class ModelRunner:
                 if some & bit:
                     host[f"{name}_rows"] = np.flatnonzero(flags & bit)  # their batch rows, then InputBatch rows
                     host[f"{name}_table_rows"] = rows[host[f"{name}_rows"]]
+        if some & STRUCTURED:
+            host["grammar_rows"] = np.flatnonzero(flags & STRUCTURED)
+            host["grammar_bitmask"] = grammar_bitmask([seqs[i] for i in host["grammar_rows"].tolist()], vocab)
         device = dict(zip(host, self.upload(*host.values())))
         m = SamplingMetadata(temperatures=device["temperatures"], top_k=device.get("top_k"),
                              top_p=device.get("top_p"), all_greedy=bool(every & GREEDY),
@@ -413,6 +434,8 @@ class ModelRunner:
         if some & LOGIT_BIAS:
             t, tables = device["bias_table_rows"], self.token_tables
             m.logit_bias = device["bias_rows"], tables.bias_ids[t], tables.bias_values[t]
+        if some & STRUCTURED:
+            m.grammar_bitmask = device["grammar_rows"], device["grammar_bitmask"]
         return m
 
     def _draw_seeds(self, seqs: list[Sequence], rows: np.ndarray) -> None:

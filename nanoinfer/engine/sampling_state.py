@@ -8,7 +8,7 @@ from nanoinfer.sampling_params import SamplingParams
 
 # SamplingRows.flags bits: which features a row uses, so that a step learns from two reductions which it needs.
 (GREEDY, TOP_K, TOP_P, MIN_P, PENALIZED, MIN_TOKENS, LOGPROBS, ALLOWED_TOKENS, LOGIT_BIAS,
- BAD_WORDS) = (1 << i for i in range(10))
+ BAD_WORDS, STRUCTURED) = (1 << i for i in range(11))
 
 
 class SamplingRows:
@@ -36,7 +36,8 @@ class SamplingRows:
         self.flags[row] = (GREEDY * (p.temperature == 0) | TOP_K * (p.top_k > 0) | TOP_P * (p.top_p < 1)
                            | MIN_P * (p.min_p > 0) | PENALIZED * p.penalized | MIN_TOKENS * (p.min_tokens > 0)
                            | LOGPROBS * (p.logprobs is not None) | ALLOWED_TOKENS * (p.allowed_token_ids is not None)
-                           | LOGIT_BIAS * bool(p.logit_bias) | BAD_WORDS * bool(seq.bad_words_token_ids))
+                           | LOGIT_BIAS * bool(p.logit_bias) | BAD_WORDS * bool(seq.bad_words_token_ids)
+                           | STRUCTURED * (seq.grammar_state is not None))
         if p.allowed_token_ids is not None or p.logit_bias:
             self.new_token_rows[row] = p
         else:
@@ -59,6 +60,17 @@ def bad_word_bans(seq: Sequence) -> list[int]:
     tokens, num_generated = seq.token_ids, seq.num_completion_tokens
     return [word[-1] for word in seq.bad_words_token_ids
             if len(word) <= num_generated + 1 and tuple(tokens[len(tokens) - len(word) + 1:]) == word[:-1]]
+
+
+def grammar_bitmask(seqs: list[Sequence], vocab: int) -> np.ndarray:
+    """[len(seqs), ceil(vocab / 32)] int32: the tokens each sequence's grammar allows next, packed 32 to a word (see
+    Grammar.bitmask), one row per sequence. Each state first reads any tokens it has not (the engine updates it
+    after each step; a step interrupted in between leaves it behind)."""
+    for seq in seqs:
+        seq.grammar_state.update(seq.token_ids, seq.num_prompt_tokens)
+    masks = np.stack([seq.grammar_state.bitmask(seq.eos_token_ids) for seq in seqs])
+    assert masks.shape[1] == -(-vocab // 32), "the grammar was built for another vocabulary size"
+    return masks.view(np.int32)
 
 
 class HostStaging:

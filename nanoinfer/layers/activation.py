@@ -1,4 +1,9 @@
-"""Gated activations of GLU MLPs, applied to a merged gate/up projection: act(gate) * up, by the config's name."""
+"""Gated activations of GLU MLPs, applied to a merged gate/up projection: act(gate) * up, by the config's name; the
+plain activations of dense (ungated) MLPs, by the same names, as transformers computes each."""
+import functools
+import math
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,3 +39,31 @@ def get_act_and_mul(name: str) -> nn.Module:
     if name not in _ACT_AND_MUL:
         raise ValueError(f"unsupported hidden activation {name!r}; implemented: {sorted(_ACT_AND_MUL)}")
     return _ACT_AND_MUL[name]()
+
+
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """transformers' "gelu_new" (Phi's, GPT-2's): the tanh approximation written out, op for op as its
+    NewGELUActivation, which rounds differently from torch's fused kernel ("gelu_pytorch_tanh")."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def gelu_fast(x: torch.Tensor) -> torch.Tensor:
+    """transformers' "gelu_fast" (GPT-NeoX-20B's): the tanh approximation factored its own way, op for op as its
+    FastGELUActivation."""
+    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+
+
+_ACT = {
+    "gelu": F.gelu,  # exact (erf): Pythia
+    "gelu_fast": gelu_fast,
+    "gelu_new": gelu_new,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),  # StarCoder2
+    "silu": F.silu,
+}
+
+
+def get_act(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation a config's `hidden_act` names, for an ungated MLP."""
+    if name not in _ACT:
+        raise ValueError(f"unsupported hidden activation {name!r}; implemented: {sorted(_ACT)}")
+    return _ACT[name]

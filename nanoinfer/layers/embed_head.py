@@ -39,6 +39,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     packed_weight: torch.Tensor | None = None
 
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False):
+        """bias (Phi's): one per vocabulary entry, sliced and padded as the weight's rows (same weight_loader)."""
+        super().__init__(num_embeddings, embedding_dim)
+        self.bias = (nn.Parameter(torch.empty(self.num_embeddings_per_rank), requires_grad=False) if bias
+                     else None)
+
     def process_weights_after_loading(self, batch_size_hint: int) -> None:
         # The dense weight stays: it may be the (tied) input embedding too.
         self.packed_weight = pack_weight(self.weight, batch_size_hint)
@@ -46,7 +52,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits over the full vocabulary for the given hidden states (callers pass only rows they sample);
         None on ranks other than 0."""
-        logits = linear(x, self.weight, None, self.packed_weight)
+        logits = linear(x, self.weight, self.bias, self.packed_weight)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
             dist.gather(logits, parts, dst=0, group=self.tp_group)

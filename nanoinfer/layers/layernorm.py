@@ -1,5 +1,5 @@
 """RMSNorm, optionally fused with the residual add that precedes it; Gemma's (1 + weight) RMSNorm; the SiLU-gated
-RMSNorm of Gated DeltaNet."""
+RMSNorm of Gated DeltaNet; LayerNorm (with the same residual add) and StableLM's per-head LayerNorm."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -7,6 +7,7 @@ from torch import nn
 from nanoinfer.kernels import cpu as cpu_kernels
 from nanoinfer.kernels.cuda import triton_layers
 from nanoinfer.layers.linear import copy_weight
+from nanoinfer.utils.dist import tp_rank, tp_size
 
 
 class RMSNorm(nn.Module):
@@ -76,3 +77,48 @@ class GatedRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return (self._norm(x) * F.silu(gate.float())).to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """nn.LayerNorm's arithmetic (F.layer_norm, weight and optional bias in the model's dtype), called as RMSNorm is:
+    with a residual, the sum x + residual is normalized and returned as the new residual stream."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False) if bias else None
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+
+class PerHeadLayerNorm(nn.Module):
+    """StableLM's q/k norm: a bias-free LayerNorm over each head's features with a weight of its own per head, on
+    x [tokens, heads, head_dim]. A rank holds the weights of its heads as QKVParallelLinear assigns them (with
+    fewer KV heads than ranks, one head on several ranks); the checkpoint's `norms.{h}.weight` arrive one per head
+    (h the shard id, see StableLmForCausalLM.packed_modules_mapping)."""
+
+    def __init__(self, total_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        size = tp_size()
+        self.eps = eps
+        self.num_heads = max(1, total_heads // size)
+        self.head_start = tp_rank() * total_heads // size
+        self.weight = nn.Parameter(torch.ones(self.num_heads, head_dim), requires_grad=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, head: int) -> None:
+        if self.head_start <= head < self.head_start + self.num_heads:
+            copy_weight(param.data[head - self.head_start], loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalized and scaled in fp32, one rounding at the end, as nn.LayerNorm's kernel does.
+        normed = F.layer_norm(x.float(), x.shape[-1:], eps=self.eps)
+        return (normed * self.weight.float()).to(x.dtype)

@@ -1,6 +1,7 @@
-"""Turns last-position logits into next tokens where the logits are (CPU or GPU): allowed_token_ids, bad words,
-min_tokens, logit_bias, penalties, greedy, temperature, min_p, top-k and top-p (vLLM v1's order and definitions),
-per-request seeds as counter-based noise, and the top-k logprobs of the raw distribution."""
+"""Turns last-position logits into next tokens where the logits are (CPU or GPU): structured outputs' grammar
+bitmask, allowed_token_ids, bad words, min_tokens, logit_bias, penalties, greedy, temperature, min_p, top-k and top-p
+(vLLM v1's order and definitions), per-request seeds as counter-based noise, and the top-k logprobs of the raw
+distribution (after the grammar bitmask, as in vLLM)."""
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +39,8 @@ class SamplingMetadata:
     disallowed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [R], [R, V] bool: outside allowed_token_ids)
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows [R], ids [R, W], biases [R, W])
     num_logprobs: int | None = None  # the most top logprobs any row asks for; None: no logprobs
+    # (rows [R], [R, ceil(V / 32)] int32): bit t % 32 of word t // 32 set where the row's grammar allows token t
+    grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -51,7 +54,9 @@ class SamplerOutput:
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
         """logits [B, V] fp32; every result stays on the logits' device."""
-        raw = logits
+        # As vLLM does, the grammar masks the logits before the sampler sees them: logprobs are those of the
+        # masked distribution.
+        raw = logits = apply_grammar_bitmask(logits, m.grammar_bitmask)
         logits = self.penalize(logits, m)
         tokens = None if m.all_random else greedy(logits)
         if not m.all_greedy:
@@ -103,7 +108,19 @@ class Sampler(nn.Module):
         return _filter_top_k_top_p(logits, m.top_k, m.top_p)
 
     def processed_logits(self, logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
-        return self.warp(self.penalize(logits, m), m)
+        return self.warp(self.penalize(apply_grammar_bitmask(logits, m.grammar_bitmask), m), m)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """-inf where the rows' packed bitmasks leave a token's bit unset (a copy; the logits as they are without)."""
+    if bitmask is None:
+        return logits
+    rows, words = bitmask
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :logits.shape[-1]]
+    logits = logits.clone()
+    logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
+    return logits
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -46,14 +46,17 @@ def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None
 
 
 class LlamaAttention(nn.Module):
+    qkv_class: type[QKVParallelLinear] = QKVParallelLinear  # GPT-NeoX's loads its per-head checkpoint layout
+
     def __init__(self, config: PretrainedConfig, options: AttentionOptions):
         super().__init__()
-        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads  # GPT-NeoX's config has none
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         # With an output gate, each head's query and gate rows load as two consecutive "heads" of q.
         self.q_factor = 2 if options.output_gate else 1
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, num_heads * self.q_factor, num_kv_heads,
-                                          options.qkv_bias)
+        self.qkv_proj = self.qkv_class(config.hidden_size, self.head_dim, num_heads * self.q_factor, num_kv_heads,
+                                       options.qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // self.q_factor, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, options.o_bias)
@@ -137,7 +140,12 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.decoder_layer(config, attention_options(config, i), make_mlp(config, i))
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.final_norm(config)
+
+    @staticmethod
+    def final_norm(config: PretrainedConfig) -> nn.Module:
+        """The norm after the last layer, called as the layers' norms are (x, residual) -> (out, residual)."""
+        return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -153,6 +161,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     model_class: type[LlamaModel] = LlamaModel
+    lm_head_bias = False  # Phi's LM head has one
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -173,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         self.model = self.model_class(config, self.attention_options, self.make_mlp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.lm_head_bias)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -6,6 +6,7 @@ from torch import nn
 _MODELS = {
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "GraniteMoeForCausalLM": ("granitemoe", "GraniteMoeForCausalLM"),
     "GraniteMoeSharedForCausalLM": ("granitemoe", "GraniteMoeForCausalLM"),
@@ -15,21 +16,36 @@ _MODELS = {
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
     "Olmo3ForCausalLM": ("olmo3", "Olmo3ForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "PhiForCausalLM": ("phi", "PhiForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
+    "StableLmForCausalLM": ("stablelm", "StableLmForCausalLM"),
+    "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
 }
+
+# Sequence classification (see classification.py) over the decoder of the causal LM of the same family.
+_CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM" for family in (
+    "Gemma2", "Llama", "Mistral", "Mixtral", "Olmo2", "Olmo3", "Phi3", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe",
+    "SmolLM3")} | {"Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    return sorted(_MODELS.keys() | _CLASSIFIERS.keys())
+
+
+def is_classifier(architectures: list[str] | None) -> bool:
+    return bool(architectures) and architectures[0] in _CLASSIFIERS
 
 
 def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
     for arch in architectures or []:
+        if arch in _CLASSIFIERS:
+            from nanoinfer.models.classification import sequence_classifier
+            return sequence_classifier(get_model_class([_CLASSIFIERS[arch]]))
         if arch in _MODELS:
             module, name = _MODELS[arch]
             return getattr(importlib.import_module(f"nanoinfer.models.{module}"), name)

@@ -65,10 +65,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | L
     # Tied parameters (lm_head sharing the embedding) appear once; a checkpoint copy of the alias is redundant.
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - params.keys()
     ignored_prefixes: tuple[str, ...] = getattr(model, "ignored_weight_prefixes", ())
+    ignored_suffixes = _IGNORED_SUFFIXES + getattr(model, "ignored_weight_suffixes", ())
     # Checkpoint names that differ from the model's own, e.g. Mixtral's `.block_sparse_moe.` for `.mlp.`.
     substitutions: dict[str, str] = getattr(model, "weight_name_substitutions", {})
     for name, tensor in weights:
-        if name.endswith(_IGNORED_SUFFIXES) or name in aliases or name.startswith(ignored_prefixes):
+        if name.endswith(ignored_suffixes) or name in aliases or name.startswith(ignored_prefixes):
             continue
         target, shard = checkpoint_target(name, packed, substitutions)
         param = params.get(target)

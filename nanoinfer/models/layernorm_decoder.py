@@ -1,0 +1,91 @@
+"""The decoder parts of the LayerNorm families (StarCoder2, StableLM, Phi, GPT-NeoX): LayerNorms with biases,
+dense (ungated) MLPs, LayerNorms on queries and keys, and the parallel residual x + attn(ln1(x)) + mlp(ln2(x))."""
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from nanoinfer.layers.activation import get_act
+from nanoinfer.layers.attention import AttentionMetadata
+from nanoinfer.layers.layernorm import LayerNorm
+from nanoinfer.layers.linear import ColumnParallelLinear, RowParallelLinear
+from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaModel
+
+
+def norm_eps(config: PretrainedConfig) -> float:
+    """The LayerNorms' epsilon: StarCoder2 names it `norm_epsilon`, the others `layer_norm_eps`."""
+    return config.norm_epsilon if hasattr(config, "norm_epsilon") else config.layer_norm_eps
+
+
+class DenseMLP(nn.Module):
+    """fc2(act(fc1(x))): StarCoder2's c_fc / c_proj, Phi's fc1 / fc2, GPT-NeoX's dense_h_to_4h / dense_4h_to_h."""
+
+    def __init__(self, config: PretrainedConfig, bias: bool):
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias)
+        self.fc2 = RowParallelLinear(config.intermediate_size, config.hidden_size, bias)
+        self.act = get_act(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+# (total heads, head_dim) -> the LayerNorm of those heads' queries (or keys), over x [tokens, heads, head_dim].
+QKNormFactory = Callable[[int, int], nn.Module]
+
+
+class QKLayerNormAttention(LlamaAttention):
+    """The Llama attention with LayerNorms on each head's query and key before rope: one shared by all heads (Phi)
+    or one per head (StableLM)."""
+
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions, qk_norm: QKNormFactory):
+        super().__init__(config, options)
+        self.q_layernorm = qk_norm(self.qkv_proj.total_num_heads, self.head_dim)
+        self.k_layernorm = qk_norm(self.qkv_proj.total_num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], -1)
+        q = self.q_layernorm(q.view(-1, self.num_heads, self.head_dim))
+        k = self.k_layernorm(k.view(-1, self.num_kv_heads, self.head_dim))
+        if positions is not None:  # None: an encoder pass (see LLM.embed), no position encoding
+            q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LayerNormDecoderLayer(nn.Module):
+    """Pre-norm with LayerNorms. Sequential: h = x + attn(ln1(x)); out = h + mlp(ln2(h)) (LlamaDecoderLayer's order).
+    Parallel: out = x + attn(ln1(x)) + mlp(ln2(x)), with ln2 = ln1 where the family has a single norm (Phi,
+    StableLM). As in LlamaDecoderLayer, the stream is x + residual, the add left to the next norm."""
+
+    def __init__(self, attention: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, parallel: bool = False,
+                 shared_norm: bool = False):
+        super().__init__()
+        assert parallel or not shared_norm, "a sequential layer normalizes the MLP's input on its own"
+        self.self_attn = attention
+        self.mlp = mlp
+        self.parallel = parallel
+        self.input_layernorm = LayerNorm(hidden_size, eps)
+        self.post_attention_layernorm = None if shared_norm else LayerNorm(hidden_size, eps)
+
+    def forward(self, positions: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        attn = self.self_attn(positions, x, meta)
+        if not self.parallel:
+            x, residual = self.post_attention_layernorm(attn, residual)
+            return self.mlp(x), residual
+        if self.post_attention_layernorm is not None:
+            x = self.post_attention_layernorm(residual)
+        return attn + self.mlp(x), residual
+
+
+class LayerNormModel(LlamaModel):
+    """LlamaModel with a final LayerNorm; subclasses set `decoder_layer`."""
+
+    @staticmethod
+    def final_norm(config: PretrainedConfig) -> nn.Module:
+        return LayerNorm(config.hidden_size, norm_eps(config))

@@ -1,0 +1,37 @@
+"""Phi (phi-1, phi-1.5, phi-2): one LayerNorm feeding the attention and the MLP in parallel, x + attn(ln(x)) +
+mlp(ln(x)); biases on q/k/v, the output projection (`dense`), the dense "gelu_new" MLP (fc1, fc2) and the LM head;
+partial rotary; optionally LayerNorms on queries and keys (`qk_layernorm`, one shared by all heads)."""
+from torch import nn
+from transformers import PretrainedConfig
+
+from nanoinfer.layers.layernorm import LayerNorm
+from nanoinfer.models.layernorm_decoder import DenseMLP, LayerNormDecoderLayer, LayerNormModel, QKLayerNormAttention
+from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM
+
+
+class PhiDecoderLayer(LayerNormDecoderLayer):
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module):
+        eps = config.layer_norm_eps
+        if config.qk_layernorm:
+            attention = QKLayerNormAttention(config, options, lambda heads, head_dim: LayerNorm(head_dim, eps))
+        else:
+            attention = LlamaAttention(config, options)
+        super().__init__(attention, mlp, config.hidden_size, eps, parallel=True, shared_norm=True)
+
+
+class PhiModel(LayerNormModel):
+    decoder_layer = PhiDecoderLayer
+
+
+class PhiForCausalLM(LlamaForCausalLM):
+    model_class = PhiModel
+    lm_head_bias = True
+    weight_name_substitutions = {".final_layernorm.": ".norm.", ".self_attn.dense.": ".self_attn.o_proj."}
+
+    @staticmethod
+    def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
+        return AttentionOptions(qkv_bias=True, o_bias=True)
+
+    @staticmethod
+    def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        return DenseMLP(config, bias=True)

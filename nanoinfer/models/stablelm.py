@@ -1,0 +1,46 @@
+"""StableLM (StableLM-2): LayerNorms, partial rotary, a gated SiLU MLP, optional biases on q/k/v (`use_qkv_bias`),
+optional per-head LayerNorms on queries and keys (`qk_layernorm`, a weight per head) and optionally the parallel
+residual x + attn(ln(x)) + mlp(ln(x)) with one norm (`use_parallel_residual`)."""
+from functools import partial
+
+from torch import nn
+from transformers import PretrainedConfig
+
+from nanoinfer.layers.layernorm import PerHeadLayerNorm
+from nanoinfer.models.layernorm_decoder import LayerNormDecoderLayer, LayerNormModel, QKLayerNormAttention
+from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM
+
+
+class StableLmDecoderLayer(LayerNormDecoderLayer):
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module):
+        eps, parallel = config.layer_norm_eps, config.use_parallel_residual
+        if config.qk_layernorm:
+            attention = QKLayerNormAttention(config, options, partial(PerHeadLayerNorm, eps=eps))
+        else:
+            attention = LlamaAttention(config, options)
+        super().__init__(attention, mlp, config.hidden_size, eps, parallel=parallel, shared_norm=parallel)
+
+
+class StableLmModel(LayerNormModel):
+    decoder_layer = StableLmDecoderLayer
+
+
+def per_head_norm_shards(name: str, num_heads: int) -> dict[str, tuple[str, int]]:
+    """The checkpoint's `{name}.norms.{h}` (one LayerNorm per head) as shard h of the PerHeadLayerNorm `{name}`."""
+    return {f"{name}.norms.{h}": (name, h) for h in range(num_heads)}
+
+
+class StableLmForCausalLM(LlamaForCausalLM):
+    model_class = StableLmModel
+
+    @staticmethod
+    def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
+        return AttentionOptions(qkv_bias=config.use_qkv_bias)
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__(config)
+        if config.qk_layernorm:
+            heads = config.num_attention_heads
+            self.packed_modules_mapping = {**self.packed_modules_mapping,
+                                           **per_head_norm_shards("q_layernorm", heads),
+                                           **per_head_norm_shards("k_layernorm", config.num_key_value_heads or heads)}

@@ -1,0 +1,235 @@
+"""JSON schema -> regex (the approach of outlines' build_regex_from_schema): properties in their declared order,
+compact JSON with at most one space where JSON allows whitespace, unsupported keywords refused by name."""
+import json
+from functools import lru_cache
+
+from nanoinfer.structured.regex import escape, parse
+
+WHITESPACE = "[ ]?"  # outlines' choice: bounded, so that a model cannot pad forever
+STRING_INNER = r'(?:[^"\\\x00-\x1f\x7f-\x9f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'  # one character of a JSON string
+STRING = f'"{STRING_INNER}*"'
+INTEGER = r"-?(?:0|[1-9][0-9]*)"
+NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+BOOLEAN = "(?:true|false)"
+NULL = "null"
+# Schemas that allow any value ({}, true, json_object's members) nest objects and arrays this deep at most: a
+# regular language cannot count brackets.
+ANY_VALUE_DEPTH = 3
+
+_SEP = f"{WHITESPACE},{WHITESPACE}"
+_COLON = f"{WHITESPACE}:{WHITESPACE}"
+_DATE = r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])?"
+FORMATS = {"uuid": "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+           "date": _DATE, "time": _TIME, "date-time": f"{_DATE}T{_TIME}"}
+SCALARS = {"string": STRING, "integer": INTEGER, "number": NUMBER, "boolean": BOOLEAN, "null": NULL}
+
+# Keywords that annotate and constrain nothing.
+_ANNOTATIONS = frozenset({"title", "description", "$schema", "$id", "$comment", "default", "examples", "readOnly",
+                          "writeOnly", "deprecated", "$defs", "definitions"})
+_KEYWORDS = {"string": {"minLength", "maxLength", "pattern", "format"}, "integer": set(), "number": set(),
+             "boolean": set(), "null": set(), "array": {"items", "minItems", "maxItems"},
+             "object": {"properties", "required", "additionalProperties"}}
+_COMMON = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"}
+
+
+def any_value(depth: int = ANY_VALUE_DEPTH) -> str:
+    """Any JSON value, objects and arrays nested at most depth deep."""
+    scalars = "|".join(SCALARS.values())
+    if depth == 0:
+        return f"(?:{scalars})"
+    inner = any_value(depth - 1)
+    return f"(?:{scalars}|{_object_of(inner)}|{_array_of(inner, 0, None)})"
+
+
+@lru_cache(maxsize=1)
+def json_object() -> str:
+    """json_object=True: any JSON object (see ANY_VALUE_DEPTH); built once, it is long (~36k characters)."""
+    return _object_of(any_value())
+
+
+def schema_to_regex(schema: dict | bool | str) -> str:
+    """The regex of the JSON texts a schema allows (a subset where noted: declared properties only, bounded
+    nesting for schemas that allow any value); ValueError naming what is not supported."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not valid JSON: {e}") from None
+    return _Converter(schema).regex(schema, "#", ())
+
+
+class _Converter:
+    def __init__(self, root: object):
+        self.root = root
+
+    def regex(self, schema: object, path: str, refs: tuple[str, ...]) -> str:
+        """refs: the $refs being expanded (a recursive one cannot be a regex)."""
+        if schema is True or schema == {}:
+            return any_value()
+        if not isinstance(schema, dict):
+            raise ValueError(f"{path}: a schema must be an object or true, got {schema!r}")
+        unknown = set(schema) - _ANNOTATIONS - _COMMON - set().union(*_KEYWORDS.values())
+        if unknown:
+            raise ValueError(f"{path}: unsupported keyword {sorted(unknown)[0]!r}")
+        if "$ref" in schema:
+            return self.ref(schema, path, refs)
+        if "const" in schema:
+            return _literal_json(schema["const"])
+        if "enum" in schema:
+            values = schema["enum"]
+            if not isinstance(values, list) or not values:
+                raise ValueError(f"{path}/enum: must be a non-empty list, got {values!r}")
+            return "(?:" + "|".join(_literal_json(v) for v in values) + ")"
+        for key in ("anyOf", "oneOf"):  # oneOf's exclusivity is not enforced (as in outlines)
+            if key in schema:
+                return self.alternatives(schema, key, path, refs)
+        if "allOf" in schema:
+            parts = schema["allOf"]
+            if not isinstance(parts, list) or len(parts) != 1:
+                raise ValueError(f"{path}/allOf: only a single schema is supported, got {parts!r}")
+            return self.regex(parts[0], f"{path}/allOf/0", refs)
+        types = schema.get("type", _implied_type(schema))
+        if types is None:
+            return any_value()
+        if isinstance(types, list):
+            return "(?:" + "|".join(self.typed(schema, t, path, refs) for t in types) + ")"
+        return self.typed(schema, types, path, refs)
+
+    def alternatives(self, schema: dict, key: str, path: str, refs: tuple[str, ...]) -> str:
+        options = schema[key]
+        if not isinstance(options, list) or not options:
+            raise ValueError(f"{path}/{key}: must be a non-empty list, got {options!r}")
+        rest = {k: v for k, v in schema.items() if k != key and k not in _ANNOTATIONS}
+        if rest:
+            raise ValueError(f"{path}: {key} beside {sorted(rest)[0]!r} is not supported")
+        return "(?:" + "|".join(self.regex(o, f"{path}/{key}/{i}", refs) for i, o in enumerate(options)) + ")"
+
+    def ref(self, schema: dict, path: str, refs: tuple[str, ...]) -> str:
+        ref = schema["$ref"]
+        if ref in refs:
+            raise ValueError(f"{path}: recursive $ref {ref!r} is not supported")
+        target = self.root
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise ValueError(f"{path}: only local $refs (#/...) are supported, got {ref!r}")
+        for part in filter(None, ref[1:].split("/")):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                raise ValueError(f"{path}: $ref {ref!r} points to nothing")
+            target = target[part]
+        return self.regex(target, ref, refs + (ref,))
+
+    def typed(self, schema: dict, kind: object, path: str, refs: tuple[str, ...]) -> str:
+        if kind not in _KEYWORDS:
+            raise ValueError(f"{path}: unsupported type {kind!r}")
+        misplaced = set(schema) & set().union(*_KEYWORDS.values()) - _KEYWORDS[kind]
+        if misplaced and not isinstance(schema.get("type"), list):
+            raise ValueError(f"{path}: keyword {sorted(misplaced)[0]!r} does not apply to type {kind!r}")
+        if kind == "string":
+            return _string(schema, path)
+        if kind == "array":
+            return self.array(schema, path, refs)
+        if kind == "object":
+            return self.object(schema, path, refs)
+        return SCALARS[kind]
+
+    def array(self, schema: dict, path: str, refs: tuple[str, ...]) -> str:
+        lo, hi = _bounds(schema, "minItems", "maxItems", path)
+        item = self.regex(schema.get("items", True), f"{path}/items", refs)
+        return _array_of(item, lo, hi)
+
+    def object(self, schema: dict, path: str, refs: tuple[str, ...]) -> str:
+        properties = schema.get("properties", {})
+        required = schema.get("required", [])
+        if not isinstance(properties, dict) or not isinstance(required, list):
+            raise ValueError(f"{path}: properties must be an object and required a list")
+        missing = [name for name in required if name not in properties]
+        if missing:
+            raise ValueError(f"{path}: required property {missing[0]!r} is not among the properties")
+        extra = schema.get("additionalProperties", True)
+        if not properties:
+            if extra is False:
+                return rf"\{{{WHITESPACE}\}}"
+            return _object_of(self.regex(extra, f"{path}/additionalProperties", refs))
+        # Declared properties only, in their order (a subset of what additionalProperties may also allow).
+        members = [(_literal_json(name) + _COLON + self.regex(sub, f"{path}/properties/{name}", refs),
+                    name in required) for name, sub in properties.items()]
+        return rf"\{{{WHITESPACE}{_members(members)}{WHITESPACE}\}}"
+
+
+def _implied_type(schema: dict) -> str | None:
+    """The type a schema without one has by its keywords; None (any value) when none says."""
+    return next((kind for kind in ("object", "array", "string") if set(schema) & _KEYWORDS[kind]), None)
+
+
+def _members(members: list[tuple[str, bool]]) -> str:
+    """Comma-separated members in order, the optional ones (required False) omissible: R(i, first) is members i..
+    with `first` true when none was written before; R(i, False) chains, R(i, True) branches (size O(n^2))."""
+    later = [""] * (len(members) + 1)  # R(i, False)
+    for i in reversed(range(len(members))):
+        member, required = members[i]
+        later[i] = f"{_SEP}{member}{later[i + 1]}" if required else f"(?:{_SEP}{member})?{later[i + 1]}"
+    first = ""  # R(n, True)
+    for i in reversed(range(len(members))):
+        member, required = members[i]
+        first = f"{member}{later[i + 1]}" if required else f"(?:{member}{later[i + 1]}|{first})"
+    return first
+
+
+def _object_of(value: str) -> str:
+    member = f"{STRING}{_COLON}{value}"
+    return rf"\{{{WHITESPACE}(?:{member}(?:{_SEP}{member})*)?{WHITESPACE}\}}"
+
+
+def _array_of(item: str, lo: int, hi: int | None) -> str:
+    if hi == 0:
+        return rf"\[{WHITESPACE}\]"
+    more = f"(?:{_SEP}{item}){{{max(lo - 1, 0)},{'' if hi is None else hi - 1}}}"
+    items = f"{item}{more}" if lo >= 1 else f"(?:{item}{more})?"
+    return rf"\[{WHITESPACE}{items}{WHITESPACE}\]"
+
+
+def _string(schema: dict, path: str) -> str:
+    given = [k for k in ("format", "pattern") if k in schema] + (
+        ["length"] if {"minLength", "maxLength"} & set(schema) else [])
+    if len(given) > 1:
+        raise ValueError(f"{path}: {given[0]!r} together with {given[1]!r} is not supported")
+    if "format" in schema:
+        if schema["format"] not in FORMATS:
+            raise ValueError(f"{path}: unsupported format {schema['format']!r} (supported: {sorted(FORMATS)})")
+        return f'"{FORMATS[schema["format"]]}"'
+    if "pattern" in schema:
+        return f'"(?:{_pattern(schema["pattern"], path)})"'
+    lo, hi = _bounds(schema, "minLength", "maxLength", path)
+    if (lo, hi) == (0, None):
+        return STRING
+    return f'"{STRING_INNER}{{{lo},{"" if hi is None else hi}}}"'
+
+
+def _pattern(pattern: object, path: str) -> str:
+    """A string's pattern, anchors at its ends dropped (it must match the whole string); checked on its own so that
+    an error names it. It is applied to the JSON text between the quotes (escapes included), as outlines does."""
+    if not isinstance(pattern, str):
+        raise ValueError(f"{path}/pattern: must be a string, got {pattern!r}")
+    body = pattern.removeprefix("^")
+    if body.endswith("$") and not body.endswith("\\$"):
+        body = body[:-1]
+    try:
+        parse(body)
+    except ValueError as e:
+        raise ValueError(f"{path}/pattern {pattern!r}: {e}") from None
+    return body
+
+
+def _bounds(schema: dict, low: str, high: str, path: str) -> tuple[int, int | None]:
+    lo, hi = schema.get(low, 0), schema.get(high)
+    for name, value in ((low, lo), (high, hi)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{path}/{name}: must be an integer >= 0, got {value!r}")
+    if hi is not None and lo > hi:
+        raise ValueError(f"{path}: {low}={lo} exceeds {high}={hi}")
+    return lo, hi
+
+
+def _literal_json(value: object) -> str:
+    return escape(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
