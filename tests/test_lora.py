@@ -64,9 +64,16 @@ def write_adapter(base: Path, dst: Path, lora_id: int, r: int, alpha: float, mod
     return Adapter(LoRARequest(f"adapter{lora_id}", lora_id, str(adapter)), dst / "merged")
 
 
-# Phi-3's checkpoints (and so its PEFT adapters) hold q/k/v and gate/up fused.
-PHI3_MODULES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-                "up_proj": "gate_up_proj"}
+# The families whose checkpoints (and so their PEFT adapters) name these projections otherwise: Phi-3 fuses q/k/v
+# and gate/up, GPT-NeoX fuses q/k/v per head; the LayerNorm families' MLPs have no gate (gate and up mean fc1).
+MODULE_NAMES = {
+    "phi3": {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+             "up_proj": "gate_up_proj"},
+    "gpt-neox": {"q_proj": "query_key_value", "k_proj": "query_key_value", "v_proj": "query_key_value",
+                 "o_proj": "dense", "gate_proj": "dense_h_to_4h", "up_proj": "dense_h_to_4h",
+                 "down_proj": "dense_4h_to_h"},
+    "starcoder2": {"gate_proj": "c_fc", "up_proj": "c_fc", "down_proj": "c_proj"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +85,7 @@ def adapters(model_dir, tmp_path_factory):
     def get(kind: str) -> list[Adapter]:
         if kind not in made:
             base, root = model_dir(kind), tmp_path_factory.mktemp(f"lora_{kind}")
-            fused = PHI3_MODULES if kind == "phi3" else {}
+            fused = MODULE_NAMES.get(kind, {})
 
             def modules(*names: str) -> tuple[str, ...]:
                 return tuple(dict.fromkeys(fused.get(m, m) for m in names))
@@ -107,7 +114,7 @@ def reference(adapter: Adapter | None, base: Path, prompts=PROMPTS) -> list[dict
     return cached_hf_greedy(base if adapter is None else adapter.merged, prompts, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "phi3", "gpt-neox", "starcoder2"])
 def test_adapters_match_transformers_on_merged_weights(kind, model_dir, adapters, captured_logits,
                                                        report_logit_diff):
     base = model_dir(kind)
@@ -210,7 +217,8 @@ def test_chunked_prefill_and_preemption_keep_the_adapters(llama_dir, adapters):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama", ODD_KIND, "phi3"])  # ODD_KIND: 1 KV head on both ranks; phi3: fused
+# ODD_KIND: 1 KV head on both ranks; phi3: fused qkv and gate_up; gpt-neox: qkv fused per head, an ungated MLP
+@pytest.mark.parametrize("kind", ["llama", ODD_KIND, "phi3", "gpt-neox"])
 def test_tensor_parallel_2_equals_1(kind, model_dir, adapters):
     """Column-parallel layers hold their rows of B, row-parallel ones their columns of A (summed by the all-reduce);
     two slots for three adapters, so the worker evicts and loads too."""
@@ -327,6 +335,9 @@ B_KEY = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
     (None, {A_KEY: torch.ones(4, 64)}, f"'{A_KEY}' in .*adapter_model.safetensors has shape \\(4, 64\\).* r=8"),
     (None, {"base_model.model.model.embed_tokens.lora_embedding_A": torch.ones(8, 512)},
      "'base_model.model.model.embed_tokens.lora_embedding_A' in .*adapter_model.safetensors is not"),
+    (None, {"base_model.model.model.layers.0.self_attn.qkv_proj.lora_A.weight": torch.ones(8, 64),
+            "base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight": torch.ones(128, 8)},
+     "adapter_model.safetensors targets 'model.layers.0.self_attn.qkv_proj' twice"),
     (None, {"base_model.model.model.norm.lora_A.weight": torch.ones(8, 64),
             "base_model.model.model.norm.lora_B.weight": torch.ones(64, 8)},
      "'base_model.model.model.norm.lora_A.weight' in .*: LoRA on 'model.norm' is not supported by LlamaForCausalLM"),

@@ -43,7 +43,8 @@ class LoRALayer:
     def local_weights(self, layer: LinearBase, targets: dict[int | str | None, tuple[str, torch.Tensor, torch.Tensor]],
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """A slot's A and B (fp32, on the CPU) from each targeted sub-projection's (key, A [r, in], B [out, r]),
-        cut to this rank's shard by the layer's own weight_loader, as its weight is."""
+        cut to this rank's shard by the layer's own weight_loader, as its weight is. Shard id None is the whole
+        (maybe fused) layer: its B holds every output row, laid out as the checkpoint's weight, in the first block."""
         a = torch.zeros(self.lora_a.shape[1:])
         b = torch.zeros(self.lora_b.shape[1:])
         row_parallel = layer.tp_dim == 1
@@ -51,7 +52,7 @@ class LoRALayer:
         for shard_id, (key, lora_a, lora_b) in targets.items():
             if lora_a.shape[1] != in_features:
                 raise ValueError(f"{key!r} has {lora_a.shape[1]} input features, the layer {in_features}")
-            start = self.shard_ids.index(shard_id) * self.max_rank
+            start = self.shard_ids.index(shard_id) * self.max_rank if shard_id in self.shard_ids else 0
             cols = slice(start, start + lora_a.shape[0])
             lora_b = lora_b.float() * scale
             if row_parallel:

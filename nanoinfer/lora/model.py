@@ -15,9 +15,10 @@ from nanoinfer.utils.loader import checkpoint_target
 
 logger = logging.getLogger(__name__)
 
-# The dense attention and MLP projections, packed (as the models hold them) or not (as some checkpoints name them).
+# The dense attention and MLP projections, packed (as the models hold them) or not (as some checkpoints name them);
+# fc1 / fc2: the ungated MLP of the LayerNorm families.
 TARGET_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "q_proj", "k_proj", "v_proj", "gate_proj",
-                  "up_proj")
+                  "up_proj", "fc1", "fc2")
 
 # An adapter as this rank's slots take it: per layer name, its A and B (see LoRALayer.local_weights).
 LocalAdapter = dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -64,7 +65,11 @@ class LoRAModel:
         targets: dict[str, dict] = {}
         for module, (key, lora_a, lora_b) in adapter.modules.items():
             name, shard_id = self._target(module, key, adapter.file)
-            targets.setdefault(name, {})[shard_id] = key, lora_a, lora_b
+            layer_targets = targets.setdefault(name, {})
+            layer_targets[shard_id] = key, lora_a, lora_b
+            if None in layer_targets and len(layer_targets) > 1:  # a fused module (all of its rows) and a part of it
+                keys = sorted(k for k, _, _ in layer_targets.values())
+                raise ValueError(f"{adapter.file} targets {name!r} twice: {keys}")
         weights = {}
         for name, layer_targets in targets.items():
             try:
@@ -75,10 +80,11 @@ class LoRAModel:
         return weights
 
     def _target(self, module: str, key: str, file: object) -> tuple[str, int | str | None]:
-        """The layer (and its sub-projection) that an adapter's module name means, as for checkpoint weights."""
+        """The layer (and its sub-projection; None: all of it, e.g. a checkpoint's fused qkv) that an adapter's module
+        name means, as for checkpoint weights."""
         param, shard_id = checkpoint_target(f"{module}.weight", self.packed, self.substitutions)
         name = param.removesuffix(".weight")
-        if name not in self.layers or shard_id not in self.layers[name].shard_ids:
+        if name not in self.layers or shard_id not in (None, *self.layers[name].shard_ids):
             raise ValueError(f"tensor {key!r} in {file}: LoRA on {module!r} is not supported by {self.model_name} "
                              "(only on the dense attention and MLP projections: q/k/v/o_proj, gate/up/down_proj)")
         return name, shard_id
