@@ -1,6 +1,7 @@
 """nanoinfer: a compact offline LLM inference engine with a paged KV cache and continuous batching."""
 from nanoinfer.beam_search import BeamSearchParams
 from nanoinfer.llm import LLM
+from nanoinfer.lora.request import LoRARequest
 from nanoinfer.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
                                EmbeddingRequestOutput, Logprob, RequestOutput, ScoringOutput, ScoringRequestOutput)
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
@@ -10,5 +11,6 @@ from nanoinfer.utils.log import configure_logging
 configure_logging()
 
 __all__ = ["LLM", "BeamSearchParams", "ClassificationOutput", "ClassificationRequestOutput", "CompletionOutput",
-           "EmbeddingOutput", "EmbeddingRequestOutput", "GuidedDecodingParams", "Logprob", "RequestOutput",
-           "RequestOutputKind", "SamplingParams", "ScoringOutput", "ScoringRequestOutput", "StructuredOutputsParams"]
+           "EmbeddingOutput", "EmbeddingRequestOutput", "GuidedDecodingParams", "Logprob", "LoRARequest",
+           "RequestOutput", "RequestOutputKind", "SamplingParams", "ScoringOutput", "ScoringRequestOutput",
+           "StructuredOutputsParams"]

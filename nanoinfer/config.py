@@ -33,6 +33,9 @@ class Config:
     attention_backend: str = "auto"  # CUDA: "flash" with flash-attn, else "triton"; CPU: "cpu" (PyTorch)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the GPU's memory the engine may use, KV cache included
+    enable_lora: bool = False  # requests may name a LoRA adapter (see nanoinfer/lora)
+    max_loras: int = 1  # adapters held at once (slots); a step runs tokens of at most this many
+    max_lora_rank: int = 16  # the largest adapter rank r the slots hold
     hf_config: PretrainedConfig = field(init=False, repr=False)
     gguf_path: Path | None = field(init=False, default=None)
     eos_token_ids: list[int] = field(init=False, default_factory=list)
@@ -83,6 +86,10 @@ class Config:
         if not isinstance(self.enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         check_seed("seed", self.seed)
+        if not isinstance(self.enable_lora, bool):
+            raise TypeError(f"enable_lora must be a bool, got {self.enable_lora!r}")
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
         if self.num_kvcache_blocks is not None:
             _positive("num_kvcache_blocks", self.num_kvcache_blocks)
             if self.num_kvcache_blocks * self.kvcache_block_size < self.max_model_len:

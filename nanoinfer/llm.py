@@ -16,6 +16,7 @@ from nanoinfer.beam_search import BeamSearchOutput, BeamSearchParams, beam_searc
 from nanoinfer.config import Config
 from nanoinfer.engine.llm_engine import LLMEngine, Prompt
 from nanoinfer.engine.sequence import Sequence
+from nanoinfer.lora.request import LoRARequest
 from nanoinfer.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput,
                                ScoringRequestOutput)
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
@@ -77,23 +78,26 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """One finished output per prompt, in input order. Under torchrun every rank must call it; rank 0's prompts
-        are run and every rank returns the same outputs."""
-        requests = self._make_requests(prompts, sampling_params, RequestOutputKind.FINAL_ONLY)
+                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """One finished output per prompt, in input order; lora_request: one adapter for all prompts, or one (or
+        None) per prompt (needs enable_lora). Under torchrun every rank must call it; rank 0's prompts are run and
+        every rank returns the same outputs."""
+        requests = self._make_requests(prompts, sampling_params, RequestOutputKind.FINAL_ONLY, lora_request)
         with self._turn():
             if self.llm_engine.tp.torchrun:
                 return self.llm_engine.run_on_every_rank(lambda: self._run(requests, use_tqdm))
             return self._run(requests, use_tqdm)
 
     def generate_iter(self, prompts: Prompt | list[Prompt],
-                      sampling_params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+                      sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                      lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> Iterator[RequestOutput]:
         """Outputs as tokens arrive: each step yields the requests it advanced (everything so far, or only the
         new part with output_kind=DELTA); the last output of a request has finished=True. Closing the iterator
         early (break), or dropping it, aborts its unfinished requests and frees their KV blocks. Any thread may
         advance, close or drop it. The stream owns the LLM until it ends: other threads' calls wait for it, while
         the thread that last advanced it gets a RuntimeError (waiting there would never end)."""
-        requests = self._make_requests(prompts, sampling_params, None)  # bad input raises here, not on next()
+        requests = self._make_requests(prompts, sampling_params, None, lora_request)  # bad input raises here
         if self.llm_engine.tp.torchrun:
             raise ValueError("generate_iter is not available under torchrun, where every rank runs rank 0's steps: "
                              "use generate")
@@ -101,10 +105,10 @@ class LLM:
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """generate() on one conversation (a list of {"role", "content"} messages) or a list of them, rendered
-        with the tokenizer's chat template."""
+        with the tokenizer's chat template (vLLM's argument order)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         if isinstance(messages, SequenceABC) and messages and all(isinstance(m, dict) for m in messages):
@@ -127,7 +131,7 @@ class LLM:
                 ids = ids["input_ids"]
             text = self.tokenizer.apply_chat_template(list(conversation), tokenize=False, **kwargs)
             prompts.append({"prompt_token_ids": list(ids), "prompt": text})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams, use_tqdm: bool = False,
                     concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
@@ -189,15 +193,17 @@ class LLM:
 
     def _make_requests(self, prompts: Prompt | list[Prompt],
                        sampling_params: SamplingParams | list[SamplingParams] | None,
-                       kind: RequestOutputKind | None) -> list[list[Sequence]]:
+                       kind: RequestOutputKind | None,
+                       lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[list[Sequence]]:
         """Validate everything before queueing anything: a bad prompt leaves the engine untouched."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
+        loras = _as_lora_list(lora_request, len(prompts))
         if kind is not None:
             replaced = {id(p): dataclasses.replace(p, output_kind=kind) for p in params if isinstance(p, SamplingParams)}
             params = [replaced.get(id(p), p) for p in params]
-        return [self.llm_engine.make_sequences(self._next_request_id(), prompt, p)
-                for prompt, p in zip(prompts, params)]
+        return [self.llm_engine.make_sequences(self._next_request_id(), prompt, p, lora)
+                for prompt, p, lora in zip(prompts, params, loras)]
 
     def _next_request_id(self) -> str:
         """A fresh id, skipping any that a request added through the step API holds."""
@@ -278,6 +284,17 @@ def _check_messages(conversation: Conversation) -> None:
                 raise ValueError(f"chat message {i} has no {key!r}: {message!r}")
             if not isinstance(message[key], str):
                 raise TypeError(f"chat message {i}: {key!r} must be a string, got {message[key]!r}")
+
+
+def _as_lora_list(lora_request: LoRARequest | list[LoRARequest | None] | None, n: int) -> list[LoRARequest | None]:
+    """Each entry is checked by the engine (LLMEngine.make_sequences)."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if isinstance(lora_request, str) or not isinstance(lora_request, SequenceABC):
+        raise TypeError(f"lora_request must be a LoRARequest or a list of them, got {type(lora_request).__name__}")
+    if len(lora_request) != n:
+        raise ValueError(f"got {len(lora_request)} lora requests for {n} prompts")
+    return list(lora_request)
 
 
 def _as_params_list(params: SamplingParams | list[SamplingParams] | None, n: int) -> list[SamplingParams]:

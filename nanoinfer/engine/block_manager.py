@@ -1,6 +1,6 @@
-"""Paged KV-cache blocks: allocation, reference counts, and prefix caching keyed by a hash of the token prefix
-(a block joins the cache once the step writing it has completed); plus the recurrent-state slots of models with
-linear attention, held by a sequence exactly while it holds blocks."""
+"""Paged KV-cache blocks: allocation, reference counts, and prefix caching keyed by a hash of the token prefix and
+its LoRA adapter (a block joins the cache once the step writing it has completed); plus the recurrent-state slots
+of models with linear attention, held by a sequence exactly while it holds blocks."""
 from array import array
 from collections import OrderedDict
 
@@ -65,25 +65,32 @@ class BlockManager:
         return block
 
     @staticmethod
-    def _parent_key(previous: Block | None) -> tuple[int, int] | None:
-        return None if previous is None else (previous.block_id, previous.generation)
+    def _parent_key(previous: Block) -> tuple[int, int]:
+        return previous.block_id, previous.generation
 
     def _cached_prefix(self, seq: Sequence) -> list[Block]:
         """Leading blocks already in the cache. The last token is never taken from it: its logits are needed."""
         hits: list[Block] = []
         if not self.enable_prefix_caching or seq.needs_prompt_logits:
             return hits
-        prefix_hash = -1
+        prefix_hash, parent = self._root(seq)
         for i in range((len(seq) - 1) // self.block_size):
             tokens = seq.block(i)
             prefix_hash = self.compute_hash(tokens, prefix_hash)
             block = self.blocks.get(self.hash_to_block.get(prefix_hash, self.step_hash_to_block.get(prefix_hash)))
             # Check tokens and parent too: a hash collision must never hand out someone else's K/V.
             if (block is None or block.hash != prefix_hash or block.token_ids != tokens
-                    or block.parent != self._parent_key(hits[-1] if hits else None)):
+                    or block.parent != (self._parent_key(hits[-1]) if hits else parent)):
                 break
             hits.append(block)
         return hits
+
+    def _root(self, seq: Sequence) -> tuple[int, tuple[int, int] | None]:
+        """The hash and parent key a sequence's first block chains from: its LoRA adapter's (vLLM puts the adapter
+        in every block's hash), so that K/V computed under different adapters, or none, are never shared."""
+        if not seq.lora_int_id:
+            return -1, None
+        return self.compute_hash([-seq.lora_int_id]), (-1, seq.lora_int_id)
 
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._cached_prefix(seq)
@@ -143,11 +150,12 @@ class BlockManager:
         while start > 0 and self.blocks[seq.block_table[start - 1]].hash == -1:
             start -= 1
         previous = self.blocks[seq.block_table[start - 1]] if start else None
+        root_hash, root_parent = self._root(seq) if previous is None else (-1, None)
         for i in range(start, end):
             block = self.blocks[seq.block_table[i]]
             block.token_ids = seq.block(i)
-            block.hash = self.compute_hash(block.token_ids, -1 if previous is None else previous.hash)
-            block.parent = self._parent_key(previous)
+            block.hash = self.compute_hash(block.token_ids, root_hash if previous is None else previous.hash)
+            block.parent = root_parent if previous is None else self._parent_key(previous)
             if block.hash not in self.hash_to_block:
                 self.step_hash_to_block.setdefault(block.hash, block.block_id)
             previous = block

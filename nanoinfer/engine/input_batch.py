@@ -11,6 +11,7 @@ from nanoinfer.engine.sampling_state import SamplingRows
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention.metadata import AttentionMetadata
+from nanoinfer.lora.slots import LoRAMapping, LoRASlots
 
 
 @dataclass
@@ -47,10 +48,13 @@ class InputBatch:
     buffers; on the CPU the staging buffers are the step's tensors.
 
     With feed_sampled_ids, a decode token's input id is taken on the device from last_sampled (see feed_sampled),
-    so that it never has to come from the host; the host's copy of it is overwritten."""
+    so that it never has to come from the host; the host's copy of it is overwritten.
+
+    With lora_slots (LoRA enabled), each row also holds its sequence's adapter slot, and a step's LoRAMapping is
+    made from the rows (lora_mapping)."""
 
     def __init__(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, block_size: int,
-                 device: torch.device, feed_sampled_ids: bool = True):
+                 device: torch.device, feed_sampled_ids: bool = True, lora_slots: LoRASlots | None = None):
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
         self.rows: dict[int, int] = {}  # seq_id -> row
@@ -76,6 +80,8 @@ class InputBatch:
             else self.host
         # Recorded after each step's uploads: the host buffers are rewritten only once the GPU has read them.
         self.uploaded = torch.cuda.Event() if self.on_cuda else None
+        self.lora_slots = lora_slots
+        self.lora_mapping: LoRAMapping | None = None  # this step's (see prepare)
 
     def remove(self, seq_ids: list[int]) -> None:
         """Release the rows of finished or preempted sequences (unknown ids are ignored)."""
@@ -85,12 +91,16 @@ class InputBatch:
                 self.block_table[row, :self.num_blocks[row]] = -1
                 self.num_blocks[row] = 0
                 self.free_rows.append(row)
+                if self.lora_slots is not None:
+                    self.lora_slots.remove(row)
 
     def _add(self, seq: Sequence) -> int:
         assert self.free_rows, "more running sequences than max_num_seqs"
         row = self.rows[seq.seq_id] = self.free_rows.pop()
         self.sampling.add(row, seq)
         self.sampled_at[row] = -1
+        if self.lora_slots is not None:
+            self.lora_slots.add(row, seq.lora_request)
         return row
 
     def _sync_block_tables(self, seqs: list[Sequence], rows: np.ndarray, ends: np.ndarray) -> None:
@@ -154,6 +164,8 @@ class InputBatch:
         )
         sampled = np.array(samples, dtype=bool)
         self.sampled_rows, self.sampled_positions = rows[sampled], ends[sampled]
+        if self.lora_slots is not None:
+            self.lora_mapping = self.lora_slots.mapping(rows, num_new)
         if self.feed_sampled_ids:
             h["sampled_rows"][:len(self.sampled_rows)] = self.sampled_rows
             fed = (num_new == 1) & (self.sampled_at[rows] == starts)

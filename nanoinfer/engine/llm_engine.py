@@ -15,6 +15,7 @@ from nanoinfer.engine.model_runner import ModelRunner, RunnerOutput, TokenLogpro
 from nanoinfer.engine.parallel import start_tensor_parallel
 from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
 from nanoinfer.engine.sequence import Sequence
+from nanoinfer.lora.request import LoRARequest
 from nanoinfer.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
                                EmbeddingRequestOutput, Logprob, RequestMetrics, RequestOutput, ScoringOutput,
                                ScoringRequestOutput)
@@ -39,7 +40,8 @@ class LLMEngine:
             if dead is None:
                 raise
             raise RuntimeError(f"tensor-parallel start-up failed: {dead}") from e
-        self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks, self.model_runner.num_state_slots)
+        self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks, self.model_runner.num_state_slots,
+                                   config.max_loras)
         self.vocab_size: int = config.hf_config.vocab_size
         self.is_classifier = is_classifier(config.hf_config.architectures)  # it pools and classifies, never generates
         self.eos_token_ids = set(config.eos_token_ids)
@@ -49,11 +51,13 @@ class LLMEngine:
         self.held_outputs: list[RequestOutput] = []
         self.last_batch: ScheduledBatch | None = None  # what the latest step computed (for statistics)
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                    lora_request: LoRARequest | None = None) -> None:
         self._check_open()
-        self.enqueue(self.make_sequences(request_id, prompt, params))
+        self.enqueue(self.make_sequences(request_id, prompt, params, lora_request))
 
-    def make_sequences(self, request_id: str, prompt: Prompt, params: SamplingParams) -> list[Sequence]:
+    def make_sequences(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                       lora_request: LoRARequest | None = None) -> list[Sequence]:
         """Validate one request and wrap its n completions; nothing is queued, so a bad request leaves the engine
         untouched."""
         if not isinstance(request_id, str):
@@ -80,11 +84,12 @@ class LLMEngine:
             raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens={max_tokens} (min_tokens="
                              f"{params.min_tokens}) exceeds max_model_len={self.config.max_model_len}")
         grammar = self._grammar(params)
+        self._check_lora(lora_request)
         metrics = RequestMetrics(arrival_time=time.time())
         return [Sequence(token_ids, _child_params(params, i), self.config.kvcache_block_size, prompt=text,
                          request_id=request_id, index=i, max_tokens=max_tokens,
                          eos_token_ids=frozenset(self.eos_token_ids), metrics=metrics, bad_words_token_ids=bad_words,
-                         grammar=grammar)
+                         grammar=grammar, lora_request=lora_request)
                 for i in range(params.n)]
 
     def _grammar(self, params: SamplingParams) -> Grammar | None:
@@ -98,6 +103,17 @@ class LLMEngine:
             raise ValueError(f"{params.structured_outputs.describe()} matches only the empty output, which "
                              f"ignore_eos={params.ignore_eos} / min_tokens={params.min_tokens} rule out")
         return grammar
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> None:
+        """The adapter is read and checked against the model here, once per lora_int_id (see LoRAModel.check)."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if not self.config.enable_lora:
+            raise ValueError(f"lora_request={lora_request!r} given, but LoRA is off: create the LLM with "
+                             "enable_lora=True")
+        self.model_runner.lora.check(lora_request)
 
     def _truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
         """truncate_prompt_tokens (vLLM's): the last `keep` tokens of the prompt; -1 keeps max_model_len."""

@@ -29,6 +29,8 @@ from nanoinfer.layers.fused_moe import FusedMoE
 from nanoinfer.layers.gated_delta_rule import GatedDeltaRule
 from nanoinfer.layers.rotary_embedding import shared_rope_tables
 from nanoinfer.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata, noise_keys, top_logprobs
+from nanoinfer.lora.model import LoRAModel
+from nanoinfer.lora.slots import LoRAMapping, LoRASlots
 from nanoinfer.models.registry import get_model_class, is_classifier
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.utils.dist import tp_scope
@@ -69,6 +71,7 @@ class ModelRunner:
             keep_freed_memory()  # a CPU-path tuning: on CUDA it would only hold on to freed host memory
         self.model: nn.Module | None = None
         self.generates = not is_classifier(config.hf_config.architectures)  # classifiers only pool (LLM.classify)
+        self.lora: LoRAModel | None = None  # the adapter slots, with enable_lora
         try:
             self._set_up(config)
         except BaseException as e:
@@ -83,6 +86,8 @@ class ModelRunner:
         start = time.perf_counter()
         with tp_scope(self.tp.rank, self.tp.size, self.tp.group):
             self.model = self._load_model(config, self.device)
+        if config.enable_lora:  # before the caches are sized (its slots take memory), and before the weights' repacking
+            self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank)
         # Counted before the CPU path repacks the linear weights out of their parameters.
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         for module in self.model.modules():
@@ -101,7 +106,9 @@ class ModelRunner:
         # Decode input ids are fed from the tokens sampled on the device only without tensor parallelism: rank 0
         # alone samples, so the other ranks would not have them; they keep receiving the ids from rank 0.
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_num_batched_tokens,
-                                      self.block_size, self.device, feed_sampled_ids=self.tp.size == 1)
+                                      self.block_size, self.device, feed_sampled_ids=self.tp.size == 1,
+                                      lora_slots=LoRASlots(config.max_loras, config.max_num_seqs)
+                                      if config.enable_lora else None)
         self.num_state_slots, state_bytes = self._allocate_state_cache()
         self.num_kvcache_blocks = self._allocate_kv_cache(state_bytes)
         self.graph_runner = self._capture_graphs()
@@ -142,7 +149,7 @@ class ModelRunner:
                 module.backend = None
             elif isinstance(module, GatedDeltaRule):
                 module.conv_state = module.ssm_state = torch.empty(0)
-        self.model = self.backend = self.graph_runner = None
+        self.model = self.backend = self.graph_runner = self.lora = None
         # Their device and pinned buffers.
         self.input_batch = self.penalty_cache = self.token_tables = self.upload = self.to_host = None
         if self.device.type == "cuda":
@@ -241,19 +248,25 @@ class ModelRunner:
         # that does not exist yet; attending non-causally over this step's one key is the same attention.
         if meta.is_decode:
             meta.causal = False
+        step = (input_ids, positions, meta, list(range(sum(lengths))))
+        if self.lora is not None:  # every token through an adapter: the LoRA products' temporaries count too
+            step += (self.lora.warm_up_mapping(sum(lengths)),)
         # Every rank warms up alike (nothing to broadcast); the logits are gathered on rank 0.
-        logits = self.execute(input_ids, positions, meta, list(range(sum(lengths))))
+        logits = self.execute(*step)
         if logits is not None:
             top_logprobs(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device), 1)
         self.input_batch.remove([seq.seq_id for seq in seqs])
 
     def _capture_graphs(self) -> CUDAGraphRunner | None:
         """Decode graphs on CUDA for the flash and triton backends (whose decode reads only fixed-address tensors)
-        unless enforce_eager; not for classifiers, which never decode, nor for models with recurrent state, whose per-step slot lookups are not captured, nor
-        for mixture-of-experts models, whose expert grouping syncs with the host (torch.bincount on CUDA reads the
-        largest id back; torch._grouped_mm outside bf16 on sm90 loops over offsets copied to the host)."""
+        unless enforce_eager; not for classifiers, which never decode, nor for models with recurrent state, whose
+        per-step slot lookups are not captured, nor for mixture-of-experts models, whose expert grouping syncs with
+        the host (torch.bincount on CUDA reads the largest id back; torch._grouped_mm outside bf16 on sm90 loops over
+        offsets copied to the host), nor with LoRA, whose token groups (which tokens use which adapter) change shape
+        from step to step."""
         if (self.config.enforce_eager or self.device.type != "cuda" or self.config.attention_backend == "cpu"
-                or not self.generates or self.num_state_slots or any(isinstance(m, FusedMoE) for m in self.model.modules())):
+                or not self.generates or self.num_state_slots or self.lora is not None
+                or any(isinstance(m, FusedMoE) for m in self.model.modules())):
             return None
         start = time.perf_counter()
         runner = CUDAGraphRunner(self.model, self.backend, self.config.max_num_seqs, self.config.max_model_len,
@@ -282,8 +295,11 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = self.prepare(batch, samples)
         prompt_rows = self._prompt_logit_rows(batch, meta.cu_seqlens_q.tolist())
         rows = sample_rows + [row for row, _, _ in prompt_rows]
+        step = (input_ids, positions, meta, rows)
+        if self.lora is not None:
+            step += (self.input_batch.lora_mapping,)
         # The other ranks execute the same step (serve).
-        logits = self.execute(*self.tp.broadcast((input_ids, positions, meta, rows)))
+        logits = self.execute(*self.tp.broadcast(step))
         out = RunnerOutput([None] * len(batch.seqs))
         if logits is None:
             return out
@@ -311,10 +327,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                logit_rows: list[int]) -> torch.Tensor | None:
-        """One forward pass of prepare()'s CPU tensors on this rank's device; the logits of logit_rows on rank 0
-        (gathered from every rank), None elsewhere."""
+                logit_rows: list[int], lora_mapping: LoRAMapping | None = None) -> torch.Tensor | None:
+        """One forward pass of prepare()'s CPU tensors on this rank's device, its tokens run with the adapters
+        lora_mapping gives them; the logits of logit_rows on rank 0 (gathered from every rank), None elsewhere."""
         rows = self.input_batch.logit_index(logit_rows)
+        if self.lora is not None:
+            self.lora.set_step(lora_mapping)
         size = self.graph_runner.padded_size(meta.num_seqs) if self.graph_runner and meta.is_decode else None
         if size is not None:
             static = self.graph_runner.load(self.input_batch.decode_inputs(input_ids, positions, meta, size))
@@ -358,6 +376,8 @@ class ModelRunner:
         # non-causally over a prompt's one key is the same attention.
         meta.causal = causal and meta.max_seqlen_q > 1
         self.backend.prepare(meta)
+        if self.lora is not None:
+            self.lora.set_step(None)  # the base model
         return self.model(torch.tensor([t for p in prompts for t in p], device=self.device), positions, meta)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SamplerOutput:

@@ -27,7 +27,8 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: Config, num_kvcache_blocks: int, num_state_slots: int = 0):
+    def __init__(self, config: Config, num_kvcache_blocks: int, num_state_slots: int = 0, max_loras: int = 1):
+        self.max_loras = max_loras  # distinct LoRA adapters among the running sequences, at most (config.max_loras)
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_size = config.kvcache_block_size
@@ -65,14 +66,24 @@ class Scheduler:
             budget -= self._take(batch, seq, budget)
             i += 1
         batch.num_running = len(batch.seqs)
+        loras: set[int] | None = None  # the running adapters, once a waiting sequence has one
+        skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
+            if seq.lora_int_id:
+                loras = {s.lora_int_id for s in self.running if s.lora_int_id} if loras is None else loras
+                if seq.lora_int_id not in loras and len(loras) >= self.max_loras:
+                    skipped.append(self.waiting.popleft())  # as vLLM: it waits for an adapter slot, others pass
+                    continue
             if not self.block_manager.can_allocate(seq):
                 break
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
             budget -= self._take(batch, seq, budget)
+            if seq.lora_int_id:
+                loras.add(seq.lora_int_id)
+        self.waiting.extendleft(reversed(skipped))
         assert batch.seqs or self.is_finished(), "nothing to schedule: a single sequence must always fit the KV cache"
         if batch.seqs:  # sent again until a step completes (postprocess): a failed one may not have read them
             batch.freed_seq_ids = self.freed_seq_ids[:]

@@ -3,6 +3,7 @@ from enum import Enum, auto
 from itertools import count
 
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer
+from nanoinfer.lora.request import LoRARequest
 from nanoinfer.outputs import Logprob, RequestMetrics
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.structured.grammar import Grammar, GrammarState
@@ -24,7 +25,8 @@ class Sequence:
     def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int, prompt: str | None = None,
                  request_id: str = "", index: int = 0, max_tokens: int | None = None,
                  eos_token_ids: frozenset[int] = frozenset(), metrics: RequestMetrics | None = None,
-                 bad_words_token_ids: tuple[tuple[int, ...], ...] = (), grammar: Grammar | None = None):
+                 bad_words_token_ids: tuple[tuple[int, ...], ...] = (), grammar: Grammar | None = None,
+                 lora_request: LoRARequest | None = None):
         self.seq_id = next(Sequence.ids)
         self.status = SequenceStatus.WAITING
         self.prompt = prompt
@@ -42,6 +44,8 @@ class Sequence:
         # params.structured_outputs compiled (the engine does it): where the completion stands in it.
         self.grammar_state = None if grammar is None else GrammarState(grammar)
         self.metrics = metrics  # shared by the n completions of a request
+        self.lora_request = lora_request  # kept through preemption: a recomputed sequence runs its adapter again
+        self.lora_int_id = 0 if lora_request is None else lora_request.lora_int_id  # 0: no adapter
         self.block_size = block_size
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache

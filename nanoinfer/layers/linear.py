@@ -1,10 +1,15 @@
 """Linear layers that hold this rank's shard and know how to load it from a full checkpoint tensor."""
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.utils.dist import tp_group, tp_rank, tp_size
+
+if TYPE_CHECKING:
+    from nanoinfer.lora.layers import LoRALayer
 
 
 def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor | None:
@@ -42,6 +47,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.packed_weight: torch.Tensor | None = None
+        self.lora: LoRALayer | None = None  # adapter slots, set by LoRAModel when LoRA is enabled
 
     def process_weights_after_loading(self, batch_size_hint: int) -> None:
         self.packed_weight = pack_weight(self.weight, batch_size_hint)
@@ -54,11 +60,17 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if self.tp_dim is not None and self.tp_size > 1 and loaded.dim() > self.tp_dim:
+            if loaded.shape[self.tp_dim] != param.shape[self.tp_dim] * self.tp_size:  # shard() would round down
+                raise ValueError(f"shape mismatch: checkpoint tensor {tuple(loaded.shape)}, parameter "
+                                 f"{tuple(param.shape)} on each of {self.tp_size} ranks")
             loaded = self.shard(loaded, self.tp_dim)
         copy_weight(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        y = linear(x, self.weight, self.bias, self.packed_weight)
+        if self.lora is not None:
+            self.lora.add_to(y, x)
+        return y
 
 
 class ReplicatedLinear(LinearBase):
@@ -146,6 +158,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.packed_weight)
+        if self.lora is not None:  # this rank's input columns: (x A^T) B^T sums over ranks with the rest
+            self.lora.add_to(y, x)
         if self.tp_size > 1:
             dist.all_reduce(y, group=self.tp_group)
         return y

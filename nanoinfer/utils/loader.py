@@ -71,7 +71,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | L
     for name, tensor in weights:
         if name.endswith(ignored_suffixes) or name in aliases or name.startswith(ignored_prefixes):
             continue
-        target, shard = _route(_substitute(name, substitutions), packed)
+        target, shard = checkpoint_target(name, packed, substitutions)
         param = params.get(target)
         lazy = isinstance(tensor, LazyTensor)
         where = f" in {tensor.file}" if lazy else ""
@@ -98,6 +98,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | L
         raise ValueError(f"checkpoint is missing weights for {len(missing)} parameter(s), e.g. {missing[:5]}")
 
 
+def checkpoint_target(name: str, packed: dict[str, tuple[str, int | str]], substitutions: dict[str, str]
+                      ) -> tuple[str, object]:
+    """The parameter a checkpoint tensor's name loads into, and its shard id (None: the whole parameter)."""
+    return _route(_substitute(name, substitutions), packed)
+
+
 def _substitute(name: str, substitutions: dict[str, str]) -> str:
     for old, new in substitutions.items():
         name = name.replace(old, new)
@@ -105,7 +111,6 @@ def _substitute(name: str, substitutions: dict[str, str]) -> str:
 
 
 def _route(name: str, packed: dict[str, tuple[str, int | str]]) -> tuple[str, object]:
-    """The parameter a checkpoint tensor loads into, and its shard id (None: the whole parameter)."""
     expert = expert_weight_target(name)  # before the packed names: an expert's gate_proj is not a dense MLP's
     if expert is not None:
         return expert
