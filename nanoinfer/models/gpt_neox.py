@@ -30,7 +30,7 @@ class GPTNeoXAttention(LlamaAttention):
 class GPTNeoXLayer(LayerNormDecoderLayer):
     def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module):
         super().__init__(GPTNeoXAttention(config, options), mlp, config.hidden_size, config.layer_norm_eps,
-                         parallel=config.use_parallel_residual)
+                         "parallel" if config.use_parallel_residual else "sequential")
 
 
 class GPTNeoXModel(LayerNormModel):

@@ -1,6 +1,7 @@
 """The decoder parts of the LayerNorm families (StarCoder2, StableLM, Phi, GPT-NeoX): LayerNorms with biases,
 dense (ungated) MLPs, LayerNorms on queries and keys, and the parallel residual x + attn(ln1(x)) + mlp(ln2(x))."""
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 from torch import nn
@@ -53,20 +54,23 @@ class QKLayerNormAttention(LlamaAttention):
         return self.o_proj(self.attn(q, k, v, meta))
 
 
+# How a layer adds its sublayers: one after the other, or both from its input, with two norms or one.
+Residual = Literal["sequential", "parallel", "parallel-one-norm"]
+
+
 class LayerNormDecoderLayer(nn.Module):
     """Pre-norm with LayerNorms. Sequential: h = x + attn(ln1(x)); out = h + mlp(ln2(h)) (LlamaDecoderLayer's order).
     Parallel: out = x + attn(ln1(x)) + mlp(ln2(x)), with ln2 = ln1 where the family has a single norm (Phi,
     StableLM). As in LlamaDecoderLayer, the stream is x + residual, the add left to the next norm."""
 
-    def __init__(self, attention: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, parallel: bool = False,
-                 shared_norm: bool = False):
+    def __init__(self, attention: nn.Module, mlp: nn.Module, hidden_size: int, eps: float,
+                 residual: Residual = "sequential"):
         super().__init__()
-        assert parallel or not shared_norm, "a sequential layer normalizes the MLP's input on its own"
         self.self_attn = attention
         self.mlp = mlp
-        self.parallel = parallel
+        self.parallel = residual != "sequential"
         self.input_layernorm = LayerNorm(hidden_size, eps)
-        self.post_attention_layernorm = None if shared_norm else LayerNorm(hidden_size, eps)
+        self.post_attention_layernorm = None if residual == "parallel-one-norm" else LayerNorm(hidden_size, eps)
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

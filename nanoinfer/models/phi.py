@@ -16,7 +16,7 @@ class PhiDecoderLayer(LayerNormDecoderLayer):
             attention = QKLayerNormAttention(config, options, lambda heads, head_dim: LayerNorm(head_dim, eps))
         else:
             attention = LlamaAttention(config, options)
-        super().__init__(attention, mlp, config.hidden_size, eps, parallel=True, shared_norm=True)
+        super().__init__(attention, mlp, config.hidden_size, eps, "parallel-one-norm")
 
 
 class PhiModel(LayerNormModel):

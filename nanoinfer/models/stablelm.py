@@ -13,12 +13,13 @@ from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCau
 
 class StableLmDecoderLayer(LayerNormDecoderLayer):
     def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module):
-        eps, parallel = config.layer_norm_eps, config.use_parallel_residual
+        eps = config.layer_norm_eps
         if config.qk_layernorm:
             attention = QKLayerNormAttention(config, options, partial(PerHeadLayerNorm, eps=eps))
         else:
             attention = LlamaAttention(config, options)
-        super().__init__(attention, mlp, config.hidden_size, eps, parallel=parallel, shared_norm=parallel)
+        super().__init__(attention, mlp, config.hidden_size, eps,
+                         "parallel-one-norm" if config.use_parallel_residual else "sequential")
 
 
 class StableLmModel(LayerNormModel):
