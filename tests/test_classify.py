@@ -36,8 +36,10 @@ def classifier_dir(src: pathlib.Path, dst: pathlib.Path, num_labels: int) -> pat
     weights = {}
     for f in sorted(src.glob("*.safetensors")):
         weights |= load_file(f)
-    weights.pop("lm_head.weight", None)
-    hidden = weights["model.embed_tokens.weight"].shape[1]
+    for head in ("lm_head.weight", "embed_out.weight"):  # GPT-NeoX's is saved as embed_out
+        weights.pop(head, None)
+    weights.pop("lm_head.bias", None)  # Phi's
+    hidden = config["hidden_size"]
     weights["score.weight"] = torch.randn(num_labels, hidden, generator=torch.Generator().manual_seed(num_labels))
     save_file(weights, dst / "model.safetensors")
     return dst
@@ -57,7 +59,8 @@ def classifiers(model_dir, tmp_path_factory):
     return lambda kind, num_labels: classifier_dir(model_dir(kind), root / f"{kind}-{num_labels}", num_labels)
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama", "mistral", "qwen3-moe", "gemma2", "phi3"])
+@pytest.mark.parametrize("kind", ["qwen3", "llama", "mistral", "qwen3-moe", "gemma2", "phi3", "phi", "gpt-neox",
+                                  "starcoder2"])
 def test_classify_matches_transformers(kind, classifiers, report_logit_diff):
     d = classifiers(kind, 3)
     ref = hf_label_logits(d, PROMPTS)

@@ -37,5 +37,6 @@ def sequence_classifier(causal_lm: type[LlamaForCausalLM]) -> type[ForSequenceCl
     """The classification model over causal_lm's decoder; the checkpoint's names are causal_lm's."""
     name = causal_lm.__name__.removesuffix("ForCausalLM") + "ForSequenceClassification"
     attributes = {"causal_lm": causal_lm, "packed_modules_mapping": causal_lm.packed_modules_mapping,
-                  "weight_name_substitutions": getattr(causal_lm, "weight_name_substitutions", {})}
+                  "weight_name_substitutions": getattr(causal_lm, "weight_name_substitutions", {}),
+                  "ignored_weight_suffixes": getattr(causal_lm, "ignored_weight_suffixes", ())}
     return type(name, (ForSequenceClassification,), attributes)
