@@ -1,0 +1,341 @@
+"""Speculative decoding with n-gram drafts: the output is exactly a plain run's (greedy tokens equal transformers',
+seeded samples equal, logprobs equal) under chunked prefill, prefix hits, preemption, stops inside an accepted run,
+n > 1, streaming, tensor parallelism and the CUDA-graph decode path; the proposer, the verifier's distribution and
+the config's errors."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from cuda_fakes import capture_eager_graphs
+from models import cached_hf_greedy, check_against_hf, random_prompts
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.engine.input_batch import InputBatch
+from nanoinfer.engine.llm_engine import LLMEngine
+from nanoinfer.layers.sampler import exponential_race, noise_keys, verify_drafts
+from nanoinfer.sampling_params import RequestOutputKind
+from nanoinfer.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from nanoinfer.spec_decode.ngram import NgramProposer
+
+MAX_TOKENS = 48
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# Random-weight models fall into loops on some prompts: these are prompts whose greedy output repeats itself,
+# so that n-gram drafts get accepted (index 0 is an ordinary one).
+CANDIDATES = random_prompts(40, 5, 440, 2, 24, seed=11)
+REPETITIVE = {"qwen3": [15, 6, 20, 0], "qwen2": [20, 35, 10, 0], "llama": [39, 26, 25, 9]}
+
+
+def ngram(k: int, **lookup) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1, **lookup}
+
+
+def make_llm(model_dir, spec: dict | None = None, **kwargs) -> LLM:
+    return LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=kwargs.pop("max_model_len", 256),
+               speculative_config=spec, **kwargs)
+
+
+def token_ids(outputs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+# ---- the proposer ----
+
+def proposer(k: int = 3, lookup_max: int = 4, lookup_min: int = 1) -> NgramProposer:
+    return NgramProposer(SpeculativeConfig(k, lookup_max, lookup_min))
+
+
+def test_proposer_takes_the_longest_ngram_and_its_latest_occurrence():
+    #        0  1  2  3  4  5  6  7  8  9  10 11 12 13 14
+    tokens = [1, 2, 3, 4, 9, 2, 3, 5, 6, 7, 1, 2, 3, 8, 8, 1, 2, 3]
+    # The 3-gram 1 2 3 occurs at 0 and at 10: the later one's followers; the 2-gram 2 3 also at 5 (shorter: not used).
+    assert proposer().propose(tokens, 5) == [8, 8, 1]
+    assert proposer(k=5).propose(tokens, 2) == [8, 8]  # the step's limit
+    assert proposer(k=5).propose(tokens, 10) == [8, 8, 1, 2, 3]  # up to the end of the context
+    assert proposer(lookup_max=2).propose(tokens, 5) == [8, 8, 1]  # 2 3 latest at 11
+    assert proposer(lookup_max=1).propose([5, 6, 5, 7, 5], 3) == [7, 5]  # the latest 5 is followed by 7 5
+
+
+def test_proposer_respects_the_lookup_bounds_and_proposes_nothing_without_a_match():
+    assert proposer().propose([1, 2, 3, 4], 3) == []
+    assert proposer().propose([7], 3) == []
+    assert proposer().propose([7, 7], 3) == [7]
+    # The 1-gram 3 recurs, but no 2-gram does: min 2 proposes nothing.
+    assert proposer(lookup_min=1).propose([3, 1, 2, 3], 3) == [1, 2, 3]
+    assert proposer(lookup_min=2).propose([3, 1, 2, 3], 3) == []
+    # A 4-gram match longer than lookup_max counts as a lookup_max-gram.
+    assert proposer(lookup_max=2, lookup_min=2).propose([1, 2, 3, 4, 0, 1, 2, 3, 4], 2) == [0, 1]
+
+
+# ---- the config ----
+
+@pytest.mark.parametrize("config, match", [
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown key 'lookahead' .value 3"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method='eagle'"),
+    ({"num_speculative_tokens": 2}, "method=None"),
+    ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens=True"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max=0"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": "1"}, "prompt_lookup_min='1'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+     "prompt_lookup_min=3 must be <= prompt_lookup_max=2"),
+])
+def test_bad_speculative_config_names_the_key_and_value(config, match, qwen3_dir):
+    with pytest.raises(ValueError, match=match):
+        make_llm(qwen3_dir, config)
+
+
+def test_speculative_config_defaults_follow_vllm(qwen3_dir):
+    with pytest.raises(TypeError, match="speculative_config must be a dict"):
+        make_llm(qwen3_dir, "ngram")
+    assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3}) == SpeculativeConfig(3, 5, 5)
+    assert parse_speculative_config(ngram(2, prompt_lookup_min=None)) == SpeculativeConfig(2, 4, 4)
+    assert parse_speculative_config(ngram(2, prompt_lookup_max=None, prompt_lookup_min=2)) == \
+        SpeculativeConfig(2, 2, 2)
+
+
+# ---- the verifier ----
+
+def test_verify_drafts_counts_each_sequences_leading_accepted_drafts():
+    # Sequences of 3, 1 and 4 rows; drafts (-1 at each last row) against the sampled tokens.
+    sampled = torch.tensor([5, 6, 7, 9, 1, 2, 3, 4])
+    drafts = torch.tensor([5, 0, -1, -1, 1, 2, 3, -1])
+    seq_index = torch.tensor([0, 0, 0, 1, 2, 2, 2, 2])
+    offsets = torch.tensor([0, 1, 2, 0, 0, 1, 2, 3])
+    assert verify_drafts(sampled, drafts, seq_index, offsets, 3).tolist() == [1, 0, 3]
+    # A rejection stops the run even where a later draft matches.
+    assert verify_drafts(torch.tensor([4, 5, 6]), torch.tensor([0, 5, -1]), torch.zeros(3, dtype=torch.long),
+                         torch.arange(3), 1).tolist() == [0]
+
+
+def test_rejection_sampler_output_is_distributed_as_the_target():
+    """n sequences with one draft d each, the target p the same at every row: a draft is accepted with probability
+    p(d), a rejected position emits a token distributed as p without d renormalized, so what the sequence emits at
+    the draft's position is distributed as p (5-sigma bounds, fixed keys)."""
+    p = torch.tensor([0.05, 0.4, 0.25, 0.2, 0.1])
+    d, n = 2, 40_000
+    keys = torch.from_numpy(noise_keys(np.arange(n, dtype=np.uint64) * 7919 + 3, np.full(n, 11)))
+    rows_keys = torch.stack([keys, keys.flip(0)], 1).reshape(2 * n, 2)  # each sequence's draft row and bonus row
+    sampled = exponential_race(p.expand(2 * n, -1).clone(), rows_keys)
+    drafts = torch.tensor([d, -1]).repeat(n)
+    accepted = verify_drafts(sampled, drafts, torch.arange(n).repeat_interleave(2), torch.tensor([0, 1]).repeat(n), n)
+    emitted = sampled.view(n, 2)[:, 0]  # the token at the draft's position: d if accepted, else the correction
+    assert torch.equal(accepted == 1, emitted == d)
+
+    def within(freq: torch.Tensor, q: torch.Tensor, count: int) -> bool:
+        return bool(((freq - q).abs() <= 5 * (q * (1 - q) / count).sqrt() + 1e-9).all())
+
+    assert within(torch.bincount(emitted, minlength=5) / n, p, n)
+    assert within((accepted == 1).float().mean(), p[d], n)
+    rejected = emitted[accepted == 0]
+    without_d = p.clone()
+    without_d[d] = 0
+    assert within(torch.bincount(rejected, minlength=5) / len(rejected), without_d / without_d.sum(), len(rejected))
+
+
+# ---- the engine ----
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama"])
+def test_greedy_with_drafts_equals_plain_and_transformers(kind, model_dir, captured_logits):
+    d = model_dir(kind)
+    prompts = [CANDIDATES[i] for i in REPETITIVE[kind]]
+    refs = cached_hf_greedy(d, prompts, MAX_TOKENS)
+    plain = make_llm(d).generate(prompts, GREEDY, use_tqdm=False)
+    assert check_against_hf(plain, refs, captured_logits) < 1e-4
+    expected = token_ids(plain)
+    for k in (1, 3, 5):
+        llm = make_llm(d, ngram(k))
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0) if k == 3 else GREEDY
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert token_ids(outputs) == expected, f"k={k}"
+        stats = llm.llm_engine.spec_decode_stats
+        assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens, stats
+        assert max(map(len, llm.llm_engine.last_batch.draft_token_ids.values()), default=0) <= k
+        if k == 3:  # the target's logits, through the chosen tokens' logprobs, against transformers'
+            for out, ref in zip(outputs, refs):
+                want = ref["logits"].log_softmax(-1).gather(1, torch.tensor(ref["token_ids"])[:, None])[:, 0]
+                got = torch.tensor([next(iter(lp.values())).logprob for lp in out.outputs[0].logprobs])
+                assert (got - want).abs().max() < 1e-4
+
+
+def test_prefix_hit_on_blocks_that_accepted_drafts_filled(qwen3_dir):
+    """A prompt extending a drafted completion hits the blocks that accepted drafts filled, and continues exactly as
+    a plain run of that prompt (their K/V are the real tokens', whatever rejected drafts wrote there before)."""
+    prompt = CANDIDATES[15]
+    llm = make_llm(qwen3_dir, ngram(5), kvcache_block_size=8)
+    first = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.llm_engine.spec_decode_stats.num_accepted_tokens >= 10
+    extended = prompt + first[:40]
+    again = llm.generate([extended], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == (len(extended) - 1) // 8 * 8 > len(prompt) + 8
+    plain = make_llm(qwen3_dir, enable_prefix_caching=False).generate([extended], GREEDY, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+def test_chunked_prefill_preemption_and_prefix_hits_with_drafts(qwen3_dir):
+    """A tiny budget (chunks, drafts cut to fit), a tiny cache (preemption; drafts never take the blocks of later
+    sequences), shared prefixes, twice: the tokens of a plain run, and drafts were accepted."""
+    shared = CANDIDATES[15] + CANDIDATES[6]
+    prompts = [shared + CANDIDATES[i] for i in (20, 0, 14)] + [CANDIDATES[i] for i in (15, 6, 20)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = token_ids(make_llm(qwen3_dir, max_model_len=96).generate(prompts, params, use_tqdm=False))
+    llm = make_llm(qwen3_dir, ngram(3), max_model_len=96, kvcache_block_size=8, num_kvcache_blocks=16,
+                   max_num_batched_tokens=10)
+    for _ in range(2):
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
+    engine = llm.llm_engine
+    assert engine.scheduler.num_preemptions > 0 and engine.spec_decode_stats.num_accepted_tokens > 0
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_stops_inside_an_accepted_run(qwen3_dir, monkeypatch):
+    """max_tokens, stop tokens (with min_tokens) and stop strings that land inside a run of accepted drafts end the
+    output exactly where a plain run ends it; nothing after the stop is emitted."""
+    prompt = CANDIDATES[15]
+    full = make_llm(qwen3_dir).generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in range(1, 30)]
+    # min_tokens moves the first stop past the early tokens (and bans stop tokens by position in drafted rows).
+    params += [SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[t], min_tokens=m)
+               for t in sorted(set(full.token_ids[:20])) for m in (0, 7, 13, 21)]
+    params += [SamplingParams(temperature=0, max_tokens=40, stop=[full.text[i:i + 2]], include_stop_str_in_output=s,
+                              min_tokens=m) for i in (3, 11) for s in (False, True) for m in (0, 9, 17)]
+    prompts = [prompt] * len(params)
+
+    def run(llm: LLM) -> list[tuple]:
+        return [(c.token_ids, c.text, c.finish_reason, c.stop_reason)
+                for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+
+    expected = run(make_llm(qwen3_dir))
+    spec = make_llm(qwen3_dir, ngram(5))
+    # Outputs whose step emitted several tokens: ending on its last one (length), or with tokens left after (stop).
+    ends = {"length": 0, "stop": 0}
+    append = LLMEngine._append_accepted
+
+    def recording_append(self, seq, tokens, logprobs):
+        before = len(seq.token_ids)
+        append(self, seq, tokens, logprobs)
+        appended = len(seq.token_ids) - before
+        if seq.finish_reason == "length" and appended or seq.finish_reason == "stop" and appended < len(tokens):
+            ends[seq.finish_reason] += 1
+
+    monkeypatch.setattr(LLMEngine, "_append_accepted", recording_append)
+    assert run(spec) == expected
+    assert ends["length"] > 3 and ends["stop"] > 3, ends
+    assert {e[2] for e in expected} == {"length", "stop"}
+
+
+def test_logprobs_n_seeds_and_streaming_equal_a_plain_run(qwen3_dir):
+    """Random sampling (temperature, top-k, top-p, min-p) with per-request seeds and n = 2, and logprobs: the
+    samples, logprobs and cumulative logprobs are a plain run's (the verifier samples each position with the plain
+    run's noise key); streamed as deltas, the pieces add up to the plain run's tokens."""
+    prompts = [CANDIDATES[i] for i in (15, 6, 20)]
+    params = [SamplingParams(n=2, temperature=0.3, top_k=20, top_p=0.95, seed=5, max_tokens=32, logprobs=2,
+                             ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=32, logprobs=3, ignore_eos=True),
+              SamplingParams(temperature=0.5, min_p=0.05, seed=9, max_tokens=32, ignore_eos=True)]
+    delta = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    def run(llm: LLM) -> tuple[list, list[int]]:
+        completions = [c for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+        streamed = [t for o in llm.generate_iter([CANDIDATES[15]], delta) for t in o.outputs[0].token_ids]
+        return completions, streamed
+
+    plain, spec = make_llm(qwen3_dir), make_llm(qwen3_dir, ngram(3))
+    (expected, expected_stream), (got, got_stream) = run(plain), run(spec)
+    assert spec.llm_engine.spec_decode_stats.num_accepted_tokens > 0
+    assert got_stream == expected_stream and len(got_stream) == 32
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    for a, b in zip(got, expected):
+        assert (a.logprobs is None) == (b.logprobs is None) and a.finish_reason == b.finish_reason
+        if a.logprobs is None:
+            continue
+        assert math.isclose(a.cumulative_logprob, b.cumulative_logprob, abs_tol=1e-3)
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert list(x) == list(y) and [v.rank for v in x.values()] == [v.rank for v in y.values()]
+            assert max(abs(v.logprob - y[t].logprob) for t, v in x.items()) < 1e-4
+
+
+def test_seeded_sampling_distribution_equals_a_plain_runs(qwen3_dir):
+    """Many seeded samples of one repetitive prompt: with drafts, each sample is the plain run's (same noise key per
+    position), so the token distributions match exactly; and drafts were accepted while sampling."""
+    params = [SamplingParams(temperature=0.7, seed=s, max_tokens=16, ignore_eos=True) for s in range(24)]
+    prompts = [CANDIDATES[15]] * len(params)
+    expected = token_ids(make_llm(qwen3_dir).generate(prompts, params, use_tqdm=False))
+    spec = make_llm(qwen3_dir, ngram(4))
+    assert token_ids(spec.generate(prompts, params, use_tqdm=False)) == expected
+    assert len({tuple(t[0]) for t in expected}) > 3  # really sampled: the samples differ
+    assert spec.llm_engine.spec_decode_stats.num_accepted_tokens > 0
+
+
+def test_rows_whose_distribution_depends_on_the_drafts_get_none(qwen3_dir):
+    """Penalties, bad words and structured outputs: no drafts for such rows, others in the batch still get them."""
+    prompt = CANDIDATES[15]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, presence_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]
+    expected = token_ids(make_llm(qwen3_dir).generate([prompt] * 3, params, use_tqdm=False))
+    spec = make_llm(qwen3_dir, ngram(3))
+    drafted = set()
+    schedule = spec.llm_engine.scheduler.schedule
+
+    def recording_schedule():
+        batch = schedule()
+        drafted.update(batch.seqs[i].params.repetition_penalty for i in batch.draft_token_ids)
+        drafted.update(batch.seqs[i].params.presence_penalty for i in batch.draft_token_ids)
+        return batch
+
+    spec.llm_engine.scheduler.schedule = recording_schedule
+    assert token_ids(spec.generate([prompt] * 3, params, use_tqdm=False)) == expected
+    assert drafted == {1.0, 0.0}  # only the unpenalized row's
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graph-runner"])
+def test_steps_with_drafts_keep_the_device_fed_ids_right(graphs, qwen3_dir, monkeypatch):
+    """The CUDA path on the CPU: steps without drafts replay the decode graph and feed ids from last_sampled, steps
+    with drafts run eagerly; the ids fed after a verified step are the last emitted tokens, and the outputs are a
+    plain run's (greedy and seeded, n = 2, preemption)."""
+    counts = dict(fed=0, graph=0, drafted_steps=0)
+    feed = InputBatch.feed_sampled
+
+    def checked_feed(self, input_ids):
+        index, rows = self.host.fed_index[:self.num_fed], self.host.fed_rows[:self.num_fed]
+        assert torch.equal(input_ids[index], self.last_sampled[rows])
+        counts["fed"] += self.num_fed
+        counts["graph"] += self.num_fed * (input_ids.data_ptr() != self.host.input_ids.data_ptr())
+        feed(self, input_ids)
+
+    prompts = [CANDIDATES[i] for i in (15, 6, 20)]
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+              SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=32, ignore_eos=True)] * 2
+    prompts = prompts + prompts[:1]
+    kwargs = dict(max_model_len=96, kvcache_block_size=8, num_kvcache_blocks=16, max_num_batched_tokens=32,
+                  max_num_seqs=6)
+    expected = token_ids(make_llm(qwen3_dir, **kwargs).generate(prompts, params, use_tqdm=False))
+    llm = make_llm(qwen3_dir, ngram(3), **kwargs)
+    if graphs:
+        if not llm.llm_engine.model_runner.backend.decode_kernel:
+            pytest.skip("the CPU decode kernel is not built: the PyTorch decode is not graph-safe")
+        capture_eager_graphs(llm.llm_engine.model_runner)
+    monkeypatch.setattr(InputBatch, "feed_sampled", checked_feed)
+    step = llm.llm_engine._step
+
+    def counting_step():
+        out = step()
+        counts["drafted_steps"] += bool(llm.llm_engine.last_batch.draft_token_ids)
+        return out
+
+    monkeypatch.setattr(llm.llm_engine, "_step", counting_step)
+    assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
+    assert llm.llm_engine.scheduler.num_preemptions > 0 and llm.llm_engine.spec_decode_stats.num_accepted_tokens > 0
+    assert counts["fed"] > 0 and counts["drafted_steps"] > 0 and (counts["graph"] > 0) == graphs, counts
+
+
+@pytest.mark.slow
+def test_tensor_parallel_with_drafts_equals_tp1(qwen3_dir):
+    prompts = [CANDIDATES[i] for i in REPETITIVE["qwen3"]]
+    expected = token_ids(make_llm(qwen3_dir).generate(prompts, GREEDY, use_tqdm=False))
+    with make_llm(qwen3_dir, ngram(3), tensor_parallel_size=2) as llm:
+        assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        assert llm.llm_engine.spec_decode_stats.num_accepted_tokens > 0
