@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cuda_fakes import capture_eager_graphs
-from models import cached_hf_greedy, check_against_hf, random_prompts
+from models import QWEN3_NEXT_KINDS, cached_hf_greedy, check_against_hf, random_prompts
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.llm_engine import LLMEngine
@@ -339,3 +339,32 @@ def test_tensor_parallel_with_drafts_equals_tp1(qwen3_dir):
     with make_llm(qwen3_dir, ngram(3), tensor_parallel_size=2) as llm:
         assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
         assert llm.llm_engine.spec_decode_stats.num_accepted_tokens > 0
+
+
+def test_lora_requests_with_drafts_equal_a_plain_run(llama_dir, tmp_path):
+    """Draft tokens run through their sequence's adapter (the step's LoRA mapping covers every token)."""
+    from test_lora import write_adapter
+
+    adapters = [write_adapter(llama_dir, tmp_path / str(i), i, r=4, alpha=8, modules=("q_proj", "v_proj", "down_proj"),
+                              seed=i).request for i in (1, 2)]
+    prompts = [CANDIDATES[i] for i in REPETITIVE["llama"]]
+    loras = [adapters[0], None, adapters[1], adapters[0]]
+
+    def run(spec: dict | None) -> tuple[list, LLM]:
+        llm = make_llm(llama_dir, spec, enable_lora=True, max_loras=2, max_lora_rank=4)
+        return token_ids(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)), llm
+
+    expected, _ = run(None)
+    got, llm = run(ngram(3))
+    assert got == expected and llm.llm_engine.spec_decode_stats.num_draft_tokens > 0
+
+
+def test_models_with_recurrent_state_get_no_drafts(model_dir):
+    """A rejected draft would have advanced the linear-attention state: such models decode as without drafts."""
+    d = model_dir(QWEN3_NEXT_KINDS[0])
+    prompts = [CANDIDATES[i] for i in (15, 6)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = token_ids(make_llm(d).generate(prompts, params, use_tqdm=False))
+    llm = make_llm(d, ngram(3))
+    assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
+    assert llm.llm_engine.scheduler.proposer is None and llm.llm_engine.spec_decode_stats.num_drafts == 0

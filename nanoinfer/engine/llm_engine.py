@@ -42,7 +42,7 @@ class LLMEngine:
                 raise
             raise RuntimeError(f"tensor-parallel start-up failed: {dead}") from e
         self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks, self.model_runner.num_state_slots,
-                                   config.max_loras)
+                                   config.max_loras, config.speculative)
         self.vocab_size: int = config.hf_config.vocab_size
         self.is_classifier = is_classifier(config.hf_config.architectures)  # it pools and classifies, never generates
         self.eos_token_ids = set(config.eos_token_ids)

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.sequence import Sequence, SequenceStatus
+from nanoinfer.spec_decode.config import SpeculativeConfig
 from nanoinfer.spec_decode.ngram import NgramProposer
 
 
@@ -31,7 +32,8 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: Config, num_kvcache_blocks: int, num_state_slots: int = 0, max_loras: int = 1):
+    def __init__(self, config: Config, num_kvcache_blocks: int, num_state_slots: int = 0, max_loras: int = 1,
+                 speculative: SpeculativeConfig | None = None):
         self.max_loras = max_loras  # distinct LoRA adapters among the running sequences, at most (config.max_loras)
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -45,9 +47,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.freed_seq_ids: list[int] = []  # preempted or finished, not yet reported to the runner by a completed step
         self.step_in_flight = False  # scheduled but not postprocessed: if the next schedule() finds it so, it failed
-        # With speculative decoding. Models with recurrent state get no drafts: a rejected draft would have advanced
+        # Drafts (config.speculative), except for models with recurrent state: a rejected draft would have advanced
         # the state, which cannot step back.
-        self.proposer = NgramProposer(config.speculative) if config.speculative and not num_state_slots else None
+        self.proposer = NgramProposer(speculative) if speculative and not num_state_slots else None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
