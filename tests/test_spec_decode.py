@@ -13,6 +13,7 @@ from models import QWEN3_NEXT_KINDS, cached_hf_greedy, check_against_hf, random_
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.llm_engine import LLMEngine
+from nanoinfer.layers.attention.metadata import AttentionMetadata
 from nanoinfer.layers.sampler import exponential_race, noise_keys, verify_drafts
 from nanoinfer.sampling_params import RequestOutputKind
 from nanoinfer.spec_decode.config import SpeculativeConfig, parse_speculative_config
@@ -368,3 +369,32 @@ def test_models_with_recurrent_state_get_no_drafts(model_dir):
     llm = make_llm(d, ngram(3))
     assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
     assert llm.llm_engine.scheduler.proposer is None and llm.llm_engine.spec_decode_stats.num_drafts == 0
+
+
+@pytest.mark.parametrize("window, soft_cap", [(None, None), (5, None), (None, 20.0)])
+def test_cpu_backend_runs_short_query_runs_through_the_decode_kernel(window, soft_cap, monkeypatch):
+    """A verification step (sequences of 1 to 4 new tokens at the end of cached contexts) attends as the per-sequence
+    SDPA path does, every query row as a decode query over its own prefix."""
+    from nanoinfer.layers.attention import cpu
+
+    backend = cpu.CPUAttentionBackend(torch.float32)
+    if not backend.decode_kernel:
+        pytest.skip("the CPU decode kernel is not built")
+    g = torch.Generator().manual_seed(0)
+    new, ctx = [4, 1, 3], [21, 9, 16]
+    k_cache, v_cache = (torch.randn(12, 8, 2, 16, generator=g) for _ in range(2))
+    tables = torch.tensor([[3, 7, 1], [5, 2, -1], [0, 9, -1]], dtype=torch.int32)
+    cu_q = torch.tensor([0, 4, 5, 8], dtype=torch.int32)
+
+    def attend(kernel_rows: int) -> torch.Tensor:
+        monkeypatch.setattr(cpu, "KERNEL_MAX_QUERY_ROWS", kernel_rows)
+        meta = AttentionMetadata(slot_mapping=torch.zeros(8, dtype=torch.int64), block_tables=tables,
+                                 context_lens=torch.tensor(ctx, dtype=torch.int32), cu_seqlens_q=cu_q,
+                                 cu_seqlens_k=torch.tensor([0, 21, 30, 46], dtype=torch.int32), max_seqlen_q=4,
+                                 max_seqlen_k=21, block_size=8, has_cached_prefix=True)
+        backend.prepare(meta)
+        assert (meta.backend_state.row_context_lens is not None) == (kernel_rows > 0)
+        q = torch.randn(sum(new), 4, 16, generator=torch.Generator().manual_seed(1))
+        return backend.forward(q, None, None, k_cache, v_cache, meta, 0.25, window, soft_cap)
+
+    torch.testing.assert_close(attend(8), attend(0), atol=1e-5, rtol=1e-5)
