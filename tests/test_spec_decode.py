@@ -50,22 +50,38 @@ def test_proposer_takes_the_longest_ngram_and_its_latest_occurrence():
     #        0  1  2  3  4  5  6  7  8  9  10 11 12 13 14
     tokens = [1, 2, 3, 4, 9, 2, 3, 5, 6, 7, 1, 2, 3, 8, 8, 1, 2, 3]
     # The 3-gram 1 2 3 occurs at 0 and at 10: the later one's followers; the 2-gram 2 3 also at 5 (shorter: not used).
-    assert proposer().propose(tokens, 5) == [8, 8, 1]
-    assert proposer(k=5).propose(tokens, 2) == [8, 8]  # the step's limit
-    assert proposer(k=5).propose(tokens, 10) == [8, 8, 1, 2, 3]  # up to the end of the context
-    assert proposer(lookup_max=2).propose(tokens, 5) == [8, 8, 1]  # 2 3 latest at 11
-    assert proposer(lookup_max=1).propose([5, 6, 5, 7, 5], 3) == [7, 5]  # the latest 5 is followed by 7 5
+    assert proposer().propose(0, tokens, 5) == [8, 8, 1]
+    assert proposer(k=5).propose(0, tokens, 2) == [8, 8]  # the step's limit
+    assert proposer(k=5).propose(0, tokens, 10) == [8, 8, 1, 2, 3]  # up to the end of the context
+    assert proposer(lookup_max=2).propose(0, tokens, 5) == [8, 8, 1]  # 2 3 latest at 11
+    assert proposer(lookup_max=1).propose(0, [5, 6, 5, 7, 5], 3) == [7, 5]  # the latest 5 is followed by 7 5
 
 
 def test_proposer_respects_the_lookup_bounds_and_proposes_nothing_without_a_match():
-    assert proposer().propose([1, 2, 3, 4], 3) == []
-    assert proposer().propose([7], 3) == []
-    assert proposer().propose([7, 7], 3) == [7]
+    assert proposer().propose(0, [1, 2, 3, 4], 3) == []
+    assert proposer().propose(0, [7], 3) == []
+    assert proposer().propose(0, [7, 7], 3) == [7]
     # The 1-gram 3 recurs, but no 2-gram does: min 2 proposes nothing.
-    assert proposer(lookup_min=1).propose([3, 1, 2, 3], 3) == [1, 2, 3]
-    assert proposer(lookup_min=2).propose([3, 1, 2, 3], 3) == []
+    assert proposer(lookup_min=1).propose(0, [3, 1, 2, 3], 3) == [1, 2, 3]
+    assert proposer(lookup_min=2).propose(0, [3, 1, 2, 3], 3) == []
     # A 4-gram match longer than lookup_max counts as a lookup_max-gram.
-    assert proposer(lookup_max=2, lookup_min=2).propose([1, 2, 3, 4, 0, 1, 2, 3, 4], 2) == [0, 1]
+    assert proposer(lookup_max=2, lookup_min=2).propose(0, [1, 2, 3, 4, 0, 1, 2, 3, 4], 2) == [0, 1]
+
+
+def test_proposer_extends_each_sequences_context_and_forgets_finished_ones(qwen3_dir):
+    p = proposer()
+    tokens = [1, 2, 3, 9, 1, 2]
+    assert p.propose(7, tokens, 3) == [3, 9, 1]
+    assert p.propose(8, [4, 5, 4], 3) == [5, 4]  # another sequence: its own context
+    tokens += [3, 9]  # appended since: the 4-gram 1 2 3 9 recurs
+    assert p.propose(7, tokens, 3) == [1, 2, 3]
+    tokens += list(range(100, 400)) + [9, 1]  # past the first buffer
+    assert p.propose(7, tokens, 3) == proposer().propose(0, tokens, 3) == [2, 3, 9]
+    p.forget(7)
+    assert list(p.contexts) == [8]
+    llm = make_llm(qwen3_dir, ngram(3))
+    llm.generate([CANDIDATES[15]] * 3, GREEDY, use_tqdm=False)
+    assert llm.llm_engine.scheduler.proposer.contexts == {}
 
 
 # ---- the config ----
@@ -228,14 +244,18 @@ def test_stops_inside_an_accepted_run(qwen3_dir, monkeypatch):
 
 
 def test_logprobs_n_seeds_and_streaming_equal_a_plain_run(qwen3_dir):
-    """Random sampling (temperature, top-k, top-p, min-p) with per-request seeds and n = 2, and logprobs: the
-    samples, logprobs and cumulative logprobs are a plain run's (the verifier samples each position with the plain
-    run's noise key); streamed as deltas, the pieces add up to the plain run's tokens."""
-    prompts = [CANDIDATES[i] for i in (15, 6, 20)]
+    """Random sampling (temperature, top-k, top-p, min-p) with per-request seeds and n = 2, logit_bias,
+    allowed_token_ids and logprobs: the samples, logprobs and cumulative logprobs are a plain run's (the verifier
+    samples each position with the plain run's noise key); streamed as deltas, the pieces add up to the plain run's
+    tokens."""
+    prompts = [CANDIDATES[i] for i in (15, 6, 20, 15, 15)]
     params = [SamplingParams(n=2, temperature=0.3, top_k=20, top_p=0.95, seed=5, max_tokens=32, logprobs=2,
                              ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=32, logprobs=3, ignore_eos=True),
-              SamplingParams(temperature=0.5, min_p=0.05, seed=9, max_tokens=32, ignore_eos=True)]
+              SamplingParams(temperature=0.5, min_p=0.05, seed=9, max_tokens=32, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logit_bias={18: 3.0, 296: -2.0}),
+              SamplingParams(temperature=0.8, seed=4, max_tokens=32, ignore_eos=True,
+                             allowed_token_ids=list(range(0, 512, 3)) + [18, 296])]
     delta = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
     def run(llm: LLM) -> tuple[list, list[int]]:

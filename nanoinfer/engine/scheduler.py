@@ -123,7 +123,7 @@ class Scheduler:
         limit = min(budget - 1 - num_later, seq.max_tokens - seq.num_completion_tokens - 1)
         if limit <= 0:
             return []
-        drafts = self.proposer.propose(seq.token_ids, limit)
+        drafts = self.proposer.propose(seq.seq_id, seq.token_ids, limit)
         return drafts[:self.block_manager.append_lookahead_slots(seq, len(drafts), num_later)] if drafts else drafts
 
     def _take_with_drafts(self, batch: ScheduledBatch, seq: Sequence, drafts: list[int]) -> int:
@@ -190,6 +190,8 @@ class Scheduler:
             self.block_manager.free(seq)
         self.freed_seq_ids.append(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
+        if self.proposer is not None:
+            self.proposer.forget(seq.seq_id)
 
     def abort_all(self) -> None:
         for seq in (*self.running, *self.waiting):
