@@ -10,7 +10,7 @@ import torch
 
 from cuda_fakes import capture_eager_graphs
 from models import QWEN3_NEXT_KINDS, cached_hf_greedy, check_against_hf, random_prompts
-from nanoinfer import LLM, SamplingParams
+from nanoinfer import LLM, SamplingParams, StructuredOutputsParams
 from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.layers.attention.metadata import AttentionMetadata
@@ -291,25 +291,29 @@ def test_seeded_sampling_distribution_equals_a_plain_runs(qwen3_dir):
 
 
 def test_rows_whose_distribution_depends_on_the_drafts_get_none(qwen3_dir):
-    """Penalties, bad words and structured outputs: no drafts for such rows, others in the batch still get them."""
+    """Penalties, bad words and structured outputs: no drafts for such rows; the others in the batch still get them,
+    and every output is a plain run's."""
     prompt = CANDIDATES[15]
+    plain_text = make_llm(qwen3_dir).generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].text
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3),
               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, presence_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, bad_words=[plain_text[4:8].strip()]),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                             structured_outputs=StructuredOutputsParams(regex=r"[a-z ]{1,30}")),
               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]
-    expected = token_ids(make_llm(qwen3_dir).generate([prompt] * 3, params, use_tqdm=False))
+    expected = token_ids(make_llm(qwen3_dir).generate([prompt] * len(params), params, use_tqdm=False))
     spec = make_llm(qwen3_dir, ngram(3))
-    drafted = set()
+    drafted: set[int] = set()
     schedule = spec.llm_engine.scheduler.schedule
 
     def recording_schedule():
         batch = schedule()
-        drafted.update(batch.seqs[i].params.repetition_penalty for i in batch.draft_token_ids)
-        drafted.update(batch.seqs[i].params.presence_penalty for i in batch.draft_token_ids)
+        drafted.update(int(batch.seqs[i].request_id.rsplit("-", 1)[-1]) % len(params) for i in batch.draft_token_ids)
         return batch
 
     spec.llm_engine.scheduler.schedule = recording_schedule
-    assert token_ids(spec.generate([prompt] * 3, params, use_tqdm=False)) == expected
-    assert drafted == {1.0, 0.0}  # only the unpenalized row's
+    assert token_ids(spec.generate([prompt] * len(params), params, use_tqdm=False)) == expected
+    assert drafted == {len(params) - 1}  # only the last, unconstrained row's
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graph-runner"])
