@@ -166,15 +166,16 @@ class InputBatch:
             has_cached_prefix=bool(ends.sum() > num_tokens),
         )
         sampled = np.array(samples, dtype=bool)
+        sampled_seq_rows = rows[sampled]
         if drafts:
             sample_rows = self._sample_drafts(batch, rows, ends, cu_q, sampled)
         else:
-            self.sampled_rows, self.sampled_positions = rows[sampled], ends[sampled]
+            self.sampled_rows, self.sampled_positions = sampled_seq_rows, ends[sampled]
             sample_rows = cu_q[1:][sampled] - 1
         if self.lora_slots is not None:
             self.lora_mapping = self.lora_slots.mapping(rows, num_new)
         if self.feed_sampled_ids:
-            h["sampled_rows"][:np.count_nonzero(sampled)] = rows[sampled]
+            h["sampled_rows"][:len(sampled_seq_rows)] = sampled_seq_rows  # once per sequence: see record_verified
             fed = (num_new == 1) & (self.sampled_at[rows] == starts)
             self.num_fed = np.count_nonzero(fed)
             h["fed_index"][:self.num_fed] = cu_q[:-1][fed]
