@@ -89,7 +89,8 @@ class CPUAttentionBackend:
                     [], meta.block_tables[:, :num_blocks].clamp_min(0).flatten(),
                     (slots < meta.context_lens.unsqueeze(1)).view(meta.num_seqs, 1, 1, -1))
             return
-        if (self.decode_kernel and meta.causal and meta.slot_mapping is not None
+        # Only over a cached prefix: a step of fresh prompts may be the warm-up that runs before the cache exists.
+        if (self.decode_kernel and meta.causal and meta.has_cached_prefix and meta.slot_mapping is not None
                 and meta.max_seqlen_q <= KERNEL_MAX_QUERY_ROWS):
             meta.backend_state = _query_rows_as_decodes(meta)
             return
