@@ -422,3 +422,27 @@ def test_cpu_backend_runs_short_query_runs_through_the_decode_kernel(window, sof
         return backend.forward(q, None, None, k_cache, v_cache, meta, 0.25, window, soft_cap)
 
     torch.testing.assert_close(attend(8), attend(0), atol=1e-5, rtol=1e-5)
+
+
+def test_verification_never_synchronises_with_the_device():
+    """Sampling every drafted position and counting accepted drafts on the meta device, where any host
+    synchronisation raises (see tests/test_sampling.py's meta_runner)."""
+    from test_sampling import meta_runner
+
+    from nanoinfer.engine.scheduler import ScheduledBatch
+    from nanoinfer.engine.sequence import Sequence
+
+    params = [SamplingParams(temperature=0.0, logprobs=1, logit_bias={3: 1.5}),
+              SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=3, min_tokens=6, stop_token_ids=[7]),
+              SamplingParams(temperature=0.0)]
+    seqs = [Sequence([1, 2, 3, 2, 1], p, 4, eos_token_ids=frozenset({0})) for p in params]
+    for seq in seqs:
+        seq.num_computed_tokens, seq.block_table = len(seq) - 1, [0, 1, 2]
+    batch = ScheduledBatch(seqs, [3, 1, 4], samples=[True] * 3, draft_token_ids={0: [2, 3], 2: [2, 3, 1]})
+    runner = meta_runner()
+    runner.input_batch.prepare(batch, batch.samples)
+    expanded = [seqs[0]] * 3 + [seqs[1]] + [seqs[2]] * 4
+    out = runner.sample(expanded, torch.empty(8, 97, device="meta"))
+    num_accepted, last_tokens, first = runner._verify(batch, [0, 1, 2], out.token_ids)
+    assert num_accepted.device.type == last_tokens.device.type == "meta" and num_accepted.shape == (3,)
+    assert first.tolist() == [0, 3, 4] and runner.input_batch.sampled_positions.tolist() == [5, 6, 7, 5, 5, 6, 7, 8]

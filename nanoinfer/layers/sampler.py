@@ -132,7 +132,7 @@ def verify_drafts(token_ids: torch.Tensor, draft_ids: torch.Tensor, seq_index: t
     with probability p(d); else the sampled token, which given a rejection is distributed as p without d,
     renormalized, is what the sequence emits there. This is the rejection rule min(1, p/q) for a draft
     distribution q that puts all its mass on d, and the emitted tokens are exactly those a plain run samples."""
-    missed = torch.where(token_ids == draft_ids, offsets.new_tensor(len(offsets)), offsets)
+    missed = torch.where(token_ids == draft_ids, len(offsets), offsets)  # a Python scalar: no host-to-device copy
     first_miss = torch.full((num_seqs,), len(offsets), dtype=offsets.dtype, device=offsets.device)
     return first_miss.scatter_reduce_(0, seq_index, missed, "amin")
 
