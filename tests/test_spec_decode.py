@@ -11,6 +11,7 @@ import torch
 from cuda_fakes import capture_eager_graphs
 from models import QWEN3_NEXT_KINDS, cached_hf_greedy, check_against_hf, random_prompts
 from nanoinfer import LLM, SamplingParams, StructuredOutputsParams
+from nanoinfer.engine import model_runner
 from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.layers.attention.metadata import AttentionMetadata
@@ -288,6 +289,38 @@ def test_seeded_sampling_distribution_equals_a_plain_runs(qwen3_dir):
     assert token_ids(spec.generate(prompts, params, use_tqdm=False)) == expected
     assert len({tuple(t[0]) for t in expected}) > 3  # really sampled: the samples differ
     assert spec.llm_engine.spec_decode_stats.num_accepted_tokens > 0
+
+
+def test_unseeded_sampling_distribution_matches_a_plain_runs(qwen3_dir, monkeypatch):
+    """Without request seeds, runs with different engine seeds draw different noise. What rejection sampling must
+    preserve is how often the sampled token equals the n-gram draft (p(d)): over 300 samples x 12 positions it is the
+    same with drafts as without, within sampling noise, while a verifier that accepts every draft inflates it."""
+    params = SamplingParams(temperature=0.4, max_tokens=12, ignore_eos=True)
+    prompt = CANDIDATES[15]
+
+    def copy_rate(llm: LLM) -> float:
+        """The share of positions with an n-gram proposal whose token equals its first draft."""
+        hits = trials = 0
+        for i, out in enumerate(llm.generate([prompt] * 300, params, use_tqdm=False)):
+            tokens, drafter = prompt + out.outputs[0].token_ids, proposer(k=1)
+            for t in range(len(prompt), len(tokens)):
+                if draft := drafter.propose(i, tokens[:t], 1):
+                    hits, trials = hits + (draft[0] == tokens[t]), trials + 1
+        return hits / trials
+
+    plain = copy_rate(make_llm(qwen3_dir, seed=0))
+    spec_llm = make_llm(qwen3_dir, ngram(3), seed=1)
+    spec = copy_rate(spec_llm)
+    assert spec_llm.llm_engine.spec_decode_stats.num_accepted_tokens > 40
+    assert abs(spec - plain) < 0.04, (spec, plain)
+
+    def accept_every_draft(token_ids, draft_ids, *args):  # emits the drafts themselves, as sampled tokens
+        token_ids.copy_(torch.where(draft_ids >= 0, draft_ids, token_ids))
+        return verify_drafts(token_ids, draft_ids, *args)
+
+    monkeypatch.setattr(model_runner, "verify_drafts", accept_every_draft)
+    wrong = copy_rate(make_llm(qwen3_dir, ngram(3), seed=1))
+    assert wrong > plain + 0.1, (wrong, plain)
 
 
 def test_rows_whose_distribution_depends_on_the_drafts_get_none(qwen3_dir):
