@@ -23,7 +23,7 @@ from nanoinfer.spec_decode.ngram import NgramProposer
 MAX_TOKENS = 48
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # Random-weight models fall into loops on some prompts: these are prompts whose greedy output repeats itself,
-# so that n-gram drafts get accepted (index 0 is an ordinary one).
+# so that n-gram drafts get accepted (and a few ordinary ones).
 CANDIDATES = random_prompts(40, 5, 440, 2, 24, seed=11)
 REPETITIVE = {"qwen3": [15, 6, 20, 0], "qwen2": [20, 35, 10, 0], "llama": [39, 26, 25, 9]}
 
