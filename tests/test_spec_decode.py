@@ -85,6 +85,29 @@ def test_proposer_extends_each_sequences_context_and_forgets_finished_ones(qwen3
     assert llm.llm_engine.scheduler.proposer.contexts == {}
 
 
+@pytest.mark.parametrize("num_blocks, budget, drafts", [(9, 8, [0, 4]), (10, 4, [2, 0]), (10, 12, [4, 4])])
+def test_drafts_shrink_to_the_budget_and_the_free_blocks_and_never_preempt(num_blocks, budget, drafts):
+    """Two decoding sequences of 16 tokens (4 full blocks each) with 4 drafts proposed: a draft needs a fifth block.
+    Drafts leave one budget token and one free block for each later running sequence, and shrink or vanish."""
+    from types import SimpleNamespace
+
+    from nanoinfer.engine.scheduler import Scheduler
+    from nanoinfer.engine.sequence import Sequence, SequenceStatus
+
+    config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=budget, kvcache_block_size=4,
+                             enable_prefix_caching=True)
+    scheduler = Scheduler(config, num_blocks, speculative=SpeculativeConfig(5, 2, 1))
+    for _ in range(2):
+        seq = Sequence([1, 2, 3, 4] * 4, SamplingParams(temperature=0, max_tokens=20), 4)
+        scheduler.block_manager.allocate(seq)
+        seq.num_computed_tokens, seq.status = len(seq) - 1, SequenceStatus.RUNNING
+        scheduler.running.append(seq)
+    batch = scheduler.schedule()
+    assert [len(batch.draft_token_ids.get(i, ())) for i in range(2)] == drafts
+    assert batch.num_new_tokens == [1 + d for d in drafts] and scheduler.num_preemptions == 0
+    assert all(batch.draft_token_ids[i] == [1, 2, 3, 4][:d] for i, d in enumerate(drafts) if d)
+
+
 # ---- the config ----
 
 @pytest.mark.parametrize("config, match", [
