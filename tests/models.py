@@ -120,7 +120,8 @@ MODEL_KINDS = ("qwen3", "qwen3-untied", "qwen2", "llama")  # the 4 main architec
 # Qwen3-Next: Gated DeltaNet + gated attention layers, a dense MLP and sparse MoE ones.
 QWEN3_NEXT_KINDS = ("qwen3-next",)
 # Gemma 3: sliding and full layers with different ropes, (1 + weight) norms, GeLU-tanh, final-logit softcapping.
-# Gemma 2: Gemma 3's layout without q/k norms, one rope, attention-logit softcapping.
+# Gemma 2: Gemma 3's layout without q/k norms, one rope, attention-logit softcapping. Gemma: two norms per layer, no
+# softcapping, no window, one KV head (as Gemma-2B).
 # Phi-3: fused qkv_proj / gate_up_proj, partial rotary, longrope, a window on every layer.
 # Granite: embedding, attention, residual and logit multipliers. SmolLM3: a NoPE layer, windowed.
 # OLMo 2: RMSNorms over the whole q / k projections, norms after the sublayers. OLMo 3: plus sliding and full layers
@@ -136,7 +137,7 @@ QWEN3_NEXT_KINDS = ("qwen3-next",)
 LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox")
 LAYER_NORM_EPS = 1e-3
 EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS
-               + ("gemma3", "gemma2", "phi3", "granite", "smollm3", "olmo2", "olmo3")
+               + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3")
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared") + LAYERNORM_KINDS)
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "gemma2": 11, "phi3": 24,
@@ -174,8 +175,8 @@ _COMMON = dict(
 )
 
 _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678, "qwen2-swa": 6789,
-          "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, "gemma3": 1357, "gemma2": 1470, "phi3": 2468,
-          "granite": 3579, "smollm3": 4680, "olmo2": 1470, "olmo3": 2581, OLMO2_MQA_KIND: 3692, "mixtral": 3581,
+          "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, "gemma3": 1357, "gemma2": 1470, "gemma": 1581,
+          "phi3": 2468, "granite": 3579, "smollm3": 4680, "olmo2": 1470, "olmo3": 2581, OLMO2_MQA_KIND: 3692, "mixtral": 3581,
           "qwen2-moe": 4681, "granitemoe": 5791, "granitemoe-shared": 6802, ODD_KIND: 9012, "starcoder2": 7913,
           "stablelm": 8024, "phi": 9135, "gpt-neox": 1246}
 
@@ -187,10 +188,11 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (Gemma2Config, Gemma3TextConfig, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig,
-                              GraniteMoeSharedConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config,
-                              Olmo3Config, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig, Qwen3NextConfig, SmolLM3Config, StableLmConfig, Starcoder2Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GPTNeoXConfig, GraniteConfig,
+                              GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              Olmo2Config, Olmo3Config, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig, SmolLM3Config, StableLmConfig,
+                              Starcoder2Config)
 
     ids = _token_ids()
     special = dict(
@@ -328,6 +330,17 @@ def make_config(kind: str):
             norm_topk_prob=True,
             decoder_sparse_step=1,
             mlp_only_layers=[0],
+        )
+    if kind == "gemma":
+        return GemmaConfig(
+            **{k: v for k, v in _COMMON.items() if k != "hidden_act"},
+            **special,
+            hidden_act="gelu_pytorch_tanh",
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
         )
     gemma = dict(  # Gemma 2 and 3
         **{k: v for k, v in _COMMON.items() if k != "hidden_act"},
@@ -534,7 +547,7 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
     torch.manual_seed(_SEEDS[base_kind])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize_(model, _SEEDS[base_kind])
-    if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2"):
+    if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2", "gemma"):
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
     if config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()

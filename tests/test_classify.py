@@ -59,8 +59,8 @@ def classifiers(model_dir, tmp_path_factory):
     return lambda kind, num_labels: classifier_dir(model_dir(kind), root / f"{kind}-{num_labels}", num_labels)
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama", "mistral", "qwen3-moe", "gemma2", "phi3", "phi", "gpt-neox",
-                                  "starcoder2"])
+@pytest.mark.parametrize("kind", ["qwen3", "llama", "mistral", "qwen3-moe", "gemma2", "gemma", "phi3", "phi",
+                                  "gpt-neox", "starcoder2"])
 def test_classify_matches_transformers(kind, classifiers, report_logit_diff):
     d = classifiers(kind, 3)
     ref = hf_label_logits(d, PROMPTS)

@@ -20,7 +20,7 @@ LOGIT_ATOL = 1e-4
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2", "granite", "smollm3", *LAYERNORM_KINDS])
+@pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2", "gemma", "granite", "smollm3", *LAYERNORM_KINDS])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): each holds half the heads and MLP; windows, ropes and norms per rank."""
     d = model_dir(kind)
@@ -79,6 +79,7 @@ def test_gemma3_hub_config_layout_matches_hf(model_dir, tmp_path, captured_logit
     ("gemma3", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
     ("gemma3", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
     ("gemma2", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
+    ("gemma", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
 ])
 def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes, message):
     d = edited_model(model_dir(kind), tmp_path / "m", **changes)

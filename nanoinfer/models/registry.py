@@ -4,6 +4,7 @@ import importlib
 from torch import nn
 
 _MODELS = {
+    "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
@@ -29,7 +30,7 @@ _MODELS = {
 
 # Sequence classification (see classification.py) over the decoder of the causal LM of the same family.
 _CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM" for family in (
-    "Gemma2", "GPTNeoX", "Llama", "Mistral", "Mixtral", "Olmo2", "Olmo3", "Phi", "Phi3", "Qwen2", "Qwen2Moe", "Qwen3",
+    "Gemma", "Gemma2", "GPTNeoX", "Llama", "Mistral", "Mixtral", "Olmo2", "Olmo3", "Phi", "Phi3", "Qwen2", "Qwen2Moe", "Qwen3",
     "Qwen3Moe", "SmolLM3", "Starcoder2")} | {"Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}
 
 
