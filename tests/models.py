@@ -134,7 +134,8 @@ QWEN3_NEXT_KINDS = ("qwen3-next",)
 # biases, per-head q/k LayerNorms (GQA), the parallel residual with one norm, a quarter of each head rotated. Phi:
 # the same residual, q/k LayerNorms shared by the heads, biases everywhere (the LM head's too), "gelu_new". GPT-NeoX:
 # the per-head fused query_key_value, the parallel residual with two norms, a quarter rotated, exact GeLU.
-LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox")
+# Cohere: the parallel residual with one bias-free norm, per-head q/k LayerNorms (GQA), interleaved rope, logit_scale.
+LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere")
 LAYER_NORM_EPS = 1e-3
 EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3")
@@ -178,7 +179,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, "gemma3": 1357, "gemma2": 1470, "gemma": 1581,
           "phi3": 2468, "granite": 3579, "smollm3": 4680, "olmo2": 1470, "olmo3": 2581, OLMO2_MQA_KIND: 3692, "mixtral": 3581,
           "qwen2-moe": 4681, "granitemoe": 5791, "granitemoe-shared": 6802, ODD_KIND: 9012, "starcoder2": 7913,
-          "stablelm": 8024, "phi": 9135, "gpt-neox": 1246}
+          "stablelm": 8024, "phi": 9135, "gpt-neox": 1246, "cohere": 2357}
 
 
 def _token_ids():
@@ -188,7 +189,7 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GPTNeoXConfig, GraniteConfig,
+    from transformers import (CohereConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, GPTNeoXConfig, GraniteConfig,
                               GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig, MistralConfig, MixtralConfig,
                               Olmo2Config, Olmo3Config, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig,
                               Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig, SmolLM3Config, StableLmConfig,
@@ -500,6 +501,10 @@ def make_config(kind: str):
     if kind == "gpt-neox":  # rotary_pct: the Hub configs' name, which transformers moves into rope_parameters
         return GPTNeoXConfig(**layernorm, hidden_act="gelu", use_parallel_residual=True, attention_bias=True,
                              rotary_pct=0.25, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "cohere":  # no biases at all; logit_scale away from 1
+        del layernorm["tie_word_embeddings"]
+        return CohereConfig(**layernorm, num_key_value_heads=2, hidden_act="silu", use_qk_norm=True, logit_scale=0.5,
+                            tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND, OLMO2_MQA_KIND)}")
 
 

@@ -162,3 +162,25 @@ def test_stablelm_per_head_norm_takes_the_heads_its_rank_holds():
             for h, norm in enumerate(hf.norms):
                 ours.weight_loader(ours.weight, norm.weight.data, h)
             assert torch.allclose(ours(x[:, heads]), expected[:, heads], atol=1e-6), (shard_id, rank, heads)
+
+
+def test_interleaved_rope_is_transformers_cohere_and_glm4():
+    """The interleaved layout rotates the pairs (x0, x1), (x2, x3), ... as transformers' Cohere (whole head) and
+    GLM-4 (its leading half; the rest passes through) do, at positions out of order."""
+    from transformers.models.cohere.modeling_cohere import apply_rotary_pos_emb as cohere_rope
+    from transformers.models.glm4.modeling_glm4 import apply_rotary_pos_emb as glm4_rope
+
+    from nanoinfer.layers.rotary_embedding import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(0)
+    head_dim, positions = 32, torch.tensor([17, 0, 99, 5])
+    q, k = torch.randn(4, 3, head_dim, generator=g), torch.randn(4, 1, head_dim, generator=g)
+    for rotary_dim, hf_rope in ((head_dim, cohere_rope), (head_dim // 2, glm4_rope)):
+        inv_freq = 1.0 / 1e4 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+        freqs = positions[:, None].float() * inv_freq
+        # Each model's table layout: Cohere repeats each frequency in place, GLM-4 concatenates two copies.
+        emb = freqs.repeat_interleave(2, -1) if hf_rope is cohere_rope else torch.cat((freqs, freqs), -1)
+        hf_q, hf_k = hf_rope(q.transpose(0, 1)[None], k.transpose(0, 1)[None], emb.cos()[None], emb.sin()[None])
+        ours_q, ours_k = RotaryEmbedding(head_dim, 100, inv_freq, interleaved=True)(positions, q, k)
+        assert torch.allclose(ours_q, hf_q[0].transpose(0, 1), atol=1e-6), rotary_dim
+        assert torch.allclose(ours_k, hf_k[0].transpose(0, 1), atol=1e-6), rotary_dim

@@ -31,6 +31,7 @@ class AttentionOptions:
     scale: float | None = None
     rope_layer_type: str | None = None
     rope: bool = True  # SmolLM3's NoPE layers: no position encoding at all
+    rope_interleaved: bool = False  # Cohere, GLM: rope rotates the pairs (x0, x1), (x2, x3), ...
     logits_soft_cap: float | None = None  # Gemma 2: scores capped to cap * tanh(score / cap)
 
 
@@ -60,8 +61,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // self.q_factor, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, options.o_bias)
-        self.rotary_emb = (get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type)
-                           if options.rope else None)
+        self.rotary_emb = (get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type,
+                                    options.rope_interleaved) if options.rope else None)
         scale = self.head_dim ** -0.5 if options.scale is None else options.scale
         self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window,
                               options.logits_soft_cap)

@@ -4,6 +4,7 @@ import importlib
 from torch import nn
 
 _MODELS = {
+    "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
     "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
