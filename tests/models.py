@@ -126,6 +126,8 @@ QWEN3_NEXT_KINDS = ("qwen3-next",)
 # Granite: embedding, attention, residual and logit multipliers. SmolLM3: a NoPE layer, windowed.
 # OLMo 2: RMSNorms over the whole q / k projections, norms after the sublayers. OLMo 3: plus sliding and full layers
 # with different ropes.
+# GLM-4-0414: four norms per layer (Gemma 2's order), interleaved rope over half of each head, fused gate_up_proj,
+# q/k/v biases. GLM-4 (v1): the same without the norms after the sublayers, a quarter of each head rotated, MQA.
 # Mixtral: a window on every layer and 2 of 8 experts per token on every layer, renormalized. Qwen2-MoE: 2 of 8
 # experts (not renormalized) plus a gated shared expert on layers 0 and 2, layer 1 dense. Granite MoE: Granite's
 # multipliers around 2 of 8 experts (and, shared, an ungated shared expert).
@@ -138,7 +140,7 @@ QWEN3_NEXT_KINDS = ("qwen3-next",)
 LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere")
 LAYER_NORM_EPS = 1e-3
 EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS
-               + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3")
+               + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared") + LAYERNORM_KINDS)
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "gemma2": 11, "phi3": 24,
@@ -179,7 +181,8 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, "gemma3": 1357, "gemma2": 1470, "gemma": 1581,
           "phi3": 2468, "granite": 3579, "smollm3": 4680, "olmo2": 1470, "olmo3": 2581, OLMO2_MQA_KIND: 3692, "mixtral": 3581,
           "qwen2-moe": 4681, "granitemoe": 5791, "granitemoe-shared": 6802, ODD_KIND: 9012, "starcoder2": 7913,
-          "stablelm": 8024, "phi": 9135, "gpt-neox": 1246, "cohere": 2357}
+          "stablelm": 8024, "phi": 9135, "gpt-neox": 1246, "cohere": 2357,
+          "glm4": 3468, "glm": 4579}
 
 
 def _token_ids():
@@ -189,11 +192,11 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (CohereConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, GPTNeoXConfig, GraniteConfig,
-                              GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig, MistralConfig, MixtralConfig,
-                              Olmo2Config, Olmo3Config, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig,
-                              Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig, SmolLM3Config, StableLmConfig,
-                              Starcoder2Config)
+    from transformers import (CohereConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig,
+                              GPTNeoXConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig,
+                              MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config, PhiConfig,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
+                              SmolLM3Config, StableLmConfig, Starcoder2Config)
 
     ids = _token_ids()
     special = dict(
@@ -432,6 +435,18 @@ def make_config(kind: str):
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                              "full_attention": {"rope_type": "yarn", "rope_theta": 500_000.0, "factor": 8.0,
                                                 "original_max_position_embeddings": 64}},
+        )
+    if kind in ("glm4", "glm"):
+        return (Glm4Config if kind == "glm4" else GlmConfig)(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2 if kind == "glm4" else 1,
+            head_dim=32,
+            tie_word_embeddings=False,
+            attention_bias=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                             "partial_rotary_factor": 0.5 if kind == "glm4" else 0.25},
         )
     if kind == "mixtral":
         return MixtralConfig(

@@ -6,7 +6,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.attention import AttentionMetadata
-from nanoinfer.layers.layernorm import GemmaRMSNorm
+from nanoinfer.layers.layernorm import GemmaRMSNorm, RMSNorm
 from nanoinfer.models import gemma
 from nanoinfer.models.llama import AttentionOptions, LlamaDecoderLayer, LlamaMLP, layer_sliding_window
 
@@ -29,12 +29,15 @@ def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOpti
 
 
 class Gemma2DecoderLayer(LlamaDecoderLayer):
-    """Norms around both the attention and the MLP: the residual adds the post-norm outputs."""
+    """Norms around both the attention and the MLP: the residual adds the post-norm outputs (GLM-4's layer too,
+    with its own kind of norm)."""
+
+    norm_class: type[RMSNorm] = GemmaRMSNorm
 
     def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module):
-        super().__init__(config, options, mlp, GemmaRMSNorm)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        super().__init__(config, options, mlp, self.norm_class)
+        self.pre_feedforward_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

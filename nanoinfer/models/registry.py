@@ -8,6 +8,8 @@ _MODELS = {
     "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "GlmForCausalLM": ("glm", "GlmForCausalLM"),
+    "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "GraniteMoeForCausalLM": ("granitemoe", "GraniteMoeForCausalLM"),
@@ -31,8 +33,8 @@ _MODELS = {
 
 # Sequence classification (see classification.py) over the decoder of the causal LM of the same family.
 _CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM" for family in (
-    "Gemma", "Gemma2", "GPTNeoX", "Llama", "Mistral", "Mixtral", "Olmo2", "Olmo3", "Phi", "Phi3", "Qwen2", "Qwen2Moe", "Qwen3",
-    "Qwen3Moe", "SmolLM3", "Starcoder2")} | {"Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}
+    "Gemma", "Gemma2", "Glm", "Glm4", "GPTNeoX", "Llama", "Mistral", "Mixtral", "Olmo2", "Olmo3", "Phi", "Phi3",
+    "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe", "SmolLM3", "Starcoder2")} | {"Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
