@@ -137,7 +137,8 @@ QWEN3_NEXT_KINDS = ("qwen3-next",)
 # the same residual, q/k LayerNorms shared by the heads, biases everywhere (the LM head's too), "gelu_new". GPT-NeoX:
 # the per-head fused query_key_value, the parallel residual with two norms, a quarter rotated, exact GeLU.
 # Cohere: the parallel residual with one bias-free norm, per-head q/k LayerNorms (GQA), interleaved rope, logit_scale.
-LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere")
+# GPT-2: learned absolute positions, Conv1D (transposed) weights, the fused c_attn, "gelu_new", tied.
+LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2")
 LAYER_NORM_EPS = 1e-3
 EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
@@ -179,10 +180,10 @@ _COMMON = dict(
 
 _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678, "qwen2-swa": 6789,
           "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, "gemma3": 1357, "gemma2": 1470, "gemma": 1581,
-          "phi3": 2468, "granite": 3579, "smollm3": 4680, "olmo2": 1470, "olmo3": 2581, OLMO2_MQA_KIND: 3692, "mixtral": 3581,
-          "qwen2-moe": 4681, "granitemoe": 5791, "granitemoe-shared": 6802, ODD_KIND: 9012, "starcoder2": 7913,
-          "stablelm": 8024, "phi": 9135, "gpt-neox": 1246, "cohere": 2357,
-          "glm4": 3468, "glm": 4579}
+          "phi3": 2468, "granite": 3579, "smollm3": 4680, "olmo2": 1470, "olmo3": 2581, OLMO2_MQA_KIND: 3692,
+          "mixtral": 3581, "qwen2-moe": 4681, "granitemoe": 5791, "granitemoe-shared": 6802, ODD_KIND: 9012,
+          "starcoder2": 7913, "stablelm": 8024, "phi": 9135, "gpt-neox": 1246, "cohere": 2357, "glm4": 3468,
+          "glm": 4579, "gpt2": 5680}
 
 
 def _token_ids():
@@ -193,9 +194,9 @@ def _token_ids():
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
     from transformers import (CohereConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig,
-                              GPTNeoXConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig,
-                              MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config, PhiConfig,
-                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
+                              GPT2Config, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
+                              LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config,
+                              PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
                               SmolLM3Config, StableLmConfig, Starcoder2Config)
 
     ids = _token_ids()
@@ -516,6 +517,10 @@ def make_config(kind: str):
     if kind == "gpt-neox":  # rotary_pct: the Hub configs' name, which transformers moves into rope_parameters
         return GPTNeoXConfig(**layernorm, hidden_act="gelu", use_parallel_residual=True, attention_bias=True,
                              rotary_pct=0.25, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "gpt2":  # GPT2Config's own names: n_embd, n_layer, n_head, n_positions, n_inner
+        return GPT2Config(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=4, n_positions=512, n_inner=128,
+                          activation_function="gelu_new", layer_norm_epsilon=LAYER_NORM_EPS,
+                          initializer_range=INIT_STD, tie_word_embeddings=True, **special)
     if kind == "cohere":  # no biases at all; logit_scale away from 1
         del layernorm["tie_word_embeddings"]
         return CohereConfig(**layernorm, num_key_value_heads=2, hidden_act="silu", use_qk_norm=True, logit_scale=0.5,
@@ -570,7 +575,7 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
     if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2", "gemma"):
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
     if config.tie_word_embeddings:
-        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     model.eval()
     model.save_pretrained(str(dir), max_shard_size=SHARD_SIZE if save_sharded else "50GB")
 

@@ -32,7 +32,7 @@ class GemmaModel(LlamaModel):
     def final_norm(config: PretrainedConfig) -> nn.Module:
         return GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embed_scale
 
 

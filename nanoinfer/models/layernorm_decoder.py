@@ -17,18 +17,28 @@ from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaModel
 
 
 def norm_eps(config: PretrainedConfig) -> float:
-    """The LayerNorms' epsilon: StarCoder2 names it `norm_epsilon`, the others `layer_norm_eps`."""
-    return config.norm_epsilon if hasattr(config, "norm_epsilon") else config.layer_norm_eps
+    """The LayerNorms' epsilon: StarCoder2 names it `norm_epsilon`, GPT-2 `layer_norm_epsilon`, the others
+    `layer_norm_eps`."""
+    for name in ("norm_epsilon", "layer_norm_epsilon"):
+        if hasattr(config, name):
+            return getattr(config, name)
+    return config.layer_norm_eps
 
 
 class DenseMLP(nn.Module):
-    """fc2(act(fc1(x))): StarCoder2's c_fc / c_proj, Phi's fc1 / fc2, GPT-NeoX's dense_h_to_4h / dense_4h_to_h."""
+    """fc2(act(fc1(x))): StarCoder2's and GPT-2's c_fc / c_proj, Phi's fc1 / fc2, GPT-NeoX's dense_h_to_4h /
+    dense_4h_to_h."""
 
-    def __init__(self, config: PretrainedConfig, bias: bool):
+    fc1_class: type[ColumnParallelLinear] = ColumnParallelLinear  # GPT-2's load their transposed weights
+    fc2_class: type[RowParallelLinear] = RowParallelLinear
+
+    def __init__(self, config: PretrainedConfig, bias: bool, intermediate_size: int | None = None,
+                 hidden_act: str | None = None):
         super().__init__()
-        self.fc1 = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias)
-        self.fc2 = RowParallelLinear(config.intermediate_size, config.hidden_size, bias)
-        self.act = get_act(config.hidden_act)
+        inter = intermediate_size or config.intermediate_size
+        self.fc1 = self.fc1_class(config.hidden_size, inter, bias)
+        self.fc2 = self.fc2_class(inter, config.hidden_size, bias)
+        self.act = get_act(hidden_act or config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
