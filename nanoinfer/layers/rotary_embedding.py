@@ -89,8 +89,8 @@ class RotaryEmbedding(nn.Module):
         if q_norm is not None and q_norm.weight.dtype != q.dtype:
             # Gemma's fp32 (1 + weight) on 16-bit activations rounds its own way, not as the fused kernels do.
             q, k, q_norm, k_norm = q_norm(q), k_norm(k), None, None
-        # The C and Triton kernels rotate the neox layout only: the interleaved one takes the torch ops below, on
-        # every device (its families, Cohere and GLM, are a few; their attention and MLP dominate anyway).
+        # The C and Triton kernels rotate the neox layout only: the interleaved one (Cohere, GLM) takes the torch
+        # ops below on every device, ~20 small ops per layer where the kernels take one each.
         if not self.interleaved and cpu_kernels.use_cpu_kernels(q):
             return (cpu_kernels.rotary_neox(q, positions, self.cos, self.sin, *_norm_args(q_norm)),
                     cpu_kernels.rotary_neox(k, positions, self.cos, self.sin, *_norm_args(k_norm)))
