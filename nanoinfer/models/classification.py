@@ -35,7 +35,7 @@ class ForSequenceClassification(nn.Module):
 @cache
 def sequence_classifier(causal_lm: type[LlamaForCausalLM]) -> type[ForSequenceClassification]:
     """The classification model over causal_lm's decoder; the checkpoint's names are causal_lm's."""
-    name = causal_lm.__name__.removesuffix("ForCausalLM") + "ForSequenceClassification"
+    name = causal_lm.__name__.removesuffix("ForCausalLM").removesuffix("LMHeadModel") + "ForSequenceClassification"
     attributes = {"causal_lm": causal_lm, "packed_modules_mapping": causal_lm.packed_modules_mapping,
                   "weight_name_substitutions": getattr(causal_lm, "weight_name_substitutions", {}),
                   "ignored_weight_suffixes": getattr(causal_lm, "ignored_weight_suffixes", ())}

@@ -1,23 +1,17 @@
 """StableLM (StableLM-2): LayerNorms, partial rotary, a gated SiLU MLP, optional biases on q/k/v (`use_qkv_bias`),
 optional per-head LayerNorms on queries and keys (`qk_layernorm`, a weight per head) and optionally the parallel
 residual x + attn(ln(x)) + mlp(ln(x)) with one norm (`use_parallel_residual`)."""
-from functools import partial
-
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanoinfer.layers.layernorm import PerHeadLayerNorm
-from nanoinfer.models.layernorm_decoder import LayerNormDecoderLayer, LayerNormModel, QKLayerNormAttention
-from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM
+from nanoinfer.models.layernorm_decoder import LayerNormDecoderLayer, LayerNormModel, maybe_per_head_qk_norm_attention
+from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM
 
 
 class StableLmDecoderLayer(LayerNormDecoderLayer):
     def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module):
         eps = config.layer_norm_eps
-        if config.qk_layernorm:
-            attention = QKLayerNormAttention(config, options, partial(PerHeadLayerNorm, eps=eps))
-        else:
-            attention = LlamaAttention(config, options)
+        attention = maybe_per_head_qk_norm_attention(config, options, config.qk_layernorm, eps)
         super().__init__(attention, mlp, config.hidden_size, eps,
                          "parallel-one-norm" if config.use_parallel_residual else "sequential")
 

@@ -105,8 +105,12 @@ def checkpoint_target(name: str, packed: dict[str, tuple[str, int | str]], subst
 
 
 def _substitute(name: str, substitutions: dict[str, str]) -> str:
+    """Each `old` replaced by its `new`, in order; an `old` that starts with "^" only at the start of the name."""
     for old, new in substitutions.items():
-        name = name.replace(old, new)
+        if not old.startswith("^"):
+            name = name.replace(old, new)
+        elif name.startswith(old[1:]):
+            name = new + name[len(old) - 1:]
     return name
 
 
