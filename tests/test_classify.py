@@ -59,7 +59,7 @@ def classifiers(model_dir, tmp_path_factory):
     return lambda kind, num_labels: classifier_dir(model_dir(kind), root / f"{kind}-{num_labels}", num_labels)
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama", "mistral", "qwen3-moe", "gemma2", "phi3", "phi", "gpt-neox",
+@pytest.mark.parametrize("kind", ["qwen3", "llama", "mistral", "qwen3-moe", "gemma2", "phi3", "phi", "gpt-neox", "stablelm",
                                   "starcoder2"])
 def test_classify_matches_transformers(kind, classifiers, report_logit_diff):
     d = classifiers(kind, 3)
