@@ -142,7 +142,7 @@ class ModelRunner:
             weights = iter_gguf_weights(config.gguf_path, config.hf_config)
         else:
             weights = iter_safetensors(config.model_path)
-        load_weights(model, weights)
+        load_weights(model, weights, config.gguf_path)
         return model.eval()
 
     def close(self) -> None:
