@@ -218,9 +218,11 @@ def _head_dim(config) -> int:
 
 
 def _write_hf_as_gguf(path: pathlib.Path, arch: str, model_dir: pathlib.Path, q8_0: str | None = None,
-                      edit: Callable[[dict[str, np.ndarray]], None] | None = None) -> None:
+                      edit: Callable[[dict[str, np.ndarray]], None] | None = None,
+                      vocabulary: list[str] | None = None) -> None:
     """Convert a tiny models.py checkpoint to a GGUF file the way llama.cpp's converter does: F32, but Q8_0
-    for the tensors whose name contains `q8_0`; `edit` may change the tensors before they are written."""
+    for the tensors whose name contains `q8_0`; `edit` may change the tensors before they are written;
+    `vocabulary`: the token list to store."""
     from safetensors.torch import load_file
 
     cfg = AutoConfig.from_pretrained(model_dir)
@@ -271,6 +273,8 @@ def _write_hf_as_gguf(path: pathlib.Path, arch: str, model_dir: pathlib.Path, q8
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if edit is not None:
         edit(tensors)
+    if vocabulary is not None:
+        w.add_token_list(vocabulary)
     q8 = gguf.GGMLQuantizationType.Q8_0
     for name, t in tensors.items():
         if q8_0 is not None and q8_0 in name:
@@ -417,6 +421,48 @@ def test_converted_checkpoint_engine_greedy(hf_as_gguf, kind: str, monkeypatch, 
     with LLM(str(path), device="cpu", dtype="float32", max_model_len=128) as llm:
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert check_against_hf(outputs, hf_greedy(src, prompts, 12), captured_logits) < 1e-4
+
+
+# What transformers' own GGUF loading can express of each tiny model (the rest it leaves at class defaults, see
+# _FROM_HF): config.json changes, the tensors dropped, and whether the file needs a vocabulary (transformers takes the
+# StarCoder2 vocabulary size from its length).
+_FOR_TRANSFORMERS = {
+    "stablelm": ({}, ("attn_q_norm", "attn_k_norm"), False),
+    "starcoder2": ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "sliding_window": None}, (),
+                   True),
+}
+
+
+@pytest.mark.parametrize("kind", list(_FOR_TRANSFORMERS))
+def test_engine_matches_transformers_on_the_same_gguf(kind, model_dir, tmp_path: pathlib.Path, monkeypatch,
+                                                      captured_logits, report_logit_diff):
+    """transformers reading the very file (its GGUF loader: config and weights) gives the engine's greedy tokens and
+    logits, where its config can express the model: StableLM without q/k norms, StarCoder2 with transformers' rope
+    base, no window and a vocabulary in the file."""
+    from models import MODEL_VOCAB_SIZE, check_against_hf, hf_greedy, random_prompts
+
+    import nanoinfer.engine.llm_engine as llm_engine
+    from nanoinfer import LLM, SamplingParams
+
+    changes, dropped, vocabulary = _FOR_TRANSFORMERS[kind]
+    src = pathlib.Path(shutil.copytree(model_dir(kind), tmp_path / kind))
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, **changes}))
+    path = tmp_path / f"{kind}.gguf"
+
+    def edit(tensors: dict[str, np.ndarray]) -> None:
+        for name in [n for n in tensors if n.split(".")[-2] in dropped]:
+            del tensors[name]
+
+    _write_hf_as_gguf(path, _FROM_HF[kind].arch, src, edit=edit,
+                      vocabulary=[f"t{i}" for i in range(MODEL_VOCAB_SIZE)] if vocabulary else None)
+    monkeypatch.setattr(llm_engine, "load_gguf_tokenizer", lambda _: None)  # no merges: no tokenizer to build
+    prompts = random_prompts(3, 5, 400, 5, 40, seed=43)
+    with LLM(str(path), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    worst = check_against_hf(outputs, hf_greedy(transformers_gguf_model(path), prompts, 12), captured_logits)
+    report_logit_diff(f"{kind} GGUF, against transformers loading it", worst)
+    assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
 
 _BAD_STABLELM_FILES = {  # file name -> (how the converted tensors are spoiled, the error naming file and tensor)
