@@ -56,32 +56,50 @@ def test_tp2_embed_matches_tp1_and_transformers(kind, model_dir, report_logit_di
         assert (tp2[key] - hf[key]).abs().max().item() < ATOL, key
 
 
+def label_logits(model: Path, **engine) -> torch.Tensor:
+    with LLM(str(model), **ENGINE, **engine) as llm:
+        return torch.tensor([o.outputs.probs for o in llm.classify(PROMPTS, use_activation=False)])
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_tp2_classify_and_score_match_tp1_and_transformers(kind, classifiers, report_logit_diff):
-    labels3, labels1 = classifiers(kind, 3), classifiers(kind, 1)
-    pairs = [(a[:30], b[:30]) for a, b in zip(PROMPTS[:3], PROMPTS[3:6])]  # within max_model_len when joined
-    results = {}
-    for tp in (1, 2):
-        with LLM(str(labels3), **ENGINE, tensor_parallel_size=tp) as llm:
-            logits = torch.tensor([o.outputs.probs for o in llm.classify(PROMPTS, use_activation=False)])
-            probs = torch.tensor([o.outputs.probs for o in llm.classify(PROMPTS)])
-        with LLM(str(labels1), **ENGINE, tensor_parallel_size=tp) as llm:
-            scores = torch.tensor([o.outputs.score for o in llm.score(*map(list, zip(*pairs)))])
-            one_to_many = torch.tensor([o.outputs.score for o in llm.score(pairs[0][0], [b for _, b in pairs])])
-        results[tp] = logits, probs, scores, one_to_many
-    ref = hf_label_logits(labels3, PROMPTS)
-    ref_scores = hf_label_logits(labels1, [a + b for a, b in pairs])[:, 0].sigmoid()
-    ref_one_to_many = hf_label_logits(labels1, [pairs[0][0] + b for _, b in pairs])[:, 0].sigmoid()
-    logits, probs, scores, one_to_many = results[2]
+def test_tp2_classify_matches_tp1_and_transformers(kind, classifiers, report_logit_diff):
+    """Logits and probabilities; refused calls (generate, score with 3 labels) leave the engine as it was."""
+    d = classifiers(kind, 3)
+    tp1, ref = label_logits(d), hf_label_logits(d, PROMPTS)
+    with LLM(str(d), **ENGINE, tensor_parallel_size=2) as llm:
+        logits = torch.tensor([o.outputs.probs for o in llm.classify(PROMPTS, use_activation=False)])
+        for call, match in [(lambda: llm.generate([[1, 2]], SamplingParams(max_tokens=2)), f"{d}.*classify"),
+                            (lambda: llm.score("a", "b"), "num_labels=3")]:
+            with pytest.raises(ValueError, match=match):
+                call()
+        probs = torch.tensor([o.outputs.probs for o in llm.classify(PROMPTS)])
     worst = (logits - ref).abs().max().item()
     report_logit_diff(f"{kind}, classifier logits with tensor parallel 2 (max |diff|)", worst)
     assert worst < ATOL
-    for ours, single, expected in zip(results[2], results[1], (ref, ref.softmax(-1), ref_scores, ref_one_to_many)):
-        assert (ours - single).abs().max().item() < ATOL
-        assert (ours - expected).abs().max().item() < ATOL
+    assert (logits - tp1).abs().max().item() < ATOL
+    assert (probs - ref.softmax(-1)).abs().max().item() < ATOL
 
 
-def test_bad_pooling_calls_leave_the_tp_engine_usable(qwen3_dir, classifiers):
+def test_tp2_score_matches_tp1_and_transformers(classifiers):
+    """One-to-many and pairwise, token ids joined and two texts through the tokenizer's pair encoding."""
+    d = classifiers("qwen3", 1)
+    pairs = [(a[:30], b[:30]) for a, b in zip(PROMPTS[:3], PROMPTS[3:6])]  # within max_model_len when joined
+    query, docs = "What is the capital of France?", ["Paris is its capital.", "Bananas are yellow."]
+    results = []
+    for tp in (1, 2):
+        with LLM(str(d), **ENGINE, tensor_parallel_size=tp) as llm:
+            scores = [o.outputs.score for o in llm.score(*map(list, zip(*pairs)))]
+            scores += [o.outputs.score for o in llm.score(pairs[0][0], [b for _, b in pairs])]
+            scores += [o.outputs.score for o in llm.score(query, docs)]
+            texts = [llm.tokenizer(query, doc)["input_ids"] for doc in docs]
+        results.append(torch.tensor(scores))
+    joined = [a + b for a, b in pairs] + [pairs[0][0] + b for _, b in pairs] + texts
+    ref = hf_label_logits(d, joined)[:, 0].sigmoid()
+    assert (results[1] - results[0]).abs().max().item() < ATOL
+    assert (results[1] - ref).abs().max().item() < ATOL
+
+
+def test_bad_pooling_calls_leave_the_tp_engine_usable(qwen3_dir):
     """Refused before any rank runs a pass: the same engine then embeds and generates as before (the worker went
     back to serving steps); a worker killed before a pass fails it, naming the worker, and closes the engine."""
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -107,11 +125,3 @@ def test_bad_pooling_calls_leave_the_tp_engine_usable(qwen3_dir, classifiers):
         embed()
     with pytest.raises(RuntimeError, match="closed"):
         embed()
-    d = classifiers("qwen3", 3)
-    with LLM(str(d), **ENGINE, tensor_parallel_size=2) as classifier:
-        before = [o.outputs.probs for o in classifier.classify(PROMPTS[:2])]
-        for call, match in [(lambda: classifier.generate([[1, 2]], greedy), f"{d}.*classify"),
-                            (lambda: classifier.score("a", "b"), "num_labels=3")]:
-            with pytest.raises(ValueError, match=match):
-                call()
-        assert [o.outputs.probs for o in classifier.classify(PROMPTS[:2])] == before

@@ -327,7 +327,7 @@ class LLMEngine:
             raise RuntimeError(f"tensor-parallel step failed on rank {self.tp.rank} ({failed or error}); "
                                "this LLM is closed, create a new one") from error
 
-    def run_on_every_rank(self, generate: Callable[[], list]) -> list:
+    def run_on_every_rank(self, generate: Callable[[], _Result]) -> _Result:
         """Under torchrun every rank calls generate: rank 0 runs it while the others serve its steps; then every
         rank returns rank 0's outputs (or raises its error). Elsewhere it is generate()."""
         if not self.tp.torchrun:
