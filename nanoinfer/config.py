@@ -125,7 +125,9 @@ class Config:
         tp, cfg = self.tensor_parallel_size, self.hf_config
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        for name, value in (("num_attention_heads", heads), ("intermediate_size", cfg.intermediate_size)):
+        # GPT-2's config names the MLP's width n_inner (None: 4 x hidden).
+        mlp_size = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size
+        for name, value in (("num_attention_heads", heads), ("intermediate_size", mlp_size)):
             if value % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name} ({value})")
         if kv_heads % tp and tp % kv_heads:

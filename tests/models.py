@@ -120,11 +120,14 @@ MODEL_KINDS = ("qwen3", "qwen3-untied", "qwen2", "llama")  # the 4 main architec
 # Qwen3-Next: Gated DeltaNet + gated attention layers, a dense MLP and sparse MoE ones.
 QWEN3_NEXT_KINDS = ("qwen3-next",)
 # Gemma 3: sliding and full layers with different ropes, (1 + weight) norms, GeLU-tanh, final-logit softcapping.
-# Gemma 2: Gemma 3's layout without q/k norms, one rope, attention-logit softcapping.
+# Gemma 2: Gemma 3's layout without q/k norms, one rope, attention-logit softcapping. Gemma: two norms per layer, no
+# softcapping, no window, one KV head (as Gemma-2B).
 # Phi-3: fused qkv_proj / gate_up_proj, partial rotary, longrope, a window on every layer.
 # Granite: embedding, attention, residual and logit multipliers. SmolLM3: a NoPE layer, windowed.
 # OLMo 2: RMSNorms over the whole q / k projections, norms after the sublayers. OLMo 3: plus sliding and full layers
 # with different ropes.
+# GLM-4-0414: four norms per layer (Gemma 2's order), interleaved rope over half of each head, fused gate_up_proj,
+# q/k/v biases. GLM-4 (v1): the same without the norms after the sublayers, a quarter of each head rotated, MQA.
 # Mixtral: a window on every layer and 2 of 8 experts per token on every layer, renormalized. Qwen2-MoE: 2 of 8
 # experts (not renormalized) plus a gated shared expert on layers 0 and 2, layer 1 dense. Granite MoE: Granite's
 # multipliers around 2 of 8 experts (and, shared, an ungated shared expert).
@@ -133,10 +136,12 @@ QWEN3_NEXT_KINDS = ("qwen3-next",)
 # biases, per-head q/k LayerNorms (GQA), the parallel residual with one norm, a quarter of each head rotated. Phi:
 # the same residual, q/k LayerNorms shared by the heads, biases everywhere (the LM head's too), "gelu_new". GPT-NeoX:
 # the per-head fused query_key_value, the parallel residual with two norms, a quarter rotated, exact GeLU.
-LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox")
+# Cohere: the parallel residual with one bias-free norm, per-head q/k LayerNorms (GQA), interleaved rope, logit_scale.
+# GPT-2: learned absolute positions, Conv1D (transposed) weights, the fused c_attn, "gelu_new", tied.
+LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2")
 LAYER_NORM_EPS = 1e-3
 EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS
-               + ("gemma3", "gemma2", "phi3", "granite", "smollm3", "olmo2", "olmo3")
+               + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared") + LAYERNORM_KINDS)
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "gemma2": 11, "phi3": 24,
@@ -174,10 +179,11 @@ _COMMON = dict(
 )
 
 _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678, "qwen2-swa": 6789,
-          "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, "gemma3": 1357, "gemma2": 1470, "phi3": 2468,
-          "granite": 3579, "smollm3": 4680, "olmo2": 1470, "olmo3": 2581, OLMO2_MQA_KIND: 3692, "mixtral": 3581,
-          "qwen2-moe": 4681, "granitemoe": 5791, "granitemoe-shared": 6802, ODD_KIND: 9012, "starcoder2": 7913,
-          "stablelm": 8024, "phi": 9135, "gpt-neox": 1246}
+          "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, "gemma3": 1357, "gemma2": 1470, "gemma": 1581,
+          "phi3": 2468, "granite": 3579, "smollm3": 4680, "olmo2": 1470, "olmo3": 2581, OLMO2_MQA_KIND: 3692,
+          "mixtral": 3581, "qwen2-moe": 4681, "granitemoe": 5791, "granitemoe-shared": 6802, ODD_KIND: 9012,
+          "starcoder2": 7913, "stablelm": 8024, "phi": 9135, "gpt-neox": 1246, "cohere": 2357, "glm4": 3468,
+          "glm": 4579, "gpt2": 5680}
 
 
 def _token_ids():
@@ -187,10 +193,11 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (Gemma2Config, Gemma3TextConfig, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig,
-                              GraniteMoeSharedConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config,
-                              Olmo3Config, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig, Qwen3NextConfig, SmolLM3Config, StableLmConfig, Starcoder2Config)
+    from transformers import (CohereConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig,
+                              GPT2Config, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
+                              LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config,
+                              PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
+                              SmolLM3Config, StableLmConfig, Starcoder2Config)
 
     ids = _token_ids()
     special = dict(
@@ -329,6 +336,17 @@ def make_config(kind: str):
             decoder_sparse_step=1,
             mlp_only_layers=[0],
         )
+    if kind == "gemma":
+        return GemmaConfig(
+            **{k: v for k, v in _COMMON.items() if k != "hidden_act"},
+            **special,
+            hidden_act="gelu_pytorch_tanh",
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        )
     gemma = dict(  # Gemma 2 and 3
         **{k: v for k, v in _COMMON.items() if k != "hidden_act"},
         **special,
@@ -419,6 +437,18 @@ def make_config(kind: str):
                              "full_attention": {"rope_type": "yarn", "rope_theta": 500_000.0, "factor": 8.0,
                                                 "original_max_position_embeddings": 64}},
         )
+    if kind in ("glm4", "glm"):
+        return (Glm4Config if kind == "glm4" else GlmConfig)(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2 if kind == "glm4" else 1,
+            head_dim=32,
+            tie_word_embeddings=False,
+            attention_bias=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                             "partial_rotary_factor": 0.5 if kind == "glm4" else 0.25},
+        )
     if kind == "mixtral":
         return MixtralConfig(
             **{**_COMMON, "intermediate_size": 32},  # each expert's
@@ -487,6 +517,14 @@ def make_config(kind: str):
     if kind == "gpt-neox":  # rotary_pct: the Hub configs' name, which transformers moves into rope_parameters
         return GPTNeoXConfig(**layernorm, hidden_act="gelu", use_parallel_residual=True, attention_bias=True,
                              rotary_pct=0.25, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "gpt2":  # GPT2Config's own names: n_embd, n_layer, n_head, n_positions, n_inner
+        return GPT2Config(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=4, n_positions=512, n_inner=128,
+                          activation_function="gelu_new", layer_norm_epsilon=LAYER_NORM_EPS,
+                          initializer_range=INIT_STD, tie_word_embeddings=True, **special)
+    if kind == "cohere":  # no biases at all; logit_scale away from 1
+        del layernorm["tie_word_embeddings"]
+        return CohereConfig(**layernorm, num_key_value_heads=2, hidden_act="silu", use_qk_norm=True, logit_scale=0.5,
+                            tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND, OLMO2_MQA_KIND)}")
 
 
@@ -534,10 +572,10 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
     torch.manual_seed(_SEEDS[base_kind])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize_(model, _SEEDS[base_kind])
-    if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2"):
+    if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2", "gemma"):
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
     if config.tie_word_embeddings:
-        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     model.eval()
     model.save_pretrained(str(dir), max_shard_size=SHARD_SIZE if save_sharded else "50GB")
 

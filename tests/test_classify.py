@@ -27,7 +27,7 @@ def classifier_dir(src: pathlib.Path, dst: pathlib.Path, num_labels: int) -> pat
         if f.suffix != ".safetensors" and f.name != "config.json":
             shutil.copy(f, dst / f.name)
     config = json.loads((src / "config.json").read_text())
-    family = config["architectures"][0].removesuffix("ForCausalLM")
+    family = config["architectures"][0].removesuffix("ForCausalLM").removesuffix("LMHeadModel")
     config["architectures"] = [("Gemma3Text" if family == "Gemma3" else family) + "ForSequenceClassification"]
     config["id2label"] = {str(i): f"LABEL_{i}" for i in range(num_labels)}
     config["label2id"] = {f"LABEL_{i}": i for i in range(num_labels)}
@@ -39,7 +39,7 @@ def classifier_dir(src: pathlib.Path, dst: pathlib.Path, num_labels: int) -> pat
     for head in ("lm_head.weight", "embed_out.weight"):  # GPT-NeoX's is saved as embed_out
         weights.pop(head, None)
     weights.pop("lm_head.bias", None)  # Phi's
-    hidden = config["hidden_size"]
+    hidden = config.get("hidden_size", config.get("n_embd"))  # GPT-2 names it n_embd
     weights["score.weight"] = torch.randn(num_labels, hidden, generator=torch.Generator().manual_seed(num_labels))
     save_file(weights, dst / "model.safetensors")
     return dst
@@ -59,8 +59,8 @@ def classifiers(model_dir, tmp_path_factory):
     return lambda kind, num_labels: classifier_dir(model_dir(kind), root / f"{kind}-{num_labels}", num_labels)
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama", "mistral", "qwen3-moe", "gemma2", "phi3", "phi", "gpt-neox",
-                                  "starcoder2"])
+@pytest.mark.parametrize("kind", ["qwen3", "llama", "mistral", "qwen3-moe", "gemma2", "gemma", "phi3", "phi",
+                                  "gpt-neox", "stablelm", "starcoder2", "glm4", "gpt2"])
 def test_classify_matches_transformers(kind, classifiers, report_logit_diff):
     d = classifiers(kind, 3)
     ref = hf_label_logits(d, PROMPTS)

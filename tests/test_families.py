@@ -1,7 +1,8 @@
 """Dense families beyond the shared correctness tests (tests/test_correctness.py) without a file of their own (OLMo:
 test_olmo.py; MoE: test_moe.py): tensor parallelism against transformers, transformers' bf16 arithmetic in Gemma's
-norm, Gemma 3's and GPT-NeoX's Hub layouts, the Gemma config settings the engine refuses by name, and the parallel
-residual (Phi, GPT-NeoX) under chunked prefill, prefix-cache hits and preemption."""
+norm, Gemma 3's, GPT-NeoX's and GPT-2's Hub layouts, the Gemma and GPT-2 config settings the engine refuses by name,
+the parallel residual (Phi, GPT-NeoX) and GPT-2's absolute positions under chunked prefill, prefix-cache hits and
+preemption, and the interleaved rope layout (Cohere, GLM)."""
 import json
 import shutil
 
@@ -20,7 +21,8 @@ LOGIT_ATOL = 1e-4
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2", "granite", "smollm3", *LAYERNORM_KINDS])
+@pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2", "gemma", "granite", "smollm3", "glm4", "glm",
+                                  *LAYERNORM_KINDS])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): each holds half the heads and MLP; windows, ropes and norms per rank."""
     d = model_dir(kind)
@@ -79,6 +81,7 @@ def test_gemma3_hub_config_layout_matches_hf(model_dir, tmp_path, captured_logit
     ("gemma3", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
     ("gemma3", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
     ("gemma2", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
+    ("gemma", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
 ])
 def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes, message):
     d = edited_model(model_dir(kind), tmp_path / "m", **changes)
@@ -95,12 +98,57 @@ def test_parallel_residual_chunked_prefill_prefix_hits_and_preemption_match_hf(k
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
+def save_with_mask_buffers_and_check(d, weights: dict[str, torch.Tensor], attentions: list[str], captured_logits
+                                     ) -> None:
+    """Older checkpoints' causal-mask buffers (`{attention}.bias`, `{attention}.masked_bias`) added to weights, saved
+    as d's checkpoint; the engine on d then matches transformers."""
+    from safetensors.torch import save_file
+
+    for attention in attentions:
+        weights[f"{attention}.bias"] = torch.ones(1, 1, 64, 64, dtype=torch.bool).tril()
+        weights[f"{attention}.masked_bias"] = torch.tensor(-1e9)
+    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
+
+
+def test_gpt2_absolute_positions_under_chunked_prefill_prefix_hits_and_preemption_match_hf(model_dir, captured_logits,
+                                                                                          report_logit_diff):
+    """GPT-2's learned position embeddings take each token's position in its sequence, not in the step's batch:
+    7-token chunks, a shared 40-token prefix served from the cache and preempted sequences recomputed."""
+    worst = chunked_prefix_preemption_logit_diff(model_dir("gpt2"), captured_logits, MAX_TOKENS)
+    report_logit_diff("gpt2, chunked prefill + prefix hits + preemption", worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+def test_gpt2_hub_checkpoint_layout_matches_hf(model_dir, tmp_path, captured_logits):
+    """The Hub's original GPT-2 files: GPT2Model's tensor names (no `transformer.` prefix) with the attention's
+    causal-mask buffers (`attn.bias`, `attn.masked_bias`) beside them; and unscaled scores (scale_attn_weights
+    False)."""
+    from safetensors.torch import load_file
+
+    d = edited_model(model_dir("gpt2"), tmp_path / "m", scale_attn_weights=False)
+    weights = {name.removeprefix("transformer."): w for name, w in load_file(d / "model.safetensors").items()}
+    assert "h.0.attn.c_attn.weight" in weights and "lm_head.weight" not in weights  # tied: not saved
+    layers = json.loads((d / "config.json").read_text())["n_layer"]
+    save_with_mask_buffers_and_check(d, weights, [f"h.{i}.attn" for i in range(layers)], captured_logits)
+
+
+@pytest.mark.parametrize("setting", ["scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
+                                     "add_cross_attention"])
+def test_gpt2_settings_the_engine_cannot_run_are_refused_by_name(setting, model_dir, tmp_path):
+    d = edited_model(model_dir("gpt2"), tmp_path / "m", **{setting: True})
+    with pytest.raises(ValueError, match=f"{setting}=True"):
+        LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
+
+
 @pytest.mark.parametrize("head", ["embed_out", "lm_head"])
 def test_gpt_neox_hub_checkpoint_layout_matches_hf(head, model_dir, tmp_path, captured_logits):
     """Pythia's files: `rotary_pct` / `rotary_emb_base` instead of rope_parameters, the attention's causal-mask
     buffers (`attention.bias`, `attention.masked_bias`) beside the weights, and the LM head as the Hub names it
     (`embed_out`) or as transformers 5 does (`lm_head`)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     d = edited_model(model_dir("gpt-neox"), tmp_path / "m", rotary_pct=0.25, rotary_emb_base=10_000)
     cfg = json.loads((d / "config.json").read_text())
@@ -108,13 +156,8 @@ def test_gpt_neox_hub_checkpoint_layout_matches_hf(head, model_dir, tmp_path, ca
     (d / "config.json").write_text(json.dumps(cfg))
     weights = load_file(d / "model.safetensors")
     weights[f"{head}.weight"] = weights.pop("embed_out.weight")
-    for i in range(cfg["num_hidden_layers"]):
-        weights[f"gpt_neox.layers.{i}.attention.bias"] = torch.ones(1, 1, 64, 64, dtype=torch.bool).tril()
-        weights[f"gpt_neox.layers.{i}.attention.masked_bias"] = torch.tensor(-1e9)
-    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
-    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
-        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
+    attentions = [f"gpt_neox.layers.{i}.attention" for i in range(cfg["num_hidden_layers"])]
+    save_with_mask_buffers_and_check(d, weights, attentions, captured_logits)
 
 
 def test_dense_mlp_activations_are_transformers_own():
@@ -161,3 +204,25 @@ def test_stablelm_per_head_norm_takes_the_heads_its_rank_holds():
             for h, norm in enumerate(hf.norms):
                 ours.weight_loader(ours.weight, norm.weight.data, h)
             assert torch.allclose(ours(x[:, heads]), expected[:, heads], atol=1e-6), (shard_id, rank, heads)
+
+
+def test_interleaved_rope_is_transformers_cohere_and_glm4():
+    """The interleaved layout rotates the pairs (x0, x1), (x2, x3), ... as transformers' Cohere (whole head) and
+    GLM-4 (its leading half; the rest passes through) do, at positions out of order."""
+    from transformers.models.cohere.modeling_cohere import apply_rotary_pos_emb as cohere_rope
+    from transformers.models.glm4.modeling_glm4 import apply_rotary_pos_emb as glm4_rope
+
+    from nanoinfer.layers.rotary_embedding import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(0)
+    head_dim, positions = 32, torch.tensor([17, 0, 99, 5])
+    q, k = torch.randn(4, 3, head_dim, generator=g), torch.randn(4, 1, head_dim, generator=g)
+    for rotary_dim, hf_rope in ((head_dim, cohere_rope), (head_dim // 2, glm4_rope)):
+        inv_freq = 1.0 / 1e4 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+        freqs = positions[:, None].float() * inv_freq
+        # Each model's table layout: Cohere repeats each frequency in place, GLM-4 concatenates two copies.
+        emb = freqs.repeat_interleave(2, -1) if hf_rope is cohere_rope else torch.cat((freqs, freqs), -1)
+        hf_q, hf_k = hf_rope(q.transpose(0, 1)[None], k.transpose(0, 1)[None], emb.cos()[None], emb.sin()[None])
+        ours_q, ours_k = RotaryEmbedding(head_dim, 100, inv_freq, interleaved=True)(positions, q, k)
+        assert torch.allclose(ours_q, hf_q[0].transpose(0, 1), atol=1e-6), rotary_dim
+        assert torch.allclose(ours_k, hf_k[0].transpose(0, 1), atol=1e-6), rotary_dim

@@ -5,6 +5,7 @@ import pickle
 import time
 from collections.abc import Callable, Container, Iterable
 from collections.abc import Sequence as SequenceABC
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,8 @@ from nanoinfer.utils.gguf_loader import load_gguf_tokenizer
 
 # A prompt: text, token ids, or a dict with "prompt_token_ids" (and optionally its "prompt" text) or "prompt".
 Prompt = str | list[int] | dict
+_Batch = TypeVar("_Batch")
+_Result = TypeVar("_Result")
 
 
 class LLMEngine:
@@ -194,8 +197,6 @@ class LLMEngine:
     def _pooling_prompts(self, task: str, prompts: list[Prompt], classifier: bool = False
                          ) -> list[tuple[list[int], str | None]]:
         """Every prompt validated before any runs: token ids and text of each."""
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError(f"{task} does not support tensor parallelism yet")
         if classifier and not self.is_classifier:
             raise ValueError(f"{task} needs a sequence-classification model (*ForSequenceClassification); "
                              f"{self.config.model_path} is {self.config.hf_config.architectures}")
@@ -210,7 +211,7 @@ class LLMEngine:
         results, batch = [], []
         for ids in prompts + [[]]:  # the empty sentinel flushes the last batch
             if batch and (not ids or sum(map(len, batch)) + len(ids) > self.config.max_num_batched_tokens):
-                results.append(run(batch))
+                results.append(self._run_model(run, batch))
                 batch = []
             batch.append(ids)
         return [r for result in results for r in result]
@@ -266,11 +267,7 @@ class LLMEngine:
         for seq in batch.seqs[batch.num_running:]:  # admitted by this step (maybe again, after a preemption)
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        try:
-            result = self.model_runner.run(batch)
-        except BaseException as e:
-            self._fail(e)
-            raise
+        result = self._run_model(self.model_runner.run, batch)
         self._record_logprobs(batch, result)
         now = time.time()
         advanced: dict[str, None] = {}
@@ -321,6 +318,14 @@ class LLMEngine:
             self._check_stop(seq)
         self.scheduler.commit_accepted(seq)
 
+    def _run_model(self, run: Callable[[_Batch], _Result], batch: _Batch) -> _Result:
+        """run(batch) on the model runner; if it fails, with tensor parallelism, the group is shut down (_fail)."""
+        try:
+            return run(batch)
+        except BaseException as e:
+            self._fail(e)
+            raise
+
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Drop requests (unknown or finished ones are ignored), their held outputs, and free their KV blocks."""
         ids = _request_id_list(request_ids)
@@ -354,9 +359,11 @@ class LLMEngine:
             raise RuntimeError(f"tensor-parallel step failed on rank {self.tp.rank} ({failed or error}); "
                                "this LLM is closed, create a new one") from error
 
-    def run_on_every_rank(self, generate: Callable[[], list[RequestOutput]]) -> list[RequestOutput]:
+    def run_on_every_rank(self, generate: Callable[[], _Result]) -> _Result:
         """Under torchrun every rank calls generate: rank 0 runs it while the others serve its steps; then every
-        rank returns rank 0's outputs (or raises its error)."""
+        rank returns rank 0's outputs (or raises its error). Elsewhere it is generate()."""
+        if not self.tp.torchrun:
+            return generate()
         if self.tp.rank > 0:
             try:
                 self.model_runner.serve()

@@ -61,6 +61,13 @@ class RunnerOutput:
     extra_logprobs: list[list[TokenLogprobs]] | None = None
 
 
+@dataclass
+class EncodeStep:
+    """A pooling pass (LLM.embed/classify/score) that rank 0 sends to the other ranks in place of a generation step."""
+    prompts: list[list[int]]
+    causal: bool
+
+
 class ModelRunner:
     def __init__(self, config: Config, tp: TPGroup | None = None):
         self.config = config
@@ -139,7 +146,7 @@ class ModelRunner:
             weights = iter_gguf_weights(config.gguf_path, config.hf_config)
         else:
             weights = iter_safetensors(config.model_path)
-        load_weights(model, weights)
+        load_weights(model, weights, config.gguf_path)
         return model.eval()
 
     def close(self) -> None:
@@ -393,21 +400,32 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows]) if logit_rows else None
 
     def serve(self) -> None:
-        """Ranks > 0: execute rank 0's steps until it sends None."""
+        """Ranks > 0: execute rank 0's steps, and run its pooling passes, until it sends None."""
         while (step := self.tp.broadcast()) is not None:
-            self.execute(*step)
+            if isinstance(step, EncodeStep):
+                self._encode(step.prompts, step.causal)
+            else:
+                self.execute(*step)
 
     @torch.inference_mode()
     def encode(self, prompts: list[list[int]], causal: bool) -> list[torch.Tensor]:
         """Each prompt's final hidden states [len, hidden] (see _encode)."""
-        return list(self._encode(prompts, causal).cpu().split([len(p) for p in prompts]))
+        return list(self._encode_on_every_rank(prompts, causal).cpu().split([len(p) for p in prompts]))
 
     @torch.inference_mode()
     def classify(self, prompts: list[list[int]]) -> torch.Tensor:
-        """The classification head's logits [prompts, num_labels] at each prompt's last token, after a causal pass."""
+        """The classification head's logits [prompts, num_labels] at each prompt's last token, after a causal pass.
+        The head is replicated: rank 0 applies it alone."""
         last = torch.tensor(np.cumsum([len(p) for p in prompts]) - 1, device=self.device)
-        return self.model.compute_logits(self._encode(prompts, causal=True)[last]).float().cpu()
+        return self.model.compute_logits(self._encode_on_every_rank(prompts, causal=True)[last]).float().cpu()
 
+    def _encode_on_every_rank(self, prompts: list[list[int]], causal: bool) -> torch.Tensor:
+        """_encode on rank 0, with the other ranks running the same pass (serve): every rank ends with the whole
+        hidden states (the row-parallel layers all-reduce them), rank 0's are returned."""
+        self.tp.broadcast(EncodeStep(prompts, causal))
+        return self._encode(prompts, causal)
+
+    @torch.inference_mode()
     def _encode(self, prompts: list[list[int]], causal: bool) -> torch.Tensor:
         """Final hidden states [tokens, hidden] of the prompts, packed, without touching the KV cache: causal with
         position encoding (the model as it generates), or bidirectional without (the decoder used as an encoder)."""

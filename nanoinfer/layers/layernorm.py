@@ -101,21 +101,28 @@ class LayerNorm(nn.Module):
 
 
 class PerHeadLayerNorm(nn.Module):
-    """StableLM's q/k norm: a bias-free LayerNorm over each head's features with a weight of its own per head, on
-    x [tokens, heads, head_dim]. A rank holds the weights of its heads as QKVParallelLinear assigns them (with
-    fewer KV heads than ranks, one head on several ranks); the checkpoint's `norms.{h}.weight` arrive one per head
-    (h the shard id, see StableLmForCausalLM.packed_modules_mapping)."""
+    """StableLM's and Cohere's q/k norm: a bias-free LayerNorm over each head's features with a weight of its own per
+    head, on x [tokens, heads, head_dim]. A rank holds the weights of its heads as QKVParallelLinear assigns them
+    (with fewer KV heads than ranks, one head on several ranks); StableLM's checkpoint `norms.{h}.weight` arrive one
+    per head (h the shard id, see StableLmForCausalLM.packed_modules_mapping), Cohere's all in one tensor."""
 
     def __init__(self, total_heads: int, head_dim: int, eps: float):
         super().__init__()
         size = tp_size()
         self.eps = eps
+        self.total_heads = total_heads
         self.num_heads = max(1, total_heads // size)
         self.head_start = tp_rank() * total_heads // size
         self.weight = nn.Parameter(torch.ones(self.num_heads, head_dim), requires_grad=False)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, head: int) -> None:
-        if self.head_start <= head < self.head_start + self.num_heads:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, head: int | None = None) -> None:
+        """loaded: head `head`'s weight [head_dim], or, head None, all heads' [total_heads, head_dim] (Cohere's)."""
+        if head is None:
+            if loaded.shape[0] != self.total_heads:
+                raise ValueError(f"shape mismatch: checkpoint norm has {loaded.shape[0]} heads, "
+                                 f"expected {self.total_heads}")
+            copy_weight(param, loaded.narrow(0, self.head_start, self.num_heads))
+        elif self.head_start <= head < self.head_start + self.num_heads:
             copy_weight(param.data[head - self.head_start], loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""Rotary position embeddings (neox layout, as transformers applies them) with a precomputed cos/sin table,
-over the whole head or, with `partial_rotary_factor`, over its leading dimensions only."""
+"""Rotary position embeddings with a precomputed cos/sin table, over the whole head or, with
+`partial_rotary_factor`, over its leading dimensions only: the neox layout (dimension i with i + rotary_dim / 2,
+most families) or the interleaved one (pairs (x0, x1), (x2, x3), ...: Cohere, GLM)."""
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -67,8 +68,10 @@ def longrope_frequencies(config: PretrainedConfig, max_position: int) -> tuple[t
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, scaling: float = 1.0):
-        """inv_freq: [rotary_dim / 2], or one row per position [max_position, rotary_dim / 2]."""
+    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, scaling: float = 1.0,
+                 interleaved: bool = False):
+        """inv_freq: [rotary_dim / 2], or one row per position [max_position, rotary_dim / 2]. interleaved: pair i
+        rotates dimensions (2i, 2i + 1) instead of (i, i + rotary_dim / 2)."""
         super().__init__()
         inv_freq = inv_freq.to(torch.get_default_device())  # the table is built where the model is
         freqs = torch.arange(max_position, dtype=torch.float32).unsqueeze(1) * inv_freq
@@ -77,6 +80,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
         self.head_dim = head_dim
         self.rotary_dim = 2 * inv_freq.shape[-1]  # the leading dims that rotate; the rest pass through
+        self.interleaved = interleaved
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None = None,
                 k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,10 +89,12 @@ class RotaryEmbedding(nn.Module):
         if q_norm is not None and q_norm.weight.dtype != q.dtype:
             # Gemma's fp32 (1 + weight) on 16-bit activations rounds its own way, not as the fused kernels do.
             q, k, q_norm, k_norm = q_norm(q), k_norm(k), None, None
-        if cpu_kernels.use_cpu_kernels(q):
+        # The C and Triton kernels rotate the neox layout only: the interleaved one (Cohere, GLM) takes the torch
+        # ops below on every device, ~20 small ops per layer where the kernels take one each.
+        if not self.interleaved and cpu_kernels.use_cpu_kernels(q):
             return (cpu_kernels.rotary_neox(q, positions, self.cos, self.sin, *_norm_args(q_norm)),
                     cpu_kernels.rotary_neox(k, positions, self.cos, self.sin, *_norm_args(k_norm)))
-        if q.is_cuda and (kernels := triton_layers()) is not None:  # one kernel each instead of ~20
+        if not self.interleaved and q.is_cuda and (kernels := triton_layers()) is not None:  # 1 kernel, not ~20
             return (kernels.rotary_neox(q, positions, self.cos, self.sin, *_norm_args(q_norm)),
                     kernels.rotary_neox(k, positions, self.cos, self.sin, *_norm_args(k_norm)))
         if q_norm is not None:
@@ -100,8 +106,12 @@ class RotaryEmbedding(nn.Module):
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
-        x1, x2 = x[..., :self.rotary_dim].chunk(2, -1)
-        parts = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+        if self.interleaved:
+            x1, x2 = x[..., 0:self.rotary_dim:2], x[..., 1:self.rotary_dim:2]
+            parts = (torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).flatten(-2),)
+        else:
+            x1, x2 = x[..., :self.rotary_dim].chunk(2, -1)
+            parts = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
         if self.rotary_dim < self.head_dim:
             parts += (x[..., self.rotary_dim:],)
         return torch.cat(parts, -1).to(dtype)
@@ -126,9 +136,10 @@ def shared_rope_tables() -> Iterator[None]:
         _shared = previous
 
 
-def get_rope(config: PretrainedConfig, head_dim: int, max_position: int, layer_type: str | None = None
-             ) -> RotaryEmbedding:
-    """The rotary embedding of the config's rope settings (for `layer_type`, where they differ by layer type)."""
+def get_rope(config: PretrainedConfig, head_dim: int, max_position: int, layer_type: str | None = None,
+             interleaved: bool = False) -> RotaryEmbedding:
+    """The rotary embedding of the config's rope settings (for `layer_type`, where they differ by layer type), in the
+    interleaved layout where asked (see RotaryEmbedding)."""
     params = rope_parameters(config, layer_type)
     rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
     device = torch.get_default_device()
@@ -138,8 +149,8 @@ def get_rope(config: PretrainedConfig, head_dim: int, max_position: int, layer_t
         else:
             inv_freq, scaling = inv_frequencies(config, rotary_dim, layer_type)
     if _shared is None:
-        return RotaryEmbedding(head_dim, max_position, inv_freq, scaling)
-    key = (head_dim, max_position, tuple(inv_freq.shape), inv_freq.numpy().tobytes(), scaling, device)
+        return RotaryEmbedding(head_dim, max_position, inv_freq, scaling, interleaved)
+    key = (head_dim, max_position, tuple(inv_freq.shape), inv_freq.numpy().tobytes(), scaling, interleaved, device)
     if key not in _shared:
-        _shared[key] = RotaryEmbedding(head_dim, max_position, inv_freq, scaling)
+        _shared[key] = RotaryEmbedding(head_dim, max_position, inv_freq, scaling, interleaved)
     return _shared[key]

@@ -20,6 +20,8 @@ class ForSequenceClassification(nn.Module):
         if hasattr(lm, "check_config"):
             lm.check_config(config)
         self.model = lm.model_class(config, lm.attention_options, lm.make_mlp)
+        if hasattr(lm, "config_packed_modules_mapping"):  # checkpoint names that depend on the config (StableLM's)
+            self.packed_modules_mapping = lm.config_packed_modules_mapping(config)
         self.score = ReplicatedLinear(config.hidden_size, config.num_labels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, meta: AttentionMetadata
@@ -35,7 +37,7 @@ class ForSequenceClassification(nn.Module):
 @cache
 def sequence_classifier(causal_lm: type[LlamaForCausalLM]) -> type[ForSequenceClassification]:
     """The classification model over causal_lm's decoder; the checkpoint's names are causal_lm's."""
-    name = causal_lm.__name__.removesuffix("ForCausalLM") + "ForSequenceClassification"
+    name = causal_lm.__name__.removesuffix("ForCausalLM").removesuffix("LMHeadModel") + "ForSequenceClassification"
     attributes = {"causal_lm": causal_lm, "packed_modules_mapping": causal_lm.packed_modules_mapping,
                   "weight_name_substitutions": getattr(causal_lm, "weight_name_substitutions", {}),
                   "ignored_weight_suffixes": getattr(causal_lm, "ignored_weight_suffixes", ())}

@@ -1,23 +1,21 @@
-"""Gemma 2: the Llama attention with `query_pre_attn_scalar` scores, attention-logit softcapping and, on the layers
-`layer_types` marks "sliding_attention", a sliding window; four (1 + weight) norms per layer, a GeLU-tanh MLP,
-embeddings scaled by sqrt(hidden), final-logit softcapping. Gemma 3 (gemma3.py) is this with q/k norms and ropes
-per layer type."""
+"""Gemma 2: Gemma (gemma.py) with the attention's `query_pre_attn_scalar` scores, attention-logit softcapping and,
+on the layers `layer_types` marks "sliding_attention", a sliding window; four (1 + weight) norms per layer,
+final-logit softcapping. Gemma 3 (gemma3.py) is this with q/k norms and ropes per layer type."""
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.attention import AttentionMetadata
-from nanoinfer.layers.layernorm import GemmaRMSNorm
-from nanoinfer.models.llama import (AttentionOptions, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel,
-                                    MLPFactory, OptionsFactory, layer_sliding_window)
+from nanoinfer.layers.layernorm import GemmaRMSNorm, RMSNorm
+from nanoinfer.models import gemma
+from nanoinfer.models.llama import AttentionOptions, LlamaDecoderLayer, LlamaMLP, layer_sliding_window
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 def check_config(config: PretrainedConfig) -> None:
     """What this implementation cannot do, refused by name rather than run differently from transformers."""
-    if getattr(config, "use_bidirectional_attention", False):
-        raise ValueError("use_bidirectional_attention=True in the model config: only causal Gemma is supported")
+    gemma.check_config(config)
     for i, layer_type in enumerate(config.layer_types):
         if layer_type not in _LAYER_TYPES:
             raise ValueError(f"layer_types[{i}]={layer_type!r} in the model config; expected one of {_LAYER_TYPES}")
@@ -31,12 +29,15 @@ def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOpti
 
 
 class Gemma2DecoderLayer(LlamaDecoderLayer):
-    """Norms around both the attention and the MLP: the residual adds the post-norm outputs."""
+    """Norms around both the attention and the MLP: the residual adds the post-norm outputs (GLM-4's layer too,
+    with its own kind of norm)."""
+
+    norm_class: type[RMSNorm] = GemmaRMSNorm
 
     def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module):
-        super().__init__(config, options, mlp, GemmaRMSNorm)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        super().__init__(config, options, mlp, self.norm_class)
+        self.pre_feedforward_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,20 +46,11 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
-class Gemma2Model(LlamaModel):
+class Gemma2Model(gemma.GemmaModel):
     decoder_layer = Gemma2DecoderLayer
 
-    def __init__(self, config: PretrainedConfig, attention_options: OptionsFactory, make_mlp: MLPFactory):
-        super().__init__(config, attention_options, make_mlp)
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        # transformers multiplies by sqrt(hidden) rounded to the model's dtype (the one this is built under).
-        self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=torch.get_default_dtype(), device="cpu").item()
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.embed_scale
-
-
-class Gemma2ForCausalLM(LlamaForCausalLM):
+class Gemma2ForCausalLM(gemma.GemmaForCausalLM):
     model_class = Gemma2Model
     check_config = staticmethod(check_config)
     attention_options = staticmethod(attention_options)
@@ -68,7 +60,6 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         return LlamaMLP(config, hidden_act=config.hidden_activation)
 
     def __init__(self, config: PretrainedConfig):
-        self.check_config(config)
         super().__init__(config)
         self.final_logit_softcapping: float | None = config.final_logit_softcapping
 

@@ -28,7 +28,7 @@ class GraniteModel(LlamaModel):
         super().__init__(config, attention_options, make_mlp)
         self.embedding_multiplier: float = config.embedding_multiplier
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embedding_multiplier
 
 

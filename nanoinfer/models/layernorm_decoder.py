@@ -1,6 +1,8 @@
-"""The decoder parts of the LayerNorm families (StarCoder2, StableLM, Phi, GPT-NeoX): LayerNorms with biases,
-dense (ungated) MLPs, LayerNorms on queries and keys, and the parallel residual x + attn(ln1(x)) + mlp(ln2(x))."""
+"""The decoder parts of the LayerNorm families (StarCoder2, StableLM, Phi, GPT-NeoX, Cohere): LayerNorms (with
+biases but Cohere's), dense (ungated) MLPs, LayerNorms on queries and keys, and the parallel residual
+x + attn(ln1(x)) + mlp(ln2(x))."""
 from collections.abc import Callable
+from functools import partial
 from typing import Literal
 
 import torch
@@ -9,24 +11,34 @@ from transformers import PretrainedConfig
 
 from nanoinfer.layers.activation import get_act
 from nanoinfer.layers.attention import AttentionMetadata
-from nanoinfer.layers.layernorm import LayerNorm
+from nanoinfer.layers.layernorm import LayerNorm, PerHeadLayerNorm
 from nanoinfer.layers.linear import ColumnParallelLinear, RowParallelLinear
 from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaModel
 
 
 def norm_eps(config: PretrainedConfig) -> float:
-    """The LayerNorms' epsilon: StarCoder2 names it `norm_epsilon`, the others `layer_norm_eps`."""
-    return config.norm_epsilon if hasattr(config, "norm_epsilon") else config.layer_norm_eps
+    """The LayerNorms' epsilon: StarCoder2 names it `norm_epsilon`, GPT-2 `layer_norm_epsilon`, the others
+    `layer_norm_eps`."""
+    for name in ("norm_epsilon", "layer_norm_epsilon"):
+        if hasattr(config, name):
+            return getattr(config, name)
+    return config.layer_norm_eps
 
 
 class DenseMLP(nn.Module):
-    """fc2(act(fc1(x))): StarCoder2's c_fc / c_proj, Phi's fc1 / fc2, GPT-NeoX's dense_h_to_4h / dense_4h_to_h."""
+    """fc2(act(fc1(x))): StarCoder2's and GPT-2's c_fc / c_proj, Phi's fc1 / fc2, GPT-NeoX's dense_h_to_4h /
+    dense_4h_to_h."""
 
-    def __init__(self, config: PretrainedConfig, bias: bool):
+    fc1_class: type[ColumnParallelLinear] = ColumnParallelLinear  # GPT-2's load their transposed weights
+    fc2_class: type[RowParallelLinear] = RowParallelLinear
+
+    def __init__(self, config: PretrainedConfig, bias: bool, intermediate_size: int | None = None,
+                 hidden_act: str | None = None):
         super().__init__()
-        self.fc1 = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias)
-        self.fc2 = RowParallelLinear(config.intermediate_size, config.hidden_size, bias)
-        self.act = get_act(config.hidden_act)
+        inter = intermediate_size or config.intermediate_size
+        self.fc1 = self.fc1_class(config.hidden_size, inter, bias)
+        self.fc2 = self.fc2_class(inter, config.hidden_size, bias)
+        self.act = get_act(hidden_act or config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
@@ -54,6 +66,15 @@ class QKLayerNormAttention(LlamaAttention):
         return self.o_proj(self.attn(q, k, v, meta))
 
 
+def maybe_per_head_qk_norm_attention(config: PretrainedConfig, options: AttentionOptions, qk_norm: bool,
+                                     eps: float) -> LlamaAttention:
+    """The Llama attention, with a LayerNorm of each head's own on its query and key where qk_norm (StableLM,
+    Cohere)."""
+    if qk_norm:
+        return QKLayerNormAttention(config, options, partial(PerHeadLayerNorm, eps=eps))
+    return LlamaAttention(config, options)
+
+
 # How a layer adds its sublayers: one after the other, or both from its input, with two norms or one.
 Residual = Literal["sequential", "parallel", "parallel-one-norm"]
 
@@ -64,13 +85,14 @@ class LayerNormDecoderLayer(nn.Module):
     StableLM). As in LlamaDecoderLayer, the stream is x + residual, the add left to the next norm."""
 
     def __init__(self, attention: nn.Module, mlp: nn.Module, hidden_size: int, eps: float,
-                 residual: Residual = "sequential"):
+                 residual: Residual = "sequential", norm_bias: bool = True):
         super().__init__()
         self.self_attn = attention
         self.mlp = mlp
         self.parallel = residual != "sequential"
-        self.input_layernorm = LayerNorm(hidden_size, eps)
-        self.post_attention_layernorm = None if residual == "parallel-one-norm" else LayerNorm(hidden_size, eps)
+        self.input_layernorm = LayerNorm(hidden_size, eps, norm_bias)
+        self.post_attention_layernorm = (None if residual == "parallel-one-norm"
+                                         else LayerNorm(hidden_size, eps, norm_bias))
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

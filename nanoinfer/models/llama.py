@@ -31,6 +31,7 @@ class AttentionOptions:
     scale: float | None = None
     rope_layer_type: str | None = None
     rope: bool = True  # SmolLM3's NoPE layers: no position encoding at all
+    rope_interleaved: bool = False  # Cohere, GLM: rope rotates the pairs (x0, x1), (x2, x3), ...
     logits_soft_cap: float | None = None  # Gemma 2: scores capped to cap * tanh(score / cap)
 
 
@@ -47,6 +48,7 @@ def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None
 
 class LlamaAttention(nn.Module):
     qkv_class: type[QKVParallelLinear] = QKVParallelLinear  # GPT-NeoX's loads its per-head checkpoint layout
+    o_proj_class: type[RowParallelLinear] = RowParallelLinear  # GPT-2's loads its transposed weight
 
     def __init__(self, config: PretrainedConfig, options: AttentionOptions):
         super().__init__()
@@ -59,9 +61,9 @@ class LlamaAttention(nn.Module):
                                        options.qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // self.q_factor, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, options.o_bias)
-        self.rotary_emb = (get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type)
-                           if options.rope else None)
+        self.o_proj = self.o_proj_class(num_heads * self.head_dim, config.hidden_size, options.o_bias)
+        self.rotary_emb = (get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type,
+                                    options.rope_interleaved) if options.rope else None)
         scale = self.head_dim ** -0.5 if options.scale is None else options.scale
         self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window,
                               options.logits_soft_cap)
@@ -147,12 +149,13 @@ class LlamaModel(nn.Module):
         """The norm after the last layer, called as the layers' norms are (x, residual) -> (out, residual)."""
         return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """The input of the first layer; positions: for absolute position embeddings (GPT-2's)."""
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, meta: AttentionMetadata
                 ) -> torch.Tensor:
-        x, residual = self.embed(input_ids), None
+        x, residual = self.embed(input_ids, positions), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         x, _ = self.norm(x, residual)

@@ -4,8 +4,13 @@ import importlib
 from torch import nn
 
 _MODELS = {
+    "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
+    "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "GlmForCausalLM": ("glm", "GlmForCausalLM"),
+    "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
+    "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "GraniteMoeForCausalLM": ("granitemoe", "GraniteMoeForCausalLM"),
@@ -29,8 +34,9 @@ _MODELS = {
 
 # Sequence classification (see classification.py) over the decoder of the causal LM of the same family.
 _CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM" for family in (
-    "Gemma2", "GPTNeoX", "Llama", "Mistral", "Mixtral", "Olmo2", "Olmo3", "Phi", "Phi3", "Qwen2", "Qwen2Moe", "Qwen3",
-    "Qwen3Moe", "SmolLM3", "Starcoder2")} | {"Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}
+    "Gemma", "Gemma2", "Glm", "Glm4", "GPTNeoX", "Llama", "Mistral", "Mixtral", "Olmo2", "Olmo3", "Phi", "Phi3",
+    "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe", "SmolLM3", "StableLm", "Starcoder2")} | {
+    "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM", "GPT2ForSequenceClassification": "GPT2LMHeadModel"}
 
 
 def supported_architectures() -> list[str]:
