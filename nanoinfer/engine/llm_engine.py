@@ -22,6 +22,7 @@ from nanoinfer.outputs import (ClassificationOutput, ClassificationRequestOutput
                                ScoringRequestOutput)
 from nanoinfer.models.registry import is_classifier
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams, bad_words_token_ids
+from nanoinfer.spec_decode.config import SpecDecodeStats
 from nanoinfer.structured.grammar import Grammar, GrammarCache, GrammarState
 from nanoinfer.utils.gguf_loader import load_gguf_tokenizer
 
@@ -44,7 +45,7 @@ class LLMEngine:
                 raise
             raise RuntimeError(f"tensor-parallel start-up failed: {dead}") from e
         self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks, self.model_runner.num_state_slots,
-                                   config.max_loras)
+                                   config.max_loras, config.speculative)
         self.vocab_size: int = config.hf_config.vocab_size
         self.is_classifier = is_classifier(config.hf_config.architectures)  # it pools and classifies, never generates
         self.eos_token_ids = set(config.eos_token_ids)
@@ -53,6 +54,7 @@ class LLMEngine:
         # Outputs of step-API requests produced while LLM.generate/generate_iter drove the steps: step() returns them.
         self.held_outputs: list[RequestOutput] = []
         self.last_batch: ScheduledBatch | None = None  # what the latest step computed (for statistics)
+        self.spec_decode_stats = SpecDecodeStats()  # drafted and accepted tokens, with speculative_config
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     lora_request: LoRARequest | None = None) -> None:
@@ -270,6 +272,7 @@ class LLMEngine:
         now = time.time()
         advanced: dict[str, None] = {}
         final_only = RequestOutputKind.FINAL_ONLY  # looked up once: an Enum member costs ~0.3 us on Python 3.11
+        accepted = self._accepted_drafts(batch, result) if batch.draft_token_ids else None
         for seq in self.scheduler.postprocess(batch, result.token_ids):
             m = seq.metrics
             if m.first_token_time is None:
@@ -279,12 +282,41 @@ class LLMEngine:
             self._check_stop(seq)
             if seq.grammar_state is not None and seq.finish_reason is None:
                 self._check_grammar(seq)
+            if accepted is not None and seq.seq_id in accepted:
+                self._append_accepted(seq, *accepted[seq.seq_id])
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
             elif seq.params.output_kind is final_only:
                 continue  # nothing to report before the request finishes
             advanced[seq.request_id] = None
         return [out for rid in advanced if (out := self._output(rid)) is not None]
+
+    def _accepted_drafts(self, batch: ScheduledBatch, result: RunnerOutput
+                         ) -> dict[int, tuple[list[int], list[TokenLogprobs] | None]]:
+        """seq_id -> the verified tokens (and logprobs) that follow its first new token, for the drafted sequences;
+        counted in spec_decode_stats."""
+        stats, accepted = self.spec_decode_stats, {}
+        for i, drafts in batch.draft_token_ids.items():
+            tokens = result.extra_token_ids[i]
+            stats.num_drafts += 1
+            stats.num_draft_tokens += len(drafts)
+            stats.num_accepted_tokens += len(tokens)
+            accepted[batch.seqs[i].seq_id] = tokens, result.extra_logprobs and result.extra_logprobs[i]
+        return accepted
+
+    def _append_accepted(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs] | None) -> None:
+        """Emit accepted tokens one by one, as if each came from its own step: every stop check after each, and none
+        after a stop. The blocks they filled join the prefix cache."""
+        for j, token in enumerate(tokens):
+            if seq.finish_reason is not None:
+                break
+            self.scheduler.accept_draft(seq, token)
+            seq.metrics.num_generation_tokens += 1
+            if logprobs:
+                seq.logprobs.append(self._logprob_dict(logprobs[j], seq.params.logprobs))
+                seq.cumulative_logprob += logprobs[j][1][0]
+            self._check_stop(seq)
+        self.scheduler.commit_accepted(seq)
 
     def _run_model(self, run: Callable[[_Batch], _Result], batch: _Batch) -> _Result:
         """run(batch) on the model runner; if it fails, with tensor parallelism, the group is shut down (_fail)."""
