@@ -457,42 +457,57 @@ def _widen_gpt2(tensors: dict[str, np.ndarray]) -> None:
         tensors[name] = pad(tensors[name], 1, 4 * hidden)
 
 
-# What transformers' own GGUF loading can express of each tiny model (the rest it leaves at class defaults, see
-# _FROM_HF): config.json changes, how the tensors change, and whether the file needs a vocabulary (transformers takes
-# the StarCoder2 and GPT-2 vocabulary sizes from its length).
+def _widen_gpt2_untied(tensors: dict[str, np.ndarray]) -> None:
+    """_widen_gpt2, with the embedding repeated as output.weight, as llama.cpp's older GPT-2 converter wrote it."""
+    _widen_gpt2(tensors)
+    tensors["output.weight"] = tensors["token_embd.weight"].copy()
+
+
+class SameFile(NamedTuple):
+    """What transformers' own GGUF loading can express of a tiny model (the rest it leaves at class defaults, see
+    _FROM_HF)."""
+    kind: str  # models.py's
+    changes: dict  # to config.json
+    edit: Callable[[dict[str, np.ndarray]], None] | None  # how the tensors change
+    vocabulary: bool  # whether the file needs one (transformers takes StarCoder2's and GPT-2's vocabulary size from it)
+    q8_0: str | None = None  # see _write_hf_as_gguf
+
+
 _FOR_TRANSFORMERS = {
-    "stablelm": ({}, _drop_head_norms, False),
-    "starcoder2": ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "sliding_window": None}, None,
-                   True),
-    "gpt2": ({}, _widen_gpt2, True),
+    "stablelm": SameFile("stablelm", {}, _drop_head_norms, False),
+    "starcoder2": SameFile("starcoder2", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                                          "sliding_window": None}, None, True),
+    "gpt2": SameFile("gpt2", {}, _widen_gpt2, True),
+    # Quantized Conv1D weights are transposed back after dequantizing.
+    "gpt2-untied-q8_0": SameFile("gpt2", {}, _widen_gpt2_untied, True, q8_0="blk."),
 }
 
 
-@pytest.mark.parametrize("kind", list(_FOR_TRANSFORMERS))
-def test_engine_matches_transformers_on_the_same_gguf(kind, model_dir, tmp_path: pathlib.Path, monkeypatch,
+@pytest.mark.parametrize("case", list(_FOR_TRANSFORMERS))
+def test_engine_matches_transformers_on_the_same_gguf(case, model_dir, tmp_path: pathlib.Path, monkeypatch,
                                                       captured_logits, report_logit_diff):
     """transformers reading the very file (its GGUF loader: config and weights) gives the engine's greedy tokens and
     logits, where its config can express the model: StableLM without q/k norms, StarCoder2 with transformers' rope
     base, no window and a vocabulary in the file, GPT-2 with a vocabulary and the MLP width and position count
-    transformers assumes."""
+    transformers assumes (also untied, quantized)."""
     from models import MODEL_VOCAB_SIZE, check_against_hf, hf_greedy, random_prompts
 
     import nanoinfer.engine.llm_engine as llm_engine
     from nanoinfer import LLM, SamplingParams
 
-    changes, edit, vocabulary = _FOR_TRANSFORMERS[kind]
-    src = pathlib.Path(shutil.copytree(model_dir(kind), tmp_path / kind))
+    spec = _FOR_TRANSFORMERS[case]
+    src = pathlib.Path(shutil.copytree(model_dir(spec.kind), tmp_path / spec.kind))
     config = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**config, **changes}))
-    path = tmp_path / f"{kind}.gguf"
-    _write_hf_as_gguf(path, _FROM_HF[kind].arch, src, edit=edit,
-                      vocabulary=[f"t{i}" for i in range(MODEL_VOCAB_SIZE)] if vocabulary else None)
+    (src / "config.json").write_text(json.dumps({**config, **spec.changes}))
+    path = tmp_path / f"{case}.gguf"
+    _write_hf_as_gguf(path, _FROM_HF[spec.kind].arch, src, q8_0=spec.q8_0, edit=spec.edit,
+                      vocabulary=[f"t{i}" for i in range(MODEL_VOCAB_SIZE)] if spec.vocabulary else None)
     monkeypatch.setattr(llm_engine, "load_gguf_tokenizer", lambda _: None)  # no merges: no tokenizer to build
     prompts = random_prompts(3, 5, 400, 5, 40, seed=43)
     with LLM(str(path), device="cpu", dtype="float32", max_model_len=128) as llm:
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     worst = check_against_hf(outputs, hf_greedy(transformers_gguf_model(path), prompts, 12), captured_logits)
-    report_logit_diff(f"{kind} GGUF, against transformers loading it", worst)
+    report_logit_diff(f"{case} GGUF, against transformers loading it", worst)
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
 
