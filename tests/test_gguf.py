@@ -255,7 +255,7 @@ def _write_hf_as_gguf(path: pathlib.Path, arch: str, model_dir: pathlib.Path, q8
     w.add_pad_token_id(cfg.pad_token_id)
     # Gemma 3's local rope base is implied (10000); GGUF holds the global one and its scaling.
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters) if arch != "gpt2" else {"rope_type": None}
-    if arch not in ("stablelm", "gpt2"):  # llama.cpp's StableLM converter writes no rope base: its default, 10000, holds
+    if arch not in ("stablelm", "gpt2"):  # llama.cpp's StableLM converter writes no rope base: its default 10000 holds
         w.add_rope_freq_base(rope["rope_theta"])
     if rope["rope_type"] == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
