@@ -6,11 +6,13 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
+from nanoinfer.lora.request import LoRARequest
 from nanoinfer.outputs import Logprob, RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams, _check_int, _check_number
 
-# Runs one token for each beam (given as its token ids): one finished RequestOutput per beam, in order.
-Expand = Callable[[list[list[int]]], list[RequestOutput]]
+# Runs one token for each beam (given as its token ids, with its prompt's adapter): one finished RequestOutput per
+# beam, in order.
+Expand = Callable[[list[list[int]], list[LoRARequest | None]], list[RequestOutput]]
 
 
 @dataclass
@@ -91,17 +93,21 @@ def check_beam_search(prompts: list[list[int]], params: BeamSearchParams, vocab_
 class _Instance:
     """One prompt's search: its live beams and those that ended in EOS."""
     beams: list[BeamSearchSequence]
+    lora_request: LoRARequest | None  # every beam of the prompt runs with it
     completed: list[BeamSearchSequence] = field(default_factory=list)
 
 
-def beam_search(prompts: list[list[int]], params: BeamSearchParams, eos_token_ids: Collection[int], expand: Expand,
-                decode: Callable[[list[int]], str] | None, use_tqdm: bool = False,
-                concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
-    """One BeamSearchOutput per prompt, in order; at most concurrency_limit prompts' beams run at a time."""
+def beam_search(prompts: list[list[int]], lora_requests: list[LoRARequest | None], params: BeamSearchParams,
+                eos_token_ids: Collection[int], expand: Expand, decode: Callable[[list[int]], str] | None,
+                use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+    """One BeamSearchOutput per prompt, in order, each prompt's beams run with its adapter (or None); at most
+    concurrency_limit prompts' beams run at a time."""
+    assert len(lora_requests) == len(prompts)
     limit = concurrency_limit or len(prompts)
     outputs = []
     for start in range(0, len(prompts), limit):
-        instances = [_Instance([BeamSearchSequence(list(p), [])]) for p in prompts[start:start + limit]]
+        instances = [_Instance([BeamSearchSequence(list(p), [])], lora)
+                     for p, lora in zip(prompts[start:start + limit], lora_requests[start:start + limit])]
         _search(instances, params, eos_token_ids, expand, use_tqdm)
         outputs += [_best(instance, params, eos_token_ids, decode) for instance in instances]
     return outputs
@@ -115,7 +121,8 @@ def _search(instances: list[_Instance], params: BeamSearchParams, eos_token_ids:
         live = [instance for instance in instances if instance.beams]
         if not live:
             break
-        results = iter(expand([beam.tokens for instance in live for beam in instance.beams]))
+        results = iter(expand([beam.tokens for instance in live for beam in instance.beams],
+                              [instance.lora_request for instance in live for _ in instance.beams]))
         for instance in live:
             candidates = [child for beam in instance.beams for child in _children(beam, next(results))]
             instance.completed += [c for c in candidates if c.tokens[-1] in stop]

@@ -132,23 +132,30 @@ class LLM:
             prompts.append({"prompt_token_ids": list(ids), "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
-    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams, use_tqdm: bool = False,
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams,
+                    lora_request: LoRARequest | list[LoRARequest | None] | None = None, use_tqdm: bool = False,
                     concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's beam search (see nanoinfer/beam_search.py): per prompt, in input order, a BeamSearchOutput whose
-        `sequences` are the best `params.beam_width` beams (prompt + completion tokens), best first."""
+        `sequences` are the best `params.beam_width` beams (prompt + completion tokens), best first; lora_request:
+        one adapter for all prompts, or one (or None) per prompt, as in generate."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         params.validate()
         engine = self.llm_engine
         token_ids = [engine.prompt_token_ids(p)[0] for p in _as_prompt_list(prompts)]
         check_beam_search(token_ids, params, engine.vocab_size, engine.config.max_model_len, concurrency_limit)
+        loras = _as_lora_list(lora_request, len(token_ids))
+        for lora in loras:  # refused before the first step, not when its prompt's turn comes (concurrency_limit)
+            engine.check_lora(lora)
         step = params.step_params()
         decode = self.tokenizer.decode if self.tokenizer is not None else None
 
+        def expand(beams: list[list[int]], beam_loras: list[LoRARequest | None]) -> list[RequestOutput]:
+            return self._run(self._make_requests(beams, step, None, beam_loras), use_tqdm=False)
+
         def search() -> list[BeamSearchOutput]:
-            return beam_search(token_ids, params, engine.eos_token_ids,
-                               lambda beams: self._run(self._make_requests(beams, step, None), use_tqdm=False),
-                               decode, use_tqdm, concurrency_limit)
+            return beam_search(token_ids, loras, params, engine.eos_token_ids, expand, decode, use_tqdm,
+                               concurrency_limit)
 
         with self._turn():
             return engine.run_on_every_rank(search)

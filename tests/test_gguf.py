@@ -184,11 +184,14 @@ _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)
 _HEAD_NORM = re.compile(r"model\.layers\.(\d+)\.self_attn\.(q|k)_layernorm\.norms\.(\d+)\.weight")  # StableLM's
 
 
+_CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")  # GPT-2's
+
+
 def _gguf_tensors_from_hf(arch: str, state: dict[str, torch.Tensor], n_layers: int) -> dict[str, np.ndarray]:
     """llama.cpp's tensor layout of an HF state dict: names from gguf's own HF->GGUF map, each layer's
     experts stacked per projection (and StableLM's per-head q/k norms per layer, as its converter does), the
-    shared-expert gate a vector, Gemma's norms 1 + weight. llama.cpp's MoE architectures have no dense layers (the
-    tiny models' mlp_only_layers): those get llama's ffn_* names."""
+    shared-expert gate a vector, Gemma's norms 1 + weight, GPT-2's Conv1D weights transposed to [out, in]. llama.cpp's
+    MoE architectures have no dense layers (the tiny models' mlp_only_layers): those get llama's ffn_* names."""
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     name_map = gguf.get_tensor_name_map(model_arch, n_layers)
     llama_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layers)
@@ -207,6 +210,8 @@ def _gguf_tensors_from_hf(arch: str, state: dict[str, torch.Tensor], n_layers: i
             t = t.squeeze()
         elif arch.startswith("gemma") and hf_name.endswith("norm.weight"):
             t = t + 1  # llama.cpp multiplies by the weight, Gemma's RMSNorm by 1 + weight
+        elif arch == "gpt2" and hf_name.endswith(_CONV1D_WEIGHTS):
+            t = t.T
         tensors[f"{gguf_name}.{suffix}"] = t.numpy()
     for name, per_expert in experts.items():
         tensors[name] = np.stack([per_expert[e] for e in sorted(per_expert)])
@@ -230,15 +235,18 @@ def _write_hf_as_gguf(path: pathlib.Path, arch: str, model_dir: pathlib.Path, q8
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    # GPT-2: llama.cpp writes 4 * hidden, right only where n_inner is unset; the file's MLP is n_inner wide.
+    w.add_feed_forward_length(getattr(cfg, "intermediate_size", None) or cfg.n_inner)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(_head_dim(cfg))
-    w.add_value_length(_head_dim(cfg))
+    if arch != "gpt2":  # llama.cpp's GPT-2 converter writes no KV head count, head size or rope
+        w.add_head_count_kv(cfg.num_key_value_heads)
+        w.add_key_length(_head_dim(cfg))
+        w.add_value_length(_head_dim(cfg))
     if hasattr(cfg, "rms_norm_eps"):
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     else:  # the LayerNorm families
-        w.add_layer_norm_eps(getattr(cfg, "layer_norm_eps", None) or cfg.norm_epsilon)
+        w.add_layer_norm_eps(next(getattr(cfg, k) for k in ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon")
+                                  if getattr(cfg, k, None)))
     if hasattr(cfg, "use_parallel_residual"):
         w.add_parallel_residual(cfg.use_parallel_residual)
     w.add_vocab_size(cfg.vocab_size)
@@ -246,8 +254,8 @@ def _write_hf_as_gguf(path: pathlib.Path, arch: str, model_dir: pathlib.Path, q8
     w.add_eos_token_id(cfg.eos_token_id)
     w.add_pad_token_id(cfg.pad_token_id)
     # Gemma 3's local rope base is implied (10000); GGUF holds the global one and its scaling.
-    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
-    if arch != "stablelm":  # llama.cpp's StableLM converter writes no rope base: its default, 10000, holds
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters) if arch != "gpt2" else {"rope_type": None}
+    if arch not in ("stablelm", "gpt2"):  # llama.cpp's StableLM converter writes no rope base: its default 10000 holds
         w.add_rope_freq_base(rope["rope_theta"])
     if rope["rope_type"] == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -318,10 +326,13 @@ _FROM_HF = {
                        ("qk_layernorm", "use_qkv_bias", "use_parallel_residual", "layer_norm_eps"), ("qk_layernorm",), {}),
     "starcoder2": FromHF("starcoder2", "Starcoder2ForCausalLM", ("sliding_window", "norm_epsilon", "use_bias"),
                          ("sliding_window", "rope_parameters", "vocab_size"), {}),
+    "gpt2": FromHF("gpt2", "GPT2LMHeadModel", ("n_inner", "n_positions", "layer_norm_epsilon", "activation_function"),
+                   ("n_inner", "n_positions", "vocab_size"), {}),
 }
 _SAME_CONFIG = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "vocab_size", "tie_word_embeddings", "eos_token_id", "rope_parameters", "rms_norm_eps")
-_RMS_NORM_ONLY = ("rms_norm_eps",)  # keys the LayerNorm families' configs lack
+# Keys the LayerNorm families' configs lack (GPT-2's has no intermediate_size, KV head count or rope either).
+_NOT_IN_EVERY_FAMILY = ("rms_norm_eps", "intermediate_size", "num_key_value_heads", "rope_parameters")
 
 
 def _float32(value):
@@ -357,7 +368,7 @@ def test_converted_checkpoint_matches_transformers(hf_as_gguf, kind: str):
     config, hf_config = load_gguf_config(path), AutoConfig.from_pretrained(src)
     assert config.architectures == [spec.hf_arch]
     for key in _SAME_CONFIG + spec.config_keys + spec.restored:
-        if key in _RMS_NORM_ONLY and not hasattr(hf_config, key):
+        if key in _NOT_IN_EVERY_FAMILY and not hasattr(hf_config, key):
             continue
         assert getattr(config, key) == _float32(getattr(hf_config, key)), key
     assert config.head_dim == _head_dim(hf_config)
@@ -423,79 +434,123 @@ def test_converted_checkpoint_engine_greedy(hf_as_gguf, kind: str, monkeypatch, 
     assert check_against_hf(outputs, hf_greedy(src, prompts, 12), captured_logits) < 1e-4
 
 
-# What transformers' own GGUF loading can express of each tiny model (the rest it leaves at class defaults, see
-# _FROM_HF): config.json changes, the tensors dropped, and whether the file needs a vocabulary (transformers takes the
-# StarCoder2 vocabulary size from its length).
+def _drop_head_norms(tensors: dict[str, np.ndarray]) -> None:
+    """StableLM without its q/k norms, which transformers' GGUF loader does not map."""
+    for name in [n for n in tensors if n.split(".")[-2] in ("attn_q_norm", "attn_k_norm")]:
+        del tensors[name]
+
+
+def _widen_gpt2(tensors: dict[str, np.ndarray]) -> None:
+    """The same GPT-2 in the shapes transformers' GGUF config gives it (n_inner = 4 * hidden, n_positions = 1024):
+    MLP units that stay 0 (zero weights and bias in, gelu_new(0) = 0, zero weights out) and position rows that no
+    prompt reaches."""
+    def pad(t: np.ndarray, axis: int, size: int) -> np.ndarray:
+        widths = [(0, 0)] * t.ndim
+        widths[axis] = (0, size - t.shape[axis])
+        return np.pad(t, widths)
+
+    hidden = tensors["token_embd.weight"].shape[1]
+    tensors["position_embd.weight"] = pad(tensors["position_embd.weight"], 0, 1024)
+    for name in [n for n in tensors if ".ffn_up." in n]:
+        tensors[name] = pad(tensors[name], 0, 4 * hidden)
+    for name in [n for n in tensors if n.endswith("ffn_down.weight")]:
+        tensors[name] = pad(tensors[name], 1, 4 * hidden)
+
+
+def _widen_gpt2_untied(tensors: dict[str, np.ndarray]) -> None:
+    """_widen_gpt2, with the embedding repeated as output.weight, as llama.cpp's older GPT-2 converter wrote it."""
+    _widen_gpt2(tensors)
+    tensors["output.weight"] = tensors["token_embd.weight"].copy()
+
+
+class SameFile(NamedTuple):
+    """What transformers' own GGUF loading can express of a tiny model (the rest it leaves at class defaults, see
+    _FROM_HF)."""
+    kind: str  # models.py's
+    changes: dict  # to config.json
+    edit: Callable[[dict[str, np.ndarray]], None] | None  # how the tensors change
+    vocabulary: bool  # whether the file needs one (transformers takes StarCoder2's and GPT-2's vocabulary size from it)
+    q8_0: str | None = None  # see _write_hf_as_gguf
+
+
 _FOR_TRANSFORMERS = {
-    "stablelm": ({}, ("attn_q_norm", "attn_k_norm"), False),
-    "starcoder2": ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "sliding_window": None}, (),
-                   True),
+    "stablelm": SameFile("stablelm", {}, _drop_head_norms, False),
+    "starcoder2": SameFile("starcoder2", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                                          "sliding_window": None}, None, True),
+    "gpt2": SameFile("gpt2", {}, _widen_gpt2, True),
+    # Quantized Conv1D weights are transposed back after dequantizing.
+    "gpt2-untied-q8_0": SameFile("gpt2", {}, _widen_gpt2_untied, True, q8_0="blk."),
 }
 
 
-@pytest.mark.parametrize("kind", list(_FOR_TRANSFORMERS))
-def test_engine_matches_transformers_on_the_same_gguf(kind, model_dir, tmp_path: pathlib.Path, monkeypatch,
+@pytest.mark.parametrize("case", list(_FOR_TRANSFORMERS))
+def test_engine_matches_transformers_on_the_same_gguf(case, model_dir, tmp_path: pathlib.Path, monkeypatch,
                                                       captured_logits, report_logit_diff):
     """transformers reading the very file (its GGUF loader: config and weights) gives the engine's greedy tokens and
     logits, where its config can express the model: StableLM without q/k norms, StarCoder2 with transformers' rope
-    base, no window and a vocabulary in the file."""
+    base, no window and a vocabulary in the file, GPT-2 with a vocabulary and the MLP width and position count
+    transformers assumes (also untied, quantized)."""
     from models import MODEL_VOCAB_SIZE, check_against_hf, hf_greedy, random_prompts
 
     import nanoinfer.engine.llm_engine as llm_engine
     from nanoinfer import LLM, SamplingParams
 
-    changes, dropped, vocabulary = _FOR_TRANSFORMERS[kind]
-    src = pathlib.Path(shutil.copytree(model_dir(kind), tmp_path / kind))
+    spec = _FOR_TRANSFORMERS[case]
+    src = pathlib.Path(shutil.copytree(model_dir(spec.kind), tmp_path / spec.kind))
     config = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**config, **changes}))
-    path = tmp_path / f"{kind}.gguf"
-
-    def edit(tensors: dict[str, np.ndarray]) -> None:
-        for name in [n for n in tensors if n.split(".")[-2] in dropped]:
-            del tensors[name]
-
-    _write_hf_as_gguf(path, _FROM_HF[kind].arch, src, edit=edit,
-                      vocabulary=[f"t{i}" for i in range(MODEL_VOCAB_SIZE)] if vocabulary else None)
+    (src / "config.json").write_text(json.dumps({**config, **spec.changes}))
+    path = tmp_path / f"{case}.gguf"
+    _write_hf_as_gguf(path, _FROM_HF[spec.kind].arch, src, q8_0=spec.q8_0, edit=spec.edit,
+                      vocabulary=[f"t{i}" for i in range(MODEL_VOCAB_SIZE)] if spec.vocabulary else None)
     monkeypatch.setattr(llm_engine, "load_gguf_tokenizer", lambda _: None)  # no merges: no tokenizer to build
     prompts = random_prompts(3, 5, 400, 5, 40, seed=43)
     with LLM(str(path), device="cpu", dtype="float32", max_model_len=128) as llm:
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     worst = check_against_hf(outputs, hf_greedy(transformers_gguf_model(path), prompts, 12), captured_logits)
-    report_logit_diff(f"{kind} GGUF, against transformers loading it", worst)
+    report_logit_diff(f"{case} GGUF, against transformers loading it", worst)
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
 
-_BAD_STABLELM_FILES = {  # file name -> (how the converted tensors are spoiled, the error naming file and tensor)
-    "extra": (lambda t: t.update({"blk.0.attn_qkv.weight": np.zeros((192, 64), np.float32)}),
-              r"unexpected tensor 'blk.0.attn_qkv.weight' in GGUF file \S*extra.gguf"),
-    "heads": (lambda t: t.update({"blk.1.attn_k_norm.weight": t["blk.1.attn_k_norm.weight"][:1]}),
-              r"tensor 'blk.1.attn_k_norm.weight' in \S*heads.gguf has shape \[1, 16\]: expected \[2, head_dim\]"),
-    "missing": (lambda t: t.pop("blk.1.ffn_down.weight"),
-                r"checkpoint \S*missing.gguf is missing weights .*'model.layers.1.mlp.down_proj.weight'"),
-    "shape": (lambda t: t.update({"blk.0.attn_v.weight": t["blk.0.attn_v.weight"][:, :-1]}),
-              r"cannot load checkpoint tensor 'model.layers.0.self_attn.v_proj.weight' in \S*shape.gguf: shape"),
-    "embedding": (lambda t: t.pop("token_embd.weight"), r"\S*embedding.gguf has no token_embd.weight tensor"),
+_BAD_FILES = {  # (kind, file name) -> (how the converted tensors are spoiled, the error naming file and tensor)
+    ("stablelm", "extra"): (lambda t: t.update({"blk.0.attn_qkv.weight": np.zeros((192, 64), np.float32)}),
+                            r"unexpected tensor 'blk.0.attn_qkv.weight' in GGUF file \S*extra.gguf"),
+    ("stablelm", "heads"): (lambda t: t.update({"blk.1.attn_k_norm.weight": t["blk.1.attn_k_norm.weight"][:1]}),
+                            r"tensor 'blk.1.attn_k_norm.weight' in \S*heads.gguf has shape \[1, 16\]: "
+                            r"expected \[2, head_dim\]"),
+    ("stablelm", "missing"): (lambda t: t.pop("blk.1.ffn_down.weight"),
+                              r"checkpoint \S*missing.gguf is missing weights .*'model.layers.1.mlp.down_proj.weight'"),
+    ("stablelm", "shape"): (lambda t: t.update({"blk.0.attn_v.weight": t["blk.0.attn_v.weight"][:, :-1]}),
+                            r"cannot load checkpoint tensor 'model.layers.0.self_attn.v_proj.weight' in \S*shape.gguf: "
+                            r"shape"),
+    ("stablelm", "embedding"): (lambda t: t.pop("token_embd.weight"),
+                                r"\S*embedding.gguf has no token_embd.weight tensor"),
+    ("gpt2", "positions"): (lambda t: t.pop("position_embd.weight"),
+                            r"\S*positions.gguf has no position_embd.weight tensor"),
+    ("gpt2", "qkv"): (lambda t: t.update({"blk.0.attn_qkv.weight": t["blk.0.attn_qkv.weight"][:-1]}),
+                      r"\S*qkv.gguf: blk.0.attn_qkv.weight rows \(191\) not divisible by its head count 12"),
+    ("gpt2", "mlp"): (lambda t: t.update({"blk.2.ffn_down.weight": t["blk.2.ffn_down.weight"][:, :-1]}),
+                      r"cannot load checkpoint tensor 'transformer.h.2.mlp.c_proj.weight' in \S*mlp.gguf: shape"),
 }
 
 
-@pytest.mark.parametrize("spoiled", list(_BAD_STABLELM_FILES))
-def test_bad_tensor_names_the_file_and_tensor(spoiled, model_dir, tmp_path: pathlib.Path, monkeypatch):
+@pytest.mark.parametrize("kind,spoiled", list(_BAD_FILES))
+def test_bad_tensor_names_the_file_and_tensor(kind, spoiled, model_dir, tmp_path: pathlib.Path, monkeypatch):
     import nanoinfer.engine.llm_engine as llm_engine
     from nanoinfer import LLM
 
-    edit, match = _BAD_STABLELM_FILES[spoiled]
+    edit, match = _BAD_FILES[kind, spoiled]
     path = tmp_path / f"{spoiled}.gguf"
-    _write_hf_as_gguf(path, "stablelm", model_dir("stablelm"), edit=edit)
+    _write_hf_as_gguf(path, _FROM_HF[kind].arch, model_dir(kind), edit=edit)
     monkeypatch.setattr(llm_engine, "load_gguf_tokenizer", lambda _: None)  # the file has no vocabulary
     with pytest.raises(ValueError, match=match):
         LLM(str(path), device="cpu", dtype="float32", max_model_len=64)
 
 
 def test_unknown_architecture(tmp_path: pathlib.Path):
-    _write_gguf(tmp_path / "m.gguf", "gpt2", {"token_embd.weight": np.zeros((4, 4), np.float32)})
-    with pytest.raises(ValueError, match="gpt2"):
+    _write_gguf(tmp_path / "m.gguf", "bloom", {"token_embd.weight": np.zeros((4, 4), np.float32)})
+    with pytest.raises(ValueError, match="bloom"):
         next(iter_gguf_weights(tmp_path / "m.gguf", LlamaConfig()))
-    with pytest.raises(ValueError, match="gpt2"):
+    with pytest.raises(ValueError, match="bloom"):
         load_gguf_config(tmp_path / "m.gguf")
 
 

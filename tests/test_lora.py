@@ -14,11 +14,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models import ODD_KIND, cached_hf_greedy, check_against_hf, random_prompts
-from nanoinfer import LLM, LoRARequest, SamplingParams
+from nanoinfer import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from nanoinfer.config import Config
 from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.lora.layers import LoRALayer
 from nanoinfer.lora.model import LoRAModel
+from test_beam_search import assert_same_beams, beams_of
 
 MAX_TOKENS = 12
 LOGIT_ATOL = 1e-4
@@ -214,6 +215,47 @@ def test_chunked_prefill_and_preemption_keep_the_adapters(llama_dir, adapters):
     assert llm.llm_engine.scheduler.num_preemptions > 0
     for i, (out, lora) in enumerate(zip(outputs, loras)):
         assert out.outputs[0].token_ids == expected[0 if lora is None else lora.lora_int_id][i]["token_ids"]
+
+
+BEAMS = BeamSearchParams(3, 6, ignore_eos=True)
+
+
+def test_beam_search_with_adapters_matches_merged_weights(llama_dir, adapters):
+    """beam_search with one adapter for every prompt, or one (or None) per prompt (the same prompt under two adapters
+    and none in one call), gives the beams and cumulative logprobs of beam search on the model with the adapter
+    merged into its weights."""
+    a1, a2, _ = adapters("llama")
+    prompts = PROMPTS[:2]
+
+    def merged(adapter: Adapter | None) -> list:
+        base = llama_dir if adapter is None else adapter.merged
+        with LLM(str(base), device="cpu", dtype="float32", max_model_len=128) as ref:
+            return beams_of(ref.beam_search(prompts, BEAMS))
+
+    plain, one, two = merged(None), merged(a1), merged(a2)
+    assert [b[0][0] for b in one] != [b[0][0] for b in plain]  # the adapter changes the best beams
+    llm = lora_llm(llama_dir)
+    assert_same_beams(beams_of(llm.beam_search(prompts, BEAMS, lora_request=a1.request)), one)
+    mixed = llm.beam_search([prompts[0], prompts[0], prompts[0], prompts[1]], BEAMS,
+                            lora_request=[a2.request, None, a1.request, a2.request], concurrency_limit=3)
+    assert_same_beams(beams_of(mixed), [two[0], plain[0], one[0], two[1]])
+
+
+def test_beam_search_refuses_a_bad_lora_request_before_the_first_step(llama_dir, adapters, monkeypatch):
+    a1 = adapters("llama")[0].request
+    llm = lora_llm(llama_dir)
+    monkeypatch.setattr(ModelRunner, "run", lambda self, batch: pytest.fail("a step ran"))
+    bad_calls = [
+        ("adapter1", TypeError, "lora_request must be a LoRARequest or a list of them, got str"),
+        ([a1], ValueError, "got 1 lora requests for 2 prompts"),
+        ([a1, "adapter1"], TypeError, "lora_request must be a LoRARequest, got str"),  # the second chunk's
+        ([a1, LoRARequest("x", 7, "/nonexistent")], ValueError, "lora_path '/nonexistent' of LoRA adapter 'x' is not"),
+    ]
+    for lora_request, error, message in bad_calls:
+        with pytest.raises(error, match=message):
+            llm.beam_search(PROMPTS[:2], BEAMS, lora_request=lora_request, concurrency_limit=1)
+    with pytest.raises(ValueError, match="lora_request=.*given, but LoRA is off: create the LLM with enable_lora=True"):
+        LLM(str(llama_dir), device="cpu", max_model_len=64).beam_search(PROMPTS[:1], BEAMS, lora_request=a1)
 
 
 @pytest.mark.slow

@@ -89,7 +89,7 @@ class LLMEngine:
             raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens={max_tokens} (min_tokens="
                              f"{params.min_tokens}) exceeds max_model_len={self.config.max_model_len}")
         grammar = self._grammar(params)
-        self._check_lora(lora_request)
+        self.check_lora(lora_request)
         metrics = RequestMetrics(arrival_time=time.time())
         return [Sequence(token_ids, _child_params(params, i), self.config.kvcache_block_size, prompt=text,
                          request_id=request_id, index=i, max_tokens=max_tokens,
@@ -109,7 +109,7 @@ class LLMEngine:
                              f"ignore_eos={params.ignore_eos} / min_tokens={params.min_tokens} rule out")
         return grammar
 
-    def _check_lora(self, lora_request: LoRARequest | None) -> None:
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
         """The adapter is read and checked against the model here, once per lora_int_id (see LoRAModel.check)."""
         if lora_request is None:
             return

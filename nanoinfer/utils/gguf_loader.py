@@ -13,14 +13,15 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 # GGUF `general.architecture` values we can load.
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3", "stablelm",
-                   "starcoder2")
+                   "starcoder2", "gpt2")
 # Keyed by HF model_type: transformers turns a "llama" GGUF whose name mentions mistral into a
 # MistralConfig, which has the same weights.
 _HF_ARCHITECTURE = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM",
                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                     "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                    "stablelm": "StableLmForCausalLM", "starcoder2": "Starcoder2ForCausalLM"}
+                    "stablelm": "StableLmForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
+                    "gpt2": "GPT2LMHeadModel"}
 _TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _PER_LAYER = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -40,8 +41,16 @@ _PHI3_PER_LAYER = {**_PER_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "ml
 _STABLELM_PER_LAYER = {**_PER_LAYER, "attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm"}
 # StarCoder2's ungated MLP.
 _STARCODER2_PER_LAYER = {**_PER_LAYER, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+# GPT-2 keeps the names of its own checkpoints (transformer.h.N.*, which models/gpt2.py maps).
+_GPT2_PER_LAYER = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",
+                   "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
 _PER_LAYER_BY_ARCH = {"gemma2": _GEMMA_PER_LAYER, "gemma3": _GEMMA_PER_LAYER, "phi3": _PHI3_PER_LAYER,
-                      "stablelm": _STABLELM_PER_LAYER, "starcoder2": _STARCODER2_PER_LAYER}
+                      "stablelm": _STABLELM_PER_LAYER, "starcoder2": _STARCODER2_PER_LAYER, "gpt2": _GPT2_PER_LAYER}
+_TOP_LEVEL_BY_ARCH = {"gpt2": {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
+                               "output_norm": "transformer.ln_f", "output": "lm_head"}}
+_LAYER_PREFIX_BY_ARCH = {"gpt2": "transformer.h"}
+# GPT-2's projections are Conv1D weights, [in, out]; llama.cpp stores them transposed, as a Linear's [out, in].
+_CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Derived from the rope config on the HF side.
 _ROPE_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 # llama.cpp stacks all experts of a layer in one tensor per projection. Like transformers' GGUF
@@ -150,6 +159,8 @@ def load_gguf_config(gguf_path: str | os.PathLike) -> PretrainedConfig:
         _fill_phi3_config(config, reader, names, p)
     if arch in ("stablelm", "starcoder2"):
         _fill_layernorm_config(config, reader, names, arch)
+    if arch == "gpt2":
+        _fill_gpt2_config(config, names, p)
     if arch == "llama" and "rope_freqs.weight" in names:
         warnings.warn(f"{p} has rope_freqs (llama3-style RoPE scaling), which is not "
                       "reconstructed into the config; long-context outputs may differ from llama.cpp")
@@ -214,6 +225,13 @@ def _fill_layernorm_config(config: PretrainedConfig, reader: gguf.GGUFReader, na
     config.rope_parameters = rope
 
 
+def _fill_gpt2_config(config: PretrainedConfig, names: dict[str, gguf.ReaderTensor], path: pathlib.Path) -> None:
+    """What transformers leaves at class defaults (4 * hidden and 1024): the MLP's width and the position table's
+    length, read off the tensors (GGUF shapes are [in, out])."""
+    config.n_inner = int(_tensor(names, "blk.0.ffn_up.weight", path).shape[1])
+    config.n_positions = int(_tensor(names, "position_embd.weight", path).shape[1])
+
+
 def _tensor(names: dict[str, gguf.ReaderTensor], name: str, path: pathlib.Path) -> gguf.ReaderTensor:
     if name not in names:
         raise ValueError(f"{path} has no {name} tensor; is it a complete checkpoint?")
@@ -222,10 +240,11 @@ def _tensor(names: dict[str, gguf.ReaderTensor], name: str, path: pathlib.Path) 
 
 def _head_dim(config: PretrainedConfig, names: dict[str, gguf.ReaderTensor], arch: str, path: pathlib.Path) -> int:
     """transformers ignores attention.key_length for qwen and only falls back to a class default
-    (128 for qwen3), so read head_dim off the Q projection (or Phi-3's fused QKV): GGUF shapes are [in, out]."""
+    (128 for qwen3), so read head_dim off the Q projection (or Phi-3's and GPT-2's fused QKV): GGUF shapes are
+    [in, out]."""
     q_name, heads = "blk.0.attn_q.weight", config.num_attention_heads
-    if arch == "phi3":
-        q_name, heads = "blk.0.attn_qkv.weight", heads + 2 * config.num_key_value_heads
+    if arch in ("phi3", "gpt2"):  # GPT-2's config has no KV head count: as many as query heads
+        q_name, heads = "blk.0.attn_qkv.weight", heads + 2 * (getattr(config, "num_key_value_heads", None) or heads)
     rows = int(_tensor(names, q_name, path).shape[1])
     if rows % heads:
         raise ValueError(f"{path}: {q_name} rows ({rows}) not divisible by its head count {heads}")
@@ -283,12 +302,13 @@ def unpermute_qk(w: ArrayT, n_heads: int) -> ArrayT:
 
 def _hf_name(gguf_name: str, arch: str, path: pathlib.Path) -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
-    if base in _TOP_LEVEL:
-        return f"{_TOP_LEVEL[base]}.{suffix}"
+    top_level = _TOP_LEVEL_BY_ARCH.get(arch, _TOP_LEVEL)
+    if base in top_level:
+        return f"{top_level[base]}.{suffix}"
     parts = base.split(".")
     per_layer = _PER_LAYER_BY_ARCH.get(arch, _PER_LAYER)
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in per_layer:
-        return f"model.layers.{parts[1]}.{per_layer[parts[2]]}.{suffix}"
+        return f"{_LAYER_PREFIX_BY_ARCH.get(arch, 'model.layers')}.{parts[1]}.{per_layer[parts[2]]}.{suffix}"
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _EXPERTS and suffix == "weight":
         return f"model.layers.{parts[1]}.{_EXPERTS[parts[2]]}"
     if base in _ROPE_TENSORS:
@@ -307,6 +327,8 @@ def _dequantize(t: gguf.ReaderTensor, arch: str, name: str, n_heads: int, n_kv_h
         w = w.reshape(1, -1)  # HF's [1, hidden] Linear; llama.cpp may store it as a vector
     elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
         w = w - 1  # llama.cpp stored 1 + weight, what Gemma's RMSNorm multiplies by
+    elif arch == "gpt2" and name.endswith(_CONV1D_WEIGHTS):
+        w = w.T
     return w
 
 
