@@ -74,7 +74,9 @@ class Config:
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
             _positive(name, getattr(self, name))
         hf = self.hf_config
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        # DeepSeek's MLA attends over qk_head_dim (its config's head_dim is the rope part alone).
+        head_dim = (getattr(hf, "qk_head_dim", None) or getattr(hf, "head_dim", None)
+                    or hf.hidden_size // hf.num_attention_heads)
         check_backend_limits(self.attention_backend, self.kvcache_block_size, self.torch_dtype, head_dim)
         if not isinstance(self.enforce_eager, bool):
             raise TypeError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")

@@ -134,7 +134,7 @@ QWEN3_NEXT_KINDS = ("qwen3-next",)
 # DeepSeek (DEEPSEEK_KINDS), multi-head latent attention with V narrower than K (16 against 16 + 8) and MoE with
 # shared experts: V2: the plain q_proj (as V2-Lite), 2 of 8 experts on every layer by softmax, yarn rope with
 # distinct mscale / mscale_all_dim (the rope's and the scores' scaling). V2-group: the low-rank q, layer 0 dense,
-# group-limited routing (2 of 4 groups), routed_scaling_factor. V3: layer 0 dense, sigmoid routing with a random
+# group-limited routing (3 experts of the best 2 of 4 groups: with 2, the limit could never bind), routed_scaling_factor. V3: layer 0 dense, sigmoid routing with a random
 # e_score_correction_bias within 2 of 4 groups, renormalized and scaled.
 # The LayerNorm families (LAYERNORM_KINDS), every norm with a random bias and an epsilon (LAYER_NORM_EPS) far from
 # the default: StarCoder2: biases on q/k/v/o and a GeLU-tanh MLP, GQA, a window on every layer. StableLM: q/k/v
@@ -540,20 +540,20 @@ def deepseek_config(kind: str, special: dict):
     from transformers import DeepseekV2Config, DeepseekV3Config
 
     mla = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
-               qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
-               moe_intermediate_size=32, tie_word_embeddings=False)
+               qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, moe_intermediate_size=32,
+               tie_word_embeddings=False)
     if kind == "deepseek-v3":
         return DeepseekV3Config(**_COMMON, **special, **mla, q_lora_rank=32, n_shared_experts=1,
                                 first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
-                                routed_scaling_factor=2.5, rope_interleave=True,
+                                num_experts_per_tok=2, routed_scaling_factor=2.5, rope_interleave=True,
                                 rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "deepseek-v2-group":
         return DeepseekV2Config(**_COMMON, **special, **mla, q_lora_rank=32, n_shared_experts=2,
                                 first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4, topk_group=2,
-                                routed_scaling_factor=1.5,
+                                num_experts_per_tok=3, routed_scaling_factor=1.5,
                                 rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     return DeepseekV2Config(**_COMMON, **special, **mla, q_lora_rank=None, n_shared_experts=2,
-                            first_k_dense_replace=0, topk_method="greedy",
+                            first_k_dense_replace=0, topk_method="greedy", num_experts_per_tok=2,
                             rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
                                              "original_max_position_embeddings": 128, "beta_fast": 32,
                                              "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0})
