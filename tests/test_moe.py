@@ -1,7 +1,10 @@
 """Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek): the fused expert layer against transformers' own
 MoE block, its tensor-parallel shards, which layers are sparse, checkpoint layouts (per expert as on the Hub,
 Mixtral's names, transformers' stacked experts) and mapping errors; DeepSeek's routers against transformers'; on
-whole models, routing equal to transformers' and varied, chunked prefill + prefix cache + preemption, with TP=1 and 2. (Plain whole-model greedy/logits: test_correctness.py.)"""
+whole models, routing equal to transformers' and varied, chunked prefill + prefix cache + preemption, with TP=1
+and 2. (Plain whole-model greedy/logits: test_correctness.py.)"""
+import json
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -302,3 +305,27 @@ def test_deepseek_settings_the_engine_cannot_run_are_refused_by_name(changes, tp
     monkeypatch.setattr(fused_moe, "tp_size", lambda: tp)
     with pytest.raises(ValueError, match=message):
         deepseek_v2.DeepseekV2ForCausalLM(config)
+
+
+def test_deepseek_v3_multi_token_prediction_layers_are_skipped(model_dir, tmp_path, captured_logits):
+    """DeepSeek-V3's checkpoints carry `num_nextn_predict_layers` MTP layers numbered after the last decoder layer;
+    plain decoding does not use them, so they load as nothing (a layer beyond those is still a stray)."""
+    d = model_dir("deepseek-v3")
+    weights = load_file(d / "model.safetensors")
+    mtp = {k.replace("model.layers.2.", "model.layers.3."): v.clone() for k, v in weights.items() if ".layers.2." in k}
+    for name, extra in [("mtp", mtp), ("stray", {"model.layers.4.input_layernorm.weight": torch.ones(64)})]:
+        m = tmp_path / name
+        m.mkdir()
+        for f in d.iterdir():
+            if f.suffix != ".safetensors":
+                (m / f.name).write_bytes(f.read_bytes())
+        config = json.loads((m / "config.json").read_text())
+        (m / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+        save_file({**weights, **extra}, m / "model.safetensors")
+        if name == "stray":
+            with pytest.raises(ValueError, match="'model.layers.4.input_layernorm.weight'.* has no parameter"):
+                LLM(str(m), device="cpu", dtype="float32", max_model_len=128)
+            continue
+        with LLM(str(m), device="cpu", dtype="float32", max_model_len=128) as llm:
+            outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
