@@ -74,9 +74,9 @@ class Config:
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
             _positive(name, getattr(self, name))
         hf = self.hf_config
-        # DeepSeek's MLA attends over qk_head_dim (its config's head_dim is the rope part alone).
-        head_dim = (getattr(hf, "qk_head_dim", None) or getattr(hf, "head_dim", None)
-                    or hf.hidden_size // hf.num_attention_heads)
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        if getattr(hf, "kv_lora_rank", None):  # DeepSeek's MLA: head_dim is the rope part; the cache's is this
+            head_dim = max(hf.qk_nope_head_dim + hf.qk_rope_head_dim, hf.v_head_dim)
         check_backend_limits(self.attention_backend, self.kvcache_block_size, self.torch_dtype, head_dim)
         if not isinstance(self.enforce_eager, bool):
             raise TypeError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")

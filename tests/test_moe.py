@@ -1,10 +1,8 @@
 """Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek): the fused expert layer against transformers' own
 MoE block, its tensor-parallel shards, which layers are sparse, checkpoint layouts (per expert as on the Hub,
-Mixtral's names, transformers' stacked experts) and mapping errors; DeepSeek's routers against transformers'; on
-whole models, routing equal to transformers' and varied, chunked prefill + prefix cache + preemption, with TP=1
-and 2. (Plain whole-model greedy/logits: test_correctness.py.)"""
-import json
-
+Mixtral's names, transformers' stacked experts) and mapping errors; on whole models, routing equal to transformers'
+and varied, chunked prefill + prefix cache + preemption, with TP=1 and 2 (DeepSeek's too; its routers and the rest:
+test_deepseek.py). (Plain whole-model greedy/logits: test_correctness.py.)"""
 import pytest
 import torch
 from safetensors import safe_open
@@ -15,8 +13,6 @@ import nanoinfer.layers.fused_moe as fused_moe
 from models import DEEPSEEK_KINDS, cached_hf_greedy, check_against_hf, load_hf_model, make_config, random_prompts
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, select_experts
-from nanoinfer.models.deepseek_v2 import DeepseekV2MoE
-from nanoinfer.models.deepseek_v3 import DeepseekV3MoE
 from nanoinfer.models.mixtral import MixtralForCausalLM
 from nanoinfer.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen2MoeSparseMoeBlock
 from nanoinfer.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSparseMoeBlock
@@ -251,81 +247,3 @@ def test_transformers_stacked_expert_layout_matches_hf(kind, model_dir, tmp_path
     with LLM(str(stacked), device="cpu", dtype="float32", max_model_len=128) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
-
-
-@pytest.mark.parametrize("kind", DEEPSEEK_KINDS)
-@torch.inference_mode()
-def test_deepseek_routing_is_transformers_own(kind):
-    """DeepSeek's routers (V2 softmax greedy / group-limited, V3 sigmoid + correction bias in the best groups,
-    renormalized) pick transformers' experts with transformers' weights; the group limit and the bias bind."""
-    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
-
-    config = make_config(kind)
-    v3 = kind == "deepseek-v3"
-    torch.manual_seed(0)
-    ref = (DeepseekV3TopkRouter if v3 else DeepseekV2TopkRouter)(config)
-    ref.weight.normal_(0, 0.2)
-    ours = (DeepseekV3MoE if v3 else DeepseekV2MoE)(config)
-    ours.gate.weight.copy_(ref.weight)
-    if v3:
-        ref.e_score_correction_bias.normal_(0, 0.3)
-        ours.gate.e_score_correction_bias.copy_(ref.e_score_correction_bias)
-    x = torch.randn(500, config.hidden_size)
-    _, ref_weights, ref_ids = ref(x)
-    weights, ids = ours.select_experts(x)
-    order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
-    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
-    torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order), rtol=1e-6, atol=1e-7)
-    logits = x @ ref.weight.T
-    plain = (logits.sigmoid() if v3 else logits.softmax(-1)).topk(config.num_experts_per_tok, -1)[1]
-    changed = (plain.sort(-1).values != ids.sort(-1).values).any(-1).float().mean().item()
-    if kind == "deepseek-v2":  # greedy: the plain top k
-        assert changed == 0
-    else:
-        assert changed > 0.05, f"the groups (and V3's bias) change the choice of only {changed:.0%} of the tokens"
-
-
-@pytest.mark.parametrize("changes, tp, message", [
-    ({}, 3, r"tensor_parallel_size=3 does not divide the model's num_attention_heads \(4\)"),
-    ({"num_attention_heads": 2, "num_key_value_heads": 2}, 2,
-     r"tensor_parallel_size=2 does not divide the model's moe_intermediate_size \(33\)"),
-    ({"num_key_value_heads": 2}, 1, r"num_key_value_heads=2 must equal num_attention_heads=4"),
-    ({"topk_method": "noaux_tc"}, 1, r"topk_method='noaux_tc' in the model config; expected one of"),
-    ({"n_group": 3}, 1, r"n_group=3 does not divide n_routed_experts=8"),
-])
-def test_deepseek_settings_the_engine_cannot_run_are_refused_by_name(changes, tp, message, monkeypatch):
-    import nanoinfer.models.deepseek_v2 as deepseek_v2
-
-    config = make_config("deepseek-v2-group")
-    config.moe_intermediate_size = 33 if tp == 2 else 32
-    for key, value in changes.items():
-        setattr(config, key, value)
-    monkeypatch.setattr(deepseek_v2, "tp_size", lambda: tp)
-    monkeypatch.setattr(fused_moe, "tp_size", lambda: tp)
-    with pytest.raises(ValueError, match=message):
-        deepseek_v2.DeepseekV2ForCausalLM(config)
-
-
-def test_deepseek_v3_multi_token_prediction_layers_are_skipped(model_dir, tmp_path, captured_logits):
-    """DeepSeek-V3's checkpoints carry `num_nextn_predict_layers` MTP layers numbered after the last decoder layer;
-    plain decoding does not use them, so they load as nothing (a layer beyond those is still a stray)."""
-    d = model_dir("deepseek-v3")
-    weights = load_file(d / "model.safetensors")
-    mtp = {k.replace("model.layers.2.", "model.layers.3."): v.clone() for k, v in weights.items() if ".layers.2." in k}
-    for name, extra in [("mtp", mtp), ("stray", {"model.layers.4.input_layernorm.weight": torch.ones(64)})]:
-        m = tmp_path / name
-        m.mkdir()
-        for f in d.iterdir():
-            if f.suffix != ".safetensors":
-                (m / f.name).write_bytes(f.read_bytes())
-        config = json.loads((m / "config.json").read_text())
-        (m / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
-        save_file({**weights, **extra}, m / "model.safetensors")
-        if name == "stray":
-            with pytest.raises(ValueError, match="'model.layers.4.input_layernorm.weight'.* has no parameter"):
-                LLM(str(m), device="cpu", dtype="float32", max_model_len=128)
-            continue
-        with LLM(str(m), device="cpu", dtype="float32", max_model_len=128) as llm:
-            outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
