@@ -134,8 +134,9 @@ QWEN3_NEXT_KINDS = ("qwen3-next",)
 # DeepSeek (DEEPSEEK_KINDS), multi-head latent attention with V narrower than K (16 against 16 + 8) and MoE with
 # shared experts: V2: the plain q_proj (as V2-Lite), 2 of 8 experts on every layer by softmax, yarn rope with
 # distinct mscale / mscale_all_dim (the rope's and the scores' scaling). V2-group: the low-rank q, layer 0 dense,
-# group-limited routing (3 experts of the best 2 of 4 groups: with 2, the limit could never bind), routed_scaling_factor. V3: layer 0 dense, sigmoid routing with a random
-# e_score_correction_bias within 2 of 4 groups, renormalized and scaled.
+# group-limited routing (3 experts from the best 2 of 4 groups: with 2 the limit could never bind),
+# routed_scaling_factor. V3: layer 0 dense, sigmoid routing with a random e_score_correction_bias within 2 of 4
+# groups, renormalized and scaled; interleaved rope.
 # The LayerNorm families (LAYERNORM_KINDS), every norm with a random bias and an epsilon (LAYER_NORM_EPS) far from
 # the default: StarCoder2: biases on q/k/v/o and a GeLU-tanh MLP, GQA, a window on every layer. StableLM: q/k/v
 # biases, per-head q/k LayerNorms (GQA), the parallel residual with one norm, a quarter of each head rotated. Phi:
