@@ -13,7 +13,7 @@ from models import DEEPSEEK_KINDS, cached_hf_greedy, check_against_hf, make_conf
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
 from nanoinfer.models.deepseek_v2 import DeepseekV2MoE
-from nanoinfer.models.deepseek_v3 import DeepseekV3MoE
+from nanoinfer.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -67,25 +67,26 @@ def test_deepseek_routing_is_transformers_own(kind):
         assert changed > 0.05, f"the groups (and V3's bias) change the choice of only {changed:.0%} of the tokens"
 
 
-@pytest.mark.parametrize("changes, tp, message", [
-    ({}, 3, r"tensor_parallel_size=3 does not divide the model's num_attention_heads \(4\)"),
-    ({"num_attention_heads": 2, "num_key_value_heads": 2}, 2,
+@pytest.mark.parametrize("kind, changes, tp, message", [
+    ("deepseek-v2-group", {}, 3, r"tensor_parallel_size=3 does not divide the model's num_attention_heads \(4\)"),
+    ("deepseek-v2-group", {"num_attention_heads": 2, "num_key_value_heads": 2, "moe_intermediate_size": 33}, 2,
      r"tensor_parallel_size=2 does not divide the model's moe_intermediate_size \(33\)"),
-    ({"num_key_value_heads": 2}, 1, r"num_key_value_heads=2 must equal num_attention_heads=4"),
-    ({"topk_method": "noaux_tc"}, 1, r"topk_method='noaux_tc' in the model config; expected one of"),
-    ({"n_group": 3}, 1, r"n_group=3 does not divide n_routed_experts=8"),
+    ("deepseek-v2", {"num_key_value_heads": 2}, 1, r"num_key_value_heads=2 must equal num_attention_heads=4"),
+    ("deepseek-v2", {"topk_method": "noaux_tc"}, 1, r"topk_method='noaux_tc' in the model config; expected one of"),
+    ("deepseek-v2-group", {"n_group": 3}, 1, r"n_group=3 must be a positive int dividing n_routed_experts=8"),
+    ("deepseek-v2-group", {"topk_group": 5}, 1, r"topk_group=5 must be an int between 1 and n_group=4"),
+    ("deepseek-v3", {"n_group": None}, 1, r"n_group=None must be a positive int dividing n_routed_experts=8"),
 ])
-def test_deepseek_settings_the_engine_cannot_run_are_refused_by_name(changes, tp, message, monkeypatch):
+def test_deepseek_settings_the_engine_cannot_run_are_refused_by_name(kind, changes, tp, message, monkeypatch):
     import nanoinfer.models.deepseek_v2 as deepseek_v2
 
-    config = make_config("deepseek-v2-group")
-    config.moe_intermediate_size = 33 if tp == 2 else 32
+    config = make_config(kind)
     for key, value in changes.items():
         setattr(config, key, value)
     monkeypatch.setattr(deepseek_v2, "tp_size", lambda: tp)
     monkeypatch.setattr(fused_moe, "tp_size", lambda: tp)
     with pytest.raises(ValueError, match=message):
-        deepseek_v2.DeepseekV2ForCausalLM(config)
+        (DeepseekV3ForCausalLM if kind == "deepseek-v3" else deepseek_v2.DeepseekV2ForCausalLM)(config)
 
 
 def test_deepseek_v3_multi_token_prediction_layers_are_skipped(model_dir, tmp_path, captured_logits):

@@ -29,12 +29,19 @@ def check_attention_config(config: PretrainedConfig) -> None:
                          f"({config.num_attention_heads})")
 
 
-def check_moe_config(config: PretrainedConfig) -> None:
+def check_moe_config(config: PretrainedConfig, grouped: bool) -> None:
+    """grouped: whether the routing limits each token to its `topk_group` best of `n_group` expert groups."""
     if config.moe_intermediate_size % tp_size():
         raise ValueError(f"tensor_parallel_size={tp_size()} does not divide the model's moe_intermediate_size "
                          f"({config.moe_intermediate_size})")
-    if config.n_group is not None and config.n_routed_experts % config.n_group:
-        raise ValueError(f"n_group={config.n_group} does not divide n_routed_experts={config.n_routed_experts}")
+    if not grouped:
+        return
+    n_group, topk_group = config.n_group, config.topk_group
+    if not isinstance(n_group, int) or n_group < 1 or config.n_routed_experts % n_group:
+        raise ValueError(f"n_group={n_group!r} must be a positive int dividing n_routed_experts="
+                         f"{config.n_routed_experts}")
+    if not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group={topk_group!r} must be an int between 1 and n_group={n_group}")
 
 
 def softmax_scale(config: PretrainedConfig) -> float:
@@ -123,22 +130,24 @@ class DeepseekV2MoE(nn.Module):
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        check_moe_config(config)
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
         self.top_k, self.scaling = config.num_experts_per_tok, config.routed_scaling_factor
         self.gate = DeepseekRouter(config, self.correction_bias)
+        self.configure_routing(config)
+        # renormalize=False: FusedMoE.forward's softmax routing is not used, select_experts routes instead.
         self.experts = FusedMoE(config.n_routed_experts, config.num_experts_per_tok, config.hidden_size,
-                                config.moe_intermediate_size, bool(config.norm_topk_prob))
+                                config.moe_intermediate_size, renormalize=False)
         shared = config.n_shared_experts or 0
         self.shared_experts = LlamaMLP(config, config.moe_intermediate_size * shared) if shared else None
-        self.configure_routing(config)
 
     def configure_routing(self, config: PretrainedConfig) -> None:
         if config.topk_method not in _TOPK_METHODS:
             raise ValueError(f"topk_method={config.topk_method!r} in the model config; expected one of {_TOPK_METHODS}")
+        grouped = config.topk_method == "group_limited_greedy"
+        check_moe_config(config, grouped)
         # transformers' V2 router ignores norm_topk_prob (False in DeepSeek-V2's configs): so does this one.
-        self.num_groups = config.n_group if config.topk_method == "group_limited_greedy" else None
+        self.num_groups = config.n_group if grouped else None
         self.topk_group = config.topk_group
 
     def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

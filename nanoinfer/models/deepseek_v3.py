@@ -4,7 +4,7 @@ import torch
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.fused_moe import select_experts_sigmoid_biased
-from nanoinfer.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2MoE
+from nanoinfer.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2MoE, check_moe_config
 from nanoinfer.models.llama import AttentionOptions
 
 
@@ -13,6 +13,7 @@ class DeepseekV3MoE(DeepseekV2MoE):
 
     def configure_routing(self, config: PretrainedConfig) -> None:
         # transformers' V3 router always routes this way, whatever `topk_method` says.
+        check_moe_config(config, grouped=True)
         self.num_groups, self.topk_group, self.renormalize = config.n_group, config.topk_group, config.norm_topk_prob
 
     def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
