@@ -88,6 +88,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, help="engine max_num_batched_tokens (default: engine's)")
     p.add_argument("--num-kvcache-blocks", type=int, help="engine num_kvcache_blocks (default: engine's)")
     p.add_argument("--compare-hf", action="store_true", help="also run transformers generate on the same prompts")
+    p.add_argument("--ngram", type=int, metavar="K",
+                   help="CPU: also run with n-gram speculative decoding, K drafts a step, and compare with the plain run")
+    p.add_argument("--repetitive", action="store_true",
+                   help="each prompt a random block of 8-32 tokens repeated (a workload that copies its context)")
     p.add_argument("--hf-batch-size", type=int, help="HF generate batch size (default: all prompts in one batch)")
     p.add_argument("--hf-static", action="store_true", help='HF generate with cache_implementation="static"')
     p.add_argument("--profile", action="store_true",
@@ -133,6 +137,8 @@ def make_workload(args, vocab_size: int) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(0)
     prompts = [[rng.randint(0, vocab_size - 1) for _ in range(rng.randint(args.min_input, args.max_input))]
                for _ in range(args.num_seqs)]
+    if args.repetitive:  # a trained model continues such a prompt by copying it: n-gram drafts get accepted
+        prompts = [(p[:rng.randint(8, 32)] * len(p))[:len(p)] for p in prompts]
     out_lens = [rng.randint(1, args.output_len) if args.random_output else args.output_len for _ in prompts]
     return prompts, out_lens
 
@@ -554,8 +560,34 @@ def main() -> None:
         result["hf"] = dict(wall_s=hf["wall"], output_tok_s=num_output / hf["wall"],
                             total_tok_s=(num_prompt + num_output) / hf["wall"], cache=hf["cache"], batch_size=bs,
                             identical_outputs=same, ratio=hf["wall"] / wall)
+    if args.ngram:
+        spec = result["ngram"] = run_ngram(args, model, prompts, out_lens, ours["outputs"])
+        print(f"nanoinfer, n-gram speculation (k={args.ngram}): {spec['wall_s']:.2f}s | output "
+              f"{num_output / spec['wall_s']:.1f} tok/s | {wall / spec['wall_s']:.2f}x the plain run | accepted "
+              f"{spec['accepted']}/{spec['drafted']} drafts ({spec['acceptance_rate']:.0%}), "
+              f"{spec['mean_acceptance_length']:.2f} tokens per drafted step | identical outputs "
+              f"{spec['identical_outputs']}/{len(prompts)}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def run_ngram(args: argparse.Namespace, model: str, prompts: list[list[int]], out_lens: list[int],
+              plain_outputs: list[list[int]]) -> dict:
+    """The workload again with n-gram drafts (prompt_lookup 1-4), through generate: wall time, spec-decode
+    counters, and how many outputs equal the plain run's."""
+    with LLM(model, max_model_len=args.max_input + args.output_len, device="cpu",
+             max_num_seqs=args.max_num_seqs or args.num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+             num_kvcache_blocks=args.num_kvcache_blocks, enable_prefix_caching=True, seed=0,
+             tensor_parallel_size=args.tp, speculative_config={"method": "ngram", "num_speculative_tokens": args.ngram,
+                                                               "prompt_lookup_max": 4, "prompt_lookup_min": 1}) as llm:
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
+        t0 = time.perf_counter()
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        wall = time.perf_counter() - t0
+        stats = llm.llm_engine.spec_decode_stats
+    return dict(wall_s=wall, drafted=stats.num_draft_tokens, accepted=stats.num_accepted_tokens,
+                acceptance_rate=stats.acceptance_rate, mean_acceptance_length=stats.mean_acceptance_length,
+                identical_outputs=sum(a == b for a, b in zip(outputs, plain_outputs)))
 
 
 if __name__ == "__main__":

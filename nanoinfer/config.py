@@ -11,6 +11,7 @@ from nanoinfer.layers.attention.selector import (DEFAULT_BLOCK_SIZE, check_backe
                                                   check_tensor_parallel_devices, resolve_device, select_backend)
 from nanoinfer.layers.rotary_embedding import rope_parameters
 from nanoinfer.sampling_params import check_seed
+from nanoinfer.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from nanoinfer.utils.gguf_loader import load_gguf_config, resolve_gguf
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -36,9 +37,12 @@ class Config:
     enable_lora: bool = False  # requests may name a LoRA adapter (see nanoinfer/lora)
     max_loras: int = 1  # adapters held at once (slots); a step runs tokens of at most this many
     max_lora_rank: int = 16  # the largest adapter rank r the slots hold
+    # vLLM's {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": ..., "prompt_lookup_min": ...}
+    speculative_config: dict | None = None
     hf_config: PretrainedConfig = field(init=False, repr=False)
     gguf_path: Path | None = field(init=False, default=None)
     eos_token_ids: list[int] = field(init=False, default_factory=list)
+    speculative: SpeculativeConfig | None = field(init=False, default=None)  # speculative_config, checked
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)):
@@ -101,6 +105,7 @@ class Config:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         check_tensor_parallel_devices(self.device, self.torch_device, self.tensor_parallel_size)
         self._check_shardable()
+        self.speculative = parse_speculative_config(self.speculative_config)
         self.eos_token_ids = self._eos_token_ids()
 
     def _check_model_config(self, source: Path) -> None:

@@ -49,7 +49,8 @@ class _Turns:
 
 class LLM:
     """With tensor_parallel_size=N, a plain process starts N - 1 worker processes, stopped by close(), by leaving a
-    `with` block, or at interpreter exit; under torchrun, every rank builds an LLM and calls generate."""
+    `with` block, or at interpreter exit; under torchrun, every rank builds an LLM and calls generate (or embed,
+    classify, score) alike."""
 
     def __init__(self, model: str | os.PathLike, **kwargs):
         unknown = sorted(set(kwargs) - Config.field_names())
@@ -84,10 +85,8 @@ class LLM:
         None) per prompt (needs enable_lora). Under torchrun every rank must call it; rank 0's prompts are run and
         every rank returns the same outputs."""
         requests = self._make_requests(prompts, sampling_params, RequestOutputKind.FINAL_ONLY, lora_request)
-        with self._turn():
-            if self.llm_engine.tp.torchrun:
-                return self.llm_engine.run_on_every_rank(lambda: self._run(requests, use_tqdm))
-            return self._run(requests, use_tqdm)
+        with self._turn() as engine:
+            return engine.run_on_every_rank(lambda: self._run(requests, use_tqdm))
 
     def generate_iter(self, prompts: Prompt | list[Prompt],
                       sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -152,7 +151,7 @@ class LLM:
                                decode, use_tqdm, concurrency_limit)
 
         with self._turn():
-            return engine.run_on_every_rank(search) if engine.tp.torchrun else search()
+            return engine.run_on_every_rank(search)
 
     def embed(self, prompts: Prompt | list[Prompt], pooling: str = "mean", normalize: bool = False,
               causal: bool = False) -> list[EmbeddingRequestOutput]:
@@ -164,8 +163,9 @@ class LLM:
             raise ValueError(f"pooling must be 'mean' or 'last', got {pooling!r}")
         _check_bool("normalize", normalize)
         _check_bool("causal", causal)
-        with self._turn():
-            return self.llm_engine.embed(_as_prompt_list(prompts), pooling, normalize, causal)
+        prompts = _as_prompt_list(prompts)
+        with self._turn() as engine:
+            return engine.run_on_every_rank(lambda: engine.embed(prompts, pooling, normalize, causal))
 
     def classify(self, prompts: Prompt | list[Prompt], use_activation: bool = True
                  ) -> list[ClassificationRequestOutput]:
@@ -173,8 +173,9 @@ class LLM:
         a softmax over the labels or a sigmoid of a single one; the logits with use_activation=False), read at the
         prompt's last token after a causal pass; in input order."""
         _check_bool("use_activation", use_activation)
-        with self._turn():
-            return self.llm_engine.classify(_as_prompt_list(prompts), use_activation)
+        prompts = _as_prompt_list(prompts)
+        with self._turn() as engine:
+            return engine.run_on_every_rank(lambda: engine.classify(prompts, use_activation))
 
     def score(self, data_1: Prompt | list[Prompt], data_2: Prompt | list[Prompt], use_activation: bool = True
               ) -> list[ScoringRequestOutput]:
@@ -188,8 +189,8 @@ class LLM:
         if len(first) != len(second):
             raise ValueError(f"data_1 has {len(first)} prompts and data_2 {len(second)}: give one data_1, or as many "
                              f"as data_2")
-        with self._turn():
-            return self.llm_engine.score(list(zip(first, second)), use_activation)
+        with self._turn() as engine:
+            return engine.run_on_every_rank(lambda: engine.score(list(zip(first, second)), use_activation))
 
     def _make_requests(self, prompts: Prompt | list[Prompt],
                        sampling_params: SamplingParams | list[SamplingParams] | None,

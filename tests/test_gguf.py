@@ -5,6 +5,7 @@ import pathlib
 import re
 import shutil
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import gguf
@@ -180,12 +181,14 @@ def test_tiny_checkpoint_matches_transformers(tmp_path: pathlib.Path, arch: str,
 
 
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_HEAD_NORM = re.compile(r"model\.layers\.(\d+)\.self_attn\.(q|k)_layernorm\.norms\.(\d+)\.weight")  # StableLM's
 
 
 def _gguf_tensors_from_hf(arch: str, state: dict[str, torch.Tensor], n_layers: int) -> dict[str, np.ndarray]:
     """llama.cpp's tensor layout of an HF state dict: names from gguf's own HF->GGUF map, each layer's
-    experts stacked per projection, the shared-expert gate a vector, Gemma's norms 1 + weight. llama.cpp's MoE
-    architectures have no dense layers (the tiny models' mlp_only_layers): those get llama's ffn_* names."""
+    experts stacked per projection (and StableLM's per-head q/k norms per layer, as its converter does), the
+    shared-expert gate a vector, Gemma's norms 1 + weight. llama.cpp's MoE architectures have no dense layers (the
+    tiny models' mlp_only_layers): those get llama's ffn_* names."""
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     name_map = gguf.get_tensor_name_map(model_arch, n_layers)
     llama_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layers)
@@ -193,6 +196,9 @@ def _gguf_tensors_from_hf(arch: str, state: dict[str, torch.Tensor], n_layers: i
     for hf_name, t in state.items():
         if m := _EXPERT.fullmatch(hf_name):
             experts.setdefault(f"blk.{m[1]}.ffn_{m[3]}_exps.weight", {})[int(m[2])] = t.numpy()
+            continue
+        if m := _HEAD_NORM.fullmatch(hf_name):
+            experts.setdefault(f"blk.{m[1]}.attn_{m[2]}_norm.weight", {})[int(m[3])] = t.numpy()
             continue
         base, suffix = hf_name.rsplit(".", 1)
         gguf_name = name_map.get_name(base) or llama_map.get_name(base)
@@ -211,9 +217,12 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _write_hf_as_gguf(path: pathlib.Path, arch: str, model_dir: pathlib.Path, q8_0: str | None = None) -> None:
+def _write_hf_as_gguf(path: pathlib.Path, arch: str, model_dir: pathlib.Path, q8_0: str | None = None,
+                      edit: Callable[[dict[str, np.ndarray]], None] | None = None,
+                      vocabulary: list[str] | None = None) -> None:
     """Convert a tiny models.py checkpoint to a GGUF file the way llama.cpp's converter does: F32, but Q8_0
-    for the tensors whose name contains `q8_0`."""
+    for the tensors whose name contains `q8_0`; `edit` may change the tensors before they are written;
+    `vocabulary`: the token list to store."""
     from safetensors.torch import load_file
 
     cfg = AutoConfig.from_pretrained(model_dir)
@@ -226,14 +235,20 @@ def _write_hf_as_gguf(path: pathlib.Path, arch: str, model_dir: pathlib.Path, q8
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(_head_dim(cfg))
     w.add_value_length(_head_dim(cfg))
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if hasattr(cfg, "rms_norm_eps"):
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    else:  # the LayerNorm families
+        w.add_layer_norm_eps(getattr(cfg, "layer_norm_eps", None) or cfg.norm_epsilon)
+    if hasattr(cfg, "use_parallel_residual"):
+        w.add_parallel_residual(cfg.use_parallel_residual)
     w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
     w.add_pad_token_id(cfg.pad_token_id)
     # Gemma 3's local rope base is implied (10000); GGUF holds the global one and its scaling.
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
-    w.add_rope_freq_base(rope["rope_theta"])
+    if arch != "stablelm":  # llama.cpp's StableLM converter writes no rope base: its default, 10000, holds
+        w.add_rope_freq_base(rope["rope_theta"])
     if rope["rope_type"] == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
@@ -256,6 +271,10 @@ def _write_hf_as_gguf(path: pathlib.Path, arch: str, model_dir: pathlib.Path, q8
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if hasattr(cfg, "shared_expert_intermediate_size"):
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if edit is not None:
+        edit(tensors)
+    if vocabulary is not None:
+        w.add_token_list(vocabulary)
     q8 = gguf.GGMLQuantizationType.Q8_0
     for name, t in tensors.items():
         if q8_0 is not None and q8_0 in name:
@@ -295,9 +314,14 @@ _FROM_HF = {
                      {"query_pre_attn_scalar": 32, "layer_types": ["sliding_attention"] * 3}),
     "phi3": FromHF("phi3", "Phi3ForCausalLM", ("sliding_window", "original_max_position_embeddings"),
                    ("sliding_window", "original_max_position_embeddings", "rope_parameters"), {}),
+    "stablelm": FromHF("stablelm", "StableLmForCausalLM",
+                       ("qk_layernorm", "use_qkv_bias", "use_parallel_residual", "layer_norm_eps"), ("qk_layernorm",), {}),
+    "starcoder2": FromHF("starcoder2", "Starcoder2ForCausalLM", ("sliding_window", "norm_epsilon", "use_bias"),
+                         ("sliding_window", "rope_parameters", "vocab_size"), {}),
 }
 _SAME_CONFIG = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "vocab_size", "tie_word_embeddings", "eos_token_id", "rope_parameters", "rms_norm_eps")
+_RMS_NORM_ONLY = ("rms_norm_eps",)  # keys the LayerNorm families' configs lack
 
 
 def _float32(value):
@@ -333,6 +357,8 @@ def test_converted_checkpoint_matches_transformers(hf_as_gguf, kind: str):
     config, hf_config = load_gguf_config(path), AutoConfig.from_pretrained(src)
     assert config.architectures == [spec.hf_arch]
     for key in _SAME_CONFIG + spec.config_keys + spec.restored:
+        if key in _RMS_NORM_ONLY and not hasattr(hf_config, key):
+            continue
         assert getattr(config, key) == _float32(getattr(hf_config, key)), key
     assert config.head_dim == _head_dim(hf_config)
     theirs_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
@@ -351,10 +377,11 @@ def test_converted_checkpoint_matches_transformers(hf_as_gguf, kind: str):
         exact = not (spec.arch.startswith("gemma") and name.endswith("norm.weight"))
         torch.testing.assert_close(t, expected[name], rtol=0, atol=0 if exact else 1e-7, msg=name)
     theirs = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
-    # transformers maps names with gguf's table for the architecture, which lacks the dense layers' MLP.
-    dense = {f"model.layers.{i}.mlp.{p}_proj.weight" for i in getattr(hf_config, "mlp_only_layers", ())
-             for p in ("gate", "up", "down")}
-    assert ours.keys() - theirs.keys() == dense
+    # transformers maps names with gguf's table for the architecture, which lacks the dense layers' MLP and
+    # StableLM's per-head q/k norms (stacked in the file).
+    unmapped = {f"model.layers.{i}.mlp.{p}_proj.weight" for i in getattr(hf_config, "mlp_only_layers", ())
+                for p in ("gate", "up", "down")} | {n for n in ours if _HEAD_NORM.fullmatch(n)}
+    assert ours.keys() - theirs.keys() == unmapped
     for name, t in theirs.items():
         torch.testing.assert_close(ours[name], t, rtol=0, atol=0, msg=name)
 
@@ -394,6 +421,74 @@ def test_converted_checkpoint_engine_greedy(hf_as_gguf, kind: str, monkeypatch, 
     with LLM(str(path), device="cpu", dtype="float32", max_model_len=128) as llm:
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert check_against_hf(outputs, hf_greedy(src, prompts, 12), captured_logits) < 1e-4
+
+
+# What transformers' own GGUF loading can express of each tiny model (the rest it leaves at class defaults, see
+# _FROM_HF): config.json changes, the tensors dropped, and whether the file needs a vocabulary (transformers takes the
+# StarCoder2 vocabulary size from its length).
+_FOR_TRANSFORMERS = {
+    "stablelm": ({}, ("attn_q_norm", "attn_k_norm"), False),
+    "starcoder2": ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "sliding_window": None}, (),
+                   True),
+}
+
+
+@pytest.mark.parametrize("kind", list(_FOR_TRANSFORMERS))
+def test_engine_matches_transformers_on_the_same_gguf(kind, model_dir, tmp_path: pathlib.Path, monkeypatch,
+                                                      captured_logits, report_logit_diff):
+    """transformers reading the very file (its GGUF loader: config and weights) gives the engine's greedy tokens and
+    logits, where its config can express the model: StableLM without q/k norms, StarCoder2 with transformers' rope
+    base, no window and a vocabulary in the file."""
+    from models import MODEL_VOCAB_SIZE, check_against_hf, hf_greedy, random_prompts
+
+    import nanoinfer.engine.llm_engine as llm_engine
+    from nanoinfer import LLM, SamplingParams
+
+    changes, dropped, vocabulary = _FOR_TRANSFORMERS[kind]
+    src = pathlib.Path(shutil.copytree(model_dir(kind), tmp_path / kind))
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, **changes}))
+    path = tmp_path / f"{kind}.gguf"
+
+    def edit(tensors: dict[str, np.ndarray]) -> None:
+        for name in [n for n in tensors if n.split(".")[-2] in dropped]:
+            del tensors[name]
+
+    _write_hf_as_gguf(path, _FROM_HF[kind].arch, src, edit=edit,
+                      vocabulary=[f"t{i}" for i in range(MODEL_VOCAB_SIZE)] if vocabulary else None)
+    monkeypatch.setattr(llm_engine, "load_gguf_tokenizer", lambda _: None)  # no merges: no tokenizer to build
+    prompts = random_prompts(3, 5, 400, 5, 40, seed=43)
+    with LLM(str(path), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    worst = check_against_hf(outputs, hf_greedy(transformers_gguf_model(path), prompts, 12), captured_logits)
+    report_logit_diff(f"{kind} GGUF, against transformers loading it", worst)
+    assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
+
+
+_BAD_STABLELM_FILES = {  # file name -> (how the converted tensors are spoiled, the error naming file and tensor)
+    "extra": (lambda t: t.update({"blk.0.attn_qkv.weight": np.zeros((192, 64), np.float32)}),
+              r"unexpected tensor 'blk.0.attn_qkv.weight' in GGUF file \S*extra.gguf"),
+    "heads": (lambda t: t.update({"blk.1.attn_k_norm.weight": t["blk.1.attn_k_norm.weight"][:1]}),
+              r"tensor 'blk.1.attn_k_norm.weight' in \S*heads.gguf has shape \[1, 16\]: expected \[2, head_dim\]"),
+    "missing": (lambda t: t.pop("blk.1.ffn_down.weight"),
+                r"checkpoint \S*missing.gguf is missing weights .*'model.layers.1.mlp.down_proj.weight'"),
+    "shape": (lambda t: t.update({"blk.0.attn_v.weight": t["blk.0.attn_v.weight"][:, :-1]}),
+              r"cannot load checkpoint tensor 'model.layers.0.self_attn.v_proj.weight' in \S*shape.gguf: shape"),
+    "embedding": (lambda t: t.pop("token_embd.weight"), r"\S*embedding.gguf has no token_embd.weight tensor"),
+}
+
+
+@pytest.mark.parametrize("spoiled", list(_BAD_STABLELM_FILES))
+def test_bad_tensor_names_the_file_and_tensor(spoiled, model_dir, tmp_path: pathlib.Path, monkeypatch):
+    import nanoinfer.engine.llm_engine as llm_engine
+    from nanoinfer import LLM
+
+    edit, match = _BAD_STABLELM_FILES[spoiled]
+    path = tmp_path / f"{spoiled}.gguf"
+    _write_hf_as_gguf(path, "stablelm", model_dir("stablelm"), edit=edit)
+    monkeypatch.setattr(llm_engine, "load_gguf_tokenizer", lambda _: None)  # the file has no vocabulary
+    with pytest.raises(ValueError, match=match):
+        LLM(str(path), device="cpu", dtype="float32", max_model_len=64)
 
 
 def test_unknown_architecture(tmp_path: pathlib.Path):

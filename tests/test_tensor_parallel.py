@@ -1,5 +1,6 @@
 """Tensor parallelism on CPU (gloo, 2 ranks): greedy tokens equal TP=1's and transformers', seeded samples equal
-TP=1's, each rank holds half the weights, a dead worker fails generate fast; via spawned workers and via torchrun."""
+TP=1's, each rank holds half the weights, a dead worker fails generate fast; via spawned workers and via torchrun
+(which embeds too: see test_pooling_tp.py for embed/classify/score with spawned workers)."""
 import json
 import os
 import signal
@@ -9,12 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import nanoinfer
 from models import ODD_KIND, assert_greedy_match, check_against_hf, hf_greedy, weight_bytes
 from nanoinfer import LLM, SamplingParams
-from tp_torchrun import GREEDY, MAX_TOKENS, PROMPTS, SEEDED
+from tp_torchrun import GREEDY, MAX_TOKENS, PROMPTS, SEEDED, embeddings
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +33,7 @@ def tp1(model_dir: Path) -> dict:
             _TP1[model_dir.name] = dict(
                 greedy=[o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)],
                 sampled=[o.outputs[0].token_ids for o in llm.generate(PROMPTS, SEEDED, use_tqdm=False)],
+                embedding=embeddings(llm),
                 weight_bytes=weight_bytes(llm.llm_engine.model_runner.model),
                 hf=hf_greedy(model_dir, PROMPTS, MAX_TOKENS))
     return _TP1[model_dir.name]
@@ -124,6 +127,8 @@ def test_torchrun_launch(model_dir, torchrun_launch):
             got = rank[d.name]
             assert got["greedy"] == ref["greedy"], kind
             assert got["sampled"] == ref["sampled"], kind
+            assert torch.allclose(torch.tensor(got["embedding"]), torch.tensor(ref["embedding"]), atol=1e-4), kind
+            assert got["bad_embed"] == "prompt is empty", kind
             assert got["threads"] == 1
         for tokens, hf in zip(ref["greedy"], ref["hf"]):
             assert_greedy_match(tokens, hf["token_ids"], hf["logits"])

@@ -1,7 +1,7 @@
 """Run by test_tensor_parallel.py as `torchrun --standalone --nproc_per_node=2 tp_torchrun.py OUT MODEL_DIR...`.
 
-Every rank builds each model's LLM in turn (tensor_parallel_size=2), generates, and writes what it got to
-OUT/rank<R>.json. Then rank 1 kills itself in the middle of a generate call, and rank 0 records how long it took
+Every rank builds each model's LLM in turn (tensor_parallel_size=2), generates, embeds, and writes what it got
+to OUT/rank<R>.json. Then rank 1 kills itself in the middle of a generate call, and rank 0 records how long it took
 to raise and what it said (OUT/killed.json), unless torchrun stops it first.
 """
 import json
@@ -30,9 +30,20 @@ def run(model: str) -> dict:
     with LLM(model, device="cpu", dtype="float32", max_model_len=256, tensor_parallel_size=2) as llm:
         greedy = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         sampled = llm.generate(PROMPTS, SEEDED, use_tqdm=False)
+        try:
+            llm.embed([[1, 2], []])  # refused on rank 0: every rank raises it
+            bad_embed = None
+        except ValueError as e:
+            bad_embed = str(e)
         return dict(greedy=[o.outputs[0].token_ids for o in greedy],
-                    sampled=[o.outputs[0].token_ids for o in sampled],
+                    sampled=[o.outputs[0].token_ids for o in sampled], embedding=embeddings(llm), bad_embed=bad_embed,
                     weight_bytes=weight_bytes(llm.llm_engine.model_runner.model), threads=torch.get_num_threads())
+
+
+def embeddings(llm: LLM) -> list[list[float]]:
+    """The prompts' mean-pooled bidirectional embeddings, then their last-token causal ones."""
+    return [o.outputs.embedding for causal in (False, True)
+            for o in llm.embed(PROMPTS, pooling="last" if causal else "mean", causal=causal)]
 
 
 def die_mid_generation(model: str, out: Path, rank: int) -> None:

@@ -402,3 +402,14 @@ def test_encoder_pass_matches_hf(llama_dir, report_logit_diff):
                 for o, p in zip(outputs, prompts))
     report_logit_diff("llama, triton backend, embeddings (max |diff|)", worst)
     assert worst < 1e-4, f"max |embedding diff| {worst:.2e}"
+
+
+def test_engine_with_ngram_drafts_matches_hf(qwen3_dir):
+    """Speculative decoding through the Triton backend: steps verifying drafts run the varlen prefill kernel over
+    the cached prefix; the greedy tokens are transformers'."""
+    prompt = random_prompts(40, 5, 440, 2, 24, seed=11)[15]  # a prompt whose greedy output loops
+    llm = triton_llm(qwen3_dir, max_model_len=64, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1})
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    check_against_hf(llm.generate([prompt], params, use_tqdm=False), hf_greedy(qwen3_dir, [prompt], 12))
+    assert llm.llm_engine.spec_decode_stats.num_accepted_tokens > 0

@@ -207,6 +207,20 @@ def test_flash_backend_matches_hf(graphs, qwen3_dir, flash_on_cpu, captured_logi
     assert decode_batches == ({4} if graphs else {3}), decode_batches
 
 
+def test_flash_backend_with_ngram_drafts_matches_hf(qwen3_dir, flash_on_cpu):
+    """Speculative decoding through the flash backend and the CUDA-graph runner: steps verifying drafts run the
+    paged varlen kernel eagerly, steps without drafts replay the decode graphs; the greedy tokens are transformers'."""
+    prompt = random_prompts(40, 5, 440, 2, 24, seed=11)[15]  # a prompt whose greedy output loops
+    llm = LLM(str(qwen3_dir), device="cpu", dtype="float32", attention_backend="flash", max_model_len=512,
+              max_num_seqs=8, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                  "prompt_lookup_max": 4, "prompt_lookup_min": 1})
+    cuda_fakes.capture_eager_graphs(llm.llm_engine.model_runner)
+    outputs = llm.generate([prompt], GREEDY, use_tqdm=False)
+    check_against_hf(outputs, hf_greedy(qwen3_dir, [prompt], MAX_TOKENS))
+    assert llm.llm_engine.spec_decode_stats.num_accepted_tokens > 0
+    assert {("varlen", True), ("kvcache", True)} <= {(c["fn"], c["paged"]) for c in flash_on_cpu}
+
+
 def _seq(num_tokens: int, computed: int, table: list[int]) -> Sequence:
     seq = Sequence(list(range(num_tokens)), SamplingParams(), 256)
     seq.num_computed_tokens, seq.block_table = computed, table

@@ -139,6 +139,16 @@ class BlockManager:
             seq.block_table.append(self._take_free_block().block_id)
         return True
 
+    def append_lookahead_slots(self, seq: Sequence, num_lookahead: int, num_reserved: int) -> int:
+        """Grow the block table to cover up to num_lookahead tokens past the sequence's end (draft tokens), leaving at
+        least num_reserved blocks free; return how many of those tokens it covers. The blocks stay with the sequence:
+        its later tokens fill them."""
+        covered = len(seq.block_table) * self.block_size - len(seq.token_ids)
+        missing = -(-(num_lookahead - covered) // self.block_size)
+        for _ in range(min(missing, self.num_free_blocks - num_reserved)):
+            seq.block_table.append(self._take_free_block().block_id)
+        return min(num_lookahead, len(seq.block_table) * self.block_size - len(seq.token_ids))
+
     def commit(self, seq: Sequence, num_tokens: int) -> None:
         """Register the full blocks among the first num_tokens tokens, whose K/V this step writes or has written.
         Until publish(), only sequences scheduled in the same step find the new ones: every layer stores the whole

@@ -105,9 +105,9 @@ class InputBatch:
 
     def _sync_block_tables(self, seqs: list[Sequence], rows: np.ndarray, ends: np.ndarray) -> None:
         """Copy in the block ids each sequence gained: its row covers the blocks of its first `end` tokens."""
-        need = -(-ends // self.block_size)
         have = self.num_blocks[rows]
-        assert (need >= have).all(), "a sequence lost blocks without its row being released"
+        # A row keeps the blocks its drafts reached beyond its accepted tokens (the sequence keeps them too).
+        need = np.maximum(-(-ends // self.block_size), have)
         for i in np.flatnonzero(need > have):
             self.block_table[rows[i], have[i]:need[i]] = seqs[i].block_table[have[i]:need[i]]
         self.num_blocks[rows] = need
@@ -123,12 +123,15 @@ class InputBatch:
         self._wait_for_uploads()
         self.remove(batch.freed_seq_ids)
         rows, starts, token_ids = [], [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        drafts = batch.draft_token_ids
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             row = self.rows.get(seq.seq_id)
             rows.append(self._add(seq) if row is None else row)
             start = seq.num_computed_tokens
             starts.append(start)
             token_ids += seq.token_ids[start:start + n]
+            if drafts and i in drafts:
+                token_ids += drafts[i]
         rows, num_new = np.array(rows, dtype=np.int64), np.array(batch.num_new_tokens, dtype=np.int64)
         starts = np.array(starts, dtype=np.int64)
         ends = starts + num_new
@@ -163,16 +166,45 @@ class InputBatch:
             has_cached_prefix=bool(ends.sum() > num_tokens),
         )
         sampled = np.array(samples, dtype=bool)
-        self.sampled_rows, self.sampled_positions = rows[sampled], ends[sampled]
+        sampled_seq_rows = rows[sampled]
+        if drafts:
+            sample_rows = self._sample_drafts(batch, rows, ends, cu_q, sampled)
+        else:
+            self.sampled_rows, self.sampled_positions = sampled_seq_rows, ends[sampled]
+            sample_rows = cu_q[1:][sampled] - 1
         if self.lora_slots is not None:
             self.lora_mapping = self.lora_slots.mapping(rows, num_new)
         if self.feed_sampled_ids:
-            h["sampled_rows"][:len(self.sampled_rows)] = self.sampled_rows
+            h["sampled_rows"][:len(sampled_seq_rows)] = sampled_seq_rows  # once per sequence: see record_verified
             fed = (num_new == 1) & (self.sampled_at[rows] == starts)
             self.num_fed = np.count_nonzero(fed)
             h["fed_index"][:self.num_fed] = cu_q[:-1][fed]
             h["fed_rows"][:self.num_fed] = rows[fed]
-        return b.input_ids[:num_tokens], b.positions[:num_tokens], meta, (cu_q[1:][sampled] - 1).tolist()
+        return b.input_ids[:num_tokens], b.positions[:num_tokens], meta, sample_rows.tolist()
+
+    def _sample_drafts(self, batch: ScheduledBatch, rows: np.ndarray, ends: np.ndarray, cu_q: np.ndarray,
+                       sampled: np.ndarray) -> np.ndarray:
+        """The hidden rows sampled in a step with drafts: every position of a drafted sequence (each draft's and the
+        one after the last), so sampled_rows/positions repeat its row once per position. Its sequences' sampled
+        tokens are kept once verified (record_verified), not by record_sampled."""
+        counts = sampled.astype(np.int64)
+        counts[list(batch.draft_token_ids)] += [len(d) for d in batch.draft_token_ids.values()]
+        offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        self.sampled_rows = np.repeat(rows, counts)
+        self.sampled_positions = np.repeat(ends - counts + 1, counts) + offsets
+        return np.repeat(cu_q[1:] - counts, counts) + offsets
+
+    def record_verified(self, token_ids: torch.Tensor, positions: np.ndarray) -> None:
+        """A step with drafts: keep each sampled sequence's last emitted token (token_ids [S], on the device, at
+        `positions`) in its row, for the next step to feed."""
+        if not self.feed_sampled_ids:
+            return
+        rows = self.host.sampled_rows[:len(positions)]
+        self.sampled_at[rows.numpy()] = positions
+        if self.on_cuda:
+            rows = self._upload("sampled_rows", rows)
+            self.record_uploads()
+        self.last_sampled[rows] = token_ids
 
     def _stage(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """t in the host staging buffer `name` (copied there unless it is already that buffer's prefix)."""

@@ -5,6 +5,7 @@ import pickle
 import time
 from collections.abc import Callable, Container, Iterable
 from collections.abc import Sequence as SequenceABC
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -21,11 +22,14 @@ from nanoinfer.outputs import (ClassificationOutput, ClassificationRequestOutput
                                ScoringRequestOutput)
 from nanoinfer.models.registry import is_classifier
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams, bad_words_token_ids
+from nanoinfer.spec_decode.config import SpecDecodeStats
 from nanoinfer.structured.grammar import Grammar, GrammarCache, GrammarState
 from nanoinfer.utils.gguf_loader import load_gguf_tokenizer
 
 # A prompt: text, token ids, or a dict with "prompt_token_ids" (and optionally its "prompt" text) or "prompt".
 Prompt = str | list[int] | dict
+_Batch = TypeVar("_Batch")
+_Result = TypeVar("_Result")
 
 
 class LLMEngine:
@@ -41,7 +45,7 @@ class LLMEngine:
                 raise
             raise RuntimeError(f"tensor-parallel start-up failed: {dead}") from e
         self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks, self.model_runner.num_state_slots,
-                                   config.max_loras)
+                                   config.max_loras, config.speculative)
         self.vocab_size: int = config.hf_config.vocab_size
         self.is_classifier = is_classifier(config.hf_config.architectures)  # it pools and classifies, never generates
         self.eos_token_ids = set(config.eos_token_ids)
@@ -50,6 +54,7 @@ class LLMEngine:
         # Outputs of step-API requests produced while LLM.generate/generate_iter drove the steps: step() returns them.
         self.held_outputs: list[RequestOutput] = []
         self.last_batch: ScheduledBatch | None = None  # what the latest step computed (for statistics)
+        self.spec_decode_stats = SpecDecodeStats()  # drafted and accepted tokens, with speculative_config
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     lora_request: LoRARequest | None = None) -> None:
@@ -192,8 +197,6 @@ class LLMEngine:
     def _pooling_prompts(self, task: str, prompts: list[Prompt], classifier: bool = False
                          ) -> list[tuple[list[int], str | None]]:
         """Every prompt validated before any runs: token ids and text of each."""
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError(f"{task} does not support tensor parallelism yet")
         if classifier and not self.is_classifier:
             raise ValueError(f"{task} needs a sequence-classification model (*ForSequenceClassification); "
                              f"{self.config.model_path} is {self.config.hf_config.architectures}")
@@ -208,7 +211,7 @@ class LLMEngine:
         results, batch = [], []
         for ids in prompts + [[]]:  # the empty sentinel flushes the last batch
             if batch and (not ids or sum(map(len, batch)) + len(ids) > self.config.max_num_batched_tokens):
-                results.append(run(batch))
+                results.append(self._run_model(run, batch))
                 batch = []
             batch.append(ids)
         return [r for result in results for r in result]
@@ -264,15 +267,12 @@ class LLMEngine:
         for seq in batch.seqs[batch.num_running:]:  # admitted by this step (maybe again, after a preemption)
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        try:
-            result = self.model_runner.run(batch)
-        except BaseException as e:
-            self._fail(e)
-            raise
+        result = self._run_model(self.model_runner.run, batch)
         self._record_logprobs(batch, result)
         now = time.time()
         advanced: dict[str, None] = {}
         final_only = RequestOutputKind.FINAL_ONLY  # looked up once: an Enum member costs ~0.3 us on Python 3.11
+        accepted = self._accepted_drafts(batch, result) if batch.draft_token_ids else None
         for seq in self.scheduler.postprocess(batch, result.token_ids):
             m = seq.metrics
             if m.first_token_time is None:
@@ -282,12 +282,49 @@ class LLMEngine:
             self._check_stop(seq)
             if seq.grammar_state is not None and seq.finish_reason is None:
                 self._check_grammar(seq)
+            if accepted is not None and seq.seq_id in accepted:
+                self._append_accepted(seq, *accepted[seq.seq_id])
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
             elif seq.params.output_kind is final_only:
                 continue  # nothing to report before the request finishes
             advanced[seq.request_id] = None
         return [out for rid in advanced if (out := self._output(rid)) is not None]
+
+    def _accepted_drafts(self, batch: ScheduledBatch, result: RunnerOutput
+                         ) -> dict[int, tuple[list[int], list[TokenLogprobs] | None]]:
+        """seq_id -> the verified tokens (and logprobs) that follow its first new token, for the drafted sequences;
+        counted in spec_decode_stats."""
+        stats, accepted = self.spec_decode_stats, {}
+        for i, drafts in batch.draft_token_ids.items():
+            tokens = result.extra_token_ids[i]
+            stats.num_drafts += 1
+            stats.num_draft_tokens += len(drafts)
+            stats.num_accepted_tokens += len(tokens)
+            accepted[batch.seqs[i].seq_id] = tokens, result.extra_logprobs and result.extra_logprobs[i]
+        return accepted
+
+    def _append_accepted(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs] | None) -> None:
+        """Emit accepted tokens one by one, as if each came from its own step: every stop check after each, and none
+        after a stop. The blocks they filled join the prefix cache."""
+        for j, token in enumerate(tokens):
+            if seq.finish_reason is not None:
+                break
+            self.scheduler.accept_draft(seq, token)
+            seq.metrics.num_generation_tokens += 1
+            if logprobs:
+                seq.logprobs.append(self._logprob_dict(logprobs[j], seq.params.logprobs))
+                seq.cumulative_logprob += logprobs[j][1][0]
+            self._check_stop(seq)
+        self.scheduler.commit_accepted(seq)
+
+    def _run_model(self, run: Callable[[_Batch], _Result], batch: _Batch) -> _Result:
+        """run(batch) on the model runner; if it fails, with tensor parallelism, the group is shut down (_fail)."""
+        try:
+            return run(batch)
+        except BaseException as e:
+            self._fail(e)
+            raise
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Drop requests (unknown or finished ones are ignored), their held outputs, and free their KV blocks."""
@@ -322,9 +359,11 @@ class LLMEngine:
             raise RuntimeError(f"tensor-parallel step failed on rank {self.tp.rank} ({failed or error}); "
                                "this LLM is closed, create a new one") from error
 
-    def run_on_every_rank(self, generate: Callable[[], list[RequestOutput]]) -> list[RequestOutput]:
+    def run_on_every_rank(self, generate: Callable[[], _Result]) -> _Result:
         """Under torchrun every rank calls generate: rank 0 runs it while the others serve its steps; then every
-        rank returns rank 0's outputs (or raises its error)."""
+        rank returns rank 0's outputs (or raises its error). Elsewhere it is generate()."""
+        if not self.tp.torchrun:
+            return generate()
         if self.tp.rank > 0:
             try:
                 self.model_runner.serve()

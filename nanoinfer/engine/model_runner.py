@@ -28,7 +28,8 @@ from nanoinfer.layers.attention.selector import resolve_device
 from nanoinfer.layers.fused_moe import FusedMoE
 from nanoinfer.layers.gated_delta_rule import GatedDeltaRule
 from nanoinfer.layers.rotary_embedding import shared_rope_tables
-from nanoinfer.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata, noise_keys, top_logprobs
+from nanoinfer.layers.sampler import (Penalties, Sampler, SamplerOutput, SamplingMetadata, noise_keys, top_logprobs,
+                                      verify_drafts)
 from nanoinfer.lora.model import LoRAModel
 from nanoinfer.lora.slots import LoRAMapping, LoRASlots
 from nanoinfer.models.registry import get_model_class, is_classifier
@@ -55,6 +56,16 @@ class RunnerOutput:
     token_ids: list[int | None]  # per scheduled sequence
     logprobs: list[TokenLogprobs | None] | None = None  # per scheduled sequence, when some asked for them
     prompt_logprobs: list[list[TokenLogprobs] | None] | None = None  # per scheduled sequence: this step's
+    # A step with drafts: per scheduled sequence, the accepted tokens emitted after token_ids[i], and their logprobs.
+    extra_token_ids: list[list[int]] | None = None
+    extra_logprobs: list[list[TokenLogprobs]] | None = None
+
+
+@dataclass
+class EncodeStep:
+    """A pooling pass (LLM.embed/classify/score) that rank 0 sends to the other ranks in place of a generation step."""
+    prompts: list[list[int]]
+    causal: bool
 
 
 class ModelRunner:
@@ -135,7 +146,7 @@ class ModelRunner:
             weights = iter_gguf_weights(config.gguf_path, config.hf_config)
         else:
             weights = iter_safetensors(config.model_path)
-        load_weights(model, weights)
+        load_weights(model, weights, config.gguf_path)
         return model.eval()
 
     def close(self) -> None:
@@ -305,25 +316,67 @@ class ModelRunner:
             return out
         # Everything is computed where the logits are; only ids and logprobs come back, in one transfer.
         sampled = [i for i, s in enumerate(samples) if s]
-        result = self.sample([batch.seqs[i] for i in sampled], logits[:len(sample_rows)]) if sampled else None
-        if result is not None:
+        drafts = batch.draft_token_ids
+        seqs = [batch.seqs[i] for i in sampled for _ in range(1 + len(drafts.get(i, ())))] if drafts \
+            else [batch.seqs[i] for i in sampled]
+        result = self.sample(seqs, logits[:len(sample_rows)]) if sampled else None
+        verified = self._verify(batch, sampled, result.token_ids) if drafts else None
+        if result is not None and not drafts:
             self.input_batch.record_sampled(result.token_ids)
         prompt = self._prompt_logprobs(batch, prompt_rows, logits[len(sample_rows):]) if prompt_rows else ()
         sampled_parts = [] if result is None else [result.token_ids, *(result.logprobs or ())]
-        host = self.to_host(sampled_parts + list(prompt))
+        host = self.to_host(sampled_parts + list(prompt) + ([verified[0]] if drafts else []))
         if prompt_rows:
             out.prompt_logprobs = _prompt_logprob_lists(batch, prompt_rows, host[len(sampled_parts):])
         if result is None:
             return out
         tokens = host[0].tolist()
+        rows = None if result.logprobs is None else _logprob_rows(tokens, host[1:len(sampled_parts)])
+        if drafts:
+            self._emit_verified(batch, sampled, verified, host[-1].tolist(), tokens, rows, out)
+            return out
         for i, token in zip(sampled, tokens):
             out.token_ids[i] = token
-        if result.logprobs is not None:
+        if rows is not None:
             out.logprobs = [None] * len(batch.seqs)
-            for i, row in zip(sampled, _logprob_rows(tokens, host[1:len(sampled_parts)])):
+            for i, row in zip(sampled, rows):
                 if batch.seqs[i].params.logprobs is not None:  # rows are computed for the whole batch
                     out.logprobs[i] = row
         return out
+
+    def _verify(self, batch: ScheduledBatch, sampled: list[int], token_ids: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """A step with drafts, on the device: how many drafts each sampled sequence accepted (see verify_drafts) and
+        the last token it emits (the one sampled after them); and each sequence's first row among token_ids."""
+        drafts = batch.draft_token_ids
+        counts = np.array([1 + len(drafts.get(i, ())) for i in sampled], dtype=np.int64)
+        first = np.cumsum(counts) - counts
+        draft_ids = np.full(int(counts.sum()), -1, dtype=np.int64)
+        for j, i in enumerate(sampled):
+            if i in drafts:
+                draft_ids[first[j]:first[j] + len(drafts[i])] = drafts[i]
+        seq_index = np.repeat(np.arange(len(sampled)), counts)
+        draft_ids, seq_index, offsets, first_rows = self.upload(
+            draft_ids, seq_index, np.arange(len(draft_ids)) - first[seq_index], first)
+        num_accepted = verify_drafts(token_ids, draft_ids, seq_index, offsets, len(sampled))
+        return num_accepted, token_ids[first_rows + num_accepted], first
+
+    def _emit_verified(self, batch: ScheduledBatch, sampled: list[int],
+                       verified: tuple[torch.Tensor, torch.Tensor, np.ndarray], num_accepted: list[int],
+                       tokens: list[int], logprob_rows: list[TokenLogprobs] | None, out: RunnerOutput) -> None:
+        """Each sampled sequence's emitted tokens into out (the first in token_ids, the accepted run after it in
+        extra_token_ids), with their logprobs; the last one of each is kept in its InputBatch row."""
+        _, last_tokens, first = verified
+        out.extra_token_ids = [[] for _ in batch.seqs]
+        if logprob_rows is not None:
+            out.logprobs, out.extra_logprobs = [None] * len(batch.seqs), [[] for _ in batch.seqs]
+        for i, start, accepted in zip(sampled, first.tolist(), num_accepted):
+            out.token_ids[i] = tokens[start]
+            out.extra_token_ids[i] = tokens[start + 1:start + accepted + 1]
+            if logprob_rows is not None and batch.seqs[i].params.logprobs is not None:
+                out.logprobs[i] = logprob_rows[start]
+                out.extra_logprobs[i] = logprob_rows[start + 1:start + accepted + 1]
+        self.input_batch.record_verified(last_tokens, self.input_batch.sampled_positions[first] + num_accepted)
 
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -347,21 +400,32 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows]) if logit_rows else None
 
     def serve(self) -> None:
-        """Ranks > 0: execute rank 0's steps until it sends None."""
+        """Ranks > 0: execute rank 0's steps, and run its pooling passes, until it sends None."""
         while (step := self.tp.broadcast()) is not None:
-            self.execute(*step)
+            if isinstance(step, EncodeStep):
+                self._encode(step.prompts, step.causal)
+            else:
+                self.execute(*step)
 
     @torch.inference_mode()
     def encode(self, prompts: list[list[int]], causal: bool) -> list[torch.Tensor]:
         """Each prompt's final hidden states [len, hidden] (see _encode)."""
-        return list(self._encode(prompts, causal).cpu().split([len(p) for p in prompts]))
+        return list(self._encode_on_every_rank(prompts, causal).cpu().split([len(p) for p in prompts]))
 
     @torch.inference_mode()
     def classify(self, prompts: list[list[int]]) -> torch.Tensor:
-        """The classification head's logits [prompts, num_labels] at each prompt's last token, after a causal pass."""
+        """The classification head's logits [prompts, num_labels] at each prompt's last token, after a causal pass.
+        The head is replicated: rank 0 applies it alone."""
         last = torch.tensor(np.cumsum([len(p) for p in prompts]) - 1, device=self.device)
-        return self.model.compute_logits(self._encode(prompts, causal=True)[last]).float().cpu()
+        return self.model.compute_logits(self._encode_on_every_rank(prompts, causal=True)[last]).float().cpu()
 
+    def _encode_on_every_rank(self, prompts: list[list[int]], causal: bool) -> torch.Tensor:
+        """_encode on rank 0, with the other ranks running the same pass (serve): every rank ends with the whole
+        hidden states (the row-parallel layers all-reduce them), rank 0's are returned."""
+        self.tp.broadcast(EncodeStep(prompts, causal))
+        return self._encode(prompts, causal)
+
+    @torch.inference_mode()
     def _encode(self, prompts: list[list[int]], causal: bool) -> torch.Tensor:
         """Final hidden states [tokens, hidden] of the prompts, packed, without touching the KV cache: causal with
         position encoding (the model as it generates), or bidirectional without (the decoder used as an encoder)."""

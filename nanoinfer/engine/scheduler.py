@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.sequence import Sequence, SequenceStatus
+from nanoinfer.spec_decode.config import SpeculativeConfig
+from nanoinfer.spec_decode.ngram import NgramProposer
 
 
 @dataclass
@@ -16,6 +18,9 @@ class ScheduledBatch:
     # batch is made (the step's postprocess grows the sequences).
     samples: list[bool] | None = None
     num_running: int = 0  # seqs[:num_running] were running before this step; the rest were admitted by it
+    # Speculative decoding: batch index -> draft tokens computed after the sequence's last token (counted in
+    # num_new_tokens; all their positions are sampled and verified).
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.samples is None:
@@ -27,7 +32,8 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: Config, num_kvcache_blocks: int, num_state_slots: int = 0, max_loras: int = 1):
+    def __init__(self, config: Config, num_kvcache_blocks: int, num_state_slots: int = 0, max_loras: int = 1,
+                 speculative: SpeculativeConfig | None = None):
         self.max_loras = max_loras  # distinct LoRA adapters among the running sequences, at most (config.max_loras)
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -41,6 +47,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.freed_seq_ids: list[int] = []  # preempted or finished, not yet reported to the runner by a completed step
         self.step_in_flight = False  # scheduled but not postprocessed: if the next schedule() finds it so, it failed
+        # Drafts (config.speculative), except for models with recurrent state: a rejected draft would have advanced
+        # the state, which cannot step back.
+        self.proposer = NgramProposer(speculative) if speculative and not num_state_slots else None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -63,7 +72,8 @@ class Scheduler:
                 self._preempt(self.running.pop())  # seq itself when it is the latest: the loop ends
                 preempted = True
                 continue
-            budget -= self._take(batch, seq, budget)
+            drafts = self._propose(seq, budget, len(self.running) - i - 1) if self.proposer is not None else None
+            budget -= self._take_with_drafts(batch, seq, drafts) if drafts else self._take(batch, seq, budget)
             i += 1
         batch.num_running = len(batch.seqs)
         loras: set[int] | None = None  # the running adapters, once a waiting sequence has one
@@ -104,6 +114,29 @@ class Scheduler:
             self.block_manager.commit(seq, end)
         return end - start
 
+    def _propose(self, seq: Sequence, budget: int, num_later: int) -> list[int]:
+        """Drafts for a decoding sequence, within what is left of the budget after one token for each later running
+        sequence, within max_tokens, and within the blocks free beyond one for each later running sequence: drafts
+        never cause a preemption nor starve a running sequence; they shrink or vanish instead."""
+        if seq.num_computed_tokens != len(seq.token_ids) - 1 or not _takes_drafts(seq):
+            return []
+        limit = min(budget - 1 - num_later, seq.max_tokens - seq.num_completion_tokens - 1)
+        if limit <= 0:
+            return []
+        drafts = self.proposer.propose(seq.seq_id, seq.token_ids, limit)
+        return drafts[:self.block_manager.append_lookahead_slots(seq, len(drafts), num_later)] if drafts else drafts
+
+    def _take_with_drafts(self, batch: ScheduledBatch, seq: Sequence, drafts: list[int]) -> int:
+        """Add a decoding sequence with its last token and drafts; commit what a plain decode step would (the
+        drafts' blocks join the cache once accepted tokens fill them: see commit_accepted)."""
+        batch.draft_token_ids[len(batch.seqs)] = drafts
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(1 + len(drafts))
+        batch.samples.append(True)
+        if len(seq.token_ids) % self.block_size == 0:
+            self.block_manager.commit(seq, len(seq.token_ids))
+        return 1 + len(drafts)
+
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks; it is recomputed (prompt and generated tokens) when readmitted."""
         self.block_manager.free(seq)
@@ -133,7 +166,19 @@ class Scheduler:
                 grown.append(seq)
             # After the append: interrupted in between, the sequence recomputes a token rather than skipping one.
             seq.num_computed_tokens += n
+        for i, drafts in batch.draft_token_ids.items():
+            batch.seqs[i].num_computed_tokens -= len(drafts)  # they count once accepted (accept_draft)
         return grown
+
+    def accept_draft(self, seq: Sequence, token: int) -> None:
+        """Append a token that the step verified after the sequence's first new one: its K/V are in the cache."""
+        seq.token_ids.append(token)
+        seq.num_computed_tokens += 1
+
+    def commit_accepted(self, seq: Sequence) -> None:
+        """Publish the blocks that accepted drafts filled (their K/V were written by the completed step)."""
+        self.block_manager.commit(seq, seq.num_computed_tokens)
+        self.block_manager.publish()
 
     def finish(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out of the queues and free its blocks."""
@@ -145,7 +190,16 @@ class Scheduler:
             self.block_manager.free(seq)
         self.freed_seq_ids.append(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
+        if self.proposer is not None:
+            self.proposer.forget(seq.seq_id)
 
     def abort_all(self) -> None:
         for seq in (*self.running, *self.waiting):
             self.finish(seq)
+
+
+def _takes_drafts(seq: Sequence) -> bool:
+    """Rows whose next distribution depends on drafted tokens through the output history get no drafts:
+    penalties (output counts), bad words (the generated tail) and structured outputs (the grammar state) would
+    need per-draft state the verifier does not model. min_tokens is modeled: its bans go by each row's position."""
+    return not (seq.params.penalized or seq.bad_words_token_ids or seq.grammar_state is not None)

@@ -123,6 +123,20 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: tuple[torch.Tensor, tor
     return logits
 
 
+def verify_drafts(token_ids: torch.Tensor, draft_ids: torch.Tensor, seq_index: torch.Tensor, offsets: torch.Tensor,
+                  num_seqs: int) -> torch.Tensor:
+    """Rejection sampling of deterministic drafts, for [R] rows of num_seqs sequences (seq_index: each row's sequence,
+    offsets: its place there): the number of each sequence's leading drafts accepted. A row's token was sampled from
+    the target distribution p at its position, as a plain step would sample it there (same noise key); draft_ids holds
+    the draft made for that position, -1 at each sequence's last row. A draft is accepted where it equals that token:
+    with probability p(d); else the sampled token, which given a rejection is distributed as p without d,
+    renormalized, is what the sequence emits there. This is the rejection rule min(1, p/q) for a draft
+    distribution q that puts all its mass on d, and the emitted tokens are exactly those a plain run samples."""
+    missed = torch.where(token_ids == draft_ids, len(offsets), offsets)  # a Python scalar: no host-to-device copy
+    first_miss = torch.full((num_seqs,), len(offsets), dtype=offsets.dtype, device=offsets.device)
+    return first_miss.scatter_reduce_(0, seq_index, missed, "amin")
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1), through the C kernel for fp32 CPU tensors (torch's is single-threaded there)."""
     return cpu_kernels.argmax(logits) if cpu_kernels.use_cpu_kernels(logits) else logits.argmax(-1)

@@ -20,6 +20,8 @@ class ForSequenceClassification(nn.Module):
         if hasattr(lm, "check_config"):
             lm.check_config(config)
         self.model = lm.model_class(config, lm.attention_options, lm.make_mlp)
+        if hasattr(lm, "config_packed_modules_mapping"):  # checkpoint names that depend on the config (StableLM's)
+            self.packed_modules_mapping = lm.config_packed_modules_mapping(config)
         self.score = ReplicatedLinear(config.hidden_size, config.num_labels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, meta: AttentionMetadata

@@ -34,8 +34,14 @@ class StableLmForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config)
-        if config.qk_layernorm:
-            heads = config.num_attention_heads
-            self.packed_modules_mapping = {**self.packed_modules_mapping,
-                                           **per_head_norm_shards("q_layernorm", heads),
-                                           **per_head_norm_shards("k_layernorm", config.num_key_value_heads or heads)}
+        self.packed_modules_mapping = self.config_packed_modules_mapping(config)
+
+    @classmethod
+    def config_packed_modules_mapping(cls, config: PretrainedConfig) -> dict[str, tuple[str, int | str]]:
+        """The class's mapping and, with qk_layernorm, each head's q/k norm as a shard of its PerHeadLayerNorm
+        (how many there are is the config's)."""
+        if not config.qk_layernorm:
+            return cls.packed_modules_mapping
+        heads = config.num_attention_heads
+        return {**cls.packed_modules_mapping, **per_head_norm_shards("q_layernorm", heads),
+                **per_head_norm_shards("k_layernorm", config.num_key_value_heads or heads)}

@@ -12,13 +12,15 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 # GGUF `general.architecture` values we can load.
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3", "stablelm",
+                   "starcoder2")
 # Keyed by HF model_type: transformers turns a "llama" GGUF whose name mentions mistral into a
 # MistralConfig, which has the same weights.
 _HF_ARCHITECTURE = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM",
                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                    "stablelm": "StableLmForCausalLM", "starcoder2": "Starcoder2ForCausalLM"}
 _TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _PER_LAYER = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -34,7 +36,12 @@ _GEMMA_PER_LAYER = {**_PER_LAYER, "post_attention_norm": "post_attention_layerno
                     "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # Phi-3 checkpoints hold q/k/v and gate/up fused, as llama.cpp does.
 _PHI3_PER_LAYER = {**_PER_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
-_PER_LAYER_BY_ARCH = {"gemma2": _GEMMA_PER_LAYER, "gemma3": _GEMMA_PER_LAYER, "phi3": _PHI3_PER_LAYER}
+# StableLM's q/k norms: llama.cpp stacks the per-head LayerNorms into one [heads, head_dim] tensor (split on load).
+_STABLELM_PER_LAYER = {**_PER_LAYER, "attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm"}
+# StarCoder2's ungated MLP.
+_STARCODER2_PER_LAYER = {**_PER_LAYER, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+_PER_LAYER_BY_ARCH = {"gemma2": _GEMMA_PER_LAYER, "gemma3": _GEMMA_PER_LAYER, "phi3": _PHI3_PER_LAYER,
+                      "stablelm": _STABLELM_PER_LAYER, "starcoder2": _STARCODER2_PER_LAYER}
 # Derived from the rope config on the HF side.
 _ROPE_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 # llama.cpp stacks all experts of a layer in one tensor per projection. Like transformers' GGUF
@@ -128,6 +135,8 @@ def load_gguf_config(gguf_path: str | os.PathLike) -> PretrainedConfig:
     names = {t.name: t for t in reader.tensors}
     # No output.weight means llama.cpp dropped a tied lm_head.
     config.tie_word_embeddings = "output.weight" not in names
+    # The embedding's rows: transformers takes the vocabulary's length, or a class default when the file has none.
+    config.vocab_size = int(_tensor(names, "token_embd.weight", p).shape[1])
     config.head_dim = _head_dim(config, names, arch, p)
     if getattr(config, "eos_token_id", None) is None:
         config.eos_token_id = _field(reader, "tokenizer.ggml.eos_token_id")
@@ -139,6 +148,8 @@ def load_gguf_config(gguf_path: str | os.PathLike) -> PretrainedConfig:
         _fill_gemma_config(config, reader, arch, p)
     if arch == "phi3":
         _fill_phi3_config(config, reader, names, p)
+    if arch in ("stablelm", "starcoder2"):
+        _fill_layernorm_config(config, reader, names, arch)
     if arch == "llama" and "rope_freqs.weight" in names:
         warnings.warn(f"{p} has rope_freqs (llama3-style RoPE scaling), which is not "
                       "reconstructed into the config; long-context outputs may differ from llama.cpp")
@@ -188,15 +199,34 @@ def _fill_gemma_config(config: PretrainedConfig, reader: gguf.GGUFReader, arch: 
         config.rope_parameters["sliding_attention"]["rope_theta"] = local_base
 
 
+def _fill_layernorm_config(config: PretrainedConfig, reader: gguf.GGUFReader, names: dict[str, gguf.ReaderTensor],
+                           arch: str) -> None:
+    """What transformers leaves at class defaults: the rope base (llama.cpp's default 10000 where the file has
+    none), StableLM's rotated share of each head (all of it where the file says nothing, as in llama.cpp) and q/k
+    norms, StarCoder2's sliding window (none unless the file holds one)."""
+    rope = {"rope_type": "default", "rope_theta": _field(reader, f"{arch}.rope.freq_base") or 10000.0}
+    if arch == "stablelm":
+        rotary_dim = _field(reader, "stablelm.rope.dimension_count") or config.head_dim
+        rope["partial_rotary_factor"] = rotary_dim / config.head_dim
+        config.qk_layernorm = "blk.0.attn_q_norm.weight" in names
+    else:
+        config.sliding_window = _field(reader, "starcoder2.attention.sliding_window") or None
+    config.rope_parameters = rope
+
+
+def _tensor(names: dict[str, gguf.ReaderTensor], name: str, path: pathlib.Path) -> gguf.ReaderTensor:
+    if name not in names:
+        raise ValueError(f"{path} has no {name} tensor; is it a complete checkpoint?")
+    return names[name]
+
+
 def _head_dim(config: PretrainedConfig, names: dict[str, gguf.ReaderTensor], arch: str, path: pathlib.Path) -> int:
     """transformers ignores attention.key_length for qwen and only falls back to a class default
     (128 for qwen3), so read head_dim off the Q projection (or Phi-3's fused QKV): GGUF shapes are [in, out]."""
     q_name, heads = "blk.0.attn_q.weight", config.num_attention_heads
     if arch == "phi3":
         q_name, heads = "blk.0.attn_qkv.weight", heads + 2 * config.num_key_value_heads
-    if q_name not in names:
-        raise ValueError(f"{path} has no {q_name} tensor; is it a complete {arch} checkpoint?")
-    rows = int(names[q_name].shape[1])
+    rows = int(_tensor(names, q_name, path).shape[1])
     if rows % heads:
         raise ValueError(f"{path}: {q_name} rows ({rows}) not divisible by its head count {heads}")
     return rows // heads
@@ -251,7 +281,7 @@ def unpermute_qk(w: ArrayT, n_heads: int) -> ArrayT:
     return w.reshape(n_heads, d // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(gguf_name: str, arch: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str, path: pathlib.Path) -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     if base in _TOP_LEVEL:
         return f"{_TOP_LEVEL[base]}.{suffix}"
@@ -263,7 +293,7 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
         return f"model.layers.{parts[1]}.{_EXPERTS[parts[2]]}"
     if base in _ROPE_TENSORS:
         return None
-    raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file")
+    raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file {path} (architecture {arch})")
 
 
 def _dequantize(t: gguf.ReaderTensor, arch: str, name: str, n_heads: int, n_kv_heads: int) -> np.ndarray:
@@ -280,6 +310,20 @@ def _dequantize(t: gguf.ReaderTensor, arch: str, name: str, n_heads: int, n_kv_h
     return w
 
 
+_STACKED_HEAD_NORMS = ("self_attn.q_layernorm.weight", "self_attn.k_layernorm.weight")  # StableLM's
+
+
+def _per_head_norms(name: str, w: np.ndarray, heads: int, gguf_name: str, path: pathlib.Path
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A [heads, head_dim] stack of per-head norm weights as the checkpoint's `{norm}.norms.{h}.weight`."""
+    if w.ndim != 2 or w.shape[0] != heads:
+        raise ValueError(f"tensor {gguf_name!r} in {path} has shape {list(w.shape)}: expected [{heads}, head_dim], "
+                         "one norm per head")
+    base = name.removesuffix(".weight")
+    for h in range(heads):
+        yield f"{base}.norms.{h}.weight", torch.from_numpy(w[h])
+
+
 def iter_gguf_weights(gguf_path: str | os.PathLike, config: PretrainedConfig
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF parameter name, dequantized float32 tensor) for every weight in the file."""
@@ -292,7 +336,7 @@ def iter_gguf_weights(gguf_path: str | os.PathLike, config: PretrainedConfig
     n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
     gate_or_up: dict[str, tuple[str, np.ndarray]] = {}  # an expert gate_up_proj's first half read
     for t in reader.tensors:
-        name = _hf_name(t.name, arch)
+        name = _hf_name(t.name, arch, p)
         if name is None:
             continue
         w = _dequantize(t, arch, name, n_heads, n_kv_heads)
@@ -305,7 +349,10 @@ def iter_gguf_weights(gguf_path: str | os.PathLike, config: PretrainedConfig
         # F32 tensors come back as views into the mmap: copy so callers own ordinary memory.
         if np.may_share_memory(w, reader.data) or w.dtype != np.float32 or not w.flags.c_contiguous:
             w = np.array(w, dtype=np.float32, order="C")
-        yield name, torch.from_numpy(w)
+        if name.endswith(_STACKED_HEAD_NORMS):
+            yield from _per_head_norms(name, w, n_heads if "q_layernorm" in name else n_kv_heads, t.name, p)
+        else:
+            yield name, torch.from_numpy(w)
     if gate_or_up:
         first_name = next(iter(gate_or_up.values()))[0]
         raise ValueError(f"{p} has {first_name} but not its ffn_gate_exps/ffn_up_exps partner")

@@ -53,9 +53,11 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, LazyTensor]]:
                 yield name, LazyTensor(f.get_slice(name), file)
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | LazyTensor]]) -> None:
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | LazyTensor]],
+                 checkpoint: Path | None = None) -> None:
     """Route every checkpoint tensor to the weight_loader of the module owning its parameter (copy_weight if it
-    has none), which copies this rank's slice into the parameter where it lives; fail on strays and on gaps."""
+    has none), which copies this rank's slice into the parameter where it lives; fail on strays and on gaps.
+    checkpoint: the file that errors name for tensors that do not know theirs (a LazyTensor does)."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     packed: dict[str, tuple[str, int | str]] = getattr(model, "packed_modules_mapping", {})
@@ -74,7 +76,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | L
         target, shard = checkpoint_target(name, packed, substitutions)
         param = params.get(target)
         lazy = isinstance(tensor, LazyTensor)
-        where = f" in {tensor.file}" if lazy else ""
+        where = f" in {tensor.file}" if lazy else f" in {checkpoint}" if checkpoint is not None else ""
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r}{where} has no parameter in {type(model).__name__}")
         if param.is_floating_point() and not tensor.is_floating_point():  # copy_ would cast it silently
@@ -95,7 +97,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | L
     missing = [n for n, p in params.items() if None not in loaded.get(n, ()) and len(loaded.get(n, ())) < getattr(
         p, "num_shards", shards_per_param.get(_packed_key(n, packed), 1))]
     if missing:
-        raise ValueError(f"checkpoint is missing weights for {len(missing)} parameter(s), e.g. {missing[:5]}")
+        where = f" {checkpoint}" if checkpoint is not None else ""
+        raise ValueError(f"checkpoint{where} is missing weights for {len(missing)} parameter(s), e.g. {missing[:5]}")
 
 
 def checkpoint_target(name: str, packed: dict[str, tuple[str, int | str]], substitutions: dict[str, str]

@@ -1,5 +1,6 @@
 """Paged attention in PyTorch, for the CPU (and the fallback on CUDA without flash-attn). Decode: a C kernel
-reading K/V in place on CPU fp32 (else one batched SDPA over gathered blocks). Prefill: one SDPA per sequence.
+reading K/V in place on CPU fp32 (else one batched SDPA over gathered blocks). Prefill: one SDPA per sequence, or,
+for steps of a few tokens per sequence (speculative verification), every query row through the decode kernel.
 SDPA cannot soft-cap scores: softcapped layers compute them explicitly instead."""
 from dataclasses import dataclass
 
@@ -18,6 +19,10 @@ DECODE_GATHER_BYTES = 256 << 20
 # Softcapped scores are materialized (SDPA cannot cap them): a long prompt's are computed this many bytes of fp32
 # scores at a time, query rows by query rows.
 SOFTCAP_SCORE_BYTES = 256 << 20
+# A step whose sequences each compute at most this many tokens (a speculative verification: the last token and its
+# drafts; a small chunk) runs each query row as a decode query over its own prefix, all rows in one C kernel call,
+# in place of one SDPA (and one K/V gather) per sequence and layer.
+KERNEL_MAX_QUERY_ROWS = 8
 
 
 @dataclass
@@ -27,6 +32,9 @@ class CPUState:
     # Decode without the kernel: blocks to gather (padding -> block 0) and which gathered keys are real.
     block_index: torch.Tensor | None = None
     mask: torch.Tensor | None = None  # [num_seqs, 1, 1, num_key_slots] bool
+    # Short query runs through the decode kernel: each query row's block table and context (its position + 1).
+    row_block_tables: torch.Tensor | None = None
+    row_context_lens: torch.Tensor | None = None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
@@ -81,6 +89,11 @@ class CPUAttentionBackend:
                     [], meta.block_tables[:, :num_blocks].clamp_min(0).flatten(),
                     (slots < meta.context_lens.unsqueeze(1)).view(meta.num_seqs, 1, 1, -1))
             return
+        # Only over a cached prefix: a step of fresh prompts may be the warm-up that runs before the cache exists.
+        if (self.decode_kernel and meta.causal and meta.has_cached_prefix and meta.slot_mapping is not None
+                and meta.max_seqlen_q <= KERNEL_MAX_QUERY_ROWS):
+            meta.backend_state = _query_rows_as_decodes(meta)
+            return
         cu, ctx = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist()
         meta.backend_state = CPUState([(cu[i], cu[i + 1], ctx[i]) for i in range(meta.num_seqs)])
 
@@ -97,12 +110,15 @@ class CPUAttentionBackend:
         """q [tokens, heads, dim] and this step's k, v [tokens, kv_heads, dim], already stored in the cache
         -> [tokens, heads * dim]. With a window, a query at position p sees keys at p - window < position <= p.
         With soft_cap, each scaled score s becomes soft_cap * tanh(s / soft_cap) before the mask."""
+        state: CPUState = meta.backend_state
+        if state is not None and state.row_context_lens is not None:
+            return paged_decode_attention(q, k_cache, v_cache, state.row_block_tables, state.row_context_lens, scale,
+                                          window, soft_cap).flatten(1)
         if not meta.is_decode:
             return self._prefill(q, k, v, k_cache, v_cache, meta, scale, window if meta.causal else None, soft_cap)
         if self.decode_kernel:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                                           window, soft_cap).flatten(1)
-        state: CPUState = meta.backend_state
         b, slots = meta.num_seqs, state.mask.shape[-1]
         mask = state.mask
         if window is not None:
@@ -154,3 +170,11 @@ class CPUAttentionBackend:
         if buf is None or buf.numel() < numel or buf.dtype != cache.dtype:
             buf = self._buffers[name] = cache.new_empty(numel)
         return torch.index_select(cache, 0, block_index, out=buf[:numel].view(shape))
+
+
+def _query_rows_as_decodes(meta: AttentionMetadata) -> CPUState:
+    """Row r of sequence i sits at position context_lens[i] - cu_seqlens_q[i + 1] + r: causally it attends to the
+    cached keys up to there (this step's K/V are stored before attention), as a decode query with that context."""
+    seq = torch.repeat_interleave(torch.arange(meta.num_seqs), (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).long())
+    lens = meta.context_lens.long()[seq] - meta.cu_seqlens_q[1:].long()[seq] + torch.arange(len(seq)) + 1
+    return CPUState([], row_block_tables=meta.block_tables[seq], row_context_lens=lens.int())
