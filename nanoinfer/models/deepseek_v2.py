@@ -64,7 +64,7 @@ class DeepseekV2Attention(nn.Module):
     """MLA with the decompressed cache: each head's key (its own qk_nope part, the shared rope part) and value are
     what the paged cache stores, through the same backends as every other family. The backends take K and V of one
     head size, so V is zero-padded to K's (and the output sliced back): it costs memory (vLLM caches the
-    kv_lora_rank latent plus the rope key instead, ~1/30 of this for DeepSeek-V3); the latent cache is future work.
+    kv_lora_rank latent plus the rope key instead, 1/85 of this for DeepSeek-V3); the latent cache is future work.
     q_b_proj (or q_proj), kv_b_proj are column-parallel over heads, o_proj row-parallel; the latent projections and
     their norms are replicated."""
 
