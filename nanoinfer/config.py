@@ -79,6 +79,8 @@ class Config:
             _positive(name, getattr(self, name))
         hf = self.hf_config
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        if getattr(hf, "kv_lora_rank", None):  # DeepSeek's MLA: head_dim is the rope part; the cache's is this
+            head_dim = max(hf.qk_nope_head_dim + hf.qk_rope_head_dim, hf.v_head_dim)
         check_backend_limits(self.attention_backend, self.kvcache_block_size, self.torch_dtype, head_dim)
         if not isinstance(self.enforce_eager, bool):
             raise TypeError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")

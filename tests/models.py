@@ -131,6 +131,12 @@ QWEN3_NEXT_KINDS = ("qwen3-next",)
 # Mixtral: a window on every layer and 2 of 8 experts per token on every layer, renormalized. Qwen2-MoE: 2 of 8
 # experts (not renormalized) plus a gated shared expert on layers 0 and 2, layer 1 dense. Granite MoE: Granite's
 # multipliers around 2 of 8 experts (and, shared, an ungated shared expert).
+# DeepSeek (DEEPSEEK_KINDS), multi-head latent attention with V narrower than K (16 against 16 + 8) and MoE with
+# shared experts: V2: the plain q_proj (as V2-Lite), 2 of 8 experts on every layer by softmax, yarn rope with
+# distinct mscale / mscale_all_dim (the rope's and the scores' scaling). V2-group: the low-rank q, layer 0 dense,
+# group-limited routing (3 experts from the best 2 of 4 groups: with 2 the limit could never bind),
+# routed_scaling_factor. V3: layer 0 dense, sigmoid routing with a random e_score_correction_bias within 2 of 4
+# groups, renormalized and scaled; interleaved rope.
 # The LayerNorm families (LAYERNORM_KINDS), every norm with a random bias and an epsilon (LAYER_NORM_EPS) far from
 # the default: StarCoder2: biases on q/k/v/o and a GeLU-tanh MLP, GQA, a window on every layer. StableLM: q/k/v
 # biases, per-head q/k LayerNorms (GQA), the parallel residual with one norm, a quarter of each head rotated. Phi:
@@ -140,9 +146,10 @@ QWEN3_NEXT_KINDS = ("qwen3-next",)
 # GPT-2: learned absolute positions, Conv1D (transposed) weights, the fused c_attn, "gelu_new", tied.
 LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2")
 LAYER_NORM_EPS = 1e-3
+DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3")
 EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
-               + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared") + LAYERNORM_KINDS)
+               + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared") + LAYERNORM_KINDS + DEEPSEEK_KINDS)
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "gemma2": 11, "phi3": 24,
                   "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13}
@@ -183,7 +190,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "phi3": 2468, "granite": 3579, "smollm3": 4680, "olmo2": 1470, "olmo3": 2581, OLMO2_MQA_KIND: 3692,
           "mixtral": 3581, "qwen2-moe": 4681, "granitemoe": 5791, "granitemoe-shared": 6802, ODD_KIND: 9012,
           "starcoder2": 7913, "stablelm": 8024, "phi": 9135, "gpt-neox": 1246, "cohere": 2357, "glm4": 3468,
-          "glm": 4579, "gpt2": 5680}
+          "glm": 4579, "gpt2": 5680, "deepseek-v2": 6791, "deepseek-v2-group": 7802, "deepseek-v3": 8913}
 
 
 def _token_ids():
@@ -494,6 +501,8 @@ def make_config(kind: str):
             residual_multiplier=0.6,
             logits_scaling=2.0,
         )
+    if kind in DEEPSEEK_KINDS:
+        return deepseek_config(kind, special)
     layernorm = dict(  # the LayerNorm families: their own epsilon and activations, partial rotary but StarCoder2
         **{k: v for k, v in _COMMON.items() if k not in ("rms_norm_eps", "hidden_act")},
         **special,
@@ -526,6 +535,29 @@ def make_config(kind: str):
         return CohereConfig(**layernorm, num_key_value_heads=2, hidden_act="silu", use_qk_norm=True, logit_scale=0.5,
                             tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND, OLMO2_MQA_KIND)}")
+
+
+def deepseek_config(kind: str, special: dict):
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    mla = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+               qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, moe_intermediate_size=32,
+               tie_word_embeddings=False)
+    if kind == "deepseek-v3":
+        return DeepseekV3Config(**_COMMON, **special, **mla, q_lora_rank=32, n_shared_experts=1,
+                                first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
+                                num_experts_per_tok=2, routed_scaling_factor=2.5, rope_interleave=True,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "deepseek-v2-group":
+        return DeepseekV2Config(**_COMMON, **special, **mla, q_lora_rank=32, n_shared_experts=2,
+                                first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                num_experts_per_tok=3, routed_scaling_factor=1.5,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    return DeepseekV2Config(**_COMMON, **special, **mla, q_lora_rank=None, n_shared_experts=2,
+                            first_k_dense_replace=0, topk_method="greedy", num_experts_per_tok=2,
+                            rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+                                             "original_max_position_embeddings": 128, "beta_fast": 32,
+                                             "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0})
 
 
 def _randomize_zero_centered_norms_(model, seed: int) -> None:
@@ -574,6 +606,10 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
     _randomize_(model, _SEEDS[base_kind])
     if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2", "gemma"):
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
+    g = torch.Generator().manual_seed(_SEEDS[base_kind] + 2)
+    for name, buffer in model.named_buffers():  # a buffer, saved with the weights: V3's routing bias
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(0.3 * torch.randn(buffer.shape, generator=g))
     if config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     model.eval()

@@ -1,7 +1,8 @@
-"""Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE): the fused expert layer against transformers' own MoE block,
-its tensor-parallel shards, which layers are sparse, checkpoint layouts (per expert as on the Hub, Mixtral's names,
-transformers' stacked experts) and mapping errors; on whole models, routing equal to transformers' and varied,
-chunked prefill + prefix cache + preemption, with TP=1 and 2. (Plain whole-model greedy/logits: test_correctness.py.)"""
+"""Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek): the fused expert layer against transformers' own
+MoE block, its tensor-parallel shards, which layers are sparse, checkpoint layouts (per expert as on the Hub,
+Mixtral's names, transformers' stacked experts) and mapping errors; on whole models, routing equal to transformers'
+and varied, chunked prefill + prefix cache + preemption, with TP=1 and 2 (DeepSeek's too; its routers and the rest:
+test_deepseek.py). (Plain whole-model greedy/logits: test_correctness.py.)"""
 import pytest
 import torch
 from safetensors import safe_open
@@ -9,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 import nanoinfer.layers.fused_moe as fused_moe
-from models import cached_hf_greedy, check_against_hf, load_hf_model, make_config, random_prompts
+from models import DEEPSEEK_KINDS, cached_hf_greedy, check_against_hf, load_hf_model, make_config, random_prompts
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, select_experts
 from nanoinfer.models.mixtral import MixtralForCausalLM
@@ -210,7 +211,7 @@ def test_mixtral_hub_layout_loads(model_dir):
 
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("kind", NEW_KINDS + ("granitemoe-shared",))
+@pytest.mark.parametrize("kind", NEW_KINDS + ("granitemoe-shared",) + DEEPSEEK_KINDS)
 def test_chunked_prefill_prefix_cache_and_preemption_match_hf(kind, tp, model_dir, captured_logits,
                                                               report_logit_diff):
     """Shared 24-token prefixes, prefilled in 7-token chunks, a cache too small for every sequence (preemption),

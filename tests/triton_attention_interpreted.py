@@ -379,6 +379,20 @@ def test_engine_sliding_window_matches_hf(kind, model_dir, captured_logits, repo
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
 
+def test_engine_mla_matches_hf(model_dir, captured_logits, report_logit_diff):
+    """DeepSeek-V3's MLA: heads of 24 (not a power of 2) with V zero-padded from 16, prefilled in 7-token chunks,
+    then again from the prefix cache, decode under the CUDA-graph runner stand-in."""
+    kind = "deepseek-v3"
+    d = model_dir(kind)
+    shared = random_prompts(1, 5, 440, 24, 24, seed=12)[0]
+    prompts = [shared + tail for tail in random_prompts(2, 5, 440, 1, 12, seed=13)]
+    llm = triton_llm(d, max_model_len=64, max_num_batched_tokens=7)
+    cuda_fakes.capture_eager_graphs(llm.llm_engine.model_runner)
+    worst = twice_against_hf(llm, d, prompts, 16, captured_logits)
+    report_logit_diff(f"{kind}, triton backend, MLA", worst)
+    assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
+
+
 def test_encoder_pass_matches_hf(llama_dir, report_logit_diff):
     """LLM.embed: non-causal, nothing cached (no slot mapping), keys are this step's k, v."""
     prompts = random_prompts(3, 5, 440, 1, 40, seed=11)

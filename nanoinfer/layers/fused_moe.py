@@ -1,6 +1,6 @@
-"""Mixture-of-experts SwiGLU MLPs: top-k softmax routing, then every expert at once as two grouped matmuls over
-the token-expert pairs sorted by expert (FusedMoE; SparseMoeBlock puts the router in front). Each rank holds a slice
-of every expert's intermediate dimension."""
+"""Mixture-of-experts SwiGLU MLPs: top-k softmax routing (or DeepSeek's group-limited and sigmoid routings), then
+every expert at once as two grouped matmuls over the token-expert pairs sorted by expert (FusedMoE; SparseMoeBlock
+puts the router in front). Each rank holds a slice of every expert's intermediate dimension."""
 import re
 
 import torch
@@ -42,6 +42,44 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     if renormalize:
         weights /= weights.sum(dim=-1, keepdim=True)
     return weights.to(router_logits.dtype), ids
+
+
+def mask_to_top_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int, fill: float
+                       ) -> torch.Tensor:
+    """scores [tokens, experts] with every expert outside each token's `topk_group` best groups (group_scores
+    [tokens, groups]; the experts split into equal consecutive groups) set to `fill`, as DeepSeek's routers do."""
+    chosen = torch.zeros_like(group_scores).scatter_(1, torch.topk(group_scores, topk_group, dim=-1)[1], 1.0)
+    num_groups = group_scores.shape[1]
+    keep = chosen.bool().repeat_interleave(scores.shape[1] // num_groups, dim=1)
+    return scores.masked_fill(~keep, fill)
+
+
+def select_experts_softmax_grouped(router_logits: torch.Tensor, top_k: int, num_groups: int | None,
+                                   topk_group: int | None, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2: fp32 softmax over all experts, restricted (num_groups not None: "group_limited_greedy") to the
+    topk_group groups of the highest single expert score, top k kept unnormalized, times `scaling`."""
+    scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    if num_groups is not None:
+        group_scores = scores.view(scores.shape[0], num_groups, -1).amax(dim=-1)
+        scores = mask_to_top_groups(scores, group_scores, topk_group, 0.0)
+    weights, ids = torch.topk(scores, top_k, dim=-1)
+    return weights * scaling, ids
+
+
+def select_experts_sigmoid_biased(router_logits: torch.Tensor, top_k: int, correction_bias: torch.Tensor,
+                                  num_groups: int, topk_group: int, renormalize: bool, scaling: float
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 ("noaux_tc"): sigmoid scores; the choice, among the topk_group groups whose two best biased
+    scores sum highest, is the top k of score + correction_bias; the weights are the unbiased scores (optionally
+    rescaled to sum to 1), times `scaling`."""
+    scores = router_logits.float().sigmoid()
+    biased = scores + correction_bias.float()
+    group_scores = biased.view(scores.shape[0], num_groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
+    ids = torch.topk(mask_to_top_groups(biased, group_scores, topk_group, float("-inf")), top_k, dim=-1)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20  # transformers' epsilon
+    return weights * scaling, ids
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -118,7 +156,11 @@ class FusedMoE(nn.Module):
             copy_weight(param.data.narrow(1, half * inter, inter), loaded.narrow(1, half * full + start, inter))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return self.run_experts(x, *select_experts(router_logits, self.top_k, self.renormalize))
+
+    def run_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts of a routing made elsewhere (DeepSeek's), weighted, summed and (unless reduce_results is
+        False) all-reduced."""
         y = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         if self.reduce_results and self.tp_size > 1:
             dist.all_reduce(y, group=self.tp_group)

@@ -110,10 +110,12 @@ MLPFactory = Callable[[PretrainedConfig, int], nn.Module]
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_class: type[nn.Module] = LlamaAttention  # built as (config, options); DeepSeek's MLA is another
+
     def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module,
                  norm: type[RMSNorm] = RMSNorm):
         super().__init__()
-        self.self_attn = LlamaAttention(config, options)
+        self.self_attn = self.attention_class(config, options)
         self.mlp = mlp
         self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)

@@ -1,0 +1,182 @@
+"""DeepSeek-V2: multi-head latent attention (MLA: low-rank q and kv projections, a rope key shared by the heads) and
+DeepSeek MoE (dense first layers, then softmax-routed experts plus always-on shared experts). DeepSeek-V3
+(deepseek_v3.py) is this with its sigmoid, bias-corrected routing."""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from nanoinfer.layers.attention import Attention, AttentionMetadata
+from nanoinfer.layers.fused_moe import FusedMoE, select_experts_softmax_grouped
+from nanoinfer.layers.layernorm import RMSNorm
+from nanoinfer.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from nanoinfer.layers.rotary_embedding import get_rope, rope_parameters
+from nanoinfer.models.llama import AttentionOptions, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from nanoinfer.utils.dist import tp_size
+
+_TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+def check_attention_config(config: PretrainedConfig) -> None:
+    """What the MLA layer needs of the config, refused by name rather than run differently from transformers."""
+    if config.num_key_value_heads != config.num_attention_heads:  # transformers' MLA fails on it as well
+        raise ValueError(f"num_key_value_heads={config.num_key_value_heads} must equal num_attention_heads="
+                         f"{config.num_attention_heads}: MLA derives a key and a value for every head")
+    if config.num_attention_heads % tp_size():
+        raise ValueError(f"tensor_parallel_size={tp_size()} does not divide the model's num_attention_heads "
+                         f"({config.num_attention_heads})")
+
+
+def check_moe_config(config: PretrainedConfig, grouped: bool) -> None:
+    """grouped: whether the routing limits each token to its `topk_group` best of `n_group` expert groups."""
+    if config.moe_intermediate_size % tp_size():
+        raise ValueError(f"tensor_parallel_size={tp_size()} does not divide the model's moe_intermediate_size "
+                         f"({config.moe_intermediate_size})")
+    if not grouped:
+        return
+    n_group, topk_group = config.n_group, config.topk_group
+    if not isinstance(n_group, int) or n_group < 1 or config.n_routed_experts % n_group:
+        raise ValueError(f"n_group={n_group!r} must be a positive int dividing n_routed_experts="
+                         f"{config.n_routed_experts}")
+    if not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group={topk_group!r} must be an int between 1 and n_group={n_group}")
+
+
+def softmax_scale(config: PretrainedConfig) -> float:
+    """1/sqrt(qk head dim), times yarn's mscale squared where the rope is scaled with `mscale_all_dim`, as
+    transformers (and DeepSeek's own code) scale the scores."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = rope_parameters(config)
+    factor, mscale_all_dim = params.get("factor", 1.0), params.get("mscale_all_dim", 0)
+    if params["rope_type"] != "default" and mscale_all_dim and factor > 1:
+        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
+    return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
+
+
+class DeepseekV2Attention(nn.Module):
+    """MLA with the decompressed cache: each head's key (its own qk_nope part, the shared rope part) and value are
+    what the paged cache stores, through the same backends as every other family. The backends take K and V of one
+    head size, so V is zero-padded to K's (and the output sliced back): it costs memory (vLLM caches the
+    kv_lora_rank latent plus the rope key instead, 1/85 of this for DeepSeek-V3); the latent cache is future work.
+    q_b_proj (or q_proj), kv_b_proj are column-parallel over heads, o_proj row-parallel; the latent projections and
+    their norms are replicated."""
+
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions):
+        super().__init__()
+        check_attention_config(config)
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank, qk_dim = config.kv_lora_rank, config.qk_nope_head_dim + config.qk_rope_head_dim
+        heads = config.num_attention_heads
+        self.num_heads = heads // tp_size()
+        if config.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden, heads * qk_dim)
+        else:
+            self.q_a_proj = ReplicatedLinear(hidden, config.q_lora_rank, bias)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, 1e-6)  # transformers' default: the config's is unused
+            self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, heads * qk_dim)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, config.kv_lora_rank + self.rope_dim, bias)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, 1e-6)
+        self.kv_b_proj = ColumnParallelLinear(config.kv_lora_rank, heads * (self.nope_dim + self.v_dim))
+        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias)
+        self.rotary_emb = get_rope(config, self.rope_dim, config.max_position_embeddings,
+                                   interleaved=options.rope_interleaved)
+        self.head_dim = max(qk_dim, self.v_dim)  # the cache's; zero-padding q and k leaves the scores as they are
+        self.attn = Attention(self.num_heads, self.head_dim, softmax_scale(config), self.num_heads)
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(-1, self.num_heads, self.nope_dim + self.rope_dim)
+
+    def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q = self.query(x)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(-1, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], -1)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], -1)
+        k_rope = k_rope.unsqueeze(1)
+        if positions is not None:  # None: an encoder pass (see LLM.embed)
+            q_rope, k_rope = self.rotary_emb(positions, q_rope, k_rope)
+        q = pad_last(torch.cat([q_nope, q_rope], -1), self.head_dim)
+        k = pad_last(torch.cat([k_nope, k_rope.expand(-1, self.num_heads, -1)], -1), self.head_dim)
+        o = self.attn(q, k, pad_last(v, self.head_dim), meta)
+        return self.o_proj(o.view(-1, self.num_heads, self.head_dim)[..., :self.v_dim].flatten(1))
+
+
+class DeepseekRouter(nn.Module):
+    """The router's weight (and V3's e_score_correction_bias), scoring in fp32 as transformers does."""
+
+    def __init__(self, config: PretrainedConfig, correction_bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size), requires_grad=False)
+        if correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.empty(config.n_routed_experts), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
+class DeepseekV2MoE(nn.Module):
+    """Routed experts (FusedMoE, each rank a slice of every expert) plus `n_shared_experts` shared experts as one
+    MLP of n_shared_experts x moe_intermediate_size that every token passes through, added ungated."""
+    correction_bias = False
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
+        self.top_k, self.scaling = config.num_experts_per_tok, config.routed_scaling_factor
+        self.gate = DeepseekRouter(config, self.correction_bias)
+        self.configure_routing(config)
+        # renormalize=False: FusedMoE.forward's softmax routing is not used, select_experts routes instead.
+        self.experts = FusedMoE(config.n_routed_experts, config.num_experts_per_tok, config.hidden_size,
+                                config.moe_intermediate_size, renormalize=False)
+        shared = config.n_shared_experts or 0
+        self.shared_experts = LlamaMLP(config, config.moe_intermediate_size * shared) if shared else None
+
+    def configure_routing(self, config: PretrainedConfig) -> None:
+        if config.topk_method not in _TOPK_METHODS:
+            raise ValueError(f"topk_method={config.topk_method!r} in the model config; expected one of {_TOPK_METHODS}")
+        grouped = config.topk_method == "group_limited_greedy"
+        check_moe_config(config, grouped)
+        # transformers' V2 router ignores norm_topk_prob (False in DeepSeek-V2's configs): so does this one.
+        self.num_groups = config.n_group if grouped else None
+        self.topk_group = config.topk_group
+
+    def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return select_experts_softmax_grouped(self.gate(x), self.top_k, self.num_groups, self.topk_group,
+                                              self.scaling)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.experts.run_experts(x, *self.select_experts(x))
+        return y if self.shared_experts is None else y + self.shared_experts(x)
+
+
+class DeepseekV2DecoderLayer(LlamaDecoderLayer):
+    attention_class = DeepseekV2Attention
+
+
+class DeepseekV2Model(LlamaModel):
+    decoder_layer = DeepseekV2DecoderLayer
+
+
+class DeepseekV2ForCausalLM(LlamaForCausalLM):
+    model_class = DeepseekV2Model
+    moe_class: type[DeepseekV2MoE] = DeepseekV2MoE
+    # Only the MLPs' gate/up fuse: MLA's q_proj is a projection of its own.
+    packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    @staticmethod
+    def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
+        return AttentionOptions(rope_interleaved=True)  # V2 rotates (x0, x1), (x2, x3), ... as complex numbers
+
+    @classmethod
+    def make_mlp(cls, config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        return LlamaMLP(config) if layer_idx < config.first_k_dense_replace else cls.moe_class(config)

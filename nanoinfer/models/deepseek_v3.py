@@ -1,0 +1,38 @@
+"""DeepSeek-V3 (and R1): DeepSeek-V2's MLA and MoE (deepseek_v2.py) with sigmoid scores, chosen on score +
+`e_score_correction_bias` within the best groups ("noaux_tc"), and the rope layout set by `rope_interleave`."""
+import torch
+from transformers import PretrainedConfig
+
+from nanoinfer.layers.fused_moe import select_experts_sigmoid_biased
+from nanoinfer.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2MoE, check_moe_config
+from nanoinfer.models.llama import AttentionOptions
+
+
+class DeepseekV3MoE(DeepseekV2MoE):
+    correction_bias = True
+
+    def configure_routing(self, config: PretrainedConfig) -> None:
+        # transformers' V3 router always routes this way, whatever `topk_method` says.
+        check_moe_config(config, grouped=True)
+        self.num_groups, self.topk_group, self.renormalize = config.n_group, config.topk_group, config.norm_topk_prob
+
+    def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return select_experts_sigmoid_biased(self.gate(x), self.top_k, self.gate.e_score_correction_bias,
+                                             self.num_groups, self.topk_group, self.renormalize, self.scaling)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    moe_class = DeepseekV3MoE
+
+    @staticmethod
+    def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
+        # transformers' interleaved variant writes the rotated pairs de-interleaved (evens, then odds), this one in
+        # place: the same permutation of q's and k's rope dimensions, so the same scores.
+        return AttentionOptions(rope_interleaved=bool(config.rope_interleave))
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__(config)
+        # The checkpoints' multi-token-prediction layers (numbered after the last decoder layer): not used here.
+        mtp_layers = getattr(config, "num_nextn_predict_layers", 0) or 0
+        self.ignored_weight_prefixes = tuple(f"model.layers.{config.num_hidden_layers + i}."
+                                             for i in range(mtp_layers))

@@ -1,0 +1,134 @@
+"""DeepSeek-V2/V3 beyond the shared suites (greedy + logits: test_correctness.py; chunked prefill, prefix cache,
+preemption at TP 1 and 2: test_moe.py; the Triton backend: triton_attention_interpreted.py): the routers against
+transformers' own, the rope layouts, the MTP layers of V3's checkpoints, the cache's head size, and the settings
+refused by name."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import nanoinfer.layers.fused_moe as fused_moe
+from models import DEEPSEEK_KINDS, cached_hf_greedy, check_against_hf, make_config, random_prompts
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.config import Config
+from nanoinfer.models.deepseek_v2 import DeepseekV2MoE
+from nanoinfer.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
+
+MAX_TOKENS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+PROMPTS = random_prompts(3, 5, 440, 5, 60, seed=51) + [[17]]
+LOGIT_ATOL = 1e-4
+
+
+def edited_copy(src, dst, weights: dict[str, torch.Tensor] | None = None, **changes):
+    """src's model in dst with the config's `changes` (and, if given, these weights)."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" or weights is None:
+            (dst / f.name).write_bytes(f.read_bytes())
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, **changes}))
+    if weights is not None:
+        save_file(weights, dst / "model.safetensors")
+    return dst
+
+
+@pytest.mark.parametrize("kind", DEEPSEEK_KINDS)
+@torch.inference_mode()
+def test_deepseek_routing_is_transformers_own(kind):
+    """DeepSeek's routers (V2 softmax greedy / group-limited, V3 sigmoid + correction bias in the best groups,
+    renormalized) pick transformers' experts with transformers' weights; the group limit and the bias bind."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    config = make_config(kind)
+    v3 = kind == "deepseek-v3"
+    torch.manual_seed(0)
+    ref = (DeepseekV3TopkRouter if v3 else DeepseekV2TopkRouter)(config)
+    ref.weight.normal_(0, 0.2)
+    ours = (DeepseekV3MoE if v3 else DeepseekV2MoE)(config)
+    ours.gate.weight.copy_(ref.weight)
+    if v3:
+        ref.e_score_correction_bias.normal_(0, 0.3)
+        ours.gate.e_score_correction_bias.copy_(ref.e_score_correction_bias)
+    x = torch.randn(500, config.hidden_size)
+    _, ref_weights, ref_ids = ref(x)
+    weights, ids = ours.select_experts(x)
+    order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
+    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+    torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order), rtol=1e-6, atol=1e-7)
+    logits = x @ ref.weight.T
+    plain = (logits.sigmoid() if v3 else logits.softmax(-1)).topk(config.num_experts_per_tok, -1)[1]
+    changed = (plain.sort(-1).values != ids.sort(-1).values).any(-1).float().mean().item()
+    if kind == "deepseek-v2":  # greedy: the plain top k
+        assert changed == 0
+    else:
+        assert changed > 0.05, f"the groups (and V3's bias) change the choice of only {changed:.0%} of the tokens"
+
+
+@pytest.mark.parametrize("kind, changes, tp, message", [
+    ("deepseek-v2-group", {}, 3, r"tensor_parallel_size=3 does not divide the model's num_attention_heads \(4\)"),
+    ("deepseek-v2-group", {"num_attention_heads": 2, "num_key_value_heads": 2, "moe_intermediate_size": 33}, 2,
+     r"tensor_parallel_size=2 does not divide the model's moe_intermediate_size \(33\)"),
+    ("deepseek-v2", {"num_key_value_heads": 2}, 1, r"num_key_value_heads=2 must equal num_attention_heads=4"),
+    ("deepseek-v2", {"topk_method": "noaux_tc"}, 1, r"topk_method='noaux_tc' in the model config; expected one of"),
+    ("deepseek-v2-group", {"n_group": 3}, 1, r"n_group=3 must be a positive int dividing n_routed_experts=8"),
+    ("deepseek-v2-group", {"topk_group": 5}, 1, r"topk_group=5 must be an int between 1 and n_group=4"),
+    ("deepseek-v3", {"n_group": None}, 1, r"n_group=None must be a positive int dividing n_routed_experts=8"),
+])
+def test_deepseek_settings_the_engine_cannot_run_are_refused_by_name(kind, changes, tp, message, monkeypatch):
+    import nanoinfer.models.deepseek_v2 as deepseek_v2
+
+    config = make_config(kind)
+    for key, value in changes.items():
+        setattr(config, key, value)
+    monkeypatch.setattr(deepseek_v2, "tp_size", lambda: tp)
+    monkeypatch.setattr(fused_moe, "tp_size", lambda: tp)
+    with pytest.raises(ValueError, match=message):
+        (DeepseekV3ForCausalLM if kind == "deepseek-v3" else deepseek_v2.DeepseekV2ForCausalLM)(config)
+
+
+def test_deepseek_v3_multi_token_prediction_layers_are_skipped(model_dir, tmp_path, captured_logits):
+    """DeepSeek-V3's checkpoints carry `num_nextn_predict_layers` MTP layers numbered after the last decoder layer;
+    plain decoding does not use them, so they load as nothing (a layer beyond those is still a stray)."""
+    d = model_dir("deepseek-v3")
+    weights = load_file(d / "model.safetensors")
+    mtp = {k.replace("model.layers.2.", "model.layers.3."): v.clone() for k, v in weights.items() if ".layers.2." in k}
+    m = edited_copy(d, tmp_path / "mtp", {**weights, **mtp}, num_nextn_predict_layers=1)
+    with LLM(str(m), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
+    stray = {"model.layers.4.input_layernorm.weight": torch.ones(64)}
+    m = edited_copy(d, tmp_path / "stray", {**weights, **stray}, num_nextn_predict_layers=1)
+    with pytest.raises(ValueError, match="'model.layers.4.input_layernorm.weight'.* has no parameter"):
+        LLM(str(m), device="cpu", dtype="float32", max_model_len=128)
+
+
+def test_deepseek_v3_neox_rope_layout_matches_hf(model_dir, tmp_path, captured_logits, report_logit_diff):
+    """`rope_interleave: false`: the rope halves (i, i + rope_dim / 2) rotate together, not the pairs (2i, 2i + 1)."""
+    d = edited_copy(model_dir("deepseek-v3"), tmp_path / "neox", rope_interleave=False)
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    worst = check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits)
+    report_logit_diff("deepseek-v3, neox rope layout", worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+def test_cache_holds_whole_keys_and_values_padded_to_them(model_dir):
+    """K is qk_nope + qk_rope wide, V narrower and zero-padded to it; the cache is sized by what is allocated."""
+    with LLM(str(model_dir("deepseek-v2")), device="cpu", dtype="float32", max_model_len=64,
+             num_kvcache_blocks=6) as llm:
+        llm.generate([[5, 6, 7, 8]], GREEDY, use_tqdm=False)
+        attention = llm.llm_engine.model_runner.model.model.layers[0].self_attn.attn
+        assert attention.k_cache.shape == attention.v_cache.shape == (6, 16, 4, 24)
+        assert attention.v_cache[..., 16:].abs().max().item() == 0 < attention.v_cache[..., :16].abs().max().item()
+
+
+def test_backend_head_size_limit_reads_the_mla_head(model_dir, tmp_path, monkeypatch):
+    """DeepSeek's config sets head_dim to the rope part alone: the backends' limit is checked on qk_nope + qk_rope."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what a CPU device needs to accept the triton backend
+    d = edited_copy(model_dir("deepseek-v2"), tmp_path / "wide", qk_nope_head_dim=256)
+    with pytest.raises(ValueError, match="triton attention backend supports head_dim <= 256, the model has 264"):
+        Config(d, device="cpu", attention_backend="triton")
