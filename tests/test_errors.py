@@ -384,6 +384,16 @@ def test_bad_model_config_value_names_it_and_the_file(qwen3_dir, tmp_path, key, 
     assert str(d / "config.json") in str(e.value)
 
 
+def test_quantized_checkpoint_is_refused_by_name(qwen3_dir, tmp_path):
+    d = copy_model(qwen3_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="quantization_config.*'fp8'") as e:
+        LLM(str(d), max_model_len=64, device="cpu")
+    assert str(d / "config.json") in str(e.value)
+
+
 def _damaged(data: bytes, damage: str) -> bytes:
     garbage = random.Random(0).randbytes(4096)
     return {"truncated": data[:len(data) * 2 // 3], "tail-cut": data[:-64], "empty": b"", "random": garbage,
