@@ -82,17 +82,18 @@ Residual = Literal["sequential", "parallel", "parallel-one-norm"]
 class LayerNormDecoderLayer(nn.Module):
     """Pre-norm with LayerNorms. Sequential: h = x + attn(ln1(x)); out = h + mlp(ln2(h)) (LlamaDecoderLayer's order).
     Parallel: out = x + attn(ln1(x)) + mlp(ln2(x)), with ln2 = ln1 where the family has a single norm (Phi,
-    StableLM). As in LlamaDecoderLayer, the stream is x + residual, the add left to the next norm."""
+    StableLM). As in LlamaDecoderLayer, the stream is x + residual, the add left to the next norm. norm: the
+    LayerNorm class (hidden_size, eps), without bias (Cohere) or any parameter (OLMo) where the family's has none."""
 
     def __init__(self, attention: nn.Module, mlp: nn.Module, hidden_size: int, eps: float,
-                 residual: Residual = "sequential", norm_bias: bool = True):
+                 residual: Residual = "sequential", norm: Callable[[int, float], nn.Module] = LayerNorm):
         super().__init__()
         self.self_attn = attention
         self.mlp = mlp
         self.parallel = residual != "sequential"
-        self.input_layernorm = LayerNorm(hidden_size, eps, norm_bias)
+        self.input_layernorm = norm(hidden_size, eps)
         self.post_attention_layernorm = (None if residual == "parallel-one-norm"
-                                         else LayerNorm(hidden_size, eps, norm_bias))
+                                         else norm(hidden_size, eps))
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,6 +33,7 @@ class AttentionOptions:
     rope: bool = True  # SmolLM3's NoPE layers: no position encoding at all
     rope_interleaved: bool = False  # Cohere, GLM: rope rotates the pairs (x0, x1), (x2, x3), ...
     logits_soft_cap: float | None = None  # Gemma 2: scores capped to cap * tanh(score / cap)
+    clip_qkv: float | None = None  # OLMo: q, k and v clamped to [-clip_qkv, clip_qkv] before anything else
 
 
 def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
@@ -73,9 +74,13 @@ class LlamaAttention(nn.Module):
                      else RMSNorm(self.head_dim, eps, options.zero_centered_norm) for _ in range(2)]
             self.q_norm, self.k_norm = norms
         self.qk_norm = options.qk_norm
+        self.clip_qkv = options.clip_qkv
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size * self.q_factor, self.kv_size, self.kv_size], -1)
+        qkv = self.qkv_proj(x)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        q, k, v = qkv.split([self.q_size * self.q_factor, self.kv_size, self.kv_size], -1)
         q = q.view(-1, self.num_heads, self.head_dim * self.q_factor)
         if self.q_factor == 2:
             q, gate = q.chunk(2, -1)

@@ -20,6 +20,7 @@ _MODELS = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "OlmoForCausalLM": ("olmo", "OlmoForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
     "Olmo3ForCausalLM": ("olmo3", "Olmo3ForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
@@ -36,7 +37,7 @@ _MODELS = {
 
 # Sequence classification (see classification.py) over the decoder of the causal LM of the same family.
 _CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM" for family in (
-    "DeepseekV2", "DeepseekV3", "Gemma", "Gemma2", "Glm", "Glm4", "GPTNeoX", "Llama", "Mistral", "Mixtral", "Olmo2",
+    "DeepseekV2", "DeepseekV3", "Gemma", "Gemma2", "Glm", "Glm4", "GPTNeoX", "Llama", "Mistral", "Mixtral", "Olmo", "Olmo2",
     "Olmo3", "Phi", "Phi3", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe", "SmolLM3", "StableLm", "Starcoder2")} | {
     "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM", "GPT2ForSequenceClassification": "GPT2LMHeadModel"}
 
