@@ -89,6 +89,12 @@ def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_di
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
 
 
+def test_falcon_alibi_is_refused_by_name(model_dir, tmp_path):
+    d = edited_model(model_dir("falcon"), tmp_path / "m", alibi=True)
+    with pytest.raises(ValueError, match="alibi=True"):
+        LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
+
+
 @pytest.mark.parametrize("kind", ["phi", "gpt-neox"])
 def test_parallel_residual_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, captured_logits,
                                                                               report_logit_diff):
