@@ -95,7 +95,7 @@ def test_falcon_alibi_is_refused_by_name(model_dir, tmp_path):
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
 
 
-@pytest.mark.parametrize("kind", ["phi", "gpt-neox"])
+@pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj"])
 def test_parallel_residual_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, captured_logits,
                                                                               report_logit_diff):
     """7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once, twice."""

@@ -137,11 +137,12 @@ def shared_rope_tables() -> Iterator[None]:
 
 
 def get_rope(config: PretrainedConfig, head_dim: int, max_position: int, layer_type: str | None = None,
-             interleaved: bool = False) -> RotaryEmbedding:
+             interleaved: bool = False, rotary_dim: int | None = None) -> RotaryEmbedding:
     """The rotary embedding of the config's rope settings (for `layer_type`, where they differ by layer type), in the
-    interleaved layout where asked (see RotaryEmbedding)."""
+    interleaved layout where asked (see RotaryEmbedding), over rotary_dim leading dims where given (else the
+    settings' partial_rotary_factor of the head)."""
     params = rope_parameters(config, layer_type)
-    rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    rotary_dim = rotary_dim or int(head_dim * params.get("partial_rotary_factor", 1.0))
     device = torch.get_default_device()
     with torch.device("cpu"):  # the model may be built under another device; transformers' functions need data
         if params["rope_type"] == "longrope":

@@ -35,6 +35,7 @@ class AttentionOptions:
     logits_soft_cap: float | None = None  # Gemma 2: scores capped to cap * tanh(score / cap)
     clip_qkv: float | None = None  # OLMo: q, k and v clamped to [-clip_qkv, clip_qkv] before anything else
     num_kv_heads: int | None = None  # where the config's `num_key_value_heads` does not say (Falcon, GPTBigCode)
+    rotary_dim: int | None = None  # GPT-J: the leading dims rotated, where the config's rope settings do not say
 
 
 def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
@@ -66,7 +67,7 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = self.o_proj_class(num_heads * self.head_dim, config.hidden_size, options.o_bias)
         self.rotary_emb = (get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type,
-                                    options.rope_interleaved) if options.rope else None)
+                                    options.rope_interleaved, options.rotary_dim) if options.rope else None)
         scale = self.head_dim ** -0.5 if options.scale is None else options.scale
         self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window,
                               options.logits_soft_cap)
