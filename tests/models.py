@@ -148,7 +148,9 @@ QWEN3_NEXT_KINDS = ("qwen3-next",)
 # Falcon: the new decoder architecture (GQA, the fused query_key_value grouped by KV head, two norms in parallel),
 # biases; falcon-mqa: the 7B style, multi-query, one norm in parallel, no biases, untied.
 # GPT-J: the parallel residual with one norm, interleaved rope over half of each head, the LM head's bias.
-LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2", "falcon", "falcon-mqa", "gptj")
+# GPTBigCode: GPT-2's layout with nn.Linear weights and multi-query attention, exact GeLU.
+LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2", "falcon", "falcon-mqa", "gptj",
+                   "gpt-bigcode")
 LAYER_NORM_EPS = 1e-3
 DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3")
 EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS
@@ -194,7 +196,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "phi3": 2468, "granite": 3579, "smollm3": 4680, "olmo": 1359, "olmo2": 1470, "olmo3": 2581, OLMO2_MQA_KIND: 3692,
           "mixtral": 3581, "qwen2-moe": 4681, "granitemoe": 5791, "granitemoe-shared": 6802, ODD_KIND: 9012,
           "starcoder2": 7913, "stablelm": 8024, "phi": 9135, "gpt-neox": 1246, "cohere": 2357, "glm4": 3468,
-          "glm": 4579, "gpt2": 5680, "falcon": 2246, "falcon-mqa": 3357, "gptj": 4468, "deepseek-v2": 6791, "deepseek-v2-group": 7802, "deepseek-v3": 8913}
+          "glm": 4579, "gpt2": 5680, "falcon": 2246, "falcon-mqa": 3357, "gptj": 4468, "gpt-bigcode": 5579, "deepseek-v2": 6791, "deepseek-v2-group": 7802, "deepseek-v3": 8913}
 
 
 def _token_ids():
@@ -205,7 +207,7 @@ def _token_ids():
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
     from transformers import (CohereConfig, FalconConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig,
-                              GPT2Config, GPTJConfig, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
+                              GPT2Config, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
                               LlamaConfig, MistralConfig, MixtralConfig, OlmoConfig, Olmo2Config, Olmo3Config,
                               Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
                               SmolLM3Config, StableLmConfig, Starcoder2Config)
@@ -561,6 +563,11 @@ def make_config(kind: str):
         return GPTJConfig(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=4, n_positions=512, n_inner=128,
                           rotary_dim=8, activation_function="gelu_new", layer_norm_epsilon=LAYER_NORM_EPS,
                           initializer_range=INIT_STD, tie_word_embeddings=False, **special)
+    if kind == "gpt-bigcode":
+        return GPTBigCodeConfig(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=4, n_positions=512,
+                                n_inner=128, multi_query=True, activation_function="gelu",
+                                layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD,
+                                tie_word_embeddings=True, **special)
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND, OLMO2_MQA_KIND)}")
 
 

@@ -14,6 +14,7 @@ _MODELS = {
     "GlmForCausalLM": ("glm", "GlmForCausalLM"),
     "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
+    "GPTBigCodeForCausalLM": ("gpt_bigcode", "GPTBigCodeForCausalLM"),
     "GPTJForCausalLM": ("gptj", "GPTJForCausalLM"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
@@ -39,7 +40,7 @@ _MODELS = {
 
 # Sequence classification (see classification.py) over the decoder of the causal LM of the same family.
 _CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM" for family in (
-    "DeepseekV2", "DeepseekV3", "Falcon", "Gemma", "Gemma2", "Glm", "Glm4", "GPTJ", "GPTNeoX", "Llama", "Mistral", "Mixtral", "Olmo",
+    "DeepseekV2", "DeepseekV3", "Falcon", "Gemma", "Gemma2", "Glm", "Glm4", "GPTBigCode", "GPTJ", "GPTNeoX", "Llama", "Mistral", "Mixtral", "Olmo",
     "Olmo2", "Olmo3", "Phi", "Phi3", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe", "SmolLM3", "StableLm", "Starcoder2")} | {
     "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM", "GPT2ForSequenceClassification": "GPT2LMHeadModel"}
 
