@@ -124,6 +124,8 @@ QWEN3_NEXT_KINDS = ("qwen3-next",)
 # softcapping, no window, one KV head (as Gemma-2B).
 # Phi-3: fused qkv_proj / gate_up_proj, partial rotary, longrope, a window on every layer.
 # Granite: embedding, attention, residual and logit multipliers. SmolLM3: a NoPE layer, windowed.
+# Seed-OSS: q/k/v and MLP biases, none on o_proj. Helium: interleaved rope, q/k/v biases, fp32-weight RMSNorms.
+# Arcee: a non-gated relu^2 MLP. Nemotron: the same MLP, LayerNorm1P (1 + weight) norms, half of each head rotated.
 # EXAONE 4: norms after the sublayers, per-head q/k norms, sliding layers with rope and a global one without.
 # OLMo: parameter-free LayerNorms, q/k/v clamped (clip_qkv, below many of the test model's values).
 # OLMo 2: RMSNorms over the whole q / k projections, norms after the sublayers. OLMo 3: plus sliding and full layers
@@ -155,7 +157,8 @@ LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2"
 LAYER_NORM_EPS = 1e-3
 DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3")
 EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS
-               + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo", "olmo2", "olmo3", "glm4", "glm", "exaone4")
+               + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo", "olmo2", "olmo3", "glm4", "glm", "exaone4", "seed-oss", "helium", "arcee",
+                  "nemotron")
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared") + LAYERNORM_KINDS + DEEPSEEK_KINDS)
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "gemma2": 11, "phi3": 24,
@@ -195,7 +198,8 @@ _COMMON = dict(
 
 _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678, "qwen2-swa": 6789,
           "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, "gemma3": 1357, "gemma2": 1470, "gemma": 1581,
-          "phi3": 2468, "granite": 3579, "smollm3": 4680, "olmo": 1359, "exaone4": 6680, "olmo2": 1470, "olmo3": 2581, OLMO2_MQA_KIND: 3692,
+          "phi3": 2468, "granite": 3579, "smollm3": 4680, "olmo": 1359, "exaone4": 6680, "seed-oss": 7791, "helium": 8802,
+          "arcee": 9913, "nemotron": 1024, "olmo2": 1470, "olmo3": 2581, OLMO2_MQA_KIND: 3692,
           "mixtral": 3581, "qwen2-moe": 4681, "granitemoe": 5791, "granitemoe-shared": 6802, ODD_KIND: 9012,
           "starcoder2": 7913, "stablelm": 8024, "phi": 9135, "gpt-neox": 1246, "cohere": 2357, "glm4": 3468,
           "glm": 4579, "gpt2": 5680, "falcon": 2246, "falcon-mqa": 3357, "gptj": 4468, "gpt-bigcode": 5579, "deepseek-v2": 6791, "deepseek-v2-group": 7802, "deepseek-v3": 8913}
@@ -208,11 +212,13 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (CohereConfig, Exaone4Config, FalconConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig,
-                              GPT2Config, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
-                              LlamaConfig, MistralConfig, MixtralConfig, OlmoConfig, Olmo2Config, Olmo3Config,
-                              Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
-                              SmolLM3Config, StableLmConfig, Starcoder2Config)
+    from transformers import (ArceeConfig, CohereConfig, Exaone4Config, FalconConfig, Gemma2Config, Gemma3TextConfig,
+                              GemmaConfig, Glm4Config, GlmConfig, GPT2Config, GPTBigCodeConfig, GPTJConfig,
+                              GPTNeoXConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig, HeliumConfig,
+                              LlamaConfig, MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config,
+                              OlmoConfig, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig, Qwen3NextConfig, SeedOssConfig, SmolLM3Config, StableLmConfig,
+                              Starcoder2Config)
 
     ids = _token_ids()
     special = dict(
@@ -441,6 +447,24 @@ def make_config(kind: str):
             sliding_window_pattern=2,
             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
         )
+    if kind == "seed-oss":
+        return SeedOssConfig(**_COMMON, **special, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             tie_word_embeddings=False, attention_bias=True, attention_out_bias=False, mlp_bias=True,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "helium":
+        return HeliumConfig(**_COMMON, **special, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            tie_word_embeddings=False, attention_bias=True,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "arcee":
+        return ArceeConfig(**{**_COMMON, "hidden_act": "relu2"}, **special, num_attention_heads=4,
+                           num_key_value_heads=2, tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "nemotron":  # its epsilon named norm_eps
+        return NemotronConfig(**{k: v for k, v in _COMMON.items() if k not in ("rms_norm_eps", "hidden_act")},
+                              **special, hidden_act="relu2", norm_eps=LAYER_NORM_EPS, num_attention_heads=4,
+                              num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                                               "partial_rotary_factor": 0.5})
     if kind == "olmo":  # no rms_norm_eps: OLMo's LayerNorms have a fixed epsilon
         return OlmoConfig(
             **{k: v for k, v in _COMMON.items() if k != "rms_norm_eps"},

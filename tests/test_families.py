@@ -22,7 +22,7 @@ LOGIT_ATOL = 1e-4
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2", "gemma", "granite", "smollm3", "glm4", "glm",
-                                  *LAYERNORM_KINDS])
+                                  *LAYERNORM_KINDS, "nemotron"])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): each holds half the heads and MLP; windows, ropes and norms per rank."""
     d = model_dir(kind)
@@ -174,7 +174,7 @@ def test_dense_mlp_activations_are_transformers_own():
     from nanoinfer.layers.activation import get_act
 
     x = 4 * torch.randn(4096, generator=torch.Generator().manual_seed(0))
-    for name in ("gelu", "gelu_fast", "gelu_new", "gelu_pytorch_tanh", "silu"):
+    for name in ("gelu", "gelu_fast", "gelu_new", "gelu_pytorch_tanh", "relu2", "silu"):
         for dtype in (torch.float32, torch.bfloat16):
             assert torch.equal(get_act(name)(x.to(dtype)), ACT2FN[name](x.to(dtype))), (name, dtype)
     assert not torch.equal(get_act("gelu_new")(x), get_act("gelu_pytorch_tanh")(x))
