@@ -124,10 +124,6 @@ QWEN3_NEXT_KINDS = ("qwen3-next",)
 # softcapping, no window, one KV head (as Gemma-2B).
 # Phi-3: fused qkv_proj / gate_up_proj, partial rotary, longrope, a window on every layer.
 # Granite: embedding, attention, residual and logit multipliers. SmolLM3: a NoPE layer, windowed.
-# Seed-OSS: q/k/v and MLP biases, none on o_proj. Helium: interleaved rope, q/k/v biases, fp32-weight RMSNorms.
-# Arcee: a non-gated relu^2 MLP. Nemotron: the same MLP, LayerNorm1P (1 + weight) norms, half of each head rotated.
-# EXAONE 4: norms after the sublayers, per-head q/k norms, sliding layers with rope and a global one without.
-# OLMo: parameter-free LayerNorms, q/k/v clamped (clip_qkv, below many of the test model's values).
 # OLMo 2: RMSNorms over the whole q / k projections, norms after the sublayers. OLMo 3: plus sliding and full layers
 # with different ropes.
 # GLM-4-0414: four norms per layer (Gemma 2's order), interleaved rope over half of each head, fused gate_up_proj,
@@ -156,14 +152,19 @@ LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2"
                    "gpt-bigcode")
 LAYER_NORM_EPS = 1e-3
 DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3")
+# More Llama-like families. OLMo: parameter-free LayerNorms, q/k/v clamped (clip_qkv, below many of the test model's
+# values). EXAONE 4: norms after the sublayers, per-head q/k norms, sliding layers with rope and a global one without.
+# Seed-OSS: q/k/v and MLP biases, none on o_proj. Helium: interleaved rope, q/k/v biases, fp32-weight RMSNorms.
+# Arcee: a non-gated relu^2 MLP. Nemotron: the same MLP, LayerNorm1P (1 + weight) norms, half of each head rotated.
+# ERNIE 4.5: interleaved rope, biases on q/k/v/o and the MLP.
+DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "ernie4_5")
 EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS
-               + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo", "olmo2", "olmo3", "glm4", "glm", "exaone4", "seed-oss", "helium", "arcee",
-                  "nemotron")
-               + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared") + LAYERNORM_KINDS + DEEPSEEK_KINDS)
+               + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
+               + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared") + LAYERNORM_KINDS + DEEPSEEK_KINDS
+               + DENSE_KINDS)
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "gemma2": 11, "phi3": 24,
-                  "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13,
-                  "exaone4": 10}
+                  "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13, "exaone4": 10}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -198,11 +199,12 @@ _COMMON = dict(
 
 _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qwen3-moe": 5678, "qwen2-swa": 6789,
           "qwen3-swa": 7890, "mistral": 8901, "qwen3-next": 6789, "gemma3": 1357, "gemma2": 1470, "gemma": 1581,
-          "phi3": 2468, "granite": 3579, "smollm3": 4680, "olmo": 1359, "exaone4": 6680, "seed-oss": 7791, "helium": 8802,
-          "arcee": 9913, "nemotron": 1024, "olmo2": 1470, "olmo3": 2581, OLMO2_MQA_KIND: 3692,
+          "phi3": 2468, "granite": 3579, "smollm3": 4680, "olmo2": 1470, "olmo3": 2581, OLMO2_MQA_KIND: 3692,
           "mixtral": 3581, "qwen2-moe": 4681, "granitemoe": 5791, "granitemoe-shared": 6802, ODD_KIND: 9012,
           "starcoder2": 7913, "stablelm": 8024, "phi": 9135, "gpt-neox": 1246, "cohere": 2357, "glm4": 3468,
-          "glm": 4579, "gpt2": 5680, "falcon": 2246, "falcon-mqa": 3357, "gptj": 4468, "gpt-bigcode": 5579, "deepseek-v2": 6791, "deepseek-v2-group": 7802, "deepseek-v3": 8913}
+          "glm": 4579, "gpt2": 5680, "deepseek-v2": 6791, "deepseek-v2-group": 7802, "deepseek-v3": 8913,
+          "olmo": 1359, "exaone4": 6680, "seed-oss": 7791, "helium": 8802, "arcee": 9913, "nemotron": 1024,
+          "ernie4_5": 2135, "falcon": 2246, "falcon-mqa": 3357, "gptj": 4468, "gpt-bigcode": 5579}
 
 
 def _token_ids():
@@ -212,11 +214,11 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (ArceeConfig, CohereConfig, Exaone4Config, FalconConfig, Gemma2Config, Gemma3TextConfig,
-                              GemmaConfig, Glm4Config, GlmConfig, GPT2Config, GPTBigCodeConfig, GPTJConfig,
-                              GPTNeoXConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig, HeliumConfig,
-                              LlamaConfig, MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config,
-                              OlmoConfig, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+    from transformers import (ArceeConfig, CohereConfig, Ernie4_5Config, Exaone4Config, FalconConfig, Gemma2Config,
+                              Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig, GPT2Config, GPTBigCodeConfig,
+                              GPTJConfig, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
+                              HeliumConfig, LlamaConfig, MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config,
+                              Olmo3Config, OlmoConfig, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
                               Qwen3MoeConfig, Qwen3NextConfig, SeedOssConfig, SmolLM3Config, StableLmConfig,
                               Starcoder2Config)
 
@@ -465,6 +467,10 @@ def make_config(kind: str):
                               num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True,
                               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
                                                "partial_rotary_factor": 0.5})
+    if kind == "ernie4_5":
+        return Ernie4_5Config(**_COMMON, **special, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              tie_word_embeddings=True, use_bias=True,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "olmo":  # no rms_norm_eps: OLMo's LayerNorms have a fixed epsilon
         return OlmoConfig(
             **{k: v for k, v in _COMMON.items() if k != "rms_norm_eps"},

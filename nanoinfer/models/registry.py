@@ -8,6 +8,7 @@ _MODELS = {
     "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    "Ernie4_5ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),
     "Exaone4ForCausalLM": ("exaone4", "Exaone4ForCausalLM"),
     "FalconForCausalLM": ("falcon", "FalconForCausalLM"),
     "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
@@ -45,9 +46,9 @@ _MODELS = {
 
 # Sequence classification (see classification.py) over the decoder of the causal LM of the same family.
 _CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM" for family in (
-    "Arcee", "DeepseekV2", "DeepseekV3", "Exaone4", "Falcon", "Gemma", "Gemma2", "Glm", "Glm4", "GPTBigCode", "GPTJ", "GPTNeoX",
-    "Helium", "Llama", "Mistral", "Mixtral", "Nemotron", "Olmo", "Olmo2", "Olmo3", "Phi", "Phi3", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe",
-    "SeedOss", "SmolLM3", "StableLm", "Starcoder2")} | {
+    "Arcee", "DeepseekV2", "DeepseekV3", "Exaone4", "Falcon", "Gemma", "Gemma2", "Glm", "Glm4", "GPTBigCode", "GPTJ",
+    "GPTNeoX", "Helium", "Llama", "Mistral", "Mixtral", "Nemotron", "Olmo", "Olmo2", "Olmo3", "Phi", "Phi3", "Qwen2",
+    "Qwen2Moe", "Qwen3", "Qwen3Moe", "SeedOss", "SmolLM3", "StableLm", "Starcoder2")} | {
     "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM", "GPT2ForSequenceClassification": "GPT2LMHeadModel"}
 
 
