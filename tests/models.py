@@ -156,8 +156,8 @@ DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3")
 # values). EXAONE 4: norms after the sublayers, per-head q/k norms, sliding layers with rope and a global one without.
 # Seed-OSS: q/k/v and MLP biases, none on o_proj. Helium: interleaved rope, q/k/v biases, fp32-weight RMSNorms.
 # Arcee: a non-gated relu^2 MLP. Nemotron: the same MLP, LayerNorm1P (1 + weight) norms, half of each head rotated.
-# ERNIE 4.5: interleaved rope, biases on q/k/v/o and the MLP.
-DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "ernie4_5")
+# ERNIE 4.5: interleaved rope, biases on q/k/v/o and the MLP. Hunyuan: per-head q/k norms after rope, NTK-alpha rope.
+DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "ernie4_5", "hunyuan")
 EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared") + LAYERNORM_KINDS + DEEPSEEK_KINDS
@@ -204,7 +204,8 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "starcoder2": 7913, "stablelm": 8024, "phi": 9135, "gpt-neox": 1246, "cohere": 2357, "glm4": 3468,
           "glm": 4579, "gpt2": 5680, "deepseek-v2": 6791, "deepseek-v2-group": 7802, "deepseek-v3": 8913,
           "olmo": 1359, "exaone4": 6680, "seed-oss": 7791, "helium": 8802, "arcee": 9913, "nemotron": 1024,
-          "ernie4_5": 2135, "falcon": 2246, "falcon-mqa": 3357, "gptj": 4468, "gpt-bigcode": 5579}
+          "ernie4_5": 2135, "falcon": 2246, "falcon-mqa": 3357, "gptj": 4468, "gpt-bigcode": 5579,
+          "hunyuan": 3246}
 
 
 def _token_ids():
@@ -217,10 +218,10 @@ def make_config(kind: str):
     from transformers import (ArceeConfig, CohereConfig, Ernie4_5Config, Exaone4Config, FalconConfig, Gemma2Config,
                               Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig, GPT2Config, GPTBigCodeConfig,
                               GPTJConfig, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
-                              HeliumConfig, LlamaConfig, MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config,
-                              Olmo3Config, OlmoConfig, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig, Qwen3NextConfig, SeedOssConfig, SmolLM3Config, StableLmConfig,
-                              Starcoder2Config)
+                              HeliumConfig, HunYuanDenseV1Config, LlamaConfig, MistralConfig, MixtralConfig,
+                              NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, Phi3Config, PhiConfig, Qwen2Config,
+                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig, SeedOssConfig,
+                              SmolLM3Config, StableLmConfig, Starcoder2Config)
 
     ids = _token_ids()
     special = dict(
@@ -471,6 +472,11 @@ def make_config(kind: str):
         return Ernie4_5Config(**_COMMON, **special, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                               tie_word_embeddings=True, use_bias=True,
                               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "hunyuan":  # the Hub's NTK-alpha rope (Hunyuan-7B's alpha), attention biases
+        return HunYuanDenseV1Config(**_COMMON, **special, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    tie_word_embeddings=True, attention_bias=True,
+                                    rope_parameters={"rope_type": "dynamic", "rope_theta": 10_000.0,
+                                                     "alpha": 1000.0, "factor": 1.0})
     if kind == "olmo":  # no rms_norm_eps: OLMo's LayerNorms have a fixed epsilon
         return OlmoConfig(
             **{k: v for k, v in _COMMON.items() if k != "rms_norm_eps"},

@@ -38,10 +38,13 @@ def inv_frequencies(config: PretrainedConfig, rotary_dim: int, layer_type: str |
     """Inverse frequencies and the attention scaling factor of the config's rope type (transformers' own
     functions for the non-default types read the head size and partial_rotary_factor from the config)."""
     params = rope_parameters(config, layer_type)
-    rope_type = params["rope_type"]
+    rope_type, theta = params["rope_type"], params["rope_theta"]
+    if rope_type == "dynamic" and params.get("alpha"):
+        # HunYuan's NTK alpha: labelled "dynamic", but a fixed alpha only stretches the base, whatever the length.
+        rope_type, theta = "default", theta * params["alpha"] ** (rotary_dim / (rotary_dim - 2))
     if rope_type == "default":
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
-        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+        return 1.0 / (theta ** exponents), 1.0
     if rope_type == "dynamic":
         raise ValueError(f"rope_type {rope_type!r} depends on the sequence length and is not supported")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
