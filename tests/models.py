@@ -148,8 +148,9 @@ QWEN3_NEXT_KINDS = ("qwen3-next",)
 # biases; falcon-mqa: the 7B style, multi-query, one norm in parallel, no biases, untied.
 # GPT-J: the parallel residual with one norm, interleaved rope over half of each head, the LM head's bias.
 # GPTBigCode: GPT-2's layout with nn.Linear weights and multi-query attention, exact GeLU.
+# Cohere 2: Cohere's layer without q/k norms, sliding layers with rope and a global one without.
 LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2", "falcon", "falcon-mqa", "gptj",
-                   "gpt-bigcode")
+                   "gpt-bigcode", "cohere2")
 LAYER_NORM_EPS = 1e-3
 DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3")
 # More Llama-like families. OLMo: parameter-free LayerNorms, q/k/v clamped (clip_qkv, below many of the test model's
@@ -164,7 +165,8 @@ EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_K
                + DENSE_KINDS)
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "gemma2": 11, "phi3": 24,
-                  "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13, "exaone4": 10}
+                  "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13, "exaone4": 10,
+                  "cohere2": 12}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -205,7 +207,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "glm": 4579, "gpt2": 5680, "deepseek-v2": 6791, "deepseek-v2-group": 7802, "deepseek-v3": 8913,
           "olmo": 1359, "exaone4": 6680, "seed-oss": 7791, "helium": 8802, "arcee": 9913, "nemotron": 1024,
           "ernie4_5": 2135, "falcon": 2246, "falcon-mqa": 3357, "gptj": 4468, "gpt-bigcode": 5579,
-          "hunyuan": 3246}
+          "hunyuan": 3246, "cohere2": 4357}
 
 
 def _token_ids():
@@ -215,13 +217,13 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (ArceeConfig, CohereConfig, Ernie4_5Config, Exaone4Config, FalconConfig, Gemma2Config,
-                              Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig, GPT2Config, GPTBigCodeConfig,
-                              GPTJConfig, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
-                              HeliumConfig, HunYuanDenseV1Config, LlamaConfig, MistralConfig, MixtralConfig,
-                              NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, Phi3Config, PhiConfig, Qwen2Config,
-                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig, SeedOssConfig,
-                              SmolLM3Config, StableLmConfig, Starcoder2Config)
+    from transformers import (ArceeConfig, Cohere2Config, CohereConfig, Ernie4_5Config, Exaone4Config, FalconConfig,
+                              Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig, GPT2Config,
+                              GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig,
+                              GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config, LlamaConfig, MistralConfig,
+                              MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, Phi3Config,
+                              PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
+                              SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config)
 
     ids = _token_ids()
     special = dict(
@@ -597,6 +599,11 @@ def make_config(kind: str):
         return GPT2Config(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=4, n_positions=512, n_inner=128,
                           activation_function="gelu_new", layer_norm_epsilon=LAYER_NORM_EPS,
                           initializer_range=INIT_STD, tie_word_embeddings=True, **special)
+    if kind == "cohere2":  # q/k/v/o biases; the Hub's sliding_window_pattern (every 2nd layer global)
+        del layernorm["tie_word_embeddings"]
+        return Cohere2Config(**layernorm, num_key_value_heads=2, hidden_act="silu", attention_bias=True,
+                             logit_scale=0.5, tie_word_embeddings=True, sliding_window=SLIDING_WINDOW[kind],
+                             sliding_window_pattern=2, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "cohere":  # no biases at all; logit_scale away from 1
         del layernorm["tie_word_embeddings"]
         return CohereConfig(**layernorm, num_key_value_heads=2, hidden_act="silu", use_qk_norm=True, logit_scale=0.5,

@@ -15,7 +15,8 @@ from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM
 class CohereDecoderLayer(LayerNormDecoderLayer):
     def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module):
         eps = config.layer_norm_eps
-        attention = maybe_per_head_qk_norm_attention(config, options, config.use_qk_norm, eps)
+        # Cohere 2's config has no use_qk_norm: never a q/k norm.
+        attention = maybe_per_head_qk_norm_attention(config, options, getattr(config, "use_qk_norm", False), eps)
         super().__init__(attention, mlp, config.hidden_size, eps, "parallel-one-norm",
                          norm=partial(LayerNorm, bias=False))
 

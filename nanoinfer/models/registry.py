@@ -6,6 +6,7 @@ from torch import nn
 _MODELS = {
     "ArceeForCausalLM": ("arcee", "ArceeForCausalLM"),
     "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
+    "Cohere2ForCausalLM": ("cohere2", "Cohere2ForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
     "Ernie4_5ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),
