@@ -158,7 +158,8 @@ DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3")
 # Seed-OSS: q/k/v and MLP biases, none on o_proj. Helium: interleaved rope, q/k/v biases, fp32-weight RMSNorms.
 # Arcee: a non-gated relu^2 MLP. Nemotron: the same MLP, LayerNorm1P (1 + weight) norms, half of each head rotated.
 # ERNIE 4.5: interleaved rope, biases on q/k/v/o and the MLP. Hunyuan: per-head q/k norms after rope, NTK-alpha rope.
-DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "ernie4_5", "hunyuan")
+# Apertus: per-head q/k norms, a non-gated MLP with xIELU (learned parameters per layer), q/k/v/o biases.
+DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "ernie4_5", "hunyuan", "apertus")
 EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared") + LAYERNORM_KINDS + DEEPSEEK_KINDS
@@ -207,7 +208,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "glm": 4579, "gpt2": 5680, "deepseek-v2": 6791, "deepseek-v2-group": 7802, "deepseek-v3": 8913,
           "olmo": 1359, "exaone4": 6680, "seed-oss": 7791, "helium": 8802, "arcee": 9913, "nemotron": 1024,
           "ernie4_5": 2135, "falcon": 2246, "falcon-mqa": 3357, "gptj": 4468, "gpt-bigcode": 5579,
-          "hunyuan": 3246, "cohere2": 4357}
+          "hunyuan": 3246, "cohere2": 4357, "apertus": 5468}
 
 
 def _token_ids():
@@ -217,9 +218,9 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (ArceeConfig, Cohere2Config, CohereConfig, Ernie4_5Config, Exaone4Config, FalconConfig,
-                              Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig, GPT2Config,
-                              GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig,
+    from transformers import (ApertusConfig, ArceeConfig, Cohere2Config, CohereConfig, Ernie4_5Config, Exaone4Config,
+                              FalconConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig,
+                              GPT2Config, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig,
                               GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config, LlamaConfig, MistralConfig,
                               MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, Phi3Config,
                               PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
@@ -479,6 +480,10 @@ def make_config(kind: str):
                                     tie_word_embeddings=True, attention_bias=True,
                                     rope_parameters={"rope_type": "dynamic", "rope_theta": 10_000.0,
                                                      "alpha": 1000.0, "factor": 1.0})
+    if kind == "apertus":
+        return ApertusConfig(**{**_COMMON, "hidden_act": "xielu"}, **special, num_attention_heads=4,
+                             num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "olmo":  # no rms_norm_eps: OLMo's LayerNorms have a fixed epsilon
         return OlmoConfig(
             **{k: v for k, v in _COMMON.items() if k != "rms_norm_eps"},

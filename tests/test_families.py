@@ -182,6 +182,24 @@ def test_dense_mlp_activations_are_transformers_own():
         get_act("relu")
 
 
+def test_xielu_is_transformers_own():
+    """Apertus's xIELU, with learned parameters away from their initial values, computes as transformers'
+    XIELUActivation (its Python form) does, bit for bit, in fp32 and bf16."""
+    from transformers.activations import XIELUActivation
+
+    from nanoinfer.layers.activation import get_act
+
+    x = 4 * torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float32, torch.bfloat16):
+        hf = XIELUActivation(dtype=dtype)
+        hf.alpha_p.data.fill_(0.3)
+        hf.alpha_n.data.fill_(-0.7)
+        ours = get_act("xielu").to(dtype)
+        for name, tensor in [*hf.named_parameters(), *hf.named_buffers()]:
+            getattr(ours, name).data.copy_(tensor)
+        assert torch.equal(ours(x.to(dtype)), hf(x.to(dtype))), dtype
+
+
 def test_stablelm_per_head_norm_takes_the_heads_its_rank_holds():
     """StableLM's per-head q/k LayerNorm equals transformers' StableLmLayerNormPerHead on the heads each of 4 ranks
     holds, as QKVParallelLinear assigns them: 8 query heads, 2 per rank; 2 KV heads, each on two ranks."""
