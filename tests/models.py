@@ -144,15 +144,30 @@ QWEN3_NEXT_KINDS = ("qwen3-next",)
 # the per-head fused query_key_value, the parallel residual with two norms, a quarter rotated, exact GeLU.
 # Cohere: the parallel residual with one bias-free norm, per-head q/k LayerNorms (GQA), interleaved rope, logit_scale.
 # GPT-2: learned absolute positions, Conv1D (transposed) weights, the fused c_attn, "gelu_new", tied.
-LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2")
+# Falcon: the new decoder architecture (GQA, the fused query_key_value grouped by KV head, two norms in parallel),
+# biases; falcon-mqa: the 7B style, multi-query, one norm in parallel, no biases, untied.
+# GPT-J: the parallel residual with one norm, interleaved rope over half of each head, the LM head's bias.
+# GPTBigCode: GPT-2's layout with nn.Linear weights and multi-query attention, exact GeLU.
+# Cohere 2: Cohere's layer without q/k norms, sliding layers with rope and a global one without.
+LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2", "falcon", "falcon-mqa", "gptj",
+                   "gpt-bigcode", "cohere2")
 LAYER_NORM_EPS = 1e-3
 DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3")
+# More Llama-like families. OLMo: parameter-free LayerNorms, q/k/v clamped (clip_qkv, below many of the test model's
+# values). EXAONE 4: norms after the sublayers, per-head q/k norms, sliding layers with rope and a global one without.
+# Seed-OSS: q/k/v and MLP biases, none on o_proj. Helium: interleaved rope, q/k/v biases, fp32-weight RMSNorms.
+# Arcee: a non-gated relu^2 MLP. Nemotron: the same MLP, LayerNorm1P (1 + weight) norms, half of each head rotated.
+# ERNIE 4.5: interleaved rope, biases on q/k/v/o and the MLP. Hunyuan: per-head q/k norms after rope, NTK-alpha rope.
+# Apertus: per-head q/k norms, a non-gated MLP with xIELU (learned parameters per layer), q/k/v/o biases.
+DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "ernie4_5", "hunyuan", "apertus")
 EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
-               + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared") + LAYERNORM_KINDS + DEEPSEEK_KINDS)
+               + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared") + LAYERNORM_KINDS + DEEPSEEK_KINDS
+               + DENSE_KINDS)
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "gemma2": 11, "phi3": 24,
-                  "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13}
+                  "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13, "exaone4": 10,
+                  "cohere2": 12}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -190,7 +205,10 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "phi3": 2468, "granite": 3579, "smollm3": 4680, "olmo2": 1470, "olmo3": 2581, OLMO2_MQA_KIND: 3692,
           "mixtral": 3581, "qwen2-moe": 4681, "granitemoe": 5791, "granitemoe-shared": 6802, ODD_KIND: 9012,
           "starcoder2": 7913, "stablelm": 8024, "phi": 9135, "gpt-neox": 1246, "cohere": 2357, "glm4": 3468,
-          "glm": 4579, "gpt2": 5680, "deepseek-v2": 6791, "deepseek-v2-group": 7802, "deepseek-v3": 8913}
+          "glm": 4579, "gpt2": 5680, "deepseek-v2": 6791, "deepseek-v2-group": 7802, "deepseek-v3": 8913,
+          "olmo": 1359, "exaone4": 6680, "seed-oss": 7791, "helium": 8802, "arcee": 9913, "nemotron": 1024,
+          "ernie4_5": 2135, "falcon": 2246, "falcon-mqa": 3357, "gptj": 4468, "gpt-bigcode": 5579,
+          "hunyuan": 3246, "cohere2": 4357, "apertus": 5468}
 
 
 def _token_ids():
@@ -200,11 +218,13 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (CohereConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig,
-                              GPT2Config, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
-                              LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config,
+    from transformers import (ApertusConfig, ArceeConfig, Cohere2Config, CohereConfig, Ernie4_5Config, Exaone4Config,
+                              FalconConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig,
+                              GPT2Config, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig,
+                              GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config, LlamaConfig, MistralConfig,
+                              MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, Phi3Config,
                               PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
-                              SmolLM3Config, StableLmConfig, Starcoder2Config)
+                              SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config)
 
     ids = _token_ids()
     special = dict(
@@ -421,6 +441,60 @@ def make_config(kind: str):
             use_sliding_window=True,
             sliding_window=SLIDING_WINDOW[kind],
         )
+    if kind == "exaone4":  # the Hub's layout: layer_types from sliding_window_pattern (every 2nd layer global)
+        return Exaone4Config(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=True,
+            sliding_window=SLIDING_WINDOW[kind],
+            sliding_window_pattern=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        )
+    if kind == "seed-oss":
+        return SeedOssConfig(**_COMMON, **special, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             tie_word_embeddings=False, attention_bias=True, attention_out_bias=False, mlp_bias=True,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "helium":
+        return HeliumConfig(**_COMMON, **special, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            tie_word_embeddings=False, attention_bias=True,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "arcee":
+        return ArceeConfig(**{**_COMMON, "hidden_act": "relu2"}, **special, num_attention_heads=4,
+                           num_key_value_heads=2, tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "nemotron":  # its epsilon named norm_eps
+        return NemotronConfig(**{k: v for k, v in _COMMON.items() if k not in ("rms_norm_eps", "hidden_act")},
+                              **special, hidden_act="relu2", norm_eps=LAYER_NORM_EPS, num_attention_heads=4,
+                              num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                                               "partial_rotary_factor": 0.5})
+    if kind == "ernie4_5":
+        return Ernie4_5Config(**_COMMON, **special, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              tie_word_embeddings=True, use_bias=True,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "hunyuan":  # the Hub's NTK-alpha rope (Hunyuan-7B's alpha), attention biases
+        return HunYuanDenseV1Config(**_COMMON, **special, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    tie_word_embeddings=True, attention_bias=True,
+                                    rope_parameters={"rope_type": "dynamic", "rope_theta": 10_000.0,
+                                                     "alpha": 1000.0, "factor": 1.0})
+    if kind == "apertus":
+        return ApertusConfig(**{**_COMMON, "hidden_act": "xielu"}, **special, num_attention_heads=4,
+                             num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "olmo":  # no rms_norm_eps: OLMo's LayerNorms have a fixed epsilon
+        return OlmoConfig(
+            **{k: v for k, v in _COMMON.items() if k != "rms_norm_eps"},
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            attention_bias=True,
+            clip_qkv=2.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        )
     if kind in ("olmo2", OLMO2_MQA_KIND):  # q/k/v/o biases, which OLMo 2's checkpoints lack, tested all the same
         return Olmo2Config(
             **_COMMON,
@@ -530,10 +604,32 @@ def make_config(kind: str):
         return GPT2Config(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=4, n_positions=512, n_inner=128,
                           activation_function="gelu_new", layer_norm_epsilon=LAYER_NORM_EPS,
                           initializer_range=INIT_STD, tie_word_embeddings=True, **special)
+    if kind == "cohere2":  # q/k/v/o biases; the Hub's sliding_window_pattern (every 2nd layer global)
+        del layernorm["tie_word_embeddings"]
+        return Cohere2Config(**layernorm, num_key_value_heads=2, hidden_act="silu", attention_bias=True,
+                             logit_scale=0.5, tie_word_embeddings=True, sliding_window=SLIDING_WINDOW[kind],
+                             sliding_window_pattern=2, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "cohere":  # no biases at all; logit_scale away from 1
         del layernorm["tie_word_embeddings"]
         return CohereConfig(**layernorm, num_key_value_heads=2, hidden_act="silu", use_qk_norm=True, logit_scale=0.5,
                             tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind in ("falcon", "falcon-mqa"):  # FalconConfig's names: num_kv_heads, bias, activation, ffn_hidden_size
+        new = kind == "falcon"
+        return FalconConfig(vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                            num_kv_heads=2 if new else None, new_decoder_architecture=new, multi_query=not new,
+                            parallel_attn=True, bias=new, ffn_hidden_size=128, activation="gelu",
+                            layer_norm_epsilon=LAYER_NORM_EPS, max_position_embeddings=512,
+                            initializer_range=INIT_STD, tie_word_embeddings=new, **special,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "gptj":  # GPTJConfig's own names, as GPT-2's; rotary_dim 8 of head_dim 16
+        return GPTJConfig(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=4, n_positions=512, n_inner=128,
+                          rotary_dim=8, activation_function="gelu_new", layer_norm_epsilon=LAYER_NORM_EPS,
+                          initializer_range=INIT_STD, tie_word_embeddings=False, **special)
+    if kind == "gpt-bigcode":
+        return GPTBigCodeConfig(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=4, n_positions=512,
+                                n_inner=128, multi_query=True, activation_function="gelu",
+                                layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD,
+                                tie_word_embeddings=True, **special)
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND, OLMO2_MQA_KIND)}")
 
 

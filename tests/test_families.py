@@ -22,7 +22,7 @@ LOGIT_ATOL = 1e-4
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2", "gemma", "granite", "smollm3", "glm4", "glm",
-                                  *LAYERNORM_KINDS])
+                                  *LAYERNORM_KINDS, "nemotron"])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): each holds half the heads and MLP; windows, ropes and norms per rank."""
     d = model_dir(kind)
@@ -89,7 +89,13 @@ def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_di
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
 
 
-@pytest.mark.parametrize("kind", ["phi", "gpt-neox"])
+def test_falcon_alibi_is_refused_by_name(model_dir, tmp_path):
+    d = edited_model(model_dir("falcon"), tmp_path / "m", alibi=True)
+    with pytest.raises(ValueError, match="alibi=True"):
+        LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
+
+
+@pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj"])
 def test_parallel_residual_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, captured_logits,
                                                                               report_logit_diff):
     """7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once, twice."""
@@ -168,12 +174,30 @@ def test_dense_mlp_activations_are_transformers_own():
     from nanoinfer.layers.activation import get_act
 
     x = 4 * torch.randn(4096, generator=torch.Generator().manual_seed(0))
-    for name in ("gelu", "gelu_fast", "gelu_new", "gelu_pytorch_tanh", "silu"):
+    for name in ("gelu", "gelu_fast", "gelu_new", "gelu_pytorch_tanh", "relu2", "silu"):
         for dtype in (torch.float32, torch.bfloat16):
             assert torch.equal(get_act(name)(x.to(dtype)), ACT2FN[name](x.to(dtype))), (name, dtype)
     assert not torch.equal(get_act("gelu_new")(x), get_act("gelu_pytorch_tanh")(x))
     with pytest.raises(ValueError, match="'relu'"):
         get_act("relu")
+
+
+def test_xielu_is_transformers_own():
+    """Apertus's xIELU, with learned parameters away from their initial values, computes as transformers'
+    XIELUActivation (its Python form) does, bit for bit, in fp32 and bf16."""
+    from transformers.activations import XIELUActivation
+
+    from nanoinfer.layers.activation import get_act
+
+    x = 4 * torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float32, torch.bfloat16):
+        hf = XIELUActivation(dtype=dtype)
+        hf.alpha_p.data.fill_(0.3)
+        hf.alpha_n.data.fill_(-0.7)
+        ours = get_act("xielu").to(dtype)
+        for name, tensor in [*hf.named_parameters(), *hf.named_buffers()]:
+            getattr(ours, name).data.copy_(tensor)
+        assert torch.equal(ours(x.to(dtype)), hf(x.to(dtype))), dtype
 
 
 def test_stablelm_per_head_norm_takes_the_heads_its_rank_holds():

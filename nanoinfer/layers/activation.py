@@ -53,17 +53,45 @@ def gelu_fast(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
 
 
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """transformers' "relu2" (Arcee's, Nemotron's): relu(x) ** 2."""
+    return torch.square(F.relu(x))
+
+
 _ACT = {
     "gelu": F.gelu,  # exact (erf): Pythia
     "gelu_fast": gelu_fast,
     "gelu_new": gelu_new,
     "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),  # StarCoder2
+    "relu2": relu_squared,
     "silu": F.silu,
 }
 
 
+class XIELU(nn.Module):
+    """transformers' xIELU (Apertus's MLP) as its Python fallback computes it, with each layer's learned alpha_p and
+    alpha_n and the checkpoint's beta and eps: softplus(alpha_p) x^2 + beta x where x > 0, else
+    (expm1(min(x, eps)) - x)(beta + softplus(alpha_n)) + beta x."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha_p = nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.alpha_n = nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.beta = nn.Parameter(torch.tensor(0.5), requires_grad=False)
+        self.eps = nn.Parameter(torch.tensor(-1e-6), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha_p = F.softplus(self.alpha_p)
+        alpha_n = self.beta + F.softplus(self.alpha_n)
+        return torch.where(x > 0, alpha_p * x * x + self.beta * x,
+                           (torch.expm1(torch.min(x, self.eps)) - x) * alpha_n + self.beta * x)
+
+
 def get_act(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The activation a config's `hidden_act` names, for an ungated MLP."""
+    """The activation a config's `hidden_act` names, for an ungated MLP; "xielu": a module of the layer's own (its
+    learned parameters)."""
+    if name == "xielu":
+        return XIELU()
     if name not in _ACT:
-        raise ValueError(f"unsupported hidden activation {name!r}; implemented: {sorted(_ACT)}")
+        raise ValueError(f"unsupported hidden activation {name!r}; implemented: {sorted([*_ACT, 'xielu'])}")
     return _ACT[name]

@@ -81,16 +81,18 @@ class GatedRMSNorm(RMSNorm):
 
 class LayerNorm(nn.Module):
     """nn.LayerNorm's arithmetic (F.layer_norm, weight and optional bias in the model's dtype), called as RMSNorm is:
-    with a residual, the sum x + residual is normalized and returned as the new residual stream."""
+    with a residual, the sum x + residual is normalized and returned as the new residual stream. affine=False: neither
+    weight nor bias (OLMo's)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True):
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True, affine: bool = True):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False) if bias else None
+        self.normalized_shape = (hidden_size,)
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False) if affine else None
+        self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False) if bias and affine else None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -38,10 +38,13 @@ def inv_frequencies(config: PretrainedConfig, rotary_dim: int, layer_type: str |
     """Inverse frequencies and the attention scaling factor of the config's rope type (transformers' own
     functions for the non-default types read the head size and partial_rotary_factor from the config)."""
     params = rope_parameters(config, layer_type)
-    rope_type = params["rope_type"]
+    rope_type, theta = params["rope_type"], params["rope_theta"]
+    if rope_type == "dynamic" and params.get("alpha"):
+        # HunYuan's NTK alpha: labelled "dynamic", but a fixed alpha only stretches the base, whatever the length.
+        rope_type, theta = "default", theta * params["alpha"] ** (rotary_dim / (rotary_dim - 2))
     if rope_type == "default":
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
-        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+        return 1.0 / (theta ** exponents), 1.0
     if rope_type == "dynamic":
         raise ValueError(f"rope_type {rope_type!r} depends on the sequence length and is not supported")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -137,11 +140,12 @@ def shared_rope_tables() -> Iterator[None]:
 
 
 def get_rope(config: PretrainedConfig, head_dim: int, max_position: int, layer_type: str | None = None,
-             interleaved: bool = False) -> RotaryEmbedding:
+             interleaved: bool = False, rotary_dim: int | None = None) -> RotaryEmbedding:
     """The rotary embedding of the config's rope settings (for `layer_type`, where they differ by layer type), in the
-    interleaved layout where asked (see RotaryEmbedding)."""
+    interleaved layout where asked (see RotaryEmbedding), over rotary_dim leading dims where given (else the
+    settings' partial_rotary_factor of the head)."""
     params = rope_parameters(config, layer_type)
-    rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    rotary_dim = rotary_dim or int(head_dim * params.get("partial_rotary_factor", 1.0))
     device = torch.get_default_device()
     with torch.device("cpu"):  # the model may be built under another device; transformers' functions need data
         if params["rope_type"] == "longrope":

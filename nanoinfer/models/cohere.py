@@ -1,6 +1,8 @@
 """Cohere (Command-R, Command-R+): one bias-free LayerNorm feeding the attention and a gated SiLU MLP in parallel,
 x + attn(ln(x)) + mlp(ln(x)); interleaved rope; optional per-head LayerNorms on queries and keys (`use_qk_norm`);
 logits times `logit_scale`; tied embeddings."""
+from functools import partial
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -13,8 +15,10 @@ from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM
 class CohereDecoderLayer(LayerNormDecoderLayer):
     def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module):
         eps = config.layer_norm_eps
-        attention = maybe_per_head_qk_norm_attention(config, options, config.use_qk_norm, eps)
-        super().__init__(attention, mlp, config.hidden_size, eps, "parallel-one-norm", norm_bias=False)
+        # Cohere 2's config has no use_qk_norm: never a q/k norm.
+        attention = maybe_per_head_qk_norm_attention(config, options, getattr(config, "use_qk_norm", False), eps)
+        super().__init__(attention, mlp, config.hidden_size, eps, "parallel-one-norm",
+                         norm=partial(LayerNorm, bias=False))
 
 
 class CohereModel(LayerNormModel):

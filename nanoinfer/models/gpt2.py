@@ -68,7 +68,7 @@ def check_config(config: PretrainedConfig) -> None:
     """What this implementation cannot do, refused by name rather than run differently from transformers."""
     for name in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
         if getattr(config, name, False):
-            raise ValueError(f"{name}=True in the model config: not supported for GPT-2")
+            raise ValueError(f"{name}=True in the model config: not supported for {config.model_type}")
 
 
 class GPT2LMHeadModel(LlamaForCausalLM):

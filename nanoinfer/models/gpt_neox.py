@@ -11,20 +11,24 @@ from nanoinfer.models.layernorm_decoder import DenseMLP, LayerNormDecoderLayer, 
 from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM
 
 
-class GPTNeoXQKVLinear(QKVParallelLinear):
+class GroupedQKVLinear(QKVParallelLinear):
+    """A fused q/k/v projection stored grouped by KV head: each KV head's query heads, then its k, then its v.
+    GPT-NeoX's (one query head per group: [heads, (q, k, v), head_dim]) and Falcon's (multi-query: one group)."""
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        """loaded: query_key_value's weight or bias, rows grouped by head: [heads x (q, k, v) x head_dim, ...]."""
-        heads, rows = self.total_num_heads, 3 * self.total_num_heads * self.head_size
+        """loaded: query_key_value's weight or bias, [kv heads x (q per kv head + 2) x head_dim, ...]."""
+        groups, per_group = self.total_num_kv_heads, self.total_num_heads // self.total_num_kv_heads + 2
+        rows, rest = groups * per_group * self.head_size, loaded.shape[1:]
         if loaded.shape[0] != rows:
             raise ValueError(f"shape mismatch: checkpoint tensor has {loaded.shape[0]} rows, expected {rows} "
-                             f"({heads} heads x 3 x {self.head_size})")
-        per_head = loaded[...].reshape(heads, 3, self.head_size, *loaded.shape[1:])
-        for i, shard_id in enumerate(("q", "k", "v")):
-            super().weight_loader(param, per_head[:, i].reshape(heads * self.head_size, *loaded.shape[1:]), shard_id)
+                             f"({groups} KV heads x {per_group} heads x {self.head_size})")
+        grouped = loaded[...].reshape(groups, per_group, self.head_size, *rest)
+        for shard_id, part in (("q", grouped[:, :-2]), ("k", grouped[:, -2]), ("v", grouped[:, -1])):
+            super().weight_loader(param, part.reshape(-1, *rest), shard_id)
 
 
 class GPTNeoXAttention(LlamaAttention):
-    qkv_class = GPTNeoXQKVLinear
+    qkv_class = GroupedQKVLinear
 
 
 class GPTNeoXLayer(LayerNormDecoderLayer):

@@ -50,7 +50,9 @@ QKNormFactory = Callable[[int, int], nn.Module]
 
 class QKLayerNormAttention(LlamaAttention):
     """The Llama attention with LayerNorms on each head's query and key before rope: one shared by all heads (Phi)
-    or one per head (StableLM)."""
+    or one per head (StableLM); after rope where `rope_first` (HunYuan's RMSNorms)."""
+
+    rope_first = False
 
     def __init__(self, config: PretrainedConfig, options: AttentionOptions, qk_norm: QKNormFactory):
         super().__init__(config, options)
@@ -59,10 +61,13 @@ class QKLayerNormAttention(LlamaAttention):
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], -1)
-        q = self.q_layernorm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_layernorm(k.view(-1, self.num_kv_heads, self.head_dim))
+        q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
+        if not self.rope_first:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if positions is not None:  # None: an encoder pass (see LLM.embed), no position encoding
             q, k = self.rotary_emb(positions, q, k)
+        if self.rope_first:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -82,17 +87,18 @@ Residual = Literal["sequential", "parallel", "parallel-one-norm"]
 class LayerNormDecoderLayer(nn.Module):
     """Pre-norm with LayerNorms. Sequential: h = x + attn(ln1(x)); out = h + mlp(ln2(h)) (LlamaDecoderLayer's order).
     Parallel: out = x + attn(ln1(x)) + mlp(ln2(x)), with ln2 = ln1 where the family has a single norm (Phi,
-    StableLM). As in LlamaDecoderLayer, the stream is x + residual, the add left to the next norm."""
+    StableLM). As in LlamaDecoderLayer, the stream is x + residual, the add left to the next norm. norm: the
+    LayerNorm class (hidden_size, eps), without bias (Cohere) or any parameter (OLMo) where the family's has none."""
 
     def __init__(self, attention: nn.Module, mlp: nn.Module, hidden_size: int, eps: float,
-                 residual: Residual = "sequential", norm_bias: bool = True):
+                 residual: Residual = "sequential", norm: Callable[[int, float], nn.Module] = LayerNorm):
         super().__init__()
         self.self_attn = attention
         self.mlp = mlp
         self.parallel = residual != "sequential"
-        self.input_layernorm = LayerNorm(hidden_size, eps, norm_bias)
+        self.input_layernorm = norm(hidden_size, eps)
         self.post_attention_layernorm = (None if residual == "parallel-one-norm"
-                                         else LayerNorm(hidden_size, eps, norm_bias))
+                                         else norm(hidden_size, eps))
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

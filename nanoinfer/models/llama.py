@@ -33,6 +33,9 @@ class AttentionOptions:
     rope: bool = True  # SmolLM3's NoPE layers: no position encoding at all
     rope_interleaved: bool = False  # Cohere, GLM: rope rotates the pairs (x0, x1), (x2, x3), ...
     logits_soft_cap: float | None = None  # Gemma 2: scores capped to cap * tanh(score / cap)
+    clip_qkv: float | None = None  # OLMo: q, k and v clamped to [-clip_qkv, clip_qkv] before anything else
+    num_kv_heads: int | None = None  # where the config's `num_key_value_heads` does not say (Falcon, GPTBigCode)
+    rotary_dim: int | None = None  # GPT-J: the leading dims rotated, where the config's rope settings do not say
 
 
 def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
@@ -53,7 +56,8 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, options: AttentionOptions):
         super().__init__()
         num_heads = config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads  # GPT-NeoX's config has none
+        # GPT-NeoX's config has no num_key_value_heads: as many as query heads.
+        num_kv_heads = options.num_kv_heads or getattr(config, "num_key_value_heads", None) or num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         # With an output gate, each head's query and gate rows load as two consecutive "heads" of q.
         self.q_factor = 2 if options.output_gate else 1
@@ -63,7 +67,7 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = self.o_proj_class(num_heads * self.head_dim, config.hidden_size, options.o_bias)
         self.rotary_emb = (get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type,
-                                    options.rope_interleaved) if options.rope else None)
+                                    options.rope_interleaved, options.rotary_dim) if options.rope else None)
         scale = self.head_dim ** -0.5 if options.scale is None else options.scale
         self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window,
                               options.logits_soft_cap)
@@ -73,9 +77,13 @@ class LlamaAttention(nn.Module):
                      else RMSNorm(self.head_dim, eps, options.zero_centered_norm) for _ in range(2)]
             self.q_norm, self.k_norm = norms
         self.qk_norm = options.qk_norm
+        self.clip_qkv = options.clip_qkv
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size * self.q_factor, self.kv_size, self.kv_size], -1)
+        qkv = self.qkv_proj(x)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        q, k, v = qkv.split([self.q_size * self.q_factor, self.kv_size, self.kv_size], -1)
         q = q.view(-1, self.num_heads, self.head_dim * self.q_factor)
         if self.q_factor == 2:
             q, gate = q.chunk(2, -1)
@@ -92,9 +100,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, intermediate_size: int | None = None, hidden_act: str | None = None):
+    def __init__(self, config: PretrainedConfig, intermediate_size: int | None = None, hidden_act: str | None = None,
+                 bias: bool | None = None):
         super().__init__()
-        bias = getattr(config, "mlp_bias", False)
+        bias = getattr(config, "mlp_bias", False) if bias is None else bias
         inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias)

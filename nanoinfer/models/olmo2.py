@@ -6,7 +6,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.attention import AttentionMetadata
-from nanoinfer.layers.layernorm import OlmoRMSNorm
+from nanoinfer.layers.layernorm import OlmoRMSNorm, RMSNorm
 from nanoinfer.models.llama import (AttentionOptions, LlamaAttention, LlamaForCausalLM, LlamaModel, MLPFactory,
                                     OptionsFactory)
 from nanoinfer.utils.dist import tp_group, tp_rank, tp_size
@@ -63,12 +63,17 @@ class Olmo2Attention(LlamaAttention):
 
 
 class Olmo2DecoderLayer(nn.Module):
+    """EXAONE 4's layer too, with its own attention and norm classes."""
+
+    attention_class: type[LlamaAttention] = Olmo2Attention
+    norm_class: type[RMSNorm] = OlmoRMSNorm
+
     def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module):
         super().__init__()
-        self.self_attn = Olmo2Attention(config, options)
+        self.self_attn = self.attention_class(config, options)
         self.mlp = mlp
-        self.post_attention_layernorm = OlmoRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_feedforward_layernorm = OlmoRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

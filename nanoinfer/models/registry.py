@@ -4,22 +4,34 @@ import importlib
 from torch import nn
 
 _MODELS = {
+    "ApertusForCausalLM": ("apertus", "ApertusForCausalLM"),
+    "ArceeForCausalLM": ("arcee", "ArceeForCausalLM"),
     "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
+    "Cohere2ForCausalLM": ("cohere2", "Cohere2ForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    "Ernie4_5ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),
+    "Exaone4ForCausalLM": ("exaone4", "Exaone4ForCausalLM"),
+    "FalconForCausalLM": ("falcon", "FalconForCausalLM"),
     "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "GlmForCausalLM": ("glm", "GlmForCausalLM"),
     "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
+    "GPTBigCodeForCausalLM": ("gpt_bigcode", "GPTBigCodeForCausalLM"),
+    "GPTJForCausalLM": ("gptj", "GPTJForCausalLM"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "GraniteMoeForCausalLM": ("granitemoe", "GraniteMoeForCausalLM"),
     "GraniteMoeSharedForCausalLM": ("granitemoe", "GraniteMoeForCausalLM"),
+    "HeliumForCausalLM": ("helium", "HeliumForCausalLM"),
+    "HunYuanDenseV1ForCausalLM": ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "NemotronForCausalLM": ("nemotron", "NemotronForCausalLM"),
+    "OlmoForCausalLM": ("olmo", "OlmoForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
     "Olmo3ForCausalLM": ("olmo3", "Olmo3ForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
@@ -29,6 +41,7 @@ _MODELS = {
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "SeedOssForCausalLM": ("seed_oss", "SeedOssForCausalLM"),
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
     "StableLmForCausalLM": ("stablelm", "StableLmForCausalLM"),
     "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
@@ -36,8 +49,9 @@ _MODELS = {
 
 # Sequence classification (see classification.py) over the decoder of the causal LM of the same family.
 _CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM" for family in (
-    "DeepseekV2", "DeepseekV3", "Gemma", "Gemma2", "Glm", "Glm4", "GPTNeoX", "Llama", "Mistral", "Mixtral", "Olmo2",
-    "Olmo3", "Phi", "Phi3", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe", "SmolLM3", "StableLm", "Starcoder2")} | {
+    "Arcee", "DeepseekV2", "DeepseekV3", "Exaone4", "Falcon", "Gemma", "Gemma2", "Glm", "Glm4", "GPTBigCode", "GPTJ",
+    "GPTNeoX", "Helium", "HunYuanDenseV1", "Llama", "Mistral", "Mixtral", "Nemotron", "Olmo", "Olmo2", "Olmo3", "Phi",
+    "Phi3", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe", "SeedOss", "SmolLM3", "StableLm", "Starcoder2")} | {
     "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM", "GPT2ForSequenceClassification": "GPT2LMHeadModel"}
 
 
