@@ -115,14 +115,28 @@ def test_deepseek_v3_neox_rope_layout_matches_hf(model_dir, tmp_path, captured_l
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
-def test_cache_holds_whole_keys_and_values_padded_to_them(model_dir):
-    """K is qk_nope + qk_rope wide, V narrower and zero-padded to it; the cache is sized by what is allocated."""
+def test_cache_holds_the_latent_and_the_rope_key_once_per_token(model_dir, monkeypatch):
+    """vLLM's MLA cache: per token and layer, kv_lora_rank + qk_rope_head_dim values (32 + 8 here) as one KV head,
+    no V cache besides (V is a view of K's first kv_lora_rank entries); the blocks are sized by those bytes. The
+    decompressed layout took 2 x 4 heads x 24 = 192 values per token and layer (x 85 for DeepSeek-V3)."""
+    import nanoinfer.engine.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_available_memory", lambda self: 4 << 20)
     with LLM(str(model_dir("deepseek-v2")), device="cpu", dtype="float32", max_model_len=64,
-             num_kvcache_blocks=6) as llm:
-        llm.generate([[5, 6, 7, 8]], GREEDY, use_tqdm=False)
-        attention = llm.llm_engine.model_runner.model.model.layers[0].self_attn.attn
-        assert attention.k_cache.shape == attention.v_cache.shape == (6, 16, 4, 24)
-        assert attention.v_cache[..., 16:].abs().max().item() == 0 < attention.v_cache[..., :16].abs().max().item()
+             max_num_seqs=64) as llm:
+        assert llm.generate([[5, 6, 7, 8]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        runner = llm.llm_engine.model_runner
+        layers = [layer.self_attn.attn for layer in runner.model.model.layers]
+        num_blocks = runner.num_kvcache_blocks
+        values_per_block = len(layers) * 16 * (32 + 8)
+        assert num_blocks == int((4 << 20) * model_runner.KV_CACHE_MEMORY_FRACTION) // (values_per_block * 4)
+        storages = {}
+        for a in layers:
+            assert a.k_cache.shape == (num_blocks, 16, 1, 40) and a.v_cache.shape == (num_blocks, 16, 1, 32)
+            assert a.v_cache.untyped_storage().data_ptr() == a.k_cache.untyped_storage().data_ptr()
+            storages[a.k_cache.untyped_storage().data_ptr()] = a.k_cache.untyped_storage().nbytes()
+        assert sum(storages.values()) == num_blocks * values_per_block * 4
+        assert 0 < layers[0].k_cache[..., :32].abs().max().item()  # the prompt's latents were stored
 
 
 def test_backend_head_size_limit_reads_the_mla_head(model_dir, tmp_path, monkeypatch):

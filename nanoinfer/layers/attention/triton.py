@@ -29,9 +29,9 @@ class TritonAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
                 soft_cap: float | None = None) -> torch.Tensor:
-        """q [tokens, heads, dim], this step's k, v [tokens, kv_heads, dim] (already stored) -> [tokens, heads*dim].
-        With a window, a query at position p sees keys at p - window < position <= p. With soft_cap, each scaled
-        score s becomes soft_cap * tanh(s / soft_cap) before the mask."""
+        """q [tokens, heads, dim], this step's k, v [tokens, kv_heads, dim] (already stored) -> [tokens, heads * v
+        dim]. With a window, a query at position p sees keys at p - window < position <= p. With soft_cap, each
+        scaled score s becomes soft_cap * tanh(s / soft_cap) before the mask. A v narrower than k is its prefix."""
         if meta.is_decode:
             return self._decode(q, k_cache, v_cache, meta, scale, window, soft_cap)
         if meta.has_cached_prefix:  # keys come from the cache: the prefix was computed in earlier steps
@@ -40,18 +40,19 @@ class TritonAttentionBackend:
                                               meta.cu_seqlens_k, meta.max_seqlen_q, scale, meta.causal, window,
                                               soft_cap=soft_cap)
 
-    def num_segments(self, num_seqs: int, num_kv_heads: int) -> int:
-        """Segments per context: enough (sequence, KV head, segment) programs to fill the GPU. A function of the
-        batch's shape only, so each captured graph has its own, fixed number."""
-        programs = num_seqs * num_kv_heads
+    def num_segments(self, num_seqs: int, programs_per_seq: int) -> int:
+        """Segments per context: enough (sequence, KV head or tile of heads, segment) programs to fill the GPU. A
+        function of the batch's shape only, so each captured graph has its own, fixed number."""
+        programs = num_seqs * programs_per_seq
         if programs >= self.split_target:
             return 1
         return min(self.kernels.MAX_SEGMENTS, -(-self.split_target // programs))
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, window: int | None, soft_cap: float | None) -> torch.Tensor:
-        num_seqs, num_heads, head_dim = q.shape
-        segments = self.num_segments(num_seqs, k_cache.shape[2])
+        num_seqs, num_heads, head_dim = *q.shape[:2], v_cache.shape[-1]
+        segments = self.num_segments(num_seqs, self.kernels.decode_programs(num_heads, k_cache.shape[2], head_dim,
+                                                                            q.element_size()))
         partials = None
         if segments > 1:
             partials = self.partials.get((num_heads, head_dim))
