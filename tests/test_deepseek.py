@@ -12,6 +12,7 @@ import nanoinfer.layers.fused_moe as fused_moe
 from models import DEEPSEEK_KINDS, cached_hf_greedy, check_against_hf, make_config, random_prompts
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
+from nanoinfer.layers.attention import selector
 from nanoinfer.models.deepseek_v2 import DeepseekV2MoE
 from nanoinfer.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
 
@@ -139,10 +140,28 @@ def test_cache_holds_the_latent_and_the_rope_key_once_per_token(model_dir, monke
         assert 0 < layers[0].k_cache[..., :32].abs().max().item()  # the prompt's latents were stored
 
 
-def test_backend_head_size_limit_reads_the_mla_head(model_dir, tmp_path, monkeypatch):
-    """DeepSeek's config sets head_dim to the rope part alone: the backends' limit is checked on qk_nope + qk_rope."""
+@pytest.mark.parametrize("changes, sizes", [({"kv_lora_rank": 1024}, "1024 and 8"), ({"qk_rope_head_dim": 80}, "32 and 80")])
+def test_triton_latent_cache_limits_are_checked_by_name(model_dir, tmp_path, monkeypatch, changes, sizes):
+    """The Triton tiles take latents up to 512 and rope keys up to 64 (DeepSeek's): wider ones are refused when the
+    engine is configured, not when a kernel fails to compile."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # what a CPU device needs to accept the triton backend
-    d = edited_copy(model_dir("deepseek-v2"), tmp_path / "wide", qk_nope_head_dim=256)
-    with pytest.raises(ValueError, match="triton attention backend supports head_dim <= 256, the model has 264"):
+    d = edited_copy(model_dir("deepseek-v2"), tmp_path / "wide", **changes)
+    with pytest.raises(ValueError, match=f"runs MLA with kv_lora_rank <= 512 and qk_rope_head_dim <= 64, the model "
+                                         f"has {sizes}"):
         Config(d, device="cpu", attention_backend="triton")
+
+
+def test_latent_cache_goes_to_triton_not_flash_on_cuda(model_dir, monkeypatch):
+    """flash-attn takes K and V of one head size (at most 256): with it installed, 'auto' picks the Triton backend
+    for MLA, and asking for flash is refused by name."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA machine as far as Config looks
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(selector, "flash_attn_available", lambda: True)
+    d = model_dir("deepseek-v3")
+    assert Config(d).attention_backend == "triton" and Config(model_dir("qwen3")).attention_backend == "flash"
+    with pytest.raises(ValueError, match=r"flash-attn cannot run MLA's latent KV cache \(values a prefix of the "
+                                         r"keys, 32 of 40\); use attention_backend='triton'"):
+        Config(d, attention_backend="flash")

@@ -209,21 +209,26 @@ class TileConfig:
     num_stages: int
 
 
-# From this value width on (MLA's latent: 512, its keys 576), a tile takes 16 rows and at most 16 query heads.
+# From this value width on (MLA's latent: 512, its keys 576), tiles are wide_config's: their rows take part of a
+# large group of query heads (heads_per_program), not always a whole one.
 WIDE_BLOCK_D = 512
 
 
-def wide_config(itemsize: int) -> TileConfig:
-    """Decode and prefill tiles of MLA's 512-wide values (plus 64 key dims): 16 x 512 fp32 accumulators in 4 warps,
-    K/V tiles of 32 keys (16 in fp32: tf32x3's operand copies take the registers) double-buffered."""
-    return TileConfig(16, 16 if itemsize == 4 else 32, 4, 2)
+def wide_config(itemsize: int, prefill: bool) -> TileConfig:
+    """Tiles of MLA's 512-wide values and 576-wide keys, as compiled for sm_90 (Triton 3.7.1): in 16 bits, decode
+    16 rows (one token's 16 heads) x 32 keys in 4 warps (87 KB of shared memory), prefill 32 rows in 8 warps
+    (106 KB), neither spilling (64 keys, or 32 rows in 4 warps, do). fp32 16 x 16 in 4 warps (142 KB): tf32x3
+    spills there, as on every fp32 tile (exact, not fast)."""
+    if itemsize == 4:
+        return TileConfig(16, 16, 4, 2)
+    return TileConfig(32, 32, 8, 2) if prefill else TileConfig(16, 32, 4, 2)
 
 
 def prefill_config(group: int, head_dim: int, itemsize: int, max_seqlen_q: int) -> TileConfig:
     """Large query tiles for long prompts (the shapes of Triton's fused-attention tutorial on an H100), small
     ones for short chunks; always at least one token's whole group (but for wide heads, see WIDE_BLOCK_D)."""
     if _block_d(head_dim) >= WIDE_BLOCK_D:
-        return wide_config(itemsize)
+        return wide_config(itemsize, prefill=True)
     wide = head_dim <= 128 and itemsize == 2
     # fp32 past head_dim 128 (256-wide tiles) takes 256 KB of shared memory at 64 query rows (Triton 3.7.1, sm_90),
     # more than an H100 has (227 KB): the launch fails. At 32 rows it takes 136 KB.
@@ -238,7 +243,7 @@ def prefill_config(group: int, head_dim: int, itemsize: int, max_seqlen_q: int) 
 def decode_config(group: int, head_dim: int, itemsize: int) -> TileConfig:
     """One token's group of heads (rows padded to 16 for tl.dot), K/V tiles double-buffered."""
     if _block_d(head_dim) >= WIDE_BLOCK_D:
-        return wide_config(itemsize)
+        return wide_config(itemsize, prefill=False)
     wide = head_dim <= 128 and itemsize == 2
     return TileConfig(max(16, triton.next_power_of_2(group)), 64 if wide else 32, 4, 2)
 
