@@ -1,6 +1,6 @@
 """DeepSeek-V2/V3 beyond the shared suites (greedy + logits: test_correctness.py; chunked prefill, prefix cache,
 preemption at TP 1 and 2: test_moe.py; the Triton backend: triton_attention_interpreted.py): the routers against
-transformers' own, the rope layouts, the MTP layers of V3's checkpoints, the cache's head size, and the settings
+transformers' own, the rope layouts, the MTP layers of V3's checkpoints, the latent cache's size and backends, and the settings
 refused by name."""
 import json
 
@@ -140,7 +140,8 @@ def test_cache_holds_the_latent_and_the_rope_key_once_per_token(model_dir, monke
         assert 0 < layers[0].k_cache[..., :32].abs().max().item()  # the prompt's latents were stored
 
 
-@pytest.mark.parametrize("changes, sizes", [({"kv_lora_rank": 1024}, "1024 and 8"), ({"qk_rope_head_dim": 80}, "32 and 80")])
+@pytest.mark.parametrize("changes, sizes", [({"kv_lora_rank": 1024}, "1024 and 8"),
+                                            ({"qk_rope_head_dim": 80}, "32 and 80")])
 def test_triton_latent_cache_limits_are_checked_by_name(model_dir, tmp_path, monkeypatch, changes, sizes):
     """The Triton tiles take latents up to 512 and rope keys up to 64 (DeepSeek's): wider ones are refused when the
     engine is configured, not when a kernel fails to compile."""

@@ -442,6 +442,8 @@ def test_engine_mla_matches_hf(model_dir, captured_logits, report_logit_diff):
     shared = random_prompts(1, 5, 440, 24, 24, seed=12)[0]
     prompts = [shared + tail for tail in random_prompts(2, 5, 440, 1, 12, seed=13)]
     llm = triton_llm(d, max_model_len=64, max_num_batched_tokens=7)
+    attention = llm.llm_engine.model_runner.model.model.layers[0].self_attn.attn
+    assert attention.k_cache.shape[2:] == (1, 32 + 8) and attention.v_cache.shape[2:] == (1, 32)
     cuda_fakes.capture_eager_graphs(llm.llm_engine.model_runner)
     worst = twice_against_hf(llm, d, prompts, 16, captured_logits)
     report_logit_diff(f"{kind}, triton backend, MLA", worst)

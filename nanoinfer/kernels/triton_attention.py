@@ -8,6 +8,7 @@ block table, so any KV block size works. Softmax runs online in fp32, in base 2 
 may be soft-capped (Gemma 2): cap * tanh(score / cap), in natural units, before the mask. Values may be a prefix of
 the keys (DeepSeek's latent cache): q and k are then wider than v, their extra dims read by the scores alone, and
 the one KV head's many query heads are split over programs."""
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -254,6 +255,7 @@ def heads_per_program(group: int, block_m: int) -> int:
     return group if group <= block_m else max(d for d in range(1, block_m + 1) if group % d == 0)
 
 
+@functools.cache  # per layer and step, on the eager path
 def decode_programs(num_heads: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
     """Programs per sequence of an unsplit decode: one per KV head, or per tile of its heads."""
     group = num_heads // num_kv_heads
@@ -329,8 +331,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: 
         q, k, v, out, *bufs, block_tables, context_lens, cu_q, cu_k, *_score_scales(scale, soft_cap), window or 0,
         context_lens.shape[0], num_heads, num_segments, q.stride(0), q.stride(1), k.stride(-3), k.stride(-2),
         v.stride(-3), v.stride(-2), block_tables.stride(0), GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        TAIL_DIM=tail, BLOCK_T=_block_d(tail), BLOCK_M=config.block_m, BLOCK_Q=config.block_m // group, BLOCK_N=config.block_n,
-        KV_BLOCK_SIZE=k.shape[1] if paged else 1, DECODE=decode, PAGED=paged, CAUSAL=causal,
+        TAIL_DIM=tail, BLOCK_T=_block_d(tail), BLOCK_M=config.block_m, BLOCK_Q=config.block_m // group,
+        BLOCK_N=config.block_n, KV_BLOCK_SIZE=k.shape[1] if paged else 1, DECODE=decode, PAGED=paged, CAUSAL=causal,
         HAS_WINDOW=window is not None, SPLIT=split, SOFTCAP=soft_cap is not None, num_warps=config.num_warps,
         num_stages=config.num_stages,
         # fp32 dots as three TF32 products (fp32-accurate; Triton's default, one TF32 product, is not; "ieee"
