@@ -1,7 +1,7 @@
 """DeepSeek-V2/V3 beyond the shared suites (greedy + logits: test_correctness.py; chunked prefill, prefix cache,
 preemption at TP 1 and 2: test_moe.py; the Triton backend: triton_attention_interpreted.py): the routers against
-transformers' own, the rope layouts, the MTP layers of V3's checkpoints, the latent cache's size and backends, and the settings
-refused by name."""
+transformers' own, the rope layouts, the MTP layers of V3's checkpoints, the latent cache's size and backends, and
+the settings refused by name."""
 import json
 
 import pytest
