@@ -349,8 +349,9 @@ def test_backend_segment_policy_and_one_partial_buffer():
     assert backend.num_segments(target, 1) == backend.num_segments(1, target) == 1
     assert backend.num_segments(1, 1) == min(target, triton_attention.MAX_SEGMENTS)
     for num_seqs in range(1, target + 1):
-        for kv_heads in (1, 2, 3, 8):
-            assert num_seqs * backend.num_segments(num_seqs, kv_heads) <= 2 * target
+        for programs in (1, 2, 3, 8):  # per sequence: its KV heads, or its tiles of heads (MLA)
+            segments = backend.num_segments(num_seqs, programs)  # split: partial rows for every (seq, segment)
+            assert segments == 1 or num_seqs * segments <= -(-2 * target // programs)
     runner = object.__new__(ModelRunner)  # prepare needs only its input batch and the number of state slots
     runner.num_state_slots = 0
     runner.input_batch = InputBatch(8, 64, 64, 16, torch.device("cpu"))
