@@ -140,7 +140,8 @@ class CPUAttentionBackend:
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None,
                  soft_cap: float | None) -> torch.Tensor:
-        out = q.new_empty(q.shape[0], q.shape[1] * v.shape[-1])
+        # This step's v may be None where every sequence attends over the cache alone.
+        out = q.new_empty(q.shape[0], q.shape[1] * (v_cache if v is None else v).shape[-1])
         for i, (start, end, ctx) in enumerate(meta.backend_state.spans):
             n = end - start
             # Query j sits at position ctx - n + j; the earliest key any of them sees is first.
@@ -151,7 +152,7 @@ class CPUAttentionBackend:
                 blocks = meta.block_tables[i, first // meta.block_size:-(-ctx // meta.block_size)]
                 skip = first % meta.block_size
                 ks = self._gather("k", k_cache, blocks).flatten(0, 1)[skip:skip + ctx - first]
-                vs = (ks[..., :v.shape[-1]] if v.shape[-1] < k.shape[-1]  # V is K's prefix: gathered with it
+                vs = (ks[..., :v_cache.shape[-1]] if v_cache.shape[-1] < k_cache.shape[-1]  # V is K's prefix
                       else self._gather("v", v_cache, blocks).flatten(0, 1)[skip:skip + ctx - first])
             mask = None
             if ctx != n or (window is not None and window < n):
