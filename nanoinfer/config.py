@@ -63,7 +63,9 @@ class Config:
             raise ValueError(f"{str(path)!r} holds neither a config.json nor a .gguf file")
         self._check_model_config(self.gguf_path or path / "config.json")
         self.torch_device = resolve_device(self.device)
-        self.attention_backend = select_backend(self.attention_backend, self.torch_device)
+        # DeepSeek's MLA caches its latent (kv_lora_rank) and rope key as one head, the latent doubling as the values.
+        latent_dim = getattr(self.hf_config, "kv_lora_rank", None) or None
+        self.attention_backend = select_backend(self.attention_backend, self.torch_device, latent_dim is not None)
         self.torch_dtype = self._resolve_dtype()
         if self.kvcache_block_size is None:
             self.kvcache_block_size = DEFAULT_BLOCK_SIZE[self.attention_backend]
@@ -79,9 +81,9 @@ class Config:
             _positive(name, getattr(self, name))
         hf = self.hf_config
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        if getattr(hf, "kv_lora_rank", None):  # DeepSeek's MLA: head_dim is the rope part; the cache's is this
-            head_dim = max(hf.qk_nope_head_dim + hf.qk_rope_head_dim, hf.v_head_dim)
-        check_backend_limits(self.attention_backend, self.kvcache_block_size, self.torch_dtype, head_dim)
+        if latent_dim is not None:  # head_dim is the rope part there
+            head_dim = latent_dim + hf.qk_rope_head_dim
+        check_backend_limits(self.attention_backend, self.kvcache_block_size, self.torch_dtype, head_dim, latent_dim)
         if not isinstance(self.enforce_eager, bool):
             raise TypeError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         utilization = self.gpu_memory_utilization

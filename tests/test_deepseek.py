@@ -1,7 +1,7 @@
 """DeepSeek-V2/V3 beyond the shared suites (greedy + logits: test_correctness.py; chunked prefill, prefix cache,
 preemption at TP 1 and 2: test_moe.py; the Triton backend: triton_attention_interpreted.py): the routers against
-transformers' own, the rope layouts, the MTP layers of V3's checkpoints, the cache's head size, and the settings
-refused by name."""
+transformers' own, the rope layouts, the MTP layers of V3's checkpoints, the latent cache's size and backends, and
+the settings refused by name."""
 import json
 
 import pytest
@@ -12,6 +12,7 @@ import nanoinfer.layers.fused_moe as fused_moe
 from models import DEEPSEEK_KINDS, cached_hf_greedy, check_against_hf, make_config, random_prompts
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
+from nanoinfer.layers.attention import selector
 from nanoinfer.models.deepseek_v2 import DeepseekV2MoE
 from nanoinfer.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
 
@@ -115,20 +116,53 @@ def test_deepseek_v3_neox_rope_layout_matches_hf(model_dir, tmp_path, captured_l
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
-def test_cache_holds_whole_keys_and_values_padded_to_them(model_dir):
-    """K is qk_nope + qk_rope wide, V narrower and zero-padded to it; the cache is sized by what is allocated."""
+def test_cache_holds_the_latent_and_the_rope_key_once_per_token(model_dir, monkeypatch):
+    """vLLM's MLA cache: per token and layer, kv_lora_rank + qk_rope_head_dim values (32 + 8 here) as one KV head,
+    no V cache besides (V is a view of K's first kv_lora_rank entries); the blocks are sized by those bytes. The
+    decompressed layout took 2 x 4 heads x 24 = 192 values per token and layer (x 85 for DeepSeek-V3)."""
+    import nanoinfer.engine.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_available_memory", lambda self: 4 << 20)
     with LLM(str(model_dir("deepseek-v2")), device="cpu", dtype="float32", max_model_len=64,
-             num_kvcache_blocks=6) as llm:
-        llm.generate([[5, 6, 7, 8]], GREEDY, use_tqdm=False)
-        attention = llm.llm_engine.model_runner.model.model.layers[0].self_attn.attn
-        assert attention.k_cache.shape == attention.v_cache.shape == (6, 16, 4, 24)
-        assert attention.v_cache[..., 16:].abs().max().item() == 0 < attention.v_cache[..., :16].abs().max().item()
+             max_num_seqs=64) as llm:
+        assert llm.generate([[5, 6, 7, 8]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        runner = llm.llm_engine.model_runner
+        layers = [layer.self_attn.attn for layer in runner.model.model.layers]
+        num_blocks = runner.num_kvcache_blocks
+        values_per_block = len(layers) * 16 * (32 + 8)
+        assert num_blocks == int((4 << 20) * model_runner.KV_CACHE_MEMORY_FRACTION) // (values_per_block * 4)
+        storages = {}
+        for a in layers:
+            assert a.k_cache.shape == (num_blocks, 16, 1, 40) and a.v_cache.shape == (num_blocks, 16, 1, 32)
+            assert a.v_cache.untyped_storage().data_ptr() == a.k_cache.untyped_storage().data_ptr()
+            storages[a.k_cache.untyped_storage().data_ptr()] = a.k_cache.untyped_storage().nbytes()
+        assert sum(storages.values()) == num_blocks * values_per_block * 4
+        assert 0 < layers[0].k_cache[..., :32].abs().max().item()  # the prompt's latents were stored
 
 
-def test_backend_head_size_limit_reads_the_mla_head(model_dir, tmp_path, monkeypatch):
-    """DeepSeek's config sets head_dim to the rope part alone: the backends' limit is checked on qk_nope + qk_rope."""
+@pytest.mark.parametrize("changes, sizes", [({"kv_lora_rank": 1024}, "1024 and 8"),
+                                            ({"qk_rope_head_dim": 80}, "32 and 80")])
+def test_triton_latent_cache_limits_are_checked_by_name(model_dir, tmp_path, monkeypatch, changes, sizes):
+    """The Triton tiles take latents up to 512 and rope keys up to 64 (DeepSeek's): wider ones are refused when the
+    engine is configured, not when a kernel fails to compile."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # what a CPU device needs to accept the triton backend
-    d = edited_copy(model_dir("deepseek-v2"), tmp_path / "wide", qk_nope_head_dim=256)
-    with pytest.raises(ValueError, match="triton attention backend supports head_dim <= 256, the model has 264"):
+    d = edited_copy(model_dir("deepseek-v2"), tmp_path / "wide", **changes)
+    with pytest.raises(ValueError, match=f"runs MLA with kv_lora_rank <= 512 and qk_rope_head_dim <= 64, the model "
+                                         f"has {sizes}"):
         Config(d, device="cpu", attention_backend="triton")
+
+
+def test_latent_cache_goes_to_triton_not_flash_on_cuda(model_dir, monkeypatch):
+    """flash-attn takes K and V of one head size (at most 256): with it installed, 'auto' picks the Triton backend
+    for MLA, and asking for flash is refused by name."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA machine as far as Config looks
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(selector, "flash_attn_available", lambda: True)
+    d = model_dir("deepseek-v3")
+    assert Config(d).attention_backend == "triton" and Config(model_dir("qwen3")).attention_backend == "flash"
+    with pytest.raises(ValueError, match=r"flash-attn cannot run MLA's latent KV cache \(values a prefix of the "
+                                         r"keys, 32 of 40\); use attention_backend='triton'"):
+        Config(d, attention_backend="flash")

@@ -8,7 +8,7 @@ from nanoinfer import LLM, SamplingParams
 from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.engine.scheduler import ScheduledBatch
-from nanoinfer.layers.attention import get_backend
+from nanoinfer.layers.attention import Attention, get_backend
 from test_cuda_path import _seq
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -82,6 +82,35 @@ def test_other_head_shapes_match_pytorch_backend(dtype, kind, heads, kv_heads, h
     """Shapes a held-out model may have: head_dim 80 (a padded 128-wide tile) with 3 query heads per KV head, and
     head_dim 256 (whose fp32 prefill tiles once needed more shared memory than an H100 has)."""
     _check_against_pytorch_backend(dtype, kind, None, heads, kv_heads, head_dim)
+
+
+def _latent_run(name: str, dtype: torch.dtype, meta, q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor
+                ) -> torch.Tensor:
+    """An MLA layer over a copy of `cache` (the latent cache: values are each row's first 512 entries)."""
+    layer = Attention(q.shape[1], q.shape[2], 192 ** -0.5, 1, value_prefix_dim=512)
+    layer.allocate_cache(cache.shape[0], BLOCK, dtype, torch.device("cuda"))
+    layer.k_cache.copy_(cache)
+    layer.backend = get_backend(name, dtype, torch.device("cuda"))
+    layer.backend.prepare(meta)
+    return layer(q, k, None, meta).float()
+
+
+@pytest.mark.parametrize("kind", ["prefix-and-chunk", "mixed", "decode-small", "decode-large"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_latent_cache_matches_pytorch_backend(dtype, kind):
+    """DeepSeek-V3's MLA on one GPU: 128 query heads over the one latent KV head (keys 576 wide, the first 512 the
+    values), through Triton's wide tiles (16 or 32 heads per program) and through the PyTorch backend."""
+    batch = _batch(kind)
+    _, _, meta, _ = _prepare(batch)
+    meta = meta.to(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(2)
+    tokens, num_blocks = meta.slot_mapping.numel(), sum(len(s.block_table) for s in batch.seqs)
+    q = torch.randn(tokens, 128, 576, generator=g, device="cuda").to(dtype)
+    k = torch.randn(tokens, 1, 576, generator=g, device="cuda").to(dtype)
+    cache = torch.randn(num_blocks, BLOCK, 1, 576, generator=g, device="cuda").to(dtype)
+    ours, ref = (_latent_run(name, dtype, meta, q, k, cache) for name in ("triton", "cpu"))
+    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert rel < REL_TOLERANCE[dtype], f"relative error {rel:.2e}"
 
 
 def test_decode_replays_from_a_cuda_graph():

@@ -34,8 +34,9 @@ POINTERS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "part_acc_ptr", "part_max_ptr"
 STRIDES = ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh")
 
 
-def compile_attention(dtype: str, group: int, head_dim: int, config: ta.TileConfig, **flags: bool):
-    """The kernel as a launch would specialize it: 16-byte aligned pointers, strides divisible by 16."""
+def compile_attention(dtype: str, group: int, head_dim: int, config: ta.TileConfig, tail_dim: int = 0, **flags: bool):
+    """The kernel as a launch would specialize it: 16-byte aligned pointers, strides divisible by 16. tail_dim: q/k
+    dims past the values' head_dim (MLA's rope part)."""
     fn = ta._attention_kernel
     split = flags["SPLIT"]
     types = {name: "*i32" for name in POINTERS[7:]}
@@ -44,7 +45,8 @@ def compile_attention(dtype: str, group: int, head_dim: int, config: ta.TileConf
     types.update({name: "i32" for name in ("window", "num_seqs", "num_heads", "num_segments", "stride_bt")})
     types.update({name: "i32" for name in STRIDES}, qk_scale="fp32", cap_scale="fp32")
     flags.setdefault("SOFTCAP", False)
-    constants = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=ta._block_d(head_dim),
+    constants = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=ta._block_d(head_dim), TAIL_DIM=tail_dim,
+                     BLOCK_T=ta._block_d(tail_dim),
                      BLOCK_M=config.block_m, BLOCK_Q=config.block_m // group, BLOCK_N=config.block_n,
                      KV_BLOCK_SIZE=16, UPCAST=False, PRECISION="tf32x3" if dtype == "fp32" else "tf32", **flags)
     return compile_kernel(fn, types, constants, aligned=(*POINTERS, *STRIDES), num_warps=config.num_warps,
@@ -114,12 +116,36 @@ def test_prefill_tiles_fit_the_h100_shared_memory(dtype, itemsize, head_dim):
     assert kernel.metadata.shared <= H100_SHARED_MEMORY, (config, kernel.metadata.shared)
 
 
+MLA_CASES = [  # DeepSeek's latent cache: (dtype, decode, paged)
+    ("bf16", True, True), ("bf16", False, True), ("bf16", False, False), ("fp16", False, True), ("fp32", True, True),
+    ("fp32", False, True)]
+
+
 @pytest.mark.slow
-def test_reduce_kernel_compiles_for_sm90():
+@pytest.mark.parametrize("dtype, decode, paged", MLA_CASES,
+                         ids=[f"{c[0]}-{'decode' if c[1] else 'prefill'}{'-paged' * c[2]}" for c in MLA_CASES])
+def test_latent_cache_tiles_compile_for_sm90(dtype, decode, paged):
+    """DeepSeek-V3's MLA on one rank: 128 query heads over the one latent KV head, values 512 wide (kv_lora_rank),
+    keys 64 more (qk_rope_head_dim): the tiles the backend picks (16 or 32 heads per program) compile with
+    pipelined K/V loads, fit an H100's shared memory, and in 16 bits keep to registers."""
+    itemsize = 4 if dtype == "fp32" else 2
+    config = ta.decode_config(128, 512, itemsize) if decode else ta.prefill_config(128, 512, itemsize, 1024)
+    kernel = compile_attention(dtype, ta.heads_per_program(128, config.block_m), 512, config, tail_dim=64,
+                               DECODE=decode, PAGED=paged, CAUSAL=True, HAS_WINDOW=False, SPLIT=decode)
+    assert "cp.async" in kernel.asm["ptx"]
+    assert kernel.metadata.shared <= H100_SHARED_MEMORY, (config, kernel.metadata.shared)
+    if dtype != "fp32":
+        assert stack_bytes(kernel.asm["cubin"]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim", [80, 512])  # 512: MLA's latent values
+def test_reduce_kernel_compiles_for_sm90(head_dim):
     kernel = compile_kernel(ta._reduce_kernel, dict(out_ptr="*bf16", part_acc_ptr="*fp32", part_max_ptr="*fp32",
                                                     part_sum_ptr="*fp32", num_segments="i32", num_heads="i32"),
-                            dict(HEAD_DIM=80, BLOCK_D=128, BLOCK_S=ta.MAX_SEGMENTS), aligned=(), num_warps=4)
-    assert "ld.global" in kernel.asm["ptx"]
+                            dict(HEAD_DIM=head_dim, BLOCK_D=ta._block_d(head_dim), BLOCK_S=ta.MAX_SEGMENTS),
+                            aligned=(), num_warps=4)
+    assert "ld.global" in kernel.asm["ptx"] and stack_bytes(kernel.asm["cubin"]) == 0
 
 
 # The layer kernels as the CUDA engine launches them (Qwen3-0.6B's sizes: hidden 1024, intermediate 3072,
@@ -142,7 +168,7 @@ def test_layer_kernels_compile_for_sm90(dtype):
         compile_kernel(triton_kvcache._store_kvcache_kernel,
                        dict(k_ptr=f"*{dtype}", v_ptr=f"*{dtype}", k_cache_ptr=f"*{dtype}", v_cache_ptr=f"*{dtype}",
                             slot_mapping_ptr="*i64", k_stride="i32", v_stride="i32"),
-                       dict(D=1024, BLOCK_D=1024),
+                       dict(D=1024, BLOCK_D=1024, HAS_V=True),
                        aligned=("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "slot_mapping_ptr", "k_stride",
                                 "v_stride"), num_warps=4),
         # q of Qwen3-0.6B's attention (16 heads x 128) with its q norm, out of the fused qkv rows.

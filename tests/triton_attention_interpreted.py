@@ -26,7 +26,7 @@ from nanoinfer.engine.sequence import Sequence  # noqa: E402
 from nanoinfer.kernels import triton_attention  # noqa: E402
 from nanoinfer.kernels.triton_attention import (DecodePartials, TileConfig, decode_attention,  # noqa: E402
                                                 prefill_attention)
-from nanoinfer.layers.attention import get_backend  # noqa: E402
+from nanoinfer.layers.attention import Attention, get_backend  # noqa: E402
 
 # Worst |ours - reference| / (1 + |reference|): fp32 differs in summation order only; fp16/bf16 by about one
 # rounding of the output, plus (fp16) the probabilities rounded to fp16 for the P @ V product.
@@ -216,6 +216,33 @@ def test_decode_kernel_softcap_split_kv(dtype):
     assert _error(ours, reference(q, keys, values, [1] * len(contexts), 0.125, window=10)) > 1e-2
 
 
+LATENT, ROPE = 512, 64  # DeepSeek-V2/V3's kv_lora_rank and qk_rope_head_dim
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_latent_cache_kernels(dtype):
+    """MLA's latent cache at DeepSeek's widths: one KV head of [latent, rope key] rows whose values are the latents
+    (a view of the keys' first 512 entries), 32 query heads taken 16 per program, the tiles the backend picks for
+    them; prefill over the paged cache (a cached prefix before a chunk, a decode row, a fresh prompt), then decode
+    whole and split, against float64 attention with V = K[..., :512]."""
+    g = torch.Generator().manual_seed(13)
+    heads, contexts, q_lens = 32, [40, 17, 33], [9, 1, 33]
+    k_cache, _, tables, keys, _ = paged_cache(contexts, 1, LATENT + ROPE, 16, dtype, g)
+    v_cache, values = k_cache[..., :LATENT], [k[..., :LATENT] for k in keys]
+    context_lens, scale = torch.tensor(contexts, dtype=torch.int32), 192 ** -0.5
+    q = torch.randn(sum(q_lens), heads, LATENT + ROPE, generator=g).to(dtype)
+    ours = prefill_attention(q, k_cache, v_cache, tables, context_lens, _cu(q_lens), _cu(contexts), max(q_lens),
+                             scale)
+    err = _error(ours, reference(q, keys, values, q_lens, scale))
+    assert err < TOLERANCE[dtype], f"prefill: max error {err:.2e}"
+    q = q[:len(contexts)]
+    for segments in (1, 3):
+        partials = DecodePartials.allocate(len(contexts) * segments, heads, LATENT, q.device)
+        ours = decode_attention(q, k_cache, v_cache, tables, context_lens, scale, None, segments, partials)
+        err = _error(ours, reference(q, keys, values, [1] * len(contexts), scale))
+        assert err < TOLERANCE[dtype], f"decode, {segments} segments: max error {err:.2e}"
+
+
 def test_decode_segments_really_split():
     """The 150-token context over 5 segments of 32-key tiles fills all 5 partial rows; the 17-token one fits in
     the first segment and leaves the others empty (max -inf, sum 0). The most segments give the same output."""
@@ -264,6 +291,34 @@ def test_backend_equals_pytorch_backend_on_the_same_metadata(kind, window):
     assert err < 1e-5, f"max |triton - cpu| = {err:.2e}"
 
 
+def latent_attention(backend_name: str, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MLA layer (Attention with value_prefix_dim, DeepSeek's widths, 32 heads) on ModelRunner.prepare's metadata
+    for `batch` through one backend, over stale caches standing in for earlier steps: (output, cache after)."""
+    runner = object.__new__(ModelRunner)  # prepare needs only its input batch and the number of state slots
+    runner.num_state_slots = 0
+    runner.input_batch = InputBatch(8, 1024, 1024, 16, torch.device("cpu"))
+    _, _, meta, _ = runner.prepare(batch, batch.samples)
+    g = torch.Generator().manual_seed(5)
+    layer = Attention(32, LATENT + ROPE, 0.07, 1, value_prefix_dim=LATENT)
+    layer.allocate_cache(11, 16, torch.float32, torch.device("cpu"))
+    layer.k_cache.copy_(torch.randn(layer.k_cache.shape, generator=g))
+    q = torch.randn(meta.slot_mapping.numel(), 32, LATENT + ROPE, generator=g)
+    k = torch.randn(meta.slot_mapping.numel(), 1, LATENT + ROPE, generator=g)
+    layer.backend = get_backend(backend_name, torch.float32)
+    layer.backend.prepare(meta)
+    return layer(q, k, None, meta), layer.k_cache
+
+
+@pytest.mark.parametrize("kind", ["prefix-and-chunk", "decode", "mixed"])
+def test_latent_cache_backend_equals_pytorch_backend(kind):
+    """MLA's latent cache through the triton backend and the PyTorch one (SDPA prefill, the C kernel's decode reading
+    whole rows as values): the same cache (K stored alone) and outputs of 32 heads x the 512 latent values."""
+    (ours, ours_cache), (cpu, cpu_cache) = (latent_attention(name, BATCHES[kind]) for name in ("triton", "cpu"))
+    assert torch.equal(ours_cache, cpu_cache) and ours.shape == cpu.shape and ours.shape[1] == 32 * LATENT
+    err = (ours - cpu).abs().max().item()
+    assert err < 1e-5, f"max |triton - cpu| = {err:.2e}"
+
+
 @pytest.mark.parametrize("kind", ["prefix-and-chunk", "decode", "mixed"])
 def test_softcap_backend_equals_pytorch_backend_on_the_same_metadata(kind):
     """Softcapped scores with a window, through the triton backend and the PyTorch one (explicit scores in prefill,
@@ -294,8 +349,9 @@ def test_backend_segment_policy_and_one_partial_buffer():
     assert backend.num_segments(target, 1) == backend.num_segments(1, target) == 1
     assert backend.num_segments(1, 1) == min(target, triton_attention.MAX_SEGMENTS)
     for num_seqs in range(1, target + 1):
-        for kv_heads in (1, 2, 3, 8):
-            assert num_seqs * backend.num_segments(num_seqs, kv_heads) <= 2 * target
+        for programs in (1, 2, 3, 8):  # per sequence: its KV heads, or its tiles of heads (MLA)
+            segments = backend.num_segments(num_seqs, programs)  # split: partial rows for every (seq, segment)
+            assert segments == 1 or num_seqs * segments <= -(-2 * target // programs)
     runner = object.__new__(ModelRunner)  # prepare needs only its input batch and the number of state slots
     runner.num_state_slots = 0
     runner.input_batch = InputBatch(8, 64, 64, 16, torch.device("cpu"))
@@ -380,13 +436,15 @@ def test_engine_sliding_window_matches_hf(kind, model_dir, captured_logits, repo
 
 
 def test_engine_mla_matches_hf(model_dir, captured_logits, report_logit_diff):
-    """DeepSeek-V3's MLA: heads of 24 (not a power of 2) with V zero-padded from 16, prefilled in 7-token chunks,
-    then again from the prefix cache, decode under the CUDA-graph runner stand-in."""
+    """DeepSeek-V3's MLA over the latent cache (rows of 32 latents + 8 rope dims, the latents as values), prefilled
+    in 7-token chunks, then again from the prefix cache, decode under the CUDA-graph runner stand-in."""
     kind = "deepseek-v3"
     d = model_dir(kind)
     shared = random_prompts(1, 5, 440, 24, 24, seed=12)[0]
     prompts = [shared + tail for tail in random_prompts(2, 5, 440, 1, 12, seed=13)]
     llm = triton_llm(d, max_model_len=64, max_num_batched_tokens=7)
+    attention = llm.llm_engine.model_runner.model.model.layers[0].self_attn.attn
+    assert attention.k_cache.shape[2:] == (1, 32 + 8) and attention.v_cache.shape[2:] == (1, 32)
     cuda_fakes.capture_eager_graphs(llm.llm_engine.model_runner)
     worst = twice_against_hf(llm, d, prompts, 16, captured_logits)
     report_logit_diff(f"{kind}, triton backend, MLA", worst)

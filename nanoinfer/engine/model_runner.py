@@ -203,7 +203,7 @@ class ModelRunner:
         budget minus reserved_bytes (the recurrent state)."""
         layers = self._attention_layers()
         itemsize = self.config.torch_dtype.itemsize
-        block_bytes = sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in layers)
+        block_bytes = sum(self.block_size * a.cache_values_per_token() * itemsize for a in layers)
         num_blocks = self.config.num_kvcache_blocks
         if num_blocks is None and not self.generates:  # the pooling passes never touch the cache
             num_blocks = -(-self.config.max_model_len // self.block_size)
@@ -218,10 +218,7 @@ class ModelRunner:
         else:
             num_blocks = self._cpu_kv_cache_blocks(num_blocks, block_bytes, reserved_bytes)
         for a in layers:
-            shape = (num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
-            # Zeros, not empty: never-written slots are masked, but NaN garbage would leak through the softmax.
-            a.k_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
-            a.v_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
+            a.allocate_cache(num_blocks, self.block_size, self.config.torch_dtype, self.device)
         if self.tp.rank == 0:
             logger.info("KV cache: %d blocks of %d tokens (%d tokens), %.2f GiB%s", num_blocks, self.block_size,
                         num_blocks * self.block_size, num_blocks * block_bytes / 2**30,

@@ -160,14 +160,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def store_kvcache(k: torch.Tensor, v: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
                   slot_mapping: torch.Tensor) -> None:
-    """k, v [tokens, kv_heads, dim] (rows may be strided) into the caches' rows `slot_mapping` (int64; < 0 skips)."""
+    """k, v [tokens, kv_heads, dim] (rows may be strided) into the caches' rows `slot_mapping` (int64; < 0 skips);
+    v None: k alone."""
     row = k_cache[0, 0].numel()
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64
-    (k, k_stride), (v, v_stride) = _per_token(k), _per_token(v)
-    _run("store_kvcache", k.data_ptr(), k_stride, v.data_ptr(), v_stride,
-         k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.contiguous().data_ptr(),
+    assert k_cache.is_contiguous() and (v is None or v_cache.is_contiguous()) and slot_mapping.dtype == torch.int64
+    k, k_stride = _per_token(k)
+    v, v_stride = (None, 0) if v is None else _per_token(v)
+    _run("store_kvcache", k.data_ptr(), k_stride, None if v is None else v.data_ptr(), v_stride,
+         k_cache.data_ptr(), None if v is None else v_cache.data_ptr(), slot_mapping.contiguous().data_ptr(),
          k.shape[0], row, torch.get_num_threads())
 
 

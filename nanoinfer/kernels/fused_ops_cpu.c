@@ -99,14 +99,15 @@ void silu_and_mul(const float *x, float *out, int64_t rows, int64_t n, int64_t n
     }
 }
 
-/* The paged cache's rows at `slots` = this step's k and v rows (row floats each, strided); slot < 0 skips. */
+/* The paged cache's rows at `slots` = this step's k and v rows (row floats each, strided); slot < 0 skips;
+ * v == NULL stores k alone (a cache whose values are its keys' prefix). */
 void store_kvcache(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *k_cache,
                    float *v_cache, const int64_t *slots, int64_t tokens, int64_t row, int64_t num_threads) {
 #pragma omp parallel for num_threads(tokens * row >= PARALLEL_MIN ? num_threads : 1) schedule(static)
     for (int64_t t = 0; t < tokens; ++t) {
         if (slots[t] < 0) continue;
         memcpy(k_cache + slots[t] * row, k + t * k_stride, sizeof(float) * row);
-        memcpy(v_cache + slots[t] * row, v + t * v_stride, sizeof(float) * row);
+        if (v != NULL) memcpy(v_cache + slots[t] * row, v + t * v_stride, sizeof(float) * row);
     }
 }
 

@@ -5,7 +5,10 @@ merges a split decode's segments.
 Every program handles one KV head and all the query heads of its group (GQA): its tile rows are (query token,
 head in group) pairs, so each K/V tile is loaded once per group. K/V tiles are gathered key by key through the
 block table, so any KV block size works. Softmax runs online in fp32, in base 2 with the scale folded in. Scores
-may be soft-capped (Gemma 2): cap * tanh(score / cap), in natural units, before the mask."""
+may be soft-capped (Gemma 2): cap * tanh(score / cap), in natural units, before the mask. Values may be a prefix of
+the keys (DeepSeek's latent cache): q and k are then wider than v, their extra dims read by the scores alone, and
+the one KV head's many query heads are split over programs."""
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +52,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, 
                       context_lens_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, qk_scale, cap_scale, window, num_seqs,
                       num_heads, num_segments, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                       stride_bt,
-                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_DIM: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
                       DECODE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                       SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
@@ -57,7 +61,9 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, 
     one KV head; in a decode step, sequence i's single token. A segment: one of num_segments equal slices (whole
     BLOCK_N tiles) of the keys the tile sees; split, its max, sum and unnormalized output go to the partial buffers
     for the reduce kernel, else the output itself. Scores are q.k * qk_scale in base 2; with SOFTCAP, qk_scale
-    is scale / cap and the score tanh(q.k * qk_scale) * cap_scale, cap_scale = cap * log2(e)."""
+    is scale / cap and the score tanh(q.k * qk_scale) * cap_scale, cap_scale = cap * log2(e). HEAD_DIM is the
+    values' (and the output's) width; q and k rows hold TAIL_DIM more, which only the scores read (MLA: the rope
+    part after the latent, which is also the value)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
@@ -87,6 +93,11 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, 
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:  # Triton's interpreter computes bf16 wrong (triton-lang/triton#11584): there, tiles go fp32
         q = q.to(tl.float32)
+    if TAIL_DIM > 0:
+        offs_t = HEAD_DIM + tl.arange(0, BLOCK_T)
+        t_ok = offs_t < HEAD_DIM + TAIL_DIM
+        q_tail = tl.load(q_ptr + (token * stride_qt + head * stride_qh)[:, None] + offs_t[None, :],
+                         mask=row_ok[:, None] & t_ok[None, :], other=0.0).to(q.dtype)
     # Bottom-right alignment: query j of a sequence with q_len new tokens and context ctx sits at ctx - q_len + j.
     q_pos = ctx - q_len + q_idx
 
@@ -115,7 +126,12 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, 
             rows = (row_base + key_pos).to(tl.int64)
         k = tl.load(k_ptr + kv_head * stride_kh + (rows * stride_kt)[None, :] + offs_d[:, None],
                     mask=d_ok[:, None] & key_ok[None, :], other=0.0).to(q.dtype)
-        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        s = tl.dot(q, k, input_precision=PRECISION)
+        if TAIL_DIM > 0:
+            k_tail = tl.load(k_ptr + kv_head * stride_kh + (rows * stride_kt)[None, :] + offs_t[:, None],
+                             mask=t_ok[:, None] & key_ok[None, :], other=0.0).to(q.dtype)
+            s = tl.dot(q_tail, k_tail, s, input_precision=PRECISION)
+        s = s * qk_scale
         if SOFTCAP:
             s = _tanh(s) * cap_scale
         visible = key_ok[None, :]
@@ -194,9 +210,26 @@ class TileConfig:
     num_stages: int
 
 
+# From this value width on (MLA's latent: 512, its keys 576), tiles are wide_config's: their rows take part of a
+# large group of query heads (heads_per_program), not always a whole one.
+WIDE_BLOCK_D = 512
+
+
+def wide_config(itemsize: int, prefill: bool) -> TileConfig:
+    """Tiles of MLA's 512-wide values and 576-wide keys, as compiled for sm_90 (Triton 3.7.1): in 16 bits, decode
+    16 rows (one token's 16 heads) x 32 keys in 4 warps (87 KB of shared memory), prefill 32 rows in 8 warps
+    (106 KB), neither spilling (64 keys, or 32 rows in 4 warps, do). fp32 16 x 16 in 4 warps (142 KB): tf32x3
+    spills there, as on every fp32 tile (exact, not fast)."""
+    if itemsize == 4:
+        return TileConfig(16, 16, 4, 2)
+    return TileConfig(32, 32, 8, 2) if prefill else TileConfig(16, 32, 4, 2)
+
+
 def prefill_config(group: int, head_dim: int, itemsize: int, max_seqlen_q: int) -> TileConfig:
     """Large query tiles for long prompts (the shapes of Triton's fused-attention tutorial on an H100), small
-    ones for short chunks; always at least one token's whole group."""
+    ones for short chunks; always at least one token's whole group (but for wide heads, see WIDE_BLOCK_D)."""
+    if _block_d(head_dim) >= WIDE_BLOCK_D:
+        return wide_config(itemsize, prefill=True)
     wide = head_dim <= 128 and itemsize == 2
     # fp32 past head_dim 128 (256-wide tiles) takes 256 KB of shared memory at 64 query rows (Triton 3.7.1, sm_90),
     # more than an H100 has (227 KB): the launch fails. At 32 rows it takes 136 KB.
@@ -210,37 +243,51 @@ def prefill_config(group: int, head_dim: int, itemsize: int, max_seqlen_q: int) 
 
 def decode_config(group: int, head_dim: int, itemsize: int) -> TileConfig:
     """One token's group of heads (rows padded to 16 for tl.dot), K/V tiles double-buffered."""
+    if _block_d(head_dim) >= WIDE_BLOCK_D:
+        return wide_config(itemsize, prefill=False)
     wide = head_dim <= 128 and itemsize == 2
     return TileConfig(max(16, triton.next_power_of_2(group)), 64 if wide else 32, 4, 2)
+
+
+def heads_per_program(group: int, block_m: int) -> int:
+    """A program's query heads: its KV head's whole group, or, for a group larger than the tile's rows (MLA's one
+    KV head for all heads), the largest divisor of the group that fits."""
+    return group if group <= block_m else max(d for d in range(1, block_m + 1) if group % d == 0)
+
+
+@functools.cache  # per layer and step, on the eager path
+def decode_programs(num_heads: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """Programs per sequence of an unsplit decode: one per KV head, or per tile of its heads."""
+    group = num_heads // num_kv_heads
+    return num_heads // heads_per_program(group, decode_config(group, head_dim, itemsize).block_m)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                       max_seqlen_q: int, scale: float, causal: bool = True, window: int | None = None,
                       config: TileConfig | None = None, soft_cap: float | None = None) -> torch.Tensor:
-    """q [tokens, heads, dim] -> [tokens, heads * dim]. k, v: the paged caches [blocks, block_size, kv_heads, dim]
-    (keys through block_tables), or this step's [tokens, kv_heads, dim] when each context is just this step's
-    tokens (rows from cu_seqlens_k). Causal: query j of a sequence with n new tokens and context c sits at
-    c - n + j and sees the keys at positions <= its own (and > its own - window with a window). With soft_cap,
-    each scaled score s becomes soft_cap * tanh(s / soft_cap)."""
+    """q [tokens, heads, dim] -> [tokens, heads * v dim]. k, v: the paged caches [blocks, block_size, kv_heads,
+    dim] (keys through block_tables), or this step's [tokens, kv_heads, dim] when each context is just this step's
+    tokens (rows from cu_seqlens_k); v narrower than q and k: K's prefix (a view of it). Causal: query j of a
+    sequence with n new tokens and context c sits at c - n + j and sees the keys at positions <= its own (and > its
+    own - window with a window). With soft_cap, each scaled score s becomes soft_cap * tanh(s / soft_cap)."""
     group = q.shape[1] // k.shape[-2]
-    config = config or prefill_config(group, q.shape[-1], q.element_size(), max_seqlen_q)
-    num_tiles = q.shape[0] // (config.block_m // group) + context_lens.shape[0]
+    config = config or prefill_config(group, v.shape[-1], q.element_size(), max_seqlen_q)
     return _attention(q, k, v, block_tables, context_lens, cu_seqlens_q, cu_seqlens_k, scale, soft_cap, causal,
-                      window if causal else None, config, num_tiles, decode=False)
+                      window if causal else None, config, decode=False)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, window: int | None = None, num_segments: int = 1,
                      partials: DecodePartials | None = None, config: TileConfig | None = None,
                      soft_cap: float | None = None) -> torch.Tensor:
-    """One query token per sequence: q [seqs, heads, dim] over the paged caches -> [seqs, heads * dim]; a context
+    """One query token per sequence: q [seqs, heads, dim] over the paged caches -> [seqs, heads * v dim]; a context
     length 0 gives zeros. With num_segments > 1 each context is split into that many segments computed in
-    parallel into `partials` (capacity >= seqs * num_segments), then merged by a reduce kernel. soft_cap: as in
-    prefill_attention."""
-    config = config or decode_config(q.shape[1] // k_cache.shape[2], q.shape[-1], q.element_size())
+    parallel into `partials` (capacity >= seqs * num_segments), then merged by a reduce kernel. soft_cap and a v
+    narrower than k: as in prefill_attention."""
+    config = config or decode_config(q.shape[1] // k_cache.shape[2], v_cache.shape[-1], q.element_size())
     return _attention(q, k_cache, v_cache, block_tables, context_lens, None, None, scale, soft_cap, True, window,
-                      config, q.shape[0], decode=True, num_segments=num_segments, partials=partials)
+                      config, decode=True, num_segments=num_segments, partials=partials)
 
 
 def _score_scales(scale: float, soft_cap: float | None) -> tuple[float, float]:
@@ -253,13 +300,13 @@ def _score_scales(scale: float, soft_cap: float | None) -> tuple[float, float]:
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
                scale: float, soft_cap: float | None, causal: bool, window: int | None, config: TileConfig,
-               num_tiles: int, decode: bool, num_segments: int = 1, partials: DecodePartials | None = None
-               ) -> torch.Tensor:
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[-2]
+               decode: bool, num_segments: int = 1, partials: DecodePartials | None = None) -> torch.Tensor:
+    num_tokens, num_heads, qk_dim = q.shape
+    head_dim, num_kv_heads = v.shape[-1], k.shape[-2]  # head_dim: the values' and the output's
     paged = k.dim() == 4
-    assert num_heads % num_kv_heads == 0 and k.shape[-1] == v.shape[-1] == head_dim and q.dtype == k.dtype == v.dtype
-    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and (not paged or k.is_contiguous() and v.is_contiguous())
+    assert num_heads % num_kv_heads == 0 and k.shape[-1] == qk_dim >= head_dim and q.dtype == k.dtype == v.dtype
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    assert not paged or k.is_contiguous() and v.stride(0) == v.shape[1] * v.stride(1)  # slots: block * size + offset
     assert 1 <= num_segments <= MAX_SEGMENTS
     out = q.new_empty(num_tokens, num_heads * head_dim)
     if num_tokens == 0:
@@ -271,15 +318,21 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: 
     else:
         bufs = (out, out, out)  # not read
     group = num_heads // num_kv_heads
-    block_d = _block_d(head_dim)
+    tile_heads = heads_per_program(group, config.block_m)
+    if tile_heads < group:  # the one KV head, seen by each tile of heads as a KV head of its own (stride 0)
+        assert num_kv_heads == 1
+        num_kv_heads, group = group // tile_heads, tile_heads
+        k, v = (x.expand(*x.shape[:-2], num_kv_heads, x.shape[-1]) for x in (k, v))
+    num_tiles = num_tokens if decode else num_tokens // (config.block_m // group) + context_lens.shape[0]
+    block_d, tail = _block_d(head_dim), qk_dim - head_dim
     cu_q = context_lens if cu_seqlens_q is None else cu_seqlens_q  # not read in a decode step
     cu_k = context_lens if cu_seqlens_k is None else cu_seqlens_k
     _attention_kernel[(num_tiles, num_kv_heads, num_segments)](
         q, k, v, out, *bufs, block_tables, context_lens, cu_q, cu_k, *_score_scales(scale, soft_cap), window or 0,
         context_lens.shape[0], num_heads, num_segments, q.stride(0), q.stride(1), k.stride(-3), k.stride(-2),
         v.stride(-3), v.stride(-2), block_tables.stride(0), GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=config.block_m, BLOCK_Q=config.block_m // group, BLOCK_N=config.block_n,
-        KV_BLOCK_SIZE=k.shape[1] if paged else 1, DECODE=decode, PAGED=paged, CAUSAL=causal,
+        TAIL_DIM=tail, BLOCK_T=_block_d(tail), BLOCK_M=config.block_m, BLOCK_Q=config.block_m // group,
+        BLOCK_N=config.block_n, KV_BLOCK_SIZE=k.shape[1] if paged else 1, DECODE=decode, PAGED=paged, CAUSAL=causal,
         HAS_WINDOW=window is not None, SPLIT=split, SOFTCAP=soft_cap is not None, num_warps=config.num_warps,
         num_stages=config.num_stages,
         # fp32 dots as three TF32 products (fp32-accurate; Triton's default, one TF32 product, is not; "ieee"

@@ -56,17 +56,42 @@ def softmax_scale(config: PretrainedConfig) -> float:
     return scale
 
 
-def pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
-    return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
+class MLAUpProjection(ColumnParallelLinear):
+    """kv_b_proj, loaded as the checkpoint holds it (each rank its heads' rows), then split into its two halves per
+    head and never run as a linear: W_UK [heads, qk_nope, kv_lora_rank] takes q_nope into the latent space (the
+    keys' up-projection absorbed into the query) and W_UV [heads, kv_lora_rank, v_head_dim] takes each head's
+    attention output over the latents up to its value space: one batched matmul each, over the heads."""
+
+    def __init__(self, kv_lora_rank: int, num_heads: int, nope_dim: int, v_dim: int):
+        super().__init__(kv_lora_rank, num_heads * (nope_dim + v_dim))
+        self.nope_dim, self.v_dim = nope_dim, v_dim
+        self.w_uk = self.w_uv = torch.empty(0)
+
+    def process_weights_after_loading(self, batch_size_hint: int) -> None:
+        w = self.weight.view(-1, self.nope_dim + self.v_dim, self.weight.shape[1])
+        self.w_uk = w[:, :self.nope_dim].contiguous()
+        self.w_uv = w[:, self.nope_dim:].transpose(1, 2).contiguous()
+        self.weight.data = self.weight.data.new_empty(0)  # w_uk and w_uv are the copies used from now on
+
+    def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [tokens, heads, qk_nope] -> [tokens, heads, kv_lora_rank]: q_nope . (W_UK c) = (q_nope W_UK) . c."""
+        return torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+
+    def up_project_output(self, o: torch.Tensor) -> torch.Tensor:
+        """o [tokens, heads, kv_lora_rank] (softmax-weighted latents) -> [tokens, heads * v_head_dim]."""
+        return torch.bmm(o.transpose(0, 1), self.w_uv).transpose(0, 1).flatten(1)
 
 
 class DeepseekV2Attention(nn.Module):
-    """MLA with the decompressed cache: each head's key (its own qk_nope part, the shared rope part) and value are
-    what the paged cache stores, through the same backends as every other family. The backends take K and V of one
-    head size, so V is zero-padded to K's (and the output sliced back): it costs memory (vLLM caches the
-    kv_lora_rank latent plus the rope key instead, 1/85 of this for DeepSeek-V3); the latent cache is future work.
-    q_b_proj (or q_proj), kv_b_proj are column-parallel over heads, o_proj row-parallel; the latent projections and
-    their norms are replicated."""
+    """MLA with vLLM's latent KV cache: per token and layer the cache holds only the normalized latent c_kv
+    (kv_lora_rank) and the roped key k_pe (qk_rope_head_dim), as ONE KV head that every query head reads (MQA).
+    With kv_b_proj's halves absorbed (MLAUpProjection), head h's score is q_nope . (W_UK[h] c) + q_pe . k_pe =
+    [q_nope W_UK[h], q_pe] . [c, k_pe], its value W_UV[h] c: attention over the cached rows with the latent (each
+    row's first kv_lora_rank entries) as the value, then W_UV per head. Prefill takes this path too: vLLM prefills
+    with the decompressed per-head K/V instead (head dims 192/128 against 576/512 here, ~3x fewer FLOPs where
+    prefill is compute-bound), at the price of a second attention path; this engine keeps one, so chunked prefill
+    and prefix hits read the same cache in the same way. q_b_proj (or q_proj), kv_b_proj are column-parallel over
+    heads, o_proj row-parallel; the latent projections, their norms and so the cache are replicated."""
 
     def __init__(self, config: PretrainedConfig, options: AttentionOptions):
         super().__init__()
@@ -84,30 +109,28 @@ class DeepseekV2Attention(nn.Module):
             self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, heads * qk_dim)
         self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, config.kv_lora_rank + self.rope_dim, bias)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, 1e-6)
-        self.kv_b_proj = ColumnParallelLinear(config.kv_lora_rank, heads * (self.nope_dim + self.v_dim))
+        self.kv_b_proj = MLAUpProjection(config.kv_lora_rank, heads, self.nope_dim, self.v_dim)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias)
         self.rotary_emb = get_rope(config, self.rope_dim, config.max_position_embeddings,
                                    interleaved=options.rope_interleaved)
-        self.head_dim = max(qk_dim, self.v_dim)  # the cache's; zero-padding q and k leaves the scores as they are
-        self.attn = Attention(self.num_heads, self.head_dim, softmax_scale(config), self.num_heads)
+        # The scale of the decompressed scores, which the absorbed ones equal.
+        self.attn = Attention(self.num_heads, self.kv_lora_rank + self.rope_dim, softmax_scale(config), 1,
+                              value_prefix_dim=self.kv_lora_rank)
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         return q.view(-1, self.num_heads, self.nope_dim + self.rope_dim)
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q = self.query(x)
+        q_nope, q_rope = self.query(x).split([self.nope_dim, self.rope_dim], -1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(-1, self.num_heads, self.nope_dim + self.v_dim)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], -1)
-        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], -1)
         k_rope = k_rope.unsqueeze(1)
         if positions is not None:  # None: an encoder pass (see LLM.embed)
             q_rope, k_rope = self.rotary_emb(positions, q_rope, k_rope)
-        q = pad_last(torch.cat([q_nope, q_rope], -1), self.head_dim)
-        k = pad_last(torch.cat([k_nope, k_rope.expand(-1, self.num_heads, -1)], -1), self.head_dim)
-        o = self.attn(q, k, pad_last(v, self.head_dim), meta)
-        return self.o_proj(o.view(-1, self.num_heads, self.head_dim)[..., :self.v_dim].flatten(1))
+        q = torch.cat([self.kv_b_proj.absorb_query(q_nope), q_rope], -1)
+        k = torch.cat([self.kv_a_layernorm(latent).unsqueeze(1), k_rope], -1)
+        o = self.attn(q, k, None, meta)
+        return self.o_proj(self.kv_b_proj.up_project_output(o.view(-1, self.num_heads, self.kv_lora_rank)))
 
 
 class DeepseekRouter(nn.Module):

@@ -23,27 +23,50 @@ def get_backend(name: str, dtype: torch.dtype, device: torch.device = torch.devi
 class Attention(nn.Module):
     """Stores this step's K/V into the paged cache, then attends over each sequence's whole context, or over the
     last `sliding_window` positions of it (the query's own included). With `logits_soft_cap` (Gemma 2), each
-    scaled score s becomes logits_soft_cap * tanh(s / logits_soft_cap) before masking and softmax."""
+    scaled score s becomes logits_soft_cap * tanh(s / logits_soft_cap) before masking and softmax. With
+    `value_prefix_dim` (DeepSeek's latent cache, MLA), each value is its key's first value_prefix_dim entries: the
+    layer takes no v, only K is cached, and the output per head is value_prefix_dim wide."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 value_prefix_dim: int | None = None):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         if logits_soft_cap is not None and not logits_soft_cap > 0:
             raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
+        if value_prefix_dim is not None and not 0 < value_prefix_dim < head_dim:
+            raise ValueError(f"value_prefix_dim must be in (0, head_dim={head_dim}) or None, got {value_prefix_dim}")
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
+        self.value_prefix_dim = value_prefix_dim
         self.k_cache = self.v_cache = torch.empty(0)  # [num_blocks, block_size, kv_heads, head_dim], set by ModelRunner
         self.backend = None  # set by ModelRunner with the cache
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def cache_values_per_token(self) -> int:
+        """What the cache holds per token: K and V of every KV head, or K alone when V is its prefix."""
+        return self.num_kv_heads * self.head_dim * (1 if self.value_prefix_dim else 2)
+
+    def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        # Zeros, not empty: never-written slots are masked, but NaN garbage would leak through the softmax.
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        # With V as K's prefix, the V cache is a view of the K cache: backends read it like any V cache.
+        self.v_cache = (self.k_cache[..., :self.value_prefix_dim] if self.value_prefix_dim
+                        else torch.zeros(shape, dtype=dtype, device=device))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, meta: AttentionMetadata
+                ) -> torch.Tensor:
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.value_prefix_dim:  # V is K's prefix: the backend stores K alone (v None)
+            v, stored_v, stored_v_cache = k[..., :self.value_prefix_dim], None, None
+        else:
+            v = stored_v = v.view(-1, self.num_kv_heads, self.head_dim)
+            stored_v_cache = self.v_cache
         # Nothing to store in an encoder pass, nor during the warm-up that sizes the cache on CUDA.
         if meta.slot_mapping is not None and self.k_cache.numel():
-            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            self.backend.store_kvcache(k, stored_v, self.k_cache, stored_v_cache, meta.slot_mapping)
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
                                     self.logits_soft_cap)
 

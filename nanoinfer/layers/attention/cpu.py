@@ -68,7 +68,7 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     if mask is not None:  # [batch, 1, n, keys] -> [batch, 1, 1, n, keys] over (KV head, head in group)
         scores = scores.masked_fill(~(mask.unsqueeze(1) if mask.dim() == 4 else mask), float("-inf"))
     probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v.unsqueeze(2)).view(b, heads, n, dim)
+    return torch.matmul(probs, v.unsqueeze(2)).view(b, heads, n, v.shape[-1])
 
 
 class CPUAttentionBackend:
@@ -97,28 +97,30 @@ class CPUAttentionBackend:
         cu, ctx = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist()
         meta.backend_state = CPUState([(cu[i], cu[i + 1], ctx[i]) for i in range(meta.num_seqs)])
 
-    def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+    def store_kvcache(self, k: torch.Tensor, v: torch.Tensor | None, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
+        """v None: k alone (a cache whose values are its keys' prefix)."""
         if use_cpu_kernels(k):
             return store_kvcache(k, v, k_cache, v_cache, slot_mapping)
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+        if v is not None:
+            v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
                 soft_cap: float | None = None) -> torch.Tensor:
         """q [tokens, heads, dim] and this step's k, v [tokens, kv_heads, dim], already stored in the cache
-        -> [tokens, heads * dim]. With a window, a query at position p sees keys at p - window < position <= p.
-        With soft_cap, each scaled score s becomes soft_cap * tanh(s / soft_cap) before the mask."""
+        -> [tokens, heads * v dim]. With a window, a query at position p sees keys at p - window < position <= p.
+        With soft_cap, each scaled score s becomes soft_cap * tanh(s / soft_cap) before the mask. A V narrower than
+        K is K's prefix (a view of it, the cache's too: Attention's value_prefix_dim)."""
         state: CPUState = meta.backend_state
         if state is not None and state.row_context_lens is not None:
-            return paged_decode_attention(q, k_cache, v_cache, state.row_block_tables, state.row_context_lens, scale,
-                                          window, soft_cap).flatten(1)
+            return _kernel_decode(q, k_cache, v_cache, state.row_block_tables, state.row_context_lens, scale, window,
+                                  soft_cap)
         if not meta.is_decode:
             return self._prefill(q, k, v, k_cache, v_cache, meta, scale, window if meta.causal else None, soft_cap)
         if self.decode_kernel:
-            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                          window, soft_cap).flatten(1)
+            return _kernel_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window, soft_cap)
         b, slots = meta.num_seqs, state.mask.shape[-1]
         mask = state.mask
         if window is not None:
@@ -138,7 +140,8 @@ class CPUAttentionBackend:
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None,
                  soft_cap: float | None) -> torch.Tensor:
-        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        # This step's v may be None where every sequence attends over the cache alone.
+        out = q.new_empty(q.shape[0], q.shape[1] * (v_cache if v is None else v).shape[-1])
         for i, (start, end, ctx) in enumerate(meta.backend_state.spans):
             n = end - start
             # Query j sits at position ctx - n + j; the earliest key any of them sees is first.
@@ -149,7 +152,8 @@ class CPUAttentionBackend:
                 blocks = meta.block_tables[i, first // meta.block_size:-(-ctx // meta.block_size)]
                 skip = first % meta.block_size
                 ks = self._gather("k", k_cache, blocks).flatten(0, 1)[skip:skip + ctx - first]
-                vs = self._gather("v", v_cache, blocks).flatten(0, 1)[skip:skip + ctx - first]
+                vs = (ks[..., :v_cache.shape[-1]] if v_cache.shape[-1] < k_cache.shape[-1]  # V is K's prefix
+                      else self._gather("v", v_cache, blocks).flatten(0, 1)[skip:skip + ctx - first])
             mask = None
             if ctx != n or (window is not None and window < n):
                 q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
@@ -170,6 +174,19 @@ class CPUAttentionBackend:
         if buf is None or buf.numel() < numel or buf.dtype != cache.dtype:
             buf = self._buffers[name] = cache.new_empty(numel)
         return torch.index_select(cache, 0, block_index, out=buf[:numel].view(shape))
+
+
+def _kernel_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                   context_lens: torch.Tensor, scale: float, window: int | None, soft_cap: float | None
+                   ) -> torch.Tensor:
+    """The C decode kernel -> [seqs, heads * v dim]. With V as K's prefix, the kernel (whose V rows are laid out
+    as K's) reads the whole K rows as values and each head's output keeps the prefix: the rest (MLA's rope part,
+    64 of 576 for DeepSeek-V3) is ~10% more accumulation for no new kernel."""
+    if v_cache.shape[-1] == k_cache.shape[-1]:
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window,
+                                      soft_cap).flatten(1)
+    out = paged_decode_attention(q, k_cache, k_cache, block_tables, context_lens, scale, window, soft_cap)
+    return out[..., :v_cache.shape[-1]].flatten(1)
 
 
 def _query_rows_as_decodes(meta: AttentionMetadata) -> CPUState:

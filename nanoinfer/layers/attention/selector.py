@@ -15,6 +15,9 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
 # The Triton kernels keep a [rows, head_dim] fp32 accumulator in registers.
 TRITON_MAX_HEAD_DIM = 256
+# MLA's latent cache (values = the keys' first kv_lora_rank entries) through Triton's wide tiles, compiled and
+# checked for DeepSeek's 512 + 64.
+TRITON_MAX_LATENT_DIM, TRITON_MAX_LATENT_ROPE_DIM = 512, 64
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -68,10 +71,11 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def select_backend(requested: str, device: torch.device) -> str:
+def select_backend(requested: str, device: torch.device, latent_cache: bool = False) -> str:
     """'flash' on CUDA with flash-attn installed, else 'triton' (paged Triton kernels; triton ships with CUDA
     builds of torch); 'cpu', the PyTorch backend, on the CPU or when asked for. 'triton' on a CPU device runs
-    in Triton's interpreter, which only TRITON_INTERPRET=1 turns on (tests prove the kernels' logic that way)."""
+    in Triton's interpreter, which only TRITON_INTERPRET=1 turns on (tests prove the kernels' logic that way).
+    latent_cache (MLA): 'auto' never picks flash, which cannot run it (see check_backend_limits)."""
     if requested not in BACKEND_CHOICES:
         raise ValueError(f"unknown attention_backend {requested!r}; use one of {list(BACKEND_CHOICES)}")
     if requested == "triton":
@@ -83,7 +87,7 @@ def select_backend(requested: str, device: torch.device) -> str:
         return "cpu"
     if requested == "cpu":
         return "cpu"
-    if flash_attn_available():
+    if flash_attn_available() and (requested == "flash" or not latent_cache):  # asked for: refused by its limits
         return "flash"
     if requested == "flash":
         raise ValueError("attention_backend='flash' needs flash-attn and triton: pip install 'nanoinfer[cuda]'")
@@ -101,7 +105,11 @@ def _check_triton(device: torch.device) -> None:
                          "slow: for tests); use attention_backend='cpu' on the CPU")
 
 
-def check_backend_limits(backend: str, block_size: int, dtype: torch.dtype, head_dim: int) -> None:
+def check_backend_limits(backend: str, block_size: int, dtype: torch.dtype, head_dim: int,
+                         latent_dim: int | None = None) -> None:
+    """head_dim: the cache's; latent_dim: MLA's latent, the values' width (K's prefix), or None."""
+    if latent_dim is not None:
+        return _check_latent_limits(backend, head_dim, latent_dim)
     if backend == "triton" and head_dim > TRITON_MAX_HEAD_DIM:
         raise ValueError(f"the triton attention backend supports head_dim <= {TRITON_MAX_HEAD_DIM}, the model has "
                          f"{head_dim}; use attention_backend='cpu'")
@@ -117,3 +125,17 @@ def check_backend_limits(backend: str, block_size: int, dtype: torch.dtype, head
     if head_dim > FLASH_MAX_HEAD_DIM:
         raise ValueError(f"flash-attn supports head_dim <= {FLASH_MAX_HEAD_DIM}, the model has {head_dim}; "
                          f"use attention_backend='cpu'")
+
+
+def _check_latent_limits(backend: str, head_dim: int, latent_dim: int) -> None:
+    if backend == "flash":
+        # flash-attn 2 takes K and V of one head size up to 256; the latent cache's keys are 576 wide for DeepSeek-V3
+        # and its values their first 512.
+        raise ValueError("flash-attn cannot run MLA's latent KV cache (values a prefix of the keys, "
+                         f"{latent_dim} of {head_dim}); use attention_backend='triton' (the default for this model "
+                         "on CUDA) or 'cpu'")
+    rope_dim = head_dim - latent_dim
+    if backend == "triton" and (latent_dim > TRITON_MAX_LATENT_DIM or rope_dim > TRITON_MAX_LATENT_ROPE_DIM):
+        raise ValueError(f"the triton attention backend runs MLA with kv_lora_rank <= {TRITON_MAX_LATENT_DIM} and "
+                         f"qk_rope_head_dim <= {TRITON_MAX_LATENT_ROPE_DIM}, the model has {latent_dim} and "
+                         f"{rope_dim}; use attention_backend='cpu'")
