@@ -305,8 +305,9 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: 
     head_dim, num_kv_heads = v.shape[-1], k.shape[-2]  # head_dim: the values' and the output's
     paged = k.dim() == 4
     assert num_heads % num_kv_heads == 0 and k.shape[-1] == qk_dim >= head_dim and q.dtype == k.dtype == v.dtype
-    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-    assert not paged or k.is_contiguous() and v.stride(0) == v.shape[1] * v.stride(1)  # slots: block * size + offset
+    # Unit last strides; paged slots address rows as block * size + offset.
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and (
+        not paged or k.is_contiguous() and v.stride(0) == v.shape[1] * v.stride(1))
     assert 1 <= num_segments <= MAX_SEGMENTS
     out = q.new_empty(num_tokens, num_heads * head_dim)
     if num_tokens == 0:
@@ -319,8 +320,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: 
         bufs = (out, out, out)  # not read
     group = num_heads // num_kv_heads
     tile_heads = heads_per_program(group, config.block_m)
-    if tile_heads < group:  # the one KV head, seen by each tile of heads as a KV head of its own (stride 0)
-        assert num_kv_heads == 1
+    if tile_heads < group:  # only MLA's one KV head: seen by each tile of heads as a KV head of its own (stride 0)
         num_kv_heads, group = group // tile_heads, tile_heads
         k, v = (x.expand(*x.shape[:-2], num_kv_heads, x.shape[-1]) for x in (k, v))
     num_tiles = num_tokens if decode else num_tokens // (config.block_m // group) + context_lens.shape[0]
