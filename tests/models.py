@@ -117,8 +117,9 @@ def build_tokenizer(dir) -> "transformers.PreTrainedTokenizerFast":  # noqa: F82
 
 MODEL_KINDS = ("qwen3", "qwen3-untied", "qwen2", "llama")  # the 4 main architectures
 # Further families, each tested on its own (not in every any_model_dir test).
-# Qwen3-Next: Gated DeltaNet + gated attention layers, a dense MLP and sparse MoE ones.
-QWEN3_NEXT_KINDS = ("qwen3-next",)
+# Qwen3-Next: Gated DeltaNet + gated attention layers, a dense MLP and sparse MoE ones. Qwen3.5: the same layers
+# with the linear attention's projections stored per output, dense MLPs; Qwen3.5-MoE: experts on every layer.
+QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # Gemma 3: sliding and full layers with different ropes, (1 + weight) norms, GeLU-tanh, final-logit softcapping.
 # Gemma 2: Gemma 3's layout without q/k norms, one rope, attention-logit softcapping. Gemma: two norms per layer, no
 # softcapping, no window, one KV head (as Gemma-2B).
@@ -190,7 +191,8 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "phi3": 2468, "granite": 3579, "smollm3": 4680, "olmo2": 1470, "olmo3": 2581, OLMO2_MQA_KIND: 3692,
           "mixtral": 3581, "qwen2-moe": 4681, "granitemoe": 5791, "granitemoe-shared": 6802, ODD_KIND: 9012,
           "starcoder2": 7913, "stablelm": 8024, "phi": 9135, "gpt-neox": 1246, "cohere": 2357, "glm4": 3468,
-          "glm": 4579, "gpt2": 5680, "deepseek-v2": 6791, "deepseek-v2-group": 7802, "deepseek-v3": 8913}
+          "glm": 4579, "gpt2": 5680, "deepseek-v2": 6791, "deepseek-v2-group": 7802, "deepseek-v3": 8913,
+          "qwen3.5": 9024, "qwen3.5-moe": 1135}
 
 
 def _token_ids():
@@ -203,7 +205,7 @@ def make_config(kind: str):
     from transformers import (CohereConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig,
                               GPT2Config, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
                               LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config,
-                              PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
+                              PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
                               SmolLM3Config, StableLmConfig, Starcoder2Config)
 
     ids = _token_ids()
@@ -319,30 +321,7 @@ def make_config(kind: str):
             },
         )
     if kind in QWEN3_NEXT_KINDS:
-        return Qwen3NextConfig(
-            **_COMMON,
-            **special,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25},
-            # Linear attention first, then alternating: a linear layer also follows a full one.
-            layer_types=["linear_attention", "full_attention", "linear_attention"],
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,  # two value heads per key head
-            linear_key_head_dim=16,
-            linear_value_head_dim=24,  # != the key head dim, so a transposed state would fail
-            linear_conv_kernel_dim=4,
-            # Layers 1 and 2 route each token to 2 of 8 experts plus the gated shared expert; layer 0 is dense.
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[0],
-        )
+        return qwen3_next_config(kind, special)
     if kind == "gemma":
         return GemmaConfig(
             **{k: v for k, v in _COMMON.items() if k != "hidden_act"},
@@ -535,6 +514,34 @@ def make_config(kind: str):
         return CohereConfig(**layernorm, num_key_value_heads=2, hidden_act="silu", use_qk_norm=True, logit_scale=0.5,
                             tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND, OLMO2_MQA_KIND)}")
+
+
+def qwen3_next_config(kind: str, special: dict):
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
+
+    hybrid = dict(
+        **_COMMON,
+        **special,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25},
+        # Linear attention first, then alternating: a linear layer also follows a full one.
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,  # two value heads per key head
+        linear_key_head_dim=16,
+        linear_value_head_dim=24,  # != the key head dim, so a transposed state would fail
+        linear_conv_kernel_dim=4,
+    )
+    experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    if kind == "qwen3.5":
+        return Qwen3_5TextConfig(**hybrid)
+    if kind == "qwen3.5-moe":  # every layer's MLP: 2 of 8 experts (renormalized) plus the gated shared expert
+        return Qwen3_5MoeTextConfig(**{k: v for k, v in hybrid.items() if k != "intermediate_size"}, **experts)
+    # Layers 1 and 2 route each token to 2 of 8 experts plus the gated shared expert; layer 0 is dense.
+    return Qwen3NextConfig(**hybrid, **experts, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0])
 
 
 def deepseek_config(kind: str, special: dict):
