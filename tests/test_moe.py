@@ -1,4 +1,4 @@
-"""Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek): the fused expert layer against transformers' own
+"""Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, DeepSeek): the fused expert layer against transformers' own
 MoE block, its tensor-parallel shards, which layers are sparse, checkpoint layouts (per expert as on the Hub,
 Mixtral's names, transformers' stacked experts) and mapping errors; on whole models, routing equal to transformers'
 and varied, chunked prefill + prefix cache + preemption, with TP=1 and 2 (DeepSeek's too; its routers and the rest:
@@ -162,7 +162,7 @@ def hf_routing(model_dir, tokens: list[int]) -> list[tuple[torch.Tensor, torch.T
     return found
 
 
-@pytest.mark.parametrize("kind", NEW_KINDS)
+@pytest.mark.parametrize("kind", NEW_KINDS + ("olmoe",))
 def test_routing_is_transformers_own_and_varied(kind, model_dir):
     """Our routers pick the same experts as transformers' for every token of prompts and continuations; the
     choice varies (every expert is used in every sparse layer, most pairs occur) and the k-th expert leads the next
@@ -178,7 +178,7 @@ def test_routing_is_transformers_own_and_varied(kind, model_dir):
             llm.generate([tokens], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
         for h in hooks:
             h.remove()
-    assert len(blocks) == (3 if kind == "mixtral" else 2)  # qwen2-moe: layer 1 is dense (mlp_only_layers)
+    assert len(blocks) == (2 if kind == "qwen2-moe" else 3)  # qwen2-moe: layer 1 is dense (mlp_only_layers)
     k = blocks[0].experts.top_k
     chosen: list[list[torch.Tensor]] = [[] for _ in blocks]
     for n, tokens in enumerate(sequences):
@@ -211,7 +211,7 @@ def test_mixtral_hub_layout_loads(model_dir):
 
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("kind", NEW_KINDS + ("granitemoe-shared",) + DEEPSEEK_KINDS)
+@pytest.mark.parametrize("kind", NEW_KINDS + ("granitemoe-shared", "olmoe") + DEEPSEEK_KINDS)
 def test_chunked_prefill_prefix_cache_and_preemption_match_hf(kind, tp, model_dir, captured_logits,
                                                               report_logit_diff):
     """Shared 24-token prefixes, prefilled in 7-token chunks, a cache too small for every sequence (preemption),
