@@ -8,6 +8,12 @@ from nanoinfer.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2MoE, c
 from nanoinfer.models.llama import AttentionOptions
 
 
+def mtp_layer_prefixes(config: PretrainedConfig) -> tuple[str, ...]:
+    """The checkpoints' multi-token-prediction layers (numbered after the last decoder layer): not used here."""
+    mtp_layers = getattr(config, "num_nextn_predict_layers", 0) or 0
+    return tuple(f"model.layers.{config.num_hidden_layers + i}." for i in range(mtp_layers))
+
+
 class DeepseekV3MoE(DeepseekV2MoE):
     correction_bias = True
 
@@ -32,7 +38,4 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config)
-        # The checkpoints' multi-token-prediction layers (numbered after the last decoder layer): not used here.
-        mtp_layers = getattr(config, "num_nextn_predict_layers", 0) or 0
-        self.ignored_weight_prefixes = tuple(f"model.layers.{config.num_hidden_layers + i}."
-                                             for i in range(mtp_layers))
+        self.ignored_weight_prefixes = mtp_layer_prefixes(config)
