@@ -1,11 +1,12 @@
 """DeepSeek-V3 (and R1): DeepSeek-V2's MLA and MoE (deepseek_v2.py) with sigmoid scores, chosen on score +
 `e_score_correction_bias` within the best groups ("noaux_tc"), and the rope layout set by `rope_interleave`."""
 import torch
+from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.fused_moe import select_experts_sigmoid_biased
 from nanoinfer.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2MoE, check_moe_config
-from nanoinfer.models.llama import AttentionOptions
+from nanoinfer.models.llama import AttentionOptions, LlamaMLP
 
 
 def mtp_layer_prefixes(config: PretrainedConfig) -> tuple[str, ...]:
@@ -25,6 +26,12 @@ class DeepseekV3MoE(DeepseekV2MoE):
     def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return select_experts_sigmoid_biased(self.gate(x), self.top_k, self.gate.e_score_correction_bias,
                                              self.num_groups, self.topk_group, self.renormalize, self.scaling)
+
+
+def deepseek_v3_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
+    """DeepSeek-V3's layer rule, which GLM-4.5 and dots.llm1 follow: the first `first_k_dense_replace` MLPs dense, the
+    others its MoE."""
+    return LlamaMLP(config) if layer_idx < config.first_k_dense_replace else DeepseekV3MoE(config)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
