@@ -1,4 +1,4 @@
-"""Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5, dots.llm1, DeepSeek): the fused expert layer against transformers' own
+"""Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5, dots.llm1, ERNIE 4.5, DeepSeek): the fused expert layer against transformers' own
 MoE block, its tensor-parallel shards, which layers are sparse, checkpoint layouts (per expert as on the Hub,
 Mixtral's names, transformers' stacked experts) and mapping errors; on whole models, routing equal to transformers'
 and varied, chunked prefill + prefix cache + preemption, with TP=1 and 2 (DeepSeek's too; its routers and the rest:
@@ -211,8 +211,8 @@ def test_mixtral_hub_layout_loads(model_dir):
 
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("kind", NEW_KINDS + ("granitemoe-shared", "olmoe", "glm4-moe", "dots1")
-                         + DEEPSEEK_KINDS)
+@pytest.mark.parametrize("kind", NEW_KINDS + ("granitemoe-shared", "olmoe", "glm4-moe", "dots1",
+                                              "ernie4.5-moe") + DEEPSEEK_KINDS)
 def test_chunked_prefill_prefix_cache_and_preemption_match_hf(kind, tp, model_dir, captured_logits,
                                                               report_logit_diff):
     """Shared 24-token prefixes, prefilled in 7-token chunks, a cache too small for every sequence (preemption),
@@ -233,10 +233,11 @@ def test_chunked_prefill_prefix_cache_and_preemption_match_hf(kind, tp, model_di
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
-@pytest.mark.parametrize("kind", ("qwen3-moe",) + NEW_KINDS)
+@pytest.mark.parametrize("kind", ("qwen3-moe",) + NEW_KINDS + ("ernie4.5-moe",))
 def test_transformers_stacked_expert_layout_matches_hf(kind, model_dir, tmp_path, captured_logits):
     """A checkpoint in transformers' own layout (`save_pretrained(save_original_format=False)`, which transformers
-    loads back): stacked experts, and Mixtral's MoE named `mlp` rather than `block_sparse_moe`."""
+    loads back): stacked experts, Mixtral's MoE named `mlp` rather than `block_sparse_moe`, ERNIE's statics under
+    the router (`mlp.gate.moe_statics`)."""
     d = model_dir(kind)
     stacked = tmp_path / kind
     load_hf_model(d).save_pretrained(stacked, save_original_format=False)
@@ -244,7 +245,7 @@ def test_transformers_stacked_expert_layout_matches_hf(kind, model_dir, tmp_path
         if f.suffix != ".safetensors":
             (stacked / f.name).write_bytes(f.read_bytes())
     with safe_open(stacked / "model.safetensors", "pt") as f:
-        assert "model.layers.0.mlp.experts.gate_up_proj" in f.keys()
+        assert "model.layers.2.mlp.experts.gate_up_proj" in f.keys()  # every test model's layer 2 is sparse
     with LLM(str(stacked), device="cpu", dtype="float32", max_model_len=128) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL

@@ -92,9 +92,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, intermediate_size: int | None = None, hidden_act: str | None = None):
+    def __init__(self, config: PretrainedConfig, intermediate_size: int | None = None, hidden_act: str | None = None,
+                 bias: bool | None = None):
         super().__init__()
-        bias = getattr(config, "mlp_bias", False)
+        bias = getattr(config, "mlp_bias", False) if bias is None else bias
         inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias)
