@@ -137,7 +137,8 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # DeepSeek-V3's routing (sigmoid, a random correction bias, 2 of 4 groups, renormalized, scaled) plus a shared expert.
 # dots.llm1 (dots1): Qwen3's attention (q/k/v/o biases, windowed layer 2) with V3's MLPs: layer 0 dense, one group, two
 # shared experts. ERNIE 4.5 MoE (ernie4.5-moe): biases on every projection, interleaved rope, layers 1 and 2 sparse: 2 of
-# 8 experts chosen by softmax + a random correction bias, plus two shared experts.
+# 8 experts chosen by softmax + a random correction bias, plus two shared experts. Hunyuan MoE (hunyuan-moe): q/k norms
+# after an NTK-alpha rope, q/k/v/o biases, 8 experts, a top k per layer (2, 1, 3), a shared MLP.
 # DeepSeek (DEEPSEEK_KINDS), multi-head latent attention with V narrower than K (16 against 16 + 8) and MoE with
 # shared experts: V2: the plain q_proj (as V2-Lite), 2 of 8 experts on every layer by softmax, yarn rope with
 # distinct mscale / mscale_all_dim (the rope's and the scores' scaling). V2-group: the low-rank q, layer 0 dense,
@@ -157,7 +158,7 @@ DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3")
 EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
-                  "ernie4.5-moe") + LAYERNORM_KINDS + DEEPSEEK_KINDS)
+                  "ernie4.5-moe", "hunyuan-moe") + LAYERNORM_KINDS + DEEPSEEK_KINDS)
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "gemma2": 11, "phi3": 24,
                   "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13, "dots1": 12}
@@ -199,7 +200,8 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "mixtral": 3581, "qwen2-moe": 4681, "granitemoe": 5791, "granitemoe-shared": 6802, ODD_KIND: 9012,
           "starcoder2": 7913, "stablelm": 8024, "phi": 9135, "gpt-neox": 1246, "cohere": 2357, "glm4": 3468,
           "glm": 4579, "gpt2": 5680, "deepseek-v2": 6791, "deepseek-v2-group": 7802, "deepseek-v3": 8913,
-          "qwen3.5": 9024, "qwen3.5-moe": 1135, "olmoe": 2246, "glm4-moe": 3357, "dots1": 4468, "ernie4.5-moe": 5579}
+          "qwen3.5": 9024, "qwen3.5-moe": 1135, "olmoe": 2246, "glm4-moe": 3357, "dots1": 4468, "ernie4.5-moe": 5579,
+          "hunyuan-moe": 6680}
 
 
 def _token_ids():
@@ -211,9 +213,10 @@ def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
     from transformers import (CohereConfig, Dots1Config, Ernie4_5_MoeConfig, Gemma2Config, Gemma3TextConfig,
                               GemmaConfig, Glm4Config, Glm4MoeConfig, GlmConfig, GPT2Config, GPTNeoXConfig,
-                              GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config,
-                              Olmo3Config, OlmoeConfig, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig, SmolLM3Config, StableLmConfig, Starcoder2Config)
+                              GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig, HunYuanMoEV1Config,
+                              LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig,
+                              Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
+                              SmolLM3Config, StableLmConfig, Starcoder2Config)
 
     ids = _token_ids()
     special = dict(
@@ -556,6 +559,20 @@ def make_config(kind: str):
             moe_k=2,
             moe_intermediate_size=32,
             moe_num_shared_experts=2,
+        )
+    if kind == "hunyuan-moe":
+        return HunYuanMoEV1Config(
+            **{**_COMMON, "intermediate_size": 32},  # each expert's and the shared MLP's
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=False,
+            attention_bias=True,
+            # alpha stretches the base (10^4 -> ~10^7): rotations as the default rope's would fail the test.
+            rope_parameters={"rope_type": "dynamic", "rope_theta": 10_000.0, "alpha": 1000.0, "factor": 1.0},
+            num_experts=8,
+            moe_topk=[2, 1, 3],
         )
     if kind in DEEPSEEK_KINDS:
         return deepseek_config(kind, special)

@@ -1,8 +1,9 @@
-"""Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5, dots.llm1, ERNIE 4.5, DeepSeek): the fused expert layer against transformers' own
-MoE block, its tensor-parallel shards, which layers are sparse, checkpoint layouts (per expert as on the Hub,
-Mixtral's names, transformers' stacked experts) and mapping errors; on whole models, routing equal to transformers'
-and varied, chunked prefill + prefix cache + preemption, with TP=1 and 2 (DeepSeek's too; its routers and the rest:
-test_deepseek.py). (Plain whole-model greedy/logits: test_correctness.py.)"""
+"""Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5, dots.llm1, ERNIE 4.5, Hunyuan, DeepSeek): the
+fused expert layer against transformers' own MoE block, its tensor-parallel shards, which layers are sparse,
+checkpoint layouts (per expert as on the Hub, Mixtral's names, transformers' stacked experts) and mapping errors; on
+whole models, routing equal to transformers' and varied, chunked prefill + prefix cache + preemption, with TP=1 and 2
+(DeepSeek's too; its routers and the rest: test_deepseek.py). (Plain whole-model greedy/logits:
+test_correctness.py.)"""
 import pytest
 import torch
 from safetensors import safe_open
@@ -212,7 +213,7 @@ def test_mixtral_hub_layout_loads(model_dir):
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", NEW_KINDS + ("granitemoe-shared", "olmoe", "glm4-moe", "dots1",
-                                              "ernie4.5-moe") + DEEPSEEK_KINDS)
+                                              "ernie4.5-moe", "hunyuan-moe") + DEEPSEEK_KINDS)
 def test_chunked_prefill_prefix_cache_and_preemption_match_hf(kind, tp, model_dir, captured_logits,
                                                               report_logit_diff):
     """Shared 24-token prefixes, prefilled in 7-token chunks, a cache too small for every sequence (preemption),

@@ -39,9 +39,13 @@ def inv_frequencies(config: PretrainedConfig, rotary_dim: int, layer_type: str |
     functions for the non-default types read the head size and partial_rotary_factor from the config)."""
     params = rope_parameters(config, layer_type)
     rope_type = params["rope_type"]
-    if rope_type == "default":
+    ntk_alpha = rope_type == "dynamic" and params.get("alpha")
+    if rope_type == "default" or ntk_alpha:
+        base = params["rope_theta"]
+        if ntk_alpha:  # HunYuan's "dynamic" with an alpha: a fixed stretch of the base, whatever the length
+            base *= params["alpha"] ** (rotary_dim / (rotary_dim - 2))
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
-        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+        return 1.0 / (base ** exponents), 1.0
     if rope_type == "dynamic":
         raise ValueError(f"rope_type {rope_type!r} depends on the sequence length and is not supported")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

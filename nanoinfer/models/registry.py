@@ -20,6 +20,7 @@ _MODELS = {
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "GraniteMoeForCausalLM": ("granitemoe", "GraniteMoeForCausalLM"),
     "GraniteMoeSharedForCausalLM": ("granitemoe", "GraniteMoeForCausalLM"),
+    "HunYuanMoEV1ForCausalLM": ("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
@@ -43,7 +44,8 @@ _MODELS = {
 # Sequence classification (see classification.py) over the decoder of the causal LM of the same family.
 _CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM" for family in (
     "DeepseekV2", "DeepseekV3", "Gemma", "Gemma2", "Glm", "Glm4", "GPTNeoX", "Llama", "Mistral", "Mixtral", "Olmo2",
-    "Olmo3", "Phi", "Phi3", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe", "SmolLM3", "StableLm", "Starcoder2")} | {
+    "Olmo3", "Phi", "Phi3", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe", "SmolLM3", "StableLm", "Starcoder2",
+    "HunYuanMoEV1")} | {
     "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM", "GPT2ForSequenceClassification": "GPT2LMHeadModel"}
 
 
