@@ -504,47 +504,17 @@ def make_config(kind: str):
             norm_topk_prob=False,
             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
         )
+    v3_moe = dict(  # DeepSeek-V3's MLPs (GLM-4.5, dots.llm1): layer 0 dense, renormalized and scaled routing
+        **_COMMON, **special, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+        attention_bias=True, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, routed_scaling_factor=2.5)
     if kind == "glm4-moe":
-        return Glm4MoeConfig(
-            **_COMMON,
-            **special,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            tie_word_embeddings=False,
-            attention_bias=True,
-            use_qk_norm=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5},
-            first_k_dense_replace=1,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            n_shared_experts=1,
-            n_group=4,
-            topk_group=2,
-            norm_topk_prob=True,
-            routed_scaling_factor=2.5,
-        )
-    if kind == "dots1":
-        return Dots1Config(
-            **_COMMON,
-            **special,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            tie_word_embeddings=False,
-            attention_bias=True,
-            sliding_window=SLIDING_WINDOW[kind],
-            max_window_layers=2,  # layer 2 windowed
-            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
-            first_k_dense_replace=1,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            n_shared_experts=2,
-            norm_topk_prob=True,
-            routed_scaling_factor=2.5,
-        )
+        return Glm4MoeConfig(**v3_moe, use_qk_norm=True, n_shared_experts=1, n_group=4, topk_group=2,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                                              "partial_rotary_factor": 0.5})
+    if kind == "dots1":  # layers from max_window_layers on windowed: layer 2
+        return Dots1Config(**v3_moe, n_shared_experts=2, sliding_window=SLIDING_WINDOW[kind], max_window_layers=2,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "ernie4.5-moe":
         return Ernie4_5_MoeConfig(
             **_COMMON,
