@@ -211,9 +211,14 @@ def test_mixtral_hub_layout_loads(model_dir):
         assert torch.equal(moe.experts.w2_weight[e], w2)
 
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("kind", NEW_KINDS + ("granitemoe-shared", "olmoe", "glm4-moe", "dots1",
-                                              "ernie4.5-moe", "hunyuan-moe") + DEEPSEEK_KINDS)
+# With two ranks too where the family brings weights of its own to shard (OLMoE's, GLM-4.5's and dots.llm1's layers
+# are OLMo 2's, Qwen3's and DeepSeek-V3's, tested sharded here and in test_olmo.py / test_tensor_parallel.py).
+TP2_KINDS = NEW_KINDS + ("granitemoe-shared", "ernie4.5-moe", "hunyuan-moe") + DEEPSEEK_KINDS
+CHUNKED_KINDS = TP2_KINDS + ("olmoe", "glm4-moe", "dots1")
+
+
+@pytest.mark.parametrize("kind, tp", [(kind, 1) for kind in CHUNKED_KINDS]
+                         + [pytest.param(kind, 2, marks=pytest.mark.slow) for kind in TP2_KINDS])
 def test_chunked_prefill_prefix_cache_and_preemption_match_hf(kind, tp, model_dir, captured_logits,
                                                               report_logit_diff):
     """Shared 24-token prefixes, prefilled in 7-token chunks, a cache too small for every sequence (preemption),

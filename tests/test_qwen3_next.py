@@ -62,11 +62,11 @@ def test_preemption_matches_hf(next_dir, captured_logits, report_logit_diff):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_matches_hf(next_dir, captured_logits, report_logit_diff):
-    """Two ranks (a spawned worker): the full-attention layers and MLPs (experts too) sharded, the linear attention
-    replicated on each rank with its own recurrent state."""
-    _, _, worst = run(next_dir, captured_logits, tensor_parallel_size=2)
-    report_logit_diff(f"{next_dir.name}, tensor parallel 2", worst)
+def test_tensor_parallel_2_matches_hf(model_dir, captured_logits, report_logit_diff):
+    """Two ranks (a spawned worker), on Qwen3.5-MoE (whose layers are Qwen3-Next's): the full-attention layers and
+    the MLPs (experts, shared expert) sharded, the linear attention replicated on each rank with its own state."""
+    _, _, worst = run(model_dir("qwen3.5-moe"), captured_logits, tensor_parallel_size=2)
+    report_logit_diff("qwen3.5-moe, tensor parallel 2", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
