@@ -117,8 +117,9 @@ def build_tokenizer(dir) -> "transformers.PreTrainedTokenizerFast":  # noqa: F82
 
 MODEL_KINDS = ("qwen3", "qwen3-untied", "qwen2", "llama")  # the 4 main architectures
 # Further families, each tested on its own (not in every any_model_dir test).
-# Qwen3-Next: Gated DeltaNet + gated attention layers, a dense MLP and sparse MoE ones.
-QWEN3_NEXT_KINDS = ("qwen3-next",)
+# Qwen3-Next: Gated DeltaNet + gated attention layers, a dense MLP and sparse MoE ones. Qwen3.5: the same layers
+# with the linear attention's projections stored per output, dense MLPs; Qwen3.5-MoE: experts on every layer.
+QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # Gemma 3: sliding and full layers with different ropes, (1 + weight) norms, GeLU-tanh, final-logit softcapping.
 # Gemma 2: Gemma 3's layout without q/k norms, one rope, attention-logit softcapping. Gemma: two norms per layer, no
 # softcapping, no window, one KV head (as Gemma-2B).
@@ -130,7 +131,14 @@ QWEN3_NEXT_KINDS = ("qwen3-next",)
 # q/k/v biases. GLM-4 (v1): the same without the norms after the sublayers, a quarter of each head rotated, MQA.
 # Mixtral: a window on every layer and 2 of 8 experts per token on every layer, renormalized. Qwen2-MoE: 2 of 8
 # experts (not renormalized) plus a gated shared expert on layers 0 and 2, layer 1 dense. Granite MoE: Granite's
-# multipliers around 2 of 8 experts (and, shared, an ungated shared expert).
+# multipliers around 2 of 8 experts (and, shared, an ungated shared expert). OLMoE: OLMo 2's whole-projection q/k
+# norms and q/k/v clipped to +-clip_qkv (which binds) in the pre-norm layer, 2 of 8 experts, not renormalized.
+# GLM-4.5 (glm4-moe): q/k/v biases, per-head q/k norms, half of each head rotated (neox layout), layer 0 dense, then
+# DeepSeek-V3's routing (sigmoid, a random correction bias, 2 of 4 groups, renormalized, scaled) plus a shared expert.
+# dots.llm1 (dots1): Qwen3's attention (q/k/v/o biases, windowed layer 2) with V3's MLPs: layer 0 dense, one group, two
+# shared experts. ERNIE 4.5 MoE (ernie4.5-moe): biases on every projection, interleaved rope, layers 1 and 2 sparse: 2 of
+# 8 experts chosen by softmax + a random correction bias, plus two shared experts. Hunyuan MoE (hunyuan-moe): q/k norms
+# after an NTK-alpha rope, q/k/v/o biases, 8 experts, a top k per layer (2, 1, 3), a shared MLP.
 # DeepSeek (DEEPSEEK_KINDS), multi-head latent attention with V narrower than K (16 against 16 + 8) and MoE with
 # shared experts: V2: the plain q_proj (as V2-Lite), 2 of 8 experts on every layer by softmax, yarn rope with
 # distinct mscale / mscale_all_dim (the rope's and the scores' scaling). V2-group: the low-rank q, layer 0 dense,
@@ -162,12 +170,13 @@ DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3")
 DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "ernie4_5", "hunyuan", "apertus")
 EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
-               + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared") + LAYERNORM_KINDS + DEEPSEEK_KINDS
+               + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
+                  "ernie4.5-moe", "hunyuan-moe") + LAYERNORM_KINDS + DEEPSEEK_KINDS
                + DENSE_KINDS)
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "gemma2": 11, "phi3": 24,
                   "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13, "exaone4": 10,
-                  "cohere2": 12}
+                  "cohere2": 12, "dots1": 12}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -208,7 +217,9 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "glm": 4579, "gpt2": 5680, "deepseek-v2": 6791, "deepseek-v2-group": 7802, "deepseek-v3": 8913,
           "olmo": 1359, "exaone4": 6680, "seed-oss": 7791, "helium": 8802, "arcee": 9913, "nemotron": 1024,
           "ernie4_5": 2135, "falcon": 2246, "falcon-mqa": 3357, "gptj": 4468, "gpt-bigcode": 5579,
-          "hunyuan": 3246, "cohere2": 4357, "apertus": 5468}
+          "hunyuan": 3246, "cohere2": 4357, "apertus": 5468,
+          "qwen3.5": 9024, "qwen3.5-moe": 1135, "olmoe": 2246, "glm4-moe": 3357, "dots1": 4468, "ernie4.5-moe": 5579,
+          "hunyuan-moe": 6680}
 
 
 def _token_ids():
@@ -218,13 +229,15 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (ApertusConfig, ArceeConfig, Cohere2Config, CohereConfig, Ernie4_5Config, Exaone4Config,
-                              FalconConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, GlmConfig,
-                              GPT2Config, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig,
-                              GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config, LlamaConfig, MistralConfig,
-                              MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, Phi3Config,
-                              PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
-                              SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config)
+    from transformers import (ApertusConfig, ArceeConfig, Cohere2Config, CohereConfig, Dots1Config,
+                              Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, FalconConfig, Gemma2Config,
+                              Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig, GlmConfig, GPT2Config,
+                              GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig,
+                              GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config,
+                              LlamaConfig, MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config,
+                              OlmoConfig, OlmoeConfig, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig, SeedOssConfig, SmolLM3Config,
+                              StableLmConfig, Starcoder2Config)
 
     ids = _token_ids()
     special = dict(
@@ -339,30 +352,7 @@ def make_config(kind: str):
             },
         )
     if kind in QWEN3_NEXT_KINDS:
-        return Qwen3NextConfig(
-            **_COMMON,
-            **special,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25},
-            # Linear attention first, then alternating: a linear layer also follows a full one.
-            layer_types=["linear_attention", "full_attention", "linear_attention"],
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,  # two value heads per key head
-            linear_key_head_dim=16,
-            linear_value_head_dim=24,  # != the key head dim, so a transposed state would fail
-            linear_conv_kernel_dim=4,
-            # Layers 1 and 2 route each token to 2 of 8 experts plus the gated shared expert; layer 0 is dense.
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[0],
-        )
+        return qwen3_next_config(kind, special)
     if kind == "gemma":
         return GemmaConfig(
             **{k: v for k, v in _COMMON.items() if k != "hidden_act"},
@@ -575,6 +565,60 @@ def make_config(kind: str):
             residual_multiplier=0.6,
             logits_scaling=2.0,
         )
+    if kind == "olmoe":
+        return OlmoeConfig(
+            **{**_COMMON, "intermediate_size": 32},  # each expert's
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            attention_bias=True,
+            clip_qkv=3.0,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        )
+    v3_moe = dict(  # DeepSeek-V3's MLPs (GLM-4.5, dots.llm1): layer 0 dense, renormalized and scaled routing
+        **_COMMON, **special, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+        attention_bias=True, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, routed_scaling_factor=2.5)
+    if kind == "glm4-moe":
+        return Glm4MoeConfig(**v3_moe, use_qk_norm=True, n_shared_experts=1, n_group=4, topk_group=2,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                                              "partial_rotary_factor": 0.5})
+    if kind == "dots1":  # layers from max_window_layers on windowed: layer 2
+        return Dots1Config(**v3_moe, n_shared_experts=2, sliding_window=SLIDING_WINDOW[kind], max_window_layers=2,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "ernie4.5-moe":
+        return Ernie4_5_MoeConfig(
+            **_COMMON,
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            use_bias=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+            moe_layer_start_index=1,
+            moe_num_experts=8,
+            moe_k=2,
+            moe_intermediate_size=32,
+            moe_num_shared_experts=2,
+        )
+    if kind == "hunyuan-moe":
+        return HunYuanMoEV1Config(
+            **{**_COMMON, "intermediate_size": 32},  # each expert's and the shared MLP's
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=False,
+            attention_bias=True,
+            # alpha stretches the base (10^4 -> ~10^7): rotations as the default rope's would fail the test.
+            rope_parameters={"rope_type": "dynamic", "rope_theta": 10_000.0, "alpha": 1000.0, "factor": 1.0},
+            num_experts=8,
+            moe_topk=[2, 1, 3],
+        )
     if kind in DEEPSEEK_KINDS:
         return deepseek_config(kind, special)
     layernorm = dict(  # the LayerNorm families: their own epsilon and activations, partial rotary but StarCoder2
@@ -631,6 +675,34 @@ def make_config(kind: str):
                                 layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD,
                                 tie_word_embeddings=True, **special)
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND, OLMO2_MQA_KIND)}")
+
+
+def qwen3_next_config(kind: str, special: dict):
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
+
+    hybrid = dict(
+        **_COMMON,
+        **special,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25},
+        # Linear attention first, then alternating: a linear layer also follows a full one.
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,  # two value heads per key head
+        linear_key_head_dim=16,
+        linear_value_head_dim=24,  # != the key head dim, so a transposed state would fail
+        linear_conv_kernel_dim=4,
+    )
+    experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    if kind == "qwen3.5":
+        return Qwen3_5TextConfig(**hybrid)
+    if kind == "qwen3.5-moe":  # every layer's MLP: 2 of 8 experts (renormalized) plus the gated shared expert
+        return Qwen3_5MoeTextConfig(**{k: v for k, v in hybrid.items() if k != "intermediate_size"}, **experts)
+    # Layers 1 and 2 route each token to 2 of 8 experts plus the gated shared expert; layer 0 is dense.
+    return Qwen3NextConfig(**hybrid, **experts, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0])
 
 
 def deepseek_config(kind: str, special: dict):

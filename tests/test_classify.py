@@ -62,7 +62,7 @@ def classifiers(model_dir, tmp_path_factory):
 @pytest.mark.parametrize("kind", ["qwen3", "llama", "mistral", "qwen3-moe", "gemma2", "gemma", "phi3", "phi",
                                   "gpt-neox", "stablelm", "starcoder2", "glm4", "gpt2", "deepseek-v3", "olmo",
                                   "falcon", "gptj", "gpt-bigcode", "exaone4", "seed-oss",
-                                  "helium", "arcee", "nemotron", "hunyuan"])
+                                  "helium", "arcee", "nemotron", "hunyuan", "hunyuan-moe"])
 def test_classify_matches_transformers(kind, classifiers, report_logit_diff):
     d = classifiers(kind, 3)
     ref = hf_label_logits(d, PROMPTS)

@@ -1,7 +1,7 @@
 """DeepSeek-V2/V3 beyond the shared suites (greedy + logits: test_correctness.py; chunked prefill, prefix cache,
 preemption at TP 1 and 2: test_moe.py; the Triton backend: triton_attention_interpreted.py): the routers against
-transformers' own, the rope layouts, the MTP layers of V3's checkpoints, the latent cache's size and backends, and
-the settings refused by name."""
+transformers' own (GLM-4.5's too), the rope layouts, the MTP layers of V3's (and GLM-4.5's) checkpoints, the
+latent cache's size and backends, and the settings refused by name."""
 import json
 
 import pytest
@@ -35,18 +35,19 @@ def edited_copy(src, dst, weights: dict[str, torch.Tensor] | None = None, **chan
     return dst
 
 
-@pytest.mark.parametrize("kind", DEEPSEEK_KINDS)
+@pytest.mark.parametrize("kind", DEEPSEEK_KINDS + ("glm4-moe",))
 @torch.inference_mode()
 def test_deepseek_routing_is_transformers_own(kind):
-    """DeepSeek's routers (V2 softmax greedy / group-limited, V3 sigmoid + correction bias in the best groups,
-    renormalized) pick transformers' experts with transformers' weights; the group limit and the bias bind."""
+    """DeepSeek's routers (V2 softmax greedy / group-limited, V3 and GLM-4.5 sigmoid + correction bias in the best
+    groups, renormalized) pick transformers' experts with transformers' weights; the group limit and the bias bind."""
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 
     config = make_config(kind)
-    v3 = kind == "deepseek-v3"
+    v3 = kind != "deepseek-v2" and kind != "deepseek-v2-group"
     torch.manual_seed(0)
-    ref = (DeepseekV3TopkRouter if v3 else DeepseekV2TopkRouter)(config)
+    ref = {"deepseek-v3": DeepseekV3TopkRouter, "glm4-moe": Glm4MoeTopkRouter}.get(kind, DeepseekV2TopkRouter)(config)
     ref.weight.normal_(0, 0.2)
     ours = (DeepseekV3MoE if v3 else DeepseekV2MoE)(config)
     ours.gate.weight.copy_(ref.weight)
@@ -90,10 +91,11 @@ def test_deepseek_settings_the_engine_cannot_run_are_refused_by_name(kind, chang
         (DeepseekV3ForCausalLM if kind == "deepseek-v3" else deepseek_v2.DeepseekV2ForCausalLM)(config)
 
 
-def test_deepseek_v3_multi_token_prediction_layers_are_skipped(model_dir, tmp_path, captured_logits):
-    """DeepSeek-V3's checkpoints carry `num_nextn_predict_layers` MTP layers numbered after the last decoder layer;
-    plain decoding does not use them, so they load as nothing (a layer beyond those is still a stray)."""
-    d = model_dir("deepseek-v3")
+@pytest.mark.parametrize("kind", ["deepseek-v3", "glm4-moe"])
+def test_multi_token_prediction_layers_are_skipped(kind, model_dir, tmp_path, captured_logits):
+    """DeepSeek-V3's and GLM-4.5's checkpoints carry `num_nextn_predict_layers` MTP layers numbered after the last
+    decoder layer; plain decoding does not use them, so they load as nothing (a layer beyond those is a stray)."""
+    d = model_dir(kind)
     weights = load_file(d / "model.safetensors")
     mtp = {k.replace("model.layers.2.", "model.layers.3."): v.clone() for k, v in weights.items() if ".layers.2." in k}
     m = edited_copy(d, tmp_path / "mtp", {**weights, **mtp}, num_nextn_predict_layers=1)

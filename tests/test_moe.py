@@ -1,8 +1,9 @@
-"""Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek): the fused expert layer against transformers' own
-MoE block, its tensor-parallel shards, which layers are sparse, checkpoint layouts (per expert as on the Hub,
-Mixtral's names, transformers' stacked experts) and mapping errors; on whole models, routing equal to transformers'
-and varied, chunked prefill + prefix cache + preemption, with TP=1 and 2 (DeepSeek's too; its routers and the rest:
-test_deepseek.py). (Plain whole-model greedy/logits: test_correctness.py.)"""
+"""Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5, dots.llm1, ERNIE 4.5, Hunyuan, DeepSeek): the
+fused expert layer against transformers' own MoE block, its tensor-parallel shards, which layers are sparse,
+checkpoint layouts (per expert as on the Hub, Mixtral's names, transformers' stacked experts) and mapping errors; on
+whole models, routing equal to transformers' and varied, chunked prefill + prefix cache + preemption, with TP=1 and 2
+(DeepSeek's too; its routers and the rest: test_deepseek.py). (Plain whole-model greedy/logits:
+test_correctness.py.)"""
 import pytest
 import torch
 from safetensors import safe_open
@@ -162,7 +163,7 @@ def hf_routing(model_dir, tokens: list[int]) -> list[tuple[torch.Tensor, torch.T
     return found
 
 
-@pytest.mark.parametrize("kind", NEW_KINDS)
+@pytest.mark.parametrize("kind", NEW_KINDS + ("olmoe",))
 def test_routing_is_transformers_own_and_varied(kind, model_dir):
     """Our routers pick the same experts as transformers' for every token of prompts and continuations; the
     choice varies (every expert is used in every sparse layer, most pairs occur) and the k-th expert leads the next
@@ -178,7 +179,7 @@ def test_routing_is_transformers_own_and_varied(kind, model_dir):
             llm.generate([tokens], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
         for h in hooks:
             h.remove()
-    assert len(blocks) == (3 if kind == "mixtral" else 2)  # qwen2-moe: layer 1 is dense (mlp_only_layers)
+    assert len(blocks) == (2 if kind == "qwen2-moe" else 3)  # qwen2-moe: layer 1 is dense (mlp_only_layers)
     k = blocks[0].experts.top_k
     chosen: list[list[torch.Tensor]] = [[] for _ in blocks]
     for n, tokens in enumerate(sequences):
@@ -210,8 +211,14 @@ def test_mixtral_hub_layout_loads(model_dir):
         assert torch.equal(moe.experts.w2_weight[e], w2)
 
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("kind", NEW_KINDS + ("granitemoe-shared",) + DEEPSEEK_KINDS)
+# With two ranks too where the family brings weights of its own to shard (OLMoE's, GLM-4.5's and dots.llm1's layers
+# are OLMo 2's, Qwen3's and DeepSeek-V3's, tested sharded here and in test_olmo.py / test_tensor_parallel.py).
+TP2_KINDS = NEW_KINDS + ("granitemoe-shared", "ernie4.5-moe", "hunyuan-moe") + DEEPSEEK_KINDS
+CHUNKED_KINDS = TP2_KINDS + ("olmoe", "glm4-moe", "dots1")
+
+
+@pytest.mark.parametrize("kind, tp", [(kind, 1) for kind in CHUNKED_KINDS]
+                         + [pytest.param(kind, 2, marks=pytest.mark.slow) for kind in TP2_KINDS])
 def test_chunked_prefill_prefix_cache_and_preemption_match_hf(kind, tp, model_dir, captured_logits,
                                                               report_logit_diff):
     """Shared 24-token prefixes, prefilled in 7-token chunks, a cache too small for every sequence (preemption),
@@ -232,10 +239,11 @@ def test_chunked_prefill_prefix_cache_and_preemption_match_hf(kind, tp, model_di
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
-@pytest.mark.parametrize("kind", ("qwen3-moe",) + NEW_KINDS)
+@pytest.mark.parametrize("kind", ("qwen3-moe",) + NEW_KINDS + ("ernie4.5-moe",))
 def test_transformers_stacked_expert_layout_matches_hf(kind, model_dir, tmp_path, captured_logits):
     """A checkpoint in transformers' own layout (`save_pretrained(save_original_format=False)`, which transformers
-    loads back): stacked experts, and Mixtral's MoE named `mlp` rather than `block_sparse_moe`."""
+    loads back): stacked experts, Mixtral's MoE named `mlp` rather than `block_sparse_moe`, ERNIE's statics under
+    the router (`mlp.gate.moe_statics`)."""
     d = model_dir(kind)
     stacked = tmp_path / kind
     load_hf_model(d).save_pretrained(stacked, save_original_format=False)
@@ -243,7 +251,7 @@ def test_transformers_stacked_expert_layout_matches_hf(kind, model_dir, tmp_path
         if f.suffix != ".safetensors":
             (stacked / f.name).write_bytes(f.read_bytes())
     with safe_open(stacked / "model.safetensors", "pt") as f:
-        assert "model.layers.0.mlp.experts.gate_up_proj" in f.keys()
+        assert "model.layers.2.mlp.experts.gate_up_proj" in f.keys()  # every test model's layer 2 is sparse
     with LLM(str(stacked), device="cpu", dtype="float32", max_model_len=128) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL

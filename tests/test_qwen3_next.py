@@ -1,5 +1,6 @@
-"""Qwen3-Next (Gated DeltaNet + gated attention) vs transformers under every schedule, the per-sequence recurrent
-state's lifecycle, and the delta rule's chunked form against its recurrent form."""
+"""Qwen3-Next and Qwen3.5 (Gated DeltaNet + gated attention) vs transformers under every schedule and with two
+tensor-parallel ranks, the per-sequence recurrent state's lifecycle, and the delta rule's chunked form against its
+recurrent form."""
 import pytest
 import torch
 
@@ -57,6 +58,15 @@ def test_preemption_matches_hf(next_dir, captured_logits, report_logit_diff):
     llm, _, worst = run(next_dir, captured_logits, num_kvcache_blocks=8, max_num_batched_tokens=64)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     report_logit_diff(f"{next_dir.name}, preemption", worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_matches_hf(model_dir, captured_logits, report_logit_diff):
+    """Two ranks (a spawned worker), on Qwen3.5-MoE (whose layers are Qwen3-Next's): the full-attention layers and
+    the MLPs (experts, shared expert) sharded, the linear attention replicated on each rank with its own state."""
+    _, _, worst = run(model_dir("qwen3.5-moe"), captured_logits, tensor_parallel_size=2)
+    report_logit_diff("qwen3.5-moe, tensor parallel 2", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 

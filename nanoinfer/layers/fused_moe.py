@@ -170,13 +170,15 @@ class FusedMoE(nn.Module):
 class SparseMoeBlock(nn.Module):
     """An MoE layer's routed MLP: a replicated router (`gate`) scores the experts, each token goes to its top k."""
 
-    def __init__(self, config: PretrainedConfig, num_experts: int, intermediate_size: int, renormalize: bool):
+    def __init__(self, config: PretrainedConfig, num_experts: int, intermediate_size: int, renormalize: bool,
+                 top_k: int | None = None):
+        """top_k: experts per token; None: config.num_experts_per_tok."""
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
         self.gate = ReplicatedLinear(config.hidden_size, num_experts)  # the router
-        self.experts = FusedMoE(num_experts, config.num_experts_per_tok, config.hidden_size, intermediate_size,
-                                renormalize)
+        self.experts = FusedMoE(num_experts, top_k or config.num_experts_per_tok, config.hidden_size,
+                                intermediate_size, renormalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x))

@@ -1,11 +1,18 @@
 """DeepSeek-V3 (and R1): DeepSeek-V2's MLA and MoE (deepseek_v2.py) with sigmoid scores, chosen on score +
 `e_score_correction_bias` within the best groups ("noaux_tc"), and the rope layout set by `rope_interleave`."""
 import torch
+from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.fused_moe import select_experts_sigmoid_biased
 from nanoinfer.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2MoE, check_moe_config
-from nanoinfer.models.llama import AttentionOptions
+from nanoinfer.models.llama import AttentionOptions, LlamaMLP
+
+
+def mtp_layer_prefixes(config: PretrainedConfig) -> tuple[str, ...]:
+    """The checkpoints' multi-token-prediction layers (numbered after the last decoder layer): not used here."""
+    mtp_layers = getattr(config, "num_nextn_predict_layers", 0) or 0
+    return tuple(f"model.layers.{config.num_hidden_layers + i}." for i in range(mtp_layers))
 
 
 class DeepseekV3MoE(DeepseekV2MoE):
@@ -21,6 +28,12 @@ class DeepseekV3MoE(DeepseekV2MoE):
                                              self.num_groups, self.topk_group, self.renormalize, self.scaling)
 
 
+def deepseek_v3_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
+    """DeepSeek-V3's layer rule, which GLM-4.5 and dots.llm1 follow: the first `first_k_dense_replace` MLPs dense, the
+    others its MoE."""
+    return LlamaMLP(config) if layer_idx < config.first_k_dense_replace else DeepseekV3MoE(config)
+
+
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     moe_class = DeepseekV3MoE
 
@@ -32,7 +45,4 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config)
-        # The checkpoints' multi-token-prediction layers (numbered after the last decoder layer): not used here.
-        mtp_layers = getattr(config, "num_nextn_predict_layers", 0) or 0
-        self.ignored_weight_prefixes = tuple(f"model.layers.{config.num_hidden_layers + i}."
-                                             for i in range(mtp_layers))
+        self.ignored_weight_prefixes = mtp_layer_prefixes(config)

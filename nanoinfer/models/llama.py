@@ -20,6 +20,7 @@ class AttentionOptions:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    qk_norm_after_rope: bool = False  # HunYuan: the q/k norms take the rotated q and k
     sliding_window: int | None = None  # attend to the last this-many positions (the query's own included)
     # Qwen3-Next: q_proj also yields a per-head output gate (attention output * sigmoid(gate) before o_proj),
     # and the q/k norms scale by 1 + weight.
@@ -76,7 +77,7 @@ class LlamaAttention(nn.Module):
             norms = [GemmaRMSNorm(self.head_dim, eps) if options.gemma_norm
                      else RMSNorm(self.head_dim, eps, options.zero_centered_norm) for _ in range(2)]
             self.q_norm, self.k_norm = norms
-        self.qk_norm = options.qk_norm
+        self.qk_norm, self.qk_norm_after_rope = options.qk_norm, options.qk_norm_after_rope
         self.clip_qkv = options.clip_qkv
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -88,11 +89,12 @@ class LlamaAttention(nn.Module):
         if self.q_factor == 2:
             q, gate = q.chunk(2, -1)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if positions is None or self.rotary_emb is None:  # None: an encoder pass (see LLM.embed), or a NoPE layer
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-        else:  # the q/k norms go in with the rotation: one pass on the CPU path
-            q, k = self.rotary_emb(positions, q, k, *((self.q_norm, self.k_norm) if self.qk_norm else ()))
+        rotate = positions is not None and self.rotary_emb is not None  # no: an encoder pass (LLM.embed), NoPE layer
+        norms_in_rotation = self.qk_norm and rotate and not self.qk_norm_after_rope  # one pass on the CPU path
+        if rotate:
+            q, k = self.rotary_emb(positions, q, k, *((self.q_norm, self.k_norm) if norms_in_rotation else ()))
+        if self.qk_norm and not norms_in_rotation:
+            q, k = self.q_norm(q), self.k_norm(k)
         o = self.attn(q, k, v, meta)
         if self.q_factor == 2:
             o = o * torch.sigmoid(gate.flatten(1))

@@ -17,8 +17,10 @@ def is_sparse_layer(config: PretrainedConfig, layer_idx: int) -> bool:
 
 
 class Qwen2MoeSparseMoeBlock(SparseMoeBlock):
-    def __init__(self, config: PretrainedConfig):
-        super().__init__(config, config.num_experts, config.moe_intermediate_size, config.norm_topk_prob)
+    def __init__(self, config: PretrainedConfig, renormalize: bool | None = None):
+        """renormalize: whether the top k weights are rescaled to sum to 1; None: as config.norm_topk_prob says."""
+        renormalize = config.norm_topk_prob if renormalize is None else renormalize
+        super().__init__(config, config.num_experts, config.moe_intermediate_size, renormalize)
         # Column/row parallel like a dense MLP; its one-output gate is replicated.
         self.shared_expert = LlamaMLP(config, config.shared_expert_intermediate_size)
         self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)

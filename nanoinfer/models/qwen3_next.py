@@ -10,7 +10,7 @@ from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.layers.gated_delta_rule import GatedDeltaRule, RecurrentBatch
 from nanoinfer.layers.layernorm import GatedRMSNorm, RMSNorm
 from nanoinfer.layers.linear import ReplicatedLinear
-from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM, LlamaMLP
+from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM, LlamaMLP, MLPFactory
 from nanoinfer.models.qwen2_moe import Qwen2MoeSparseMoeBlock, is_sparse_layer
 
 
@@ -29,9 +29,7 @@ class Qwen3NextGatedDeltaNet(nn.Module):
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
         key_dim, value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
         kernel = config.linear_conv_kernel_dim
-        # Rows grouped by key head: [q, k, v, z] and [b, a] of the value heads each key head serves.
-        self.in_proj_qkvz = ReplicatedLinear(config.hidden_size, 2 * key_dim + 2 * value_dim)
-        self.in_proj_ba = ReplicatedLinear(config.hidden_size, 2 * self.num_v_heads)
+        self.init_projections(config.hidden_size, key_dim, value_dim)
         self.conv1d = nn.Conv1d(2 * key_dim + value_dim, 2 * key_dim + value_dim, kernel, bias=False,
                                 groups=2 * key_dim + value_dim)  # a weight holder: the conv runs in GatedDeltaRule
         self.conv1d.weight.requires_grad_(False)
@@ -41,33 +39,46 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         self.out_proj = ReplicatedLinear(value_dim, config.hidden_size)
         self.delta_rule = GatedDeltaRule(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim, kernel)
 
-    def forward(self, x: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
+    def init_projections(self, hidden_size: int, key_dim: int, value_dim: int) -> None:
+        # Rows grouped by key head: [q, k, v, z] and [b, a] of the value heads each key head serves.
+        self.in_proj_qkvz = ReplicatedLinear(hidden_size, 2 * key_dim + 2 * value_dim)
+        self.in_proj_ba = ReplicatedLinear(hidden_size, 2 * self.num_v_heads)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [tokens, hidden] -> the conv's input [tokens, q | k | v] (all heads of each, in head order), the
+        output gate z [tokens, v_heads, v_dim], b and a [tokens, v_heads]."""
         n, group = x.shape[0], self.num_v_heads // self.num_k_heads
         qkvz = self.in_proj_qkvz(x).view(n, self.num_k_heads, -1)
         value_width = group * self.head_v_dim
         q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, value_width, value_width], -1)
         b, a = self.in_proj_ba(x).view(n, self.num_k_heads, 2 * group).split([group, group], -1)
         mixed_qkv = torch.cat((q.flatten(1), k.flatten(1), v.flatten(1)), -1)
-        beta = b.reshape(n, self.num_v_heads).float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.reshape(n, self.num_v_heads).float() + self.dt_bias.float())
+        return (mixed_qkv, z.reshape(n, self.num_v_heads, self.head_v_dim), b.reshape(n, self.num_v_heads),
+                a.reshape(n, self.num_v_heads))
+
+    def forward(self, x: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
+        mixed_qkv, z, b, a = self.project(x)
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         out = self.delta_rule(mixed_qkv, self.conv1d.weight.squeeze(1), g, beta, batch).to(x.dtype)
-        out = self.norm(out, z.reshape(n, self.num_v_heads, self.head_v_dim))
-        return self.out_proj(out.flatten(1))
+        return self.out_proj(self.norm(out, z).flatten(1))
 
 
 class Qwen3NextDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int):
+    linear_attention_class: type[Qwen3NextGatedDeltaNet] = Qwen3NextGatedDeltaNet
+
+    def __init__(self, config: PretrainedConfig, layer_idx: int, mlp: nn.Module):
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]
         if self.layer_type == "linear_attention":
-            self.linear_attn = Qwen3NextGatedDeltaNet(config)
+            self.linear_attn = self.linear_attention_class(config)
         elif self.layer_type == "full_attention":
             options = AttentionOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm=True,
                                        output_gate=True, zero_centered_norm=True)
             self.self_attn = LlamaAttention(config, options)
         else:
             raise ValueError(f"unsupported layer type {self.layer_type!r} in layer {layer_idx}")
-        self.mlp = Qwen2MoeSparseMoeBlock(config) if is_sparse_layer(config, layer_idx) else LlamaMLP(config)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
 
@@ -86,15 +97,18 @@ class Qwen3NextDecoderLayer(nn.Module):
 
 
 class Qwen3NextModel(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    decoder_layer: type[Qwen3NextDecoderLayer] = Qwen3NextDecoderLayer
+
+    def __init__(self, config: PretrainedConfig, make_mlp: MLPFactory):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(config, i, make_mlp(config, i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if meta.state_slots is None:  # the encoder pass of LLM.embed: no sequences, no state
-            raise ValueError("Qwen3-Next's linear-attention layers are causal and recurrent: the model cannot run "
+            raise ValueError("The model's linear-attention layers are causal and recurrent: the model cannot run "
                              "as a bidirectional encoder (LLM.embed)")
         batch = RecurrentBatch.from_metadata(meta)
         x, residual = self.embed_tokens(input_ids), None
@@ -105,13 +119,18 @@ class Qwen3NextModel(nn.Module):
 
 
 class Qwen3NextForCausalLM(nn.Module):
+    model_class: type[Qwen3NextModel] = Qwen3NextModel
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
     # Multi-token-prediction weights some checkpoints carry: not used for plain decoding.
     ignored_weight_prefixes = ("mtp.",)
 
+    @staticmethod
+    def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        return Qwen2MoeSparseMoeBlock(config) if is_sparse_layer(config, layer_idx) else LlamaMLP(config)
+
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        self.model = Qwen3NextModel(config)
+        self.model = self.model_class(config, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
