@@ -50,9 +50,7 @@ QKNormFactory = Callable[[int, int], nn.Module]
 
 class QKLayerNormAttention(LlamaAttention):
     """The Llama attention with LayerNorms on each head's query and key before rope: one shared by all heads (Phi)
-    or one per head (StableLM); after rope where `rope_first` (HunYuan's RMSNorms)."""
-
-    rope_first = False
+    or one per head (StableLM)."""
 
     def __init__(self, config: PretrainedConfig, options: AttentionOptions, qk_norm: QKNormFactory):
         super().__init__(config, options)
@@ -62,12 +60,9 @@ class QKLayerNormAttention(LlamaAttention):
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], -1)
         q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
-        if not self.rope_first:
-            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        q, k = self.q_layernorm(q), self.k_layernorm(k)
         if positions is not None:  # None: an encoder pass (see LLM.embed), no position encoding
             q, k = self.rotary_emb(positions, q, k)
-        if self.rope_first:
-            q, k = self.q_layernorm(q), self.k_layernorm(k)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
