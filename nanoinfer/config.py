@@ -10,6 +10,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from nanoinfer.layers.attention.selector import (DEFAULT_BLOCK_SIZE, check_backend_limits,
                                                   check_tensor_parallel_devices, resolve_device, select_backend)
 from nanoinfer.layers.rotary_embedding import rope_parameters
+from nanoinfer.models.registry import has_attention_sinks
 from nanoinfer.sampling_params import check_seed
 from nanoinfer.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from nanoinfer.utils.gguf_loader import load_gguf_config, resolve_gguf
@@ -63,7 +64,8 @@ class Config:
             raise ValueError(f"{str(path)!r} holds neither a config.json nor a .gguf file")
         self._check_model_config(self.gguf_path or path / "config.json")
         self.torch_device = resolve_device(self.device)
-        self.attention_backend = select_backend(self.attention_backend, self.torch_device)
+        self.attention_backend = select_backend(self.attention_backend, self.torch_device,
+                                                has_attention_sinks(self.hf_config.architectures))
         self.torch_dtype = self._resolve_dtype()
         if self.kvcache_block_size is None:
             self.kvcache_block_size = DEFAULT_BLOCK_SIZE[self.attention_backend]
