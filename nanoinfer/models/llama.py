@@ -34,7 +34,7 @@ class AttentionOptions:
     rope: bool = True  # SmolLM3's NoPE layers: no position encoding at all
     rope_interleaved: bool = False  # Cohere, GLM: rope rotates the pairs (x0, x1), (x2, x3), ...
     logits_soft_cap: float | None = None  # Gemma 2: scores capped to cap * tanh(score / cap)
-    clip_qkv: float | None = None  # OLMo: q, k and v clamped to [-clip_qkv, clip_qkv] before anything else
+    clip_qkv: float | None = None  # OLMo: q, k, v clamped to [-clip_qkv, clip_qkv] first (OLMoE: after q/k norms)
     num_kv_heads: int | None = None  # where the config's `num_key_value_heads` does not say (Falcon, GPTBigCode)
     rotary_dim: int | None = None  # GPT-J: the leading dims rotated, where the config's rope settings do not say
     sinks: bool = False  # GPT-OSS: a learned logit per head joins each softmax's denominator
