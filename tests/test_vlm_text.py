@@ -137,3 +137,22 @@ def test_language_model_matches_hf(kind, vlm_dir, captured_logits, report_logit_
     worst = run(vlm_dir(kind), captured_logits)
     report_logit_diff(f"{kind} (vision-language, text only)", worst)
     assert worst < LOGIT_ATOL, f"{kind}: max |logit diff| vs transformers {worst:.2e}"
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_matches_hf(vlm_dir, captured_logits, report_logit_diff):
+    """Two ranks (a spawned worker) on Qwen3-VL-MoE: attention and experts sharded, each rank's slice of every
+    expert read from the Hub's transposed stacked tensors."""
+    worst = run(vlm_dir("qwen3-vl-moe"), captured_logits, tensor_parallel_size=2)
+    report_logit_diff("qwen3-vl-moe (vision-language, text only), tensor parallel 2", worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+def test_unsupported_language_model_is_refused(vlm_dir, tmp_path):
+    """A known wrapper over a language model no family here implements is named, not run as another family."""
+    config = json.loads((vlm_dir("llava") / "config.json").read_text())
+    config["text_config"]["model_type"] = "qwen2"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes((vlm_dir("llava") / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=r"LlavaForConditionalGeneration with a 'qwen2' language model"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=64)

@@ -1,5 +1,8 @@
 """Vision-language checkpoints (`*ForConditionalGeneration`) run as text models: their language model on its text
-family's implementation, read from the checkpoint's names; the vision tower and the projector are not loaded."""
+family's implementation, read from the checkpoint's names; the vision tower and the projector are not loaded.
+Text alone needs nothing more: a text token's multimodal-rope position (Qwen2-VL's sections, Qwen3-VL's and Qwen3.5's
+interleaved ones) is the same on all three axes, which is the 1-D rope (tests/test_vlm_text.py checks it against
+transformers' mrope), and Gemma 3's bidirectional attention spans image tokens only, so text is causal."""
 from functools import cache
 
 from torch import nn
