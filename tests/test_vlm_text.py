@@ -17,7 +17,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # Image placeholder ids inside the vocabulary (the tiny models' 512): a prompt holding them runs them as text.
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 502, 503, 504, 505
 PROMPTS = random_prompts(3, 5, 440, 2, 40, seed=21) + [[7, VISION_START, IMAGE_TOKEN, IMAGE_TOKEN, VISION_END, 9]]
-KINDS = ("gemma3", "mistral3", "llava", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5", "qwen3.5-moe")
+KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe",
+         "qwen3.5", "qwen3.5-moe")
 SEEDS = {kind: 7100 + i for i, kind in enumerate(KINDS)}
 
 # Tiny vision towers: one layer each; their weights are saved and must be skipped.
@@ -46,10 +47,10 @@ def make_vlm_config(kind: str):
         pixtral = dict(_SIGLIP, model_type="pixtral", head_dim=8)
         return t.Mistral3Config(text_config=make_config("mistral"), vision_config=pixtral,
                                 image_token_index=IMAGE_TOKEN, tie_word_embeddings=False)
-    if kind == "llava":  # Llama with llama3 rope, untied
+    if kind in ("llava", "llava-mistral"):  # Llama with llama3 rope, or Mistral's windows (as Pixtral); untied
         clip = dict(_SIGLIP, model_type="clip_vision_model", projection_dim=16)
-        return t.LlavaConfig(text_config=make_config("llama"), vision_config=clip, image_token_index=IMAGE_TOKEN,
-                             image_seq_length=4)
+        text = make_config("llama" if kind == "llava" else "mistral")
+        return t.LlavaConfig(text_config=text, vision_config=clip, image_token_index=IMAGE_TOKEN, image_seq_length=4)
     # Qwen: multimodal rope over 8 (16 for Qwen3-VL) frequency pairs, in sections or interleaved.
     if kind == "qwen2-vl":  # layers 1 and 2 windowed, untied
         text = qwen_text_config(t.Qwen2VLTextConfig, {"mrope_section": [2, 3, 3]}, use_sliding_window=True,
@@ -78,11 +79,18 @@ def make_vlm_config(kind: str):
 def to_hub_layout(model_dir, kind: str) -> None:
     """What transformers 5 saves, changed to the Hub checkpoints' layout where it differs. Mistral Small 3.1's config
     leaves tie_word_embeddings to its default (True in transformers 5) while the checkpoint holds its own head,
-    which transformers then keeps. Qwen3-VL-MoE's files store every expert's matrix transposed."""
+    which transformers then keeps. Qwen2-VL's config is flat (no text_config), its rope given as "mrope".
+    Qwen3-VL-MoE's files store every expert's matrix transposed."""
+    config = json.loads((model_dir / "config.json").read_text())
     if kind == "mistral3":
-        config = json.loads((model_dir / "config.json").read_text())
         del config["tie_word_embeddings"]
-        (model_dir / "config.json").write_text(json.dumps(config))
+    if kind == "qwen2-vl":
+        text = config.pop("text_config")
+        rope = text.pop("rope_parameters")
+        config.update({k: v for k, v in text.items() if k not in ("model_type", "architectures")},
+                      rope_theta=rope["rope_theta"],
+                      rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+    (model_dir / "config.json").write_text(json.dumps(config))
     if kind == "qwen3-vl-moe":
         file = model_dir / "model.safetensors"
         tensors = load_file(file)
