@@ -164,3 +164,14 @@ def test_unsupported_language_model_is_refused(vlm_dir, tmp_path):
     (tmp_path / "model.safetensors").write_bytes((vlm_dir("llava") / "model.safetensors").read_bytes())
     with pytest.raises(ValueError, match=r"LlavaForConditionalGeneration with a 'qwen2' language model"):
         LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=64)
+
+
+def test_outer_quantization_config_is_refused(vlm_dir, tmp_path):
+    """A quantized vision-language checkpoint announces it in the outer config, which the language model's checks
+    read too: refused by name, not loaded as if unquantized."""
+    config = json.loads((vlm_dir("qwen3-vl") / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "no-such-method"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes((vlm_dir("qwen3-vl") / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=r"quantization_config \(quant_method=.no-such-method.\)"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=64)
