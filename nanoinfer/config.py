@@ -10,10 +10,11 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from nanoinfer.layers.attention.selector import (DEFAULT_BLOCK_SIZE, check_backend_limits,
                                                   check_tensor_parallel_devices, resolve_device, select_backend)
 from nanoinfer.layers.rotary_embedding import rope_parameters
-from nanoinfer.models.registry import has_attention_sinks
+from nanoinfer.models.registry import has_attention_sinks, is_vision_language
 from nanoinfer.sampling_params import check_seed
 from nanoinfer.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from nanoinfer.utils.gguf_loader import load_gguf_config, resolve_gguf
+from nanoinfer.utils.loader import iter_safetensors
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -60,6 +61,8 @@ class Config:
                 self.hf_config = AutoConfig.from_pretrained(path)
             except Exception as e:  # transformers' own checks: bad JSON, a field of the wrong type, ...
                 raise ValueError(f"cannot read the model config {path / 'config.json'}: {e}") from e
+            if is_vision_language(self.hf_config.architectures):
+                self.hf_config = language_model_config(self.hf_config, path)
         else:
             raise ValueError(f"{str(path)!r} holds neither a config.json nor a .gguf file")
         self._check_model_config(self.gguf_path or path / "config.json")
@@ -177,6 +180,22 @@ class Config:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls) if f.init}
+
+
+def language_model_config(config: PretrainedConfig, model_dir: Path) -> PretrainedConfig:
+    """A vision-language checkpoint's text_config, which its language model runs on alone (models/vision_language.py),
+    with the checkpoint's architectures and the settings transformers reads from the outer config."""
+    text = config.text_config
+    text.architectures = config.architectures
+    # transformers 5 ties the LM head as the outer config says (Qwen2-VL's text config has no such field; Mistral 3's
+    # outer one defaults to True), but not where the checkpoint holds a head of its own.
+    heads = {"lm_head.weight", "language_model.lm_head.weight"}
+    text.tie_word_embeddings = config.tie_word_embeddings and not any(
+        name in heads for name, _ in iter_safetensors(model_dir))
+    for name in ("dtype", "quantization_config", "eos_token_id"):  # where the outer config has them
+        if getattr(config, name, None) is not None:
+            setattr(text, name, getattr(config, name))
+    return text
 
 
 def _positive(name: str, value: object) -> None:

@@ -134,7 +134,7 @@ class ModelRunner:
     def _load_model(config: Config, device: torch.device) -> nn.Module:
         """The model built where it runs, in its dtype (no host copy of the weights on CUDA), then filled from the
         checkpoint one tensor, or one tensor-parallel slice of it, at a time."""
-        cls = get_model_class(config.hf_config.architectures)
+        cls = get_model_class(config.hf_config)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.torch_dtype)
         try:

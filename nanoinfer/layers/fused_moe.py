@@ -184,16 +184,27 @@ class FusedMoE(nn.Module):
             expected[2] = full
         elif param is not self.w2_bias:  # w13's weight or bias: gate rows, then up rows
             expected[1] = 2 * full
-        if list(loaded.shape) != expected:
-            raise ValueError(f"shape mismatch: checkpoint tensor {tuple(loaded.shape)}, expected {tuple(expected)}")
-        start = self.tp_rank * inter
+        # Qwen3-VL-MoE's Hub files hold each expert's weight transposed ([experts, hidden, 2 * inter], [experts,
+        # inter, hidden]); transformers tells the layouts apart by shape alone, as here.
+        shape = list(loaded.shape)
+        transposed = len(shape) == 3 and shape != expected and shape == [expected[0], expected[2], expected[1]]
+        if shape != expected and not transposed:
+            raise ValueError(f"shape mismatch: checkpoint tensor {tuple(shape)}, expected {tuple(expected)}")
         if param is self.w2_bias:
             copy_weight(param, loaded)
-        elif param is self.w2_weight:
-            copy_weight(param.data, loaded.narrow(2, start, inter))
+            return
+        inter_dim = 2 if (param is self.w2_weight) != transposed else 1  # where the intermediate size is
+
+        def part(start: int) -> torch.Tensor:
+            chunk = loaded.narrow(inter_dim, start, inter)
+            return chunk.transpose(1, 2) if transposed else chunk
+
+        start = self.tp_rank * inter
+        if param is self.w2_weight:
+            copy_weight(param.data, part(start))
         else:
             for half in range(2):  # this rank's gate rows, then its up rows
-                copy_weight(param.data.narrow(1, half * inter, inter), loaded.narrow(1, half * full + start, inter))
+                copy_weight(param.data.narrow(1, half * inter, inter), part(half * full + start))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         return self.run_experts(x, *select_experts(router_logits, self.top_k, self.renormalize))

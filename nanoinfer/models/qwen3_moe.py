@@ -17,3 +17,14 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
         return Qwen3MoeSparseMoeBlock(config) if is_sparse_layer(config, layer_idx) else LlamaMLP(config)
+
+
+class Qwen3VLMoeLanguageModel(Qwen3MoeForCausalLM):
+    """The language model of Qwen3-VL-MoE (`Qwen3VLMoeForConditionalGeneration`, see vision_language.py): its router
+    always rescales the top k to sum to 1 (the text config has no norm_topk_prob)."""
+
+    @staticmethod
+    def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        if not is_sparse_layer(config, layer_idx):
+            return LlamaMLP(config)
+        return SparseMoeBlock(config, config.num_experts, config.moe_intermediate_size, renormalize=True)

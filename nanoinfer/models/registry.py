@@ -2,6 +2,7 @@
 import importlib
 
 from torch import nn
+from transformers import PretrainedConfig
 
 _MODELS = {
     "ApertusForCausalLM": ("apertus", "ApertusForCausalLM"),
@@ -62,6 +63,21 @@ _CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM" for
     "Phi3", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe", "SeedOss", "SmolLM3", "StableLm", "Starcoder2")} | {
     "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM", "GPT2ForSequenceClassification": "GPT2LMHeadModel"}
 
+# Vision-language checkpoints, run as their language model alone (see vision_language.py; config.py gives the model
+# the checkpoint's text_config): the class of that language model, by the text config's model_type.
+_VISION_LANGUAGE = {
+    # transformers' Gemma3ForConditionalGeneration never applies final-logit softcapping (its text model would).
+    "Gemma3ForConditionalGeneration": {"gemma3_text": ("gemma3", "Gemma3LanguageModel")},
+    "Mistral3ForConditionalGeneration": {"mistral": _MODELS["MistralForCausalLM"]},
+    "LlavaForConditionalGeneration": {"llama": _MODELS["LlamaForCausalLM"], "mistral": _MODELS["MistralForCausalLM"]},
+    "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": _MODELS["Qwen2ForCausalLM"]},
+    "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": _MODELS["Qwen2ForCausalLM"]},
+    "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": _MODELS["Qwen3ForCausalLM"]},
+    "Qwen3VLMoeForConditionalGeneration": {"qwen3_vl_moe_text": ("qwen3_moe", "Qwen3VLMoeLanguageModel")},
+    "Qwen3_5ForConditionalGeneration": {"qwen3_5_text": _MODELS["Qwen3_5ForCausalLM"]},
+    "Qwen3_5MoeForConditionalGeneration": {"qwen3_5_moe_text": _MODELS["Qwen3_5MoeForCausalLM"]},
+}
+
 
 # Families whose attention adds a learned logit per head to every softmax (attention sinks), which flash-attn 2 lacks:
 # the attention backend is chosen with them in mind (selector.select_backend).
@@ -69,7 +85,11 @@ _ATTENTION_SINKS = {"GptOssForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS.keys() | _CLASSIFIERS.keys())
+    return sorted(_MODELS.keys() | _CLASSIFIERS.keys() | _VISION_LANGUAGE.keys())
+
+
+def is_vision_language(architectures: list[str] | None) -> bool:
+    return bool(architectures) and architectures[0] in _VISION_LANGUAGE
 
 
 def is_classifier(architectures: list[str] | None) -> bool:
@@ -80,12 +100,30 @@ def has_attention_sinks(architectures: list[str] | None) -> bool:
     return bool(architectures) and architectures[0] in _ATTENTION_SINKS
 
 
-def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
+def get_model_class(config: PretrainedConfig) -> type[nn.Module]:
+    """The class for config.architectures; for a vision-language checkpoint config is its text_config (with the
+    checkpoint's architectures), whose model_type names the language model."""
+    architectures = config.architectures
     for arch in architectures or []:
+        if arch in _VISION_LANGUAGE:
+            return _language_model_class(arch, config.model_type)
         if arch in _CLASSIFIERS:
             from nanoinfer.models.classification import sequence_classifier
-            return sequence_classifier(get_model_class([_CLASSIFIERS[arch]]))
+            return sequence_classifier(_import(_MODELS[_CLASSIFIERS[arch]]))
         if arch in _MODELS:
-            module, name = _MODELS[arch]
-            return getattr(importlib.import_module(f"nanoinfer.models.{module}"), name)
+            return _import(_MODELS[arch])
     raise ValueError(f"unsupported model architecture {architectures}; supported: {supported_architectures()}")
+
+
+def _language_model_class(architecture: str, text_model_type: str) -> type[nn.Module]:
+    language_models = _VISION_LANGUAGE[architecture]
+    if text_model_type not in language_models:
+        raise ValueError(f"{architecture} with a {text_model_type!r} language model (text_config.model_type) is not "
+                         f"supported; supported: {sorted(language_models)}")
+    from nanoinfer.models.vision_language import text_only
+    return text_only(_import(language_models[text_model_type]), architecture)
+
+
+def _import(entry: tuple[str, str]) -> type[nn.Module]:
+    module, name = entry
+    return getattr(importlib.import_module(f"nanoinfer.models.{module}"), name)

@@ -1,0 +1,32 @@
+"""Vision-language checkpoints (`*ForConditionalGeneration`) run as text models: their language model on its text
+family's implementation, read from the checkpoint's names; the vision tower and the projector are not loaded.
+Text alone needs nothing more: a text token's multimodal-rope position (Qwen2-VL's sections, Qwen3-VL's and Qwen3.5's
+interleaved ones) is the same on all three axes, which is the 1-D rope (tests/test_vlm_text.py checks it against
+transformers' mrope), and Gemma 3's bidirectional attention spans image tokens only, so text is causal."""
+from functools import cache
+
+from torch import nn
+from transformers import PretrainedConfig
+
+# Where the checkpoints keep the language model. The Hub's Gemma 3, Mistral 3 and Llava files (and what transformers
+# 5's save_pretrained writes for them): `language_model.model.*` and `language_model.lm_head`; Qwen2-VL/2.5-VL's:
+# `model.*` and `lm_head` already; Qwen3-VL/3-VL-MoE/3.5's: `model.language_model.*` and `lm_head`.
+LANGUAGE_MODEL_NAMES = {"^model.language_model.": "model.", "^language_model.model.": "model.",
+                        "^language_model.lm_head.": "lm_head."}
+# The image side, in the same layouts (transformers' own in-memory names too).
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "model.vision_tower.",
+                   "model.multi_modal_projector.", "model.visual.")
+
+
+@cache
+def text_only(causal_lm: type[nn.Module], architecture: str) -> type[nn.Module]:
+    """causal_lm (the language model's family) reading a vision-language checkpoint of `architecture`: the family's
+    own checkpoint names apply after the language model's prefix is taken off."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        causal_lm.__init__(self, config)
+        # Instance attributes: some families set theirs per config (DeepSeek-V3's and GLM-4.5's MTP layers).
+        self.weight_name_substitutions = {**LANGUAGE_MODEL_NAMES, **getattr(self, "weight_name_substitutions", {})}
+        self.ignored_weight_prefixes = VISION_PREFIXES + tuple(getattr(self, "ignored_weight_prefixes", ()))
+
+    return type(architecture, (causal_lm,), {"__init__": __init__, "__doc__": causal_lm.__doc__})

@@ -1,0 +1,177 @@
+"""Vision-language checkpoints (`*ForConditionalGeneration`, each built here with a tiny vision tower) run as text
+models: greedy tokens and logits against transformers' own conditional-generation model on text-only input (fp32),
+with the checkpoint layouts the Hub uses, and with two tensor-parallel ranks."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import models
+from models import check_against_hf, hf_greedy, make_config, random_prompts
+from nanoinfer import LLM, SamplingParams
+
+MAX_TOKENS = 12
+LOGIT_ATOL = 1e-4
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# Image placeholder ids inside the vocabulary (the tiny models' 512): a prompt holding them runs them as text.
+IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 502, 503, 504, 505
+PROMPTS = random_prompts(3, 5, 440, 2, 40, seed=21) + [[7, VISION_START, IMAGE_TOKEN, IMAGE_TOKEN, VISION_END, 9]]
+KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe",
+         "qwen3.5", "qwen3.5-moe")
+SEEDS = {kind: 7100 + i for i, kind in enumerate(KINDS)}
+
+# Tiny vision towers: one layer each; their weights are saved and must be skipped.
+_SIGLIP = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+               patch_size=14)
+_QWEN_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4)
+_QWEN3_VISION = dict(_QWEN_VISION, num_position_embeddings=16)
+_QWEN_TOKENS = dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+                    vision_end_token_id=VISION_END)
+
+
+def qwen_text_config(config_class, rope: dict, **kwargs):
+    special = dict(bos_token_id=1, eos_token_id=0, pad_token_id=2)
+    return config_class(**models._COMMON, **special, num_attention_heads=4, num_key_value_heads=2,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, **rope}, **kwargs)
+
+
+def make_vlm_config(kind: str):
+    """The conditional-generation config of `kind`: the text configs of tests/models.py where the family has one."""
+    import transformers as t
+
+    if kind == "gemma3":  # tied; its text config's final-logit softcap, which the wrapper never applies
+        return t.Gemma3Config(text_config=make_config("gemma3"), vision_config=_SIGLIP, mm_tokens_per_image=4,
+                              boi_token_index=VISION_START, eoi_token_index=VISION_END, image_token_index=IMAGE_TOKEN)
+    if kind == "mistral3":  # an LM head of its own (see build)
+        pixtral = dict(_SIGLIP, model_type="pixtral", head_dim=8)
+        return t.Mistral3Config(text_config=make_config("mistral"), vision_config=pixtral,
+                                image_token_index=IMAGE_TOKEN, tie_word_embeddings=False)
+    if kind in ("llava", "llava-mistral"):  # Llama with llama3 rope, or Mistral's windows (as Pixtral); untied
+        clip = dict(_SIGLIP, model_type="clip_vision_model", projection_dim=16)
+        text = make_config("llama" if kind == "llava" else "mistral")
+        return t.LlavaConfig(text_config=text, vision_config=clip, image_token_index=IMAGE_TOKEN, image_seq_length=4)
+    # Qwen: multimodal rope over 8 (16 for Qwen3-VL) frequency pairs, in sections or interleaved.
+    if kind == "qwen2-vl":  # layers 1 and 2 windowed, untied
+        text = qwen_text_config(t.Qwen2VLTextConfig, {"mrope_section": [2, 3, 3]}, use_sliding_window=True,
+                                sliding_window=12, max_window_layers=1)
+        return t.Qwen2VLConfig(text_config=text, vision_config=dict(depth=1, embed_dim=16, hidden_size=64,
+                                                                    num_heads=2, patch_size=4), **_QWEN_TOKENS)
+    if kind == "qwen2.5-vl":  # tied
+        text = qwen_text_config(t.Qwen2_5_VLTextConfig, {"mrope_section": [2, 3, 3]})
+        vision = dict(_QWEN_VISION, fullatt_block_indexes=[0], window_size=16)
+        return t.Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **_QWEN_TOKENS)
+    interleaved = {"mrope_section": [6, 5, 5], "mrope_interleaved": True}
+    vision = dict(_QWEN3_VISION, deepstack_visual_indexes=[0])
+    if kind == "qwen3-vl":  # tied
+        text = qwen_text_config(t.Qwen3VLTextConfig, interleaved, head_dim=32)
+        return t.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **_QWEN_TOKENS)
+    if kind == "qwen3-vl-moe":  # 2 of 8 experts on layers 0 and 2, layer 1 dense; experts 48 wide (2 x 48 != 64)
+        text = qwen_text_config(t.Qwen3VLMoeTextConfig, interleaved, head_dim=32, num_experts=8,
+                                num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=[1])
+        return t.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **_QWEN_TOKENS)
+    text = make_config(kind)  # Qwen3.5's partial rope (8 of 32 dims) as its checkpoints give it: interleaved mrope
+    text.rope_parameters.update(mrope_section=[2, 1, 1], mrope_interleaved=True)
+    config_class = t.Qwen3_5Config if kind == "qwen3.5" else t.Qwen3_5MoeConfig
+    return config_class(text_config=text, vision_config=_QWEN3_VISION, **_QWEN_TOKENS)
+
+
+def to_hub_layout(model_dir, kind: str) -> None:
+    """What transformers 5 saves, changed to the Hub checkpoints' layout where it differs. Mistral Small 3.1's config
+    leaves tie_word_embeddings to its default (True in transformers 5) while the checkpoint holds its own head,
+    which transformers then keeps. Qwen2-VL's config is flat (no text_config), its rope given as "mrope".
+    Qwen3-VL-MoE's files store every expert's matrix transposed."""
+    config = json.loads((model_dir / "config.json").read_text())
+    if kind == "mistral3":
+        del config["tie_word_embeddings"]
+    if kind == "qwen2-vl":
+        text = config.pop("text_config")
+        rope = text.pop("rope_parameters")
+        config.update({k: v for k, v in text.items() if k not in ("model_type", "architectures")},
+                      rope_theta=rope["rope_theta"],
+                      rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+    (model_dir / "config.json").write_text(json.dumps(config))
+    if kind == "qwen3-vl-moe":
+        file = model_dir / "model.safetensors"
+        tensors = load_file(file)
+        for name in [n for n in tensors if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
+            tensors[name] = tensors[name].transpose(1, 2).contiguous()
+        save_file(tensors, file, metadata={"format": "pt"})
+
+
+def build_vlm(kind: str, model_dir):
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(SEEDS[kind])
+    model = AutoModelForImageTextToText.from_config(make_vlm_config(kind), dtype=torch.float32)
+    models._randomize_(model, SEEDS[kind])
+    if kind in ("gemma3", "qwen3.5", "qwen3.5-moe"):  # (1 + weight) norms
+        models._randomize_zero_centered_norms_(model, SEEDS[kind])
+    model.save_pretrained(str(model_dir))
+    to_hub_layout(model_dir, kind)
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vlm_models")
+    built = {}
+
+    def get(kind: str):
+        if kind not in built:
+            built[kind] = build_vlm(kind, root / kind)
+        return built[kind]
+
+    return get
+
+
+def hf_reference(model_dir) -> list[dict]:
+    """transformers' conditional-generation model loaded from the checkpoint (as a user would), on text alone."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    assert type(model).__name__.endswith("ForConditionalGeneration")
+    return hf_greedy(model, PROMPTS, MAX_TOKENS)
+
+
+def run(model_dir, captured, **kwargs) -> float:
+    with LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=128, **kwargs) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return check_against_hf(outputs, hf_reference(model_dir), captured)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_language_model_matches_hf(kind, vlm_dir, captured_logits, report_logit_diff):
+    worst = run(vlm_dir(kind), captured_logits)
+    report_logit_diff(f"{kind} (vision-language, text only)", worst)
+    assert worst < LOGIT_ATOL, f"{kind}: max |logit diff| vs transformers {worst:.2e}"
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_matches_hf(vlm_dir, captured_logits, report_logit_diff):
+    """Two ranks (a spawned worker) on Qwen3-VL-MoE: attention and experts sharded, each rank's slice of every
+    expert read from the Hub's transposed stacked tensors."""
+    worst = run(vlm_dir("qwen3-vl-moe"), captured_logits, tensor_parallel_size=2)
+    report_logit_diff("qwen3-vl-moe (vision-language, text only), tensor parallel 2", worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+def test_unsupported_language_model_is_refused(vlm_dir, tmp_path):
+    """A known wrapper over a language model no family here implements is named, not run as another family."""
+    config = json.loads((vlm_dir("llava") / "config.json").read_text())
+    config["text_config"]["model_type"] = "qwen2"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes((vlm_dir("llava") / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=r"LlavaForConditionalGeneration with a 'qwen2' language model"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=64)
+
+
+def test_outer_quantization_config_is_refused(vlm_dir, tmp_path):
+    """A quantized vision-language checkpoint announces it in the outer config, which the language model's checks
+    read too: refused by name, not loaded as if unquantized."""
+    config = json.loads((vlm_dir("qwen3-vl") / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "no-such-method"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes((vlm_dir("qwen3-vl") / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=r"quantization_config \(quant_method=.no-such-method.\)"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=64)
