@@ -122,6 +122,16 @@ def test_fp8_edge_tiles_are_cut_short():
         dequantize_fp8(weight, scale_inv[:, :4], (16, 16), torch.float32)
 
 
+def test_fp8_ue8m0_scales_are_powers_of_two():
+    """`scale_fmt: ue8m0` checkpoints store each scale as an e8m0 exponent byte b, meaning 2 ** (b - 127)."""
+    weight = torch.randn(32, 32).to(torch.float8_e4m3fn)
+    exponents = torch.tensor([[120, 127], [128, 133]], dtype=torch.uint8)
+    as_floats = torch.exp2(exponents.float() - 127)
+    dequantized = dequantize_fp8(weight, exponents, (16, 16), torch.float32)
+    assert torch.equal(dequantized, dequantize_fp8(weight, as_floats, (16, 16), torch.float32))
+    assert torch.equal(dequantized[16:, 16:], weight[16:, 16:].float() * 64)
+
+
 def test_fp8_dequantizes_on_the_target_device():
     """Each weight and its scale go to the model's device before they are combined (on a GPU: no full-precision
     copy of the model on the host); unquantized tensors pass through untouched."""

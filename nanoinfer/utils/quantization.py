@@ -133,15 +133,10 @@ def dequantized_weights(weights: Iterable[tuple[str, torch.Tensor | LazyTensor]]
         else:
             yield name, tensor
             continue
-        other = "data" if kind == "scale" else "scale"
-        pending[kind][base] = (_read(tensor, device), getattr(tensor, "file", None))
-        if base in pending[other]:
-            (data, file), (scale, _) = pending["data"].pop(base), pending["scale"].pop(base)
-            try:
-                yield base + scheme.weight_suffix, scheme.dequantize(data, scale, dtype)
-            except ValueError as e:
-                raise ValueError(f"cannot dequantize checkpoint tensor {base + scheme.data_suffix!r}"
-                                 f"{_in(file)}: {e}") from None
+        # Held on the host until its partner arrives (usually the next tensor, in the same file).
+        pending[kind][base] = (tensor[...] if isinstance(tensor, LazyTensor) else tensor, getattr(tensor, "file", None))
+        if base in pending["data"] and base in pending["scale"]:
+            yield base + scheme.weight_suffix, _dequantize(scheme, base, pending, device, dtype)
     if pending["data"]:
         base, (_, file) = next(iter(pending["data"].items()))
         raise ValueError(f"quantized checkpoint tensor {base + scheme.data_suffix!r}{_in(file)} has no scale "
@@ -152,9 +147,13 @@ def dequantized_weights(weights: Iterable[tuple[str, torch.Tensor | LazyTensor]]
                          f"tensor: {base + scheme.data_suffix!r} is missing or not quantized")
 
 
-def _read(tensor: torch.Tensor | LazyTensor, device: torch.device) -> torch.Tensor:
-    """The whole stored tensor on `device` (quantized blocks are not sliced on disk: every rank dequantizes it)."""
-    return (tensor[...] if isinstance(tensor, LazyTensor) else tensor).to(device)
+def _dequantize(scheme: QuantScheme, base: str, pending: dict[str, dict[str, tuple[torch.Tensor, Path | None]]],
+                device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    (data, file), (scale, _) = pending["data"].pop(base), pending["scale"].pop(base)
+    try:
+        return scheme.dequantize(data.to(device), scale.to(device), dtype)
+    except ValueError as e:
+        raise ValueError(f"cannot dequantize checkpoint tensor {base + scheme.data_suffix!r}{_in(file)}: {e}") from None
 
 
 def _in(file: Path | None) -> str:
