@@ -113,11 +113,19 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
         raise ValueError(f"MXFP4 blocks {blocks.dtype} {list(blocks.shape)} and scales {scales.dtype} "
                          f"{list(scales.shape)}: expected uint8 [experts, rows, groups, bytes] and [experts, rows, "
                          "groups]")
+    experts, rows, groups, width = blocks.shape
+    out = torch.empty(experts, groups * 2 * width, rows, dtype=dtype, device=blocks.device)
+    for e in range(experts):  # one expert's temporaries at a time: codes and values of all would take GBs
+        out[e] = _mxfp4_matrix(blocks[e], scales[e]).T
+    return out
+
+
+def _mxfp4_matrix(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[rows, groups, bytes] codes and [rows, groups] exponents -> [rows, groups * 2 * bytes] fp32."""
     values = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=blocks.device)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # [..., bytes, 2]: low nibble first
-    weight = torch.ldexp(values[codes].flatten(-3), (scales.int() - _E8M0_BIAS).repeat_interleave(
-        2 * blocks.shape[-1], dim=-1))
-    return weight.transpose(1, 2).to(dtype).contiguous()
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).int()  # [rows, groups, bytes, 2]: low nibble first
+    exponents = (scales.int() - _E8M0_BIAS).repeat_interleave(2 * blocks.shape[-1], dim=-1)
+    return torch.ldexp(values[codes].flatten(-3), exponents)
 
 
 def dequantized_weights(weights: Iterable[tuple[str, torch.Tensor | LazyTensor]], scheme: QuantScheme,
