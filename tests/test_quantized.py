@@ -1,6 +1,6 @@
-"""Quantized checkpoints dequantized on load: block-wise FP8 (Qwen3, DeepSeek-V3; TP 1 and 2) against transformers
-loading the same files with `dequantize=True`, the edge tiles of FP8 blocks, and the checkpoints and settings
-refused by name (other quant methods, a missing or misshapen scale)."""
+"""Quantized checkpoints dequantized on load: block-wise FP8 (Qwen3, DeepSeek-V3; TP 1 and 2) and GPT-OSS's MXFP4
+against transformers loading the same files with `dequantize=True`, the edge tiles of FP8 blocks, and the
+checkpoints and settings refused by name (other quant methods, a missing or misshapen scale)."""
 import json
 import pathlib
 import shutil
@@ -179,4 +179,60 @@ def test_fp8_scale_missing_or_misshapen_names_the_tensor(qwen3_dir, tmp_path, dr
         config["quantization_config"]["weight_block_size"] = list(block)
         (d / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
+        LLM(str(d), max_model_len=64, device="cpu")
+
+
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def mxfp4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS's release format of an expert weight [experts, in, out]: blocks [experts, out, in / 32, 16] (the
+    nearest e2m1 codes of each 32 values over their power-of-two scale, two a byte, low nibble first) and scales
+    [experts, out, in / 32] (that power's exponent + 127)."""
+    experts, columns, rows = weight.shape
+    groups = weight.transpose(1, 2).reshape(experts, rows, columns // 32, 32)
+    exponents = torch.ceil(torch.log2(groups.abs().amax(-1) / 6)).clamp(min=-127)  # the largest |value| <= 6
+    codes = ((groups / torch.exp2(exponents)[..., None])[..., None] - E2M1_VALUES).abs().argmin(-1).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponents + 127).to(torch.uint8)
+
+
+def mxfp4_copy(src: pathlib.Path, dst: pathlib.Path, drop: str | None = None) -> pathlib.Path:
+    """src's GPT-OSS model in dst with its experts' weights in MXFP4, as OpenAI released GPT-OSS (attention,
+    router, embeddings, biases as they were); drop: a tensor left out."""
+    shutil.copytree(src, dst)
+    tensors = {}
+    for name, w in load_file(src / "model.safetensors").items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name + "_blocks"], tensors[name + "_scales"] = mxfp4_quantize(w)
+        else:
+            tensors[name] = w
+    save_file({n: t for n, t in tensors.items() if n != drop}, dst / "model.safetensors")
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_mxfp4_gpt_oss_matches_transformers_dequantized(model_dir, tmp_path, captured_logits, report_logit_diff):
+    """GPT-OSS's MXFP4 experts load dequantized: transformers' tokens and logits from the same file; a block
+    without its scales is a ValueError naming both and the file."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    src = model_dir("gpt-oss")
+    d = mxfp4_copy(src, tmp_path / "mxfp4")
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32,
+                                                 quantization_config=Mxfp4Config(dequantize=True))
+    refs = hf_greedy(model.eval(), PROMPTS, MAX_TOKENS)
+    worst = check_against_hf(outputs, refs, captured_logits)
+    report_logit_diff("gpt-oss MXFP4", worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+    unquantized = hf_greedy(src, PROMPTS[:1], MAX_TOKENS)[0]["logits"]
+    assert (unquantized - refs[0]["logits"]).abs().max() > 100 * LOGIT_ATOL
+    scales = "model.layers.1.mlp.experts.down_proj_scales"
+    d = mxfp4_copy(src, tmp_path / "no-scales", drop=scales)
+    with pytest.raises(ValueError, match=rf"'model.layers.1.mlp.experts.down_proj_blocks' in .*model.safetensors "
+                                         rf"has no scale '{scales}'"):
         LLM(str(d), max_model_len=64, device="cpu")
