@@ -37,8 +37,8 @@ from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.utils.dist import tp_scope
 from nanoinfer.utils.gguf_loader import iter_gguf_weights
 from nanoinfer.utils.loader import iter_safetensors, load_weights
-from nanoinfer.utils.quantization import dequantized_weights, quant_scheme
 from nanoinfer.utils.memory import keep_freed_memory
+from nanoinfer.utils.quantization import dequantized_weights, quant_scheme
 
 logger = logging.getLogger(__name__)
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import PretrainedConfig
 
 from nanoinfer.utils.loader import LazyTensor
 
@@ -27,7 +28,7 @@ class QuantScheme:
     weight_suffix: str  # the dequantized tensor's name ends so (in place of data_suffix)
 
 
-def check_quantization(hf_config, source: Path) -> None:
+def check_quantization(hf_config: PretrainedConfig, source: Path) -> None:
     """A `quantization_config` this engine dequantizes on load, or a ValueError naming what it is and where."""
     quantization = getattr(hf_config, "quantization_config", None)
     if quantization is None:
@@ -57,7 +58,7 @@ def _check_fp8(quantization: dict, source: Path) -> None:
                          "FP8 experts are supported")
 
 
-def quant_scheme(hf_config) -> QuantScheme | None:
+def quant_scheme(hf_config: PretrainedConfig) -> QuantScheme | None:
     """The scheme of a checkpoint that check_quantization accepted; None when it is not quantized."""
     quantization = getattr(hf_config, "quantization_config", None)
     if quantization is None:
