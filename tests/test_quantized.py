@@ -17,6 +17,7 @@ MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 PROMPTS = random_prompts(3, 5, 440, 5, 50, seed=61) + [[17]]
 LOGIT_ATOL = 1e-4
+CUDA_FP32_LOGIT_ATOL = 2e-4  # as tests/test_gpu.py: GPU reductions run in other orders
 FP8_MAX = 448.0  # float8_e4m3fn's largest value
 # Non-square blocks that tile every projection of the tiny models (transformers derives the tile from the scale
 # grid's shape, so it only agrees with the block size where the blocks divide the weights).
@@ -59,43 +60,80 @@ def fp8_copy(src: pathlib.Path, dst: pathlib.Path, block: tuple[int, int], split
     return dst
 
 
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def mxfp4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS's release format of an expert weight [experts, in, out]: blocks [experts, out, in / 32, 16] (the
+    nearest e2m1 codes of each 32 values over their power-of-two scale, two a byte, low nibble first) and scales
+    [experts, out, in / 32] (that power's exponent + 127)."""
+    experts, columns, rows = weight.shape
+    groups = weight.transpose(1, 2).reshape(experts, rows, columns // 32, 32)
+    exponents = torch.ceil(torch.log2(groups.abs().amax(-1) / 6)).clamp(min=-127)  # the largest |value| <= 6
+    codes = ((groups / torch.exp2(exponents)[..., None])[..., None] - E2M1_VALUES).abs().argmin(-1).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponents + 127).to(torch.uint8)
+
+
+def mxfp4_copy(src: pathlib.Path, dst: pathlib.Path, drop: str | None = None) -> pathlib.Path:
+    """src's GPT-OSS model in dst with its experts' weights in MXFP4, as OpenAI released GPT-OSS (attention,
+    router, embeddings, biases as they were); drop: a tensor left out."""
+    shutil.copytree(src, dst)
+    tensors = {}
+    for name, w in load_file(src / "model.safetensors").items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name + "_blocks"], tensors[name + "_scales"] = mxfp4_quantize(w)
+        else:
+            tensors[name] = w
+    save_file({n: t for n, t in tensors.items() if n != drop}, dst / "model.safetensors")
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
 @pytest.fixture(scope="module")
-def fp8_dir(model_dir, tmp_path_factory):
-    """fp8_dir(kind): the test model of `kind` quantized to FP8 (built once per module)."""
+def quantized_dir(model_dir, tmp_path_factory):
+    """quantized_dir(kind): the test model of `kind` quantized (GPT-OSS's experts to MXFP4, the others' projections
+    to FP8), built once per module."""
     built: dict[str, pathlib.Path] = {}
 
     def get(kind: str) -> pathlib.Path:
         if kind not in built:
-            dst = tmp_path_factory.mktemp("fp8") / kind
-            built[kind] = fp8_copy(model_dir(kind), dst, FP8_BLOCKS[kind], split_scales=kind == "qwen3")
+            dst = tmp_path_factory.mktemp("quantized") / kind
+            built[kind] = mxfp4_copy(model_dir(kind), dst) if kind == "gpt-oss" else \
+                fp8_copy(model_dir(kind), dst, FP8_BLOCKS[kind], split_scales=kind == "qwen3")
         return built[kind]
     return get
 
 
 def hf_dequantized_greedy(d: pathlib.Path, monkeypatch) -> list[dict]:
-    """transformers' greedy tokens and logits from the FP8 files, dequantized on load to fp32."""
+    """transformers' greedy tokens and logits from the quantized files (FP8 or MXFP4), dequantized on load, in fp32
+    arithmetic."""
     if str(d) not in _HF_REFERENCES:
         import transformers.quantizers.quantizer_finegrained_fp8 as quantizer
-        from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+        from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
 
-        # Its environment check asks for accelerate, which the dequantizing path never uses.
+        # The FP8 environment check asks for accelerate, which the dequantizing path never uses.
         monkeypatch.setattr(quantizer, "is_accelerate_available", lambda: True)
-        block = json.loads((d / "config.json").read_text())["quantization_config"]["weight_block_size"]
-        model = AutoModelForCausalLM.from_pretrained(
-            d, dtype=torch.float32, quantization_config=FineGrainedFP8Config(dequantize=True,
-                                                                              weight_block_size=tuple(block)))
-        assert not any(p.dtype == torch.float8_e4m3fn for p in model.parameters())
-        _HF_REFERENCES[str(d)] = hf_greedy(model.eval(), PROMPTS, MAX_TOKENS)
+        quantization = json.loads((d / "config.json").read_text())["quantization_config"]
+        dequantize = Mxfp4Config(dequantize=True) if quantization["quant_method"] == "mxfp4" else \
+            FineGrainedFP8Config(dequantize=True, weight_block_size=tuple(quantization["weight_block_size"]))
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, quantization_config=dequantize)
+        assert not any(p.dtype in (torch.float8_e4m3fn, torch.uint8) for p in model.parameters())
+        # transformers 5.17 (the GPU machine's) keeps dequantized MXFP4 experts in bf16, which holds them exactly:
+        # fp32 arithmetic on the same values, as 5.23 does.
+        _HF_REFERENCES[str(d)] = hf_greedy(model.float().eval(), PROMPTS, MAX_TOKENS)
     return _HF_REFERENCES[str(d)]
 
 
 @pytest.mark.parametrize("kind, tp", [("qwen3", 1), ("deepseek-v3", 1), ("qwen3", 2)])
-def test_fp8_matches_transformers_dequantized(kind, tp, fp8_dir, model_dir, captured_logits, monkeypatch,
+def test_fp8_matches_transformers_dequantized(kind, tp, quantized_dir, model_dir, captured_logits, monkeypatch,
                                               report_logit_diff):
     """Qwen3 (scales in a shard read before the weights) and DeepSeek-V3 (per-expert weights, MLA's kv_b_proj
     that the engine absorbs) load their FP8 weights dequantized: transformers' tokens and logits; two ranks each
     dequantize a tensor and keep their shard."""
-    d = fp8_dir(kind)
+    d = quantized_dir(kind)
     with LLM(str(d), device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=tp) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     refs = hf_dequantized_greedy(d, monkeypatch)
@@ -182,55 +220,18 @@ def test_fp8_scale_missing_or_misshapen_names_the_tensor(qwen3_dir, tmp_path, dr
         LLM(str(d), max_model_len=64, device="cpu")
 
 
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-
-
-def mxfp4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPT-OSS's release format of an expert weight [experts, in, out]: blocks [experts, out, in / 32, 16] (the
-    nearest e2m1 codes of each 32 values over their power-of-two scale, two a byte, low nibble first) and scales
-    [experts, out, in / 32] (that power's exponent + 127)."""
-    experts, columns, rows = weight.shape
-    groups = weight.transpose(1, 2).reshape(experts, rows, columns // 32, 32)
-    exponents = torch.ceil(torch.log2(groups.abs().amax(-1) / 6)).clamp(min=-127)  # the largest |value| <= 6
-    codes = ((groups / torch.exp2(exponents)[..., None])[..., None] - E2M1_VALUES).abs().argmin(-1).to(torch.uint8)
-    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponents + 127).to(torch.uint8)
-
-
-def mxfp4_copy(src: pathlib.Path, dst: pathlib.Path, drop: str | None = None) -> pathlib.Path:
-    """src's GPT-OSS model in dst with its experts' weights in MXFP4, as OpenAI released GPT-OSS (attention,
-    router, embeddings, biases as they were); drop: a tensor left out."""
-    shutil.copytree(src, dst)
-    tensors = {}
-    for name, w in load_file(src / "model.safetensors").items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            tensors[name + "_blocks"], tensors[name + "_scales"] = mxfp4_quantize(w)
-        else:
-            tensors[name] = w
-    save_file({n: t for n, t in tensors.items() if n != drop}, dst / "model.safetensors")
-    config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst
-
-
-def test_mxfp4_gpt_oss_matches_transformers_dequantized(model_dir, tmp_path, captured_logits, report_logit_diff):
+def test_mxfp4_gpt_oss_matches_transformers_dequantized(quantized_dir, model_dir, tmp_path, captured_logits,
+                                                        monkeypatch, report_logit_diff):
     """GPT-OSS's MXFP4 experts load dequantized: transformers' tokens and logits from the same file; a block
     without its scales is a ValueError naming both and the file."""
-    from transformers import AutoModelForCausalLM, Mxfp4Config
-
-    src = model_dir("gpt-oss")
-    d = mxfp4_copy(src, tmp_path / "mxfp4")
+    d = quantized_dir("gpt-oss")
     with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32,
-                                                 quantization_config=Mxfp4Config(dequantize=True))
-    # transformers 5.17 (the GPU machine's) keeps the dequantized experts in bf16, which holds them exactly: fp32
-    # arithmetic on the same values, as 5.23 does.
-    refs = hf_greedy(model.float().eval(), PROMPTS, MAX_TOKENS)
+    refs = hf_dequantized_greedy(d, monkeypatch)
     worst = check_against_hf(outputs, refs, captured_logits)
     report_logit_diff("gpt-oss MXFP4", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+    src = model_dir("gpt-oss")
     unquantized = hf_greedy(src, PROMPTS[:1], MAX_TOKENS)[0]["logits"]
     assert (unquantized - refs[0]["logits"]).abs().max() > 100 * LOGIT_ATOL
     scales = "model.layers.1.mlp.experts.down_proj_scales"
@@ -238,3 +239,20 @@ def test_mxfp4_gpt_oss_matches_transformers_dequantized(model_dir, tmp_path, cap
     with pytest.raises(ValueError, match=rf"'model.layers.1.mlp.experts.down_proj_blocks' in .*model.safetensors "
                                          rf"has no scale '{scales}'"):
         LLM(str(d), max_model_len=64, device="cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["qwen3", "gpt-oss"])
+def test_quantized_on_cuda_dequantize_there_and_match_transformers(kind, quantized_dir, captured_logits, monkeypatch,
+                                                                   report_logit_diff):
+    """On a GPU (where the weights are combined) the FP8 dequantization gives the CPU's values bit for bit, and the
+    engine in fp32 gives transformers' tokens and logits from the same FP8 and MXFP4 files."""
+    weight, scale_inv = fp8_quantize(torch.randn(256, 384), (128, 128))
+    on_host = dequantize_fp8(weight, scale_inv, (128, 128), torch.float32)
+    assert torch.equal(dequantize_fp8(weight.cuda(), scale_inv.cuda(), (128, 128), torch.float32).cpu(), on_host)
+    d = quantized_dir(kind)
+    with LLM(str(d), device="cuda", dtype="float32", max_model_len=128, num_kvcache_blocks=64) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    worst = check_against_hf(outputs, hf_dequantized_greedy(d, monkeypatch), captured_logits)
+    report_logit_diff(f"{kind} quantized, CUDA fp32", worst)
+    assert worst < CUDA_FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
