@@ -15,6 +15,7 @@ from nanoinfer.sampling_params import check_seed
 from nanoinfer.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from nanoinfer.utils.gguf_loader import load_gguf_config, resolve_gguf
 from nanoinfer.utils.loader import iter_safetensors
+from nanoinfer.utils.quantization import check_quantization
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -119,11 +120,9 @@ class Config:
     def _check_model_config(self, source: Path) -> None:
         """The model's own sizes and constants, where a bad value would otherwise fail obscurely (or not at all)."""
         cfg = self.hf_config
-        if (quantization := getattr(cfg, "quantization_config", None)) is not None:
-            # FP8/AWQ/GPTQ files hold scales and packed weights no layer here reads: refused before any is loaded.
-            method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
-            raise ValueError(f"quantization_config (quant_method={method!r}) in {source}: quantized checkpoints are "
-                             f"not supported; use an unquantized (bf16/fp16/fp32) checkpoint or a GGUF file")
+        # Dequantized on load (FP8, MXFP4); AWQ/GPTQ/... files hold packed weights no layer here reads: refused
+        # before any is loaded.
+        check_quantization(cfg, source)
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                      "max_position_embeddings", "num_key_value_heads", "head_dim"):
             value = getattr(cfg, name, None)

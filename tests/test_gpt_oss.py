@@ -2,10 +2,7 @@
 prefill and prefix hits; triton_attention_interpreted.py: the Triton backend): its MoE layer against transformers'
 (checkpoint layout, biases, clamped SwiGLU, router) and across tensor-parallel shards, the whole model under
 chunked prefill, prefix hits and preemption with TP=1 and 2, what the sinks and the clamps change, and the settings
-it refuses (flash-attn, which has no sinks; MXFP4 checkpoints)."""
-import json
-import shutil
-
+it refuses (flash-attn, which has no sinks). MXFP4 checkpoints: test_quantized.py."""
 import pytest
 import torch
 
@@ -124,12 +121,3 @@ def test_flash_attn_is_not_chosen_for_sinks(monkeypatch, model_dir):
     with pytest.raises(ValueError, match="has sinks"):
         Config(str(model_dir("gpt-oss")), device="cpu", attention_backend="flash")
 
-
-def test_mxfp4_checkpoint_is_refused(model_dir, tmp_path):
-    """The usual GPT-OSS release: MXFP4 experts, announced by its quantization_config."""
-    d = shutil.copytree(model_dir("gpt-oss"), tmp_path / "mxfp4")
-    config = json.loads((d / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (d / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quant_method='mxfp4'.*not supported"):
-        Config(str(d), device="cpu")

@@ -1,6 +1,7 @@
 """GPT-OSS: the Llama decoder with q/k/v/o biases, yarn rope, attention sinks (a learned logit per head in every
 softmax) on alternating sliding-window and full layers, fp32 RMSNorms, and on every layer a top-k router with a bias
-in front of experts with biases and a clamped SwiGLU. MXFP4 checkpoints are refused by Config; bf16 ones load."""
+in front of experts with biases and a clamped SwiGLU. bf16 checkpoints load as they are, OpenAI's MXFP4 ones
+dequantized (nanoinfer/utils/quantization.py) into the same layout."""
 from dataclasses import replace
 
 import torch
