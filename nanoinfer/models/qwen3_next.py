@@ -7,9 +7,10 @@ from transformers import PretrainedConfig
 
 from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanoinfer.layers.gated_delta_rule import GatedDeltaRule, RecurrentBatch
+from nanoinfer.layers.gated_delta_rule import GatedDeltaRule
 from nanoinfer.layers.layernorm import GatedRMSNorm, RMSNorm
 from nanoinfer.layers.linear import ReplicatedLinear
+from nanoinfer.layers.recurrent import RecurrentBatch
 from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM, LlamaMLP, MLPFactory
 from nanoinfer.models.qwen2_moe import Qwen2MoeSparseMoeBlock, is_sparse_layer
 
@@ -107,9 +108,6 @@ class Qwen3NextModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if meta.state_slots is None:  # the encoder pass of LLM.embed: no sequences, no state
-            raise ValueError("The model's linear-attention layers are causal and recurrent: the model cannot run "
-                             "as a bidirectional encoder (LLM.embed)")
         batch = RecurrentBatch.from_metadata(meta)
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
