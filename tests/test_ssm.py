@@ -1,20 +1,26 @@
 """LFM2, Bamba and Granite 4.0-H (short-conv and Mamba2 hybrids) vs transformers under chunked prefill, preemption
-and two tensor-parallel ranks, prefix caching refused; the Mamba2 scan's chunked and one-step forms against each
+and two tensor-parallel ranks, prefix caching and LLM.embed refused; the Mamba2 scan's chunked and one-step forms against each
 other, and the mixer against transformers' over prompt chunks, decode steps and several sequences at once."""
 import pytest
 import torch
 
-from models import SSM_KINDS, check_against_hf, random_prompts
-from nanoinfer import LLM
+from models import SSM_KINDS
 from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.mamba2 import Mamba2Mixer, ssd_chunk_scan, ssd_step
 from nanoinfer.layers.recurrent import RecurrentBatch
-from test_qwen3_next import GREEDY, LOGIT_ATOL, PROMPTS, reference, run
+# Prefix caching refused (a cached prefix has K/V but no recurrent state), LLM.embed refused (causal layers).
+from test_qwen3_next import LOGIT_ATOL, PROMPTS, run, test_embed_is_refused, test_no_prefix_cache_reuse  # noqa: F401
 
 
 @pytest.fixture(scope="module", params=SSM_KINDS)
 def ssm_dir(request, model_dir):
     return model_dir(request.param)
+
+
+@pytest.fixture(scope="module")
+def next_dir(ssm_dir):
+    """The model test_qwen3_next's tests imported here run on."""
+    return ssm_dir
 
 
 def test_chunked_prefill_and_preemption_match_hf(ssm_dir, captured_logits, report_logit_diff):
@@ -27,21 +33,6 @@ def test_chunked_prefill_and_preemption_match_hf(ssm_dir, captured_logits, repor
     assert llm.llm_engine.scheduler.num_preemptions > 0
     report_logit_diff(f"{ssm_dir.name}, chunked prefill / preemption", max(chunked, preempted))
     assert max(chunked, preempted) < LOGIT_ATOL, f"max |logit diff| {chunked:.2e} / {preempted:.2e}"
-
-
-def test_prefix_caching_is_refused_and_embed_too(ssm_dir, captured_logits):
-    """A cached prefix has K/V but no recurrent state: prefix caching is off, even when asked; and the recurrent
-    layers are causal, so LLM.embed (a bidirectional encoder pass) is refused."""
-    shared = random_prompts(1, 5, 440, 40, 40, seed=3)[0]
-    prompts = [shared + tail for tail in random_prompts(2, 5, 440, 1, 20, seed=4)]
-    llm = LLM(str(ssm_dir), device="cpu", dtype="float32", max_model_len=128, enable_prefix_caching=True)
-    assert not llm.llm_engine.scheduler.block_manager.enable_prefix_caching
-    for _ in range(2):
-        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        assert all(o.num_cached_tokens == 0 for o in outputs)
-        assert check_against_hf(outputs, reference(ssm_dir, prompts), captured_logits) < LOGIT_ATOL
-    with pytest.raises(ValueError, match="bidirectional encoder"):
-        llm.embed([[5, 6, 7]])
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """The decoder of hybrid models whose layers mix tokens either by attention or by a recurrent mixer (Mamba2, LFM2's
-short convolution), by the config's layer types, each followed by an MLP: LFM2, Bamba, Granite 4.0-H."""
+short convolution, Gated DeltaNet), by the config's layer types, each followed by an MLP: LFM2, Bamba, Granite 4.0-H;
+Qwen3-Next's layers too."""
 from collections.abc import Callable
 
 import torch
@@ -19,10 +20,10 @@ LayerFactory = Callable[[PretrainedConfig, int], nn.Module]
 
 class HybridDecoderLayer(nn.Module):
     """Pre-norm: x + mixer(norm(x)), then + mlp(norm(.)); each sublayer's output times residual_multiplier (Granite's;
-    None: 1)."""
+    None: 1). zero_centered: norms scaling by 1 + weight (Qwen3-Next's)."""
 
     def __init__(self, config: PretrainedConfig, mixer: nn.Module, is_attention_layer: bool, mlp: nn.Module,
-                 eps: float, residual_multiplier: float | None = None):
+                 eps: float, residual_multiplier: float | None = None, zero_centered: bool = False):
         super().__init__()
         self.is_attention_layer = is_attention_layer
         if is_attention_layer:
@@ -30,8 +31,8 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.mixer = mixer
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, zero_centered)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero_centered)
         self.residual_multiplier = residual_multiplier
 
     def scaled(self, x: torch.Tensor) -> torch.Tensor:
