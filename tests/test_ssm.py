@@ -1,6 +1,7 @@
 """LFM2, Bamba and Granite 4.0-H (short-conv and Mamba2 hybrids) vs transformers under chunked prefill, preemption
-and two tensor-parallel ranks, prefix caching and LLM.embed refused; the Mamba2 scan's chunked and one-step forms against each
-other, and the mixer against transformers' over prompt chunks, decode steps and several sequences at once."""
+and two tensor-parallel ranks, prefix caching and LLM.embed refused; the Mamba2 scan's chunked and one-step forms
+against each other, and the mixer against transformers' over prompt chunks, decode steps and several sequences at
+once."""
 import pytest
 import torch
 
