@@ -10,6 +10,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from nanoinfer.layers.attention.selector import (DEFAULT_BLOCK_SIZE, check_backend_limits,
                                                   check_tensor_parallel_devices, resolve_device, select_backend)
 from nanoinfer.layers.rotary_embedding import rope_parameters
+from nanoinfer.models.registry import has_attention_sinks
 from nanoinfer.sampling_params import check_seed
 from nanoinfer.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from nanoinfer.utils.gguf_loader import load_gguf_config, resolve_gguf
@@ -65,7 +66,9 @@ class Config:
         self.torch_device = resolve_device(self.device)
         # DeepSeek's MLA caches its latent (kv_lora_rank) and rope key as one head, the latent doubling as the values.
         latent_dim = getattr(self.hf_config, "kv_lora_rank", None) or None
-        self.attention_backend = select_backend(self.attention_backend, self.torch_device, latent_dim is not None)
+        self.attention_backend = select_backend(self.attention_backend, self.torch_device,
+                                                latent_cache=latent_dim is not None,
+                                                attention_sinks=has_attention_sinks(self.hf_config.architectures))
         self.torch_dtype = self._resolve_dtype()
         if self.kvcache_block_size is None:
             self.kvcache_block_size = DEFAULT_BLOCK_SIZE[self.attention_backend]

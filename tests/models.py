@@ -171,15 +171,18 @@ DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "er
 # Hybrids of attention with recurrent layers (see ssm_config): LFM2 (short convolutions), Bamba and Granite 4.0-H
 # (Mamba2; Granite's MoE with a shared MLP and rope, or its dense MLP without position encoding).
 SSM_KINDS = ("lfm2", "bamba", "granitemoehybrid", "granitemoehybrid-dense")
+# GPT-OSS: attention sinks (GPT_OSS_SINK_STD, so that they weigh), sliding and full layers, yarn rope, q/k/v/o biases,
+# 2 of 8 experts per token by a biased router, experts with biases whose gate/up weights (GPT_OSS_GATE_UP_STD) push
+# the SwiGLU into its clamps.
 EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS + SSM_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
                   "ernie4.5-moe", "hunyuan-moe") + LAYERNORM_KINDS + DEEPSEEK_KINDS
-               + DENSE_KINDS)
+               + DENSE_KINDS + ("gpt-oss",))
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "gemma2": 11, "phi3": 24,
                   "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13, "exaone4": 10,
-                  "cohere2": 12, "dots1": 12}
+                  "cohere2": 12, "dots1": 12, "gpt-oss": 12}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -199,6 +202,10 @@ INIT_STD = 0.2
 NORM_NOISE = 0.2
 # Linear biases (qwen2 q/k/v) become BIAS_STD * N(0,1) (non-zero, so bias loading is tested).
 BIAS_STD = 0.1
+# GPT-OSS's sink logits, against scores of std ~2.5 here: some heads' sinks take much of the softmax, some little.
+GPT_OSS_SINK_STD = 3.0
+# GPT-OSS's expert gate/up weights: pre-activations of std ~5, so that the clamps at swiglu_limit (7) often bind.
+GPT_OSS_GATE_UP_STD = 0.6
 SHARD_SIZE = "200KB"
 
 _COMMON = dict(
@@ -222,7 +229,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "ernie4_5": 2135, "falcon": 2246, "falcon-mqa": 3357, "gptj": 4468, "gpt-bigcode": 5579,
           "hunyuan": 3246, "cohere2": 4357, "apertus": 5468,
           "qwen3.5": 9024, "qwen3.5-moe": 1135, "olmoe": 2246, "glm4-moe": 3357, "dots1": 4468, "ernie4.5-moe": 5579,
-          "hunyuan-moe": 6680}
+          "hunyuan-moe": 6680, "gpt-oss": 9024}
 _SEEDS |= {"lfm2": 7791, "bamba": 8802, "granitemoehybrid": 9913, "granitemoehybrid-dense": 1124}
 
 
@@ -627,6 +634,25 @@ def make_config(kind: str):
         )
     if kind in DEEPSEEK_KINDS:
         return deepseek_config(kind, special)
+    if kind == "gpt-oss":
+        # swiglu_alpha / swiglu_limit at their defaults: transformers 5.17 hard-codes them.
+        from transformers import GptOssConfig
+
+        return GptOssConfig(
+            **{**_COMMON, "intermediate_size": 32},  # each expert's
+            **special,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=False,
+            attention_bias=True,
+            sliding_window=SLIDING_WINDOW[kind],
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128},
+        )
     layernorm = dict(  # the LayerNorm families: their own epsilon and activations, partial rotary but StarCoder2
         **{k: v for k, v in _COMMON.items() if k not in ("rms_norm_eps", "hidden_act")},
         **special,
@@ -787,6 +813,17 @@ def _randomize_zero_centered_norms_(model, seed: int) -> None:
                 p.copy_(-2.0 + 0.5 * torch.randn(p.shape, generator=g))
 
 
+def _sharpen_gpt_oss_(model, seed: int) -> None:
+    """GPT-OSS's sinks and expert gate/up weights at the scales where a missing sink or clamp shows."""
+    g = torch.Generator().manual_seed(seed + 3)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith(".sinks"):
+                p.copy_(GPT_OSS_SINK_STD * torch.randn(p.shape, generator=g))
+            elif name.endswith(".experts.gate_up_proj"):
+                p.copy_(GPT_OSS_GATE_UP_STD * torch.randn(p.shape, generator=g))
+
+
 def _randomize_(model, seed: int) -> None:
     """Re-initialise all parameters deterministically (independent of HF init order)."""
     g = torch.Generator().manual_seed(seed)
@@ -819,6 +856,8 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
     _randomize_(model, _SEEDS[base_kind])
     if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2", "gemma"):
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
+    if kind == "gpt-oss":
+        _sharpen_gpt_oss_(model, _SEEDS[base_kind])
     if kind in SSM_KINDS:
         _randomize_mamba_(model, _SEEDS[base_kind])
     g = torch.Generator().manual_seed(_SEEDS[base_kind] + 2)
@@ -1040,7 +1079,8 @@ def check_against_hf(outputs, refs: list[dict], captured: dict[int, list[torch.T
     return worst
 
 
-def chunked_prefix_preemption_logit_diff(model_dir, captured: dict[int, list[torch.Tensor]], max_tokens: int) -> float:
+def chunked_prefix_preemption_logit_diff(model_dir, captured: dict[int, list[torch.Tensor]], max_tokens: int,
+                                         tensor_parallel_size: int = 1) -> float:
     """The engine with 7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once,
     twice, against transformers: asserts the tokens (check_against_hf), that the second run hit the cached prefix
     and that preemption happened; returns the max |logit difference| over both runs."""
@@ -1050,7 +1090,7 @@ def chunked_prefix_preemption_logit_diff(model_dir, captured: dict[int, list[tor
     shared = random_prompts(1, 5, 440, 40, 40, seed=8)[0]
     prompts = [shared + tail for tail in random_prompts(4, 5, 440, 1, 30, seed=9)]
     with LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=96, max_num_batched_tokens=7,
-             kvcache_block_size=8, num_kvcache_blocks=14) as llm:
+             kvcache_block_size=8, num_kvcache_blocks=14, tensor_parallel_size=tensor_parallel_size) as llm:
         first = llm.generate(prompts, greedy, use_tqdm=False)
         second = llm.generate(prompts, greedy, use_tqdm=False)
         assert llm.llm_engine.scheduler.num_preemptions > 0 and all(o.num_cached_tokens >= 40 for o in second)

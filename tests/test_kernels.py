@@ -97,17 +97,32 @@ def test_decode_kernel_sliding_window(window):
         assert err < 1e-5, f"sequence {i} (context {n}, window {window}): max |kernel - SDPA| = {err:.2e}"
 
 
-def softcapped_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                         scale: float, soft_cap: float, window: int | None) -> torch.Tensor:
-    """float64 decode, sequence by sequence: scores s * scale capped to soft_cap * tanh(s * scale / soft_cap)."""
+def reference_probs(scores: torch.Tensor, soft_cap: float | None, sinks: torch.Tensor | None,
+                    visible: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax probabilities of float64 scores [heads, ..., keys]: capped to soft_cap * tanh(s / soft_cap), then
+    masked (visible: True), and with each head's sink as one more logit whose column is dropped after the softmax
+    (transformers' GPT-OSS)."""
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, -1)
+    sink_column = sinks.double().view(-1, *[1] * (scores.dim() - 1)).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink_column], -1), -1)[..., :-1]
+
+
+def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float, soft_cap: float | None, window: int | None, sinks: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """float64 decode, sequence by sequence, the scores as reference_probs takes them."""
     outs = []
     for i, n in enumerate(meta.context_lens.tolist()):
         blocks = meta.block_tables[i, :-(-n // meta.block_size)].long()
         first = 0 if window is None else max(0, n - window)
         k, v = (c[blocks].flatten(0, 1)[first:n].double() for c in (k_cache, v_cache))
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
-        scores = torch.einsum("hd,lhd->hl", q[i].double(), k) * scale
-        probs = torch.softmax(soft_cap * torch.tanh(scores / soft_cap), -1)
+        probs = reference_probs(torch.einsum("hd,lhd->hl", q[i].double(), k) * scale, soft_cap, sinks)
         outs.append(torch.einsum("hl,lhd->hd", probs, v).flatten())
     return torch.stack(outs)
 
@@ -131,34 +146,63 @@ def test_decode_with_softcap_matches_float64(heads, kv_heads, head_dim, block_si
     backend.prepare(meta)
     unused = torch.empty(0)
     ours = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window, soft_cap)
-    ref = softcapped_reference(q, k_cache, v_cache, meta, scale, soft_cap, window)
+    ref = decode_reference(q, k_cache, v_cache, meta, scale, soft_cap, window)
     err = (ours.double() - ref).abs().max().item()
     assert err < 1e-5, f"max |ours - float64| = {err:.2e}"
     uncapped = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window)
     assert (uncapped - ours).abs().max().item() > 1e-2
 
 
+SINKS = 3.0 * torch.randn(16, generator=torch.Generator().manual_seed(9))  # GPT-OSS's attention sinks, per head
+
+
+@pytest.mark.skipif(not available(), reason="the C kernel did not build here")
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size, context_lens", [
+    (16, 8, 64, 16, [1, 15, 16, 17, 250, 33]),
+    (8, 1, 64, 16, [300, 2]),  # GPT-OSS's 8 query heads per KV head
+    (10, 5, 16, 16, [40, 1, 17]),  # KV heads split unevenly across work items: each slice's own sinks
+])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("decode_kernel", [True, False], ids=["kernel", "torch"])
+def test_decode_with_sinks_matches_float64(heads, kv_heads, head_dim, block_size, context_lens, window,
+                                           decode_kernel):
+    """Attention sinks (GPT-OSS) in the C kernel and in the PyTorch path that SDPA leaves them to: each head's sink
+    logit (std 3 against scores of std ~2 here) joins its softmax's denominator."""
+    meta, q, k_cache, v_cache = random_case(heads, kv_heads, head_dim, block_size, context_lens)
+    scale, sinks = head_dim ** -0.5, SINKS[:heads].clone()
+    backend = CPUAttentionBackend(torch.float32)
+    backend.decode_kernel = decode_kernel
+    backend.prepare(meta)
+    unused = torch.empty(0)
+    ours = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window, sinks=sinks)
+    err = (ours.double() - decode_reference(q, k_cache, v_cache, meta, scale, None, window, sinks)).abs().max().item()
+    assert err < 1e-5, f"max |ours - float64| = {err:.2e}"
+    without = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window)
+    assert (without - ours).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("soft_cap, sinks", [(1.5, None), (None, SINKS[:6]), (1.5, SINKS[:6])],
+                         ids=["softcap", "sinks", "both"])
 @pytest.mark.parametrize("budget_rows", [None, 3], ids=["whole", "chunked"])
-def test_softcapped_prefill_attention_matches_float64(budget_rows, monkeypatch):
-    """The explicit scores that stand in for SDPA in a softcapped prefill: GQA, a bottom-right causal mask with a
-    window over a cached prefix; with a small score budget, computed 3 query rows at a time."""
+def test_explicit_prefill_attention_matches_float64(soft_cap, sinks, budget_rows, monkeypatch):
+    """The explicit scores that stand in for SDPA in a softcapped prefill or one with sinks: GQA, a bottom-right
+    causal mask with a window over a cached prefix; with a small score budget, computed 3 query rows at a time."""
     from nanoinfer.layers.attention import cpu as cpu_backend
 
     g = torch.Generator().manual_seed(5)
-    heads, kv_heads, n, keys, dim, scale, soft_cap = 6, 2, 10, 25, 32, 32 ** -0.5, 1.5
+    heads, kv_heads, n, keys, dim, scale = 6, 2, 10, 25, 32, 32 ** -0.5
     q = 2 * torch.randn(1, heads, n, dim, generator=g)
     k, v = torch.randn(2, 1, kv_heads, keys, dim, generator=g)
     q_pos, k_pos = torch.arange(keys - n, keys).unsqueeze(1), torch.arange(keys)
     mask = (k_pos <= q_pos) & (k_pos > q_pos - 7)
     if budget_rows:
-        monkeypatch.setattr(cpu_backend, "SOFTCAP_SCORE_BYTES", 4 * heads * keys * budget_rows)
-    ours = cpu_backend.attention(q, k, v, mask, True, scale, soft_cap)
+        monkeypatch.setattr(cpu_backend, "EXPLICIT_SCORE_BYTES", 4 * heads * keys * budget_rows)
+    ours = cpu_backend.attention(q, k, v, mask, True, scale, soft_cap, sinks)
     kr, vr = (x.double().repeat_interleave(heads // kv_heads, 1) for x in (k, v))
-    scores = soft_cap * torch.tanh(q.double() @ kr.transpose(-1, -2) * scale / soft_cap)
-    ref = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ vr
-    assert (ours.double() - ref).abs().max().item() < 1e-5
-    uncapped = cpu_backend.attention(q, k, v, mask, True, scale, None)
-    assert (uncapped - ours).abs().max().item() > 1e-2
+    ref = reference_probs((q.double() @ kr.transpose(-1, -2) * scale)[0], soft_cap, sinks, mask) @ vr[0]
+    assert (ours[0].double() - ref).abs().max().item() < 1e-5
+    plain = cpu_backend.attention(q, k, v, mask, True, scale, None)
+    assert (plain - ours).abs().max().item() > 1e-2
 
 
 def test_a_failing_build_falls_back_to_pytorch(monkeypatch, tmp_path):

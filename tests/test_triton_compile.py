@@ -45,6 +45,8 @@ def compile_attention(dtype: str, group: int, head_dim: int, config: ta.TileConf
     types.update({name: "i32" for name in ("window", "num_seqs", "num_heads", "num_segments", "stride_bt")})
     types.update({name: "i32" for name in STRIDES}, qk_scale="fp32", cap_scale="fp32")
     flags.setdefault("SOFTCAP", False)
+    flags.setdefault("HAS_SINKS", False)
+    types["sinks_ptr"] = f"*{dtype}" if flags["HAS_SINKS"] else "*i32"  # without sinks: context_lens, never read
     constants = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=ta._block_d(head_dim), TAIL_DIM=tail_dim,
                      BLOCK_T=ta._block_d(tail_dim),
                      BLOCK_M=config.block_m, BLOCK_Q=config.block_m // group, BLOCK_N=config.block_n,
@@ -88,13 +90,18 @@ CASES = [  # (dtype, group, head_dim, config, flags): Qwen3-0.6B's shapes first,
     ("bf16", 2, 256, ta.decode_config(2, 256, 2), dict(DECODE, HAS_WINDOW=True, SPLIT=True, SOFTCAP=True)),
     ("bf16", 2, 256, ta.prefill_config(2, 256, 2, 1024),
      dict(DECODE=False, PAGED=True, CAUSAL=True, HAS_WINDOW=True, SPLIT=False, SOFTCAP=True)),
+    # GPT-OSS's attention sinks (its shapes: 8 query heads per KV head, head_dim 64; windowed and full layers).
+    ("bf16", 8, 64, ta.decode_config(8, 64, 2), dict(DECODE, HAS_WINDOW=True, SPLIT=True, HAS_SINKS=True)),
+    ("bf16", 8, 64, ta.prefill_config(8, 64, 2, 1024),
+     dict(DECODE=False, PAGED=True, CAUSAL=True, HAS_WINDOW=False, SPLIT=False, HAS_SINKS=True)),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype, group, head_dim, config, flags", CASES,
                          ids=[f"{c[0]}-group{c[1]}-d{c[2]}-{'decode' if c[4]['DECODE'] else 'prefill'}"
-                              f"{'-softcap' * c[4].get('SOFTCAP', False)}" for c in CASES])
+                              f"{'-softcap' * c[4].get('SOFTCAP', False)}{'-sinks' * c[4].get('HAS_SINKS', False)}"
+                              for c in CASES])
 def test_attention_kernel_compiles_for_sm90(dtype, group, head_dim, config, flags):
     kernel = compile_attention(dtype, group, head_dim, config, **flags)
     assert "cp.async" in kernel.asm["ptx"]  # K/V tiles are loaded asynchronously, num_stages deep

@@ -42,11 +42,12 @@ def _error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], q_lens: list[int],
-              scale: float, causal: bool = True, window: int | None = None, soft_cap: float | None = None
-              ) -> torch.Tensor:
+              scale: float, causal: bool = True, window: int | None = None, soft_cap: float | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """float64 attention, sequence by sequence: q [tokens, heads, dim], keys[i]/values[i] [ctx_i, kv_heads, dim]
     -> [tokens, heads * dim]; query j of n new tokens sits at ctx - n + j; a row seeing no key gives 0. With
-    soft_cap, scores s become soft_cap * tanh(s / soft_cap) before the mask."""
+    soft_cap, scores s become soft_cap * tanh(s / soft_cap) before the mask. With sinks [heads], each head's softmax
+    takes its sink as one more logit, whose column is dropped after it (transformers' GPT-OSS)."""
     out, start = [], 0
     for k, v, n in zip(keys, values, q_lens):
         ctx, group = k.shape[0], q.shape[1] // k.shape[1]
@@ -60,7 +61,10 @@ def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tens
             if window is not None:
                 visible &= k_pos > q_pos - window
             scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, -1).nan_to_num(0.0)
+        if sinks is not None:
+            sink_column = sinks.double().view(-1, 1, 1).expand(-1, n, 1)
+            scores = torch.cat([scores, sink_column], -1)
+        probs = torch.softmax(scores, -1).nan_to_num(0.0)[..., :ctx]
         out.append(torch.einsum("hnl,lhd->nhd", probs, v).flatten(1))
         start += n
     return torch.cat(out)
@@ -176,42 +180,52 @@ def test_tanh_is_exact_to_fp32():
 
 
 SOFT_CAP = 1.5  # below most of the random scores here (std ~2): the cap bends them, a missing tanh shows
+SINK_STD = 3.0  # against the same scores: some heads' sinks take most of the softmax, some little
 
 
+def score_option(option: str, heads: int, g: torch.Generator, dtype: torch.dtype) -> dict:
+    """The kernels' (and the reference's) argument for attention-logit softcapping (Gemma 2) or for attention sinks
+    (GPT-OSS; a logit per head, in the model's dtype)."""
+    if option == "softcap":
+        return {"soft_cap": SOFT_CAP}
+    return {"sinks": (SINK_STD * torch.randn(heads, generator=g)).to(dtype)}
+
+
+@pytest.mark.parametrize("option", ["softcap", "sinks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("window", [None, 7])
-def test_prefill_kernel_softcap(dtype, window):
-    """Attention-logit softcapping (Gemma 2) on a mixed batch over the paged cache: a cached prefix before a chunk,
-    a decode row, a fresh prompt."""
+def test_prefill_kernel_softcap_or_sinks(option, dtype, window):
+    """Softcapped scores, or sinks, on a mixed batch over the paged cache: a cached prefix before a chunk, a decode
+    row, a fresh prompt."""
     g = torch.Generator().manual_seed(11)
     heads, kv_heads, head_dim, contexts, q_lens = 6, 2, 80, [40, 17, 33], [9, 1, 33]
     k_cache, v_cache, tables, keys, values = paged_cache(contexts, kv_heads, head_dim, 16, dtype, g)
     q = (2 * torch.randn(sum(q_lens), heads, head_dim, generator=g)).to(dtype)
-    scale = head_dim ** -0.5
+    scale, extra = head_dim ** -0.5, score_option(option, heads, g, dtype)
     ours = prefill_attention(q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), _cu(q_lens),
-                             _cu(contexts), max(q_lens), scale, window=window, config=SMALL, soft_cap=SOFT_CAP)
-    err = _error(ours, reference(q, keys, values, q_lens, scale, window=window, soft_cap=SOFT_CAP))
+                             _cu(contexts), max(q_lens), scale, window=window, config=SMALL, **extra)
+    err = _error(ours, reference(q, keys, values, q_lens, scale, window=window, **extra))
     assert err < TOLERANCE[dtype], f"max error {err:.2e}"
     assert _error(ours, reference(q, keys, values, q_lens, scale, window=window)) > 1e-2
 
 
+@pytest.mark.parametrize("option", ["softcap", "sinks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_decode_kernel_softcap_split_kv(dtype):
-    """Softcapped decode, whole and split into segments merged by the reduce kernel (which needs no change: the
-    partial maxima are of the capped scores)."""
+def test_decode_kernel_softcap_or_sinks_split_kv(option, dtype):
+    """Softcapped decode, or with sinks, whole and split into segments merged by the reduce kernel, which needs no
+    change: the partial maxima are of the capped scores, and only segment 0 starts from the sink, so that it counts
+    once. A context 0 (a graph's padding row) still gives 0."""
     g = torch.Generator().manual_seed(12)
     heads, kv_heads, head_dim, contexts = 4, 2, 64, [0, 1, 17, 150]
     k_cache, v_cache, tables, keys, values = paged_cache(contexts, kv_heads, head_dim, 16, dtype, g)
     q = (2 * torch.randn(len(contexts), heads, head_dim, generator=g)).to(dtype)
-    context_lens = torch.tensor(contexts, dtype=torch.int32)
-    ref = reference(q, keys, values, [1] * len(contexts), 0.125, soft_cap=SOFT_CAP)
+    context_lens, extra = torch.tensor(contexts, dtype=torch.int32), score_option(option, heads, g, dtype)
     for window, segments in [(None, 1), (None, 3), (10, 2)]:
         partials = DecodePartials.allocate(len(contexts) * segments, heads, head_dim, q.device)
         ours = decode_attention(q, k_cache, v_cache, tables, context_lens, 0.125, window, segments, partials,
-                                config=SMALL, soft_cap=SOFT_CAP)
-        if window is not None:
-            ref = reference(q, keys, values, [1] * len(contexts), 0.125, window=window, soft_cap=SOFT_CAP)
-        err = _error(ours, ref)
+                                config=SMALL, **extra)
+        assert torch.equal(ours[0], torch.zeros_like(ours[0]))
+        err = _error(ours, reference(q, keys, values, [1] * len(contexts), 0.125, window=window, **extra))
         assert err < TOLERANCE[dtype], f"window {window}, {segments} segments: max error {err:.2e}"
     assert _error(ours, reference(q, keys, values, [1] * len(contexts), 0.125, window=10)) > 1e-2
 
@@ -420,11 +434,12 @@ def test_engine_prefix_hits_and_chunked_prefill_match_hf(qwen3_dir, captured_log
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
 
-@pytest.mark.parametrize("kind", ["qwen3-swa", "gemma3", "olmo3", "gemma2"])
+@pytest.mark.parametrize("kind", ["qwen3-swa", "gemma3", "olmo3", "gemma2", "gpt-oss"])
 def test_engine_sliding_window_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
-    """Windowed (qwen3-swa: 9, gemma3: 10, olmo3: 11, gemma2: 11) and full layers (gemma3, olmo3: with their own rope;
-    gemma3, gemma2: a score scale that is not head_dim ** -0.5; gemma2: softcapped scores); contexts a few windows
-    long, prefilled in 7-token chunks with 8-token blocks, then again with a cached prefix."""
+    """Windowed (qwen3-swa: 9, gemma3: 10, olmo3: 11, gemma2: 11, gpt-oss: 12) and full layers (gemma3, olmo3: with
+    their own rope; gemma3, gemma2: a score scale that is not head_dim ** -0.5; gemma2: softcapped scores; gpt-oss:
+    attention sinks); contexts a few windows long, prefilled in 7-token chunks with 8-token blocks, then again with
+    a cached prefix."""
     d = model_dir(kind)
     shared = random_prompts(1, 5, 440, 24, 24, seed=8)[0]
     prompts = [shared + tail for tail in random_prompts(2, 5, 440, 1, 12, seed=9)]

@@ -165,7 +165,7 @@ def test_empty_batches():
 def flash_on_cpu(monkeypatch):
     """The flash backend on the CPU: fake flash_attn, fp32 allowed (to compare with transformers to 1e-4)."""
     monkeypatch.setitem(sys.modules, "flash_attn", cuda_fakes)
-    monkeypatch.setattr(config_module, "select_backend", lambda requested, device, latent_cache=False: requested)
+    monkeypatch.setattr(config_module, "select_backend", lambda requested, device, **flags: requested)
     monkeypatch.setattr(selector, "FLASH_DTYPES", (*selector.FLASH_DTYPES, torch.float32))
     cuda_fakes.calls.clear()
     return cuda_fakes.calls

@@ -80,6 +80,7 @@ INLINE void prefetch(const float *p, int64_t floats) {  /* one cache line at a t
 typedef struct {
     const float *q, *k_cache, *v_cache;
     const int32_t *block_tables, *context_lens;
+    const float *sinks; /* per query head, or NULL */
     float *out;
     int64_t num_heads, num_kv_heads, block_size, max_blocks, window;
     float scale, soft_cap;
@@ -100,6 +101,9 @@ INLINE void attend(const Args *a, int64_t seq, int64_t j0, int64_t j1, int64_t d
     float *acc = scratch, *s = acc + nh * dim, *m = s + CHUNK * hp, *l = m + hp;
     memset(acc, 0, sizeof(float) * nh * dim);
     for (int64_t h = 0; h < hp; ++h) m[h] = -INFINITY, l[h] = 0.f;
+    /* A sink is a key of score sinks[h] and value 0: the softmax starts from it (max = sink, sum = e^0). */
+    if (a->sinks != NULL)
+        for (int64_t h = 0; h < nh; ++h) m[h] = a->sinks[j0 * g + h], l[h] = 1.f;
     for (int64_t t0 = first; t0 < len;) {
         const int64_t off = t0 % a->block_size;
         int64_t n = a->block_size - off < CHUNK ? a->block_size - off : CHUNK;
@@ -183,16 +187,17 @@ static void attend_dispatch(const Args *a, int64_t seq, int64_t j0, int64_t j1, 
 
 /* q, out: [seqs, heads, dim]; caches: [blocks, block_size, kv_heads, dim]; tables: [seqs, max_blocks].
  * window > 0 attends only to each sequence's last `window` tokens (sliding-window attention); soft_cap > 0 caps
- * each scaled score s to soft_cap * tanh(s / soft_cap) (Gemma 2's attention-logit softcapping).
+ * each scaled score s to soft_cap * tanh(s / soft_cap) (Gemma 2's attention-logit softcapping); sinks, if not
+ * NULL, holds a logit per query head that joins each softmax's denominator (GPT-OSS's attention sinks).
  * Work items are (sequence, slice of KV heads): whole rows (contiguous reads) when there are enough
  * sequences to keep every thread busy, finer slices for small batches. */
 void paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                             const int32_t *block_tables, const int32_t *context_lens, float *out,
                             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
                             int64_t block_size, int64_t max_blocks, int64_t window, int64_t num_threads,
-                            float scale, float soft_cap) {
-    const Args a = {q, k_cache, v_cache, block_tables, context_lens, out, num_heads, num_kv_heads, block_size,
-                    max_blocks, window, scale, soft_cap};
+                            float scale, float soft_cap, const float *sinks) {
+    const Args a = {q, k_cache, v_cache, block_tables, context_lens, sinks, out, num_heads, num_kv_heads,
+                    block_size, max_blocks, window, scale, soft_cap};
     int64_t slices = (4 * num_threads + num_seqs - 1) / num_seqs;
     slices = slices < 1 ? 1 : slices > num_kv_heads ? num_kv_heads : slices;
     const int64_t items = num_seqs * slices;

@@ -7,7 +7,8 @@ head in group) pairs, so each K/V tile is loaded once per group. K/V tiles are g
 block table, so any KV block size works. Softmax runs online in fp32, in base 2 with the scale folded in. Scores
 may be soft-capped (Gemma 2): cap * tanh(score / cap), in natural units, before the mask. Values may be a prefix of
 the keys (DeepSeek's latent cache): q and k are then wider than v, their extra dims read by the scores alone, and
-the one KV head's many query heads are split over programs."""
+the one KV head's many query heads are split over programs. A head's sink logit (GPT-OSS) is a key of value 0 that
+every query sees: the online softmax starts from it."""
 import functools
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)  # inside kernels
 MAX_SEGMENTS = 16  # split-KV segments per sequence at most (the reduce kernel's tile)
 
 
@@ -51,19 +53,21 @@ def _tanh(x):
 def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, block_tables_ptr,
                       context_lens_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, qk_scale, cap_scale, window, num_seqs,
                       num_heads, num_segments, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                      stride_bt,
+                      stride_bt, sinks_ptr,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_DIM: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
                       DECODE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                      SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                      SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr,
+                      PRECISION: tl.constexpr):
     """Grid (query tiles, KV heads, segments). A tile: BLOCK_Q tokens of one sequence x the GROUP query heads of
     one KV head; in a decode step, sequence i's single token. A segment: one of num_segments equal slices (whole
     BLOCK_N tiles) of the keys the tile sees; split, its max, sum and unnormalized output go to the partial buffers
     for the reduce kernel, else the output itself. Scores are q.k * qk_scale in base 2; with SOFTCAP, qk_scale
     is scale / cap and the score tanh(q.k * qk_scale) * cap_scale, cap_scale = cap * log2(e). HEAD_DIM is the
     values' (and the output's) width; q and k rows hold TAIL_DIM more, which only the scores read (MLA: the rope
-    part after the latent, which is also the value)."""
+    part after the latent, which is also the value). With HAS_SINKS, segment 0 starts its softmax from the head's
+    sink (max = sink, sum = 1), so that split or not, the sink joins the denominator once."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
@@ -115,6 +119,9 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, 
     row_base = tl.load(cu_seqlens_k_ptr + seq)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        m_i = tl.load(sinks_ptr + head, mask=row_ok & (segment == 0), other=float("-inf")).to(tl.float32) * _LOG2E
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         key_pos = start + offs_n
@@ -265,29 +272,31 @@ def decode_programs(num_heads: int, num_kv_heads: int, head_dim: int, itemsize: 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                       max_seqlen_q: int, scale: float, causal: bool = True, window: int | None = None,
-                      config: TileConfig | None = None, soft_cap: float | None = None) -> torch.Tensor:
+                      config: TileConfig | None = None, soft_cap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [tokens, heads, dim] -> [tokens, heads * v dim]. k, v: the paged caches [blocks, block_size, kv_heads,
     dim] (keys through block_tables), or this step's [tokens, kv_heads, dim] when each context is just this step's
     tokens (rows from cu_seqlens_k); v narrower than q and k: K's prefix (a view of it). Causal: query j of a
     sequence with n new tokens and context c sits at c - n + j and sees the keys at positions <= its own (and > its
-    own - window with a window). With soft_cap, each scaled score s becomes soft_cap * tanh(s / soft_cap)."""
+    own - window with a window). With soft_cap, each scaled score s becomes soft_cap * tanh(s / soft_cap). sinks
+    [heads]: each head's sink logit joins the denominator of its softmax."""
     group = q.shape[1] // k.shape[-2]
     config = config or prefill_config(group, v.shape[-1], q.element_size(), max_seqlen_q)
     return _attention(q, k, v, block_tables, context_lens, cu_seqlens_q, cu_seqlens_k, scale, soft_cap, causal,
-                      window if causal else None, config, decode=False)
+                      window if causal else None, config, decode=False, sinks=sinks)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, window: int | None = None, num_segments: int = 1,
                      partials: DecodePartials | None = None, config: TileConfig | None = None,
-                     soft_cap: float | None = None) -> torch.Tensor:
+                     soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence: q [seqs, heads, dim] over the paged caches -> [seqs, heads * v dim]; a context
     length 0 gives zeros. With num_segments > 1 each context is split into that many segments computed in
-    parallel into `partials` (capacity >= seqs * num_segments), then merged by a reduce kernel. soft_cap and a v
-    narrower than k: as in prefill_attention."""
+    parallel into `partials` (capacity >= seqs * num_segments), then merged by a reduce kernel. soft_cap, sinks and
+    a v narrower than k: as in prefill_attention."""
     config = config or decode_config(q.shape[1] // k_cache.shape[2], v_cache.shape[-1], q.element_size())
     return _attention(q, k_cache, v_cache, block_tables, context_lens, None, None, scale, soft_cap, True, window,
-                      config, decode=True, num_segments=num_segments, partials=partials)
+                      config, decode=True, num_segments=num_segments, partials=partials, sinks=sinks)
 
 
 def _score_scales(scale: float, soft_cap: float | None) -> tuple[float, float]:
@@ -300,7 +309,8 @@ def _score_scales(scale: float, soft_cap: float | None) -> tuple[float, float]:
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
                scale: float, soft_cap: float | None, causal: bool, window: int | None, config: TileConfig,
-               decode: bool, num_segments: int = 1, partials: DecodePartials | None = None) -> torch.Tensor:
+               decode: bool, num_segments: int = 1, partials: DecodePartials | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
     num_tokens, num_heads, qk_dim = q.shape
     head_dim, num_kv_heads = v.shape[-1], k.shape[-2]  # head_dim: the values' and the output's
     paged = k.dim() == 4
@@ -309,6 +319,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: 
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and (
         not paged or k.is_contiguous() and v.stride(0) == v.shape[1] * v.stride(1))
     assert 1 <= num_segments <= MAX_SEGMENTS
+    assert sinks is None or sinks.shape == (num_heads,) and sinks.is_contiguous()
     out = q.new_empty(num_tokens, num_heads * head_dim)
     if num_tokens == 0:
         return out
@@ -335,6 +346,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: 
         BLOCK_N=config.block_n, KV_BLOCK_SIZE=k.shape[1] if paged else 1, DECODE=decode, PAGED=paged, CAUSAL=causal,
         HAS_WINDOW=window is not None, SPLIT=split, SOFTCAP=soft_cap is not None, num_warps=config.num_warps,
         num_stages=config.num_stages,
+        # Without sinks the pointer is never read: any tensor will do.
+        sinks_ptr=context_lens if sinks is None else sinks, HAS_SINKS=sinks is not None,
         # fp32 dots as three TF32 products (fp32-accurate; Triton's default, one TF32 product, is not; "ieee"
         # compiles to FMA loops that spill kilobytes of registers on sm_90). CPU tensors get here only in the
         # interpreter, whose bf16 needs the upcast.

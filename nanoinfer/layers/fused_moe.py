@@ -1,7 +1,9 @@
 """Mixture-of-experts SwiGLU MLPs: top-k softmax routing (or DeepSeek's group-limited and sigmoid routings), then
 every expert at once as two grouped matmuls over the token-expert pairs sorted by expert (FusedMoE; SparseMoeBlock
-puts the router in front). Each rank holds a slice of every expert's intermediate dimension."""
+puts the router in front), optionally with biases and GPT-OSS's clamped SwiGLU. Each rank holds a slice of every
+expert's intermediate dimension."""
 import re
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -18,21 +20,24 @@ _EXPERT_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1":
 _EXPERT_WEIGHT = re.compile(rf"\.experts\.(\d+)\.({'|'.join(_EXPERT_PROJ)})\.weight$")
 # transformers' own layout (what `save_pretrained(save_original_format=False)` writes, and loads back): every
 # expert in one tensor, `<moe>.experts.gate_up_proj` [experts, 2 * inter, hidden] (gate rows, then up rows) and
-# `<moe>.experts.down_proj` [experts, hidden, inter].
-_STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up|down)_proj$")
+# `<moe>.experts.down_proj` [experts, hidden, inter]; with biases (GPT-OSS), `<moe>.experts.gate_up_proj_bias`
+# [experts, 2 * inter] and `<moe>.experts.down_proj_bias` [experts, hidden].
+_STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up|down)_proj(_bias)?$")
 
 
 def expert_weight_target(name: str) -> tuple[str, tuple[int, str] | None] | None:
     """The FusedMoE parameter a checkpoint tensor belongs to and its (expert, "gate"|"up"|"down") shard id (None:
     all experts' stacked)."""
+    kind = "weight"
     if m := _EXPERT_WEIGHT.search(name):
         proj = _EXPERT_PROJ[m.group(2)]
         shard = (int(m.group(1)), proj)
     elif m := _STACKED_EXPERTS.search(name):
         proj, shard = m.group(1), None
+        kind = "bias" if m.group(2) else kind
     else:
         return None
-    return f"{name[:m.start()]}.experts.{'w2_weight' if proj == 'down' else 'w13_weight'}", shard
+    return f"{name[:m.start()]}.experts.{'w2' if proj == 'down' else 'w13'}_{kind}", shard
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,17 +87,40 @@ def select_experts_sigmoid_biased(router_logits: torch.Tensor, top_k: int, corre
     return weights * scaling, ids
 
 
+# (gate, up) -> the activation that the down projection takes.
+GatedActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def clamped_swiglu(alpha: float, limit: float) -> GatedActivation:
+    """GPT-OSS's expert activation, in the order of transformers' GptOssExperts._apply_gate: the gate clamped from
+    above and the up projection on both sides to `limit`, then (up + 1) * gate * sigmoid(alpha * gate)."""
+    def activation(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+    return activation
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_ids: torch.Tensor, w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                  activation: GatedActivation = silu_and_mul) -> torch.Tensor:
     """x [tokens, hidden]; w13 [experts, 2 * inter, hidden] (gate rows, then up rows); w2 [experts, hidden, inter];
-    topk_* [tokens, k] -> sum over each token's k experts of weight * down(silu(gate(x)) * up(x))."""
+    topk_* [tokens, k] -> sum over each token's k experts of weight * down(activation(gate(x), up(x))); the
+    optional biases [experts, 2 * inter] and [experts, hidden] added after each projection."""
     k = topk_ids.shape[1]
     flat = topk_ids.flatten()
     order = flat.argsort(stable=True)  # pairs grouped by expert: each expert's rows are one contiguous segment
     token = order // k
     offsets = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
-    gate, up = torch._grouped_mm(x[token], w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)
+    gate_up = torch._grouped_mm(x[token], w13.transpose(1, 2), offs=offsets)
+    if w13_bias is not None:
+        gate_up += w13_bias[flat[order]]
+    y = torch._grouped_mm(activation(*gate_up.chunk(2, dim=-1)), w2.transpose(1, 2), offs=offsets)
+    if w2_bias is not None:
+        y += w2_bias[flat[order]]
     y *= topk_weights.flatten()[order].unsqueeze(1)
     return torch.zeros_like(x).index_add_(0, token, y)
 
@@ -100,10 +128,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 class FusedMoE(nn.Module):
     """forward(x [tokens, hidden], router_logits [tokens, num_experts]) -> [tokens, hidden]. Weights w13_weight
     [experts, 2 * inter/tp, hidden] and w2_weight [experts, hidden, inter/tp], sharded like a MergedColumn /
-    RowParallelLinear pair. With reduce_results=False the caller all-reduces (e.g. after adding a shared expert)."""
+    RowParallelLinear pair, and with bias, w13_bias [experts, 2 * inter/tp] and w2_bias [experts, hidden] (added
+    by rank 0 alone). With reduce_results=False the caller all-reduces (e.g. after adding a shared expert)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-                 reduce_results: bool = True):
+                 reduce_results: bool = True, bias: bool = False, activation: GatedActivation = silu_and_mul):
         super().__init__()
         self.tp_rank, self.tp_size, self.tp_group = tp_rank(), tp_size(), tp_group()
         if intermediate_size % self.tp_size:
@@ -119,12 +148,17 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, inter), requires_grad=False)
         self.w13_weight.num_shards = 2 * num_experts  # the loader checks that every expert's gate and up arrived
         self.w2_weight.num_shards = num_experts
+        self.w13_bias = self.w2_bias = None
+        if bias:  # stacked in checkpoints (no per-expert shard ids): complete once loaded whole
+            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * inter), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.activation = activation
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str] | None = None
                       ) -> None:
         """One expert's full gate_proj/up_proj [inter, hidden] or down_proj [hidden, inter] from the checkpoint, or
         (shard_id None) all experts' stacked: gate_up_proj [experts, 2 * inter, hidden], down_proj [experts, hidden,
-        inter]."""
+        inter] and their biases."""
         if shard_id is None:
             self.load_stacked(param, loaded)
             return
@@ -142,18 +176,24 @@ class FusedMoE(nn.Module):
         copy_weight(dest, loaded.narrow(dim, self.tp_rank * inter, inter))
 
     def load_stacked(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """All experts' tensor for `param` in transformers' layout (see _STACKED_EXPERTS): this rank's slice of the
+        intermediate dimension, gate and up halves apart; the down projection's bias whole."""
         full, inter = self.intermediate_size, self.intermediate_size // self.tp_size
-        down = param is self.w2_weight
-        hidden = param.shape[1 if down else 2]
-        expected = (self.num_experts, hidden, full) if down else (self.num_experts, 2 * full, hidden)
-        if tuple(loaded.shape) != expected:
-            raise ValueError(f"shape mismatch: checkpoint tensor {tuple(loaded.shape)}, expected {expected}")
+        expected = list(param.shape)
+        if param is self.w2_weight:
+            expected[2] = full
+        elif param is not self.w2_bias:  # w13's weight or bias: gate rows, then up rows
+            expected[1] = 2 * full
+        if list(loaded.shape) != expected:
+            raise ValueError(f"shape mismatch: checkpoint tensor {tuple(loaded.shape)}, expected {tuple(expected)}")
         start = self.tp_rank * inter
-        if down:
+        if param is self.w2_bias:
+            copy_weight(param, loaded)
+        elif param is self.w2_weight:
             copy_weight(param.data, loaded.narrow(2, start, inter))
-            return
-        for half in range(2):  # this rank's gate rows, then its up rows
-            copy_weight(param.data.narrow(1, half * inter, inter), loaded.narrow(1, half * full + start, inter))
+        else:
+            for half in range(2):  # this rank's gate rows, then its up rows
+                copy_weight(param.data.narrow(1, half * inter, inter), loaded.narrow(1, half * full + start, inter))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         return self.run_experts(x, *select_experts(router_logits, self.top_k, self.renormalize))
@@ -161,7 +201,10 @@ class FusedMoE(nn.Module):
     def run_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """The experts of a routing made elsewhere (DeepSeek's), weighted, summed and (unless reduce_results is
         False) all-reduced."""
-        y = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        # The down projection's bias once in the sum over ranks.
+        w2_bias = self.w2_bias if self.tp_rank == 0 else None
+        y = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.w13_bias, w2_bias,
+                          self.activation)
         if self.reduce_results and self.tp_size > 1:
             dist.all_reduce(y, group=self.tp_group)
         return y

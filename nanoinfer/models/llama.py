@@ -1,5 +1,5 @@
 """Llama decoder; Qwen2, Qwen3, Qwen3-MoE, Mistral and Phi-3 reuse it with their per-layer attention options (qkv
-bias, per-head q/k norm, sliding window) and, for MoE, their own MLP per layer; Gemma 3 its layers' parts."""
+bias, per-head q/k norm, sliding window, sinks) and, for MoE, their own MLP per layer; Gemma 3 its layers' parts."""
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,9 +34,10 @@ class AttentionOptions:
     rope: bool = True  # SmolLM3's NoPE layers: no position encoding at all
     rope_interleaved: bool = False  # Cohere, GLM: rope rotates the pairs (x0, x1), (x2, x3), ...
     logits_soft_cap: float | None = None  # Gemma 2: scores capped to cap * tanh(score / cap)
-    clip_qkv: float | None = None  # OLMo: q, k and v clamped to [-clip_qkv, clip_qkv] before anything else
+    clip_qkv: float | None = None  # OLMo: q, k, v clamped to [-clip_qkv, clip_qkv] first (OLMoE: after q/k norms)
     num_kv_heads: int | None = None  # where the config's `num_key_value_heads` does not say (Falcon, GPTBigCode)
     rotary_dim: int | None = None  # GPT-J: the leading dims rotated, where the config's rope settings do not say
+    sinks: bool = False  # GPT-OSS: a learned logit per head joins each softmax's denominator
 
 
 def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
@@ -71,7 +72,7 @@ class LlamaAttention(nn.Module):
                                     options.rope_interleaved, options.rotary_dim) if options.rope else None)
         scale = self.head_dim ** -0.5 if options.scale is None else options.scale
         self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window,
-                              options.logits_soft_cap)
+                              options.logits_soft_cap, sinks=options.sinks)
         if options.qk_norm:
             eps = config.rms_norm_eps
             norms = [GemmaRMSNorm(self.head_dim, eps) if options.gemma_norm

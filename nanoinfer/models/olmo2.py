@@ -40,7 +40,6 @@ class Olmo2Attention(LlamaAttention):
         self.q_norm = Olmo2QKNorm(config.num_attention_heads, self.head_dim, config.rms_norm_eps)
         self.k_norm = Olmo2QKNorm(config.num_key_value_heads, self.head_dim, config.rms_norm_eps)
         self.tp_size, self.tp_group = tp_size(), tp_group()
-        self.clip_qkv: float | None = getattr(config, "clip_qkv", None)  # OLMoE's: q, k (normed) and v clamped
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [tokens, q_size], k [tokens, kv_size] normalized over all heads' width (not per head, as Qwen3's): on one
@@ -57,7 +56,7 @@ class Olmo2Attention(LlamaAttention):
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], -1)
         q, k = self.norm_qk(q, k)
-        if self.clip_qkv is not None:
+        if self.clip_qkv is not None:  # OLMoE's, unlike OLMo 1's (LlamaAttention): after the q/k norms
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
         if positions is not None:  # None: no position encoding at all (an encoder pass, see LLM.embed)

@@ -6,6 +6,7 @@ from transformers import PretrainedConfig
 
 from nanoinfer.layers.fused_moe import SparseMoeBlock
 from nanoinfer.models.llama import LlamaDecoderLayer, LlamaModel
+from nanoinfer.models.olmo import OlmoForCausalLM
 from nanoinfer.models.olmo2 import Olmo2Attention, Olmo2ForCausalLM
 
 
@@ -17,8 +18,9 @@ class OlmoeModel(LlamaModel):
     decoder_layer = OlmoeDecoderLayer
 
 
-class OlmoeForCausalLM(Olmo2ForCausalLM):  # its attention options; the Llama layer
+class OlmoeForCausalLM(Olmo2ForCausalLM):
     model_class = OlmoeModel
+    attention_options = staticmethod(OlmoForCausalLM.attention_options)  # biases and clip_qkv as OLMo 1
 
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:

@@ -25,6 +25,7 @@ _MODELS = {
     "GPTBigCodeForCausalLM": ("gpt_bigcode", "GPTBigCodeForCausalLM"),
     "GPTJForCausalLM": ("gptj", "GPTJForCausalLM"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
+    "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "GraniteMoeForCausalLM": ("granitemoe", "GraniteMoeForCausalLM"),
     "GraniteMoeSharedForCausalLM": ("granitemoe", "GraniteMoeForCausalLM"),
@@ -68,12 +69,21 @@ _CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM" for
     "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM", "GPT2ForSequenceClassification": "GPT2LMHeadModel"}
 
 
+# Families whose attention adds a learned logit per head to every softmax (attention sinks), which flash-attn 2 lacks:
+# the attention backend is chosen with them in mind (selector.select_backend).
+_ATTENTION_SINKS = {"GptOssForCausalLM"}
+
+
 def supported_architectures() -> list[str]:
     return sorted(_MODELS.keys() | _CLASSIFIERS.keys())
 
 
 def is_classifier(architectures: list[str] | None) -> bool:
     return bool(architectures) and architectures[0] in _CLASSIFIERS
+
+
+def has_attention_sinks(architectures: list[str] | None) -> bool:
+    return bool(architectures) and architectures[0] in _ATTENTION_SINKS
 
 
 def get_model_class(architectures: list[str] | None) -> type[nn.Module]:

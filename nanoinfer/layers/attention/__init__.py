@@ -4,6 +4,8 @@ from torch import nn
 
 from nanoinfer.layers.attention.cpu import CPUAttentionBackend
 from nanoinfer.layers.attention.metadata import AttentionMetadata
+from nanoinfer.layers.linear import copy_weight
+from nanoinfer.utils.dist import tp_rank, tp_size
 
 
 def get_backend(name: str, dtype: torch.dtype, device: torch.device = torch.device("cpu")):
@@ -25,11 +27,13 @@ class Attention(nn.Module):
     last `sliding_window` positions of it (the query's own included). With `logits_soft_cap` (Gemma 2), each
     scaled score s becomes logits_soft_cap * tanh(s / logits_soft_cap) before masking and softmax. With
     `value_prefix_dim` (DeepSeek's latent cache, MLA), each value is its key's first value_prefix_dim entries: the
-    layer takes no v, only K is cached, and the output per head is value_prefix_dim wide."""
+    layer takes no v, only K is cached, and the output per head is value_prefix_dim wide. With `sinks` (GPT-OSS), a
+    learned logit per head, the parameter `sinks` [num_heads], joins each softmax's denominator as a key whose value
+    is 0. num_heads, num_kv_heads: this tensor-parallel rank's."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                 value_prefix_dim: int | None = None):
+                 value_prefix_dim: int | None = None, sinks: bool = False):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         if sliding_window is not None and sliding_window < 1:
@@ -40,8 +44,16 @@ class Attention(nn.Module):
             raise ValueError(f"value_prefix_dim must be in (0, head_dim={head_dim}) or None, got {value_prefix_dim}")
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
         self.value_prefix_dim = value_prefix_dim
+        self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None
+        self.first_head, self.total_heads = tp_rank() * num_heads, tp_size() * num_heads  # this rank's in the model's
         self.k_cache = self.v_cache = torch.empty(0)  # [num_blocks, block_size, kv_heads, head_dim], set by ModelRunner
         self.backend = None  # set by ModelRunner with the cache
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """The sinks of this rank's heads, from all heads' [total heads]."""
+        if tuple(loaded.shape) != (self.total_heads,):
+            raise ValueError(f"shape mismatch: checkpoint sinks {tuple(loaded.shape)}, expected ({self.total_heads},)")
+        copy_weight(param, loaded.narrow(0, self.first_head, self.num_heads))
 
     def cache_values_per_token(self) -> int:
         """What the cache holds per token: K and V of every KV head, or K alone when V is its prefix."""
@@ -68,7 +80,7 @@ class Attention(nn.Module):
         if meta.slot_mapping is not None and self.k_cache.numel():
             self.backend.store_kvcache(k, stored_v, self.k_cache, stored_v_cache, meta.slot_mapping)
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
-                                    self.logits_soft_cap)
+                                    self.logits_soft_cap, self.sinks)
 
 
 __all__ = ["Attention", "AttentionMetadata", "get_backend"]

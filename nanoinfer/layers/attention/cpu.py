@@ -1,7 +1,7 @@
 """Paged attention in PyTorch, for the CPU (and the fallback on CUDA without flash-attn). Decode: a C kernel
 reading K/V in place on CPU fp32 (else one batched SDPA over gathered blocks). Prefill: one SDPA per sequence, or,
 for steps of a few tokens per sequence (speculative verification), every query row through the decode kernel.
-SDPA cannot soft-cap scores: softcapped layers compute them explicitly instead."""
+SDPA cannot soft-cap scores nor add attention sinks: such layers compute the scores explicitly instead."""
 from dataclasses import dataclass
 
 import torch
@@ -16,9 +16,9 @@ from nanoinfer.layers.attention.metadata import AttentionMetadata
 # gpu_memory_utilization leaves after a prefill warm-up, does not leave room for. Sequences go through in groups
 # whose gathered K and V stay under this many bytes together.
 DECODE_GATHER_BYTES = 256 << 20
-# Softcapped scores are materialized (SDPA cannot cap them): a long prompt's are computed this many bytes of fp32
-# scores at a time, query rows by query rows.
-SOFTCAP_SCORE_BYTES = 256 << 20
+# Softcapped scores, or scores with sinks, are materialized (SDPA can do neither): a long prompt's are computed this
+# many bytes of fp32 scores at a time, query rows by query rows.
+EXPLICIT_SCORE_BYTES = 256 << 20
 # A step whose sequences each compute at most this many tokens (a speculative verification: the last token and its
 # drafts; a small chunk) runs each query row as a decode query over its own prefix, all rows in one C kernel call,
 # in place of one SDPA (and one K/V gather) per sequence and layer.
@@ -38,37 +38,43 @@ class CPUState:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
-              scale: float, soft_cap: float | None) -> torch.Tensor:
+              scale: float, soft_cap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [batch, heads, n, dim], k, v [batch, kv_heads, keys, dim] -> [batch, heads, n, dim]; mask (True: visible)
     broadcasts to [batch, 1, n, keys], or None for all keys (causal: the square causal mask)."""
-    if soft_cap is None:
+    if soft_cap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and causal, scale=scale,
                                               enable_gqa=True)
     if mask is None and causal:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-    return softcapped_attention(q, k, v, mask, scale, soft_cap)
+    return explicit_attention(q, k, v, mask, scale, soft_cap, sinks)
 
 
-def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                         soft_cap: float) -> torch.Tensor:
-    """attention() with each scaled score s capped to soft_cap * tanh(s / soft_cap) before the mask, in the order of
-    transformers' eager attention (Gemma 2), softmax in fp32. Each KV head serves its group of query heads as a
-    broadcast dim: no repeated K/V."""
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                       soft_cap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """attention() over materialized scores, in the order of transformers' eager attention, softmax in fp32: with
+    soft_cap, each scaled score s capped to soft_cap * tanh(s / soft_cap) before the mask (Gemma 2); with sinks
+    [heads], each head's sink logit joins its softmax as one more column, dropped after it (GPT-OSS). Each KV head
+    serves its group of query heads as a broadcast dim: no repeated K/V."""
     b, heads, n, dim = q.shape
-    rows = max(1, SOFTCAP_SCORE_BYTES // (4 * b * heads * k.shape[2]))
+    rows = max(1, EXPLICIT_SCORE_BYTES // (4 * b * heads * k.shape[2]))
     if n > rows:  # chunks of query rows, each with its rows of the mask
         mask = None if mask is None else mask.expand(*mask.shape[:-2], n, k.shape[2])
-        return torch.cat([softcapped_attention(q[:, :, i:i + rows], k, v, None if mask is None else
-                                               mask[..., i:i + rows, :], scale, soft_cap)
+        return torch.cat([explicit_attention(q[:, :, i:i + rows], k, v, None if mask is None else
+                                             mask[..., i:i + rows, :], scale, soft_cap, sinks)
                           for i in range(0, n, rows)], 2)
     kv_heads = k.shape[1]
     q = q.reshape(b, kv_heads, heads // kv_heads, n, dim)
     scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     if mask is not None:  # [batch, 1, n, keys] -> [batch, 1, 1, n, keys] over (KV head, head in group)
         scores = scores.masked_fill(~(mask.unsqueeze(1) if mask.dim() == 4 else mask), float("-inf"))
-    probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v.unsqueeze(2)).view(b, heads, n, v.shape[-1])
+    if sinks is None:
+        probs = torch.softmax(scores, -1, dtype=torch.float32)
+    else:
+        sink_column = sinks.to(scores.dtype).view(1, kv_heads, -1, 1, 1).expand(b, -1, -1, n, 1)
+        probs = torch.softmax(torch.cat([scores, sink_column], -1), -1, dtype=torch.float32)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v.unsqueeze(2)).view(b, heads, n, v.shape[-1])
 
 
 class CPUAttentionBackend:
@@ -108,19 +114,22 @@ class CPUAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
-                soft_cap: float | None = None) -> torch.Tensor:
+                soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [tokens, heads, dim] and this step's k, v [tokens, kv_heads, dim], already stored in the cache
         -> [tokens, heads * v dim]. With a window, a query at position p sees keys at p - window < position <= p.
-        With soft_cap, each scaled score s becomes soft_cap * tanh(s / soft_cap) before the mask. A V narrower than
-        K is K's prefix (a view of it, the cache's too: Attention's value_prefix_dim)."""
+        With soft_cap, each scaled score s becomes soft_cap * tanh(s / soft_cap) before the mask. With sinks
+        [heads], each head's sink logit joins the denominator of its softmax. A V narrower than K is K's prefix (a
+        view of it, the cache's too: Attention's value_prefix_dim)."""
         state: CPUState = meta.backend_state
         if state is not None and state.row_context_lens is not None:
             return _kernel_decode(q, k_cache, v_cache, state.row_block_tables, state.row_context_lens, scale, window,
-                                  soft_cap)
+                                  soft_cap, sinks)
         if not meta.is_decode:
-            return self._prefill(q, k, v, k_cache, v_cache, meta, scale, window if meta.causal else None, soft_cap)
+            return self._prefill(q, k, v, k_cache, v_cache, meta, scale, window if meta.causal else None, soft_cap,
+                                 sinks)
         if self.decode_kernel:
-            return _kernel_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window, soft_cap)
+            return _kernel_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window, soft_cap,
+                                  sinks)
         b, slots = meta.num_seqs, state.mask.shape[-1]
         mask = state.mask
         if window is not None:
@@ -134,12 +143,12 @@ class CPUAttentionBackend:
             k = self._gather("k", k_cache, blocks[i:i + n].flatten()).view(n, slots, *k_cache.shape[2:])
             v = self._gather("v", v_cache, blocks[i:i + n].flatten()).view(n, slots, *v_cache.shape[2:])
             outs.append(attention(q[i:i + n].unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask[i:i + n], True,
-                                  scale, soft_cap))
+                                  scale, soft_cap, sinks))
         return (outs[0] if len(outs) == 1 else torch.cat(outs)).flatten(1)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None,
-                 soft_cap: float | None) -> torch.Tensor:
+                 soft_cap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
         # This step's v may be None where every sequence attends over the cache alone.
         out = q.new_empty(q.shape[0], q.shape[1] * (v_cache if v is None else v).shape[-1])
         for i, (start, end, ctx) in enumerate(meta.backend_state.spans):
@@ -163,7 +172,7 @@ class CPUAttentionBackend:
                     mask &= k_pos > q_pos - window
             # 4-D inputs: with 3-D ones SDPA skips its fused CPU kernel for the slow math path.
             qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q[start:end], ks, vs))
-            o = attention(qs, ks, vs, mask, meta.causal, scale, soft_cap)
+            o = attention(qs, ks, vs, mask, meta.causal, scale, soft_cap, sinks)
             out[start:end] = o[0].transpose(0, 1).flatten(1)
         return out
 
@@ -177,15 +186,15 @@ class CPUAttentionBackend:
 
 
 def _kernel_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                   context_lens: torch.Tensor, scale: float, window: int | None, soft_cap: float | None
-                   ) -> torch.Tensor:
+                   context_lens: torch.Tensor, scale: float, window: int | None, soft_cap: float | None,
+                   sinks: torch.Tensor | None) -> torch.Tensor:
     """The C decode kernel -> [seqs, heads * v dim]. With V as K's prefix, the kernel (whose V rows are laid out
     as K's) reads the whole K rows as values and each head's output keeps the prefix: the rest (MLA's rope part,
     64 of 576 for DeepSeek-V3) is ~10% more accumulation for no new kernel."""
     if v_cache.shape[-1] == k_cache.shape[-1]:
-        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window,
-                                      soft_cap).flatten(1)
-    out = paged_decode_attention(q, k_cache, k_cache, block_tables, context_lens, scale, window, soft_cap)
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window, soft_cap,
+                                      sinks).flatten(1)
+    out = paged_decode_attention(q, k_cache, k_cache, block_tables, context_lens, scale, window, soft_cap, sinks)
     return out[..., :v_cache.shape[-1]].flatten(1)
 
 

@@ -24,10 +24,12 @@ class FlashAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
-                soft_cap: float | None = None) -> torch.Tensor:
+                soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [tokens, heads, dim], this step's k, v [tokens, kv_heads, dim] (already stored) -> [tokens, heads*dim].
         With a window, a query at position p sees keys at p - window < position <= p (flash-attn: left window-1).
-        With soft_cap, scores are capped to soft_cap * tanh(score / soft_cap) (flash-attn: softcap, 0 for none)."""
+        With soft_cap, scores are capped to soft_cap * tanh(score / soft_cap) (flash-attn: softcap, 0 for none).
+        flash-attn 2 has no attention sinks: select_backend never picks this backend for a model with them."""
+        assert sinks is None
         window_size = (-1, -1) if window is None or not meta.causal else (window - 1, 0)
         softcap = soft_cap or 0.0
         if meta.is_decode:

@@ -71,13 +71,19 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def select_backend(requested: str, device: torch.device, latent_cache: bool = False) -> str:
+def select_backend(requested: str, device: torch.device, *, latent_cache: bool = False,
+                   attention_sinks: bool = False) -> str:
     """'flash' on CUDA with flash-attn installed, else 'triton' (paged Triton kernels; triton ships with CUDA
     builds of torch); 'cpu', the PyTorch backend, on the CPU or when asked for. 'triton' on a CPU device runs
     in Triton's interpreter, which only TRITON_INTERPRET=1 turns on (tests prove the kernels' logic that way).
-    latent_cache (MLA): 'auto' never picks flash, which cannot run it (see check_backend_limits)."""
+    'auto' never picks flash for a latent cache (MLA; see check_backend_limits) nor for attention sinks (GPT-OSS),
+    which flash-attn 2 lacks: asking for 'flash' with sinks is an error."""
     if requested not in BACKEND_CHOICES:
         raise ValueError(f"unknown attention_backend {requested!r}; use one of {list(BACKEND_CHOICES)}")
+    if requested == "flash" and attention_sinks:
+        raise ValueError("attention_backend='flash' cannot run this model: its attention has sinks (a learned logit "
+                         "per head in every softmax), which flash-attn 2 lacks; use 'triton' (its default on CUDA) "
+                         "or 'cpu'")
     if requested == "triton":
         _check_triton(device)
         return "triton"
@@ -87,7 +93,7 @@ def select_backend(requested: str, device: torch.device, latent_cache: bool = Fa
         return "cpu"
     if requested == "cpu":
         return "cpu"
-    if flash_attn_available() and (requested == "flash" or not latent_cache):  # asked for: refused by its limits
+    if flash_attn_available() and (requested == "flash" or not (latent_cache or attention_sinks)):
         return "flash"
     if requested == "flash":
         raise ValueError("attention_backend='flash' needs flash-attn and triton: pip install 'nanoinfer[cuda]'")
