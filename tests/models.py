@@ -168,10 +168,13 @@ DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3")
 # ERNIE 4.5: interleaved rope, biases on q/k/v/o and the MLP. Hunyuan: per-head q/k norms after rope, NTK-alpha rope.
 # Apertus: per-head q/k norms, a non-gated MLP with xIELU (learned parameters per layer), q/k/v/o biases.
 DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "ernie4_5", "hunyuan", "apertus")
+# Hybrids of attention with recurrent layers (see ssm_config): LFM2 (short convolutions), Bamba and Granite 4.0-H
+# (Mamba2; Granite's MoE with a shared MLP and rope, or its dense MLP without position encoding).
+SSM_KINDS = ("lfm2", "bamba", "granitemoehybrid", "granitemoehybrid-dense")
 # GPT-OSS: attention sinks (GPT_OSS_SINK_STD, so that they weigh), sliding and full layers, yarn rope, q/k/v/o biases,
 # 2 of 8 experts per token by a biased router, experts with biases whose gate/up weights (GPT_OSS_GATE_UP_STD) push
 # the SwiGLU into its clamps.
-EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS
+EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS + SSM_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
                   "ernie4.5-moe", "hunyuan-moe") + LAYERNORM_KINDS + DEEPSEEK_KINDS
@@ -227,6 +230,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "hunyuan": 3246, "cohere2": 4357, "apertus": 5468,
           "qwen3.5": 9024, "qwen3.5-moe": 1135, "olmoe": 2246, "glm4-moe": 3357, "dots1": 4468, "ernie4.5-moe": 5579,
           "hunyuan-moe": 6680, "gpt-oss": 9024}
+_SEEDS |= {"lfm2": 7791, "bamba": 8802, "granitemoehybrid": 9913, "granitemoehybrid-dense": 1124}
 
 
 def _token_ids():
@@ -250,6 +254,8 @@ def make_config(kind: str):
     special = dict(
         bos_token_id=ids[BOS_TOKEN], eos_token_id=ids[EOS_TOKEN], pad_token_id=ids[PAD_TOKEN]
     )
+    if kind in SSM_KINDS:
+        return ssm_config(kind, special)
     if kind in ("qwen3", "qwen3-sharded"):
         return Qwen3Config(
             **_COMMON,
@@ -731,6 +737,45 @@ def qwen3_next_config(kind: str, special: dict):
     return Qwen3NextConfig(**hybrid, **experts, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0])
 
 
+def ssm_config(kind: str, special: dict):
+    from transformers import BambaConfig, GraniteMoeHybridConfig, Lfm2Config
+
+    common = dict(**special, vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, initializer_range=INIT_STD)
+    if kind == "lfm2":
+        # The MLP's width: 2/3 of 128, rounded up to a multiple of 32 (96); the conv with biases (LFM2's have none).
+        return Lfm2Config(**common, intermediate_size=128, block_multiple_of=32, norm_eps=1e-5, conv_L_cache=3,
+                          conv_bias=True, layer_types=["conv", "full_attention", "conv"], tie_word_embeddings=True,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    # 16-token scan chunks (prompts span several; real models: 256), 8 heads of 16 in 2 groups (Bamba: 1).
+    mamba = dict(mamba_n_heads=8, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+                 mamba_conv_bias=True, mamba_proj_bias=False, rms_norm_eps=1e-5, hidden_act="silu",
+                 tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "bamba":  # rope over half of each head (transformers sets partial_rotary_factor 0.5)
+        return BambaConfig(**common, **mamba, intermediate_size=128, mamba_n_groups=1, attn_layer_indices=[1])
+    # Granite's multipliers, each away from 1 (as "granite"); Mamba2 layers around an attention layer.
+    granite = dict(embedding_multiplier=3.0, attention_multiplier=0.4, residual_multiplier=0.6, logits_scaling=2.0,
+                   mamba_n_groups=2, layer_types=["linear_attention", "full_attention", "linear_attention"])
+    if kind == "granitemoehybrid":  # 2 of 8 experts beside the shared MLP, rope
+        return GraniteMoeHybridConfig(**common, **mamba, **granite, intermediate_size=32, shared_intermediate_size=48,
+                                      num_local_experts=8, num_experts_per_tok=2, position_embedding_type="rope")
+    # The shared MLP alone, no position encoding (Granite 4.0-H's "nope").
+    return GraniteMoeHybridConfig(**common, **mamba, **granite, shared_intermediate_size=128, num_local_experts=0,
+                                  position_embedding_type="nope")
+
+
+def _randomize_mamba_(model, seed: int) -> None:
+    """Mamba2 decays from slow to fast per head (A = -0.01 .. -1) and small steps (dt_bias near -2): the state carries
+    far, across scan chunks and prefill chunks."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith("mamba.A_log"):
+                p.copy_(torch.linspace(0.01, 1.0, p.numel()).log())
+            elif name.endswith("mamba.dt_bias"):
+                p.copy_(-2.0 + 0.5 * torch.randn(p.shape, generator=g))
+
+
 def deepseek_config(kind: str, special: dict):
     from transformers import DeepseekV2Config, DeepseekV3Config
 
@@ -813,6 +858,8 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
     if kind == "gpt-oss":
         _sharpen_gpt_oss_(model, _SEEDS[base_kind])
+    if kind in SSM_KINDS:
+        _randomize_mamba_(model, _SEEDS[base_kind])
     g = torch.Generator().manual_seed(_SEEDS[base_kind] + 2)
     for name, buffer in model.named_buffers():  # a buffer, saved with the weights: V3's routing bias
         if name.endswith("e_score_correction_bias"):

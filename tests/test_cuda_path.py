@@ -30,7 +30,7 @@ from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention, selector
 from nanoinfer.layers.attention.cpu import CPUAttentionBackend
 from nanoinfer.layers.attention.metadata import AttentionMetadata
-from nanoinfer.layers.gated_delta_rule import GatedDeltaRule
+from nanoinfer.layers.recurrent import RecurrentLayer
 from nanoinfer.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -527,7 +527,7 @@ def _memory_of(llm: LLM) -> list[weakref.ref]:
     for m in model.modules():
         if isinstance(m, Attention):
             tensors += [m.k_cache, m.v_cache]
-        elif isinstance(m, GatedDeltaRule):
+        elif isinstance(m, RecurrentLayer):
             tensors += [m.conv_state, m.ssm_state]
     return [weakref.ref(model), *map(weakref.ref, tensors)]
 

@@ -6,8 +6,8 @@ import torch
 
 from models import QWEN3_NEXT_KINDS, cached_hf_greedy, check_against_hf, random_prompts
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.layers.gated_delta_rule import (causal_conv1d, chunk_gated_delta_rule, l2norm,
-                                               recurrent_gated_delta_rule)
+from nanoinfer.layers.gated_delta_rule import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+from nanoinfer.layers.recurrent import causal_conv1d
 
 MAX_TOKENS = 16
 LOGIT_ATOL = 1e-4

@@ -1,7 +1,6 @@
 """Builds a step's model inputs from scheduled sequences, runs the model over the paged KV cache, samples.
 With tensor parallelism there is one per rank: rank 0's builds the inputs and samples, the others serve its steps."""
 import logging
-import math
 import os
 import random
 import time
@@ -26,7 +25,7 @@ from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention, AttentionMetadata, get_backend
 from nanoinfer.layers.attention.selector import resolve_device
 from nanoinfer.layers.fused_moe import FusedMoE
-from nanoinfer.layers.gated_delta_rule import GatedDeltaRule
+from nanoinfer.layers.recurrent import RecurrentLayer
 from nanoinfer.layers.rotary_embedding import shared_rope_tables
 from nanoinfer.layers.sampler import (Penalties, Sampler, SamplerOutput, SamplingMetadata, noise_keys, top_logprobs,
                                       verify_drafts)
@@ -161,8 +160,8 @@ class ModelRunner:
             if isinstance(module, Attention):
                 module.k_cache = module.v_cache = torch.empty(0)
                 module.backend = None
-            elif isinstance(module, GatedDeltaRule):
-                module.conv_state = module.ssm_state = torch.empty(0)
+            elif isinstance(module, RecurrentLayer):
+                module.free_state()
         self.model = self.backend = self.graph_runner = self.lora = None
         # Their device and pinned buffers.
         self.input_batch = self.penalty_cache = self.token_tables = self.upload = self.to_host = None
@@ -182,22 +181,18 @@ class ModelRunner:
         return self.tp.all_min(available_host_memory() // self.tp.local_size)
 
     def _allocate_state_cache(self) -> tuple[int, int]:
-        """Recurrent-state slots of the linear-attention layers, one per running sequence (max_num_seqs, or fewer
+        """Recurrent-state slots of the recurrent layers, one per running sequence (max_num_seqs, or fewer
         if they would take more than half the cache budget), and their bytes; (0, 0) without such layers."""
-        layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaRule)]
+        layers = [m for m in self.model.modules() if isinstance(m, RecurrentLayer)]
         if not layers:
             return 0, 0
-        dtype = self.config.torch_dtype
-        ssm_dtype = torch.promote_types(dtype, torch.float32)  # the delta rule runs in fp32 at least
-        slot_bytes = sum(math.prod(a.conv_state_shape) * dtype.itemsize
-                         + math.prod(a.ssm_state_shape) * ssm_dtype.itemsize for a in layers)
+        slot_bytes = sum(a.slot_bytes(self.config.torch_dtype) for a in layers)
         budget = min(KV_CACHE_MAX_BYTES, self._available_memory() * KV_CACHE_MEMORY_FRACTION) // 2
         num_slots = min(self.config.max_num_seqs, int(budget // slot_bytes))
         if num_slots < 1:
             raise ValueError(f"not enough memory for the recurrent state of one sequence ({slot_bytes} bytes)")
         for a in layers:
-            a.conv_state = torch.zeros(num_slots, *a.conv_state_shape, dtype=dtype, device=self.device)
-            a.ssm_state = torch.zeros(num_slots, *a.ssm_state_shape, dtype=ssm_dtype, device=self.device)
+            a.allocate_state(num_slots, self.config.torch_dtype, self.device)
         return num_slots, num_slots * slot_bytes
 
     def _allocate_kv_cache(self, reserved_bytes: int = 0) -> int:

@@ -1,20 +1,9 @@
 """Gated DeltaNet's token mixing (causal depthwise conv + gated delta rule) over per-sequence recurrent state slots:
 the chunked form for prompt chunks, the recurrent form for one-token steps batched over sequences."""
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from nanoinfer.layers.attention import AttentionMetadata
-
-
-def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv + SiLU. x [..., n, C] new inputs, state [..., K-1, C] the inputs just before them
-    (zeros at a sequence's start), weight [C, K] -> (output [..., n, C], the new state)."""
-    full = torch.cat((state, x), -2)
-    out = (full.unfold(-2, weight.shape[1], 1) * weight).sum(-1)  # windows [..., n, C, K] . weight
-    return F.silu(out), full[..., full.shape[-2] - state.shape[-2]:, :]
+from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -69,50 +58,24 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     return out.flatten(1, 2)[:, :n].movedim(1, 0), state
 
 
-@dataclass
-class RecurrentBatch:
-    """Where each sequence of a step keeps its recurrent state, derived once per step from the metadata."""
-    fresh_slots: torch.Tensor  # slots of sequences starting at position 0: their state starts from zeros
-    single_rows: torch.Tensor  # token rows of the sequences computing one token (batched recurrent form)
-    single_slots: torch.Tensor
-    spans: list[tuple[int, int, int]]  # (start row, end row, slot) of the others (chunked form, one at a time)
-
-    @classmethod
-    def from_metadata(cls, meta: AttentionMetadata) -> "RecurrentBatch":
-        cu, ctx, slots = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist(), meta.state_slots.tolist()
-        single = [i for i in range(meta.num_seqs) if cu[i + 1] - cu[i] == 1]
-        index = dict(dtype=torch.long, device=meta.context_lens.device)  # they index the state where it lives
-        return cls(
-            fresh_slots=torch.tensor([s for i, s in enumerate(slots) if ctx[i] == cu[i + 1] - cu[i]], **index),
-            single_rows=torch.tensor([cu[i] for i in single], **index),
-            single_slots=torch.tensor([slots[i] for i in single], **index),
-            spans=[(cu[i], cu[i + 1], slots[i]) for i in range(meta.num_seqs) if cu[i + 1] - cu[i] > 1],
-        )
-
-
-class GatedDeltaRule(nn.Module):
-    """The linear-attention counterpart of Attention: keeps every running sequence's conv and delta-rule state
-    in a slot of its own across steps (the tensors allocated by ModelRunner, the slot assigned by the BlockManager)."""
+class GatedDeltaRule(RecurrentLayer):
+    """Gated DeltaNet's token mixing over its conv state and delta-rule state [H, dk, dv] per sequence."""
 
     def __init__(self, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel_size: int):
-        super().__init__()
+        key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        super().__init__(conv_kernel_size, 2 * key_dim + value_dim, (num_v_heads, head_k_dim, head_v_dim))
         self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim = (
             num_k_heads, num_v_heads, head_k_dim, head_v_dim)
-        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
-        self.conv_state_shape = (conv_kernel_size - 1, 2 * self.key_dim + self.value_dim)
-        self.ssm_state_shape = (num_v_heads, head_k_dim, head_v_dim)
-        self.conv_state = torch.empty(0)  # [num_slots, K-1, conv_dim], model dtype: the conv's latest inputs
-        self.ssm_state = torch.empty(0)  # [num_slots, H, dk, dv], at least fp32 (as transformers keeps it)
+        self.key_dim, self.value_dim = key_dim, value_dim
 
     def forward(self, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 batch: RecurrentBatch) -> torch.Tensor:
         """mixed_qkv [tokens, 2 * key_dim + value_dim] (queries, keys, values of all heads), conv_weight
         [conv_dim, K], log-decay g and beta [tokens, value heads] -> output [tokens, value heads, dv] in the
         state's dtype."""
-        if batch.fresh_slots.numel():
-            self.conv_state[batch.fresh_slots] = 0
-            self.ssm_state[batch.fresh_slots] = 0
-        q, k, v = self._conv(mixed_qkv, conv_weight, batch).split([self.key_dim, self.key_dim, self.value_dim], -1)
+        self.reset_fresh_slots(batch)
+        mixed_qkv = self.causal_conv(mixed_qkv, conv_weight, batch)
+        q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], -1)
         n, group = q.shape[0], self.num_v_heads // self.num_k_heads
         dtype = self.ssm_state.dtype
         q = l2norm(q.reshape(n, self.num_k_heads, self.head_k_dim).to(dtype)) * self.head_k_dim ** -0.5
@@ -121,16 +84,6 @@ class GatedDeltaRule(nn.Module):
         q, k = q.repeat_interleave(group, 1), k.repeat_interleave(group, 1)
         v = v.reshape(n, self.num_v_heads, self.head_v_dim).to(dtype)
         return self._delta_rule(q, k, v, g.to(dtype), beta.to(dtype), batch)
-
-    def _conv(self, x: torch.Tensor, weight: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
-        out = torch.empty_like(x)
-        if batch.single_rows.numel():
-            rows, slots = batch.single_rows, batch.single_slots
-            y, self.conv_state[slots] = causal_conv1d(x[rows].unsqueeze(1), self.conv_state[slots], weight)
-            out[rows] = y.squeeze(1)
-        for start, end, slot in batch.spans:
-            out[start:end], self.conv_state[slot] = causal_conv1d(x[start:end], self.conv_state[slot], weight)
-        return out
 
     def _delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     batch: RecurrentBatch) -> torch.Tensor:

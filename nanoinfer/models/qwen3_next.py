@@ -7,9 +7,11 @@ from transformers import PretrainedConfig
 
 from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanoinfer.layers.gated_delta_rule import GatedDeltaRule, RecurrentBatch
+from nanoinfer.layers.gated_delta_rule import GatedDeltaRule
 from nanoinfer.layers.layernorm import GatedRMSNorm, RMSNorm
 from nanoinfer.layers.linear import ReplicatedLinear
+from nanoinfer.layers.recurrent import RecurrentBatch
+from nanoinfer.models.hybrid import HybridDecoderLayer
 from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM, LlamaMLP, MLPFactory
 from nanoinfer.models.qwen2_moe import Qwen2MoeSparseMoeBlock, is_sparse_layer
 
@@ -64,36 +66,20 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         return self.out_proj(self.norm(out, z).flatten(1))
 
 
-class Qwen3NextDecoderLayer(nn.Module):
+class Qwen3NextDecoderLayer(HybridDecoderLayer):
     linear_attention_class: type[Qwen3NextGatedDeltaNet] = Qwen3NextGatedDeltaNet
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, mlp: nn.Module):
-        super().__init__()
-        self.layer_type = config.layer_types[layer_idx]
-        if self.layer_type == "linear_attention":
-            self.linear_attn = self.linear_attention_class(config)
-        elif self.layer_type == "full_attention":
+        layer_type = config.layer_types[layer_idx]
+        if layer_type == "linear_attention":
+            mixer = self.linear_attention_class(config)
+        elif layer_type == "full_attention":
             options = AttentionOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm=True,
                                        output_gate=True, zero_centered_norm=True)
-            self.self_attn = LlamaAttention(config, options)
+            mixer = LlamaAttention(config, options)
         else:
-            raise ValueError(f"unsupported layer type {self.layer_type!r} in layer {layer_idx}")
-        self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata, batch: RecurrentBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        if self.layer_type == "linear_attention":
-            x = self.linear_attn(x, batch)
-        else:
-            x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+            raise ValueError(f"unsupported layer type {layer_type!r} in layer {layer_idx}")
+        super().__init__(config, mixer, layer_type == "full_attention", mlp, config.rms_norm_eps, zero_centered=True)
 
 
 class Qwen3NextModel(nn.Module):
@@ -107,9 +93,6 @@ class Qwen3NextModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if meta.state_slots is None:  # the encoder pass of LLM.embed: no sequences, no state
-            raise ValueError("The model's linear-attention layers are causal and recurrent: the model cannot run "
-                             "as a bidirectional encoder (LLM.embed)")
         batch = RecurrentBatch.from_metadata(meta)
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
@@ -123,6 +106,7 @@ class Qwen3NextForCausalLM(nn.Module):
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
     # Multi-token-prediction weights some checkpoints carry: not used for plain decoding.
     ignored_weight_prefixes = ("mtp.",)
+    weight_name_substitutions = {".linear_attn.": ".mixer."}  # HybridDecoderLayer's name for the recurrent mixer
 
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:

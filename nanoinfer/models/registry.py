@@ -55,6 +55,12 @@ _MODELS = {
     "StableLmForCausalLM": ("stablelm", "StableLmForCausalLM"),
     "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
 }
+# Hybrids of attention with recurrent layers (Mamba2, short convolutions).
+_MODELS |= {
+    "BambaForCausalLM": ("bamba", "BambaForCausalLM"),
+    "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
+    "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
+}
 
 # Sequence classification (see classification.py) over the decoder of the causal LM of the same family.
 _CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM" for family in (

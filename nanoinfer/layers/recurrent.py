@@ -1,0 +1,95 @@
+"""Per-sequence recurrent state in slots (Gated DeltaNet, Mamba2, short convolutions): the base of the layers that
+keep it, where each sequence of a step finds its slot, and the causal depthwise conv they all start with."""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoinfer.layers.attention import AttentionMetadata
+
+
+def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  silu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv (+ bias, + SiLU). x [..., n, C] new inputs, state [..., K-1, C] the inputs just before
+    them (zeros at a sequence's start), weight [C, K] -> (output [..., n, C], the new state)."""
+    full = torch.cat((state, x), -2)
+    out = (full.unfold(-2, weight.shape[1], 1) * weight).sum(-1)  # windows [..., n, C, K] . weight
+    if bias is not None:
+        out = out + bias
+    return F.silu(out) if silu else out, full[..., full.shape[-2] - state.shape[-2]:, :]
+
+
+@dataclass
+class RecurrentBatch:
+    """Where each sequence of a step keeps its recurrent state, derived once per step from the metadata."""
+    fresh_slots: torch.Tensor  # slots of sequences starting at position 0: their state starts from zeros
+    single_rows: torch.Tensor  # token rows of the sequences computing one token (batched recurrent form)
+    single_slots: torch.Tensor
+    spans: list[tuple[int, int, int]]  # (start row, end row, slot) of the others (chunked form, one at a time)
+
+    @classmethod
+    def from_metadata(cls, meta: AttentionMetadata) -> "RecurrentBatch":
+        if meta.state_slots is None:  # the encoder pass of LLM.embed: no sequences, no state
+            raise ValueError("The model's recurrent layers (linear attention, state-space or convolution) are "
+                             "causal: the model cannot run as a bidirectional encoder (LLM.embed)")
+        cu, ctx, slots = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist(), meta.state_slots.tolist()
+        single = [i for i in range(meta.num_seqs) if cu[i + 1] - cu[i] == 1]
+        index = dict(dtype=torch.long, device=meta.context_lens.device)  # they index the state where it lives
+        return cls(
+            fresh_slots=torch.tensor([s for i, s in enumerate(slots) if ctx[i] == cu[i + 1] - cu[i]], **index),
+            single_rows=torch.tensor([cu[i] for i in single], **index),
+            single_slots=torch.tensor([slots[i] for i in single], **index),
+            spans=[(cu[i], cu[i + 1], slots[i]) for i in range(meta.num_seqs) if cu[i + 1] - cu[i] > 1],
+        )
+
+
+class RecurrentLayer(nn.Module):
+    """The recurrent counterpart of Attention: keeps every running sequence's state in a slot of its own across
+    steps (the tensors allocated by ModelRunner, the slot assigned by the BlockManager): the conv's latest inputs,
+    in the model's dtype, and, for layers with one, a recurrent state in fp32 at least (as transformers keeps it)."""
+
+    def __init__(self, conv_kernel_size: int, conv_dim: int, ssm_state_shape: tuple[int, ...] | None = None):
+        super().__init__()
+        self.conv_state_shape = (conv_kernel_size - 1, conv_dim)
+        self.ssm_state_shape = ssm_state_shape
+        self.conv_state = torch.empty(0)  # [num_slots, K-1, conv_dim]
+        self.ssm_state = torch.empty(0)  # [num_slots, *ssm_state_shape]
+
+    @staticmethod
+    def ssm_dtype(dtype: torch.dtype) -> torch.dtype:
+        return torch.promote_types(dtype, torch.float32)
+
+    def slot_bytes(self, dtype: torch.dtype) -> int:
+        ssm = math.prod(self.ssm_state_shape) * self.ssm_dtype(dtype).itemsize if self.ssm_state_shape else 0
+        return math.prod(self.conv_state_shape) * dtype.itemsize + ssm
+
+    def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.conv_state = torch.zeros(num_slots, *self.conv_state_shape, dtype=dtype, device=device)
+        if self.ssm_state_shape:
+            self.ssm_state = torch.zeros(num_slots, *self.ssm_state_shape, dtype=self.ssm_dtype(dtype), device=device)
+
+    def free_state(self) -> None:
+        self.conv_state = self.ssm_state = torch.empty(0)
+
+    def reset_fresh_slots(self, batch: RecurrentBatch) -> None:
+        """Sequences starting at position 0 start from zeros, whatever the slot's last sequence left there."""
+        if batch.fresh_slots.numel():
+            self.conv_state[batch.fresh_slots] = 0
+            if self.ssm_state_shape:
+                self.ssm_state[batch.fresh_slots] = 0
+
+    def causal_conv(self, x: torch.Tensor, weight: torch.Tensor, batch: RecurrentBatch,
+                    bias: torch.Tensor | None = None, silu: bool = True) -> torch.Tensor:
+        """x [tokens, conv_dim] -> the conv over each sequence's inputs, carried on from its state (updated)."""
+        out = torch.empty_like(x)
+        if batch.single_rows.numel():
+            rows, slots = batch.single_rows, batch.single_slots
+            y, self.conv_state[slots] = causal_conv1d(x[rows].unsqueeze(1), self.conv_state[slots], weight, bias,
+                                                      silu)
+            out[rows] = y.squeeze(1)
+        for start, end, slot in batch.spans:
+            out[start:end], self.conv_state[slot] = causal_conv1d(x[start:end], self.conv_state[slot], weight, bias,
+                                                                  silu)
+        return out

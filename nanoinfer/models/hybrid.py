@@ -1,0 +1,93 @@
+"""The decoder of hybrid models whose layers mix tokens either by attention or by a recurrent mixer (Mamba2, LFM2's
+short convolution, Gated DeltaNet), by the config's layer types, each followed by an MLP: LFM2, Bamba, Granite 4.0-H;
+Qwen3-Next's layers too."""
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from nanoinfer.layers.attention import AttentionMetadata
+from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanoinfer.layers.layernorm import RMSNorm
+from nanoinfer.layers.recurrent import RecurrentBatch
+from nanoinfer.models.llama import LlamaForCausalLM
+
+# (config, layer index) -> that layer's token mixer: attention, forward(positions, x, meta), or a recurrent mixer,
+# forward(x, batch) (told apart by `is_attention_layer`); and its MLP.
+LayerFactory = Callable[[PretrainedConfig, int], nn.Module]
+
+
+class HybridDecoderLayer(nn.Module):
+    """Pre-norm: x + mixer(norm(x)), then + mlp(norm(.)); each sublayer's output times residual_multiplier (Granite's;
+    None: 1). zero_centered: norms scaling by 1 + weight (Qwen3-Next's)."""
+
+    def __init__(self, config: PretrainedConfig, mixer: nn.Module, is_attention_layer: bool, mlp: nn.Module,
+                 eps: float, residual_multiplier: float | None = None, zero_centered: bool = False):
+        super().__init__()
+        self.is_attention_layer = is_attention_layer
+        if is_attention_layer:
+            self.self_attn = mixer
+        else:
+            self.mixer = mixer
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, zero_centered)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero_centered)
+        self.residual_multiplier = residual_multiplier
+
+    def scaled(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.residual_multiplier is None else x * self.residual_multiplier
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata, batch: RecurrentBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta) if self.is_attention_layer else self.mixer(x, batch)
+        # The next norm adds its input to the residual stream: scaled first, as transformers' `residual + h * m`.
+        x, residual = self.post_attention_layernorm(self.scaled(x), residual)
+        return self.scaled(self.mlp(x)), residual
+
+
+class HybridModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, make_layer: LayerFactory, eps: float,
+                 embedding_multiplier: float | None = None):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps)
+        self.embedding_multiplier = embedding_multiplier
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        batch = RecurrentBatch.from_metadata(meta)
+        x, residual = self.embed_tokens(input_ids), None
+        if self.embedding_multiplier is not None:
+            x = x * self.embedding_multiplier
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta, batch)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class HybridForCausalLM(nn.Module):
+    """A family sets make_layer and the checkpoint's names (packed_modules_mapping, weight_name_substitutions)."""
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
+
+    def make_layer(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        raise NotImplementedError
+
+    def __init__(self, config: PretrainedConfig, eps: float, embedding_multiplier: float | None = None,
+                 logits_scaling: float | None = None):
+        super().__init__()
+        self.model = HybridModel(config, self.make_layer, eps, embedding_multiplier)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.logits_scaling = logits_scaling
+
+    forward = LlamaForCausalLM.forward
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = self.lm_head(hidden_states)
+        return logits if logits is None or self.logits_scaling is None else logits / self.logits_scaling

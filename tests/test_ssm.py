@@ -1,0 +1,127 @@
+"""LFM2, Bamba and Granite 4.0-H (short-conv and Mamba2 hybrids) vs transformers under chunked prefill, preemption
+and two tensor-parallel ranks, prefix caching and LLM.embed refused; the Mamba2 scan's chunked and one-step forms
+against each other, and the mixer against transformers' over prompt chunks, decode steps and several sequences at
+once."""
+import pytest
+import torch
+
+from models import SSM_KINDS
+from nanoinfer.layers.attention import AttentionMetadata
+from nanoinfer.layers.mamba2 import Mamba2Mixer, ssd_chunk_scan, ssd_step
+from nanoinfer.layers.recurrent import RecurrentBatch
+# Prefix caching refused (a cached prefix has K/V but no recurrent state), LLM.embed refused (causal layers).
+from test_qwen3_next import LOGIT_ATOL, PROMPTS, run, test_embed_is_refused, test_no_prefix_cache_reuse  # noqa: F401
+
+
+@pytest.fixture(scope="module", params=SSM_KINDS)
+def ssm_dir(request, model_dir):
+    return model_dir(request.param)
+
+
+@pytest.fixture(scope="module")
+def next_dir(ssm_dir):
+    """The model test_qwen3_next's tests imported here run on."""
+    return ssm_dir
+
+
+def test_chunked_prefill_and_preemption_match_hf(ssm_dir, captured_logits, report_logit_diff):
+    # A 7-token budget ends prompt chunks anywhere (in and across 16-token scan chunks), carried over in the state;
+    # 3 slots for 7 prompts reuse slots (a stale state must be reset). Then a cache too small for all sequences:
+    # preempted ones lose their state and recompute from scratch.
+    llm, _, chunked = run(ssm_dir, captured_logits, max_num_batched_tokens=7, max_num_seqs=3)
+    assert llm.llm_engine.model_runner.num_state_slots == 3
+    llm, _, preempted = run(ssm_dir, captured_logits, num_kvcache_blocks=8, max_num_batched_tokens=64)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    report_logit_diff(f"{ssm_dir.name}, chunked prefill / preemption", max(chunked, preempted))
+    assert max(chunked, preempted) < LOGIT_ATOL, f"max |logit diff| {chunked:.2e} / {preempted:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["lfm2", "granitemoehybrid"])
+def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
+    """Two ranks (a spawned worker): LFM2's short conv sharded by channels; Granite's attention and experts sharded,
+    its Mamba2 mixers replicated on each rank with their own state."""
+    _, _, worst = run(model_dir(kind), captured_logits, prompts=PROMPTS[:4], tensor_parallel_size=2)
+    report_logit_diff(f"{kind}, tensor parallel 2", worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+def _scan_inputs(n: int, heads: int = 4, groups: int = 2, head_dim: int = 3, state_size: int = 5, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    dt = torch.nn.functional.softplus(randn(n, heads) - 1)
+    A = -torch.tensor([0.01, 0.1, 0.5, 2.0], dtype=torch.float64)  # decays from almost none to strong
+    return (randn(n, heads, head_dim), dt, A, randn(n, groups, state_size), randn(n, groups, state_size),
+            randn(heads), randn(heads, head_dim, state_size))
+
+
+@pytest.mark.parametrize("pieces", [[50], [1, 15, 16, 18], [7] * 7 + [1], [16, 16, 16, 2]])
+@pytest.mark.parametrize("chunk_size", [16, 5])
+def test_chunked_scan_matches_one_step_scan(pieces, chunk_size):
+    """The chunked form (prefill), over a prompt split anywhere, equals the one-step form (decode) token by token."""
+    x, dt, A, B, C, D, state = _scan_inputs(sum(pieces))
+    expected_state, expected = state.clone()[None], []
+    for t in range(x.shape[0]):
+        expected.append(ssd_step(x[t:t + 1], dt[t:t + 1], A, B[t:t + 1], C[t:t + 1], D, expected_state))
+    out, start = [], 0
+    for n in pieces:
+        s = slice(start, start + n)
+        y, state = ssd_chunk_scan(x[s], dt[s], A, B[s], C[s], D, state, chunk_size)
+        out.append(y)
+        start += n
+    torch.testing.assert_close(torch.cat(out), torch.cat(expected), rtol=0, atol=1e-10)
+    torch.testing.assert_close(state, expected_state[0], rtol=0, atol=1e-10)
+    assert expected_state.abs().max() > 0.1
+
+
+def _metadata(query_lens: list[int], context_lens: list[int], slots: list[int]) -> AttentionMetadata:
+    cu = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return AttentionMetadata(None, torch.zeros(len(slots), 1, dtype=torch.int32),
+                             torch.tensor(context_lens, dtype=torch.int32), cu, cu, max(query_lens),
+                             max(context_lens), 16, state_slots=torch.tensor(slots))
+
+
+@pytest.fixture(scope="module")
+def mixers():
+    """transformers' Bamba mixer (2 groups of 4 heads, 5-token scan chunks) and ours with its weights."""
+    from transformers import BambaConfig
+    from transformers.models.bamba.modeling_bamba import BambaMixer
+
+    config = BambaConfig(hidden_size=32, mamba_n_heads=8, mamba_d_state=6, mamba_n_groups=2, mamba_chunk_size=5,
+                         num_hidden_layers=1, attn_layer_indices=[])
+    g = torch.Generator().manual_seed(0)
+    hf = BambaMixer(config, 0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        hf.A_log.copy_(torch.linspace(0.01, 1.0, 8).log())
+    ours = Mamba2Mixer(config)
+    weights = hf.state_dict()
+    for name, p in ours.named_parameters():
+        p.data.copy_(weights[name])
+    ours.allocate_state(4, torch.float32, torch.device("cpu"))
+    return hf, ours
+
+
+@torch.inference_mode()
+def test_mixer_matches_transformers_over_chunks_steps_and_sequences(mixers):
+    """Three sequences in the same steps (slots 3, 0, 2): one prefilled whole, one in prompt chunks then decode steps
+    (in the same steps as another's chunks), one decoded from its first token; each equals transformers' mixer over
+    its whole sequence."""
+    hf, ours = mixers
+    g = torch.Generator().manual_seed(1)
+    x = [torch.randn(n, 32, generator=g) for n in (23, 19, 6)]
+    expected = [hf(seq[None])[0] for seq in x]
+    steps = [[23, 7, 1], [0, 5, 1], [0, 1, 1], [0, 4, 1], [0, 1, 1], [0, 1, 1]]  # tokens per sequence per step
+    done, out = [0, 0, 0], [[], [], []]
+    for counts in steps:
+        live = [i for i in range(3) if counts[i]]
+        rows = torch.cat([x[i][done[i]:done[i] + counts[i]] for i in live])
+        meta = _metadata([counts[i] for i in live], [done[i] + counts[i] for i in live], [[3, 0, 2][i] for i in live])
+        y = ours(rows, RecurrentBatch.from_metadata(meta)).split([counts[i] for i in live])
+        for i, part in zip(live, y):
+            out[i].append(part)
+            done[i] += counts[i]
+    assert done == [23, 19, 6]
+    for got, want in zip(out, expected):
+        torch.testing.assert_close(torch.cat(got), want, rtol=0, atol=1e-5)
