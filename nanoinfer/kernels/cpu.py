@@ -115,8 +115,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     becomes soft_cap * tanh(s / soft_cap); sinks [heads] fp32: a logit per head that joins each softmax's
     denominator (a key whose value is 0)."""
     q, block_tables, context_lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
-    assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and block_tables.dtype == torch.int32
-    assert sinks is None or sinks.dtype == torch.float32 and sinks.shape == q.shape[1:2] and sinks.is_contiguous()
+    assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and block_tables.dtype == torch.int32 and (
+        sinks is None or sinks.dtype == torch.float32 and sinks.shape == q.shape[1:2] and sinks.is_contiguous())
     out = torch.empty_like(q)
     _run("paged_decode_attention", q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
          context_lens.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2],

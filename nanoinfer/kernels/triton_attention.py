@@ -318,8 +318,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: 
     # Unit last strides; paged slots address rows as block * size + offset.
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and (
         not paged or k.is_contiguous() and v.stride(0) == v.shape[1] * v.stride(1))
-    assert 1 <= num_segments <= MAX_SEGMENTS
-    assert sinks is None or sinks.shape == (num_heads,) and sinks.is_contiguous()
+    assert 1 <= num_segments <= MAX_SEGMENTS and (
+        sinks is None or sinks.shape == (num_heads,) and sinks.is_contiguous())
     out = q.new_empty(num_tokens, num_heads * head_dim)
     if num_tokens == 0:
         return out

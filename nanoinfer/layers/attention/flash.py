@@ -29,7 +29,8 @@ class FlashAttentionBackend:
         With a window, a query at position p sees keys at p - window < position <= p (flash-attn: left window-1).
         With soft_cap, scores are capped to soft_cap * tanh(score / soft_cap) (flash-attn: softcap, 0 for none).
         flash-attn 2 has no attention sinks: select_backend never picks this backend for a model with them."""
-        assert sinks is None
+        if sinks is not None:
+            raise ValueError("the flash backend cannot run attention sinks (flash-attn 2 has none): use 'triton'")
         window_size = (-1, -1) if window is None or not meta.causal else (window - 1, 0)
         softcap = soft_cap or 0.0
         if meta.is_decode:
