@@ -1,0 +1,126 @@
+"""The Mamba (1) mixer (Mamba, Falcon-Mamba, Jamba): in_proj -> (x, z); a causal conv over x carried in a per-sequence
+conv state; x_proj -> (dt, B, C) (RMS-normed in Falcon-Mamba and Jamba); the selective scan over a per-sequence state
+[intermediate, d_state], a parallel scan within chunks of a prompt and one step at a time for decode; D skip, y *
+silu(z); out_proj. In fp32 it computes what transformers' torch path (modeling_mamba.py) does."""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoinfer.layers.layernorm import RMSNorm
+from nanoinfer.layers.linear import ReplicatedLinear
+from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer
+
+# Tokens per parallel scan: its intermediates are [chunk, intermediate, d_state] (Jamba: 64 x 8192 x 16 fp32, 32 MiB).
+SCAN_CHUNK = 64
+
+
+def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                   D: torch.Tensor, state: torch.Tensor, chunk_size: int = SCAN_CHUNK
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n tokens of one sequence: x, dt [n, I] (dt after softplus), A [I, N] (negative), B, C [n, N], D [I],
+    state [I, N] before the first token, one float dtype -> (y [n, I] without the gate, the state after the last token).
+
+    h_t = e^(dt_t A) h_(t-1) + dt_t B_t x_t and y_t = h_t C_t + D x_t. Within a chunk every h_t at once by a
+    Hillis-Steele scan over the pairs (decay, input), log2(chunk) steps, products of decays <= 1 only (stable); the
+    state carries from chunk to chunk."""
+    ys = []
+    for start in range(0, x.shape[0], chunk_size):
+        s = slice(start, start + chunk_size)
+        decay = (dt[s, :, None] * A).exp()  # [l, I, N]
+        h = dt[s, :, None] * B[s, None, :] * x[s, :, None]  # transformers' (dt B) x
+        h[0] += decay[0] * state
+        step = 1
+        while step < h.shape[0]:  # h_t += (decay_t ... decay_(t-step+1)) h_(t-step): sums over 2 * step tokens
+            h[step:] = h[step:] + decay[step:] * h[:-step]
+            decay[step:] = decay[step:] * decay[:-step]
+            step *= 2
+        ys.append((h @ C[s, :, None]).squeeze(-1))
+        state = h[-1]
+    return torch.cat(ys) + D * x, state
+
+
+def selective_state_update(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                           D: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """One token of each of S sequences: x, dt [S, I], B, C [S, N], state [S, I, N] (updated in place) -> y [S, I]."""
+    state.mul_((dt[..., None] * A).exp()).add_(dt[..., None] * B[:, None, :] * x[..., None])
+    return (state @ C[..., None]).squeeze(-1) + D * x
+
+
+class WeightlessRMSNorm(RMSNorm):
+    """Falcon-Mamba's norms of dt, B and C: x / rms(x), no weight in the checkpoint (a buffer of ones here)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__(hidden_size, eps)
+        del self.weight
+        self.register_buffer("weight", torch.ones(hidden_size), persistent=False)
+
+
+@dataclass(frozen=True)
+class MambaSettings:
+    """A family's Mamba-1 mixer settings, from its own config names."""
+    hidden_size: int
+    intermediate_size: int
+    state_size: int
+    conv_kernel: int
+    time_step_rank: int
+    conv_bias: bool
+    proj_bias: bool
+    hidden_act: str
+    dt_bc_norm_eps: float | None = None  # RMS norms on dt, B and C (Falcon-Mamba, Jamba); None: none (Mamba)
+    dt_bc_norm_weights: bool = True  # Jamba's have weights; Falcon-Mamba's not
+
+
+class MambaMixer(RecurrentLayer):
+    """The mixer of one layer. Its projections are replicated, not sharded: under tensor parallelism every rank
+    computes the whole layer with its own state (correct, not yet faster)."""
+
+    def __init__(self, s: MambaSettings):
+        if s.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {s.hidden_act!r} for the Mamba conv; only 'silu' is implemented")
+        super().__init__(s.conv_kernel, s.intermediate_size, (s.intermediate_size, s.state_size))
+        self.intermediate_size, self.state_size, self.time_step_rank = (s.intermediate_size, s.state_size,
+                                                                        s.time_step_rank)
+        self.in_proj = ReplicatedLinear(s.hidden_size, 2 * s.intermediate_size, s.proj_bias)
+        self.conv1d = nn.Conv1d(s.intermediate_size, s.intermediate_size, s.conv_kernel, bias=s.conv_bias,
+                                groups=s.intermediate_size)  # a weight holder: the conv runs in causal_conv
+        self.conv1d.requires_grad_(False)
+        self.x_proj = ReplicatedLinear(s.intermediate_size, s.time_step_rank + 2 * s.state_size)
+        # A weight holder: transformers adds its bias after the matmul, in fp32.
+        self.dt_proj = nn.Linear(s.time_step_rank, s.intermediate_size).requires_grad_(False)
+        self.A_log = nn.Parameter(torch.empty(s.intermediate_size, s.state_size), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(s.intermediate_size), requires_grad=False)
+        self.out_proj = ReplicatedLinear(s.intermediate_size, s.hidden_size, s.proj_bias)
+        self.dt_layernorm = self.b_layernorm = self.c_layernorm = None
+        if s.dt_bc_norm_eps is not None:
+            norm = RMSNorm if s.dt_bc_norm_weights else WeightlessRMSNorm
+            self.dt_layernorm = norm(s.time_step_rank, s.dt_bc_norm_eps)
+            self.b_layernorm = norm(s.state_size, s.dt_bc_norm_eps)
+            self.c_layernorm = norm(s.state_size, s.dt_bc_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
+        self.reset_fresh_slots(batch)
+        x, z = self.in_proj(hidden_states).chunk(2, -1)
+        x = self.causal_conv(x, self.conv1d.weight.squeeze(1), batch, self.conv1d.bias)
+        time_step, B, C = self.x_proj(x).split([self.time_step_rank, self.state_size, self.state_size], -1)
+        if self.dt_layernorm is not None:
+            time_step, B, C = self.dt_layernorm(time_step), self.b_layernorm(B), self.c_layernorm(C)
+        dtype = self.ssm_state.dtype
+        dt = F.softplus(F.linear(time_step, self.dt_proj.weight).to(dtype) + self.dt_proj.bias.to(dtype))
+        y = self._scan(x.to(dtype), dt, B.to(dtype), C.to(dtype), batch)
+        return self.out_proj((y * F.silu(z.to(dtype))).to(hidden_states.dtype))
+
+    def _scan(self, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, batch: RecurrentBatch
+              ) -> torch.Tensor:
+        A, D = -self.A_log.to(x.dtype).exp(), self.D.to(x.dtype)
+        out = torch.empty_like(x)
+        if batch.single_rows.numel():
+            rows, slots = batch.single_rows, batch.single_slots
+            state = self.ssm_state[slots]
+            out[rows] = selective_state_update(x[rows], dt[rows], A, B[rows], C[rows], D, state)
+            self.ssm_state[slots] = state
+        for start, end, slot in batch.spans:
+            s = slice(start, end)
+            out[s], self.ssm_state[slot] = selective_scan(x[s], dt[s], A, B[s], C[s], D, self.ssm_state[slot])
+        return out
