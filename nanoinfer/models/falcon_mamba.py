@@ -7,6 +7,10 @@ from nanoinfer.layers.mamba import MambaSettings
 from nanoinfer.models.mamba import MambaForCausalLM, mamba_settings
 
 
+def falcon_mamba_settings(config: PretrainedConfig) -> MambaSettings:
+    return replace(mamba_settings(config), dt_bc_norm_eps=config.mixer_rms_eps, dt_bc_norm_weights=False)
+
+
 class FalconMambaForCausalLM(MambaForCausalLM):
     def settings(self, config: PretrainedConfig) -> MambaSettings:
-        return replace(mamba_settings(config), dt_bc_norm_eps=config.mixer_rms_eps, dt_bc_norm_weights=False)
+        return falcon_mamba_settings(config)
