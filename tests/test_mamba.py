@@ -6,12 +6,13 @@ import torch
 
 from models import MAMBA1_KINDS
 from nanoinfer.layers.mamba import MambaMixer, selective_scan, selective_state_update
-from nanoinfer.layers.recurrent import RecurrentBatch
 from nanoinfer.models.falcon_mamba import falcon_mamba_settings
 from nanoinfer.models.jamba import jamba_mamba_settings
 from nanoinfer.models.mamba import mamba_settings
-from test_qwen3_next import PROMPTS, LOGIT_ATOL, run, test_embed_is_refused, test_no_prefix_cache_reuse  # noqa: F401
-from test_ssm import _metadata, test_chunked_prefill_and_preemption_match_hf  # noqa: F401
+# Prefix caching refused (a cached prefix has K/V but no recurrent state), LLM.embed refused (causal layers).
+from test_qwen3_next import LOGIT_ATOL, PROMPTS, run, test_embed_is_refused, test_no_prefix_cache_reuse  # noqa: F401
+from test_ssm import check_chunked_scan_against_steps, run_in_steps
+from test_ssm import test_chunked_prefill_and_preemption_match_hf  # noqa: F401
 
 
 @pytest.fixture(scope="module", params=MAMBA1_KINDS)
@@ -49,19 +50,8 @@ def _scan_inputs(n: int, channels: int = 6, state_size: int = 5, seed: int = 0):
 def test_chunked_scan_matches_one_step_scan(pieces, chunk_size):
     """The parallel scan (prefill), over a prompt split anywhere and in chunks of any size, equals the one-step form
     (decode) token by token."""
-    x, dt, A, B, C, D, state = _scan_inputs(sum(pieces))
-    expected_state, expected = state.clone()[None], []
-    for t in range(x.shape[0]):
-        expected.append(selective_state_update(x[t:t + 1], dt[t:t + 1], A, B[t:t + 1], C[t:t + 1], D, expected_state))
-    out, start = [], 0
-    for n in pieces:
-        s = slice(start, start + n)
-        y, state = selective_scan(x[s], dt[s], A, B[s], C[s], D, state, chunk_size)
-        out.append(y)
-        start += n
-    torch.testing.assert_close(torch.cat(out), torch.cat(expected), rtol=0, atol=1e-10)
-    torch.testing.assert_close(state, expected_state[0], rtol=0, atol=1e-10)
-    assert expected_state.abs().max() > 0.1
+    check_chunked_scan_against_steps(selective_scan, selective_state_update, _scan_inputs(sum(pieces)), pieces,
+                                     chunk_size)
 
 
 def _hf_mixer(family: str):
@@ -109,17 +99,7 @@ def test_mixer_matches_transformers_over_chunks_steps_and_sequences(family):
     g = torch.Generator().manual_seed(1)
     x = [torch.randn(n, 32, generator=g) for n in (70, 19, 6)]
     expected = [hf(seq[None])[0] for seq in x]
-    steps = [[70, 7, 1], [0, 5, 1], [0, 1, 1], [0, 4, 1], [0, 1, 1], [0, 1, 1]]  # tokens per sequence per step
-    done, out = [0, 0, 0], [[], [], []]
-    for counts in steps:
-        live = [i for i in range(3) if counts[i]]
-        rows = torch.cat([x[i][done[i]:done[i] + counts[i]] for i in live])
-        meta = _metadata([counts[i] for i in live], [done[i] + counts[i] for i in live], [[3, 0, 2][i] for i in live])
-        y = ours(rows, RecurrentBatch.from_metadata(meta)).split([counts[i] for i in live])
-        for i, part in zip(live, y):
-            out[i].append(part)
-            done[i] += counts[i]
-    assert done == [70, 19, 6]
-    for got, want in zip(out, expected):  # fp32 rounding of outputs of up to some hundreds (transformers' own)
-        torch.testing.assert_close(torch.cat(got), want, rtol=0, atol=1e-6 * want.abs().max().item())
+    # fp32 rounding of outputs of up to some hundreds (transformers' own).
+    for got, want in zip(run_in_steps(ours, x, first_prefill=70), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6 * want.abs().max().item())
         assert want.abs().max() > 1

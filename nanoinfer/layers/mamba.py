@@ -108,19 +108,8 @@ class MambaMixer(RecurrentLayer):
             time_step, B, C = self.dt_layernorm(time_step), self.b_layernorm(B), self.c_layernorm(C)
         dtype = self.ssm_state.dtype
         dt = F.softplus(F.linear(time_step, self.dt_proj.weight).to(dtype) + self.dt_proj.bias.to(dtype))
-        y = self._scan(x.to(dtype), dt, B.to(dtype), C.to(dtype), batch)
+        A, D = -self.A_log.to(dtype).exp(), self.D.to(dtype)
+        y = self.scan(batch, lambda x, dt, B, C, state: selective_state_update(x, dt, A, B, C, D, state),
+                      lambda x, dt, B, C, state: selective_scan(x, dt, A, B, C, D, state),
+                      x.to(dtype), dt, B.to(dtype), C.to(dtype))
         return self.out_proj((y * F.silu(z.to(dtype))).to(hidden_states.dtype))
-
-    def _scan(self, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, batch: RecurrentBatch
-              ) -> torch.Tensor:
-        A, D = -self.A_log.to(x.dtype).exp(), self.D.to(x.dtype)
-        out = torch.empty_like(x)
-        if batch.single_rows.numel():
-            rows, slots = batch.single_rows, batch.single_slots
-            state = self.ssm_state[slots]
-            out[rows] = selective_state_update(x[rows], dt[rows], A, B[rows], C[rows], D, state)
-            self.ssm_state[slots] = state
-        for start, end, slot in batch.spans:
-            s = slice(start, end)
-            out[s], self.ssm_state[slot] = selective_scan(x[s], dt[s], A, B[s], C[s], D, self.ssm_state[slot])
-        return out
