@@ -985,13 +985,14 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
 
     model = model_dir if isinstance(model_dir, torch.nn.Module) else load_hf_model(model_dir)
     device = model.device
-    # Mamba's models (transformers' modeling_mamba.py, falcon_mamba) name their cache `cache_params`.
+    # Mamba's models (transformers' modeling_mamba.py, falcon_mamba) name their cache `cache_params` and build it
+    # themselves on the first call (a MambaCache in older transformers, which then needs cache_position).
     cache_kw = "cache_params" if "cache_params" in inspect.signature(model.forward).parameters else "past_key_values"
     results = []
     for prompt in prompts_token_ids:
         prompt = [int(t) for t in prompt]
         assert len(prompt) > 0, "empty prompt"
-        cache = DynamicCache(config=model.config)
+        cache = DynamicCache(config=model.config) if cache_kw == "past_key_values" else None
         input_ids = torch.tensor([prompt], dtype=torch.long, device=device)
         out = model(input_ids=input_ids, **{cache_kw: cache}, use_cache=True)
         cache = getattr(out, cache_kw)

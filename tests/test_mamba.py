@@ -1,6 +1,8 @@
 """Mamba, Falcon-Mamba and Jamba (the Mamba-1 mixer) vs transformers under chunked prefill, preemption and two
 tensor-parallel ranks, prefix caching and LLM.embed refused; the selective scan's chunked and one-step forms against
 each other, and the mixer against transformers' over prompt chunks, decode steps and several sequences at once."""
+import inspect
+
 import pytest
 import torch
 
@@ -70,9 +72,11 @@ def _hf_mixer(family: str):
         config = config_class(**common, state_size=6, time_step_rank=4, expand=4, use_bias=True)
         module = transformers.models.mamba.modeling_mamba if family == "mamba" else (
             transformers.models.falcon_mamba.modeling_falcon_mamba)
-        # (Falcon-Mamba's mixer cannot initialize its own weights: its norms come after; they are set below.)
-        hf = (module.MambaMixer if family == "mamba" else module.FalconMambaMixer)(config, 0,
-                                                                                  initialize_mixer_weights=False)
+        mixer_class = module.MambaMixer if family == "mamba" else module.FalconMambaMixer
+        # transformers 5.23's Falcon-Mamba mixer cannot initialize its own weights (its norms come after); they are
+        # set below. (5.17's has no such option.)
+        skip_init = "initialize_mixer_weights" in inspect.signature(mixer_class).parameters
+        hf = mixer_class(config, 0, **({"initialize_mixer_weights": False} if skip_init else {}))
         settings = (mamba_settings if family == "mamba" else falcon_mamba_settings)(config)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
