@@ -1,6 +1,7 @@
 """Mamba, Falcon-Mamba and Jamba (the Mamba-1 mixer) vs transformers under chunked prefill, preemption and two
 tensor-parallel ranks, prefix caching and LLM.embed refused; the selective scan's chunked and one-step forms against
 each other, and the mixer against transformers' over prompt chunks, decode steps and several sequences at once."""
+import functools
 import inspect
 
 import pytest
@@ -49,11 +50,12 @@ def _scan_inputs(n: int, channels: int = 6, state_size: int = 5, seed: int = 0):
 
 @pytest.mark.parametrize("pieces", [[50], [1, 15, 16, 18], [7] * 7 + [1], [16, 16, 16, 2]])
 @pytest.mark.parametrize("chunk_size", [16, 5, 1])
-def test_chunked_scan_matches_one_step_scan(pieces, chunk_size):
-    """The parallel scan (prefill), over a prompt split anywhere and in chunks of any size, equals the one-step form
-    (decode) token by token."""
-    check_chunked_scan_against_steps(selective_scan, selective_state_update, _scan_inputs(sum(pieces)), pieces,
-                                     chunk_size)
+@pytest.mark.parametrize("parallel", [True, False])
+def test_chunked_scan_matches_one_step_scan(pieces, chunk_size, parallel):
+    """The chunked scan (prefill), parallel (GPUs) or not (CPUs) within chunks of any size, over a prompt split
+    anywhere, equals the one-step form (decode) token by token."""
+    scan = functools.partial(selective_scan, parallel=parallel)
+    check_chunked_scan_against_steps(scan, selective_state_update, _scan_inputs(sum(pieces)), pieces, chunk_size)
 
 
 def _hf_mixer(family: str):

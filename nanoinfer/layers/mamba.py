@@ -1,7 +1,7 @@
 """The Mamba (1) mixer (Mamba, Falcon-Mamba, Jamba): in_proj -> (x, z); a causal conv over x carried in a per-sequence
 conv state; x_proj -> (dt, B, C) (RMS-normed in Falcon-Mamba and Jamba); the selective scan over a per-sequence state
-[intermediate, d_state], a parallel scan within chunks of a prompt and one step at a time for decode; D skip, y *
-silu(z); out_proj. In fp32 it computes what transformers' torch path (modeling_mamba.py) does."""
+[intermediate, d_state], a prompt's chunks at a time (a parallel scan within them on GPUs), one step for decode;
+D skip, y * silu(z); out_proj. In fp32 it computes what transformers' torch path (modeling_mamba.py) does."""
 from dataclasses import dataclass
 
 import torch
@@ -12,33 +12,48 @@ from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import ReplicatedLinear
 from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer
 
-# Tokens per parallel scan: its intermediates are [chunk, intermediate, d_state] (Jamba: 64 x 8192 x 16 fp32, 32 MiB).
-SCAN_CHUNK = 64
+# Tokens per scan chunk, whose intermediates are [chunk, intermediate, d_state] fp32: on CPUs, scanned token by token
+# in chunks that stay in cache (16 x 1536 x 16: 1.5 MiB); on GPUs, by the parallel scan (Jamba: 64 x 8192 x 16, 32 MiB).
+CPU_SCAN_CHUNK, GPU_SCAN_CHUNK = 16, 64
 
 
 def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                   D: torch.Tensor, state: torch.Tensor, chunk_size: int = SCAN_CHUNK
+                   D: torch.Tensor, state: torch.Tensor, chunk_size: int | None = None, parallel: bool | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The n tokens of one sequence: x, dt [n, I] (dt after softplus), A [I, N] (negative), B, C [n, N], D [I],
     state [I, N] before the first token, one float dtype -> (y [n, I] without the gate, the state after the last token).
 
-    h_t = e^(dt_t A) h_(t-1) + dt_t B_t x_t and y_t = h_t C_t + D x_t. Within a chunk every h_t at once by a
-    Hillis-Steele scan over the pairs (decay, input), log2(chunk) steps, products of decays <= 1 only (stable); the
-    state carries from chunk to chunk."""
+    h_t = e^(dt_t A) h_(t-1) + dt_t B_t x_t and y_t = h_t C_t + D x_t: the decays and inputs of a chunk at once, then
+    every h_t of the chunk (see scan_chunk; None: the parallel form and GPU_SCAN_CHUNK on GPUs), then the outputs at
+    once; the state carries from chunk to chunk."""
+    on_gpu = x.device.type != "cpu"
+    chunk_size = chunk_size or (GPU_SCAN_CHUNK if on_gpu else CPU_SCAN_CHUNK)
+    parallel = on_gpu if parallel is None else parallel
     ys = []
     for start in range(0, x.shape[0], chunk_size):
         s = slice(start, start + chunk_size)
         decay = (dt[s, :, None] * A).exp()  # [l, I, N]
         h = dt[s, :, None] * B[s, None, :] * x[s, :, None]  # transformers' (dt B) x
         h[0] += decay[0] * state
-        step = 1
-        while step < h.shape[0]:  # h_t += (decay_t ... decay_(t-step+1)) h_(t-step): sums over 2 * step tokens
-            h[step:] = h[step:] + decay[step:] * h[:-step]
-            decay[step:] = decay[step:] * decay[:-step]
-            step *= 2
+        scan_chunk(decay, h, parallel)
         ys.append((h @ C[s, :, None]).squeeze(-1))
         state = h[-1]
     return torch.cat(ys) + D * x, state
+
+
+def scan_chunk(decay: torch.Tensor, h: torch.Tensor, parallel: bool) -> None:
+    """h_t += decay_t h_(t-1) over the chunk, in place. Parallel: a Hillis-Steele scan over the pairs (decay, input),
+    log2(chunk) steps of a few ops, products of decays <= 1 only (stable): few kernel launches on a GPU. Else one
+    fused op per token, which on CPUs moves less memory (and is faster) than the scan's log2(chunk) passes."""
+    if not parallel:
+        for t in range(1, h.shape[0]):
+            h[t].addcmul_(decay[t], h[t - 1])
+        return
+    step = 1
+    while step < h.shape[0]:  # h_t += (decay_t ... decay_(t-step+1)) h_(t-step): sums over 2 * step tokens
+        h[step:] = h[step:] + decay[step:] * h[:-step]
+        decay[step:] = decay[step:] * decay[:-step]
+        step *= 2
 
 
 def selective_state_update(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
