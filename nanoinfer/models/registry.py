@@ -61,6 +61,12 @@ _MODELS |= {
     "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
     "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
 }
+# State-space models on the Mamba-1 mixer, alone or with attention.
+_MODELS |= {
+    "FalconMambaForCausalLM": ("falcon_mamba", "FalconMambaForCausalLM"),
+    "JambaForCausalLM": ("jamba", "JambaForCausalLM"),
+    "MambaForCausalLM": ("mamba", "MambaForCausalLM"),
+}
 
 # Sequence classification (see classification.py) over the decoder of the causal LM of the same family.
 _CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM" for family in (
