@@ -116,10 +116,11 @@ class CPUAttentionBackend:
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
                 soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [tokens, heads, dim] and this step's k, v [tokens, kv_heads, dim], already stored in the cache
-        -> [tokens, heads * v dim]. With a window, a query at position p sees keys at p - window < position <= p.
-        With soft_cap, each scaled score s becomes soft_cap * tanh(s / soft_cap) before the mask. With sinks
-        [heads], each head's sink logit joins the denominator of its softmax. A V narrower than K is K's prefix (a
-        view of it, the cache's too: Attention's value_prefix_dim)."""
+        -> [tokens, heads * v dim]; without a cached prefix k, v may hold longer contexts, sequence i's from row
+        cu_seqlens_k[i] (MLA's decompressed K/V, never stored). With a window, a query at position p sees keys at
+        p - window < position <= p. With soft_cap, each scaled score s becomes soft_cap * tanh(s / soft_cap) before
+        the mask. With sinks [heads], each head's sink logit joins the denominator of its softmax. A V cache narrower
+        than the K cache is K's prefix (a view of it: Attention's value_prefix_dim)."""
         state: CPUState = meta.backend_state
         if state is not None and state.row_context_lens is not None:
             return _kernel_decode(q, k_cache, v_cache, state.row_block_tables, state.row_context_lens, scale, window,
