@@ -276,3 +276,25 @@ def test_prefill_rows_are_decompressed_and_decode_rows_absorbed(monkeypatch):
     assert calls == {"decompress": [135, 20 + 76], "absorb_query": [1 + 3]}
     layer.step(xs, [(s, start + n, 1) for s, start, n in MIXED])
     assert calls == {"decompress": [135, 96], "absorb_query": [4, 4]}
+
+
+@pytest.mark.parametrize("kind", ["deepseek-v2", "deepseek-v3"])
+def test_prefix_hits_decompress_the_cached_prefix_and_match_hf(kind, model_dir, captured_logits, report_logit_diff,
+                                                              monkeypatch):
+    """The engine's prefix hits with tails long enough to go decompressed (36-40 tokens after 48 cached): the cached
+    latents are read back and decompressed (a step with context slots), and the tokens and logits are
+    transformers'."""
+    d = model_dir(kind)
+    reads = []
+    context_slots = mla._context_slots
+    monkeypatch.setattr(mla, "_context_slots", lambda *args: reads.append(1) or context_slots(*args))
+    shared = random_prompts(1, 5, 440, 48, 48, seed=61)[0]
+    prompts = [shared + tail for tail in random_prompts(3, 5, 440, 36, 40, seed=62)]
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128, max_num_batched_tokens=128) as llm:
+        first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+        second = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 48 for o in second) and reads
+    refs = cached_hf_greedy(d, prompts, MAX_TOKENS)
+    worst = max(check_against_hf(first, refs[:1], captured_logits), check_against_hf(second, refs, captured_logits))
+    report_logit_diff(f"{kind}, prefix hits over decompressed K/V", worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
