@@ -1,19 +1,23 @@
 """DeepSeek-V2/V3 beyond the shared suites (greedy + logits: test_correctness.py; chunked prefill, prefix cache,
 preemption at TP 1 and 2: test_moe.py; the Triton backend: triton_attention_interpreted.py): the routers against
 transformers' own (GLM-4.5's too), the rope layouts, the MTP layers of V3's (and GLM-4.5's) checkpoints, the
-latent cache's size and backends, and the settings refused by name."""
+latent cache's size and backends, MLA's split of a step (prefill over decompressed K/V, decodes absorbed), and
+the settings refused by name."""
 import json
+from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import nanoinfer.layers.attention.mla as mla
 import nanoinfer.layers.fused_moe as fused_moe
 from models import DEEPSEEK_KINDS, cached_hf_greedy, check_against_hf, make_config, random_prompts
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
-from nanoinfer.layers.attention import selector
-from nanoinfer.models.deepseek_v2 import DeepseekV2MoE
+from nanoinfer.layers.attention import AttentionMetadata, get_backend, selector
+from nanoinfer.models.deepseek_v2 import DeepseekV2Attention, DeepseekV2ForCausalLM, DeepseekV2MoE, MLAUpProjection
 from nanoinfer.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
 
 MAX_TOKENS = 16
@@ -168,3 +172,129 @@ def test_latent_cache_goes_to_triton_not_flash_on_cuda(model_dir, monkeypatch):
     with pytest.raises(ValueError, match=r"flash-attn cannot run MLA's latent KV cache \(values a prefix of the "
                                          r"keys, 32 of 40\); use attention_backend='triton'"):
         Config(d, attention_backend="flash")
+
+
+@dataclass
+class MLALayer:
+    """One MLA layer of ours and transformers' with the same random weights, over a paged cache of 16-token blocks
+    (sequence s owns blocks 8s to 8s + 7)."""
+    ours: DeepseekV2Attention
+    hf: torch.nn.Module
+    hf_rope: torch.nn.Module
+
+    @classmethod
+    def build(cls, kind: str, backend: str) -> "MLALayer":
+        from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
+
+        config = make_config(kind)
+        config._attn_implementation = "eager"
+        torch.manual_seed(0)
+        module = v3 if kind == "deepseek-v3" else v2
+        prefix = "DeepseekV3" if kind == "deepseek-v3" else "DeepseekV2"
+        hf = getattr(module, f"{prefix}Attention")(config, layer_idx=0).eval()
+        for name, p in hf.named_parameters():  # unit-scale scores, so that the softmax is far from uniform
+            p.data = 1 + 0.1 * torch.randn_like(p) if "layernorm" in name else 0.25 * torch.randn_like(p)
+        model_class = DeepseekV3ForCausalLM if kind == "deepseek-v3" else DeepseekV2ForCausalLM
+        ours = DeepseekV2Attention(config, model_class.attention_options(config, 0))
+        hf_params = dict(hf.named_parameters())
+        for name, p in ours.named_parameters():
+            p.data.copy_(hf_params[name])
+        ours.kv_b_proj.process_weights_after_loading(1)
+        ours.attn.backend = get_backend(backend, torch.float32)
+        ours.attn.allocate_cache(32, 16, torch.float32, torch.device("cpu"))
+        return cls(ours, hf, getattr(module, f"{prefix}RotaryEmbedding")(config))
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """transformers' causal attention over a whole sequence's hidden states x [len, hidden]."""
+        n = x.shape[0]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        rope = self.hf_rope(x[None], torch.arange(n)[None])
+        return self.hf(hidden_states=x[None], position_embeddings=rope, attention_mask=mask)[0][0]
+
+    def step(self, xs: dict[int, torch.Tensor], spans: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Ours over one step: (sequence, first position, new tokens) per scheduled sequence, its hidden states
+        from xs; the rows of every sequence's new tokens, in order."""
+        tables = torch.tensor([[8 * s + j for j in range(8)] for s, _, _ in spans], dtype=torch.int32)
+        pos = [torch.arange(start, start + n) for _, start, n in spans]
+        slots = torch.cat([tables[i, p // 16].long() * 16 + p % 16 for i, p in enumerate(pos)])
+        new = torch.tensor([n for _, _, n in spans])
+        ctx = torch.tensor([start + n for _, start, n in spans])
+        zero = torch.zeros(1, dtype=torch.int32)
+        meta = AttentionMetadata(slots, tables, ctx.int(), torch.cat([zero, new.cumsum(0).int()]),
+                                 torch.cat([zero, ctx.cumsum(0).int()]), int(new.max()), int(ctx.max()), 16,
+                                 has_cached_prefix=bool((ctx > new).any()))
+        self.ours.attn.backend.prepare(meta)
+        x = torch.cat([xs[s][start:start + n] for s, start, n in spans])
+        return self.ours(torch.cat(pos), x, meta)
+
+
+# A mixed step: sequence 0 a fresh 20-token prompt, 1 a 36-token chunk after 40 cached tokens (decompressed with its
+# prefix), 2 a decode after 50, 3 a 3-token chunk after 45 (absorbed: too short to pay for decompressing 48 keys).
+CACHED = [(1, 0, 40), (2, 0, 50), (3, 0, 45)]
+MIXED = [(0, 0, 20), (1, 40, 36), (2, 50, 1), (3, 45, 3)]
+
+
+def mixed_step_against_hf_and_absorbed(kind: str, backend: str, monkeypatch) -> None:
+    layer = MLALayer.build(kind, backend)
+    torch.manual_seed(1)
+    xs = {s: torch.randn(start + n, layer.ours.o_proj.weight.shape[0]) for s, start, n in MIXED}
+    layer.step(xs, CACHED)
+    ours = layer.step(xs, MIXED)
+    ref = torch.cat([layer.reference(xs[s])[start:] for s, start, _ in MIXED])
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(mla, "decompress_pays", lambda new, prefix, dims: np.zeros(new.shape, bool))
+    absorbed = layer.step(xs, MIXED)
+    torch.testing.assert_close(ours, absorbed, rtol=1e-5, atol=1e-5)
+    assert (ours - absorbed).abs().max() > 0  # two computations, not one twice
+
+
+@pytest.mark.parametrize("kind", ["deepseek-v2", "deepseek-v3"])
+@torch.inference_mode()
+def test_mixed_mla_step_matches_transformers_and_the_absorbed_path(kind, monkeypatch):
+    """A step of a fresh prompt, a chunk after a cached prefix, a decode and a short chunk: the prefill rows over
+    decompressed K/V and the others absorbed give transformers' attention (V2: yarn's mscale in the scale) and what
+    the all-absorbed path gives."""
+    mixed_step_against_hf_and_absorbed(kind, "cpu", monkeypatch)
+
+
+@torch.inference_mode()
+def test_prefill_rows_are_decompressed_and_decode_rows_absorbed(monkeypatch):
+    """Which rows take which path: kv_b_proj decompresses the prefill sequences' contexts (the cached prefix read
+    back from the latent cache) and absorbs only the decode rows' queries; a decode-only step decompresses nothing."""
+    layer = MLALayer.build("deepseek-v3", "cpu")
+    calls = {"decompress": [], "absorb_query": []}
+    for name, rows in calls.items():
+        method = getattr(MLAUpProjection, name)
+        monkeypatch.setattr(MLAUpProjection, name,
+                            lambda self, t, method=method, rows=rows: rows.append(t.shape[0]) or method(self, t))
+    torch.manual_seed(1)
+    xs = {s: torch.randn(start + n + 1, layer.ours.o_proj.weight.shape[0]) for s, start, n in MIXED}
+    layer.step(xs, CACHED)
+    assert calls == {"decompress": [135], "absorb_query": []}
+    layer.step(xs, MIXED)
+    assert calls == {"decompress": [135, 20 + 76], "absorb_query": [1 + 3]}
+    layer.step(xs, [(s, start + n, 1) for s, start, n in MIXED])
+    assert calls == {"decompress": [135, 96], "absorb_query": [4, 4]}
+
+
+@pytest.mark.parametrize("kind", ["deepseek-v2", "deepseek-v3"])
+def test_prefix_hits_decompress_the_cached_prefix_and_match_hf(kind, model_dir, captured_logits, report_logit_diff,
+                                                              monkeypatch):
+    """The engine's prefix hits with tails long enough to go decompressed (36-40 tokens after 48 cached): the cached
+    latents are read back and decompressed (a step with context slots), and the tokens and logits are
+    transformers'."""
+    d = model_dir(kind)
+    reads = []
+    context_slots = mla._context_slots
+    monkeypatch.setattr(mla, "_context_slots", lambda *args: reads.append(1) or context_slots(*args))
+    shared = random_prompts(1, 5, 440, 48, 48, seed=61)[0]
+    prompts = [shared + tail for tail in random_prompts(3, 5, 440, 36, 40, seed=62)]
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128, max_num_batched_tokens=128) as llm:
+        first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+        second = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 48 for o in second) and reads
+    refs = cached_hf_greedy(d, prompts, MAX_TOKENS)
+    worst = max(check_against_hf(first, refs[:1], captured_logits), check_against_hf(second, refs, captured_logits))
+    report_logit_diff(f"{kind}, prefix hits over decompressed K/V", worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"

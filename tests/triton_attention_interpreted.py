@@ -466,6 +466,16 @@ def test_engine_mla_matches_hf(model_dir, captured_logits, report_logit_diff):
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
 
+@torch.inference_mode()
+def test_mixed_mla_step_matches_transformers_and_the_absorbed_path(monkeypatch):
+    """test_deepseek.py's mixed MLA step through the Triton backend: the prefill sequences through the prefill
+    kernel over decompressed, non-paged K/V (values 16 wide, keys 16 + 8, one sequence's context longer than its
+    new tokens), the decode and the short chunk absorbed over the latent cache."""
+    from test_deepseek import mixed_step_against_hf_and_absorbed
+
+    mixed_step_against_hf_and_absorbed("deepseek-v3", "triton", monkeypatch)
+
+
 def test_encoder_pass_matches_hf(llama_dir, report_logit_diff):
     """LLM.embed: non-causal, nothing cached (no slot mapping), keys are this step's k, v."""
     prompts = random_prompts(3, 5, 440, 1, 40, seed=11)

@@ -9,6 +9,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.attention import Attention, AttentionMetadata
+from nanoinfer.layers.attention.mla import MLADims, MLASplit, mla_split
 from nanoinfer.layers.fused_moe import FusedMoE, select_experts_softmax_grouped
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -57,10 +58,11 @@ def softmax_scale(config: PretrainedConfig) -> float:
 
 
 class MLAUpProjection(ColumnParallelLinear):
-    """kv_b_proj, loaded as the checkpoint holds it (each rank its heads' rows), then split into its two halves per
-    head and never run as a linear: W_UK [heads, qk_nope, kv_lora_rank] takes q_nope into the latent space (the
-    keys' up-projection absorbed into the query) and W_UV [heads, kv_lora_rank, v_head_dim] takes each head's
-    attention output over the latents up to its value space: one batched matmul each, over the heads."""
+    """kv_b_proj, loaded as the checkpoint holds it (each rank its heads' rows). Absorbed (decode), its two halves
+    per head: W_UK [heads, qk_nope, kv_lora_rank] takes q_nope into the latent space (the keys' up-projection
+    absorbed into the query) and W_UV [heads, kv_lora_rank, v_head_dim] takes each head's attention output over the
+    latents up to its value space: one batched matmul each, over the heads. Decompressed (prefill), the linear
+    itself: latents -> each head's k_nope and value."""
 
     def __init__(self, kv_lora_rank: int, num_heads: int, nope_dim: int, v_dim: int):
         super().__init__(kv_lora_rank, num_heads * (nope_dim + v_dim))
@@ -69,9 +71,13 @@ class MLAUpProjection(ColumnParallelLinear):
 
     def process_weights_after_loading(self, batch_size_hint: int) -> None:
         w = self.weight.view(-1, self.nope_dim + self.v_dim, self.weight.shape[1])
-        self.w_uk = w[:, :self.nope_dim].contiguous()
+        self.w_uk = w[:, :self.nope_dim]  # a view: bmm reads each head's [qk_nope, kv_lora_rank] rows in place
         self.w_uv = w[:, self.nope_dim:].transpose(1, 2).contiguous()
-        self.weight.data = self.weight.data.new_empty(0)  # w_uk and w_uv are the copies used from now on
+
+    def decompress(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [keys, kv_lora_rank] -> k_nope [keys, heads, qk_nope], v [keys, heads, v_head_dim]."""
+        kv = F.linear(latent, self.weight).view(latent.shape[0], -1, self.nope_dim + self.v_dim)
+        return kv.split([self.nope_dim, self.v_dim], -1)
 
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [tokens, heads, qk_nope] -> [tokens, heads, kv_lora_rank]: q_nope . (W_UK c) = (q_nope W_UK) . c."""
@@ -85,13 +91,16 @@ class MLAUpProjection(ColumnParallelLinear):
 class DeepseekV2Attention(nn.Module):
     """MLA with vLLM's latent KV cache: per token and layer the cache holds only the normalized latent c_kv
     (kv_lora_rank) and the roped key k_pe (qk_rope_head_dim), as ONE KV head that every query head reads (MQA).
-    With kv_b_proj's halves absorbed (MLAUpProjection), head h's score is q_nope . (W_UK[h] c) + q_pe . k_pe =
-    [q_nope W_UK[h], q_pe] . [c, k_pe], its value W_UV[h] c: attention over the cached rows with the latent (each
-    row's first kv_lora_rank entries) as the value, then W_UV per head. Prefill takes this path too: vLLM prefills
-    with the decompressed per-head K/V instead (head dims 192/128 against 576/512 here, ~3x fewer FLOPs where
-    prefill is compute-bound), at the price of a second attention path; this engine keeps one, so chunked prefill
-    and prefix hits read the same cache in the same way. q_b_proj (or q_proj), kv_b_proj are column-parallel over
-    heads, o_proj row-parallel; the latent projections, their norms and so the cache are replicated."""
+    A step splits its sequences as vLLM does (layers/attention/mla.py). Decodes (and short chunks over long cached
+    contexts) attend absorbed: with kv_b_proj's halves absorbed (MLAUpProjection), head h's score is
+    q_nope . (W_UK[h] c) + q_pe . k_pe = [q_nope W_UK[h], q_pe] . [c, k_pe], its value W_UV[h] c: attention over the
+    cached rows with the latent (each row's first kv_lora_rank entries) as the value, then W_UV per head; one
+    576-wide row read per key serves every head, which is what memory-bound decode wants. Prefill attends over
+    decompressed K/V: kv_b_proj(c) gives each key its per-head k_nope and value, the key is [k_nope, k_pe], head dims
+    192/128 against 576/512 (DeepSeek-V3), ~3x fewer FLOPs where prefill is compute-bound; a cached prefix (prefix
+    hit, earlier chunks) is read back from the latent cache and decompressed with the new tokens. q_b_proj (or
+    q_proj), kv_b_proj are column-parallel over heads, o_proj row-parallel; the latent projections, their norms and
+    so the cache are replicated."""
 
     def __init__(self, config: PretrainedConfig, options: AttentionOptions):
         super().__init__()
@@ -116,6 +125,7 @@ class DeepseekV2Attention(nn.Module):
         # The scale of the decompressed scores, which the absorbed ones equal.
         self.attn = Attention(self.num_heads, self.kv_lora_rank + self.rope_dim, softmax_scale(config), 1,
                               value_prefix_dim=self.kv_lora_rank)
+        self.dims = MLADims(self.num_heads, self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim)
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -127,10 +137,45 @@ class DeepseekV2Attention(nn.Module):
         k_rope = k_rope.unsqueeze(1)
         if positions is not None:  # None: an encoder pass (see LLM.embed)
             q_rope, k_rope = self.rotary_emb(positions, q_rope, k_rope)
-        q = torch.cat([self.kv_b_proj.absorb_query(q_nope), q_rope], -1)
         k = torch.cat([self.kv_a_layernorm(latent).unsqueeze(1), k_rope], -1)
-        o = self.attn(q, k, None, meta)
-        return self.o_proj(self.kv_b_proj.up_project_output(o.view(-1, self.num_heads, self.kv_lora_rank)))
+        self.attn.store(k, None, meta)
+        if meta.is_decode:  # the CUDA graphs' path: no split, no host read
+            return self.o_proj(self.absorbed(q_nope, q_rope, k, meta))
+        split = mla_split(meta, self.dims, k.element_size(), self.attn.backend)
+        if split.decompressed is None:
+            return self.o_proj(self.absorbed(q_nope, q_rope, k, meta))
+        o = self.decompressed(q_nope, q_rope, k, split)
+        if split.absorbed is not None:
+            rows = split.absorbed_rows
+            absorbed = self.absorbed(q_nope[rows], q_rope[rows], k[rows], split.absorbed)
+            o = o.new_empty(x.shape[0], o.shape[1]).index_copy_(0, split.decompressed_rows, o).index_copy_(
+                0, rows, absorbed)
+        return self.o_proj(o)
+
+    def absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata
+                 ) -> torch.Tensor:
+        """Attention over the latent cache, queries absorbed into the latent space -> [tokens, heads * v_head_dim]."""
+        q = torch.cat([self.kv_b_proj.absorb_query(q_nope), q_rope], -1)
+        o = self.attn.attend(q, k, None, meta)
+        return self.kv_b_proj.up_project_output(o.view(-1, self.num_heads, self.kv_lora_rank))
+
+    def decompressed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, k: torch.Tensor, split: MLASplit
+                     ) -> torch.Tensor:
+        """Attention of the split's decompressed sequences over their contexts' per-head K/V, decompressed from the
+        latent rows (this step's, or the cache's) -> [their tokens, heads * v_head_dim]. Both backends take a value
+        narrower than the key as is: the CPU's SDPA, and on CUDA the Triton prefill kernel (values of any width up
+        to the keys', non-paged K/V per cu_seqlens_k, bottom-right causal), which also needs no host sync and no
+        per-length plans (cuDNN's SDPA); flash-attn 2 wants equal widths (and never runs MLA here)."""
+        rows = split.decompressed_rows
+        if rows is not None:
+            q_nope, q_rope, k = q_nope[rows], q_rope[rows], k[rows]
+        latent = k[:, 0] if split.context_slots is None else self.attn.k_cache.view(-1, k.shape[-1])[
+            split.context_slots]
+        k_nope, v = self.kv_b_proj.decompress(latent[:, :self.kv_lora_rank])
+        k_pe = latent[:, None, self.kv_lora_rank:].expand(-1, self.num_heads, -1)
+        q, keys = torch.cat([q_nope, q_rope], -1), torch.cat([k_nope, k_pe], -1)
+        return self.attn.backend.forward(q, keys, v, self.attn.k_cache, self.attn.v_cache, split.decompressed,
+                                         self.attn.scale)
 
 
 class DeepseekRouter(nn.Module):

@@ -69,18 +69,28 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, meta: AttentionMetadata
                 ) -> torch.Tensor:
-        q = q.view(-1, self.num_heads, self.head_dim)
+        self.store(k, v, meta)
+        return self.attend(q, k, v, meta)
+
+    def store(self, k: torch.Tensor, v: torch.Tensor | None, meta: AttentionMetadata) -> None:
+        """This step's K/V into the paged cache (K alone with value_prefix_dim)."""
+        # Nothing to store in an encoder pass, nor during the warm-up that sizes the cache on CUDA.
+        if meta.slot_mapping is None or not self.k_cache.numel():
+            return
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.value_prefix_dim:  # V is K's prefix: the backend stores K alone (v None)
-            v, stored_v, stored_v_cache = k[..., :self.value_prefix_dim], None, None
+            self.backend.store_kvcache(k, None, self.k_cache, None, meta.slot_mapping)
         else:
-            v = stored_v = v.view(-1, self.num_kv_heads, self.head_dim)
-            stored_v_cache = self.v_cache
-        # Nothing to store in an encoder pass, nor during the warm-up that sizes the cache on CUDA.
-        if meta.slot_mapping is not None and self.k_cache.numel():
-            self.backend.store_kvcache(k, stored_v, self.k_cache, stored_v_cache, meta.slot_mapping)
+            self.backend.store_kvcache(k, v.view(-1, self.num_kv_heads, self.head_dim), self.k_cache, self.v_cache,
+                                       meta.slot_mapping)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, meta: AttentionMetadata
+               ) -> torch.Tensor:
+        """Attention over the cache as `meta` describes it, this step's K/V stored already."""
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = k[..., :self.value_prefix_dim] if self.value_prefix_dim else v.view(-1, self.num_kv_heads, self.head_dim)
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
                                     self.logits_soft_cap, self.sinks)
-
 
 __all__ = ["Attention", "AttentionMetadata", "get_backend"]

@@ -27,8 +27,8 @@ KERNEL_MAX_QUERY_ROWS = 8
 
 @dataclass
 class CPUState:
-    # Prefill: each sequence's rows of q and its context length.
-    spans: list[tuple[int, int, int]]
+    # Prefill: each sequence's rows of q, its context length and its first row of k/v (without a cached prefix).
+    spans: list[tuple[int, int, int, int]]
     # Decode without the kernel: blocks to gather (padding -> block 0) and which gathered keys are real.
     block_index: torch.Tensor | None = None
     mask: torch.Tensor | None = None  # [num_seqs, 1, 1, num_key_slots] bool
@@ -100,8 +100,8 @@ class CPUAttentionBackend:
                 and meta.max_seqlen_q <= KERNEL_MAX_QUERY_ROWS):
             meta.backend_state = _query_rows_as_decodes(meta)
             return
-        cu, ctx = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist()
-        meta.backend_state = CPUState([(cu[i], cu[i + 1], ctx[i]) for i in range(meta.num_seqs)])
+        cu, ctx, cu_k = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist(), meta.cu_seqlens_k.tolist()
+        meta.backend_state = CPUState([(cu[i], cu[i + 1], ctx[i], cu_k[i]) for i in range(meta.num_seqs)])
 
     def store_kvcache(self, k: torch.Tensor, v: torch.Tensor | None, k_cache: torch.Tensor,
                       v_cache: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
@@ -116,10 +116,11 @@ class CPUAttentionBackend:
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
                 soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [tokens, heads, dim] and this step's k, v [tokens, kv_heads, dim], already stored in the cache
-        -> [tokens, heads * v dim]. With a window, a query at position p sees keys at p - window < position <= p.
-        With soft_cap, each scaled score s becomes soft_cap * tanh(s / soft_cap) before the mask. With sinks
-        [heads], each head's sink logit joins the denominator of its softmax. A V narrower than K is K's prefix (a
-        view of it, the cache's too: Attention's value_prefix_dim)."""
+        -> [tokens, heads * v dim]; without a cached prefix k, v may hold longer contexts, sequence i's from row
+        cu_seqlens_k[i] (MLA's decompressed K/V, never stored). With a window, a query at position p sees keys at
+        p - window < position <= p. With soft_cap, each scaled score s becomes soft_cap * tanh(s / soft_cap) before
+        the mask. With sinks [heads], each head's sink logit joins the denominator of its softmax. A V cache narrower
+        than the K cache is K's prefix (a view of it: Attention's value_prefix_dim)."""
         state: CPUState = meta.backend_state
         if state is not None and state.row_context_lens is not None:
             return _kernel_decode(q, k_cache, v_cache, state.row_block_tables, state.row_context_lens, scale, window,
@@ -151,11 +152,13 @@ class CPUAttentionBackend:
                  soft_cap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
         # This step's v may be None where every sequence attends over the cache alone.
         out = q.new_empty(q.shape[0], q.shape[1] * (v_cache if v is None else v).shape[-1])
-        for i, (start, end, ctx) in enumerate(meta.backend_state.spans):
+        for i, (start, end, ctx, k_start) in enumerate(meta.backend_state.spans):
             n = end - start
             # Query j sits at position ctx - n + j; the earliest key any of them sees is first.
             first = 0 if window is None else max(0, ctx - n - window + 1)
-            if ctx == n:  # no cached prefix: this step's keys are the whole context
+            if not meta.has_cached_prefix:  # k, v hold every context (MLA's decompressed ones may exceed the step's)
+                ks, vs = k[k_start + first:k_start + ctx], v[k_start + first:k_start + ctx]
+            elif ctx == n:  # no cached prefix: this step's keys are the whole context
                 ks, vs = k[start:end], v[start:end]
             else:
                 blocks = meta.block_tables[i, first // meta.block_size:-(-ctx // meta.block_size)]

@@ -21,6 +21,7 @@ class AttentionMetadata:
     # [num_seqs] int64: each sequence's recurrent-state slot; only for models with linear-attention layers.
     state_slots: torch.Tensor | None = None
     backend_state: Any = None  # whatever the chosen backend derives from the above, once per step
+    model_state: Any = None  # whatever the model's layers derive from the above, once per step (MLA's split: mla.py)
 
     @property
     def num_seqs(self) -> int:
