@@ -1,7 +1,7 @@
-"""Mixture-of-experts SwiGLU (or non-gated) MLPs: top-k softmax routing (or DeepSeek's group-limited and sigmoid routings), then
+"""Mixture-of-experts SwiGLU MLPs: top-k softmax routing (or DeepSeek's group-limited and sigmoid routings), then
 every expert at once as two grouped matmuls over the token-expert pairs sorted by expert (FusedMoE; SparseMoeBlock
-puts the router in front), optionally with biases and GPT-OSS's clamped SwiGLU. Each rank holds a slice of every
-expert's intermediate dimension."""
+puts the router in front), optionally with biases and GPT-OSS's clamped SwiGLU, or without a gate (NemotronH's
+relu^2). Each rank holds a slice of every expert's intermediate dimension."""
 import re
 from collections.abc import Callable
 
