@@ -523,7 +523,6 @@ def main() -> None:
           f"peak (best of F.linear and oneDNN-packed) M=64 {peak[64]:.1f}, M=256 {peak[256]:.1f} GFLOP/s")
 
     ours = run_ours(llm, prompts, out_lens, linear_params, head_params)
-    llm.close()  # stops the workers and gives this process its threads back
     pre, dec, wall = ours["steps"]["prefill"], ours["steps"]["decode"], ours["wall"]
     gflops = (pre["gflop"] + dec["gflop"]) / wall
     print(f"nanoinfer: {wall:.2f}s | output {num_output / wall:.1f} tok/s | "
@@ -548,6 +547,7 @@ def main() -> None:
               f"{d['small_ops_ms']:.1f} + rest {d['rest_ms']:.1f} (sampling, inputs, Python, profiler) | "
               f"{d['ratio']:.2f}x its matmuls | unprofiled step (median) {d['plain_step_ms']:.1f} ms, "
               f"{d['plain_step_ms'] / d['matmul_ms']:.2f}x")
+    llm.close()  # stops the workers and gives this process its threads back, before transformers runs
 
     if args.compare_hf:
         bs = args.hf_batch_size or len(prompts)

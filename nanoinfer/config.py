@@ -76,21 +76,23 @@ class Config:
         self.torch_dtype = self._resolve_dtype()
         if self.kvcache_block_size is None:
             self.kvcache_block_size = DEFAULT_BLOCK_SIZE[self.attention_backend]
-        limit = self.hf_config.max_position_embeddings
+        limit = getattr(self.hf_config, "max_position_embeddings", None)  # None: no positions (Mamba), no limit
         if self.max_model_len is None:
-            self.max_model_len = min(limit, 4096)
+            self.max_model_len = 4096 if limit is None else min(limit, 4096)
         _positive("max_model_len", self.max_model_len)
-        if self.max_model_len > limit:
+        if limit is not None and self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_model_len)
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
             _positive(name, getattr(self, name))
         hf = self.hf_config
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        if latent_dim is not None:  # head_dim is the rope part there
-            head_dim = latent_dim + hf.qk_rope_head_dim
-        check_backend_limits(self.attention_backend, self.kvcache_block_size, self.torch_dtype, head_dim, latent_dim)
+        if getattr(hf, "num_attention_heads", None) is not None:  # attention-free models (Mamba) have none
+            head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+            if latent_dim is not None:  # head_dim is the rope part there
+                head_dim = latent_dim + hf.qk_rope_head_dim
+            check_backend_limits(self.attention_backend, self.kvcache_block_size, self.torch_dtype, head_dim,
+                                 latent_dim)
         if not isinstance(self.enforce_eager, bool):
             raise TypeError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         utilization = self.gpu_memory_utilization
@@ -137,7 +139,7 @@ class Config:
     def _check_shardable(self) -> None:
         """Each rank holds whole heads and an equal share of the MLP; fewer KV heads than ranks are replicated."""
         tp, cfg = self.tensor_parallel_size, self.hf_config
-        heads = cfg.num_attention_heads
+        heads = getattr(cfg, "num_attention_heads", None) or tp  # attention-free models (Mamba): no heads to split
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         # GPT-2's config names the MLP's width n_inner (None: 4 x hidden).
         mlp_size = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size

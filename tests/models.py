@@ -18,6 +18,7 @@ Public API (used by conftest.py and the engine tests):
 
 from __future__ import annotations
 
+import inspect
 import json
 import pathlib
 import random
@@ -183,6 +184,11 @@ EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_K
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
                   "ernie4.5-moe", "hunyuan-moe") + LAYERNORM_KINDS + DEEPSEEK_KINDS
                + DENSE_KINDS + ("gpt-oss",))
+# Mamba-1 mixers (see mamba1_config): Mamba (projection biases, tied), Falcon-Mamba (weightless dt/B/C norms, untied),
+# Jamba (dt/B/C norms with weights; attention without rope on layer 2; 2 of 4 experts on layers 1 and 3, dense MLPs
+# on 0 and 2).
+MAMBA1_KINDS = ("mamba", "falcon-mamba", "jamba")
+EXTRA_KINDS += MAMBA1_KINDS
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "gemma2": 11, "phi3": 24,
                   "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13, "exaone4": 10,
@@ -236,6 +242,9 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "hunyuan-moe": 6680, "gpt-oss": 9024}
 _SEEDS |= {"lfm2": 7791, "bamba": 8802, "granitemoehybrid": 9913, "granitemoehybrid-dense": 1124}
 _SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457}
+# Jamba's seed: on the test prompts its routers' 2nd and 3rd experts stay > 1e-4 apart (a near-tie flips the choice
+# on rounding, and that token's logits move by ~0.5).
+_SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
 
 
 def _token_ids():
@@ -373,6 +382,8 @@ def make_config(kind: str):
         )
     if kind in QWEN3_NEXT_KINDS:
         return qwen3_next_config(kind, special)
+    if kind in MAMBA1_KINDS:
+        return mamba1_config(kind, special)
     if kind == "gemma":
         return GemmaConfig(
             **{k: v for k, v in _COMMON.items() if k != "hidden_act"},
@@ -811,6 +822,36 @@ def _randomize_mamba_(model, seed: int) -> None:
                 p.copy_(-2.0 + 0.5 * torch.randn(p.shape, generator=g))
 
 
+def mamba1_config(kind: str, special: dict):
+    from transformers import FalconMambaConfig, JambaConfig, MambaConfig
+
+    # 128 channels (expand 2), 8 states per channel, dt of rank 8.
+    common = dict(**special, vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, initializer_range=INIT_STD, hidden_act="silu")
+    mamba = dict(num_hidden_layers=3, state_size=8, expand=2, conv_kernel=4, time_step_rank=8, use_conv_bias=True,
+                 layer_norm_epsilon=1e-5, residual_in_fp32=True)
+    if kind == "mamba":
+        return MambaConfig(**common, **mamba, use_bias=True, tie_word_embeddings=True)
+    if kind == "falcon-mamba":
+        return FalconMambaConfig(**common, **mamba, use_bias=False, mixer_rms_eps=1e-6, tie_word_embeddings=False)
+    return JambaConfig(**common, num_hidden_layers=4, intermediate_size=64, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, attn_layer_period=4,
+                       attn_layer_offset=2, num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
+                       expert_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8,
+                       mamba_conv_bias=True, mamba_proj_bias=False, tie_word_embeddings=False)
+
+
+def _randomize_mamba1_(model, seed: int) -> None:
+    """Decays from slow to fast over the states (A = -0.01 .. -1) and small steps (dt_proj's bias near -2): the state
+    carries far, across scan chunks and prefill chunks."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith(".A_log"):
+                p.copy_(torch.linspace(0.01, 1.0, p.numel()).log().view_as(p))
+            elif name.endswith(".dt_proj.bias"):
+                p.copy_(-2.0 + 0.5 * torch.randn(p.shape, generator=g))
+
+
 def deepseek_config(kind: str, special: dict):
     from transformers import DeepseekV2Config, DeepseekV3Config
 
@@ -895,6 +936,8 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
         _sharpen_gpt_oss_(model, _SEEDS[base_kind])
     if kind in SSM_KINDS + MAMBA2_HYBRID_KINDS:
         _randomize_mamba_(model, _SEEDS[base_kind])
+    if kind in MAMBA1_KINDS:
+        _randomize_mamba1_(model, _SEEDS[base_kind])
     g = torch.Generator().manual_seed(_SEEDS[base_kind] + 2)
     for name, buffer in model.named_buffers():  # a buffer, saved with the weights: V3's routing bias
         if name.endswith("e_score_correction_bias"):
@@ -979,14 +1022,17 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
 
     model = model_dir if isinstance(model_dir, torch.nn.Module) else load_hf_model(model_dir)
     device = model.device
+    # Mamba's models (transformers' modeling_mamba.py, falcon_mamba) name their cache `cache_params` and build it
+    # themselves on the first call (a MambaCache in older transformers, which then needs cache_position).
+    cache_kw = "cache_params" if "cache_params" in inspect.signature(model.forward).parameters else "past_key_values"
     results = []
     for prompt in prompts_token_ids:
         prompt = [int(t) for t in prompt]
         assert len(prompt) > 0, "empty prompt"
-        cache = DynamicCache(config=model.config)
+        cache = DynamicCache(config=model.config) if cache_kw == "past_key_values" else None
         input_ids = torch.tensor([prompt], dtype=torch.long, device=device)
-        out = model(input_ids=input_ids, past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = model(input_ids=input_ids, **{cache_kw: cache}, use_cache=True)
+        cache = getattr(out, cache_kw)
         step_logits = out.logits[0, -1].float().to("cpu", copy=True)
         prefill_logits = step_logits.clone()
         tokens: list[int] = []
@@ -1000,12 +1046,12 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
             pos = len(prompt) + i
             out = model(
                 input_ids=torch.tensor([[nxt]], dtype=torch.long, device=device),
-                past_key_values=cache,
+                **{cache_kw: cache},
                 use_cache=True,
                 position_ids=torch.tensor([[pos]], dtype=torch.long, device=device),
                 cache_position=torch.tensor([pos], dtype=torch.long, device=device),
             )
-            cache = out.past_key_values
+            cache = getattr(out, cache_kw)
             step_logits = out.logits[0, -1].float().to("cpu", copy=True)
         logits = (
             torch.stack(all_logits)

@@ -62,14 +62,21 @@ def _scan_inputs(n: int, heads: int = 4, groups: int = 2, head_dim: int = 3, sta
 @pytest.mark.parametrize("chunk_size", [16, 5])
 def test_chunked_scan_matches_one_step_scan(pieces, chunk_size):
     """The chunked form (prefill), over a prompt split anywhere, equals the one-step form (decode) token by token."""
-    x, dt, A, B, C, D, state = _scan_inputs(sum(pieces))
+    check_chunked_scan_against_steps(ssd_chunk_scan, ssd_step, _scan_inputs(sum(pieces)), pieces, chunk_size)
+
+
+def check_chunked_scan_against_steps(chunked, step, inputs: tuple[torch.Tensor, ...], pieces: list[int],
+                                     chunk_size: int) -> None:
+    """chunked(x, dt, A, B, C, D, state, chunk_size) -> (y, state), over the tokens of `inputs` split into `pieces`,
+    equals step(x, dt, A, B, C, D, states) (states updated in place) token by token."""
+    x, dt, A, B, C, D, state = inputs
     expected_state, expected = state.clone()[None], []
     for t in range(x.shape[0]):
-        expected.append(ssd_step(x[t:t + 1], dt[t:t + 1], A, B[t:t + 1], C[t:t + 1], D, expected_state))
+        expected.append(step(x[t:t + 1], dt[t:t + 1], A, B[t:t + 1], C[t:t + 1], D, expected_state))
     out, start = [], 0
     for n in pieces:
         s = slice(start, start + n)
-        y, state = ssd_chunk_scan(x[s], dt[s], A, B[s], C[s], D, state, chunk_size)
+        y, state = chunked(x[s], dt[s], A, B[s], C[s], D, state, chunk_size)
         out.append(y)
         start += n
     torch.testing.assert_close(torch.cat(out), torch.cat(expected), rtol=0, atol=1e-10)
@@ -141,21 +148,32 @@ def test_mixer_matches_transformers_over_chunks_steps_and_sequences(mixers):
     hf, ours, config = mixers
     g = torch.Generator().manual_seed(1)
     x = [torch.randn(n, 32, generator=g) for n in (23, 19, 6)]
-    steps = [[23, 7, 1], [0, 5, 1], [0, 1, 1], [0, 4, 1], [0, 1, 1], [0, 1, 1]]  # tokens per sequence per step
     expected = []
     for i, seq in enumerate(x):
         cache = DynamicCache(config=config)
-        pieces = [n for n in (step[i] for step in steps) if n]
+        pieces = [n for n in (step[i] for step in step_schedule(23)) if n]
         expected.append(torch.cat([hf(piece[None], cache_params=cache)[0] for piece in seq.split(pieces)]))
+    for got, want in zip(run_in_steps(ours, x, first_prefill=23), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def step_schedule(first_prefill: int) -> list[list[int]]:
+    """Tokens per sequence per step of run_in_steps."""
+    return [[first_prefill, 7, 1], [0, 5, 1], [0, 1, 1], [0, 4, 1], [0, 1, 1], [0, 1, 1]]
+
+
+def run_in_steps(mixer, x: list[torch.Tensor], first_prefill: int) -> list[torch.Tensor]:
+    """The mixer's outputs over three sequences x (in slots 3, 0, 2) in the same steps: the first prefilled whole
+    (first_prefill tokens), the second in prompt chunks then decode steps, the third decoded from its first token."""
+    steps = step_schedule(first_prefill)
     done, out = [0, 0, 0], [[], [], []]
     for counts in steps:
         live = [i for i in range(3) if counts[i]]
         rows = torch.cat([x[i][done[i]:done[i] + counts[i]] for i in live])
         meta = _metadata([counts[i] for i in live], [done[i] + counts[i] for i in live], [[3, 0, 2][i] for i in live])
-        y = ours(rows, RecurrentBatch.from_metadata(meta)).split([counts[i] for i in live])
+        y = mixer(rows, RecurrentBatch.from_metadata(meta)).split([counts[i] for i in live])
         for i, part in zip(live, y):
             out[i].append(part)
             done[i] += counts[i]
-    assert done == [23, 19, 6]
-    for got, want in zip(out, expected):
-        torch.testing.assert_close(torch.cat(got), want, rtol=0, atol=1e-5)
+    assert done == [len(seq) for seq in x]
+    return [torch.cat(parts) for parts in out]

@@ -205,6 +205,8 @@ class ModelRunner:
         num_blocks = self.config.num_kvcache_blocks
         if num_blocks is None and not self.generates:  # the pooling passes never touch the cache
             num_blocks = -(-self.config.max_model_len // self.block_size)
+        if num_blocks is None and not layers:  # attention-free (Mamba): blocks only count tokens, in no memory
+            num_blocks = -(-self.config.max_num_seqs * self.config.max_model_len // self.block_size)
         if self.device.type == "cuda":
             if num_blocks is None:
                 num_blocks = self.tp.all_min(profile_kv_cache_blocks(

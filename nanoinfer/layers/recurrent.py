@@ -1,6 +1,7 @@
 """Per-sequence recurrent state in slots (Gated DeltaNet, Mamba2, short convolutions): the base of the layers that
 keep it, where each sequence of a step finds its slot, and the causal depthwise conv they all start with."""
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -92,4 +93,19 @@ class RecurrentLayer(nn.Module):
         for start, end, slot in batch.spans:
             out[start:end], self.conv_state[slot] = causal_conv1d(x[start:end], self.conv_state[slot], weight, bias,
                                                                   silu)
+        return out
+
+    def scan(self, batch: RecurrentBatch, step: Callable[..., torch.Tensor],
+             sequence: Callable[..., tuple[torch.Tensor, torch.Tensor]], *inputs: torch.Tensor) -> torch.Tensor:
+        """A recurrence over each sequence's tokens carried on from its ssm_state (updated). inputs [tokens, ...];
+        step(*their rows, state [S, ...]) -> outputs, for the sequences computing one token, all at once, the state
+        updated in place; sequence(*its rows, state) -> (outputs, the new state), for each other one."""
+        out = torch.empty_like(inputs[0])
+        if batch.single_rows.numel():
+            rows, slots = batch.single_rows, batch.single_slots
+            state = self.ssm_state[slots]
+            out[rows] = step(*(t[rows] for t in inputs), state)
+            self.ssm_state[slots] = state
+        for start, end, slot in batch.spans:
+            out[start:end], self.ssm_state[slot] = sequence(*(t[start:end] for t in inputs), self.ssm_state[slot])
         return out

@@ -19,10 +19,11 @@ LayerFactory = Callable[[PretrainedConfig, int], nn.Module]
 
 
 class HybridDecoderLayer(nn.Module):
-    """Pre-norm: x + mixer(norm(x)), then + mlp(norm(.)); each sublayer's output times residual_multiplier (Granite's;
-    None: 1). zero_centered: norms scaling by 1 + weight (Qwen3-Next's)."""
+    """Pre-norm: x + mixer(norm(x)), then + mlp(norm(.)) (mlp None: no second sublayer, no second norm); each
+    sublayer's output times residual_multiplier (Granite's; None: 1). zero_centered: norms scaling by 1 + weight
+    (Qwen3-Next's)."""
 
-    def __init__(self, config: PretrainedConfig, mixer: nn.Module, is_attention_layer: bool, mlp: nn.Module,
+    def __init__(self, config: PretrainedConfig, mixer: nn.Module, is_attention_layer: bool, mlp: nn.Module | None,
                  eps: float, residual_multiplier: float | None = None, zero_centered: bool = False):
         super().__init__()
         self.is_attention_layer = is_attention_layer
@@ -32,7 +33,8 @@ class HybridDecoderLayer(nn.Module):
             self.mixer = mixer
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, eps, zero_centered)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero_centered)
+        if mlp is not None:
+            self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero_centered)
         self.residual_multiplier = residual_multiplier
 
     def scaled(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,6 +52,8 @@ class HybridDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.mix(positions, x, meta, batch)
+        if self.mlp is None:
+            return self.scaled(x), residual
         # The next norm adds its input to the residual stream: scaled first, as transformers' `residual + h * m`.
         x, residual = self.post_attention_layernorm(self.scaled(x), residual)
         return self.scaled(self.mlp(x)), residual

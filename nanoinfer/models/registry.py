@@ -63,6 +63,12 @@ _MODELS |= {
     "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
     "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
 }
+# State-space models on the Mamba-1 mixer, alone or with attention.
+_MODELS |= {
+    "FalconMambaForCausalLM": ("falcon_mamba", "FalconMambaForCausalLM"),
+    "JambaForCausalLM": ("jamba", "JambaForCausalLM"),
+    "MambaForCausalLM": ("mamba", "MambaForCausalLM"),
+}
 
 # Sequence classification (see classification.py) over the decoder of the causal LM of the same family.
 _CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM" for family in (

@@ -1,0 +1,130 @@
+"""The Mamba (1) mixer (Mamba, Falcon-Mamba, Jamba): in_proj -> (x, z); a causal conv over x carried in a per-sequence
+conv state; x_proj -> (dt, B, C) (RMS-normed in Falcon-Mamba and Jamba); the selective scan over a per-sequence state
+[intermediate, d_state], a prompt's chunks at a time (a parallel scan within them on GPUs), one step for decode;
+D skip, y * silu(z); out_proj. In fp32 it computes what transformers' torch path (modeling_mamba.py) does."""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoinfer.layers.layernorm import RMSNorm
+from nanoinfer.layers.linear import ReplicatedLinear
+from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer
+
+# Tokens per scan chunk, whose intermediates are [chunk, intermediate, d_state] fp32: on CPUs, scanned token by token
+# in chunks that stay in cache (16 x 1536 x 16: 1.5 MiB); on GPUs, by the parallel scan (Jamba: 64 x 8192 x 16, 32 MiB).
+CPU_SCAN_CHUNK, GPU_SCAN_CHUNK = 16, 64
+
+
+def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                   D: torch.Tensor, state: torch.Tensor, chunk_size: int | None = None, parallel: bool | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n tokens of one sequence: x, dt [n, I] (dt after softplus), A [I, N] (negative), B, C [n, N], D [I],
+    state [I, N] before the first token, one float dtype -> (y [n, I] without the gate, the state after the last token).
+
+    h_t = e^(dt_t A) h_(t-1) + dt_t B_t x_t and y_t = h_t C_t + D x_t: the decays and inputs of a chunk at once, then
+    every h_t of the chunk (see scan_chunk; None: the parallel form and GPU_SCAN_CHUNK on GPUs), then the outputs at
+    once; the state carries from chunk to chunk."""
+    on_gpu = x.device.type != "cpu"
+    chunk_size = chunk_size or (GPU_SCAN_CHUNK if on_gpu else CPU_SCAN_CHUNK)
+    parallel = on_gpu if parallel is None else parallel
+    ys = []
+    for start in range(0, x.shape[0], chunk_size):
+        s = slice(start, start + chunk_size)
+        decay = (dt[s, :, None] * A).exp()  # [l, I, N]
+        h = dt[s, :, None] * B[s, None, :] * x[s, :, None]  # transformers' (dt B) x
+        h[0] += decay[0] * state
+        scan_chunk(decay, h, parallel)
+        ys.append((h @ C[s, :, None]).squeeze(-1))
+        state = h[-1]
+    return torch.cat(ys) + D * x, state
+
+
+def scan_chunk(decay: torch.Tensor, h: torch.Tensor, parallel: bool) -> None:
+    """h_t += decay_t h_(t-1) over the chunk, in place. Parallel: a Hillis-Steele scan over the pairs (decay, input),
+    log2(chunk) steps of a few ops, products of decays <= 1 only (stable): few kernel launches on a GPU. Else one
+    fused op per token, which on CPUs moves less memory (and is faster) than the scan's log2(chunk) passes."""
+    if not parallel:
+        for t in range(1, h.shape[0]):
+            h[t].addcmul_(decay[t], h[t - 1])
+        return
+    step = 1
+    while step < h.shape[0]:  # h_t += (decay_t ... decay_(t-step+1)) h_(t-step): sums over 2 * step tokens
+        h[step:] = h[step:] + decay[step:] * h[:-step]
+        decay[step:] = decay[step:] * decay[:-step]
+        step *= 2
+
+
+def selective_state_update(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                           D: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """One token of each of S sequences: x, dt [S, I], B, C [S, N], state [S, I, N] (updated in place) -> y [S, I]."""
+    state.mul_((dt[..., None] * A).exp()).add_(dt[..., None] * B[:, None, :] * x[..., None])
+    return (state @ C[..., None]).squeeze(-1) + D * x
+
+
+class WeightlessRMSNorm(RMSNorm):
+    """Falcon-Mamba's norms of dt, B and C: x / rms(x), no weight in the checkpoint (a buffer of ones here)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__(hidden_size, eps)
+        del self.weight
+        self.register_buffer("weight", torch.ones(hidden_size), persistent=False)
+
+
+@dataclass(frozen=True)
+class MambaSettings:
+    """A family's Mamba-1 mixer settings, from its own config names."""
+    hidden_size: int
+    intermediate_size: int
+    state_size: int
+    conv_kernel: int
+    time_step_rank: int
+    conv_bias: bool
+    proj_bias: bool
+    hidden_act: str
+    dt_bc_norm_eps: float | None = None  # RMS norms on dt, B and C (Falcon-Mamba, Jamba); None: none (Mamba)
+    dt_bc_norm_weights: bool = True  # Jamba's have weights; Falcon-Mamba's not
+
+
+class MambaMixer(RecurrentLayer):
+    """The mixer of one layer. Its projections are replicated, not sharded: under tensor parallelism every rank
+    computes the whole layer with its own state (correct, not yet faster)."""
+
+    def __init__(self, s: MambaSettings):
+        if s.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {s.hidden_act!r} for the Mamba conv; only 'silu' is implemented")
+        super().__init__(s.conv_kernel, s.intermediate_size, (s.intermediate_size, s.state_size))
+        self.intermediate_size, self.state_size, self.time_step_rank = (s.intermediate_size, s.state_size,
+                                                                        s.time_step_rank)
+        self.in_proj = ReplicatedLinear(s.hidden_size, 2 * s.intermediate_size, s.proj_bias)
+        self.conv1d = nn.Conv1d(s.intermediate_size, s.intermediate_size, s.conv_kernel, bias=s.conv_bias,
+                                groups=s.intermediate_size)  # a weight holder: the conv runs in causal_conv
+        self.conv1d.requires_grad_(False)
+        self.x_proj = ReplicatedLinear(s.intermediate_size, s.time_step_rank + 2 * s.state_size)
+        # A weight holder: transformers adds its bias after the matmul, in fp32.
+        self.dt_proj = nn.Linear(s.time_step_rank, s.intermediate_size).requires_grad_(False)
+        self.A_log = nn.Parameter(torch.empty(s.intermediate_size, s.state_size), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(s.intermediate_size), requires_grad=False)
+        self.out_proj = ReplicatedLinear(s.intermediate_size, s.hidden_size, s.proj_bias)
+        self.dt_layernorm = self.b_layernorm = self.c_layernorm = None
+        if s.dt_bc_norm_eps is not None:
+            norm = RMSNorm if s.dt_bc_norm_weights else WeightlessRMSNorm
+            self.dt_layernorm = norm(s.time_step_rank, s.dt_bc_norm_eps)
+            self.b_layernorm = norm(s.state_size, s.dt_bc_norm_eps)
+            self.c_layernorm = norm(s.state_size, s.dt_bc_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
+        self.reset_fresh_slots(batch)
+        x, z = self.in_proj(hidden_states).chunk(2, -1)
+        x = self.causal_conv(x, self.conv1d.weight.squeeze(1), batch, self.conv1d.bias)
+        time_step, B, C = self.x_proj(x).split([self.time_step_rank, self.state_size, self.state_size], -1)
+        if self.dt_layernorm is not None:
+            time_step, B, C = self.dt_layernorm(time_step), self.b_layernorm(B), self.c_layernorm(C)
+        dtype = self.ssm_state.dtype
+        dt = F.softplus(F.linear(time_step, self.dt_proj.weight).to(dtype) + self.dt_proj.bias.to(dtype))
+        A, D = -self.A_log.to(dtype).exp(), self.D.to(dtype)
+        y = self.scan(batch, lambda x, dt, B, C, state: selective_state_update(x, dt, A, B, C, D, state),
+                      lambda x, dt, B, C, state: selective_scan(x, dt, A, B, C, D, state),
+                      x.to(dtype), dt, B.to(dtype), C.to(dtype))
+        return self.out_proj((y * F.silu(z.to(dtype))).to(hidden_states.dtype))

@@ -1,0 +1,31 @@
+"""Mamba (`MambaForCausalLM`, state-spaces/mamba-*-hf): every layer a norm, the Mamba-1 mixer and the residual add,
+no MLP. `residual_in_fp32` changes nothing in fp32; in 16-bit dtypes the residual stream stays in the model's dtype."""
+from torch import nn
+from transformers import PretrainedConfig
+
+from nanoinfer.layers.mamba import MambaMixer, MambaSettings
+from nanoinfer.models.hybrid import HybridDecoderLayer, HybridForCausalLM
+
+
+def mamba_settings(config: PretrainedConfig) -> MambaSettings:
+    return MambaSettings(config.hidden_size, config.intermediate_size, config.state_size, config.conv_kernel,
+                         int(config.time_step_rank), config.use_conv_bias, config.use_bias, config.hidden_act)
+
+
+class MambaForCausalLM(HybridForCausalLM):
+    weight_name_substitutions = {
+        ".norm.": ".input_layernorm.",  # the layers' (the final one is norm_f)
+        "backbone.embeddings.": "model.embed_tokens.",
+        "backbone.embedding.": "model.embed_tokens.",  # older checkpoints' name (transformers renames it too)
+        "backbone.norm_f.": "model.norm.",
+        "backbone.": "model.",
+    }
+
+    def settings(self, config: PretrainedConfig) -> MambaSettings:
+        return mamba_settings(config)
+
+    def make_layer(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        return HybridDecoderLayer(config, MambaMixer(self.settings(config)), False, None, config.layer_norm_epsilon)
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__(config, config.layer_norm_epsilon)

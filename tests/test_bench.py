@@ -1,0 +1,33 @@
+"""bench.py's code paths at toy size (timings are not checked: speed claims live in its output, not in tests)."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run_bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_cpu_bench_profiles_and_compares_with_transformers(qwen3_dir, tmp_path):
+    # --profile decodes 82 more tokens per prompt after the timed run: max_model_len (input + output) must hold them.
+    out = tmp_path / "bench.json"
+    run_bench("--model", str(qwen3_dir), "--device", "cpu", "--num-seqs", "3", "--min-input", "8",
+              "--max-input", "24", "--output-len", "90", "--profile", "--compare-hf", "--json", str(out))
+    result = json.loads(out.read_text())
+    assert result["output_tokens"] == 270 and result["nanoinfer"]["wall_s"] > 0
+    profile = result["decode_profile"]
+    assert profile["batch"] == 3 and profile["matmul_ms"] > 0 and profile["attention_ms"] > 0
+    assert result["hf"]["identical_outputs"] == 3
+
+
+def test_cuda_bench_code_runs_at_toy_size_on_cpu():
+    proc = run_bench("--dry-run", "--device", "cpu")
+    assert "nano-vllm workload" in proc.stdout and "output tok/s" in proc.stdout

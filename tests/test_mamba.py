@@ -1,0 +1,111 @@
+"""Mamba, Falcon-Mamba and Jamba (the Mamba-1 mixer) vs transformers under chunked prefill, preemption and two
+tensor-parallel ranks, prefix caching and LLM.embed refused; the selective scan's chunked and one-step forms against
+each other, and the mixer against transformers' over prompt chunks, decode steps and several sequences at once."""
+import functools
+import inspect
+
+import pytest
+import torch
+
+from models import MAMBA1_KINDS
+from nanoinfer.layers.mamba import MambaMixer, selective_scan, selective_state_update
+from nanoinfer.models.falcon_mamba import falcon_mamba_settings
+from nanoinfer.models.jamba import jamba_mamba_settings
+from nanoinfer.models.mamba import mamba_settings
+# Prefix caching refused (a cached prefix has K/V but no recurrent state), LLM.embed refused (causal layers).
+from test_qwen3_next import LOGIT_ATOL, PROMPTS, run, test_embed_is_refused, test_no_prefix_cache_reuse  # noqa: F401
+from test_ssm import check_chunked_scan_against_steps, run_in_steps
+from test_ssm import test_chunked_prefill_and_preemption_match_hf  # noqa: F401
+
+
+@pytest.fixture(scope="module", params=MAMBA1_KINDS)
+def ssm_dir(request, model_dir):
+    """The model test_ssm's and test_qwen3_next's tests imported here run on."""
+    return model_dir(request.param)
+
+
+@pytest.fixture(scope="module")
+def next_dir(ssm_dir):
+    return ssm_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["mamba", "jamba"])
+def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
+    """Two ranks (a spawned worker): Mamba's vocabulary sharded, its mixers replicated on each rank with their own
+    state; Jamba's attention and experts sharded too."""
+    _, _, worst = run(model_dir(kind), captured_logits, prompts=PROMPTS[:4], tensor_parallel_size=2)
+    report_logit_diff(f"{kind}, tensor parallel 2", worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+def _scan_inputs(n: int, channels: int = 6, state_size: int = 5, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    dt = torch.nn.functional.softplus(randn(n, channels) - 1)
+    A = -torch.logspace(-2, 0.5, channels * state_size, dtype=torch.float64).view(channels, state_size)
+    return (randn(n, channels), dt, A, randn(n, state_size), randn(n, state_size), randn(channels),
+            randn(channels, state_size))
+
+
+@pytest.mark.parametrize("pieces", [[50], [1, 15, 16, 18], [7] * 7 + [1], [16, 16, 16, 2]])
+@pytest.mark.parametrize("chunk_size", [16, 5, 1])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_chunked_scan_matches_one_step_scan(pieces, chunk_size, parallel):
+    """The chunked scan (prefill), parallel (GPUs) or not (CPUs) within chunks of any size, over a prompt split
+    anywhere, equals the one-step form (decode) token by token."""
+    scan = functools.partial(selective_scan, parallel=parallel)
+    check_chunked_scan_against_steps(scan, selective_state_update, _scan_inputs(sum(pieces)), pieces, chunk_size)
+
+
+def _hf_mixer(family: str):
+    """transformers' mixer of `family` (128 channels, 6 states, dt of rank 4) with random weights, and ours with
+    them."""
+    import transformers
+
+    common = dict(hidden_size=32, num_hidden_layers=1)
+    if family == "jamba":
+        from transformers.models.jamba.modeling_jamba import JambaMambaMixer
+        config = transformers.JambaConfig(**common, mamba_d_state=6, mamba_dt_rank=4, mamba_expand=4,
+                                          mamba_proj_bias=True, attn_layer_offset=1, attn_layer_period=2)
+        hf, settings = JambaMambaMixer(config, 0), jamba_mamba_settings(config)
+    else:
+        config_class = transformers.MambaConfig if family == "mamba" else transformers.FalconMambaConfig
+        config = config_class(**common, state_size=6, time_step_rank=4, expand=4, use_bias=True)
+        module = transformers.models.mamba.modeling_mamba if family == "mamba" else (
+            transformers.models.falcon_mamba.modeling_falcon_mamba)
+        mixer_class = module.MambaMixer if family == "mamba" else module.FalconMambaMixer
+        # transformers 5.23's Falcon-Mamba mixer cannot initialize its own weights (its norms come after); they are
+        # set below. (5.17's has no such option.)
+        skip_init = "initialize_mixer_weights" in inspect.signature(mixer_class).parameters
+        hf = mixer_class(config, 0, **({"initialize_mixer_weights": False} if skip_init else {}))
+        settings = (mamba_settings if family == "mamba" else falcon_mamba_settings)(config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        hf.A_log.copy_(torch.linspace(0.01, 1.0, hf.A_log.numel()).log().view_as(hf.A_log))
+        hf.dt_proj.bias.copy_(-2.0 + 0.5 * torch.randn(hf.dt_proj.bias.shape, generator=g))
+    ours = MambaMixer(settings)
+    weights = hf.state_dict()
+    assert {name for name, _ in ours.named_parameters()} == set(weights)
+    for name, p in ours.named_parameters():
+        p.data.copy_(weights[name])
+    ours.allocate_state(4, torch.float32, torch.device("cpu"))
+    return hf, ours
+
+
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "jamba"])
+@torch.inference_mode()
+def test_mixer_matches_transformers_over_chunks_steps_and_sequences(family):
+    """Three sequences in the same steps (slots 3, 0, 2): one prefilled whole, one in prompt chunks then decode steps
+    (in the same steps as another's chunks), one decoded from its first token; each equals transformers' mixer over
+    its whole sequence (its sequential scan)."""
+    hf, ours = _hf_mixer(family)
+    g = torch.Generator().manual_seed(1)
+    x = [torch.randn(n, 32, generator=g) for n in (70, 19, 6)]
+    expected = [hf(seq[None])[0] for seq in x]
+    # fp32 rounding of outputs of up to some hundreds (transformers' own).
+    for got, want in zip(run_in_steps(ours, x, first_prefill=70), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6 * want.abs().max().item())
+        assert want.abs().max() > 1
