@@ -172,10 +172,14 @@ DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "er
 # Hybrids of attention with recurrent layers (see ssm_config): LFM2 (short convolutions), Bamba and Granite 4.0-H
 # (Mamba2; Granite's MoE with a shared MLP and rope, or its dense MLP without position encoding).
 SSM_KINDS = ("lfm2", "bamba", "granitemoehybrid", "granitemoehybrid-dense")
+# NemotronH (one block per layer: Mamba2, attention without rope, relu^2 MLP, relu^2 experts) and Falcon-H1 (attention
+# and Mamba2 side by side in every layer, every muP multiplier away from 1): see mamba2_hybrid_config.
+MAMBA2_HYBRID_KINDS = ("nemotron-h", "falcon-h1", "falcon-h1-norm")
 # GPT-OSS: attention sinks (GPT_OSS_SINK_STD, so that they weigh), sliding and full layers, yarn rope, q/k/v/o biases,
 # 2 of 8 experts per token by a biased router, experts with biases whose gate/up weights (GPT_OSS_GATE_UP_STD) push
 # the SwiGLU into its clamps.
 EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS + SSM_KINDS
+               + MAMBA2_HYBRID_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
                   "ernie4.5-moe", "hunyuan-moe") + LAYERNORM_KINDS + DEEPSEEK_KINDS
@@ -237,6 +241,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "qwen3.5": 9024, "qwen3.5-moe": 1135, "olmoe": 2246, "glm4-moe": 3357, "dots1": 4468, "ernie4.5-moe": 5579,
           "hunyuan-moe": 6680, "gpt-oss": 9024}
 _SEEDS |= {"lfm2": 7791, "bamba": 8802, "granitemoehybrid": 9913, "granitemoehybrid-dense": 1124}
+_SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457}
 # Jamba's seed: on the test prompts its routers' 2nd and 3rd experts stay > 1e-4 apart (a near-tie flips the choice
 # on rounding, and that token's logits move by ~0.5).
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
@@ -265,6 +270,8 @@ def make_config(kind: str):
     )
     if kind in SSM_KINDS:
         return ssm_config(kind, special)
+    if kind in MAMBA2_HYBRID_KINDS:
+        return mamba2_hybrid_config(kind, special)
     if kind in ("qwen3", "qwen3-sharded"):
         return Qwen3Config(
             **_COMMON,
@@ -775,15 +782,43 @@ def ssm_config(kind: str, special: dict):
                                   position_embedding_type="nope")
 
 
+def mamba2_hybrid_config(kind: str, special: dict):
+    from transformers import FalconH1Config, NemotronHConfig
+
+    common = dict(**special, vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, max_position_embeddings=512, initializer_range=INIT_STD)
+    if kind == "nemotron-h":  # every block type ("M*E-M"), 2 of 8 experts in 2 groups, Mamba2 projection biases
+        return NemotronHConfig(**common, layers_block_type=["linear_attention", "full_attention", "moe", "mlp",
+                                                            "linear_attention"],
+                               mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4,
+                               chunk_size=16, use_bias=True, intermediate_size=96, n_routed_experts=8,
+                               num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+                               n_group=2, topk_group=1, routed_scaling_factor=2.5, layer_norm_epsilon=1e-5,
+                               tie_word_embeddings=False)
+    # 6 heads of 16 Mamba2 channels (mamba_d_ssm, not expand x hidden) in 2 groups; every multiplier away from 1.
+    falcon = dict(num_hidden_layers=2, intermediate_size=96, mamba_d_ssm=96, mamba_n_heads=6, mamba_n_groups=2,
+                  mamba_d_state=16, mamba_chunk_size=16, rms_norm_eps=1e-5,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+                  embedding_multiplier=2.0, lm_head_multiplier=0.5, mlp_multipliers=[0.7, 1.3], key_multiplier=0.8,
+                  attention_in_multiplier=1.2, attention_out_multiplier=0.9, ssm_multipliers=[0.6, 1.1, 0.9, 1.2, 0.8],
+                  ssm_in_multiplier=1.1, ssm_out_multiplier=0.7)
+    if kind == "falcon-h1":  # the gate alone after the scan, biases on the Mamba2 projections, tied embeddings
+        return FalconH1Config(**common, **falcon, mamba_rms_norm=False, mamba_proj_bias=True, projectors_bias=True,
+                              tie_word_embeddings=True)
+    # The gated norm, applied before the gate; attention biases.
+    return FalconH1Config(**common, **falcon, mamba_rms_norm=True, mamba_norm_before_gate=True, attention_bias=True,
+                          tie_word_embeddings=False)
+
+
 def _randomize_mamba_(model, seed: int) -> None:
     """Mamba2 decays from slow to fast per head (A = -0.01 .. -1) and small steps (dt_bias near -2): the state carries
     far, across scan chunks and prefill chunks."""
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            if name.endswith("mamba.A_log"):
+            if name.endswith(("mamba.A_log", "mixer.A_log")):
                 p.copy_(torch.linspace(0.01, 1.0, p.numel()).log())
-            elif name.endswith("mamba.dt_bias"):
+            elif name.endswith(("mamba.dt_bias", "mixer.dt_bias")):
                 p.copy_(-2.0 + 0.5 * torch.randn(p.shape, generator=g))
 
 
@@ -899,7 +934,7 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
     if kind == "gpt-oss":
         _sharpen_gpt_oss_(model, _SEEDS[base_kind])
-    if kind in SSM_KINDS:
+    if kind in SSM_KINDS + MAMBA2_HYBRID_KINDS:
         _randomize_mamba_(model, _SEEDS[base_kind])
     if kind in MAMBA1_KINDS:
         _randomize_mamba1_(model, _SEEDS[base_kind])

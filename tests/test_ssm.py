@@ -1,19 +1,21 @@
-"""LFM2, Bamba and Granite 4.0-H (short-conv and Mamba2 hybrids) vs transformers under chunked prefill, preemption
-and two tensor-parallel ranks, prefix caching and LLM.embed refused; the Mamba2 scan's chunked and one-step forms
-against each other, and the mixer against transformers' over prompt chunks, decode steps and several sequences at
-once."""
+"""LFM2, Bamba, Granite 4.0-H, NemotronH and Falcon-H1 (short-conv and Mamba2 hybrids) vs transformers under chunked
+prefill, preemption and two tensor-parallel ranks, prefix caching and LLM.embed refused; the Mamba2 scan's chunked and
+one-step forms against each other, and the mixers against transformers' over prompt chunks, decode steps and several
+sequences at once."""
 import pytest
 import torch
 
-from models import SSM_KINDS
+from models import MAMBA2_HYBRID_KINDS, SSM_KINDS
 from nanoinfer.layers.attention import AttentionMetadata
-from nanoinfer.layers.mamba2 import Mamba2Mixer, ssd_chunk_scan, ssd_step
+from nanoinfer.layers.mamba2 import Mamba2Mixer, Mamba2Settings, ssd_chunk_scan, ssd_step
 from nanoinfer.layers.recurrent import RecurrentBatch
+from nanoinfer.models import falcon_h1, nemotron_h
+from nanoinfer.models.bamba import mamba2_settings
 # Prefix caching refused (a cached prefix has K/V but no recurrent state), LLM.embed refused (causal layers).
 from test_qwen3_next import LOGIT_ATOL, PROMPTS, run, test_embed_is_refused, test_no_prefix_cache_reuse  # noqa: F401
 
 
-@pytest.fixture(scope="module", params=SSM_KINDS)
+@pytest.fixture(scope="module", params=SSM_KINDS + MAMBA2_HYBRID_KINDS)
 def ssm_dir(request, model_dir):
     return model_dir(request.param)
 
@@ -37,10 +39,11 @@ def test_chunked_prefill_and_preemption_match_hf(ssm_dir, captured_logits, repor
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["lfm2", "granitemoehybrid"])
+@pytest.mark.parametrize("kind", ["lfm2", "granitemoehybrid", "nemotron-h", "falcon-h1-norm"])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
-    """Two ranks (a spawned worker): LFM2's short conv sharded by channels; Granite's attention and experts sharded,
-    its Mamba2 mixers replicated on each rank with their own state."""
+    """Two ranks (a spawned worker): LFM2's short conv sharded by channels; Granite's, NemotronH's and Falcon-H1's
+    attention, MLPs and experts sharded (Falcon-H1's multipliers folded into each rank's rows), their Mamba2 mixers
+    replicated on each rank with their own state."""
     _, _, worst = run(model_dir(kind), captured_logits, prompts=PROMPTS[:4], tensor_parallel_size=2)
     report_logit_diff(f"{kind}, tensor parallel 2", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
@@ -88,45 +91,81 @@ def _metadata(query_lens: list[int], context_lens: list[int], slots: list[int]) 
                              max(context_lens), 16, state_slots=torch.tensor(slots))
 
 
-@pytest.fixture(scope="module")
-def mixers():
-    """transformers' Bamba mixer (2 groups of 4 heads, 5-token scan chunks) and ours with its weights."""
-    from transformers import BambaConfig
-    from transformers.models.bamba.modeling_bamba import BambaMixer
+def _hf_mixer(kind: str) -> tuple[torch.nn.Module, Mamba2Settings, object]:
+    """transformers' mixer of `kind` (8 or 6 heads in 2 groups, 5-token scan chunks), our settings for it, and its
+    config."""
+    if kind == "bamba":
+        from transformers import BambaConfig
+        from transformers.models.bamba.modeling_bamba import BambaMixer
 
-    config = BambaConfig(hidden_size=32, mamba_n_heads=8, mamba_d_state=6, mamba_n_groups=2, mamba_chunk_size=5,
-                         num_hidden_layers=1, attn_layer_indices=[])
+        config = BambaConfig(hidden_size=32, mamba_n_heads=8, mamba_d_state=6, mamba_n_groups=2, mamba_chunk_size=5,
+                             num_hidden_layers=1, attn_layer_indices=[])
+        return BambaMixer(config, 0), mamba2_settings(config), config
+    if kind == "nemotron-h":  # dt's floor (time_step_min) binds for ~1 in 10 head-steps; projection biases
+        from transformers import NemotronHConfig
+        from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+        config = NemotronHConfig(hidden_size=32, layers_block_type=["linear_attention"], mamba_num_heads=8,
+                                 mamba_head_dim=8, n_groups=2, ssm_state_size=6, chunk_size=5, time_step_min=0.1,
+                                 use_bias=True)
+        return NemotronHMamba2Mixer(config, 0), nemotron_h.mamba2_settings(config), config
+    # Falcon-H1: the gate alone, or the gated norm before the gate; mamba_d_ssm channels (not 2 x hidden).
+    from transformers import FalconH1Config
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Mixer
+
+    config = FalconH1Config(hidden_size=32, mamba_d_ssm=48, mamba_n_heads=6, mamba_d_state=6, mamba_n_groups=2,
+                            mamba_chunk_size=5, num_hidden_layers=1, mamba_rms_norm=kind == "falcon-h1-norm",
+                            mamba_norm_before_gate=True, mamba_proj_bias=True, projectors_bias=True)
+    hf = FalconH1Mixer(config, 0)
+    hf.register_buffer("mup_vector", torch.ones(hf.in_proj.out_features))  # the model's; its multipliers: 1
+    return hf, falcon_h1.mamba2_settings(config), config
+
+
+@pytest.fixture(scope="module", params=["bamba", "nemotron-h", "falcon-h1", "falcon-h1-norm"])
+def mixers(request):
+    """transformers' mixer, ours with its weights, and its config."""
+    hf, settings, config = _hf_mixer(request.param)
     g = torch.Generator().manual_seed(0)
-    hf = BambaMixer(config, 0)
     with torch.no_grad():
         for p in hf.parameters():
             p.copy_(0.3 * torch.randn(p.shape, generator=g))
-        hf.A_log.copy_(torch.linspace(0.01, 1.0, 8).log())
-    ours = Mamba2Mixer(config)
+        hf.A_log.copy_(torch.linspace(0.01, 1.0, hf.A_log.numel()).log())
+    ours = Mamba2Mixer(settings)
     weights = hf.state_dict()
     for name, p in ours.named_parameters():
         p.data.copy_(weights[name])
     ours.allocate_state(4, torch.float32, torch.device("cpu"))
-    return hf, ours
+    return hf, ours, config
 
 
 @torch.inference_mode()
 def test_mixer_matches_transformers_over_chunks_steps_and_sequences(mixers):
     """Three sequences in the same steps (slots 3, 0, 2): one prefilled whole, one in prompt chunks then decode steps
-    (in the same steps as another's chunks), one decoded from its first token; each equals transformers' mixer over
-    its whole sequence."""
-    hf, ours = mixers
+    (in the same steps as another's chunks), one decoded from its first token; each equals transformers' mixer run
+    over the same pieces with its cache (its chunked form for pieces of several tokens, its one-step form for one)."""
+    from transformers import DynamicCache
+
+    hf, ours, config = mixers
     g = torch.Generator().manual_seed(1)
     x = [torch.randn(n, 32, generator=g) for n in (23, 19, 6)]
-    expected = [hf(seq[None])[0] for seq in x]
+    expected = []
+    for i, seq in enumerate(x):
+        cache = DynamicCache(config=config)
+        pieces = [n for n in (step[i] for step in step_schedule(23)) if n]
+        expected.append(torch.cat([hf(piece[None], cache_params=cache)[0] for piece in seq.split(pieces)]))
     for got, want in zip(run_in_steps(ours, x, first_prefill=23), expected):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def step_schedule(first_prefill: int) -> list[list[int]]:
+    """Tokens per sequence per step of run_in_steps."""
+    return [[first_prefill, 7, 1], [0, 5, 1], [0, 1, 1], [0, 4, 1], [0, 1, 1], [0, 1, 1]]
 
 
 def run_in_steps(mixer, x: list[torch.Tensor], first_prefill: int) -> list[torch.Tensor]:
     """The mixer's outputs over three sequences x (in slots 3, 0, 2) in the same steps: the first prefilled whole
     (first_prefill tokens), the second in prompt chunks then decode steps, the third decoded from its first token."""
-    steps = [[first_prefill, 7, 1], [0, 5, 1], [0, 1, 1], [0, 4, 1], [0, 1, 1], [0, 1, 1]]  # tokens per sequence
+    steps = step_schedule(first_prefill)
     done, out = [0, 0, 0], [[], [], []]
     for counts in steps:
         live = [i for i in range(3) if counts[i]]

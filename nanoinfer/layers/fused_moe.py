@@ -1,7 +1,7 @@
 """Mixture-of-experts SwiGLU MLPs: top-k softmax routing (or DeepSeek's group-limited and sigmoid routings), then
 every expert at once as two grouped matmuls over the token-expert pairs sorted by expert (FusedMoE; SparseMoeBlock
-puts the router in front), optionally with biases and GPT-OSS's clamped SwiGLU. Each rank holds a slice of every
-expert's intermediate dimension."""
+puts the router in front), optionally with biases and GPT-OSS's clamped SwiGLU, or without a gate (NemotronH's
+relu^2). Each rank holds a slice of every expert's intermediate dimension."""
 import re
 from collections.abc import Callable
 
@@ -87,12 +87,17 @@ def select_experts_sigmoid_biased(router_logits: torch.Tensor, top_k: int, corre
     return weights * scaling, ids
 
 
-# (gate, up) -> the activation that the down projection takes.
-GatedActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (gate, up) -> the activation that the down projection takes; of non-gated experts: (up) -> it.
+GatedActivation = Callable[..., torch.Tensor]
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+def relu2(up: torch.Tensor) -> torch.Tensor:
+    """NemotronH's non-gated expert activation, relu(x)^2."""
+    return F.relu(up).square()
 
 
 def clamped_swiglu(alpha: float, limit: float) -> GatedActivation:
@@ -107,7 +112,8 @@ def clamped_swiglu(alpha: float, limit: float) -> GatedActivation:
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
                   activation: GatedActivation = silu_and_mul) -> torch.Tensor:
-    """x [tokens, hidden]; w13 [experts, 2 * inter, hidden] (gate rows, then up rows); w2 [experts, hidden, inter];
+    """x [tokens, hidden]; w13 [experts, 2 * inter, hidden] (gate rows, then up rows; or, non-gated, up rows alone:
+    [experts, inter, hidden]); w2 [experts, hidden, inter];
     topk_* [tokens, k] -> sum over each token's k experts of weight * down(activation(gate(x), up(x))); the
     optional biases [experts, 2 * inter] and [experts, hidden] added after each projection."""
     k = topk_ids.shape[1]
@@ -118,7 +124,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     gate_up = torch._grouped_mm(x[token], w13.transpose(1, 2), offs=offsets)
     if w13_bias is not None:
         gate_up += w13_bias[flat[order]]
-    y = torch._grouped_mm(activation(*gate_up.chunk(2, dim=-1)), w2.transpose(1, 2), offs=offsets)
+    y = torch._grouped_mm(activation(*gate_up.chunk(w13.shape[1] // w2.shape[2], dim=-1)), w2.transpose(1, 2),
+                          offs=offsets)
     if w2_bias is not None:
         y += w2_bias[flat[order]]
     y *= topk_weights.flatten()[order].unsqueeze(1)
@@ -129,10 +136,12 @@ class FusedMoE(nn.Module):
     """forward(x [tokens, hidden], router_logits [tokens, num_experts]) -> [tokens, hidden]. Weights w13_weight
     [experts, 2 * inter/tp, hidden] and w2_weight [experts, hidden, inter/tp], sharded like a MergedColumn /
     RowParallelLinear pair, and with bias, w13_bias [experts, 2 * inter/tp] and w2_bias [experts, hidden] (added
-    by rank 0 alone). With reduce_results=False the caller all-reduces (e.g. after adding a shared expert)."""
+    by rank 0 alone). With reduce_results=False the caller all-reduces (e.g. after adding a shared expert).
+    gated=False: experts without a gate (w13 holds the up rows alone), `activation` taking the up projection."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-                 reduce_results: bool = True, bias: bool = False, activation: GatedActivation = silu_and_mul):
+                 reduce_results: bool = True, bias: bool = False, activation: GatedActivation = silu_and_mul,
+                 gated: bool = True):
         super().__init__()
         self.tp_rank, self.tp_size, self.tp_group = tp_rank(), tp_size(), tp_group()
         if intermediate_size % self.tp_size:
@@ -142,11 +151,11 @@ class FusedMoE(nn.Module):
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}")
         self.num_experts, self.top_k, self.renormalize, self.reduce_results = (num_experts, top_k, renormalize,
                                                                                reduce_results)
-        self.intermediate_size = intermediate_size
-        inter = intermediate_size // self.tp_size
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size), requires_grad=False)
+        self.intermediate_size, self.gated = intermediate_size, gated
+        inter, projections = intermediate_size // self.tp_size, 2 if gated else 1
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, projections * inter, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, inter), requires_grad=False)
-        self.w13_weight.num_shards = 2 * num_experts  # the loader checks that every expert's gate and up arrived
+        self.w13_weight.num_shards = projections * num_experts  # the loader checks that every expert's gate, up arrived
         self.w2_weight.num_shards = num_experts
         self.w13_bias = self.w2_bias = None
         if bias:  # stacked in checkpoints (no per-expert shard ids): complete once loaded whole
@@ -171,8 +180,10 @@ class FusedMoE(nn.Module):
                              f"{self.intermediate_size} along dim {dim}")
         inter = self.intermediate_size // self.tp_size
         dest = param.data[expert]
+        if proj == "gate" and not self.gated:
+            raise ValueError("a gate_proj for experts without a gate")
         if proj != "down":
-            dest = dest.narrow(0, 0 if proj == "gate" else inter, inter)
+            dest = dest.narrow(0, inter if proj == "up" and self.gated else 0, inter)
         copy_weight(dest, loaded.narrow(dim, self.tp_rank * inter, inter))
 
     def load_stacked(self, param: nn.Parameter, loaded: torch.Tensor) -> None:

@@ -1,10 +1,12 @@
-"""The Mamba2 mixer (Bamba, Granite 4.0-H): in_proj -> (z, xBC, dt); a causal conv over xBC carried in a per-sequence
-conv state; the SSD scan over a per-sequence state [heads, head_dim, d_state], chunked for prompt chunks and one
-step at a time for decode; a gated group RMSNorm; out_proj. In fp32 it computes what transformers' torch path does."""
+"""The Mamba2 mixer (Bamba, Granite 4.0-H, NemotronH, Falcon-H1): in_proj -> (z, xBC, dt); a causal conv over xBC
+carried in a per-sequence conv state; the SSD scan over a per-sequence state [heads, head_dim, d_state], chunked for
+prompt chunks and one step at a time for decode; a gated group RMSNorm (or the gate alone); out_proj. In fp32 it
+computes what transformers' torch path does."""
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig
 
 from nanoinfer.layers.linear import ReplicatedLinear
 from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer
@@ -68,50 +70,78 @@ def ssd_step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     return (state @ C[..., None]).squeeze(-1) + D[:, None] * x
 
 
-class Mamba2GatedRMSNorm(nn.Module):
-    """RMSNorm(y * silu(z)) over groups of channels (norm_before_gate=False), weight applied after the cast back."""
+@dataclass(frozen=True)
+class Mamba2Settings:
+    """A Mamba2 mixer's shape and options, which each family reads from its config under its own names."""
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    state_size: int
+    conv_kernel: int
+    chunk_size: int
+    eps: float  # the gated norm's
+    conv_bias: bool
+    in_proj_bias: bool
+    out_proj_bias: bool
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    activation: str = "silu"  # the conv's
+    gated_norm: bool = True  # False: y * silu(z) alone (Falcon-H1 without `mamba_rms_norm`)
+    norm_before_gate: bool = False  # True: RMSNorm(y) * silu(z) (Falcon-H1's option)
 
-    def __init__(self, hidden_size: int, group_size: int, eps: float):
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+class Mamba2GatedRMSNorm(nn.Module):
+    """RMSNorm(y * silu(z)) over groups of channels, weight applied after the cast back; norm_before_gate:
+    RMSNorm(y) * silu(z)."""
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float, norm_before_gate: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.group_size, self.eps = group_size, eps
+        self.group_size, self.eps, self.norm_before_gate = group_size, eps, norm_before_gate
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = (y.float() * F.silu(gate.float())).unflatten(-1, (-1, self.group_size))
-        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
-        return self.weight * h.to(y.dtype)
+        gate = F.silu(gate.float())
+        h = (y.float() if self.norm_before_gate else y.float() * gate).unflatten(-1, (-1, self.group_size))
+        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2).to(y.dtype)
+        return h * gate if self.norm_before_gate else h
+
+
+def silu_gate(y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The gate without a norm: y * silu(z)."""
+    return y.float() * F.silu(gate.float())
 
 
 class Mamba2Mixer(RecurrentLayer):
-    """The mixer of one layer, from the config's mamba_* settings. Its projections are replicated, not sharded:
-    under tensor parallelism every rank computes the whole layer with its own state (correct, not yet faster)."""
+    """The mixer of one layer. Its projections are replicated, not sharded: under tensor parallelism every rank
+    computes the whole layer with its own state (correct, not yet faster)."""
 
-    def __init__(self, config: PretrainedConfig):
-        if config.hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} for the Mamba2 conv; only 'silu' is "
-                             f"implemented")
-        heads, head_dim, groups = config.mamba_n_heads, config.mamba_d_head, config.mamba_n_groups
-        intermediate_size = int(config.mamba_expand * config.hidden_size)
-        if heads % groups or heads * head_dim != intermediate_size:
-            raise ValueError(f"mamba_n_heads={heads} x mamba_d_head={head_dim} must be mamba_expand x hidden_size="
-                             f"{intermediate_size}, in mamba_n_groups={groups} equal groups")
-        conv_dim = intermediate_size + 2 * groups * config.mamba_d_state
-        super().__init__(config.mamba_d_conv, conv_dim, (heads, head_dim, config.mamba_d_state))
-        self.num_heads, self.head_dim, self.n_groups, self.state_size = heads, head_dim, groups, config.mamba_d_state
-        self.intermediate_size, self.conv_dim = intermediate_size, conv_dim
-        self.chunk_size = config.mamba_chunk_size
-        self.time_step_limit = tuple(config.time_step_limit or (0.0, float("inf")))
-        self.in_proj = ReplicatedLinear(config.hidden_size, self.intermediate_size + conv_dim + self.num_heads,
-                                        config.mamba_proj_bias)
-        self.conv1d = nn.Conv1d(conv_dim, conv_dim, config.mamba_d_conv, bias=config.mamba_conv_bias,
+    def __init__(self, settings: Mamba2Settings):
+        s = settings
+        if s.activation != "silu":
+            raise ValueError(f"unsupported activation {s.activation!r} for the Mamba2 conv; only 'silu' is implemented")
+        if s.num_heads % s.n_groups:
+            raise ValueError(f"{s.num_heads} Mamba2 heads cannot form {s.n_groups} equal groups")
+        conv_dim = s.intermediate_size + 2 * s.n_groups * s.state_size
+        super().__init__(s.conv_kernel, conv_dim, (s.num_heads, s.head_dim, s.state_size))
+        self.num_heads, self.head_dim, self.n_groups, self.state_size = s.num_heads, s.head_dim, s.n_groups, s.state_size
+        self.intermediate_size, self.conv_dim = s.intermediate_size, conv_dim
+        self.chunk_size = s.chunk_size
+        self.time_step_limit = s.time_step_limit
+        self.in_proj = ReplicatedLinear(s.hidden_size, self.intermediate_size + conv_dim + self.num_heads,
+                                        s.in_proj_bias)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, s.conv_kernel, bias=s.conv_bias,
                                 groups=conv_dim)  # a weight holder: the conv runs in RecurrentLayer.causal_conv
         self.conv1d.requires_grad_(False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.D = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
-        self.norm = Mamba2GatedRMSNorm(self.intermediate_size, self.intermediate_size // self.n_groups,
-                                       config.rms_norm_eps)
-        self.out_proj = ReplicatedLinear(self.intermediate_size, config.hidden_size, config.mamba_proj_bias)
+        self.norm = (Mamba2GatedRMSNorm(self.intermediate_size, self.intermediate_size // self.n_groups, s.eps,
+                                        s.norm_before_gate) if s.gated_norm else silu_gate)
+        self.out_proj = ReplicatedLinear(self.intermediate_size, s.hidden_size, s.out_proj_bias)
 
     def forward(self, x: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
         self.reset_fresh_slots(batch)
@@ -120,7 +150,7 @@ class Mamba2Mixer(RecurrentLayer):
         xbc = self.causal_conv(xbc, self.conv1d.weight.squeeze(1), batch, self.conv1d.bias)
         dtype = self.ssm_state.dtype
         xs, B, C = xbc.to(dtype).split([self.intermediate_size, groups, groups], -1)
-        dt = F.softplus(dt.to(dtype) + self.dt_bias.to(dtype)).clamp(*self.time_step_limit)
+        dt = F.softplus(dt.to(dtype) + self.dt_bias.to(dtype))
         y = self._scan(xs.view(n, self.num_heads, self.head_dim), dt, B.view(n, self.n_groups, self.state_size),
                        C.view(n, self.n_groups, self.state_size), batch)
         return self.out_proj(self.norm(y.flatten(1), z).to(x.dtype))
@@ -134,8 +164,10 @@ class Mamba2Mixer(RecurrentLayer):
             state = self.ssm_state[slots]
             out[rows] = ssd_step(x[rows], dt[rows], A, B[rows], C[rows], D, state)
             self.ssm_state[slots] = state
+        # time_step_limit clamps dt in the chunked form only, as transformers and mamba_ssm do (their one-step
+        # forms take it unclamped); it binds where softplus falls below NemotronH's floor, time_step_min.
         for start, end, slot in batch.spans:
             s = slice(start, end)
-            out[s], self.ssm_state[slot] = ssd_chunk_scan(x[s], dt[s], A, B[s], C[s], D, self.ssm_state[slot],
-                                                          self.chunk_size)
+            out[s], self.ssm_state[slot] = ssd_chunk_scan(x[s], dt[s].clamp(*self.time_step_limit), A, B[s], C[s], D,
+                                                          self.ssm_state[slot], self.chunk_size)
         return out

@@ -3,9 +3,22 @@
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanoinfer.layers.mamba2 import Mamba2Mixer
+from nanoinfer.layers.mamba2 import Mamba2Mixer, Mamba2Settings
 from nanoinfer.models.hybrid import HybridDecoderLayer, HybridForCausalLM
 from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaMLP
+
+
+def mamba2_settings(config: PretrainedConfig) -> Mamba2Settings:
+    """Bamba's and Granite 4.0-H's mamba_* names."""
+    heads, head_dim = config.mamba_n_heads, config.mamba_d_head
+    intermediate_size = int(config.mamba_expand * config.hidden_size)
+    if heads * head_dim != intermediate_size:
+        raise ValueError(f"mamba_n_heads={heads} x mamba_d_head={head_dim} must be mamba_expand x hidden_size="
+                         f"{intermediate_size}")
+    return Mamba2Settings(config.hidden_size, heads, head_dim, config.mamba_n_groups, config.mamba_d_state,
+                          config.mamba_d_conv, config.mamba_chunk_size, config.rms_norm_eps, config.mamba_conv_bias,
+                          config.mamba_proj_bias, config.mamba_proj_bias,
+                          tuple(config.time_step_limit or (0.0, float("inf"))), config.hidden_act)
 
 
 def mamba2_or_attention(config: PretrainedConfig, layer_idx: int, options: AttentionOptions
@@ -13,7 +26,7 @@ def mamba2_or_attention(config: PretrainedConfig, layer_idx: int, options: Atten
     """The layer's token mixer by `layers_block_type` ("linear_attention": Mamba2), and whether it is attention."""
     layer_type = config.layers_block_type[layer_idx]
     if layer_type == "linear_attention":
-        return Mamba2Mixer(config), False
+        return Mamba2Mixer(mamba2_settings(config)), False
     if layer_type == "full_attention":
         return LlamaAttention(config, options), True
     raise ValueError(f"unsupported layer type {layer_type!r} in layer {layer_idx}")

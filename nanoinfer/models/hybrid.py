@@ -40,13 +40,18 @@ class HybridDecoderLayer(nn.Module):
     def scaled(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.residual_multiplier is None else x * self.residual_multiplier
 
+    def mix(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, batch: RecurrentBatch
+            ) -> torch.Tensor:
+        """The token mixer's output for the normed x (Falcon-H1's layers run two side by side)."""
+        return self.self_attn(positions, x, meta) if self.is_attention_layer else self.mixer(x, batch)
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata, batch: RecurrentBatch) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta) if self.is_attention_layer else self.mixer(x, batch)
+        x = self.mix(positions, x, meta, batch)
         if self.mlp is None:
             return self.scaled(x), residual
         # The next norm adds its input to the residual stream: scaled first, as transformers' `residual + h * m`.

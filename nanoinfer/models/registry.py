@@ -58,8 +58,10 @@ _MODELS = {
 # Hybrids of attention with recurrent layers (Mamba2, short convolutions).
 _MODELS |= {
     "BambaForCausalLM": ("bamba", "BambaForCausalLM"),
+    "FalconH1ForCausalLM": ("falcon_h1", "FalconH1ForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
     "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
+    "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
 }
 # State-space models on the Mamba-1 mixer, alone or with attention.
 _MODELS |= {
