@@ -158,16 +158,9 @@ class Mamba2Mixer(RecurrentLayer):
     def _scan(self, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, batch: RecurrentBatch
               ) -> torch.Tensor:
         A, D = -self.A_log.to(x.dtype).exp(), self.D.to(x.dtype)
-        out = torch.empty_like(x)
-        if batch.single_rows.numel():
-            rows, slots = batch.single_rows, batch.single_slots
-            state = self.ssm_state[slots]
-            out[rows] = ssd_step(x[rows], dt[rows], A, B[rows], C[rows], D, state)
-            self.ssm_state[slots] = state
         # time_step_limit clamps dt in the chunked form only, as transformers and mamba_ssm do (their one-step
         # forms take it unclamped); it binds where softplus falls below NemotronH's floor, time_step_min.
-        for start, end, slot in batch.spans:
-            s = slice(start, end)
-            out[s], self.ssm_state[slot] = ssd_chunk_scan(x[s], dt[s].clamp(*self.time_step_limit), A, B[s], C[s], D,
-                                                          self.ssm_state[slot], self.chunk_size)
-        return out
+        return self.scan(batch, lambda x, dt, B, C, state: ssd_step(x, dt, A, B, C, D, state),
+                         lambda x, dt, B, C, state: ssd_chunk_scan(x, dt.clamp(*self.time_step_limit), A, B, C, D,
+                                                                   state, self.chunk_size),
+                         x, dt, B, C)
