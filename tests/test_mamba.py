@@ -1,6 +1,7 @@
 """Mamba, Falcon-Mamba and Jamba (the Mamba-1 mixer) vs transformers under chunked prefill, preemption and two
 tensor-parallel ranks, prefix caching and LLM.embed refused; the selective scan's chunked and one-step forms against
-each other, and the mixer against transformers' over prompt chunks, decode steps and several sequences at once."""
+each other, and the mixer against transformers' over prompt chunks, decode steps and several sequences at once, whole
+and sharded over two ranks."""
 import functools
 import inspect
 
@@ -12,6 +13,7 @@ from nanoinfer.layers.mamba import MambaMixer, MambaSettings, selective_scan, se
 from nanoinfer.models.falcon_mamba import falcon_mamba_settings
 from nanoinfer.models.jamba import jamba_mamba_settings
 from nanoinfer.models.mamba import mamba_settings
+from nanoinfer.utils.dist import tp_scope
 # Prefix caching refused (a cached prefix has K/V but no recurrent state), LLM.embed refused (causal layers).
 from test_qwen3_next import LOGIT_ATOL, PROMPTS, run, test_embed_is_refused, test_no_prefix_cache_reuse  # noqa: F401
 from test_ssm import check_chunked_scan_against_steps, run_in_steps, run_ranks, shard_over_ranks
@@ -125,6 +127,11 @@ def test_mixer_sharded_over_two_ranks_matches_transformers(family, monkeypatch):
     x, expected = _inputs_and_hf_outputs(hf)
     for outputs in run_ranks(monkeypatch, [lambda m=m: run_in_steps(m, x, first_prefill=70) for m in ranks]):
         check_outputs(outputs, expected)
+
+
+def test_mixer_channels_must_split_over_ranks():
+    with tp_scope(0, 3, None), pytest.raises(ValueError, match="intermediate_size=128 .* tensor_parallel_size=3"):
+        MambaMixer(_hf_mixer("mamba")[1])
 
 
 def _inputs_and_hf_outputs(hf) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -1,7 +1,7 @@
 """LFM2, Bamba, Granite 4.0-H, NemotronH and Falcon-H1 (short-conv and Mamba2 hybrids) vs transformers under chunked
 prefill, preemption and two tensor-parallel ranks, prefix caching and LLM.embed refused; the Mamba2 scan's chunked and
 one-step forms against each other, and the mixers against transformers' over prompt chunks, decode steps and several
-sequences at once."""
+sequences at once, whole and sharded over two ranks."""
 import threading
 from collections.abc import Callable
 
@@ -113,6 +113,7 @@ def _hf_mixer(kind: str, n_groups: int = 2) -> tuple[torch.nn.Module, Mamba2Sett
 
 
 def _hf_mixer_and_settings(kind: str, n_groups: int) -> tuple[torch.nn.Module, Mamba2Settings, object]:
+    """transformers' mixer of `kind` as it initializes itself, our settings for it, and its config."""
     if kind == "bamba":
         from transformers import BambaConfig
         from transformers.models.bamba.modeling_bamba import BambaMixer
@@ -132,8 +133,8 @@ def _hf_mixer_and_settings(kind: str, n_groups: int) -> tuple[torch.nn.Module, M
     from transformers import FalconH1Config
     from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Mixer
 
-    config = FalconH1Config(hidden_size=32, mamba_d_ssm=48, mamba_n_heads=6, mamba_d_state=6,
-                            mamba_n_groups=n_groups, mamba_chunk_size=5, num_hidden_layers=1, mamba_rms_norm=kind == "falcon-h1-norm",
+    config = FalconH1Config(hidden_size=32, mamba_d_ssm=48, mamba_n_heads=6, mamba_d_state=6, mamba_n_groups=n_groups,
+                            mamba_chunk_size=5, num_hidden_layers=1, mamba_rms_norm=kind == "falcon-h1-norm",
                             mamba_norm_before_gate=True, mamba_proj_bias=True, projectors_bias=True)
     hf = FalconH1Mixer(config, 0)
     hf.register_buffer("mup_vector", torch.ones(hf.in_proj.out_features))  # the model's; its multipliers: 1
@@ -198,6 +199,12 @@ def test_mixer_sharded_over_two_ranks_matches_transformers(kind, n_groups, monke
     for outputs in run_ranks(monkeypatch, [lambda m=m: run_in_steps(m, x, first_prefill=23) for m in ranks]):
         for got, want in zip(outputs, expected):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_mixer_heads_must_split_over_ranks():
+    settings = _hf_mixer_and_settings("bamba", 2)[1]
+    with tp_scope(0, 3, None), pytest.raises(ValueError, match="8 Mamba2 heads do not split over tensor_parallel_size"):
+        Mamba2Mixer(settings)
 
 
 def shard_over_ranks(make: Callable[[], RecurrentLayer], hf: torch.nn.Module, size: int) -> list[RecurrentLayer]:
