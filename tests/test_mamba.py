@@ -1,6 +1,7 @@
 """Mamba, Falcon-Mamba and Jamba (the Mamba-1 mixer) vs transformers under chunked prefill, preemption and two
 tensor-parallel ranks, prefix caching and LLM.embed refused; the selective scan's chunked and one-step forms against
-each other, and the mixer against transformers' over prompt chunks, decode steps and several sequences at once."""
+each other, and the mixer against transformers' over prompt chunks, decode steps and several sequences at once, whole
+and sharded over two ranks."""
 import functools
 import inspect
 
@@ -8,13 +9,14 @@ import pytest
 import torch
 
 from models import MAMBA1_KINDS
-from nanoinfer.layers.mamba import MambaMixer, selective_scan, selective_state_update
+from nanoinfer.layers.mamba import MambaMixer, MambaSettings, selective_scan, selective_state_update
 from nanoinfer.models.falcon_mamba import falcon_mamba_settings
 from nanoinfer.models.jamba import jamba_mamba_settings
 from nanoinfer.models.mamba import mamba_settings
+from nanoinfer.utils.dist import tp_scope
 # Prefix caching refused (a cached prefix has K/V but no recurrent state), LLM.embed refused (causal layers).
 from test_qwen3_next import LOGIT_ATOL, PROMPTS, run, test_embed_is_refused, test_no_prefix_cache_reuse  # noqa: F401
-from test_ssm import check_chunked_scan_against_steps, run_in_steps
+from test_ssm import check_chunked_scan_against_steps, run_in_steps, run_ranks, shard_over_ranks
 from test_ssm import test_chunked_prefill_and_preemption_match_hf  # noqa: F401
 
 
@@ -32,11 +34,15 @@ def next_dir(ssm_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mamba", "jamba"])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
-    """Two ranks (a spawned worker): Mamba's vocabulary sharded, its mixers replicated on each rank with their own
-    state; Jamba's attention and experts sharded too."""
-    _, _, worst = run(model_dir(kind), captured_logits, prompts=PROMPTS[:4], tensor_parallel_size=2)
+    """Two ranks (a spawned worker): Mamba's vocabulary sharded, its mixers by channels, each rank with its
+    channels' state; Jamba's attention and experts sharded too."""
+    llm, _, worst = run(model_dir(kind), captured_logits, prompts=PROMPTS[:4], tensor_parallel_size=2)
     report_logit_diff(f"{kind}, tensor parallel 2", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+    config = llm.llm_engine.config.hf_config
+    channels = getattr(config, "mamba_expand", None) or config.expand
+    mixers = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, MambaMixer)]
+    assert mixers and all(m.ssm_state.shape[1] * 2 == channels * config.hidden_size for m in mixers)
 
 
 def _scan_inputs(n: int, channels: int = 6, state_size: int = 5, seed: int = 0):
@@ -58,9 +64,9 @@ def test_chunked_scan_matches_one_step_scan(pieces, chunk_size, parallel):
     check_chunked_scan_against_steps(scan, selective_state_update, _scan_inputs(sum(pieces)), pieces, chunk_size)
 
 
-def _hf_mixer(family: str):
-    """transformers' mixer of `family` (128 channels, 6 states, dt of rank 4) with random weights, and ours with
-    them."""
+def _hf_mixer(family: str) -> tuple[torch.nn.Module, MambaSettings]:
+    """transformers' mixer of `family` (128 channels, 6 states, dt of rank 4) with random weights, and our settings
+    for it."""
     import transformers
 
     common = dict(hidden_size=32, num_hidden_layers=1)
@@ -86,13 +92,7 @@ def _hf_mixer(family: str):
             p.copy_(0.3 * torch.randn(p.shape, generator=g))
         hf.A_log.copy_(torch.linspace(0.01, 1.0, hf.A_log.numel()).log().view_as(hf.A_log))
         hf.dt_proj.bias.copy_(-2.0 + 0.5 * torch.randn(hf.dt_proj.bias.shape, generator=g))
-    ours = MambaMixer(settings)
-    weights = hf.state_dict()
-    assert {name for name, _ in ours.named_parameters()} == set(weights)
-    for name, p in ours.named_parameters():
-        p.data.copy_(weights[name])
-    ours.allocate_state(4, torch.float32, torch.device("cpu"))
-    return hf, ours
+    return hf, settings
 
 
 @pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "jamba"])
@@ -101,11 +101,49 @@ def test_mixer_matches_transformers_over_chunks_steps_and_sequences(family):
     """Three sequences in the same steps (slots 3, 0, 2): one prefilled whole, one in prompt chunks then decode steps
     (in the same steps as another's chunks), one decoded from its first token; each equals transformers' mixer over
     its whole sequence (its sequential scan)."""
-    hf, ours = _hf_mixer(family)
+    hf, settings = _hf_mixer(family)
+    ours = MambaMixer(settings)
+    weights = hf.state_dict()
+    assert {name for name, _ in ours.named_parameters()} == set(weights)
+    for name, p in ours.named_parameters():
+        p.data.copy_(weights[name])
+    ours.allocate_state(4, torch.float32, torch.device("cpu"))
+    x, expected = _inputs_and_hf_outputs(hf)
+    check_outputs(run_in_steps(ours, x, first_prefill=70), expected)
+
+
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "jamba"])
+@torch.inference_mode()
+def test_mixer_sharded_over_two_ranks_matches_transformers(family, monkeypatch):
+    """Two ranks (threads in a fake group): each holds half the channels (their in_proj rows, conv, dt_proj rows
+    and state, x_proj's and out_proj's input columns); x_proj's partial dt, B and C all-reduced before their norms
+    (Falcon-Mamba's, Jamba's), out_proj's after; their outputs equal transformers' mixer's."""
+    hf, settings = _hf_mixer(family)
+    ranks = shard_over_ranks(lambda: MambaMixer(settings), hf, 2)
+    half = settings.intermediate_size // 2
+    for mixer in ranks:
+        assert mixer.ssm_state.shape[1:] == (half, settings.state_size) and mixer.conv_state.shape[-1] == half
+        assert mixer.in_proj.weight.shape[0] == 2 * half and mixer.x_proj.weight.shape[1] == half
+    x, expected = _inputs_and_hf_outputs(hf)
+    for outputs in run_ranks(monkeypatch, [lambda m=m: run_in_steps(m, x, first_prefill=70) for m in ranks]):
+        check_outputs(outputs, expected)
+
+
+def test_mixer_channels_must_split_over_ranks():
+    with tp_scope(0, 3, None), pytest.raises(ValueError, match="intermediate_size=128 .* tensor_parallel_size=3"):
+        MambaMixer(_hf_mixer("mamba")[1])
+
+
+def _inputs_and_hf_outputs(hf) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Three sequences of 70, 19 and 6 tokens, and transformers' mixer's outputs over each whole (its sequential
+    scan)."""
     g = torch.Generator().manual_seed(1)
     x = [torch.randn(n, 32, generator=g) for n in (70, 19, 6)]
-    expected = [hf(seq[None])[0] for seq in x]
+    return x, [hf(seq[None])[0] for seq in x]
+
+
+def check_outputs(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
     # fp32 rounding of outputs of up to some hundreds (transformers' own).
-    for got, want in zip(run_in_steps(ours, x, first_prefill=70), expected):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-6 * want.abs().max().item())
+    for y, want in zip(got, expected):
+        torch.testing.assert_close(y, want, rtol=0, atol=1e-6 * want.abs().max().item())
         assert want.abs().max() > 1

@@ -1,16 +1,21 @@
 """LFM2, Bamba, Granite 4.0-H, NemotronH and Falcon-H1 (short-conv and Mamba2 hybrids) vs transformers under chunked
 prefill, preemption and two tensor-parallel ranks, prefix caching and LLM.embed refused; the Mamba2 scan's chunked and
 one-step forms against each other, and the mixers against transformers' over prompt chunks, decode steps and several
-sequences at once."""
+sequences at once, whole and sharded over two ranks."""
+import threading
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from models import MAMBA2_HYBRID_KINDS, SSM_KINDS
 from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.mamba2 import Mamba2Mixer, Mamba2Settings, ssd_chunk_scan, ssd_step
-from nanoinfer.layers.recurrent import RecurrentBatch
+from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer
 from nanoinfer.models import falcon_h1, nemotron_h
 from nanoinfer.models.bamba import mamba2_settings
+from nanoinfer.utils.dist import tp_scope
+from nanoinfer.utils.loader import load_weights
 # Prefix caching refused (a cached prefix has K/V but no recurrent state), LLM.embed refused (causal layers).
 from test_qwen3_next import LOGIT_ATOL, PROMPTS, run, test_embed_is_refused, test_no_prefix_cache_reuse  # noqa: F401
 
@@ -39,14 +44,18 @@ def test_chunked_prefill_and_preemption_match_hf(ssm_dir, captured_logits, repor
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["lfm2", "granitemoehybrid", "nemotron-h", "falcon-h1-norm"])
+@pytest.mark.parametrize("kind", ["lfm2", "granitemoehybrid", "nemotron-h", "falcon-h1-norm", "bamba"])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
-    """Two ranks (a spawned worker): LFM2's short conv sharded by channels; Granite's, NemotronH's and Falcon-H1's
-    attention, MLPs and experts sharded (Falcon-H1's multipliers folded into each rank's rows), their Mamba2 mixers
-    replicated on each rank with their own state."""
-    _, _, worst = run(model_dir(kind), captured_logits, prompts=PROMPTS[:4], tensor_parallel_size=2)
+    """Two ranks (a spawned worker): LFM2's short conv sharded by channels; Granite's, NemotronH's, Falcon-H1's and
+    Bamba's attention, MLPs and experts sharded, their Mamba2 mixers by heads, each rank with its heads' state
+    (Falcon-H1's multipliers folded into each rank's rows; Bamba's one group of B and C whole on both ranks)."""
+    llm, _, worst = run(model_dir(kind), captured_logits, prompts=PROMPTS[:4], tensor_parallel_size=2)
     report_logit_diff(f"{kind}, tensor parallel 2", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+    config = llm.llm_engine.config.hf_config
+    heads = getattr(config, "mamba_n_heads", None) or getattr(config, "mamba_num_heads", None)
+    mixers = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Mamba2Mixer)]
+    assert bool(mixers) == (kind != "lfm2") and all(m.ssm_state.shape[1] * 2 == heads for m in mixers)
 
 
 def _scan_inputs(n: int, heads: int = 4, groups: int = 2, head_dim: int = 3, state_size: int = 5, seed: int = 0):
@@ -91,29 +100,40 @@ def _metadata(query_lens: list[int], context_lens: list[int], slots: list[int]) 
                              max(context_lens), 16, state_slots=torch.tensor(slots))
 
 
-def _hf_mixer(kind: str) -> tuple[torch.nn.Module, Mamba2Settings, object]:
-    """transformers' mixer of `kind` (8 or 6 heads in 2 groups, 5-token scan chunks), our settings for it, and its
-    config."""
+def _hf_mixer(kind: str, n_groups: int = 2) -> tuple[torch.nn.Module, Mamba2Settings, object]:
+    """transformers' mixer of `kind` (8 or 6 heads in n_groups groups, 5-token scan chunks) with random weights, our
+    settings for it, and its config."""
+    hf, settings, config = _hf_mixer_and_settings(kind, n_groups)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        hf.A_log.copy_(torch.linspace(0.01, 1.0, hf.A_log.numel()).log())
+    return hf, settings, config
+
+
+def _hf_mixer_and_settings(kind: str, n_groups: int) -> tuple[torch.nn.Module, Mamba2Settings, object]:
+    """transformers' mixer of `kind` as it initializes itself, our settings for it, and its config."""
     if kind == "bamba":
         from transformers import BambaConfig
         from transformers.models.bamba.modeling_bamba import BambaMixer
 
-        config = BambaConfig(hidden_size=32, mamba_n_heads=8, mamba_d_state=6, mamba_n_groups=2, mamba_chunk_size=5,
-                             num_hidden_layers=1, attn_layer_indices=[])
+        config = BambaConfig(hidden_size=32, mamba_n_heads=8, mamba_d_state=6, mamba_n_groups=n_groups,
+                             mamba_chunk_size=5, num_hidden_layers=1, attn_layer_indices=[])
         return BambaMixer(config, 0), mamba2_settings(config), config
     if kind == "nemotron-h":  # dt's floor (time_step_min) binds for ~1 in 10 head-steps; projection biases
         from transformers import NemotronHConfig
         from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
 
         config = NemotronHConfig(hidden_size=32, layers_block_type=["linear_attention"], mamba_num_heads=8,
-                                 mamba_head_dim=8, n_groups=2, ssm_state_size=6, chunk_size=5, time_step_min=0.1,
+                                 mamba_head_dim=8, n_groups=n_groups, ssm_state_size=6, chunk_size=5, time_step_min=0.1,
                                  use_bias=True)
         return NemotronHMamba2Mixer(config, 0), nemotron_h.mamba2_settings(config), config
     # Falcon-H1: the gate alone, or the gated norm before the gate; mamba_d_ssm channels (not 2 x hidden).
     from transformers import FalconH1Config
     from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Mixer
 
-    config = FalconH1Config(hidden_size=32, mamba_d_ssm=48, mamba_n_heads=6, mamba_d_state=6, mamba_n_groups=2,
+    config = FalconH1Config(hidden_size=32, mamba_d_ssm=48, mamba_n_heads=6, mamba_d_state=6, mamba_n_groups=n_groups,
                             mamba_chunk_size=5, num_hidden_layers=1, mamba_rms_norm=kind == "falcon-h1-norm",
                             mamba_norm_before_gate=True, mamba_proj_bias=True, projectors_bias=True)
     hf = FalconH1Mixer(config, 0)
@@ -125,11 +145,6 @@ def _hf_mixer(kind: str) -> tuple[torch.nn.Module, Mamba2Settings, object]:
 def mixers(request):
     """transformers' mixer, ours with its weights, and its config."""
     hf, settings, config = _hf_mixer(request.param)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.copy_(0.3 * torch.randn(p.shape, generator=g))
-        hf.A_log.copy_(torch.linspace(0.01, 1.0, hf.A_log.numel()).log())
     ours = Mamba2Mixer(settings)
     weights = hf.state_dict()
     for name, p in ours.named_parameters():
@@ -143,9 +158,17 @@ def test_mixer_matches_transformers_over_chunks_steps_and_sequences(mixers):
     """Three sequences in the same steps (slots 3, 0, 2): one prefilled whole, one in prompt chunks then decode steps
     (in the same steps as another's chunks), one decoded from its first token; each equals transformers' mixer run
     over the same pieces with its cache (its chunked form for pieces of several tokens, its one-step form for one)."""
+    hf, ours, config = mixers
+    x, expected = _inputs_and_hf_outputs(hf, config)
+    for got, want in zip(run_in_steps(ours, x, first_prefill=23), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def _inputs_and_hf_outputs(hf, config) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Three sequences of 23, 19 and 6 tokens, and transformers' mixer's outputs over each one's pieces of
+    step_schedule(23) (its chunked form for pieces of several tokens, its one-step form for one) with its cache."""
     from transformers import DynamicCache
 
-    hf, ours, config = mixers
     g = torch.Generator().manual_seed(1)
     x = [torch.randn(n, 32, generator=g) for n in (23, 19, 6)]
     expected = []
@@ -153,8 +176,81 @@ def test_mixer_matches_transformers_over_chunks_steps_and_sequences(mixers):
         cache = DynamicCache(config=config)
         pieces = [n for n in (step[i] for step in step_schedule(23)) if n]
         expected.append(torch.cat([hf(piece[None], cache_params=cache)[0] for piece in seq.split(pieces)]))
-    for got, want in zip(run_in_steps(ours, x, first_prefill=23), expected):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    return x, expected
+
+
+@pytest.mark.parametrize("kind, n_groups", [("bamba", 2), ("nemotron-h", 2), ("falcon-h1-norm", 3), ("falcon-h1", 3),
+                                            ("bamba", 1)])
+@torch.inference_mode()
+def test_mixer_sharded_over_two_ranks_matches_transformers(kind, n_groups, monkeypatch):
+    """Two ranks (threads in a fake group): each holds half the heads (their in_proj rows, conv channels and state)
+    and half the groups of B and C, or all of them where 2 does not divide them (3 groups: a norm group spans both
+    ranks; 1: one norm over all channels); their all-reduced outputs equal transformers' mixer's."""
+    hf, settings, config = _hf_mixer(kind, n_groups)
+    ranks = shard_over_ranks(lambda: Mamba2Mixer(settings), hf, 2)
+    groups = n_groups * settings.state_size // (2 if n_groups % 2 == 0 else 1)  # rows of B (and of C) per rank
+    half = settings.intermediate_size // 2
+    for mixer in ranks:
+        assert mixer.ssm_state.shape[1:] == (settings.num_heads // 2, settings.head_dim, settings.state_size)
+        assert mixer.conv_state.shape[-1] == half + 2 * groups
+        assert mixer.in_proj.weight.shape[0] == 2 * half + 2 * groups + settings.num_heads // 2
+        assert mixer.out_proj.weight.shape[1] == half
+    x, expected = _inputs_and_hf_outputs(hf, config)
+    for outputs in run_ranks(monkeypatch, [lambda m=m: run_in_steps(m, x, first_prefill=23) for m in ranks]):
+        for got, want in zip(outputs, expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_mixer_heads_must_split_over_ranks():
+    settings = _hf_mixer_and_settings("bamba", 2)[1]
+    with tp_scope(0, 3, None), pytest.raises(ValueError, match="8 Mamba2 heads do not split over tensor_parallel_size"):
+        Mamba2Mixer(settings)
+
+
+def shard_over_ranks(make: Callable[[], RecurrentLayer], hf: torch.nn.Module, size: int) -> list[RecurrentLayer]:
+    """make() as each of `size` tensor-parallel ranks, loaded by its weight_loaders from hf's parameters (of the
+    same names), with 4 state slots."""
+    layers = []
+    for rank in range(size):
+        with tp_scope(rank, size, None), torch.no_grad():
+            layer = make()
+            load_weights(layer, hf.named_parameters())
+        layer.allocate_state(4, torch.float32, torch.device("cpu"))
+        layers.append(layer)
+    return layers
+
+
+def run_ranks(monkeypatch, work: list[Callable[[], object]]) -> list[object]:
+    """Each rank's work at once, in a thread of its own, torch.distributed.all_reduce (monkeypatched) summing the
+    ranks' tensors in place, in the same order on every rank: a fake group of len(work) ranks."""
+    size = len(work)
+    barrier, local, tensors, results, errors = threading.Barrier(size, timeout=60), threading.local(), {}, {}, []
+
+    def all_reduce(tensor: torch.Tensor, group=None) -> None:
+        tensors[local.rank] = tensor
+        barrier.wait()
+        total = sum((tensors[r] for r in range(1, size)), tensors[0].clone())
+        barrier.wait()  # every rank has read every other's tensor
+        tensor.copy_(total)
+
+    def run(rank: int) -> None:
+        local.rank = rank
+        try:
+            with torch.inference_mode():  # thread-local
+                results[rank] = work[rank]()
+        except BaseException as e:
+            errors.append(e)
+            barrier.abort()
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [results[rank] for rank in range(size)]
 
 
 def step_schedule(first_prefill: int) -> list[list[int]]:

@@ -1,7 +1,8 @@
 """The Mamba (1) mixer (Mamba, Falcon-Mamba, Jamba): in_proj -> (x, z); a causal conv over x carried in a per-sequence
 conv state; x_proj -> (dt, B, C) (RMS-normed in Falcon-Mamba and Jamba); the selective scan over a per-sequence state
 [intermediate, d_state], a prompt's chunks at a time (a parallel scan within them on GPUs), one step for decode;
-D skip, y * silu(z); out_proj. In fp32 it computes what transformers' torch path (modeling_mamba.py) does."""
+D skip, y * silu(z); out_proj. In fp32 it computes what transformers' torch path (modeling_mamba.py) does. Under tensor
+parallelism each rank holds its intermediate channels (as vLLM's MambaMixer)."""
 from dataclasses import dataclass
 
 import torch
@@ -9,8 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.layers.layernorm import RMSNorm
-from nanoinfer.layers.linear import ReplicatedLinear
-from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer
+from nanoinfer.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer, RowShardedWeight
+from nanoinfer.utils.dist import tp_size
 
 # Tokens per scan chunk, whose intermediates are [chunk, intermediate, d_state] fp32: on CPUs, scanned token by token
 # in chunks that stay in cache (16 x 1536 x 16: 1.5 MiB); on GPUs, by the parallel scan (Jamba: 64 x 8192 x 16, 32 MiB).
@@ -88,25 +90,29 @@ class MambaSettings:
 
 
 class MambaMixer(RecurrentLayer):
-    """The mixer of one layer. Its projections are replicated, not sharded: under tensor parallelism every rank
-    computes the whole layer with its own state (correct, not yet faster)."""
+    """The mixer of one layer. Under tensor parallelism each rank holds its intermediate channels: their x and z rows
+    of in_proj, conv channels, dt_proj rows, A_log, D and state, x_proj's and out_proj's input columns. x_proj's
+    output (dt, B, C) needs every channel: its partial products are all-reduced (before the dt/B/C norms), as in
+    vLLM. intermediate_size is this rank's."""
 
     def __init__(self, s: MambaSettings):
         if s.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {s.hidden_act!r} for the Mamba conv; only 'silu' is implemented")
-        super().__init__(s.conv_kernel, s.intermediate_size, (s.intermediate_size, s.state_size))
-        self.intermediate_size, self.state_size, self.time_step_rank = (s.intermediate_size, s.state_size,
-                                                                        s.time_step_rank)
-        self.in_proj = ReplicatedLinear(s.hidden_size, 2 * s.intermediate_size, s.proj_bias)
-        self.conv1d = nn.Conv1d(s.intermediate_size, s.intermediate_size, s.conv_kernel, bias=s.conv_bias,
-                                groups=s.intermediate_size)  # a weight holder: the conv runs in causal_conv
-        self.conv1d.requires_grad_(False)
-        self.x_proj = ReplicatedLinear(s.intermediate_size, s.time_step_rank + 2 * s.state_size)
-        # A weight holder: transformers adds its bias after the matmul, in fp32.
-        self.dt_proj = nn.Linear(s.time_step_rank, s.intermediate_size).requires_grad_(False)
-        self.A_log = nn.Parameter(torch.empty(s.intermediate_size, s.state_size), requires_grad=False)
-        self.D = nn.Parameter(torch.empty(s.intermediate_size), requires_grad=False)
-        self.out_proj = ReplicatedLinear(s.intermediate_size, s.hidden_size, s.proj_bias)
+        if s.intermediate_size % tp_size():
+            raise ValueError(f"intermediate_size={s.intermediate_size} of the Mamba mixer does not split over "
+                             f"tensor_parallel_size={tp_size()}")
+        channels = s.intermediate_size // tp_size()
+        super().__init__(s.conv_kernel, channels, (channels, s.state_size))
+        self.intermediate_size, self.state_size, self.time_step_rank = channels, s.state_size, s.time_step_rank
+        self.in_proj = MergedColumnParallelLinear(s.hidden_size, [s.intermediate_size] * 2, s.proj_bias)
+        split = [(s.intermediate_size, True)]
+        # Weight holders: the conv runs in causal_conv; transformers adds dt_proj's bias after the matmul, in fp32.
+        self.conv1d = RowShardedWeight(split, (1, s.conv_kernel), s.conv_bias)
+        self.x_proj = RowParallelLinear(s.intermediate_size, s.time_step_rank + 2 * s.state_size)
+        self.dt_proj = RowShardedWeight(split, (s.time_step_rank,), True)
+        self.A_log = nn.Parameter(torch.empty(channels, s.state_size), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(channels), requires_grad=False)
+        self.out_proj = RowParallelLinear(s.intermediate_size, s.hidden_size, s.proj_bias)
         self.dt_layernorm = self.b_layernorm = self.c_layernorm = None
         if s.dt_bc_norm_eps is not None:
             norm = RMSNorm if s.dt_bc_norm_weights else WeightlessRMSNorm

@@ -1,15 +1,19 @@
 """The Mamba2 mixer (Bamba, Granite 4.0-H, NemotronH, Falcon-H1): in_proj -> (z, xBC, dt); a causal conv over xBC
 carried in a per-sequence conv state; the SSD scan over a per-sequence state [heads, head_dim, d_state], chunked for
 prompt chunks and one step at a time for decode; a gated group RMSNorm (or the gate alone); out_proj. In fp32 it
-computes what transformers' torch path does."""
+computes what transformers' torch path does. Under tensor parallelism each rank holds its heads (as vLLM's
+MambaMixer2)."""
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.layers.linear import ReplicatedLinear
-from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer
+from nanoinfer.layers.linear import LinearBase, RowParallelLinear
+from nanoinfer.layers.recurrent import (RecurrentBatch, RecurrentLayer, RowShardedWeight, Segments, load_rank_rows,
+                                        load_row_shards, local_rows)
+from nanoinfer.utils.dist import tp_group, tp_rank, tp_size
 
 
 def segment_sum(x: torch.Tensor) -> torch.Tensor:
@@ -96,18 +100,39 @@ class Mamba2Settings:
 
 class Mamba2GatedRMSNorm(nn.Module):
     """RMSNorm(y * silu(z)) over groups of channels, weight applied after the cast back; norm_before_gate:
-    RMSNorm(y) * silu(z)."""
+    RMSNorm(y) * silu(z). Holds this rank's channels; groups that do not split over the ranks (vLLM's n_groups = 1
+    case, or any other count) are normed over all their channels: their partial sums of squares are all-reduced."""
 
-    def __init__(self, hidden_size: int, group_size: int, eps: float, norm_before_gate: bool = False):
+    def __init__(self, hidden_size: int, n_groups: int, eps: float, norm_before_gate: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.group_size, self.eps, self.norm_before_gate = group_size, eps, norm_before_gate
+        channels = hidden_size // tp_size()
+        self.weight = nn.Parameter(torch.ones(channels), requires_grad=False)
+        self.n_groups, self.group_size, self.eps, self.norm_before_gate = (n_groups, hidden_size // n_groups, eps,
+                                                                           norm_before_gate)
+        self.tp_group = tp_group()
+        spread = n_groups % tp_size() != 0
+        self.register_buffer("channel_groups", (tp_rank() * channels + torch.arange(channels)) // self.group_size
+                             if spread else None, persistent=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        load_rank_rows(param, loaded)
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         gate = F.silu(gate.float())
-        h = (y.float() if self.norm_before_gate else y.float() * gate).unflatten(-1, (-1, self.group_size))
-        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2).to(y.dtype)
+        h = y.float() if self.norm_before_gate else y.float() * gate
+        if self.channel_groups is None:
+            h = h.unflatten(-1, (-1, self.group_size))
+            h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        else:
+            h = h * torch.rsqrt(self._spread_mean_squares(h) + self.eps)
+        h = self.weight * h.to(y.dtype)
         return h * gate if self.norm_before_gate else h
+
+    def _spread_mean_squares(self, h: torch.Tensor) -> torch.Tensor:
+        """h [tokens, channels] -> each channel's group's mean square, summed over the ranks holding the group."""
+        sums = h.new_zeros(h.shape[0], self.n_groups).index_add_(1, self.channel_groups, h.pow(2))
+        dist.all_reduce(sums, group=self.tp_group)
+        return (sums / self.group_size)[:, self.channel_groups]
 
 
 def silu_gate(y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -115,33 +140,57 @@ def silu_gate(y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return y.float() * F.silu(gate.float())
 
 
+class SegmentedColumnParallelLinear(LinearBase):
+    """A column-parallel layer whose output rows are segments, each split over the ranks or whole on each (Mamba2's
+    in_proj: z, x, dt split by heads; B and C by groups, or whole where the groups do not split)."""
+
+    def __init__(self, input_size: int, segments: Segments, bias: bool = False):
+        super().__init__(input_size, local_rows(segments), bias, tp_dim=0)
+        self.segments = segments
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        load_row_shards(param, loaded, self.segments)
+
+
 class Mamba2Mixer(RecurrentLayer):
-    """The mixer of one layer. Its projections are replicated, not sharded: under tensor parallelism every rank
-    computes the whole layer with its own state (correct, not yet faster)."""
+    """The mixer of one layer. Under tensor parallelism each rank holds its heads: their z, x and dt rows of in_proj,
+    x's conv channels, A_log, D, dt_bias, their state and norm channels, out_proj's input columns (all-reduced). The
+    groups of B and C split when the ranks divide them; else every rank keeps (and convolves) all of them and picks
+    its heads' ones, as vLLM does. num_heads, intermediate_size, n_groups and conv_dim are this rank's."""
 
     def __init__(self, settings: Mamba2Settings):
-        s = settings
+        s, tp = settings, tp_size()
         if s.activation != "silu":
             raise ValueError(f"unsupported activation {s.activation!r} for the Mamba2 conv; only 'silu' is implemented")
         if s.num_heads % s.n_groups:
             raise ValueError(f"{s.num_heads} Mamba2 heads cannot form {s.n_groups} equal groups")
-        conv_dim = s.intermediate_size + 2 * s.n_groups * s.state_size
-        super().__init__(s.conv_kernel, conv_dim, (s.num_heads, s.head_dim, s.state_size))
-        self.num_heads, self.head_dim, self.n_groups, self.state_size = s.num_heads, s.head_dim, s.n_groups, s.state_size
-        self.intermediate_size, self.conv_dim = s.intermediate_size, conv_dim
+        if s.num_heads % tp:
+            raise ValueError(f"{s.num_heads} Mamba2 heads do not split over tensor_parallel_size={tp}")
+        split_groups = s.n_groups % tp == 0
+        groups = s.n_groups * s.state_size
+        xbc = [(s.intermediate_size, True), (groups, split_groups), (groups, split_groups)]
+        conv_dim, heads = local_rows(xbc), s.num_heads // tp
+        super().__init__(s.conv_kernel, conv_dim, (heads, s.head_dim, s.state_size))
+        self.num_heads, self.head_dim, self.state_size = heads, s.head_dim, s.state_size
+        self.n_groups = s.n_groups // tp if split_groups else s.n_groups
+        self.intermediate_size, self.conv_dim = self.num_heads * s.head_dim, conv_dim
         self.chunk_size = s.chunk_size
         self.time_step_limit = s.time_step_limit
-        self.in_proj = ReplicatedLinear(s.hidden_size, self.intermediate_size + conv_dim + self.num_heads,
-                                        s.in_proj_bias)
-        self.conv1d = nn.Conv1d(conv_dim, conv_dim, s.conv_kernel, bias=s.conv_bias,
-                                groups=conv_dim)  # a weight holder: the conv runs in RecurrentLayer.causal_conv
-        self.conv1d.requires_grad_(False)
+        self.in_proj = SegmentedColumnParallelLinear(s.hidden_size, [(s.intermediate_size, True), *xbc,
+                                                                     (s.num_heads, True)], s.in_proj_bias)
+        # A weight holder: the conv runs in RecurrentLayer.causal_conv.
+        self.conv1d = RowShardedWeight(xbc, (1, s.conv_kernel), s.conv_bias)
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.D = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
-        self.norm = (Mamba2GatedRMSNorm(self.intermediate_size, self.intermediate_size // self.n_groups, s.eps,
-                                        s.norm_before_gate) if s.gated_norm else silu_gate)
-        self.out_proj = ReplicatedLinear(self.intermediate_size, s.hidden_size, s.out_proj_bias)
+        self.norm = (Mamba2GatedRMSNorm(s.intermediate_size, s.n_groups, s.eps, s.norm_before_gate)
+                     if s.gated_norm else silu_gate)
+        self.out_proj = RowParallelLinear(s.intermediate_size, s.hidden_size, s.out_proj_bias)
+        # With every group on every rank: the group of each of this rank's heads (None: the groups split as the heads).
+        heads_per_group = s.num_heads // s.n_groups
+        self.register_buffer("head_groups", None if split_groups else
+                             (tp_rank() * self.num_heads + torch.arange(self.num_heads)) // heads_per_group,
+                             persistent=False)
 
     def forward(self, x: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
         self.reset_fresh_slots(batch)
@@ -151,8 +200,10 @@ class Mamba2Mixer(RecurrentLayer):
         dtype = self.ssm_state.dtype
         xs, B, C = xbc.to(dtype).split([self.intermediate_size, groups, groups], -1)
         dt = F.softplus(dt.to(dtype) + self.dt_bias.to(dtype))
-        y = self._scan(xs.view(n, self.num_heads, self.head_dim), dt, B.view(n, self.n_groups, self.state_size),
-                       C.view(n, self.n_groups, self.state_size), batch)
+        B, C = B.view(n, self.n_groups, self.state_size), C.view(n, self.n_groups, self.state_size)
+        if self.head_groups is not None:  # one group per head, each its own
+            B, C = B[:, self.head_groups], C[:, self.head_groups]
+        y = self._scan(xs.view(n, self.num_heads, self.head_dim), dt, B, C, batch)
         return self.out_proj(self.norm(y.flatten(1), z).to(x.dtype))
 
     def _scan(self, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, batch: RecurrentBatch

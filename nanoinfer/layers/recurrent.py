@@ -1,5 +1,6 @@
 """Per-sequence recurrent state in slots (Gated DeltaNet, Mamba2, short convolutions): the base of the layers that
-keep it, where each sequence of a step finds its slot, and the causal depthwise conv they all start with."""
+keep it, where each sequence of a step finds its slot, the causal depthwise conv they all start with, and the loading
+of a tensor-parallel rank's channels of their weights."""
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -9,6 +10,37 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.layers.attention import AttentionMetadata
+from nanoinfer.layers.linear import copy_weight
+from nanoinfer.utils.dist import tp_rank, tp_size
+
+# Rows of a checkpoint tensor stacked along dim 0: (rows, split), each split evenly over the tensor-parallel ranks
+# (True) or kept whole on every rank (False).
+Segments = list[tuple[int, bool]]
+
+
+def local_rows(segments: Segments) -> int:
+    """Rows this rank holds of `segments`."""
+    return sum(rows // tp_size() if split else rows for rows, split in segments)
+
+
+def load_row_shards(param: nn.Parameter, loaded: torch.Tensor, segments: Segments) -> None:
+    """Copy this rank's rows of a checkpoint tensor made of `segments`: a split one's tp_rank-th share, a whole one
+    all of it, in order."""
+    total = sum(rows for rows, _ in segments)
+    if loaded.shape[0] != total or any(split and rows % tp_size() for rows, split in segments):
+        raise ValueError(f"shape mismatch: checkpoint tensor {tuple(loaded.shape)}, expected {total} rows in "
+                         f"segments {segments} split over {tp_size()} ranks")
+    parts, start = [], 0
+    for rows, split in segments:
+        size = rows // tp_size() if split else rows
+        parts.append(loaded.narrow(0, start + tp_rank() * size if split else start, size))
+        start += rows
+    copy_weight(param, torch.cat(parts))
+
+
+def load_rank_rows(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """This rank's equal share of dim 0 (per-head or per-channel parameters)."""
+    load_row_shards(param, loaded, [(loaded.shape[0], True)])
 
 
 def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -46,6 +78,21 @@ class RecurrentBatch:
         )
 
 
+class RowShardedWeight(nn.Module):
+    """A weight [rows, *row_shape] and an optional bias [rows] that a layer applies itself (a depthwise conv's, in
+    nn.Conv1d's layout [channels, 1, K] as checkpoints store it; Mamba's dt_proj): this rank's rows of `segments`."""
+
+    def __init__(self, segments: Segments, row_shape: tuple[int, ...], bias: bool):
+        super().__init__()
+        self.segments = segments
+        rows = local_rows(segments)
+        self.weight = nn.Parameter(torch.empty(rows, *row_shape), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(rows), requires_grad=False) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        load_row_shards(param, loaded, self.segments)
+
+
 class RecurrentLayer(nn.Module):
     """The recurrent counterpart of Attention: keeps every running sequence's state in a slot of its own across
     steps (the tensors allocated by ModelRunner, the slot assigned by the BlockManager): the conv's latest inputs,
@@ -57,6 +104,10 @@ class RecurrentLayer(nn.Module):
         self.ssm_state_shape = ssm_state_shape
         self.conv_state = torch.empty(0)  # [num_slots, K-1, conv_dim]
         self.ssm_state = torch.empty(0)  # [num_slots, *ssm_state_shape]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """The layer's own per-head or per-channel parameters (A_log, D, ...): this rank's share of them."""
+        load_rank_rows(param, loaded)
 
     @staticmethod
     def ssm_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -38,8 +38,9 @@ class FalconH1DecoderLayer(HybridDecoderLayer):
     @torch.no_grad()
     def fold_multipliers(self, config: PretrainedConfig) -> None:
         """transformers' activation multipliers as weight scales: attention's input (q, k, v), keys, output; the
-        Mamba2 input and in_proj's segments (z, x, B, C, dt: `ssm_multipliers`), its output; the MLP's gate and down
-        projection. A bias added after the scaled product is scaled with its weight."""
+        Mamba2 input and in_proj's segments (z, x, B, C, dt: `ssm_multipliers`; the mixer's sizes are this rank's
+        rows of each), its output; the MLP's gate and down projection. A bias added after the scaled product is
+        scaled with its weight."""
         attn, mamba, mlp = self.self_attn, self.mamba, self.mlp
         attn.qkv_proj.weight.mul_(config.attention_in_multiplier)
         _scale_rows(attn.qkv_proj, attn.q_size, attn.kv_size, config.key_multiplier)
