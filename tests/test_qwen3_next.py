@@ -1,13 +1,17 @@
 """Qwen3-Next and Qwen3.5 (Gated DeltaNet + gated attention) vs transformers under every schedule and with two
-tensor-parallel ranks, the per-sequence recurrent state's lifecycle, and the delta rule's chunked form against its
-recurrent form."""
+tensor-parallel ranks, their linear attention sharded over two fake ranks vs transformers' layer, the per-sequence
+recurrent state's lifecycle, and the delta rule's chunked form against its recurrent form."""
 import pytest
 import torch
 
 from models import QWEN3_NEXT_KINDS, cached_hf_greedy, check_against_hf, random_prompts
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.layers.gated_delta_rule import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+from nanoinfer.layers.gated_delta_rule import (GatedDeltaRule, chunk_gated_delta_rule, l2norm,
+                                               recurrent_gated_delta_rule)
 from nanoinfer.layers.recurrent import causal_conv1d
+from nanoinfer.models.qwen3_5 import Qwen3_5GatedDeltaNet
+from nanoinfer.models.qwen3_next import Qwen3NextGatedDeltaNet
+from nanoinfer.utils.dist import tp_scope
 
 MAX_TOKENS = 16
 LOGIT_ATOL = 1e-4
@@ -62,12 +66,78 @@ def test_preemption_matches_hf(next_dir, captured_logits, report_logit_diff):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_matches_hf(model_dir, captured_logits, report_logit_diff):
-    """Two ranks (a spawned worker), on Qwen3.5-MoE (whose layers are Qwen3-Next's): the full-attention layers and
-    the MLPs (experts, shared expert) sharded, the linear attention replicated on each rank with its own state."""
-    _, _, worst = run(model_dir("qwen3.5-moe"), captured_logits, tensor_parallel_size=2)
-    report_logit_diff("qwen3.5-moe, tensor parallel 2", worst)
+@pytest.mark.parametrize("kind", ["qwen3-next", "qwen3.5-moe"])
+def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
+    """Two ranks (a spawned worker), on Qwen3-Next (projections grouped by key head) and Qwen3.5-MoE (per output):
+    the full-attention layers, the MLPs (experts, shared expert) and the linear attention sharded, each rank with its
+    heads' state."""
+    llm, _, worst = run(model_dir(kind), captured_logits, tensor_parallel_size=2)
+    with llm:  # closed (the worker too) before asserting
+        heads = [m.ssm_state.shape[1] for m in llm.llm_engine.model_runner.model.modules()
+                 if isinstance(m, GatedDeltaRule)]
+        total = llm.llm_engine.config.hf_config.linear_num_value_heads
+    report_logit_diff(f"{kind}, tensor parallel 2", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+    assert heads and all(h * 2 == total for h in heads), f"value heads per rank {heads} of {total}"
+
+
+def _hf_gated_delta_net(kind: str) -> tuple[torch.nn.Module, object]:
+    """transformers' linear attention of `kind` (4 key heads, 2 value heads each, k_dim != v_dim) with random
+    weights, and its config."""
+    shape = dict(hidden_size=32, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
+                 linear_value_head_dim=6, linear_conv_kernel_dim=4, num_hidden_layers=1,
+                 layer_types=["linear_attention"])
+    if kind == "qwen3-next":
+        from transformers import Qwen3NextConfig
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet as HFGatedDeltaNet
+
+        config = Qwen3NextConfig(**shape)
+    else:
+        from transformers import Qwen3_5TextConfig
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as HFGatedDeltaNet
+
+        config = Qwen3_5TextConfig(**shape)
+    hf = HFGatedDeltaNet(config, 0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        hf.A_log.copy_(torch.linspace(0.01, 2.0, hf.A_log.numel()).log())  # decays from almost none to strong
+    return hf, config
+
+
+@pytest.mark.parametrize("kind", ["qwen3-next", "qwen3.5"])
+@torch.inference_mode()
+def test_gated_delta_net_sharded_over_two_ranks_matches_transformers(kind, monkeypatch):
+    """Two ranks (threads in a fake group, tests/test_ssm.py's): each holds 2 of the 4 key heads and their 4 value
+    heads (their in_proj rows, q | k | v conv channels and state, out_proj's input columns); over a prompt past the
+    64-token chunk, prompt chunks, decode steps and several sequences at once, their all-reduced outputs equal
+    transformers' layer over each whole sequence."""
+    from test_ssm import run_in_steps, run_ranks, shard_over_ranks  # test_ssm imports this module
+
+    hf, config = _hf_gated_delta_net(kind)
+    layer_class = Qwen3NextGatedDeltaNet if kind == "qwen3-next" else Qwen3_5GatedDeltaNet
+    ranks = shard_over_ranks(lambda: layer_class(config), hf, 2)
+    in_proj_rows = sum(m.weight.shape[0] for name, m in hf.named_children() if name.startswith("in_proj"))
+    for layer in ranks:
+        assert layer.delta_rule.ssm_state.shape[1:] == (4, 8, 6)
+        assert layer.delta_rule.conv_state.shape[-1] * 2 == hf.conv1d.weight.shape[0]
+        assert sum(m.weight.shape[0] for name, m in layer.named_children() if name.startswith("in_proj")) * 2 == (
+            in_proj_rows)
+        assert layer.out_proj.weight.shape[1] * 2 == hf.out_proj.weight.shape[1]
+    g = torch.Generator().manual_seed(1)
+    x = [torch.randn(n, 32, generator=g) for n in (70, 19, 6)]
+    expected = [hf(seq[None])[0] for seq in x]
+    for outputs in run_ranks(monkeypatch, [lambda m=m: run_in_steps(m, x, first_prefill=70) for m in ranks]):
+        for got, want in zip(outputs, expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_gated_delta_net_key_heads_must_split_over_ranks():
+    config = _hf_gated_delta_net("qwen3-next")[1]
+    with tp_scope(0, 3, None), pytest.raises(ValueError, match="linear_num_key_heads=4 does not split over "
+                                                               "tensor_parallel_size=3"):
+        Qwen3NextGatedDeltaNet(config)
 
 
 def test_no_prefix_cache_reuse(next_dir, captured_logits):

@@ -211,15 +211,17 @@ def test_mixer_heads_must_split_over_ranks():
         Mamba2Mixer(settings)
 
 
-def shard_over_ranks(make: Callable[[], RecurrentLayer], hf: torch.nn.Module, size: int) -> list[RecurrentLayer]:
+def shard_over_ranks(make: Callable[[], torch.nn.Module], hf: torch.nn.Module, size: int) -> list[torch.nn.Module]:
     """make() as each of `size` tensor-parallel ranks, loaded by its weight_loaders from hf's parameters (of the
-    same names), with 4 state slots."""
+    same names), with 4 state slots in each of its recurrent layers."""
     layers = []
     for rank in range(size):
         with tp_scope(rank, size, None), torch.no_grad():
             layer = make()
             load_weights(layer, hf.named_parameters())
-        layer.allocate_state(4, torch.float32, torch.device("cpu"))
+        for m in layer.modules():
+            if isinstance(m, RecurrentLayer):
+                m.allocate_state(4, torch.float32, torch.device("cpu"))
         layers.append(layer)
     return layers
 

@@ -59,7 +59,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 
 
 class GatedDeltaRule(RecurrentLayer):
-    """Gated DeltaNet's token mixing over its conv state and delta-rule state [H, dk, dv] per sequence."""
+    """Gated DeltaNet's token mixing over its conv state and delta-rule state [H, dk, dv] per sequence, for the heads
+    it is given (a tensor-parallel rank's)."""
 
     def __init__(self, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel_size: int):
         key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
@@ -70,7 +71,7 @@ class GatedDeltaRule(RecurrentLayer):
 
     def forward(self, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 batch: RecurrentBatch) -> torch.Tensor:
-        """mixed_qkv [tokens, 2 * key_dim + value_dim] (queries, keys, values of all heads), conv_weight
+        """mixed_qkv [tokens, 2 * key_dim + value_dim] (queries, keys, values of its heads), conv_weight
         [conv_dim, K], log-decay g and beta [tokens, value heads] -> output [tokens, value heads, dv] in the
         state's dtype."""
         self.reset_fresh_slots(batch)

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanoinfer.layers.linear import ReplicatedLinear
+from nanoinfer.layers.linear import ColumnParallelLinear
+from nanoinfer.layers.mamba2 import SegmentedColumnParallelLinear
 from nanoinfer.models.llama import LlamaMLP
 from nanoinfer.models.qwen2_moe import Qwen2MoeSparseMoeBlock
 from nanoinfer.models.qwen3_next import (Qwen3NextDecoderLayer, Qwen3NextForCausalLM, Qwen3NextGatedDeltaNet,
@@ -14,11 +15,13 @@ from nanoinfer.models.qwen3_next import (Qwen3NextDecoderLayer, Qwen3NextForCaus
 
 
 class Qwen3_5GatedDeltaNet(Qwen3NextGatedDeltaNet):
-    def init_projections(self, hidden_size: int, key_dim: int, value_dim: int) -> None:
-        self.in_proj_qkv = ReplicatedLinear(hidden_size, 2 * key_dim + value_dim)
-        self.in_proj_z = ReplicatedLinear(hidden_size, value_dim)
-        self.in_proj_b = ReplicatedLinear(hidden_size, self.num_v_heads)
-        self.in_proj_a = ReplicatedLinear(hidden_size, self.num_v_heads)
+    def init_projections(self, hidden_size: int, key_dim: int, value_dim: int, num_v_heads: int) -> None:
+        # Each output split by heads: a rank's rows of q | k | v are its share of each segment.
+        self.in_proj_qkv = SegmentedColumnParallelLinear(hidden_size, [(key_dim, True), (key_dim, True),
+                                                                       (value_dim, True)])
+        self.in_proj_z = ColumnParallelLinear(hidden_size, value_dim)
+        self.in_proj_b = ColumnParallelLinear(hidden_size, num_v_heads)
+        self.in_proj_a = ColumnParallelLinear(hidden_size, num_v_heads)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         z = self.in_proj_z(x).view(x.shape[0], self.num_v_heads, self.head_v_dim)

@@ -9,45 +9,55 @@ from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.layers.gated_delta_rule import GatedDeltaRule
 from nanoinfer.layers.layernorm import GatedRMSNorm, RMSNorm
-from nanoinfer.layers.linear import ReplicatedLinear
-from nanoinfer.layers.recurrent import RecurrentBatch
+from nanoinfer.layers.linear import ColumnParallelLinear, RowParallelLinear
+from nanoinfer.layers.recurrent import RecurrentBatch, RowShardedWeight, load_rank_rows
 from nanoinfer.models.hybrid import HybridDecoderLayer
 from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM, LlamaMLP, MLPFactory
 from nanoinfer.models.qwen2_moe import Qwen2MoeSparseMoeBlock, is_sparse_layer
+from nanoinfer.utils.dist import tp_size
 
 
 class Qwen3NextGatedDeltaNet(nn.Module):
-    """Linear attention. Its projections are replicated, not sharded: under tensor parallelism every rank
-    computes the whole layer (correct, not yet faster)."""
+    """Linear attention. Under tensor parallelism each rank holds a contiguous run of key heads and the value heads
+    they serve (as vLLM's Qwen3NextGatedDeltaNet): their rows of the input projections, their q | k | v conv
+    channels, A_log, dt_bias and state, and out_proj's input columns (one all-reduce). The gated norm is per head,
+    so it needs no other rank. num_k_heads and num_v_heads are this rank's."""
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
-        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
-        if self.num_v_heads % self.num_k_heads:
-            raise ValueError(f"linear_num_value_heads={self.num_v_heads} is not a multiple of "
-                             f"linear_num_key_heads={self.num_k_heads}")
+        num_k_heads, num_v_heads, tp = config.linear_num_key_heads, config.linear_num_value_heads, tp_size()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"linear_num_value_heads={num_v_heads} is not a multiple of "
+                             f"linear_num_key_heads={num_k_heads}")
+        if num_k_heads % tp:
+            raise ValueError(f"linear_num_key_heads={num_k_heads} does not split over tensor_parallel_size={tp}")
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
-        key_dim, value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
+        self.num_k_heads, self.num_v_heads = num_k_heads // tp, num_v_heads // tp
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        key_dim, value_dim = num_k_heads * self.head_k_dim, num_v_heads * self.head_v_dim  # all ranks'
         kernel = config.linear_conv_kernel_dim
-        self.init_projections(config.hidden_size, key_dim, value_dim)
-        self.conv1d = nn.Conv1d(2 * key_dim + value_dim, 2 * key_dim + value_dim, kernel, bias=False,
-                                groups=2 * key_dim + value_dim)  # a weight holder: the conv runs in GatedDeltaRule
-        self.conv1d.weight.requires_grad_(False)
+        self.init_projections(config.hidden_size, key_dim, value_dim, num_v_heads)
+        # A weight holder: the conv runs in GatedDeltaRule.
+        self.conv1d = RowShardedWeight([(key_dim, True), (key_dim, True), (value_dim, True)], (1, kernel), bias=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
-        self.out_proj = ReplicatedLinear(value_dim, config.hidden_size)
+        self.out_proj = RowParallelLinear(value_dim, config.hidden_size)
         self.delta_rule = GatedDeltaRule(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim, kernel)
 
-    def init_projections(self, hidden_size: int, key_dim: int, value_dim: int) -> None:
-        # Rows grouped by key head: [q, k, v, z] and [b, a] of the value heads each key head serves.
-        self.in_proj_qkvz = ReplicatedLinear(hidden_size, 2 * key_dim + 2 * value_dim)
-        self.in_proj_ba = ReplicatedLinear(hidden_size, 2 * self.num_v_heads)
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """A_log and dt_bias: this rank's value heads."""
+        load_rank_rows(param, loaded)
+
+    def init_projections(self, hidden_size: int, key_dim: int, value_dim: int, num_v_heads: int) -> None:
+        # Rows grouped by key head: [q, k, v, z] and [b, a] of the value heads each key head serves, so a rank's
+        # share of the rows is its key heads' groups.
+        self.in_proj_qkvz = ColumnParallelLinear(hidden_size, 2 * key_dim + 2 * value_dim)
+        self.in_proj_ba = ColumnParallelLinear(hidden_size, 2 * num_v_heads)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [tokens, hidden] -> the conv's input [tokens, q | k | v] (all heads of each, in head order), the
+        """x [tokens, hidden] -> the conv's input [tokens, q | k | v] (this rank's heads of each, in head order), the
         output gate z [tokens, v_heads, v_dim], b and a [tokens, v_heads]."""
         n, group = x.shape[0], self.num_v_heads // self.num_k_heads
         qkvz = self.in_proj_qkvz(x).view(n, self.num_k_heads, -1)
