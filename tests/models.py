@@ -983,13 +983,19 @@ def hf_attention(model_dir) -> dict:
 
 
 def load_hf_model(model_dir):
-    """Load (and cache per process) the transformers fp32 model for `model_dir`."""
-    from transformers import AutoModelForCausalLM
+    """Load (and cache per process) the transformers fp32 model for `model_dir`: a vision-language checkpoint as
+    transformers' conditional-generation model (see test_vlm_text.py)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from nanoinfer.models.registry import is_vision_language
 
     _quiet_transformers()
     key = str(pathlib.Path(model_dir).resolve())
     if key not in _HF_CACHE:
-        m = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32, **hf_attention(key))
+        vision_language = is_vision_language(json.loads((pathlib.Path(key) / "config.json").read_text()).get(
+            "architectures"))
+        auto = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
+        m = auto.from_pretrained(key, dtype=torch.float32, **hf_attention(key))
         m.eval()
         _HF_CACHE[key] = m
     return _HF_CACHE[key]

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import models
-from models import check_against_hf, hf_greedy, make_config, random_prompts
+from models import cached_hf_greedy, check_against_hf, chunked_prefix_preemption_logit_diff, make_config, random_prompts
 from nanoinfer import LLM, SamplingParams
 
 MAX_TOKENS = 12
@@ -18,12 +18,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 502, 503, 504, 505
 PROMPTS = random_prompts(3, 5, 440, 2, 40, seed=21) + [[7, VISION_START, IMAGE_TOKEN, IMAGE_TOKEN, VISION_END, 9]]
 KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe",
-         "qwen3.5", "qwen3.5-moe")
+         "qwen3.5", "qwen3.5-moe", "llava-qwen2", "llava-next", "llava-onevision", "internvl", "smolvlm", "idefics3",
+         "aya-vision")
 SEEDS = {kind: 7100 + i for i, kind in enumerate(KINDS)}
 
 # Tiny vision towers: one layer each; their weights are saved and must be skipped.
 _SIGLIP = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                patch_size=14)
+_CLIP = dict(_SIGLIP, model_type="clip_vision_model", projection_dim=16)
 _QWEN_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4)
 _QWEN3_VISION = dict(_QWEN_VISION, num_position_embeddings=16)
 _QWEN_TOKENS = dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
@@ -47,10 +49,25 @@ def make_vlm_config(kind: str):
         pixtral = dict(_SIGLIP, model_type="pixtral", head_dim=8)
         return t.Mistral3Config(text_config=make_config("mistral"), vision_config=pixtral,
                                 image_token_index=IMAGE_TOKEN, tie_word_embeddings=False)
-    if kind in ("llava", "llava-mistral"):  # Llama with llama3 rope, or Mistral's windows (as Pixtral); untied
-        clip = dict(_SIGLIP, model_type="clip_vision_model", projection_dim=16)
-        text = make_config("llama" if kind == "llava" else "mistral")
-        return t.LlavaConfig(text_config=text, vision_config=clip, image_token_index=IMAGE_TOKEN, image_seq_length=4)
+    if kind in ("llava", "llava-mistral", "llava-qwen2"):  # Llama with llama3 rope, Mistral's windows (as Pixtral)
+        text = make_config({"llava": "llama", "llava-mistral": "mistral", "llava-qwen2": "qwen2"}[kind])
+        return t.LlavaConfig(text_config=text, vision_config=_CLIP, image_token_index=IMAGE_TOKEN, image_seq_length=4)
+    if kind == "llava-next":  # over Mistral (as llava-v1.6-mistral), an `image_newline` to skip
+        return t.LlavaNextConfig(text_config=make_config("mistral"), vision_config=_CLIP, image_token_index=IMAGE_TOKEN,
+                                 image_grid_pinpoints=[[28, 28]])
+    if kind == "llava-onevision":  # over Qwen2, as on the Hub
+        return t.LlavaOnevisionConfig(text_config=make_config("qwen2"), vision_config=_SIGLIP,
+                                      image_token_index=IMAGE_TOKEN, video_token_index=VIDEO_TOKEN)
+    if kind == "internvl":  # over Qwen3 (as InternVL3.5), tied
+        vision = dict(_SIGLIP, image_size=[28, 28], patch_size=[14, 14])
+        return t.InternVLConfig(text_config=make_config("qwen3"), vision_config=vision, image_token_id=IMAGE_TOKEN)
+    if kind in ("smolvlm", "idefics3"):  # over Llama; `model.text_model.*`, a connector
+        config_class = t.SmolVLMConfig if kind == "smolvlm" else t.Idefics3Config
+        return config_class(text_config=make_config("llama"), vision_config=_SIGLIP, scale_factor=2,
+                            image_token_id=IMAGE_TOKEN)
+    if kind == "aya-vision":  # over Cohere 2 with logit_scale 0.5, which the wrapper never applies
+        return t.AyaVisionConfig(text_config=make_config("cohere2"), vision_config=_SIGLIP, downsample_factor=2,
+                                 image_token_index=IMAGE_TOKEN)
     # Qwen: multimodal rope over 8 (16 for Qwen3-VL) frequency pairs, in sections or interleaved.
     if kind == "qwen2-vl":  # layers 1 and 2 windowed, untied
         text = qwen_text_config(t.Qwen2VLTextConfig, {"mrope_section": [2, 3, 3]}, use_sliding_window=True,
@@ -127,11 +144,8 @@ def vlm_dir(tmp_path_factory):
 
 def hf_reference(model_dir) -> list[dict]:
     """transformers' conditional-generation model loaded from the checkpoint (as a user would), on text alone."""
-    from transformers import AutoModelForImageTextToText
-
-    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    assert type(model).__name__.endswith("ForConditionalGeneration")
-    return hf_greedy(model, PROMPTS, MAX_TOKENS)
+    assert type(models.load_hf_model(model_dir)).__name__.endswith("ForConditionalGeneration")
+    return cached_hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
 
 
 def run(model_dir, captured, **kwargs) -> float:
@@ -147,22 +161,31 @@ def test_language_model_matches_hf(kind, vlm_dir, captured_logits, report_logit_
     assert worst < LOGIT_ATOL, f"{kind}: max |logit diff| vs transformers {worst:.2e}"
 
 
+def test_chunked_prefill_prefix_hits_and_preemption_match_hf(vlm_dir, captured_logits, report_logit_diff):
+    """Aya Vision (Cohere 2's windowed layers with rope, global ones without) with 7-token chunks, a shared 40-token
+    prefix and a cache too small for all the sequences at once, twice."""
+    worst = chunked_prefix_preemption_logit_diff(vlm_dir("aya-vision"), captured_logits, MAX_TOKENS)
+    report_logit_diff("aya-vision (vision-language, text only), chunked prefill + prefix hits + preemption", worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
 @pytest.mark.slow
-def test_tensor_parallel_2_matches_hf(vlm_dir, captured_logits, report_logit_diff):
-    """Two ranks (a spawned worker) on Qwen3-VL-MoE: attention and experts sharded, each rank's slice of every
-    expert read from the Hub's transposed stacked tensors."""
-    worst = run(vlm_dir("qwen3-vl-moe"), captured_logits, tensor_parallel_size=2)
-    report_logit_diff("qwen3-vl-moe (vision-language, text only), tensor parallel 2", worst)
+@pytest.mark.parametrize("kind", ["qwen3-vl-moe", "smolvlm"])
+def test_tensor_parallel_2_matches_hf(kind, vlm_dir, captured_logits, report_logit_diff):
+    """Two ranks (a spawned worker): Qwen3-VL-MoE's attention and experts sharded, each rank's slice of every expert
+    read from the Hub's transposed stacked tensors; SmolVLM's `model.text_model.*` and untied head sharded."""
+    worst = run(vlm_dir(kind), captured_logits, tensor_parallel_size=2)
+    report_logit_diff(f"{kind} (vision-language, text only), tensor parallel 2", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
 def test_unsupported_language_model_is_refused(vlm_dir, tmp_path):
     """A known wrapper over a language model no family here implements is named, not run as another family."""
     config = json.loads((vlm_dir("llava") / "config.json").read_text())
-    config["text_config"]["model_type"] = "qwen2"
+    config["text_config"]["model_type"] = "opt"
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "model.safetensors").write_bytes((vlm_dir("llava") / "model.safetensors").read_bytes())
-    with pytest.raises(ValueError, match=r"LlavaForConditionalGeneration with a 'qwen2' language model"):
+    with pytest.raises(ValueError, match=r"LlavaForConditionalGeneration with a 'opt' language model"):
         LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=64)
 
 

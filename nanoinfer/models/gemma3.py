@@ -24,12 +24,3 @@ class Gemma3ForCausalLM(gemma2.Gemma2ForCausalLM):
         (its config nests them by "sliding_attention" / "full_attention")."""
         return replace(gemma2.attention_options(config, layer_idx), qk_norm=True, gemma_norm=True,
                        rope_layer_type=config.layer_types[layer_idx])
-
-
-class Gemma3LanguageModel(Gemma3ForCausalLM):
-    """The language model of Gemma 3's vision-language checkpoints (`Gemma3ForConditionalGeneration`, see
-    vision_language.py): transformers' wrapper computes the logits without the final-logit softcapping."""
-
-    def __init__(self, config: PretrainedConfig):
-        super().__init__(config)
-        self.final_logit_softcapping = None

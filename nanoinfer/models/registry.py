@@ -1,5 +1,6 @@
 """Maps `config.architectures[0]` to the model class that implements it, importing it only when asked."""
 import importlib
+from functools import cache
 
 from torch import nn
 from transformers import PretrainedConfig
@@ -78,19 +79,22 @@ _CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM" for
     "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM", "GPT2ForSequenceClassification": "GPT2LMHeadModel"}
 
 # Vision-language checkpoints, run as their language model alone (see vision_language.py; config.py gives the model
-# the checkpoint's text_config): the class of that language model, by the text config's model_type.
+# the checkpoint's text_config): the class of that language model, by the text config's model_type; _ANY_TEXT_FAMILY
+# where transformers' wrapper takes any text model (AutoModel.from_config), i.e. every causal LM here.
+_ANY_TEXT_FAMILY = None
 _VISION_LANGUAGE = {
-    # transformers' Gemma3ForConditionalGeneration never applies final-logit softcapping (its text model would).
-    "Gemma3ForConditionalGeneration": {"gemma3_text": ("gemma3", "Gemma3LanguageModel")},
+    "Gemma3ForConditionalGeneration": {"gemma3_text": _MODELS["Gemma3ForCausalLM"]},
     "Mistral3ForConditionalGeneration": {"mistral": _MODELS["MistralForCausalLM"]},
-    "LlavaForConditionalGeneration": {"llama": _MODELS["LlamaForCausalLM"], "mistral": _MODELS["MistralForCausalLM"]},
     "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": _MODELS["Qwen2ForCausalLM"]},
     "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": _MODELS["Qwen2ForCausalLM"]},
     "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": _MODELS["Qwen3ForCausalLM"]},
     "Qwen3VLMoeForConditionalGeneration": {"qwen3_vl_moe_text": ("qwen3_moe", "Qwen3VLMoeLanguageModel")},
     "Qwen3_5ForConditionalGeneration": {"qwen3_5_text": _MODELS["Qwen3_5ForCausalLM"]},
     "Qwen3_5MoeForConditionalGeneration": {"qwen3_5_moe_text": _MODELS["Qwen3_5MoeForCausalLM"]},
-}
+} | dict.fromkeys(("AyaVisionForConditionalGeneration", "Idefics3ForConditionalGeneration",
+                   "InternVLForConditionalGeneration", "LlavaForConditionalGeneration",
+                   "LlavaNextForConditionalGeneration", "LlavaOnevisionForConditionalGeneration",
+                   "SmolVLMForConditionalGeneration"), _ANY_TEXT_FAMILY)
 
 
 # Families whose attention adds a learned logit per head to every softmax (attention sinks), which flash-attn 2 lacks:
@@ -131,11 +135,22 @@ def get_model_class(config: PretrainedConfig) -> type[nn.Module]:
 
 def _language_model_class(architecture: str, text_model_type: str) -> type[nn.Module]:
     language_models = _VISION_LANGUAGE[architecture]
+    if language_models is _ANY_TEXT_FAMILY:
+        language_models = _causal_lms_by_model_type()
     if text_model_type not in language_models:
         raise ValueError(f"{architecture} with a {text_model_type!r} language model (text_config.model_type) is not "
                          f"supported; supported: {sorted(language_models)}")
     from nanoinfer.models.vision_language import text_only
     return text_only(_import(language_models[text_model_type]), architecture)
+
+
+@cache
+def _causal_lms_by_model_type() -> dict[str, tuple[str, str]]:
+    """The causal LMs here by their config's model_type, as transformers' own table names them."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return {model_type: _MODELS[name] for model_type, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
+            if name in _MODELS}
 
 
 def _import(entry: tuple[str, str]) -> type[nn.Module]:

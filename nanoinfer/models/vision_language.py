@@ -5,17 +5,21 @@ interleaved ones) is the same on all three axes, which is the 1-D rope (tests/te
 transformers' mrope), and Gemma 3's bidirectional attention spans image tokens only, so text is causal."""
 from functools import cache
 
+import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-# Where the checkpoints keep the language model. The Hub's Gemma 3, Mistral 3 and Llava files (and what transformers
-# 5's save_pretrained writes for them): `language_model.model.*` and `language_model.lm_head`; Qwen2-VL/2.5-VL's:
-# `model.*` and `lm_head` already; Qwen3-VL/3-VL-MoE/3.5's: `model.language_model.*` and `lm_head`.
+# Where the checkpoints keep the language model. The Hub's Gemma 3, Mistral 3, Llava(-NeXT, -OneVision), InternVL
+# and Aya Vision files (and what transformers 5's save_pretrained writes for them): `language_model.model.*` and
+# `language_model.lm_head`; Qwen2-VL/2.5-VL's: `model.*` and `lm_head` already; Qwen3-VL/3-VL-MoE/3.5's:
+# `model.language_model.*` and `lm_head`; Idefics3's and SmolVLM's: `model.text_model.*` and `lm_head`.
 LANGUAGE_MODEL_NAMES = {"^model.language_model.": "model.", "^language_model.model.": "model.",
-                        "^language_model.lm_head.": "lm_head."}
-# The image side, in the same layouts (transformers' own in-memory names too).
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "model.vision_tower.",
-                   "model.multi_modal_projector.", "model.visual.")
+                        "^language_model.lm_head.": "lm_head.", "^model.text_model.": "model."}
+# The image side, in the same layouts (transformers' own in-memory names too): Llava-NeXT's and OneVision's
+# `image_newline`, Idefics3's and SmolVLM's `vision_model` and `connector`.
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_newline", "model.vision_tower.",
+                   "model.multi_modal_projector.", "model.visual.", "model.image_newline", "model.vision_model.",
+                   "model.connector.")
 
 
 @cache
@@ -29,4 +33,10 @@ def text_only(causal_lm: type[nn.Module], architecture: str) -> type[nn.Module]:
         self.weight_name_substitutions = {**LANGUAGE_MODEL_NAMES, **getattr(self, "weight_name_substitutions", {})}
         self.ignored_weight_prefixes = VISION_PREFIXES + tuple(getattr(self, "ignored_weight_prefixes", ()))
 
-    return type(architecture, (causal_lm,), {"__init__": __init__, "__doc__": causal_lm.__doc__})
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The bare LM head: transformers' wrappers apply none of the text family's logit scaling (Gemma's final
+        softcapping, Cohere's logit_scale, Granite's logits_scaling)."""
+        return self.lm_head(hidden_states)
+
+    return type(architecture, (causal_lm,), {"__init__": __init__, "compute_logits": compute_logits,
+                                             "__doc__": causal_lm.__doc__})
