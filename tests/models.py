@@ -771,9 +771,10 @@ def ssm_config(kind: str, special: dict):
                  tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "bamba":  # rope over half of each head (transformers sets partial_rotary_factor 0.5)
         return BambaConfig(**common, **mamba, intermediate_size=128, mamba_n_groups=1, attn_layer_indices=[1])
-    # Granite's multipliers, each away from 1 (as "granite"); Mamba2 layers around an attention layer.
+    # Granite's multipliers, each away from 1 (as "granite"); Mamba2 layers around an attention layer; 1 group, as
+    # Granite 4.0-H's (transformers 5.17 normalizes its gated norm over all groups at once; NemotronH's kinds have 2).
     granite = dict(embedding_multiplier=3.0, attention_multiplier=0.4, residual_multiplier=0.6, logits_scaling=2.0,
-                   mamba_n_groups=2, layer_types=["linear_attention", "full_attention", "linear_attention"])
+                   mamba_n_groups=1, layer_types=["linear_attention", "full_attention", "linear_attention"])
     if kind == "granitemoehybrid":  # 2 of 8 experts beside the shared MLP, rope
         return GraniteMoeHybridConfig(**common, **mamba, **granite, intermediate_size=32, shared_intermediate_size=48,
                                       num_local_experts=8, num_experts_per_tok=2, position_embedding_type="rope")

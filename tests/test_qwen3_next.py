@@ -27,11 +27,15 @@ def reference(model_dir, prompts=PROMPTS) -> list[dict]:
 
 def run(model_dir, captured, prompts=PROMPTS, **kwargs):
     llm = LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=128, **kwargs)
-    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    worst = check_against_hf(outputs, reference(model_dir, prompts), captured)
-    bm = llm.llm_engine.scheduler.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
-    assert sorted(bm.free_state_slots) == list(range(llm.llm_engine.model_runner.num_state_slots))
+    try:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        worst = check_against_hf(outputs, reference(model_dir, prompts), captured)
+        bm = llm.llm_engine.scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+        assert sorted(bm.free_state_slots) == list(range(llm.llm_engine.model_runner.num_state_slots))
+    except BaseException:  # a tensor-parallel engine left open would fail every later one in this process
+        llm.close()
+        raise
     return llm, outputs, worst
 
 
