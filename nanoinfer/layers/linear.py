@@ -163,3 +163,41 @@ class RowParallelLinear(LinearBase):
         if self.tp_size > 1:
             dist.all_reduce(y, group=self.tp_group)
         return y
+
+
+# Rows of a checkpoint tensor stacked along dim 0: (rows, split), each split evenly over the tensor-parallel ranks
+# (True) or kept whole on every rank (False).
+Segments = list[tuple[int, bool]]
+
+
+def local_rows(segments: Segments) -> int:
+    """Rows this rank holds of `segments`."""
+    return sum(rows // tp_size() if split else rows for rows, split in segments)
+
+
+def load_row_shards(param: nn.Parameter, loaded: torch.Tensor, segments: Segments) -> None:
+    """Copy this rank's rows of a checkpoint tensor made of `segments`: a split one's tp_rank-th share, a whole one
+    all of it, in order."""
+    total = sum(rows for rows, _ in segments)
+    if loaded.shape[0] != total or any(split and rows % tp_size() for rows, split in segments):
+        raise ValueError(f"shape mismatch: checkpoint tensor {tuple(loaded.shape)}, expected {total} rows in "
+                         f"segments {segments} split over {tp_size()} ranks")
+    parts, start = [], 0
+    for rows, split in segments:
+        size = rows // tp_size() if split else rows
+        parts.append(loaded.narrow(0, start + tp_rank() * size if split else start, size))
+        start += rows
+    copy_weight(param, torch.cat(parts))
+
+
+class SegmentedColumnParallelLinear(LinearBase):
+    """A column-parallel layer whose output rows are segments, each split over the ranks or whole on each (Mamba2's
+    in_proj: z, x, dt split by heads; B and C by groups, or whole where the groups do not split; Qwen3.5's
+    in_proj_qkv)."""
+
+    def __init__(self, input_size: int, segments: Segments, bias: bool = False):
+        super().__init__(input_size, local_rows(segments), bias, tp_dim=0)
+        self.segments = segments
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        load_row_shards(param, loaded, self.segments)

@@ -10,9 +10,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.layers.linear import LinearBase, RowParallelLinear
-from nanoinfer.layers.recurrent import (RecurrentBatch, RecurrentLayer, RowShardedWeight, Segments, load_rank_rows,
-                                        load_row_shards, local_rows)
+from nanoinfer.layers.linear import RowParallelLinear, SegmentedColumnParallelLinear, Segments, local_rows
+from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer, RowShardedWeight, load_rank_rows
 from nanoinfer.utils.dist import tp_group, tp_rank, tp_size
 
 
@@ -138,18 +137,6 @@ class Mamba2GatedRMSNorm(nn.Module):
 def silu_gate(y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """The gate without a norm: y * silu(z)."""
     return y.float() * F.silu(gate.float())
-
-
-class SegmentedColumnParallelLinear(LinearBase):
-    """A column-parallel layer whose output rows are segments, each split over the ranks or whole on each (Mamba2's
-    in_proj: z, x, dt split by heads; B and C by groups, or whole where the groups do not split)."""
-
-    def __init__(self, input_size: int, segments: Segments, bias: bool = False):
-        super().__init__(input_size, local_rows(segments), bias, tp_dim=0)
-        self.segments = segments
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        load_row_shards(param, loaded, self.segments)
 
 
 class Mamba2Mixer(RecurrentLayer):

@@ -1,6 +1,6 @@
 """Per-sequence recurrent state in slots (Gated DeltaNet, Mamba2, short convolutions): the base of the layers that
 keep it, where each sequence of a step finds its slot, the causal depthwise conv they all start with, and the loading
-of a tensor-parallel rank's channels of their weights."""
+of a tensor-parallel rank's channels of their weights (by linear.py's row segments)."""
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -10,33 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.layers.attention import AttentionMetadata
-from nanoinfer.layers.linear import copy_weight
-from nanoinfer.utils.dist import tp_rank, tp_size
-
-# Rows of a checkpoint tensor stacked along dim 0: (rows, split), each split evenly over the tensor-parallel ranks
-# (True) or kept whole on every rank (False).
-Segments = list[tuple[int, bool]]
-
-
-def local_rows(segments: Segments) -> int:
-    """Rows this rank holds of `segments`."""
-    return sum(rows // tp_size() if split else rows for rows, split in segments)
-
-
-def load_row_shards(param: nn.Parameter, loaded: torch.Tensor, segments: Segments) -> None:
-    """Copy this rank's rows of a checkpoint tensor made of `segments`: a split one's tp_rank-th share, a whole one
-    all of it, in order."""
-    total = sum(rows for rows, _ in segments)
-    if loaded.shape[0] != total or any(split and rows % tp_size() for rows, split in segments):
-        raise ValueError(f"shape mismatch: checkpoint tensor {tuple(loaded.shape)}, expected {total} rows in "
-                         f"segments {segments} split over {tp_size()} ranks")
-    parts, start = [], 0
-    for rows, split in segments:
-        size = rows // tp_size() if split else rows
-        parts.append(loaded.narrow(0, start + tp_rank() * size if split else start, size))
-        start += rows
-    copy_weight(param, torch.cat(parts))
-
+from nanoinfer.layers.linear import Segments, load_row_shards, local_rows
 
 def load_rank_rows(param: nn.Parameter, loaded: torch.Tensor) -> None:
     """This rank's equal share of dim 0 (per-head or per-channel parameters)."""

@@ -6,8 +6,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanoinfer.layers.linear import ColumnParallelLinear
-from nanoinfer.layers.mamba2 import SegmentedColumnParallelLinear
+from nanoinfer.layers.linear import ColumnParallelLinear, SegmentedColumnParallelLinear
 from nanoinfer.models.llama import LlamaMLP
 from nanoinfer.models.qwen2_moe import Qwen2MoeSparseMoeBlock
 from nanoinfer.models.qwen3_next import (Qwen3NextDecoderLayer, Qwen3NextForCausalLM, Qwen3NextGatedDeltaNet,
