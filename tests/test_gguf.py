@@ -332,12 +332,23 @@ def _write_attention_metadata(w: gguf.GGUFWriter, arch: str, cfg, tensors: dict[
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
 
 
+def _write_tokenizer(w: gguf.GGUFWriter, model_dir: pathlib.Path) -> None:
+    """The tiny models' byte-level BPE tokenizer (tokenizer.json) as llama.cpp stores such a one ("gpt2")."""
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    ids = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
+    special = {t["id"] for t in spec["added_tokens"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(sorted(ids, key=ids.get))
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in sorted(ids.values())])
+
+
 def _write_hf_as_gguf(path: pathlib.Path, arch: str, model_dir: pathlib.Path, q8_0: str | None = None,
                       edit: Callable[[dict[str, np.ndarray]], None] | None = None,
-                      vocabulary: list[str] | None = None, mxfp4: str | None = None) -> None:
+                      vocabulary: list[str] | None = None, mxfp4: str | None = None, tokenizer: bool = False) -> None:
     """Convert a tiny models.py checkpoint to a GGUF file the way llama.cpp's converter does: F32, but Q8_0
     for the tensors whose name contains `q8_0` (MXFP4 for those with `mxfp4`); `edit` may change the tensors before
-    they are written; `vocabulary`: the token list to store."""
+    they are written; `vocabulary`: the token list to store, `tokenizer`: store the model's tokenizer instead."""
     from safetensors.torch import load_file
 
     cfg = AutoConfig.from_pretrained(model_dir)
@@ -357,6 +368,8 @@ def _write_hf_as_gguf(path: pathlib.Path, arch: str, model_dir: pathlib.Path, q8
         edit(tensors)
     if vocabulary is not None:
         w.add_token_list(vocabulary)
+    if tokenizer:
+        _write_tokenizer(w, model_dir)
     for name, t in tensors.items():
         qtype = next((q for q, part in ((gguf.GGMLQuantizationType.Q8_0, q8_0), (gguf.GGMLQuantizationType.MXFP4,
                                                                                  mxfp4)) if part and part in name), None)
@@ -577,33 +590,68 @@ def test_converted_checkpoint_engine_greedy(hf_as_gguf, kind: str, monkeypatch, 
     assert check_against_hf(outputs, hf_greedy(src, prompts, 12), captured_logits) < 1e-4
 
 
-def _drop_head_norms(tensors: dict[str, np.ndarray]) -> None:
-    """StableLM without its q/k norms, which transformers' GGUF loader does not map."""
-    for name in [n for n in tensors if n.split(".")[-2] in ("attn_q_norm", "attn_k_norm")]:
-        del tensors[name]
+def _pad(t: np.ndarray, axis: int, size: int) -> np.ndarray:
+    widths = [(0, 0)] * t.ndim
+    widths[axis] = (0, size - t.shape[axis])
+    return np.pad(t, widths)
+
+
+def _widen_mlp(tensors: dict[str, np.ndarray]) -> None:
+    """The same MLP 4 * hidden wide, the width transformers' GGUF config gives GPT-2 and Falcon: units that stay 0
+    (zero weights and bias in, gelu(0) = 0, zero weights out)."""
+    hidden = tensors["token_embd.weight"].shape[1]
+    for name in [n for n in tensors if ".ffn_up." in n]:
+        tensors[name] = _pad(tensors[name], 0, 4 * hidden)
+    for name in [n for n in tensors if n.endswith("ffn_down.weight")]:
+        tensors[name] = _pad(tensors[name], 1, 4 * hidden)
 
 
 def _widen_gpt2(tensors: dict[str, np.ndarray]) -> None:
     """The same GPT-2 in the shapes transformers' GGUF config gives it (n_inner = 4 * hidden, n_positions = 1024):
-    MLP units that stay 0 (zero weights and bias in, gelu_new(0) = 0, zero weights out) and position rows that no
-    prompt reaches."""
-    def pad(t: np.ndarray, axis: int, size: int) -> np.ndarray:
-        widths = [(0, 0)] * t.ndim
-        widths[axis] = (0, size - t.shape[axis])
-        return np.pad(t, widths)
-
-    hidden = tensors["token_embd.weight"].shape[1]
-    tensors["position_embd.weight"] = pad(tensors["position_embd.weight"], 0, 1024)
-    for name in [n for n in tensors if ".ffn_up." in n]:
-        tensors[name] = pad(tensors[name], 0, 4 * hidden)
-    for name in [n for n in tensors if n.endswith("ffn_down.weight")]:
-        tensors[name] = pad(tensors[name], 1, 4 * hidden)
+    a wider MLP and position rows that no prompt reaches."""
+    _widen_mlp(tensors)
+    tensors["position_embd.weight"] = _pad(tensors["position_embd.weight"], 0, 1024)
 
 
 def _widen_gpt2_untied(tensors: dict[str, np.ndarray]) -> None:
     """_widen_gpt2, with the embedding repeated as output.weight, as llama.cpp's older GPT-2 converter wrote it."""
     _widen_gpt2(tensors)
     tensors["output.weight"] = tensors["token_embd.weight"].copy()
+
+
+def _falcon_as_transformers_reads_it(tensors: dict[str, np.ndarray]) -> None:
+    """The 7B-style Falcon with a wider MLP (_widen_mlp) and no output.weight: transformers ties every Falcon's."""
+    _widen_mlp(tensors)
+    del tensors["output.weight"]
+
+
+def test_gpt_oss_tokenizer_and_text_prompts(model_dir, tmp_path: pathlib.Path, captured_logits):
+    """A GPT-OSS file's tokenizer loads (AutoTokenizer cannot: transformers fails on the file's config) and encodes
+    as the model's own; the engine runs text prompts on the file as transformers does on the safetensors model."""
+    from models import check_against_hf, hf_greedy
+    from transformers import AutoTokenizer
+
+    from nanoinfer import LLM, SamplingParams
+
+    src, path = model_dir("gpt-oss"), tmp_path / "gpt-oss.gguf"
+    _write_hf_as_gguf(path, "gpt-oss", src, tokenizer=True)
+    text = ["The quick brown fox jumps over the lazy dog.", "Hello, world! 1234"]
+    theirs = AutoTokenizer.from_pretrained(src)
+    ours = load_gguf_tokenizer(path)
+    assert [ours(t).input_ids for t in text] == [theirs(t).input_ids for t in text]
+    assert ours.eos_token == theirs.eos_token
+    with LLM(str(path), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(text, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert check_against_hf(outputs, hf_greedy(src, [theirs(t).input_ids for t in text], 8), captured_logits) < 1e-4
+
+
+def _drop(*parts: str) -> Callable[[dict[str, np.ndarray]], None]:
+    """An edit dropping the tensors whose names contain one of `parts`: what transformers' GGUF loading cannot
+    express (StableLM's q/k norms, Mamba's and Nemotron's biases)."""
+    def edit(tensors: dict[str, np.ndarray]) -> None:
+        for name in [n for n in tensors if any(part in n for part in parts)]:
+            del tensors[name]
+    return edit
 
 
 class SameFile(NamedTuple):
@@ -617,12 +665,20 @@ class SameFile(NamedTuple):
 
 
 _FOR_TRANSFORMERS = {
-    "stablelm": SameFile("stablelm", {}, _drop_head_norms, False),
+    "stablelm": SameFile("stablelm", {}, _drop("attn_q_norm.", "attn_k_norm."), False),  # unmapped by transformers
     "starcoder2": SameFile("starcoder2", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
                                           "sliding_window": None}, None, True),
     "gpt2": SameFile("gpt2", {}, _widen_gpt2, True),
     # Quantized Conv1D weights are transposed back after dequantizing.
     "gpt2-untied-q8_0": SameFile("gpt2", {}, _widen_gpt2_untied, True, q8_0="blk."),
+    # transformers reads Falcon's 7B layout only (one KV head, one norm), with a 4 * hidden MLP, tied, and neither
+    # LayerNorm's epsilon nor Nemotron's.
+    "falcon-mqa": SameFile("falcon-mqa", {"layer_norm_epsilon": 1e-5}, _falcon_as_transformers_reads_it, False,
+                           q8_0="blk."),
+    "mamba": SameFile("mamba", {}, _drop("ssm_in.bias", "ssm_out.bias"), False, q8_0="ssm_in"),
+    "nemotron": SameFile("nemotron", {"norm_eps": 1e-5}, _drop("attn_q.bias", "attn_k.bias", "attn_v.bias",
+                                                               "attn_output.bias"), False, q8_0="blk."),
+    "lfm2": SameFile("lfm2", {}, None, True, q8_0="ffn_"),
 }
 
 
@@ -632,7 +688,8 @@ def test_engine_matches_transformers_on_the_same_gguf(case, model_dir, tmp_path:
     """transformers reading the very file (its GGUF loader: config and weights) gives the engine's greedy tokens and
     logits, where its config can express the model: StableLM without q/k norms, StarCoder2 with transformers' rope
     base, no window and a vocabulary in the file, GPT-2 with a vocabulary and the MLP width and position count
-    transformers assumes (also untied, quantized)."""
+    transformers assumes (also untied, quantized), Falcon's 7B layout with that MLP width, tied, Mamba and Nemotron
+    without biases, LFM2 with a vocabulary."""
     from models import MODEL_VOCAB_SIZE, check_against_hf, hf_greedy, random_prompts
 
     import nanoinfer.engine.llm_engine as llm_engine
@@ -673,6 +730,16 @@ _BAD_FILES = {  # (kind, file name) -> (how the converted tensors are spoiled, t
                       r"\S*qkv.gguf: blk.0.attn_qkv.weight rows \(191\) not divisible by its head count 12"),
     ("gpt2", "mlp"): (lambda t: t.update({"blk.2.ffn_down.weight": t["blk.2.ffn_down.weight"][:, :-1]}),
                       r"cannot load checkpoint tensor 'transformer.h.2.mlp.c_proj.weight' in \S*mlp.gguf: shape"),
+    ("falcon", "qkv"): (lambda t: t.update({"blk.1.attn_qkv.weight": t["blk.1.attn_qkv.weight"][:-1]}),
+                        r"tensor 'blk.1.attn_qkv.weight' in \S*qkv.gguf has 127 rows, not divisible by 4 query \+ "
+                        r"2 x 2 KV heads"),
+    ("mamba", "ssm_a"): (lambda t: t.update({"blk.0.ssm_a": t["blk.0.ssm_a"][:, :-1]}),
+                         r"cannot load checkpoint tensor 'backbone.layers.0.mixer.A_log' in \S*ssm_a.gguf: shape"),
+    ("gpt-oss", "experts"): (lambda t: t.pop("blk.1.ffn_up_exps.weight"),
+                             r"\S*experts.gguf has blk.1.ffn_gate_exps.weight but not its ffn_gate_exps/ffn_up_exps "
+                             r"partner"),
+    ("gpt-oss", "sinks"): (lambda t: t.pop("blk.2.attn_sinks.weight"),
+                           r"checkpoint \S*sinks.gguf is missing weights .*sinks"),
 }
 
 

@@ -9,7 +9,7 @@ from typing import Iterator, TypeVar
 import gguf
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 # GGUF `general.architecture` values we can load.
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3", "stablelm",
@@ -396,8 +396,11 @@ def _fill_phi3_config(config: PretrainedConfig, reader: gguf.GGUFReader, names: 
 def load_gguf_tokenizer(gguf_path: str | os.PathLike) -> PreTrainedTokenizerBase:
     """transformers fast tokenizer built from the GGUF vocabulary, with its chat template."""
     p = _gguf_file(gguf_path)
-    tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
     reader = _reader(p)
+    # AutoTokenizer reads the model's config first, which transformers 5.23 fails to parse for GPT-OSS (see
+    # _gpt_oss_config); the fast tokenizer class reads the vocabulary alone.
+    loader = PreTrainedTokenizerFast if _field(reader, "general.architecture") == "gpt-oss" else AutoTokenizer
+    tok = loader.from_pretrained(p.parent, gguf_file=p.name)
     # The file's own ids: transformers 5.17 makes SmolLM2's <|im_start|> its EOS token and sets no padding token.
     for name, key in _SPECIAL_TOKENS.items():
         if (token_id := _field(reader, key)) is not None:
