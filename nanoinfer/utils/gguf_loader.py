@@ -9,7 +9,8 @@ from typing import Iterator, TypeVar
 import gguf
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import (AutoConfig, AutoTokenizer, GptOssConfig, PretrainedConfig, PreTrainedTokenizerBase,
+                          PreTrainedTokenizerFast)
 
 # GGUF `general.architecture` values we can load.
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3", "stablelm",
@@ -313,8 +314,6 @@ def _gpt_oss_config(reader: gguf.GGUFReader, names: dict[str, gguf.ReaderTensor]
     the window and the experts' width at class defaults). llama.cpp writes the yarn factor and original length; the
     betas are its defaults (and GPT-OSS's), the correction range is not truncated (GPT-OSS's). Even layers are
     sliding, as in llama.cpp."""
-    from transformers import GptOssConfig
-
     def get(key: str, default: int | float | None = None) -> int | float | None:
         value = _field(reader, f"gpt-oss.{key}")
         if value is None and default is None:
@@ -435,9 +434,10 @@ def _hf_name(gguf_name: str, arch: str, per_layer: dict[str, str], path: pathlib
     blk, layer, part = (base.split(".", 2) + ["", ""])[:3]
     if blk == "blk" and layer.isdigit() and part in per_layer:
         name = f"{_LAYER_PREFIX_BY_ARCH.get(arch, 'model.layers')}.{layer}.{per_layer[part]}"
-        bare = per_layer[part] in _BARE_PARAMETERS
-        if bare or suffix:  # a bare parameter drops llama.cpp's suffix; any other needs one
-            return name if bare else f"{name}.{suffix}"
+        if per_layer[part] in _BARE_PARAMETERS:  # without llama.cpp's suffix, if any
+            return name
+        if suffix:
+            return f"{name}.{suffix}"
     # GPT-OSS's experts have biases: HF's {proj}_bias.
     if blk == "blk" and layer.isdigit() and part in _EXPERTS and (suffix == "weight" or arch == "gpt-oss" and suffix):
         return f"model.layers.{layer}.{_EXPERTS[part]}" + ("_bias" if suffix == "bias" else "")
