@@ -200,7 +200,7 @@ def _falcon_qkv(w: np.ndarray, cfg) -> np.ndarray:
     n_head, n_kv = cfg.num_attention_heads, _head_count_kv(cfg)
     head_dim, rest = cfg.hidden_size // n_head, w.shape[1:]
     qkv = w.reshape(n_kv, n_head // n_kv + 2, head_dim, *rest)
-    return np.concatenate((qkv[:, :-2].reshape(-1, *rest), qkv[:, -2].reshape(-1, *rest), qkv[:, -1].reshape(-1, *rest)))
+    return np.concatenate([part.reshape(-1, *rest) for part in (qkv[:, :-2], qkv[:, -2], qkv[:, -1])])
 
 
 def _gpt_oss_experts(layer: str, name: str, t: np.ndarray) -> dict[str, np.ndarray]:
@@ -332,6 +332,9 @@ def _write_attention_metadata(w: gguf.GGUFWriter, arch: str, cfg, tensors: dict[
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
 
 
+_Q8_0, _MXFP4 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.MXFP4
+
+
 def _write_tokenizer(w: gguf.GGUFWriter, model_dir: pathlib.Path) -> None:
     """The tiny models' byte-level BPE tokenizer (tokenizer.json) as llama.cpp stores such a one ("gpt2")."""
     spec = json.loads((model_dir / "tokenizer.json").read_text())
@@ -371,8 +374,7 @@ def _write_hf_as_gguf(path: pathlib.Path, arch: str, model_dir: pathlib.Path, q8
     if tokenizer:
         _write_tokenizer(w, model_dir)
     for name, t in tensors.items():
-        qtype = next((q for q, part in ((gguf.GGMLQuantizationType.Q8_0, q8_0), (gguf.GGMLQuantizationType.MXFP4,
-                                                                                 mxfp4)) if part and part in name), None)
+        qtype = next((q for q, part in ((_Q8_0, q8_0), (_MXFP4, mxfp4)) if part and part in name), None)
         if qtype is not None:
             w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(t), qtype), raw_dtype=qtype)
         else:
@@ -405,7 +407,6 @@ _GEMMA_KEYS = ("sliding_window", "layer_types", "attn_logit_softcapping", "final
                "query_pre_attn_scalar")
 _FALCON_KEYS = ("new_decoder_architecture", "multi_query", "num_kv_heads", "num_ln_in_parallel_attn", "parallel_attn",
                 "bias", "ffn_hidden_size", "layer_norm_epsilon", "alibi")
-_Q8_0, _MXFP4 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.MXFP4
 # models.py kind -> how it converts
 _FROM_HF = {
     "qwen3-moe": FromHF("qwen3moe", "Qwen3MoeForCausalLM", _MOE_KEYS,

@@ -49,7 +49,8 @@ _GPT2_PER_LAYER = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output"
 # Falcon keeps its checkpoints' names too (transformer.h.N.*). One norm feeds both the attention and the MLP, but
 # where llama.cpp also has attn_norm_2 (Falcon-40B's ln_attn), attn_norm is the MLP's (ln_mlp).
 _FALCON_PER_LAYER = {"attn_norm": "input_layernorm", "attn_qkv": "self_attention.query_key_value",
-                     "attn_output": "self_attention.dense", "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"}
+                     "attn_output": "self_attention.dense", "ffn_up": "mlp.dense_h_to_4h",
+                     "ffn_down": "mlp.dense_4h_to_h"}
 _FALCON_TWO_NORMS_PER_LAYER = {**_FALCON_PER_LAYER, "attn_norm": "ln_mlp", "attn_norm_2": "ln_attn"}
 # Mamba's (backbone.layers.N.*); A_log and D are bare parameters, without .weight (llama.cpp's names have none).
 _MAMBA_PER_LAYER = {"attn_norm": "norm", "ssm_in": "mixer.in_proj", "ssm_conv1d": "mixer.conv1d",
@@ -70,7 +71,8 @@ _TOP_LEVEL_BY_ARCH = {"gpt2": {"token_embd": "transformer.wte", "position_embd":
                                "output_norm": "transformer.ln_f", "output": "lm_head"},
                       "falcon": {"token_embd": "transformer.word_embeddings", "output_norm": "transformer.ln_f",
                                  "output": "lm_head"},
-                      "mamba": {"token_embd": "backbone.embeddings", "output_norm": "backbone.norm_f", "output": "lm_head"},
+                      "mamba": {"token_embd": "backbone.embeddings", "output_norm": "backbone.norm_f",
+                                "output": "lm_head"},
                       # LFM2's final norm is named embedding_norm in its checkpoints (and token_embd_norm by llama.cpp).
                       "lfm2": {"token_embd": "model.embed_tokens", "token_embd_norm": "model.embedding_norm",
                                "output": "lm_head"}}
@@ -326,7 +328,8 @@ def _gpt_oss_config(reader: gguf.GGUFReader, names: dict[str, gguf.ReaderTensor]
     if scaling == "yarn":
         rope.update(rope_type="yarn", factor=get("rope.scaling.factor"), truncate=False,
                     original_max_position_embeddings=get("rope.scaling.original_context_length"),
-                    beta_fast=get("rope.scaling.yarn_beta_fast", 32.0), beta_slow=get("rope.scaling.yarn_beta_slow", 1.0))
+                    beta_fast=get("rope.scaling.yarn_beta_fast", 32.0),
+                    beta_slow=get("rope.scaling.yarn_beta_slow", 1.0))
     layers = get("block_count")
     return GptOssConfig(
         num_hidden_layers=layers, hidden_size=get("embedding_length"), max_position_embeddings=get("context_length"),
