@@ -173,8 +173,9 @@ DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "er
 # (Mamba2; Granite's MoE with a shared MLP and rope, or its dense MLP without position encoding).
 SSM_KINDS = ("lfm2", "bamba", "granitemoehybrid", "granitemoehybrid-dense")
 # NemotronH (one block per layer: Mamba2, attention without rope, relu^2 MLP, relu^2 experts) and Falcon-H1 (attention
-# and Mamba2 side by side in every layer, every muP multiplier away from 1): see mamba2_hybrid_config.
-MAMBA2_HYBRID_KINDS = ("nemotron-h", "falcon-h1", "falcon-h1-norm")
+# and Mamba2 side by side in every layer, every muP multiplier away from 1); and Mamba2 alone (no attention, no MLP):
+# see mamba2_hybrid_config.
+MAMBA2_HYBRID_KINDS = ("nemotron-h", "falcon-h1", "falcon-h1-norm", "mamba2")
 # GPT-OSS: attention sinks (GPT_OSS_SINK_STD, so that they weigh), sliding and full layers, yarn rope, q/k/v/o biases,
 # 2 of 8 experts per token by a biased router, experts with biases whose gate/up weights (GPT_OSS_GATE_UP_STD) push
 # the SwiGLU into its clamps.
@@ -241,7 +242,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "qwen3.5": 9024, "qwen3.5-moe": 1135, "olmoe": 2246, "glm4-moe": 3357, "dots1": 4468, "ernie4.5-moe": 5579,
           "hunyuan-moe": 6680, "gpt-oss": 9024}
 _SEEDS |= {"lfm2": 7791, "bamba": 8802, "granitemoehybrid": 9913, "granitemoehybrid-dense": 1124}
-_SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457}
+_SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457, "mamba2": 5568}
 # Jamba's seed: on the test prompts its routers' 2nd and 3rd experts stay > 1e-4 apart (a near-tie flips the choice
 # on rounding, and that token's logits move by ~0.5).
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
@@ -784,7 +785,13 @@ def ssm_config(kind: str, special: dict):
 
 
 def mamba2_hybrid_config(kind: str, special: dict):
-    from transformers import FalconH1Config, NemotronHConfig
+    from transformers import FalconH1Config, Mamba2Config, NemotronHConfig
+
+    if kind == "mamba2":  # 8 heads of 16 in 2 groups, 16-token scan chunks, projection biases, tied
+        return Mamba2Config(**special, vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_hidden_layers=3, num_heads=8,
+                            head_dim=16, expand=2, n_groups=2, state_size=16, conv_kernel=4, chunk_size=16,
+                            use_bias=True, use_conv_bias=True, layer_norm_epsilon=1e-5, initializer_range=INIT_STD,
+                            tie_word_embeddings=True)
 
     common = dict(**special, vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=32, max_position_embeddings=512, initializer_range=INIT_STD)

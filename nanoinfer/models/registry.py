@@ -64,11 +64,12 @@ _MODELS |= {
     "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
     "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
 }
-# State-space models on the Mamba-1 mixer, alone or with attention.
+# State-space models: on the Mamba-1 mixer, alone or with attention; on the Mamba2 mixer alone.
 _MODELS |= {
     "FalconMambaForCausalLM": ("falcon_mamba", "FalconMambaForCausalLM"),
     "JambaForCausalLM": ("jamba", "JambaForCausalLM"),
     "MambaForCausalLM": ("mamba", "MambaForCausalLM"),
+    "Mamba2ForCausalLM": ("mamba", "Mamba2ForCausalLM"),
 }
 
 # Sequence classification (see classification.py) over the decoder of the causal LM of the same family.
