@@ -179,7 +179,10 @@ MAMBA2_HYBRID_KINDS = ("nemotron-h", "falcon-h1", "falcon-h1-norm", "mamba2")
 # GPT-OSS: attention sinks (GPT_OSS_SINK_STD, so that they weigh), sliding and full layers, yarn rope, q/k/v/o biases,
 # 2 of 8 experts per token by a biased router, experts with biases whose gate/up weights (GPT_OSS_GATE_UP_STD) push
 # the SwiGLU into its clamps.
-EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS + SSM_KINDS
+# Ministral: Mistral's attention windowed by layer_types (layer 1 full). Ministral 3: a window on every layer, yarn,
+# and queries scaled by position (Llama 4's temperature) with a short period, so the test prompts cross several.
+MISTRAL_KINDS = ("mistral", "ministral", "ministral3")
+EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_NEXT_KINDS + SSM_KINDS
                + MAMBA2_HYBRID_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
@@ -191,7 +194,7 @@ EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_K
 MAMBA1_KINDS = ("mamba", "falcon-mamba", "jamba")
 EXTRA_KINDS += MAMBA1_KINDS
 # Sliding windows: shorter than most test prompts.
-SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "gemma2": 11, "phi3": 24,
+SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 13, "ministral3": 15, "gemma3": 10, "gemma2": 11, "phi3": 24,
                   "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13, "exaone4": 10,
                   "cohere2": 12, "dots1": 12, "gpt-oss": 12}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
@@ -245,6 +248,7 @@ _SEEDS |= {"lfm2": 7791, "bamba": 8802, "granitemoehybrid": 9913, "granitemoehyb
 _SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457, "mamba2": 5568}
 # Jamba's seed: on the test prompts its routers' 2nd and 3rd experts stay > 1e-4 apart (a near-tie flips the choice
 # on rounding, and that token's logits move by ~0.5).
+_SEEDS |= {"ministral": 6791, "ministral3": 7902}
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
 
 
@@ -260,10 +264,10 @@ def make_config(kind: str):
                               Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig, GlmConfig, GPT2Config,
                               GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig,
                               GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config,
-                              LlamaConfig, MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config,
-                              OlmoConfig, OlmoeConfig, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig,
-                              Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig, SeedOssConfig, SmolLM3Config,
-                              StableLmConfig, Starcoder2Config)
+                              LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig,
+                              NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config,
+                              PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
+                              SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config)
 
     ids = _token_ids()
     special = dict(
@@ -337,6 +341,18 @@ def make_config(kind: str):
             sliding_window=SLIDING_WINDOW[kind],
             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
         )
+    if kind == "ministral":
+        return MinistralConfig(**_COMMON, **special, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               tie_word_embeddings=False, sliding_window=SLIDING_WINDOW[kind],
+                               layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "ministral3":
+        return Ministral3Config(**_COMMON, **special, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                tie_word_embeddings=False, sliding_window=SLIDING_WINDOW[kind],
+                                rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+                                                 "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                 "llama_4_scaling_beta": 0.5})
     if kind == "qwen3-untied":
         return Qwen3Config(
             **_COMMON,

@@ -38,6 +38,8 @@ class AttentionOptions:
     num_kv_heads: int | None = None  # where the config's `num_key_value_heads` does not say (Falcon, GPTBigCode)
     rotary_dim: int | None = None  # GPT-J: the leading dims rotated, where the config's rope settings do not say
     sinks: bool = False  # GPT-OSS: a learned logit per head joins each softmax's denominator
+    # Ministral 3 (Llama 4's attention temperature): (beta, length); q times 1 + beta * log(1 + floor(pos / length)).
+    query_scaling: tuple[float, int] | None = None
 
 
 def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
@@ -80,6 +82,7 @@ class LlamaAttention(nn.Module):
             self.q_norm, self.k_norm = norms
         self.qk_norm, self.qk_norm_after_rope = options.qk_norm, options.qk_norm_after_rope
         self.clip_qkv = options.clip_qkv
+        self.query_scaling = options.query_scaling
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -96,10 +99,17 @@ class LlamaAttention(nn.Module):
             q, k = self.rotary_emb(positions, q, k, *((self.q_norm, self.k_norm) if norms_in_rotation else ()))
         if self.qk_norm and not norms_in_rotation:
             q, k = self.q_norm(q), self.k_norm(k)
+        if rotate and self.query_scaling is not None:
+            q = q * self.position_scaling(positions).to(q.dtype)[:, None, None]
         o = self.attn(q, k, v, meta)
         if self.q_factor == 2:
             o = o * torch.sigmoid(gate.flatten(1))
         return self.o_proj(o)
+
+    def position_scaling(self, positions: torch.Tensor) -> torch.Tensor:
+        """Each token's query factor of query_scaling, computed in fp32 as transformers does."""
+        beta, length = self.query_scaling
+        return 1 + beta * torch.log(1 + torch.floor(positions.float() / length))
 
 
 class LlamaMLP(nn.Module):
