@@ -130,7 +130,9 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # with different ropes.
 # GLM-4-0414: four norms per layer (Gemma 2's order), interleaved rope over half of each head, fused gate_up_proj,
 # q/k/v biases. GLM-4 (v1): the same without the norms after the sublayers, a quarter of each head rotated, MQA.
-# Mixtral: a window on every layer and 2 of 8 experts per token on every layer, renormalized. Qwen2-MoE: 2 of 8
+# Mixtral: a window on every layer and 2 of 8 experts per token on every layer, renormalized. PhiMoE (phimoe):
+# Mixtral's layout with LayerNorms, biases on q/k/v/o and the LM head, longrope (its own: short factors, short and long
+# mscales) and the sparsemixer, its threshold (router_jitter_noise) wide enough that some tokens' weights mix experts. Qwen2-MoE: 2 of 8
 # experts (not renormalized) plus a gated shared expert on layers 0 and 2, layer 1 dense. Granite MoE: Granite's
 # multipliers around 2 of 8 experts (and, shared, an ungated shared expert). OLMoE: OLMo 2's whole-projection q/k
 # norms and q/k/v clipped to +-clip_qkv (which binds) in the pre-norm layer, 2 of 8 experts, not renormalized.
@@ -186,7 +188,7 @@ EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_N
                + MAMBA2_HYBRID_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
-                  "ernie4.5-moe", "hunyuan-moe") + LAYERNORM_KINDS + DEEPSEEK_KINDS
+                  "ernie4.5-moe", "hunyuan-moe", "phimoe") + LAYERNORM_KINDS + DEEPSEEK_KINDS
                + DENSE_KINDS + ("gpt-oss",))
 # Mamba-1 mixers (see mamba1_config): Mamba (projection biases, tied), Falcon-Mamba (weightless dt/B/C norms, untied),
 # Jamba (dt/B/C norms with weights; attention without rope on layer 2; 2 of 4 experts on layers 1 and 3, dense MLPs
@@ -196,7 +198,7 @@ EXTRA_KINDS += MAMBA1_KINDS
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 13, "ministral3": 15, "gemma3": 10, "gemma2": 11, "phi3": 24,
                   "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13, "exaone4": 10,
-                  "cohere2": 12, "dots1": 12, "gpt-oss": 12}
+                  "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -248,7 +250,7 @@ _SEEDS |= {"lfm2": 7791, "bamba": 8802, "granitemoehybrid": 9913, "granitemoehyb
 _SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457, "mamba2": 5568}
 # Jamba's seed: on the test prompts its routers' 2nd and 3rd experts stay > 1e-4 apart (a near-tie flips the choice
 # on rounding, and that token's logits move by ~0.5).
-_SEEDS |= {"ministral": 6791, "ministral3": 7902}
+_SEEDS |= {"ministral": 6791, "ministral3": 7902, "phimoe": 8013}
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
 
 
@@ -266,8 +268,8 @@ def make_config(kind: str):
                               GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config,
                               LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig,
                               NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config,
-                              PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
-                              SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config)
+                              PhiConfig, PhimoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
+                              Qwen3NextConfig, SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config)
 
     ids = _token_ids()
     special = dict(
@@ -580,6 +582,16 @@ def make_config(kind: str):
             num_experts_per_tok=2,
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         )
+    if kind == "phimoe":  # the prompts fit in original_max_position_embeddings, their continuations cross it
+        return PhimoeConfig(**{**_COMMON, "intermediate_size": 32}, **special, num_attention_heads=4,
+                            num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True, lm_head_bias=True,
+                            sliding_window=SLIDING_WINDOW[kind], num_local_experts=8, num_experts_per_tok=2,
+                            router_jitter_noise=0.2,
+                            rope_parameters={"rope_type": "longrope", "rope_theta": 10_000.0,
+                                             "original_max_position_embeddings": PHI3_ORIGINAL_MAX_POSITION,
+                                             "short_factor": [1.0, 1.1, 1.2, 1.4, 1.7, 2.0, 2.5, 3.0],
+                                             "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0],
+                                             "short_mscale": 1.1, "long_mscale": 1.3})
     if kind == "qwen2-moe":
         return Qwen2MoeConfig(
             **_COMMON,

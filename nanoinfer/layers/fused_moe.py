@@ -1,7 +1,7 @@
-"""Mixture-of-experts SwiGLU MLPs: top-k softmax routing (or DeepSeek's group-limited and sigmoid routings), then
-every expert at once as two grouped matmuls over the token-expert pairs sorted by expert (FusedMoE; SparseMoeBlock
-puts the router in front), optionally with biases and GPT-OSS's clamped SwiGLU, or without a gate (NemotronH's
-relu^2). Each rank holds a slice of every expert's intermediate dimension."""
+"""Mixture-of-experts SwiGLU MLPs: top-k softmax routing (or DeepSeek's group-limited and sigmoid routings, PhiMoE's
+sparsemixer), then every expert at once as two grouped matmuls over the token-expert pairs sorted by expert
+(FusedMoE; SparseMoeBlock puts the router in front), optionally with biases and GPT-OSS's clamped SwiGLU, or without
+a gate (NemotronH's relu^2). Each rank holds a slice of every expert's intermediate dimension."""
 import re
 from collections.abc import Callable
 
@@ -85,6 +85,26 @@ def select_experts_sigmoid_biased(router_logits: torch.Tensor, top_k: int, corre
     if renormalize:
         weights /= weights.sum(dim=-1, keepdim=True) + 1e-20  # transformers' epsilon
     return weights * scaling, ids
+
+
+def select_experts_sparsemixer(router_logits: torch.Tensor, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PhiMoE's sparsemixer at inference: two experts, the best and the second best; each weighs by a softmax over
+    the experts whose logit lies within a relative 2 * jitter_eps of its own (the first choice left out of the
+    second's), in the logits' dtype, as transformers computes it."""
+    first = router_logits.argmax(dim=-1, keepdim=True)
+    second_logits = router_logits.scatter(-1, first, float("-inf"))
+    second = second_logits.argmax(dim=-1, keepdim=True)
+    weights = [_sparsemixer_weight(router_logits, logits, chosen, jitter_eps)
+               for logits, chosen in ((router_logits, first), (second_logits, second))]
+    return torch.cat(weights, dim=-1), torch.cat((first, second), dim=-1)
+
+
+def _sparsemixer_weight(scores: torch.Tensor, logits: torch.Tensor, chosen: torch.Tensor, jitter_eps: float
+                        ) -> torch.Tensor:
+    """The softmax weight of the chosen expert (the top of `logits`) over those of `logits` near it."""
+    top = logits.gather(-1, chosen)
+    far = (top - scores) / scores.abs().clamp(min=top) > 2 * jitter_eps
+    return torch.softmax(logits.masked_fill(far, float("-inf")), dim=-1).gather(-1, chosen)
 
 
 # (gate, up) -> the activation that the down projection takes; of non-gated experts: (up) -> it.

@@ -71,12 +71,15 @@ def longrope_frequencies(config: PretrainedConfig, max_position: int) -> tuple[t
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, scaling: float = 1.0,
+    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, scaling: float | torch.Tensor = 1.0,
                  interleaved: bool = False):
-        """inv_freq: [rotary_dim / 2], or one row per position [max_position, rotary_dim / 2]. interleaved: pair i
-        rotates dimensions (2i, 2i + 1) instead of (i, i + rotary_dim / 2)."""
+        """inv_freq: [rotary_dim / 2], or one row per position [max_position, rotary_dim / 2]; scaling: one factor,
+        or one per position [max_position, 1] (PhiMoE's). interleaved: pair i rotates dimensions (2i, 2i + 1)
+        instead of (i, i + rotary_dim / 2)."""
         super().__init__()
         inv_freq = inv_freq.to(torch.get_default_device())  # the table is built where the model is
+        if isinstance(scaling, torch.Tensor):
+            scaling = scaling.to(inv_freq.device)
         freqs = torch.arange(max_position, dtype=torch.float32).unsqueeze(1) * inv_freq
         # Non-persistent: derived from the config, never in a checkpoint.
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
