@@ -132,7 +132,9 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # q/k/v biases. GLM-4 (v1): the same without the norms after the sublayers, a quarter of each head rotated, MQA.
 # Mixtral: a window on every layer and 2 of 8 experts per token on every layer, renormalized. PhiMoE (phimoe):
 # Mixtral's layout with LayerNorms, biases on q/k/v/o and the LM head, longrope (its own: short factors, short and long
-# mscales) and the sparsemixer, its threshold (router_jitter_noise) wide enough that some tokens' weights mix experts. Qwen2-MoE: 2 of 8
+# mscales) and the sparsemixer, its threshold (router_jitter_noise) wide enough that some tokens' weights mix experts.
+# FlexOLMo: OLMo 2's layers (q/k/v/o biases) with 2 of 8 experts, renormalized. VaultGemma: Gemma 2's attention
+# (windowed layers, softcaps) and MLP in Gemma's two-norm layer. Qwen2-MoE: 2 of 8
 # experts (not renormalized) plus a gated shared expert on layers 0 and 2, layer 1 dense. Granite MoE: Granite's
 # multipliers around 2 of 8 experts (and, shared, an ungated shared expert). OLMoE: OLMo 2's whole-projection q/k
 # norms and q/k/v clipped to +-clip_qkv (which binds) in the pre-norm layer, 2 of 8 experts, not renormalized.
@@ -188,7 +190,7 @@ EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_N
                + MAMBA2_HYBRID_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
-                  "ernie4.5-moe", "hunyuan-moe", "phimoe") + LAYERNORM_KINDS + DEEPSEEK_KINDS
+                  "ernie4.5-moe", "hunyuan-moe", "phimoe", "flexolmo") + ("vaultgemma",) + LAYERNORM_KINDS + DEEPSEEK_KINDS
                + DENSE_KINDS + ("gpt-oss",))
 # Mamba-1 mixers (see mamba1_config): Mamba (projection biases, tied), Falcon-Mamba (weightless dt/B/C norms, untied),
 # Jamba (dt/B/C norms with weights; attention without rope on layer 2; 2 of 4 experts on layers 1 and 3, dense MLPs
@@ -198,7 +200,7 @@ EXTRA_KINDS += MAMBA1_KINDS
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 13, "ministral3": 15, "gemma3": 10, "gemma2": 11, "phi3": 24,
                   "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13, "exaone4": 10,
-                  "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22}
+                  "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22, "vaultgemma": 11}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -250,7 +252,8 @@ _SEEDS |= {"lfm2": 7791, "bamba": 8802, "granitemoehybrid": 9913, "granitemoehyb
 _SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457, "mamba2": 5568}
 # Jamba's seed: on the test prompts its routers' 2nd and 3rd experts stay > 1e-4 apart (a near-tie flips the choice
 # on rounding, and that token's logits move by ~0.5).
-_SEEDS |= {"ministral": 6791, "ministral3": 7902, "phimoe": 8013}
+# FlexOLMo's seed: on the test prompts its routers' 2nd and 3rd experts stay >= 1e-5 apart, and every expert is used.
+_SEEDS |= {"ministral": 6791, "ministral3": 7902, "phimoe": 8013, "flexolmo": 4024, "vaultgemma": 1235}
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
 
 
@@ -262,14 +265,16 @@ def _token_ids():
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
     from transformers import (ApertusConfig, ArceeConfig, Cohere2Config, CohereConfig, Dots1Config,
-                              Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, FalconConfig, Gemma2Config,
-                              Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig, GlmConfig, GPT2Config,
-                              GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig,
-                              GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config,
+                              Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, FalconConfig, FlexOlmoConfig,
+                              Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig, GlmConfig,
+                              GPT2Config, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, GraniteConfig,
+                              GraniteMoeConfig, GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config,
+                              HunYuanMoEV1Config,
                               LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig,
                               NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config,
                               PhiConfig, PhimoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
-                              Qwen3NextConfig, SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config)
+                              Qwen3NextConfig, SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config,
+                              VaultGemmaConfig)
 
     ids = _token_ids()
     special = dict(
@@ -434,6 +439,9 @@ def make_config(kind: str):
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                              "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}},
         )
+    if kind == "vaultgemma":
+        return VaultGemmaConfig(**gemma, query_pre_attn_scalar=24, attn_logit_softcapping=GEMMA2_ATTN_SOFTCAP,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "gemma2":
         return Gemma2Config(
             **gemma,
@@ -625,6 +633,11 @@ def make_config(kind: str):
             residual_multiplier=0.6,
             logits_scaling=2.0,
         )
+    if kind == "flexolmo":
+        return FlexOlmoConfig(**{**_COMMON, "intermediate_size": 32}, **special, num_attention_heads=4,
+                              num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True, num_experts=8,
+                              num_experts_per_tok=2, norm_topk_prob=True,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "olmoe":
         return OlmoeConfig(
             **{**_COMMON, "intermediate_size": 32},  # each expert's
@@ -966,7 +979,7 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
     torch.manual_seed(_SEEDS[base_kind])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize_(model, _SEEDS[base_kind])
-    if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2", "gemma"):
+    if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2", "gemma", "vaultgemma"):
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
     if kind == "gpt-oss":
         _sharpen_gpt_oss_(model, _SEEDS[base_kind])

@@ -1,5 +1,5 @@
-"""Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5, dots.llm1, ERNIE 4.5, Hunyuan, PhiMoE, DeepSeek): the
-fused expert layer against transformers' own MoE block, its tensor-parallel shards, which layers are sparse,
+"""Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, FlexOLMo, GLM-4.5, dots.llm1, ERNIE 4.5, Hunyuan, PhiMoE,
+DeepSeek): the fused expert layer against transformers' own MoE block, its tensor-parallel shards, which layers are sparse,
 checkpoint layouts (per expert as on the Hub, Mixtral's names, transformers' stacked experts) and mapping errors; on
 whole models, routing equal to transformers' and varied, chunked prefill + prefix cache + preemption, with TP=1 and 2
 (DeepSeek's too; its routers and the rest: test_deepseek.py). (Plain whole-model greedy/logits:
@@ -163,7 +163,7 @@ def hf_routing(model_dir, tokens: list[int]) -> list[tuple[torch.Tensor, torch.T
     return found
 
 
-@pytest.mark.parametrize("kind", NEW_KINDS + ("olmoe",))
+@pytest.mark.parametrize("kind", NEW_KINDS + ("olmoe", "flexolmo"))
 def test_routing_is_transformers_own_and_varied(kind, model_dir):
     """Our routers pick the same experts as transformers' for every token of prompts and continuations; the
     choice varies (every expert is used in every sparse layer, most pairs occur) and the k-th expert leads the next
@@ -227,7 +227,7 @@ def test_mixtral_hub_layout_loads(model_dir):
 # With two ranks too where the family brings weights of its own to shard (OLMoE's, GLM-4.5's and dots.llm1's layers
 # are OLMo 2's, Qwen3's and DeepSeek-V3's, tested sharded here and in test_olmo.py / test_tensor_parallel.py).
 TP2_KINDS = NEW_KINDS + ("granitemoe-shared", "ernie4.5-moe", "hunyuan-moe", "phimoe") + DEEPSEEK_KINDS
-CHUNKED_KINDS = TP2_KINDS + ("olmoe", "glm4-moe", "dots1")
+CHUNKED_KINDS = TP2_KINDS + ("olmoe", "glm4-moe", "dots1", "flexolmo")
 
 
 @pytest.mark.parametrize("kind, tp", [(kind, 1) for kind in CHUNKED_KINDS]

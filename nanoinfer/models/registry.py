@@ -17,6 +17,7 @@ _MODELS = {
     "Ernie4_5ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),
     "Exaone4ForCausalLM": ("exaone4", "Exaone4ForCausalLM"),
     "FalconForCausalLM": ("falcon", "FalconForCausalLM"),
+    "FlexOlmoForCausalLM": ("olmoe", "FlexOlmoForCausalLM"),
     "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
@@ -58,6 +59,7 @@ _MODELS = {
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
     "StableLmForCausalLM": ("stablelm", "StableLmForCausalLM"),
     "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
+    "VaultGemmaForCausalLM": ("vaultgemma", "VaultGemmaForCausalLM"),
 }
 # Hybrids of attention with recurrent layers (Mamba2, short convolutions).
 _MODELS |= {
