@@ -175,7 +175,8 @@ DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3")
 DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "ernie4_5", "hunyuan", "apertus")
 # Hybrids of attention with recurrent layers (see ssm_config): LFM2 (short convolutions), Bamba and Granite 4.0-H
 # (Mamba2; Granite's MoE with a shared MLP and rope, or its dense MLP without position encoding).
-SSM_KINDS = ("lfm2", "bamba", "granitemoehybrid", "granitemoehybrid-dense")
+# LFM2-MoE: LFM2's layers, layer 0's MLP dense, then 2 of 8 experts (sigmoid, a random expert_bias, renormalized, scaled).
+SSM_KINDS = ("lfm2", "bamba", "granitemoehybrid", "granitemoehybrid-dense", "lfm2-moe")
 # NemotronH (one block per layer: Mamba2, attention without rope, relu^2 MLP, relu^2 experts) and Falcon-H1 (attention
 # and Mamba2 side by side in every layer, every muP multiplier away from 1); and Mamba2 alone (no attention, no MLP):
 # see mamba2_hybrid_config.
@@ -248,6 +249,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "hunyuan": 3246, "cohere2": 4357, "apertus": 5468,
           "qwen3.5": 9024, "qwen3.5-moe": 1135, "olmoe": 2246, "glm4-moe": 3357, "dots1": 4468, "ernie4.5-moe": 5579,
           "hunyuan-moe": 6680, "gpt-oss": 9024}
+_SEEDS |= {"lfm2-moe": 2346}
 _SEEDS |= {"lfm2": 7791, "bamba": 8802, "granitemoehybrid": 9913, "granitemoehybrid-dense": 1124}
 _SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457, "mamba2": 5568}
 # Jamba's seed: on the test prompts its routers' 2nd and 3rd experts stay > 1e-4 apart (a near-tie flips the choice
@@ -798,7 +800,7 @@ def qwen3_next_config(kind: str, special: dict):
 
 
 def ssm_config(kind: str, special: dict):
-    from transformers import BambaConfig, GraniteMoeHybridConfig, Lfm2Config
+    from transformers import BambaConfig, GraniteMoeHybridConfig, Lfm2Config, Lfm2MoeConfig
 
     common = dict(**special, vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, initializer_range=INIT_STD)
@@ -807,6 +809,11 @@ def ssm_config(kind: str, special: dict):
         return Lfm2Config(**common, intermediate_size=128, block_multiple_of=32, norm_eps=1e-5, conv_L_cache=3,
                           conv_bias=True, layer_types=["conv", "full_attention", "conv"], tie_word_embeddings=True,
                           rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    if kind == "lfm2-moe":
+        return Lfm2MoeConfig(**common, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                             num_experts_per_tok=2, num_dense_layers=1, routed_scaling_factor=2.5, norm_eps=1e-5,
+                             conv_L_cache=3, conv_bias=True, layer_types=["conv", "full_attention", "conv"],
+                             tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     # 16-token scan chunks (prompts span several; real models: 256), 8 heads of 16 in 2 groups (Bamba: 1).
     mamba = dict(mamba_n_heads=8, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
                  mamba_conv_bias=True, mamba_proj_bias=False, rms_norm_eps=1e-5, hidden_act="silu",
@@ -988,8 +995,8 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
     if kind in MAMBA1_KINDS:
         _randomize_mamba1_(model, _SEEDS[base_kind])
     g = torch.Generator().manual_seed(_SEEDS[base_kind] + 2)
-    for name, buffer in model.named_buffers():  # a buffer, saved with the weights: V3's routing bias
-        if name.endswith("e_score_correction_bias"):
+    for name, buffer in model.named_buffers():  # a buffer, saved with the weights: V3's, LFM2-MoE's routing bias
+        if name.endswith(("e_score_correction_bias", "expert_bias")):
             buffer.copy_(0.3 * torch.randn(buffer.shape, generator=g))
     if config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()

@@ -67,6 +67,7 @@ _MODELS |= {
     "FalconH1ForCausalLM": ("falcon_h1", "FalconH1ForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
     "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
+    "Lfm2MoeForCausalLM": ("lfm2", "Lfm2MoeForCausalLM"),
     "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
 }
 # State-space models: on the Mamba-1 mixer, alone or with attention; on the Mamba2 mixer alone.
