@@ -175,7 +175,8 @@ DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3")
 DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "ernie4_5", "hunyuan", "apertus")
 # Hybrids of attention with recurrent layers (see ssm_config): LFM2 (short convolutions), Bamba and Granite 4.0-H
 # (Mamba2; Granite's MoE with a shared MLP and rope, or its dense MLP without position encoding).
-# LFM2-MoE: LFM2's layers, layer 0's MLP dense, then 2 of 8 experts (sigmoid, a random expert_bias, renormalized, scaled).
+# LFM2-MoE: LFM2's layers, layer 0's MLP dense, then 2 of 8 experts (sigmoid, a random expert_bias, renormalized,
+# scaled).
 SSM_KINDS = ("lfm2", "bamba", "granitemoehybrid", "granitemoehybrid-dense", "lfm2-moe")
 # NemotronH (one block per layer: Mamba2, attention without rope, relu^2 MLP, relu^2 experts) and Falcon-H1 (attention
 # and Mamba2 side by side in every layer, every muP multiplier away from 1); and Mamba2 alone (no attention, no MLP):
@@ -191,16 +192,16 @@ EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_N
                + MAMBA2_HYBRID_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
-                  "ernie4.5-moe", "hunyuan-moe", "phimoe", "flexolmo") + ("vaultgemma",) + LAYERNORM_KINDS + DEEPSEEK_KINDS
-               + DENSE_KINDS + ("gpt-oss",))
+                  "ernie4.5-moe", "hunyuan-moe", "phimoe", "flexolmo") + ("vaultgemma",) + LAYERNORM_KINDS
+               + DEEPSEEK_KINDS + DENSE_KINDS + ("gpt-oss",))
 # Mamba-1 mixers (see mamba1_config): Mamba (projection biases, tied), Falcon-Mamba (weightless dt/B/C norms, untied),
 # Jamba (dt/B/C norms with weights; attention without rope on layer 2; 2 of 4 experts on layers 1 and 3, dense MLPs
 # on 0 and 2).
 MAMBA1_KINDS = ("mamba", "falcon-mamba", "jamba")
 EXTRA_KINDS += MAMBA1_KINDS
 # Sliding windows: shorter than most test prompts.
-SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 13, "ministral3": 15, "gemma3": 10, "gemma2": 11, "phi3": 24,
-                  "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13, "exaone4": 10,
+SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 13, "ministral3": 15, "gemma3": 10,
+                  "gemma2": 11, "phi3": 24, "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13, "exaone4": 10,
                   "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22, "vaultgemma": 11}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
@@ -813,7 +814,8 @@ def ssm_config(kind: str, special: dict):
         return Lfm2MoeConfig(**common, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
                              num_experts_per_tok=2, num_dense_layers=1, routed_scaling_factor=2.5, norm_eps=1e-5,
                              conv_L_cache=3, conv_bias=True, layer_types=["conv", "full_attention", "conv"],
-                             tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+                             tie_word_embeddings=False,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     # 16-token scan chunks (prompts span several; real models: 256), 8 heads of 16 in 2 groups (Bamba: 1).
     mamba = dict(mamba_n_heads=8, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
                  mamba_conv_bias=True, mamba_proj_bias=False, rms_norm_eps=1e-5, hidden_act="silu",
