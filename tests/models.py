@@ -165,7 +165,8 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2", "falcon", "falcon-mqa", "gptj",
                    "gpt-bigcode", "cohere2")
 LAYER_NORM_EPS = 1e-3
-DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3")
+# GLM-4.7-Flash (glm4-moe-lite): V3's model with layer 0 dense by mlp_layer_types, a shared expert.
+DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3", "glm4-moe-lite")
 # More Llama-like families. OLMo: parameter-free LayerNorms, q/k/v clamped (clip_qkv, below many of the test model's
 # values). EXAONE 4: norms after the sublayers, per-head q/k norms, sliding layers with rope and a global one without.
 # Seed-OSS: q/k/v and MLP biases, none on o_proj. Helium: interleaved rope, q/k/v biases, fp32-weight RMSNorms.
@@ -256,6 +257,7 @@ _SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457, "mamba
 # Jamba's seed: on the test prompts its routers' 2nd and 3rd experts stay > 1e-4 apart (a near-tie flips the choice
 # on rounding, and that token's logits move by ~0.5).
 # FlexOLMo's seed: on the test prompts its routers' 2nd and 3rd experts stay >= 1e-5 apart, and every expert is used.
+_SEEDS |= {"glm4-moe-lite": 3457}
 _SEEDS |= {"ministral": 6791, "ministral3": 7902, "phimoe": 8013, "flexolmo": 4024, "vaultgemma": 1235}
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
 
@@ -911,11 +913,16 @@ def _randomize_mamba1_(model, seed: int) -> None:
 
 
 def deepseek_config(kind: str, special: dict):
-    from transformers import DeepseekV2Config, DeepseekV3Config
+    from transformers import DeepseekV2Config, DeepseekV3Config, Glm4MoeLiteConfig
 
     mla = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
                qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, moe_intermediate_size=32,
                tie_word_embeddings=False)
+    if kind == "glm4-moe-lite":
+        return Glm4MoeLiteConfig(**_COMMON, **special, **mla, q_lora_rank=32, n_shared_experts=1,
+                                 mlp_layer_types=["dense", "sparse", "sparse"], n_group=4, topk_group=2,
+                                 norm_topk_prob=True, num_experts_per_tok=2, routed_scaling_factor=2.5,
+                                 rope_interleave=True, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "deepseek-v3":
         return DeepseekV3Config(**_COMMON, **special, **mla, q_lora_rank=32, n_shared_experts=1,
                                 first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
