@@ -134,7 +134,9 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # Mixtral's layout with LayerNorms, biases on q/k/v/o and the LM head, longrope (its own: short factors, short and long
 # mscales) and the sparsemixer, its threshold (router_jitter_noise) wide enough that some tokens' weights mix experts.
 # FlexOLMo: OLMo 2's layers (q/k/v/o biases) with 2 of 8 experts, renormalized. VaultGemma: Gemma 2's attention
-# (windowed layers, softcaps) and MLP in Gemma's two-norm layer. Qwen2-MoE: 2 of 8
+# (windowed layers, softcaps) and MLP in Gemma's two-norm layer. EXAONE-MoE (exaone-moe): EXAONE 4's attention (a
+# window and rope on layers 0 and 2, a global NoPE layer 1) with V3's MoE from layer 1 on (2 of 8 experts in the best
+# 2 of 4 groups, a random correction bias, a shared expert). Qwen2-MoE: 2 of 8
 # experts (not renormalized) plus a gated shared expert on layers 0 and 2, layer 1 dense. Granite MoE: Granite's
 # multipliers around 2 of 8 experts (and, shared, an ungated shared expert). OLMoE: OLMo 2's whole-projection q/k
 # norms and q/k/v clipped to +-clip_qkv (which binds) in the pre-norm layer, 2 of 8 experts, not renormalized.
@@ -193,7 +195,7 @@ EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_N
                + MAMBA2_HYBRID_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
-                  "ernie4.5-moe", "hunyuan-moe", "phimoe", "flexolmo") + ("vaultgemma",) + LAYERNORM_KINDS
+                  "ernie4.5-moe", "hunyuan-moe", "phimoe", "flexolmo", "exaone-moe") + ("vaultgemma",) + LAYERNORM_KINDS
                + DEEPSEEK_KINDS + DENSE_KINDS + ("gpt-oss",))
 # Mamba-1 mixers (see mamba1_config): Mamba (projection biases, tied), Falcon-Mamba (weightless dt/B/C norms, untied),
 # Jamba (dt/B/C norms with weights; attention without rope on layer 2; 2 of 4 experts on layers 1 and 3, dense MLPs
@@ -203,7 +205,7 @@ EXTRA_KINDS += MAMBA1_KINDS
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 13, "ministral3": 15, "gemma3": 10,
                   "gemma2": 11, "phi3": 24, "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13, "exaone4": 10,
-                  "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22, "vaultgemma": 11}
+                  "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22, "vaultgemma": 11, "exaone-moe": 10}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -257,7 +259,7 @@ _SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457, "mamba
 # Jamba's seed: on the test prompts its routers' 2nd and 3rd experts stay > 1e-4 apart (a near-tie flips the choice
 # on rounding, and that token's logits move by ~0.5).
 # FlexOLMo's seed: on the test prompts its routers' 2nd and 3rd experts stay >= 1e-5 apart, and every expert is used.
-_SEEDS |= {"glm4-moe-lite": 3457}
+_SEEDS |= {"glm4-moe-lite": 3457, "exaone-moe": 4568}
 _SEEDS |= {"ministral": 6791, "ministral3": 7902, "phimoe": 8013, "flexolmo": 4024, "vaultgemma": 1235}
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
 
@@ -270,7 +272,8 @@ def _token_ids():
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
     from transformers import (ApertusConfig, ArceeConfig, Cohere2Config, CohereConfig, Dots1Config,
-                              Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, FalconConfig, FlexOlmoConfig,
+                              Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, ExaoneMoeConfig, FalconConfig,
+                              FlexOlmoConfig,
                               Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig, GlmConfig,
                               GPT2Config, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, GraniteConfig,
                               GraniteMoeConfig, GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config,
@@ -638,6 +641,14 @@ def make_config(kind: str):
             residual_multiplier=0.6,
             logits_scaling=2.0,
         )
+    if kind == "exaone-moe":
+        return ExaoneMoeConfig(**{**_COMMON, "intermediate_size": 64}, **special, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+                               sliding_window=SLIDING_WINDOW[kind], sliding_window_pattern=2, num_experts=8,
+                               num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=1,
+                               first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
+                               routed_scaling_factor=2.5,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "flexolmo":
         return FlexOlmoConfig(**{**_COMMON, "intermediate_size": 32}, **special, num_attention_heads=4,
                               num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True, num_experts=8,
