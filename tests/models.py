@@ -136,7 +136,9 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # FlexOLMo: OLMo 2's layers (q/k/v/o biases) with 2 of 8 experts, renormalized. VaultGemma: Gemma 2's attention
 # (windowed layers, softcaps) and MLP in Gemma's two-norm layer. EXAONE-MoE (exaone-moe): EXAONE 4's attention (a
 # window and rope on layers 0 and 2, a global NoPE layer 1) with V3's MoE from layer 1 on (2 of 8 experts in the best
-# 2 of 4 groups, a random correction bias, a shared expert). Qwen2-MoE: 2 of 8
+# 2 of 4 groups, a random correction bias, a shared expert). GraniteSWA (granite-swa) and GraniteMoeSWA
+# (granitemoe-swa, GraniteMoeShared's MLPs): Granite's multipliers, sinks (GPT_OSS_SINK_STD), windowed layers 0 and 2,
+# a rope base per layer, layer 1 without rope. Qwen2-MoE: 2 of 8
 # experts (not renormalized) plus a gated shared expert on layers 0 and 2, layer 1 dense. Granite MoE: Granite's
 # multipliers around 2 of 8 experts (and, shared, an ungated shared expert). OLMoE: OLMo 2's whole-projection q/k
 # norms and q/k/v clipped to +-clip_qkv (which binds) in the pre-norm layer, 2 of 8 experts, not renormalized.
@@ -194,6 +196,7 @@ MISTRAL_KINDS = ("mistral", "ministral", "ministral3")
 EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_NEXT_KINDS + SSM_KINDS
                + MAMBA2_HYBRID_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
+               + ("granite-swa", "granitemoe-swa")
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
                   "ernie4.5-moe", "hunyuan-moe", "phimoe", "flexolmo", "exaone-moe") + ("vaultgemma",) + LAYERNORM_KINDS
                + DEEPSEEK_KINDS + DENSE_KINDS + ("gpt-oss",))
@@ -205,7 +208,8 @@ EXTRA_KINDS += MAMBA1_KINDS
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 13, "ministral3": 15, "gemma3": 10,
                   "gemma2": 11, "phi3": 24, "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13, "exaone4": 10,
-                  "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22, "vaultgemma": 11, "exaone-moe": 10}
+                  "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22, "vaultgemma": 11, "exaone-moe": 10,
+                  "granite-swa": 11, "granitemoe-swa": 13}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -259,7 +263,7 @@ _SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457, "mamba
 # Jamba's seed: on the test prompts its routers' 2nd and 3rd experts stay > 1e-4 apart (a near-tie flips the choice
 # on rounding, and that token's logits move by ~0.5).
 # FlexOLMo's seed: on the test prompts its routers' 2nd and 3rd experts stay >= 1e-5 apart, and every expert is used.
-_SEEDS |= {"glm4-moe-lite": 3457, "exaone-moe": 4568}
+_SEEDS |= {"glm4-moe-lite": 3457, "exaone-moe": 4568, "granite-swa": 5679, "granitemoe-swa": 6780}
 _SEEDS |= {"ministral": 6791, "ministral3": 7902, "phimoe": 8013, "flexolmo": 4024, "vaultgemma": 1235}
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
 
@@ -276,7 +280,7 @@ def make_config(kind: str):
                               FlexOlmoConfig,
                               Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig, GlmConfig,
                               GPT2Config, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, GraniteConfig,
-                              GraniteMoeConfig, GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config,
+                              GraniteMoeConfig, GraniteMoeSharedConfig, GraniteMoeSWAConfig, GraniteSWAConfig, HeliumConfig, HunYuanDenseV1Config,
                               HunYuanMoEV1Config,
                               LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig,
                               NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config,
@@ -484,6 +488,17 @@ def make_config(kind: str):
             residual_multiplier=0.6,
             logits_scaling=2.0,
         )
+    if kind in ("granite-swa", "granitemoe-swa"):
+        swa = dict(**special, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}, embedding_multiplier=3.0,
+                   attention_multiplier=0.4, residual_multiplier=0.6, logits_scaling=2.0,
+                   sliding_window=SLIDING_WINDOW[kind],
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   layer_rope_theta=[10_000.0, 0, 500_000.0])
+        if kind == "granite-swa":
+            return GraniteSWAConfig(**_COMMON, **swa)
+        return GraniteMoeSWAConfig(**{**_COMMON, "intermediate_size": 32}, **swa, shared_intermediate_size=48,
+                                   num_local_experts=8, num_experts_per_tok=2)
     if kind == "smollm3":
         # no_rope_layers [1, 0, 1]: layer 1 has no rope; with use_sliding_window, it is also the windowed layer.
         return SmolLM3Config(
@@ -1008,7 +1023,7 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
     _randomize_(model, _SEEDS[base_kind])
     if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2", "gemma", "vaultgemma"):
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
-    if kind == "gpt-oss":
+    if kind in ("gpt-oss", "granite-swa", "granitemoe-swa"):
         _sharpen_gpt_oss_(model, _SEEDS[base_kind])
     if kind in SSM_KINDS + MAMBA2_HYBRID_KINDS:
         _randomize_mamba_(model, _SEEDS[base_kind])

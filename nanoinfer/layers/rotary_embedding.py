@@ -1,6 +1,7 @@
 """Rotary position embeddings with a precomputed cos/sin table, over the whole head or, with
 `partial_rotary_factor`, over its leading dimensions only: the neox layout (dimension i with i + rotary_dim / 2,
 most families) or the interleaved one (pairs (x0, x1), (x2, x3), ...: Cohere, GLM)."""
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -54,6 +55,14 @@ def inv_frequencies(config: PretrainedConfig, rotary_dim: int, layer_type: str |
     kwargs = {} if nested_type is None else {"layer_type": nested_type}
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
     return inv_freq.float(), float(scaling)
+
+
+def with_rope_theta(config: PretrainedConfig, theta: float) -> PretrainedConfig:
+    """A shallow copy of config whose rope settings have base theta, as transformers' GraniteSWA builds one rotary
+    embedding per layer base."""
+    config = copy.copy(config)
+    config.rope_parameters = {**rope_parameters(config), "rope_theta": theta}
+    return config
 
 
 def longrope_frequencies(config: PretrainedConfig, max_position: int) -> tuple[torch.Tensor, float]:
@@ -143,10 +152,12 @@ def shared_rope_tables() -> Iterator[None]:
 
 
 def get_rope(config: PretrainedConfig, head_dim: int, max_position: int, layer_type: str | None = None,
-             interleaved: bool = False, rotary_dim: int | None = None) -> RotaryEmbedding:
+             interleaved: bool = False, rotary_dim: int | None = None, theta: float | None = None) -> RotaryEmbedding:
     """The rotary embedding of the config's rope settings (for `layer_type`, where they differ by layer type), in the
     interleaved layout where asked (see RotaryEmbedding), over rotary_dim leading dims where given (else the
-    settings' partial_rotary_factor of the head)."""
+    settings' partial_rotary_factor of the head), with base theta where given (else the settings')."""
+    if theta is not None:
+        config = with_rope_theta(config, theta)
     params = rope_parameters(config, layer_type)
     rotary_dim = rotary_dim or int(head_dim * params.get("partial_rotary_factor", 1.0))
     device = torch.get_default_device()

@@ -34,6 +34,8 @@ _MODELS = {
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "GraniteMoeForCausalLM": ("granitemoe", "GraniteMoeForCausalLM"),
     "GraniteMoeSharedForCausalLM": ("granitemoe", "GraniteMoeForCausalLM"),
+    "GraniteMoeSWAForCausalLM": ("granitemoe", "GraniteMoeSWAForCausalLM"),
+    "GraniteSWAForCausalLM": ("granite", "GraniteSWAForCausalLM"),
     "HeliumForCausalLM": ("helium", "HeliumForCausalLM"),
     "HunYuanDenseV1ForCausalLM": ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
     "HunYuanMoEV1ForCausalLM": ("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM"),
@@ -109,7 +111,7 @@ _VISION_LANGUAGE = {
 
 # Families whose attention adds a learned logit per head to every softmax (attention sinks), which flash-attn 2 lacks:
 # the attention backend is chosen with them in mind (selector.select_backend).
-_ATTENTION_SINKS = {"GptOssForCausalLM"}
+_ATTENTION_SINKS = {"GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
