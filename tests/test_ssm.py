@@ -45,16 +45,18 @@ def test_chunked_prefill_and_preemption_match_hf(ssm_dir, captured_logits, repor
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["lfm2", "granitemoehybrid", "nemotron-h", "falcon-h1-norm", "bamba"])
+@pytest.mark.parametrize("kind", ["lfm2", "granitemoehybrid", "nemotron-h", "falcon-h1-norm", "bamba", "zamba2"])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
-    """Two ranks (a spawned worker): LFM2's short conv sharded by channels; Granite's, NemotronH's, Falcon-H1's and
-    Bamba's attention, MLPs and experts sharded, their Mamba2 mixers by heads, each rank with its heads' state
-    (Falcon-H1's multipliers folded into each rank's rows; Bamba's one group of B and C whole on both ranks)."""
+    """Two ranks (a spawned worker): LFM2's short conv sharded by channels; Granite's, NemotronH's, Falcon-H1's,
+    Bamba's and Zamba2's attention, MLPs and experts sharded, their Mamba2 mixers by heads, each rank with its heads'
+    state (Falcon-H1's multipliers folded into each rank's rows; Bamba's one group of B and C whole on both ranks;
+    Zamba2's adapters' B rows split as the projections they add to)."""
     llm, _, worst = run(model_dir(kind), captured_logits, prompts=PROMPTS[:4], tensor_parallel_size=2)
     report_logit_diff(f"{kind}, tensor parallel 2", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
     config = llm.llm_engine.config.hf_config
-    heads = getattr(config, "mamba_n_heads", None) or getattr(config, "mamba_num_heads", None)
+    heads = next((getattr(config, name) for name in ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads")
+                  if getattr(config, name, None)), None)
     mixers = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Mamba2Mixer)]
     assert bool(mixers) == (kind != "lfm2") and all(m.ssm_state.shape[1] * 2 == heads for m in mixers)
 
