@@ -1,7 +1,7 @@
-"""LFM2, Bamba, Granite 4.0-H, NemotronH and Falcon-H1 (short-conv and Mamba2 hybrids) vs transformers under chunked
-prefill, preemption and two tensor-parallel ranks, prefix caching and LLM.embed refused; the Mamba2 scan's chunked and
-one-step forms against each other, and the mixers against transformers' over prompt chunks, decode steps and several
-sequences at once, whole and sharded over two ranks."""
+"""LFM2, Bamba, Granite 4.0-H, NemotronH, Falcon-H1 and Zamba2 (short-conv and Mamba2 hybrids) vs transformers under
+chunked prefill, preemption and two tensor-parallel ranks, prefix caching and LLM.embed refused; the Mamba2 scan's
+chunked and one-step forms against each other, and the mixers against transformers' over prompt chunks, decode steps
+and several sequences at once, whole and sharded over two ranks; Zamba2's shared blocks and its refused options."""
 import inspect
 import json
 import re
