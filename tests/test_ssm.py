@@ -21,8 +21,9 @@ from nanoinfer.models import falcon_h1, nemotron_h, zamba2
 from nanoinfer.models.bamba import mamba2_settings
 from nanoinfer.utils.dist import tp_scope
 from nanoinfer.utils.loader import load_weights
+from test_qwen3_next import GREEDY, LOGIT_ATOL, PROMPTS, run
 # Prefix caching refused (a cached prefix has K/V but no recurrent state), LLM.embed refused (causal layers).
-from test_qwen3_next import GREEDY, LOGIT_ATOL, PROMPTS, run, test_embed_is_refused, test_no_prefix_cache_reuse  # noqa: F401
+from test_qwen3_next import test_embed_is_refused, test_no_prefix_cache_reuse  # noqa: F401
 
 
 @pytest.fixture(scope="module", params=SSM_KINDS + MAMBA2_HYBRID_KINDS)
