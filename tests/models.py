@@ -174,7 +174,10 @@ DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "er
 SSM_KINDS = ("lfm2", "bamba", "granitemoehybrid", "granitemoehybrid-dense")
 # NemotronH (one block per layer: Mamba2, attention without rope, relu^2 MLP, relu^2 experts) and Falcon-H1 (attention
 # and Mamba2 side by side in every layer, every muP multiplier away from 1): see mamba2_hybrid_config.
-MAMBA2_HYBRID_KINDS = ("nemotron-h", "falcon-h1", "falcon-h1-norm")
+# Zamba2: Mamba2 layers and hybrid layers invoking 2 shared attention + MLP blocks in rotation (3 invocations: the
+# first block twice, the first one before any Mamba2 layer), each with its own LoRA adapters, KV cache and linear;
+# rope, projection biases, GeLU.
+MAMBA2_HYBRID_KINDS = ("nemotron-h", "falcon-h1", "falcon-h1-norm", "zamba2")
 # GPT-OSS: attention sinks (GPT_OSS_SINK_STD, so that they weigh), sliding and full layers, yarn rope, q/k/v/o biases,
 # 2 of 8 experts per token by a biased router, experts with biases whose gate/up weights (GPT_OSS_GATE_UP_STD) push
 # the SwiGLU into its clamps.
@@ -216,6 +219,10 @@ BIAS_STD = 0.1
 GPT_OSS_SINK_STD = 3.0
 # GPT-OSS's expert gate/up weights: pre-activations of std ~5, so that the clamps at swiglu_limit (7) often bind.
 GPT_OSS_GATE_UP_STD = 0.6
+# Zamba2's layer matrices (shared blocks, adapters, linears, Mamba2 projections and convs): INIT_STD times this. At
+# INIT_STD its 5 layers of fan-in 128 attention (scaled by (head_dim / 2) ** -0.5) are chaotic: transformers' own fp32
+# logits sit 7e-3 from its fp64 ones; at half, 2e-5.
+ZAMBA2_LAYER_WEIGHT_SCALE = 0.5
 SHARD_SIZE = "200KB"
 
 _COMMON = dict(
@@ -241,7 +248,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "qwen3.5": 9024, "qwen3.5-moe": 1135, "olmoe": 2246, "glm4-moe": 3357, "dots1": 4468, "ernie4.5-moe": 5579,
           "hunyuan-moe": 6680, "gpt-oss": 9024}
 _SEEDS |= {"lfm2": 7791, "bamba": 8802, "granitemoehybrid": 9913, "granitemoehybrid-dense": 1124}
-_SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457}
+_SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457, "zamba2": 5568}
 # Jamba's seed: on the test prompts its routers' 2nd and 3rd experts stay > 1e-4 apart (a near-tie flips the choice
 # on rounding, and that token's logits move by ~0.5).
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
@@ -784,8 +791,17 @@ def ssm_config(kind: str, special: dict):
 
 
 def mamba2_hybrid_config(kind: str, special: dict):
-    from transformers import FalconH1Config, NemotronHConfig
+    from transformers import FalconH1Config, NemotronHConfig, Zamba2Config
 
+    if kind == "zamba2":  # heads of 2 x 64 / 4 = 32 channels; 8 Mamba2 heads of 16 in 2 groups; adapters of rank 8
+        return Zamba2Config(**special, vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_attention_heads=4,
+                            max_position_embeddings=512, initializer_range=INIT_STD, intermediate_size=96,
+                            num_hidden_layers=5,
+                            layers_block_type=["hybrid", "linear_attention", "hybrid", "hybrid", "linear_attention"],
+                            num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}, n_mamba_heads=8,
+                            mamba_ngroups=2, mamba_d_state=16, chunk_size=16, add_bias_linear=True, rms_norm_eps=1e-5,
+                            tie_word_embeddings=True)
     common = dict(**special, vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=32, max_position_embeddings=512, initializer_range=INIT_STD)
     if kind == "nemotron-h":  # every block type ("M*E-M"), 2 of 8 experts in 2 groups, Mamba2 projection biases
@@ -937,6 +953,11 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
         _sharpen_gpt_oss_(model, _SEEDS[base_kind])
     if kind in SSM_KINDS + MAMBA2_HYBRID_KINDS:
         _randomize_mamba_(model, _SEEDS[base_kind])
+    if kind == "zamba2":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.startswith("model.layers.") and p.dim() > 1:
+                    p.mul_(ZAMBA2_LAYER_WEIGHT_SCALE)
     if kind in MAMBA1_KINDS:
         _randomize_mamba1_(model, _SEEDS[base_kind])
     g = torch.Generator().manual_seed(_SEEDS[base_kind] + 2)
