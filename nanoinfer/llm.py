@@ -109,6 +109,7 @@ class LLM:
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """generate() on one conversation (a list of {"role", "content"} messages) or a list of them, rendered
         with the tokenizer's chat template (vLLM's argument order)."""
+        self.llm_engine.check_generates()  # before the template: an encoder's tokenizer has none
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         if isinstance(messages, SequenceABC) and messages and all(isinstance(m, dict) for m in messages):
