@@ -144,7 +144,6 @@ class LLM:
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         params.validate()
         engine = self.llm_engine
-        engine.check_generates()
         token_ids = [engine.prompt_token_ids(p)[0] for p in _as_prompt_list(prompts)]
         check_beam_search(token_ids, params, engine.vocab_size, engine.config.max_model_len, concurrency_limit)
         loras = _as_lora_list(lora_request, len(token_ids))

@@ -256,3 +256,20 @@ def test_tensor_parallel_2_matches_tp1_and_transformers(encoder):
     ref += [hf_logits(cross_encoder, a + b, pair_types(a, b))[0] for a, b in zip(firsts, seconds)]
     assert_close(tp2_scores, tp1_scores, **TOL)
     assert_close(tp2_scores, torch.stack(ref), **TOL)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_encoders_on_cuda(backend, encoder, monkeypatch):
+    """fp32 on the GPU (no TF32) against transformers in fp32 on the CPU: BERT (token types) and RoBERTa (positions
+    from pad + 1) cross-encoders' scores and their encoders' mean-pooled states."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    for kind in ("bert", "roberta"):
+        d = encoder(kind, 1)
+        with LLM(str(d), device="cuda", dtype="float32", attention_backend=backend) as llm:
+            scores = torch.tensor([o.outputs.score for o in llm.score(QUERY, DOCS, use_activation=False)])
+            embeddings = torch.tensor([o.outputs.embedding for o in llm.embed(PROMPTS, pooling="mean")])
+            encodings = [llm.tokenizer(QUERY, doc) for doc in DOCS]
+        ref = [hf_logits(d, e["input_ids"], e.get("token_type_ids"))[0] for e in encodings]
+        assert_close(scores, torch.stack(ref), rtol=0, atol=2e-4)
+        assert_close(embeddings, torch.stack([hf_states(d, p).mean(0) for p in PROMPTS]), rtol=0, atol=2e-4)
