@@ -132,8 +132,9 @@ def test_score_is_a_cross_encoder(kind, encoder, report_logit_diff):
     ids = llm.score(firsts, seconds, use_activation=False)
     assert [o.prompt_token_ids for o in ids] == [a + b for a, b in zip(firsts, seconds)]
     assert_close(torch.tensor([o.outputs.score for o in ids]), ids_ref, **TOL)
+    ours = torch.tensor([o.outputs.score for o in raw + ids])
     report_logit_diff(f"{kind} encoder, cross-encoder logits (max |diff|)",
-                      (torch.tensor([o.outputs.score for o in raw + ids]) - torch.cat([ref, ids_ref])).abs().max().item())
+                      (ours - torch.cat([ref, ids_ref])).abs().max().item())
     if bert:  # the token types matter: without them transformers scores otherwise
         untyped = torch.stack([hf_logits(d, e["input_ids"])[0] for e in encodings])
         assert (untyped - ref).abs().min().item() > 1e-3
