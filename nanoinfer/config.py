@@ -76,12 +76,13 @@ class Config:
         self.torch_dtype = self._resolve_dtype()
         if self.kvcache_block_size is None:
             self.kvcache_block_size = DEFAULT_BLOCK_SIZE[self.attention_backend]
-        limit = getattr(self.hf_config, "max_position_embeddings", None)  # None: no positions (Mamba), no limit
+        limit = position_limit(self.hf_config)
         if self.max_model_len is None:
             self.max_model_len = 4096 if limit is None else min(limit, 4096)
         _positive("max_model_len", self.max_model_len)
         if limit is not None and self.max_model_len > limit:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the {limit} positions of the model's "
+                             f"max_position_embeddings ({self.hf_config.max_position_embeddings})")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_model_len)
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
@@ -197,6 +198,15 @@ def language_model_config(config: PretrainedConfig, model_dir: Path) -> Pretrain
         if getattr(config, name, None) is not None:
             setattr(text, name, getattr(config, name))
     return text
+
+
+def position_limit(config: PretrainedConfig) -> int | None:
+    """The longest sequence the model's positions cover: max_position_embeddings (None: no positions, as Mamba's, no
+    limit), less the first pad_token_id + 1 rows that RoBERTa's positions skip (models/bert.py)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and config.model_type in ("roberta", "xlm-roberta"):
+        limit -= (config.pad_token_id or 0) + 1
+    return limit
 
 
 def _positive(name: str, value: object) -> None:

@@ -72,7 +72,12 @@ def add(a, b): return a + b  # 1 + 2 = 3; 10 * 10 = 100; [1, 2, 3] {"key": "valu
 """
 
 
-def _train_tokenizer_object():
+def _corpus_lines() -> list[str]:
+    # Repeat the corpus a few times so min_frequency does not prune everything.
+    return [line for line in _CORPUS.splitlines() if line.strip()] * 3
+
+
+def _train_tokenizer_object(special_tokens: Sequence[str] = SPECIAL_TOKENS):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -82,13 +87,12 @@ def _train_tokenizer_object():
     trainer = trainers.BpeTrainer(
         vocab_size=TOKENIZER_VOCAB_SIZE,
         min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    # Repeat the corpus a few times so min_frequency does not prune everything.
-    lines = [line for line in _CORPUS.splitlines() if line.strip()]
-    tok.train_from_iterator(lines * 3, trainer=trainer, length=len(lines) * 3)
+    lines = _corpus_lines()
+    tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
     return tok
 
 
@@ -1205,3 +1209,106 @@ def chunked_prefix_preemption_logit_diff(model_dir, captured: dict[int, list[tor
         assert llm.llm_engine.scheduler.num_preemptions > 0 and all(o.num_cached_tokens >= 40 for o in second)
     refs = cached_hf_greedy(model_dir, prompts, max_tokens)
     return max(check_against_hf(first, refs, captured), check_against_hf(second, refs, captured))
+
+
+# --------------------------------------------------------------------------------------
+# Encoder-only models (BERT, RoBERTa, XLM-RoBERTa)
+# --------------------------------------------------------------------------------------
+
+# Each built as transformers' `<Family>Model` (num_labels None) or `<Family>ForSequenceClassification`.
+ENCODER_KINDS = ("bert", "roberta", "xlm-roberta")
+ENCODER_MAX_POSITIONS = 128  # the longest prompt (RoBERTa's tables hold 2 rows more: positions start at pad + 1)
+BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]  # ids 0..4
+ROBERTA_SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # ids 0..4: pad 1, as RoBERTa's
+_ENCODER_SEEDS = {"bert": 6913, "roberta": 7024, "xlm-roberta": 8135}
+
+
+def _bert_tokenizer():
+    """A WordPiece tokenizer with BERT's specials and pair template: [CLS] a [SEP] (type 0) b [SEP] (type 1). Its
+    vocabulary is written out (the corpus's words, its characters alone and as ##-continuations), not trained:
+    tokenizers' WordPieceTrainer breaks ties differently from run to run."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    normalizer, pre_tokenizer = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
+    words = {w for w, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(_CORPUS))}
+    chars = sorted({c for w in words for c in w})
+    vocab = BERT_SPECIAL_TOKENS + chars + [f"##{c}" for c in chars] + sorted(words - set(chars))
+    assert len(vocab) <= MODEL_VOCAB_SIZE
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.normalizer, tok.pre_tokenizer = normalizer, pre_tokenizer
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                                       special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                                   sep_token="[SEP]", mask_token="[MASK]", model_max_length=ENCODER_MAX_POSITIONS,
+                                   model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+
+
+def _roberta_tokenizer():
+    """Byte-level BPE with RoBERTa's specials and pair template <s> a </s></s> b </s> (no token types)."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _train_tokenizer_object(ROBERTA_SPECIAL_TOKENS)
+    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0), trim_offsets=False)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", sep_token="</s>",
+                                   cls_token="<s>", pad_token="<pad>", unk_token="<unk>", mask_token="<mask>",
+                                   model_max_length=ENCODER_MAX_POSITIONS,
+                                   model_input_names=["input_ids", "attention_mask"])
+
+
+def make_encoder_config(kind: str, num_labels: int | None):
+    from transformers import BertConfig, RobertaConfig, XLMRobertaConfig
+
+    common = dict(vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, hidden_act="gelu", initializer_range=INIT_STD)
+    if kind == "bert":  # BERT's 2 token types and epsilon
+        config = BertConfig(**common, max_position_embeddings=ENCODER_MAX_POSITIONS, type_vocab_size=2,
+                            pad_token_id=0, layer_norm_eps=1e-12)
+    else:  # one token type; positions from pad_token_id + 1
+        cls = RobertaConfig if kind == "roberta" else XLMRobertaConfig
+        config = cls(**common, max_position_embeddings=ENCODER_MAX_POSITIONS + 2, type_vocab_size=1, pad_token_id=1,
+                     bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5)
+    family = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta"}[kind]
+    config.architectures = [f"{family}Model" if num_labels is None else f"{family}ForSequenceClassification"]
+    if num_labels is not None:
+        config.num_labels = num_labels
+    return config
+
+
+def build_encoder(kind: str, dir, num_labels: int | None = None) -> pathlib.Path:
+    """A tiny random fp32 encoder of `kind` (ENCODER_KINDS) in `dir`, with its family's tokenizer: transformers'
+    `<Family>Model`, or with num_labels its `<Family>ForSequenceClassification` (a random head). Deterministic."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    _quiet_transformers()
+    dir = pathlib.Path(dir)
+    dir.mkdir(parents=True, exist_ok=True)
+    config = make_encoder_config(kind, num_labels)
+    seed = _ENCODER_SEEDS[kind] + (num_labels or 0)
+    torch.manual_seed(seed)
+    auto = AutoModel if num_labels is None else AutoModelForSequenceClassification
+    model = auto.from_config(config, dtype=torch.float32)
+    _randomize_(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # transformers' names: LayerNorm.weight, which _randomize_ takes for a plain weight
+        for name, p in model.named_parameters():
+            if name.endswith("LayerNorm.weight"):
+                p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
+    model.eval().save_pretrained(str(dir))
+    (_bert_tokenizer if kind == "bert" else _roberta_tokenizer)().save_pretrained(str(dir))
+    return dir
+
+
+def load_hf_encoder(model_dir):
+    """transformers' model for an encoder directory (build_encoder's), fp32, cached per process."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    _quiet_transformers()
+    key = str(pathlib.Path(model_dir).resolve())
+    if key not in _HF_CACHE:
+        config = json.loads((pathlib.Path(key) / "config.json").read_text())
+        classifier = config["architectures"][0].endswith("ForSequenceClassification")
+        auto = AutoModelForSequenceClassification if classifier else AutoModel
+        _HF_CACHE[key] = auto.from_pretrained(key, dtype=torch.float32).eval()
+    return _HF_CACHE[key]

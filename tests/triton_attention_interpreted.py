@@ -14,7 +14,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import cuda_fakes  # noqa: E402  (tests/cuda_fakes.py)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from models import check_against_hf, hf_encoder_states, hf_greedy, random_prompts  # noqa: E402
+from models import (build_encoder, check_against_hf, hf_encoder_states, hf_greedy, load_hf_encoder,  # noqa: E402
+                    random_prompts)
 from triton_interpreted import _seq as page_seq  # noqa: E402  (tests/triton_interpreted.py: 256-token blocks)
 from triton_interpreted import backends_on_the_same_metadata, flash_on_cpu  # noqa: E402, F401  (a fixture)
 
@@ -485,6 +486,27 @@ def test_encoder_pass_matches_hf(llama_dir, report_logit_diff):
                 for o, p in zip(outputs, prompts))
     report_logit_diff("llama, triton backend, embeddings (max |diff|)", worst)
     assert worst < 1e-4, f"max |embedding diff| {worst:.2e}"
+
+
+def test_bert_cross_encoder_matches_hf(tmp_path, report_logit_diff):
+    """An encoder (BERT, models/bert.py): non-causal over this step's k, v with absolute positions and token types;
+    its [CLS] hidden states and cross-encoder logits of text pairs."""
+    d = build_encoder("bert", tmp_path / "bert", num_labels=1)
+    llm = triton_llm(d, max_model_len=64)
+    docs = ["Paris is the capital of France.", "Bananas are yellow."]
+    scores = llm.score("What is the capital of France?", docs, use_activation=False)
+    embeddings = llm.embed([o.prompt_token_ids for o in scores], pooling="cls")
+    model = load_hf_encoder(d)
+    worst = 0.0
+    for doc, score, embedding in zip(docs, scores, embeddings):
+        encoding = llm.tokenizer("What is the capital of France?", doc, return_tensors="pt")
+        with torch.no_grad():
+            logit = model(**encoding).logits[0, 0].item()
+            cls_state = model.bert(encoding["input_ids"]).last_hidden_state[0, 0]  # embed passes no token types
+        worst = max(worst, abs(score.outputs.score - logit),
+                    (torch.tensor(embedding.outputs.embedding) - cls_state).abs().max().item())
+    report_logit_diff("bert, triton backend, cross-encoder logits and embeddings (max |diff|)", worst)
+    assert worst < 1e-4, f"max |diff| {worst:.2e}"
 
 
 def test_engine_with_ngram_drafts_matches_hf(qwen3_dir):

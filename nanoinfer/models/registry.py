@@ -79,6 +79,17 @@ _CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM" for
     "Phi3", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe", "SeedOss", "SmolLM3", "StableLm", "Starcoder2")} | {
     "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM", "GPT2ForSequenceClassification": "GPT2LMHeadModel"}
 
+# Encoder-only models (bert.py): bidirectional, with absolute positions; embedders (`*Model`: LLM.embed) and
+# classifiers on the first token (LLM.classify, LLM.score). They never generate.
+_ENCODERS = {
+    "BertModel": ("bert", "BertModel"),
+    "RobertaModel": ("bert", "RobertaModel"),
+    "XLMRobertaModel": ("bert", "RobertaModel"),
+    "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
+    "RobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
+    "XLMRobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
+}
+
 # Vision-language checkpoints, run as their language model alone (see vision_language.py; config.py gives the model
 # the checkpoint's text_config): the class of that language model, by the text config's model_type; _ANY_TEXT_FAMILY
 # where transformers' wrapper takes any text model (AutoModel.from_config), i.e. every causal LM here.
@@ -104,7 +115,7 @@ _ATTENTION_SINKS = {"GptOssForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS.keys() | _CLASSIFIERS.keys() | _VISION_LANGUAGE.keys())
+    return sorted(_MODELS.keys() | _CLASSIFIERS.keys() | _ENCODERS.keys() | _VISION_LANGUAGE.keys())
 
 
 def is_vision_language(architectures: list[str] | None) -> bool:
@@ -112,7 +123,12 @@ def is_vision_language(architectures: list[str] | None) -> bool:
 
 
 def is_classifier(architectures: list[str] | None) -> bool:
-    return bool(architectures) and architectures[0] in _CLASSIFIERS
+    return bool(architectures) and (architectures[0] in _CLASSIFIERS or (
+        architectures[0] in _ENCODERS and architectures[0].endswith("ForSequenceClassification")))
+
+
+def is_encoder(architectures: list[str] | None) -> bool:
+    return bool(architectures) and architectures[0] in _ENCODERS
 
 
 def has_attention_sinks(architectures: list[str] | None) -> bool:
@@ -131,6 +147,8 @@ def get_model_class(config: PretrainedConfig) -> type[nn.Module]:
             return sequence_classifier(_import(_MODELS[_CLASSIFIERS[arch]]))
         if arch in _MODELS:
             return _import(_MODELS[arch])
+        if arch in _ENCODERS:
+            return _import(_ENCODERS[arch])
     raise ValueError(f"unsupported model architecture {architectures}; supported: {supported_architectures()}")
 
 

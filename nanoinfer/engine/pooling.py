@@ -1,0 +1,52 @@
+"""How LLM.embed pools a prompt's hidden states into one vector (vLLM's pooling types "cls", "mean", "last"), and the
+pooling a model asks for: its sentence-transformers config's (modules.json's Pooling module), else "mean"."""
+import json
+from pathlib import Path
+
+import torch
+
+POOLING_TYPES = ("cls", "mean", "last")
+# sentence-transformers' Pooling config flags, by the pooling each selects.
+_SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
+                                "pooling_mode_lasttoken": "last"}
+_POOLING_MODULE = "sentence_transformers.models.Pooling"
+
+
+def pool(hidden_states: torch.Tensor, pooling: str) -> torch.Tensor:
+    """One prompt's hidden states [tokens, hidden] -> [hidden] in fp32: the first token's ("cls"), the last one's, or
+    their mean."""
+    if pooling == "cls":
+        return hidden_states[0].float()
+    if pooling == "last":
+        return hidden_states[-1].float()
+    return hidden_states.float().mean(0)
+
+
+def model_pooling(model_path: Path) -> str:
+    """The pooling of the model directory's sentence-transformers config (modules.json, then its Pooling module's
+    config.json), or "mean" without one; a ValueError naming the file where it asks for one not in POOLING_TYPES."""
+    modules = _read_json(model_path / "modules.json")
+    if not isinstance(modules, list):
+        return "mean"
+    pooling_dir = next((m.get("path") for m in modules if isinstance(m, dict) and m.get("type") == _POOLING_MODULE),
+                       None)
+    if pooling_dir is None:
+        return "mean"
+    config_file = model_path / pooling_dir / "config.json"
+    config = _read_json(config_file)
+    modes = sorted(name for name, on in (config or {}).items() if name.startswith("pooling_mode_") and on is True)
+    if len(modes) != 1 or modes[0] not in _SENTENCE_TRANSFORMERS_MODES:
+        raise ValueError(f"{config_file} asks for pooling {modes}; supported: one of "
+                         f"{sorted(_SENTENCE_TRANSFORMERS_MODES)}; pass embed(pooling=...) to choose one of "
+                         f"{list(POOLING_TYPES)}")
+    return _SENTENCE_TRANSFORMERS_MODES[modes[0]]
+
+
+def _read_json(file: Path) -> object:
+    """The file's JSON value, None if there is no such file; a ValueError naming it if it does not parse."""
+    if not file.is_file():
+        return None
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {file}: {e}") from None
