@@ -162,16 +162,18 @@ class LLM:
         with self._turn():
             return engine.run_on_every_rank(search)
 
-    def embed(self, prompts: Prompt | list[Prompt], pooling: str | None = None, normalize: bool = False,
+    def embed(self, prompts: Prompt | list[Prompt], pooling: str | None = None, normalize: bool | None = None,
               causal: bool = False) -> list[EmbeddingRequestOutput]:
         """Each prompt's final hidden states (a decoder's after its final norm), pooled (optionally L2-normalised),
         in `.outputs.embedding`; in input order. pooling: "cls" (the first token), "mean", "last", or None: the
-        model's sentence-transformers config's, else "mean". A decoder runs by default as a bidirectional encoder
+        model's sentence-transformers config's, else "mean"; normalize None: whether that config ends in a Normalize
+        module. A decoder runs by default as a bidirectional encoder
         without position encoding; `causal=True`: as it generates (vLLM's embedding of decoder models, e.g.
         Qwen3-Embedding with pooling="last", normalize=True). An encoder (BERT, RoBERTa) runs as it was trained."""
         if pooling is not None and pooling not in POOLING_TYPES:
             raise ValueError(f"pooling must be None or one of {list(POOLING_TYPES)}, got {pooling!r}")
-        _check_bool("normalize", normalize)
+        if normalize is not None:
+            _check_bool("normalize", normalize)
         _check_bool("causal", causal)
         prompts = _as_prompt_list(prompts)
         with self._turn() as engine:

@@ -108,7 +108,7 @@ def test_classify_matches_transformers(kind, encoder, report_logit_diff):
     assert [o.prompt_token_ids for o in probs] == PROMPTS
     assert_close(torch.tensor([o.outputs.probs for o in probs]), ref.softmax(-1), **TOL)
     # A classifier embeds too: its encoder's hidden states.
-    assert_close(torch.tensor(llm.embed(PROMPTS[:1], pooling="cls")[0].outputs.embedding),
+    assert_close(torch.tensor(llm.embed(PROMPTS[:1], pooling="cls", normalize=False)[0].outputs.embedding),
                  hf_states(d, PROMPTS[0])[0], **TOL)
 
 
@@ -140,15 +140,16 @@ def test_score_is_a_cross_encoder(kind, encoder, report_logit_diff):
         assert (untyped - ref).abs().min().item() > 1e-3
 
 
-def with_pooling_config(src: Path, dst: Path, modes: dict[str, bool] | None) -> Path:
-    """src with a sentence-transformers config: modules.json (Transformer, Pooling at 1_Pooling, Normalize) and
-    1_Pooling/config.json of `modes` (None: no sentence-transformers files)."""
+def with_pooling_config(src: Path, dst: Path, modes: dict[str, bool] | None, normalize: bool = True) -> Path:
+    """src with a sentence-transformers config: modules.json (Transformer, Pooling at 1_Pooling, and Normalize if
+    asked) and 1_Pooling/config.json of `modes` (None: no sentence-transformers files)."""
     shutil.copytree(src, dst)
     if modes is None:
         return dst
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
                {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    modules = modules if normalize else modules[:2]
     (dst / "modules.json").write_text(json.dumps(modules))
     (dst / "1_Pooling").mkdir()
     config = {"word_embedding_dimension": 64, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
@@ -162,14 +163,29 @@ def with_pooling_config(src: Path, dst: Path, modes: dict[str, bool] | None) -> 
     ({"pooling_mode_cls_token": True}, "cls"), ({"pooling_mode_mean_tokens": True}, "mean"),
     ({"pooling_mode_lasttoken": True}, "last"), (None, "mean")])
 def test_default_pooling_is_the_sentence_transformers_one(modes, pooling, encoder, tmp_path):
+    """The config's pooling, L2-normalised as its Normalize module asks (not without a config)."""
     d = with_pooling_config(encoder("bert"), tmp_path / "st", modes)
     llm = LLM(str(d), **ENGINE)
     embeddings = torch.tensor([o.outputs.embedding for o in llm.embed(PROMPTS)])
-    assert_close(embeddings, torch.stack([POOL[pooling](hf_states(d, p)) for p in PROMPTS]), **TOL)
+    expected = torch.stack([POOL[pooling](hf_states(d, p)) for p in PROMPTS])
+    assert_close(embeddings, expected if modes is None else F.normalize(expected, dim=-1), **TOL)
     others = [p for p in POOL if p != pooling]  # the default is not one of them
     for other in others:
-        assert (torch.tensor([o.outputs.embedding for o in llm.embed(PROMPTS, pooling=other)])
+        assert (torch.tensor([o.outputs.embedding for o in llm.embed(PROMPTS, pooling=other, normalize=modes is not None)])
                 - embeddings).abs().max().item() > 1e-2
+
+
+def test_default_normalization_is_the_sentence_transformers_one(encoder, tmp_path):
+    """Without a Normalize module the default is the raw pooled vector; normalize given explicitly wins either way."""
+    cls = {"pooling_mode_cls_token": True}
+    raw = torch.stack([hf_states(encoder("bert"), p)[0] for p in PROMPTS])
+    for normalize_module in (False, True):
+        d = with_pooling_config(encoder("bert"), tmp_path / str(normalize_module), cls, normalize_module)
+        llm = LLM(str(d), **ENGINE)
+        for normalize in (None, False, True):
+            got = torch.tensor([o.outputs.embedding for o in llm.embed(PROMPTS, normalize=normalize)])
+            normalized = normalize_module if normalize is None else normalize
+            assert_close(got, F.normalize(raw, dim=-1) if normalized else raw, **TOL)
 
 
 def test_unsupported_sentence_transformers_pooling_is_refused(encoder, tmp_path):
@@ -181,7 +197,7 @@ def test_unsupported_sentence_transformers_pooling_is_refused(encoder, tmp_path)
         llm = LLM(str(d), **ENGINE)
         with pytest.raises(ValueError, match=f"{d / '1_Pooling' / 'config.json'}.*pooling="):
             llm.embed(PROMPTS[:1])
-        assert_close(torch.tensor(llm.embed(PROMPTS[:1], pooling="cls")[0].outputs.embedding),
+        assert_close(torch.tensor(llm.embed(PROMPTS[:1], pooling="cls", normalize=False)[0].outputs.embedding),
                      hf_states(d, PROMPTS[0])[0], **TOL)
 
 

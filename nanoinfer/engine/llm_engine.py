@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from nanoinfer.config import Config
 from nanoinfer.engine.model_runner import ModelRunner, RunnerOutput, TokenLogprobs
 from nanoinfer.engine.parallel import start_tensor_parallel
-from nanoinfer.engine.pooling import model_pooling, pool
+from nanoinfer.engine.pooling import model_normalizes, model_pooling, pool
 from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.lora.request import LoRARequest
@@ -170,9 +170,10 @@ class LLMEngine:
             raise ValueError(f"token id {out_of_range} is outside the vocabulary [0, {self.vocab_size})")
         return token_ids, text
 
-    def embed(self, prompts: list[Prompt], pooling: str | None, normalize: bool, causal: bool
+    def embed(self, prompts: list[Prompt], pooling: str | None, normalize: bool | None, causal: bool
               ) -> list[EmbeddingRequestOutput]:
-        """Pooled final hidden states (see ModelRunner.encode); pooling None: the model's own (see model_pooling)."""
+        """Pooled final hidden states (see ModelRunner.encode); pooling and normalize None: the model's own (see
+        model_pooling and model_normalizes)."""
         if causal and self.is_encoder:
             raise ValueError(f"causal=True: {self.config.model_path} is an encoder-only model "
                              f"({self.config.hf_config.architectures[0]}), bidirectional only")
@@ -180,7 +181,7 @@ class LLMEngine:
         checked = self._pooling_prompts("embed", prompts)
         states = self._in_batches([ids for ids, _ in checked], lambda batch: self.model_runner.encode(batch, causal))
         pooled = [pool(h, pooling) for h in states]
-        if normalize:
+        if model_normalizes(self.config.model_path) if normalize is None else normalize:
             pooled = [F.normalize(e, dim=0) for e in pooled]
         return [EmbeddingRequestOutput(next(Sequence.ids), text, ids, EmbeddingOutput(e.tolist()))
                 for (ids, text), e in zip(checked, pooled)]

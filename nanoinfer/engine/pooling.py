@@ -1,5 +1,6 @@
 """How LLM.embed pools a prompt's hidden states into one vector (vLLM's pooling types "cls", "mean", "last"), and the
-pooling a model asks for: its sentence-transformers config's (modules.json's Pooling module), else "mean"."""
+pooling a model asks for: its sentence-transformers config's (modules.json's Pooling module), else "mean", and
+L2-normalised where that config ends in a Normalize module."""
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ POOLING_TYPES = ("cls", "mean", "last")
 _SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
                                 "pooling_mode_lasttoken": "last"}
 _POOLING_MODULE = "sentence_transformers.models.Pooling"
+_NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
 
 
 def pool(hidden_states: torch.Tensor, pooling: str) -> torch.Tensor:
@@ -25,11 +27,7 @@ def pool(hidden_states: torch.Tensor, pooling: str) -> torch.Tensor:
 def model_pooling(model_path: Path) -> str:
     """The pooling of the model directory's sentence-transformers config (modules.json, then its Pooling module's
     config.json), or "mean" without one; a ValueError naming the file where it asks for one not in POOLING_TYPES."""
-    modules = _read_json(model_path / "modules.json")
-    if not isinstance(modules, list):
-        return "mean"
-    pooling_dir = next((m.get("path") for m in modules if isinstance(m, dict) and m.get("type") == _POOLING_MODULE),
-                       None)
+    pooling_dir = next((m.get("path") for m in _modules(model_path) if m.get("type") == _POOLING_MODULE), None)
     if pooling_dir is None:
         return "mean"
     config_file = model_path / pooling_dir / "config.json"
@@ -40,6 +38,18 @@ def model_pooling(model_path: Path) -> str:
                          f"{sorted(_SENTENCE_TRANSFORMERS_MODES)}; pass embed(pooling=...) to choose one of "
                          f"{list(POOLING_TYPES)}")
     return _SENTENCE_TRANSFORMERS_MODES[modes[0]]
+
+
+def model_normalizes(model_path: Path) -> bool:
+    """Whether the model directory's sentence-transformers config L2-normalises its embeddings (a Normalize module,
+    as all-MiniLM-L6-v2's and BGE's have)."""
+    return any(m.get("type") == _NORMALIZE_MODULE for m in _modules(model_path))
+
+
+def _modules(model_path: Path) -> list[dict]:
+    """The modules of the directory's sentence-transformers config (modules.json), none without one."""
+    modules = _read_json(model_path / "modules.json")
+    return [m for m in modules if isinstance(m, dict)] if isinstance(modules, list) else []
 
 
 def _read_json(file: Path) -> object:
