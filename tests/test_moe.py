@@ -1,6 +1,6 @@
-"""Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5, dots.llm1, ERNIE 4.5, Hunyuan, DeepSeek): the
-fused expert layer against transformers' own MoE block, its tensor-parallel shards, which layers are sparse,
-checkpoint layouts (per expert as on the Hub, Mixtral's names, transformers' stacked experts) and mapping errors; on
+"""Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5, dots.llm1, ERNIE 4.5, Hunyuan, Llama 4,
+DeepSeek): the fused expert layer against transformers' own MoE block, its tensor-parallel shards, which layers are
+sparse, checkpoint layouts (per expert as on the Hub, Mixtral's names, transformers' stacked experts) and mapping errors; on
 whole models, routing equal to transformers' and varied, chunked prefill + prefix cache + preemption, with TP=1 and 2
 (DeepSeek's too; its routers and the rest: test_deepseek.py). (Plain whole-model greedy/logits:
 test_correctness.py.)"""
@@ -213,7 +213,7 @@ def test_mixtral_hub_layout_loads(model_dir):
 
 # With two ranks too where the family brings weights of its own to shard (OLMoE's, GLM-4.5's and dots.llm1's layers
 # are OLMo 2's, Qwen3's and DeepSeek-V3's, tested sharded here and in test_olmo.py / test_tensor_parallel.py).
-TP2_KINDS = NEW_KINDS + ("granitemoe-shared", "ernie4.5-moe", "hunyuan-moe") + DEEPSEEK_KINDS
+TP2_KINDS = NEW_KINDS + ("granitemoe-shared", "ernie4.5-moe", "hunyuan-moe", "llama4") + DEEPSEEK_KINDS
 CHUNKED_KINDS = TP2_KINDS + ("olmoe", "glm4-moe", "dots1")
 
 
