@@ -142,9 +142,9 @@ class Config:
         chunk) equals causal attention while a sequence fits in one chunk, which is all the backends do."""
         chunk = getattr(self.hf_config, "attention_chunk_size", None)
         if chunk is not None and self.max_model_len > chunk:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds attention_chunk_size={chunk} of "
-                             f"{self.gguf_path or self.model_path / 'config.json'}: chunked local attention is not implemented, so "
-                             f"max_model_len must be <= {chunk}")
+            source = self.gguf_path or self.model_path / "config.json"
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds attention_chunk_size={chunk} of {source}: "
+                             f"chunked local attention is not implemented, so max_model_len must be <= {chunk}")
 
     def _check_shardable(self) -> None:
         """Each rank holds whole heads and an equal share of the MLP; fewer KV heads than ranks are replicated."""

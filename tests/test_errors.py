@@ -386,7 +386,7 @@ def test_bad_model_config_value_names_it_and_the_file(qwen3_dir, tmp_path, key, 
 
 def test_max_model_len_beyond_attention_chunk_size_is_refused(model_dir, tmp_path):
     """Llama 4's chunked local attention is causal attention only while a sequence fits in one chunk: a longer
-    max_model_len (given, or the default) is refused, naming the setting, its value and the file; one chunk long runs."""
+    max_model_len (given, or the default) is refused, naming the setting, its value and the file; one chunk runs."""
     d = copy_model(model_dir("llama4"), tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
     cfg["attention_chunk_size"] = 64

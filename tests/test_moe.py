@@ -1,8 +1,8 @@
 """Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5, dots.llm1, ERNIE 4.5, Hunyuan, Llama 4,
 DeepSeek): the fused expert layer against transformers' own MoE block, its tensor-parallel shards, which layers are
-sparse, checkpoint layouts (per expert as on the Hub, Mixtral's names, transformers' stacked experts) and mapping errors; on
-whole models, routing equal to transformers' and varied, chunked prefill + prefix cache + preemption, with TP=1 and 2
-(DeepSeek's too; its routers and the rest: test_deepseek.py). (Plain whole-model greedy/logits:
+sparse, checkpoint layouts (per expert as on the Hub, Mixtral's names, transformers' stacked experts) and mapping
+errors; on whole models, routing equal to transformers' and varied, chunked prefill + prefix cache + preemption, with
+TP=1 and 2 (DeepSeek's too; its routers and the rest: test_deepseek.py). (Plain whole-model greedy/logits:
 test_correctness.py.)"""
 import pytest
 import torch

@@ -45,7 +45,8 @@ class RMSNorm(nn.Module):
 
 
 class WeightlessRMSNorm(RMSNorm):
-    """Falcon-Mamba's norms of dt, B and C, Llama 4's of q and k: x / rms(x), no weight in the checkpoint (a buffer of ones here)."""
+    """Falcon-Mamba's norms of dt, B and C, Llama 4's of q and k: x / rms(x), no weight in the checkpoint (a buffer
+    of ones here)."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__(hidden_size, eps)

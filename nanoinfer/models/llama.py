@@ -1,5 +1,6 @@
-"""Llama decoder; Qwen2, Qwen3, Qwen3-MoE, Mistral and Phi-3 reuse it with their per-layer attention options (qkv
-bias, per-head q/k norm, sliding window, sinks) and, for MoE, their own MLP per layer; Gemma 3 its layers' parts."""
+"""Llama decoder; Qwen2, Qwen3, Qwen3-MoE, Mistral, Phi-3 and Llama 4 reuse it with their per-layer attention options
+(qkv bias, per-head q/k norm, sliding window, sinks, query temperature) and, for MoE, their own MLP per layer; Gemma 3
+its layers' parts."""
 from collections.abc import Callable
 from dataclasses import dataclass
 

@@ -13,13 +13,6 @@ from nanoinfer.layers.linear import ReplicatedLinear
 from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM, LlamaMLP
 
 
-def check_config(config: PretrainedConfig) -> None:
-    """What this implementation cannot do, refused by name rather than run differently from transformers."""
-    if config.hidden_act != "silu":  # the experts' activation is SiLU alone
-        raise ValueError(f"unsupported hidden_act {config.hidden_act!r} in the Llama 4 config; only 'silu' is "
-                         f"implemented")
-
-
 class Llama4MoE(nn.Module):
     """transformers' Llama4TextMoe: each token's top k experts by router logit, whose sigmoids scale the experts'
     input (not their output), plus a shared expert every token passes through. Each rank holds a slice of every
@@ -40,7 +33,12 @@ class Llama4MoE(nn.Module):
 class Llama4ForCausalLM(LlamaForCausalLM):
     # transformers names a layer's MLP (dense or MoE) `feed_forward`; ours, as the Llama decoder's, is `mlp`.
     weight_name_substitutions = {".feed_forward.": ".mlp."}
-    check_config = staticmethod(check_config)
+
+    @staticmethod
+    def check_config(config: PretrainedConfig) -> None:
+        """What this implementation cannot do, refused by name rather than run differently from transformers."""
+        if config.hidden_act != "silu":  # FusedMoE's experts
+            raise ValueError(f"hidden_act={config.hidden_act!r} in the model config: only 'silu' is implemented")
 
     @staticmethod
     def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
