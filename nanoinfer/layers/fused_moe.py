@@ -151,11 +151,13 @@ class FusedMoE(nn.Module):
     RowParallelLinear pair, and with bias, w13_bias [experts, 2 * inter/tp] and w2_bias [experts, hidden] (added
     by rank 0 alone). With reduce_results=False the caller all-reduces (e.g. after adding a shared expert).
     gated=False: experts without a gate (w13 holds the up rows alone), `activation` taking the up projection.
-    apply_router_weight_on_input: the routing weights scale each expert's input rather than its output (Llama 4)."""
+    apply_router_weight_on_input: the routing weights scale each expert's input rather than its output (Llama 4).
+    stacked_transposed: the family's stacked checkpoint tensors are always [experts, in, out] (Llama 4), also where
+    hidden = 2 * inter makes the gate/up tensor's shape read either way."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  reduce_results: bool = True, bias: bool = False, activation: GatedActivation = silu_and_mul,
-                 gated: bool = True, apply_router_weight_on_input: bool = False):
+                 gated: bool = True, apply_router_weight_on_input: bool = False, stacked_transposed: bool = False):
         super().__init__()
         self.tp_rank, self.tp_size, self.tp_group = tp_rank(), tp_size(), tp_group()
         if intermediate_size % self.tp_size:
@@ -166,7 +168,7 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize, self.reduce_results = (num_experts, top_k, renormalize,
                                                                                reduce_results)
         self.intermediate_size, self.gated = intermediate_size, gated
-        self.apply_router_weight_on_input = apply_router_weight_on_input
+        self.apply_router_weight_on_input, self.stacked_transposed = apply_router_weight_on_input, stacked_transposed
         inter, projections = intermediate_size // self.tp_size, 2 if gated else 1
         self.w13_weight = nn.Parameter(torch.empty(num_experts, projections * inter, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, inter), requires_grad=False)
@@ -211,9 +213,10 @@ class FusedMoE(nn.Module):
         elif param is not self.w2_bias:  # w13's weight or bias: gate rows, then up rows
             expected[1] = 2 * full
         # Qwen3-VL-MoE's Hub files hold each expert's weight transposed ([experts, hidden, 2 * inter], [experts,
-        # inter, hidden]); transformers tells the layouts apart by shape alone, as here.
+        # inter, hidden]); transformers tells the layouts apart by shape alone, as here, unless the family says.
         shape = list(loaded.shape)
-        transposed = len(shape) == 3 and shape != expected and shape == [expected[0], expected[2], expected[1]]
+        transposed = (len(shape) == 3 and shape == [expected[0], expected[2], expected[1]]
+                      and (shape != expected or self.stacked_transposed))
         if shape != expected and not transposed:
             raise ValueError(f"shape mismatch: checkpoint tensor {tuple(shape)}, expected {tuple(expected)}")
         if param is self.w2_bias:

@@ -22,7 +22,8 @@ class Llama4MoE(nn.Module):
         super().__init__()
         self.router = ReplicatedLinear(config.hidden_size, config.num_local_experts)
         self.experts = FusedMoE(config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
-                                config.intermediate_size, renormalize=False, apply_router_weight_on_input=True)
+                                config.intermediate_size, renormalize=False, apply_router_weight_on_input=True,
+                                stacked_transposed=True)  # transformers' Llama4TextExperts: [experts, in, out]
         self.shared_expert = LlamaMLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
