@@ -83,6 +83,7 @@ class Config:
         if limit is not None and self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the {limit} positions of the model's "
                              f"max_position_embeddings ({self.hf_config.max_position_embeddings})")
+        self._check_attention_chunk()
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_model_len)
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
@@ -136,6 +137,15 @@ class Config:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value) or value <= 0):
                 raise ValueError(f"{name}={value!r} in {source} must be a finite number > 0")
+
+    def _check_attention_chunk(self) -> None:
+        """Chunked local attention (Llama 4's rope layers: a query sees only the keys of its own `attention_chunk_size`
+        chunk) equals causal attention while a sequence fits in one chunk, which is all the backends do."""
+        chunk = getattr(self.hf_config, "attention_chunk_size", None)
+        if chunk is not None and self.max_model_len > chunk:
+            source = self.gguf_path or self.model_path / "config.json"
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds attention_chunk_size={chunk} of {source}: "
+                             f"chunked local attention is not implemented, so max_model_len must be <= {chunk}")
 
     def _check_shardable(self) -> None:
         """Each rank holds whole heads and an equal share of the MLP; fewer KV heads than ranks are replicated."""

@@ -144,6 +144,10 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # shared experts. ERNIE 4.5 MoE (ernie4.5-moe): biases on every projection, interleaved rope, layers 1 and 2 sparse: 2 of
 # 8 experts chosen by softmax + a random correction bias, plus two shared experts. Hunyuan MoE (hunyuan-moe): q/k norms
 # after an NTK-alpha rope, q/k/v/o biases, 8 experts, a top k per layer (2, 1, 3), a shared MLP.
+# Llama 4 (llama4): interleaved llama3 rope with a weightless q/k norm after it on layers 0-2, layer 3 NoPE with
+# attention temperature tuning (floor_scale 4, so the queries' scale grows over the test lengths), layers 1 and 3
+# 2 of 8 experts by sigmoid of the top router logits (applied to the experts' input) plus a shared expert, layers 0
+# and 2 dense and wider; attention_chunk_size 512, beyond every test's max_model_len.
 # DeepSeek (DEEPSEEK_KINDS), multi-head latent attention with V narrower than K (16 against 16 + 8) and MoE with
 # shared experts: V2: the plain q_proj (as V2-Lite), 2 of 8 experts on every layer by softmax, yarn rope with
 # distinct mscale / mscale_all_dim (the rope's and the scores' scaling). V2-group: the low-rank q, layer 0 dense,
@@ -189,7 +193,7 @@ EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_K
                + MAMBA2_HYBRID_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
-                  "ernie4.5-moe", "hunyuan-moe") + LAYERNORM_KINDS + DEEPSEEK_KINDS
+                  "ernie4.5-moe", "hunyuan-moe", "llama4") + LAYERNORM_KINDS + DEEPSEEK_KINDS
                + DENSE_KINDS + ("gpt-oss",))
 # Mamba-1 mixers (see mamba1_config): Mamba (projection biases, tied), Falcon-Mamba (weightless dt/B/C norms, untied),
 # Jamba (dt/B/C norms with weights; attention without rope on layer 2; 2 of 4 experts on layers 1 and 3, dense MLPs
@@ -250,7 +254,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "ernie4_5": 2135, "falcon": 2246, "falcon-mqa": 3357, "gptj": 4468, "gpt-bigcode": 5579,
           "hunyuan": 3246, "cohere2": 4357, "apertus": 5468,
           "qwen3.5": 9024, "qwen3.5-moe": 1135, "olmoe": 2246, "glm4-moe": 3357, "dots1": 4468, "ernie4.5-moe": 5579,
-          "hunyuan-moe": 6680, "gpt-oss": 9024}
+          "hunyuan-moe": 6680, "gpt-oss": 9024, "llama4": 7135}
 _SEEDS |= {"lfm2": 7791, "bamba": 8802, "granitemoehybrid": 9913, "granitemoehybrid-dense": 1124}
 _SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457, "zamba2": 5568}
 # Jamba's seed: on the test prompts its routers' 2nd and 3rd experts stay > 1e-4 apart (a near-tie flips the choice
@@ -660,6 +664,29 @@ def make_config(kind: str):
             rope_parameters={"rope_type": "dynamic", "rope_theta": 10_000.0, "alpha": 1000.0, "factor": 1.0},
             num_experts=8,
             moe_topk=[2, 1, 3],
+        )
+    if kind == "llama4":
+        from transformers import Llama4TextConfig
+
+        return Llama4TextConfig(
+            **{**_COMMON, "intermediate_size": 48, "num_hidden_layers": 4},  # each expert's and the shared one's
+            **special,
+            intermediate_size_mlp=96,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            no_rope_layers=[1, 1, 1, 0],
+            use_qk_norm=True,
+            attn_temperature_tuning=True,
+            floor_scale=4,
+            attn_scale=0.1,
+            attention_chunk_size=512,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            interleave_moe_layer_step=2,
         )
     if kind in DEEPSEEK_KINDS:
         return deepseek_config(kind, special)

@@ -19,7 +19,7 @@ IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 502, 503, 504, 505
 PROMPTS = random_prompts(3, 5, 440, 2, 40, seed=21) + [[7, VISION_START, IMAGE_TOKEN, IMAGE_TOKEN, VISION_END, 9]]
 KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe",
          "qwen3.5", "qwen3.5-moe", "llava-qwen2", "llava-next", "llava-onevision", "internvl", "smolvlm", "idefics3",
-         "aya-vision")
+         "aya-vision", "llama4")
 SEEDS = {kind: 7100 + i for i, kind in enumerate(KINDS)}
 
 # Tiny vision towers: one layer each; their weights are saved and must be skipped.
@@ -65,6 +65,11 @@ def make_vlm_config(kind: str):
         config_class = t.SmolVLMConfig if kind == "smolvlm" else t.Idefics3Config
         return config_class(text_config=make_config("llama"), vision_config=_SIGLIP, scale_factor=2,
                             image_token_id=IMAGE_TOKEN)
+    if kind == "llama4":  # `vision_model.*` at the top, the language model's MLPs under `feed_forward`
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                      patch_size=14, vision_output_dim=16, projector_input_dim=16, projector_output_dim=16)
+        return t.Llama4Config(text_config=make_config("llama4"), vision_config=vision, boi_token_index=VISION_START,
+                              eoi_token_index=VISION_END, image_token_index=IMAGE_TOKEN)
     if kind == "aya-vision":  # over Cohere 2 with logit_scale 0.5, which the wrapper never applies
         return t.AyaVisionConfig(text_config=make_config("cohere2"), vision_config=_SIGLIP, downsample_factor=2,
                                  image_token_index=IMAGE_TOKEN)

@@ -1,5 +1,5 @@
-"""RMSNorm, optionally fused with the residual add that precedes it; Gemma's (1 + weight) RMSNorm; the SiLU-gated
-RMSNorm of Gated DeltaNet; LayerNorm (with the same residual add) and StableLM's per-head LayerNorm."""
+"""RMSNorm, optionally fused with the residual add that precedes it, or without a weight; Gemma's (1 + weight) RMSNorm;
+the SiLU-gated RMSNorm of Gated DeltaNet; LayerNorm (with the same residual add) and StableLM's per-head LayerNorm."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,6 +42,16 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+
+class WeightlessRMSNorm(RMSNorm):
+    """Falcon-Mamba's norms of dt, B and C, Llama 4's of q and k: x / rms(x), no weight in the checkpoint (a buffer
+    of ones here)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__(hidden_size, eps)
+        del self.weight
+        self.register_buffer("weight", torch.ones(hidden_size), persistent=False)
 
 
 class GemmaRMSNorm(RMSNorm):

@@ -1,5 +1,6 @@
-"""Llama decoder; Qwen2, Qwen3, Qwen3-MoE, Mistral and Phi-3 reuse it with their per-layer attention options (qkv
-bias, per-head q/k norm, sliding window, sinks) and, for MoE, their own MLP per layer; Gemma 3 its layers' parts."""
+"""Llama decoder; Qwen2, Qwen3, Qwen3-MoE, Mistral, Phi-3 and Llama 4 reuse it with their per-layer attention options
+(qkv bias, per-head q/k norm, sliding window, sinks, query temperature) and, for MoE, their own MLP per layer; Gemma 3
+its layers' parts."""
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ from transformers import PretrainedConfig
 from nanoinfer.layers.activation import get_act_and_mul
 from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanoinfer.layers.layernorm import GemmaRMSNorm, RMSNorm
+from nanoinfer.layers.layernorm import GemmaRMSNorm, RMSNorm, WeightlessRMSNorm
 from nanoinfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanoinfer.layers.rotary_embedding import get_rope
 
@@ -21,6 +22,7 @@ class AttentionOptions:
     o_bias: bool = False
     qk_norm: bool = False
     qk_norm_after_rope: bool = False  # HunYuan: the q/k norms take the rotated q and k
+    qk_norm_weightless: bool = False  # Llama 4: the q/k norms are x / rms(x) alone (no checkpoint weight)
     sliding_window: int | None = None  # attend to the last this-many positions (the query's own included)
     # Qwen3-Next: q_proj also yields a per-head output gate (attention output * sigmoid(gate) before o_proj),
     # and the q/k norms scale by 1 + weight.
@@ -38,6 +40,9 @@ class AttentionOptions:
     num_kv_heads: int | None = None  # where the config's `num_key_value_heads` does not say (Falcon, GPTBigCode)
     rotary_dim: int | None = None  # GPT-J: the leading dims rotated, where the config's rope settings do not say
     sinks: bool = False  # GPT-OSS: a learned logit per head joins each softmax's denominator
+    # Llama 4's NoPE layers (attention temperature tuning): (floor_scale, attn_scale), the query at position p scaled
+    # by 1 + attn_scale * log(1 + floor((p + 1) / floor_scale)).
+    query_temperature: tuple[float, float] | None = None
 
 
 def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
@@ -49,6 +54,13 @@ def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None
     if window is None or (layer_types is not None and layer_types[layer_idx] != "sliding_attention"):
         return None
     return window
+
+
+def scale_query(q: torch.Tensor, positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
+    """q [tokens, heads, head_dim] times its position's temperature (AttentionOptions.query_temperature), computed
+    in fp32 and the product rounded to q's dtype, as transformers' Llama4TextAttention does."""
+    scale = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+    return (q * scale[:, None, None]).to(q.dtype)
 
 
 class LlamaAttention(nn.Module):
@@ -76,10 +88,12 @@ class LlamaAttention(nn.Module):
         if options.qk_norm:
             eps = config.rms_norm_eps
             norms = [GemmaRMSNorm(self.head_dim, eps) if options.gemma_norm
+                     else WeightlessRMSNorm(self.head_dim, eps) if options.qk_norm_weightless
                      else RMSNorm(self.head_dim, eps, options.zero_centered_norm) for _ in range(2)]
             self.q_norm, self.k_norm = norms
         self.qk_norm, self.qk_norm_after_rope = options.qk_norm, options.qk_norm_after_rope
         self.clip_qkv = options.clip_qkv
+        self.query_temperature = options.query_temperature
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -96,6 +110,8 @@ class LlamaAttention(nn.Module):
             q, k = self.rotary_emb(positions, q, k, *((self.q_norm, self.k_norm) if norms_in_rotation else ()))
         if self.qk_norm and not norms_in_rotation:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.query_temperature is not None and positions is not None:
+            q = scale_query(q, positions, *self.query_temperature)
         o = self.attn(q, k, v, meta)
         if self.q_factor == 2:
             o = o * torch.sigmoid(gate.flatten(1))
