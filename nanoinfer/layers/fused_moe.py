@@ -111,11 +111,12 @@ def clamped_swiglu(alpha: float, limit: float) -> GatedActivation:
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                  activation: GatedActivation = silu_and_mul) -> torch.Tensor:
+                  activation: GatedActivation = silu_and_mul, sum_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [tokens, hidden]; w13 [experts, 2 * inter, hidden] (gate rows, then up rows; or, non-gated, up rows alone:
     [experts, inter, hidden]); w2 [experts, hidden, inter];
     topk_* [tokens, k] -> sum over each token's k experts of weight * down(activation(gate(x), up(x))); the
-    optional biases [experts, 2 * inter] and [experts, hidden] added after each projection."""
+    optional biases [experts, 2 * inter] and [experts, hidden] added after each projection. The weighted outputs
+    are summed in sum_dtype (None: x's), then rounded to x's dtype."""
     k = topk_ids.shape[1]
     flat = topk_ids.flatten()
     order = flat.argsort(stable=True)  # pairs grouped by expert: each expert's rows are one contiguous segment
@@ -128,8 +129,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                           offs=offsets)
     if w2_bias is not None:
         y += w2_bias[flat[order]]
+    y = y.to(sum_dtype or y.dtype)
     y *= topk_weights.flatten()[order].unsqueeze(1)
-    return torch.zeros_like(x).index_add_(0, token, y)
+    return torch.zeros_like(x, dtype=y.dtype).index_add_(0, token, y).to(x.dtype)
 
 
 class FusedMoE(nn.Module):
@@ -137,11 +139,12 @@ class FusedMoE(nn.Module):
     [experts, 2 * inter/tp, hidden] and w2_weight [experts, hidden, inter/tp], sharded like a MergedColumn /
     RowParallelLinear pair, and with bias, w13_bias [experts, 2 * inter/tp] and w2_bias [experts, hidden] (added
     by rank 0 alone). With reduce_results=False the caller all-reduces (e.g. after adding a shared expert).
-    gated=False: experts without a gate (w13 holds the up rows alone), `activation` taking the up projection."""
+    gated=False: experts without a gate (w13 holds the up rows alone), `activation` taking the up projection.
+    fp32_sum: the weighted expert outputs summed in fp32 in 16-bit models (NemotronH's), else in the model's dtype."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  reduce_results: bool = True, bias: bool = False, activation: GatedActivation = silu_and_mul,
-                 gated: bool = True):
+                 gated: bool = True, fp32_sum: bool = False):
         super().__init__()
         self.tp_rank, self.tp_size, self.tp_group = tp_rank(), tp_size(), tp_group()
         if intermediate_size % self.tp_size:
@@ -152,6 +155,7 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize, self.reduce_results = (num_experts, top_k, renormalize,
                                                                                reduce_results)
         self.intermediate_size, self.gated = intermediate_size, gated
+        self.sum_dtype = torch.float32 if fp32_sum else None
         inter, projections = intermediate_size // self.tp_size, 2 if gated else 1
         self.w13_weight = nn.Parameter(torch.empty(num_experts, projections * inter, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, inter), requires_grad=False)
@@ -226,7 +230,7 @@ class FusedMoE(nn.Module):
         # The down projection's bias once in the sum over ranks.
         w2_bias = self.w2_bias if self.tp_rank == 0 else None
         y = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.w13_bias, w2_bias,
-                          self.activation)
+                          self.activation, self.sum_dtype)
         if self.reduce_results and self.tp_size > 1:
             dist.all_reduce(y, group=self.tp_group)
         return y
