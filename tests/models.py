@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import pathlib
 import random
 from typing import Sequence
@@ -1018,7 +1019,7 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
 # Hugging Face reference
 # --------------------------------------------------------------------------------------
 
-_HF_CACHE: dict[str, object] = {}
+_HF_CACHE: dict[tuple[str, torch.dtype], object] = {}
 
 
 def _quiet_transformers() -> None:
@@ -1035,20 +1036,21 @@ def hf_attention(model_dir) -> dict:
     return {"attn_implementation": "eager"} if config.get("attn_logit_softcapping") is not None else {}
 
 
-def load_hf_model(model_dir):
-    """Load (and cache per process) the transformers fp32 model for `model_dir`: a vision-language checkpoint as
-    transformers' conditional-generation model (see test_vlm_text.py)."""
+def load_hf_model(model_dir, dtype: torch.dtype = torch.float32):
+    """Load (and cache per process) the transformers model for `model_dir` on the CPU in `dtype` (fp32 unless told):
+    a vision-language checkpoint as transformers' conditional-generation model (see test_vlm_text.py)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from nanoinfer.models.registry import is_vision_language
 
     _quiet_transformers()
-    key = str(pathlib.Path(model_dir).resolve())
+    path = str(pathlib.Path(model_dir).resolve())
+    key = (path, dtype)
     if key not in _HF_CACHE:
-        vision_language = is_vision_language(json.loads((pathlib.Path(key) / "config.json").read_text()).get(
+        vision_language = is_vision_language(json.loads((pathlib.Path(path) / "config.json").read_text()).get(
             "architectures"))
         auto = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
-        m = auto.from_pretrained(key, dtype=torch.float32, **hf_attention(key))
+        m = auto.from_pretrained(path, dtype=dtype, **hf_attention(path))
         m.eval()
         _HF_CACHE[key] = m
     return _HF_CACHE[key]
@@ -1216,6 +1218,62 @@ def check_against_hf(outputs, refs: list[dict], captured: dict[int, list[torch.T
             steps = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref["token_ids"])) if a != b),
                          len(ref["token_ids"]) - 1) + 1
             worst = max(worst, (ours[:steps] - ref["logits"][:steps]).abs().max().item())
+    return worst
+
+
+# bf16 against transformers in bf16, both measured against transformers' own bf16 rounding error at each step
+# (its bf16 logits minus its fp32 logits on the same tokens; ~0.1-0.3 on these models, several bf16 steps): before
+# any divergence our logits stay within BF16_ERROR_RATIO times that error of its bf16 ones (0.7x typical, 2.3x at
+# worst on the CPU), and a divergence passes only where its top-2 gap is within twice that error, i.e. where
+# rounding alone can swap them (on the CPU every divergence sat below half of that).
+BF16_ERROR_RATIO = 4
+
+
+def bf16_ulp(x: float) -> float:
+    """The distance between neighbouring bfloat16 numbers at |x|."""
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0 ** -133
+
+
+@torch.inference_mode()
+def hf_bf16_error(fp32_model: torch.nn.Module, prompt: list[int], ref: dict) -> list[float]:
+    """Per generated step, how far transformers' bf16 logits (`ref`, from hf_greedy) are from its fp32 logits
+    (`fp32_model`, on any device) for the same tokens (at least one bf16 step of the largest): the rounding error
+    bf16 itself brings."""
+    tokens = torch.tensor([prompt + ref["token_ids"][:-1]], device=fp32_model.device)
+    fp32 = fp32_model(input_ids=tokens).logits[0, len(prompt) - 1:].float().cpu()
+    return [max((b - f).abs().max().item(), bf16_ulp(b.abs().max().item())) for b, f in zip(ref["logits"], fp32)]
+
+
+def check_bf16_against_hf(tokens: list[int], logits: torch.Tensor, ref: dict, error: list[float]) -> float:
+    """Until our tokens leave transformers' (bf16) ones, our logits stay within BF16_ERROR_RATIO x its own bf16
+    error of its logits; where they leave, its top-2 gap is within twice that error. Returns the largest
+    |ours - transformers'| in units of that error."""
+    ref_tokens, ref_logits = ref["token_ids"], ref["logits"]
+    diverged = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), None)
+    steps = len(tokens) if diverged is None else diverged + 1
+    worst = 0.0
+    for i in range(steps):
+        ratio = (logits[i] - ref_logits[i]).abs().max().item() / error[i]
+        assert ratio <= BF16_ERROR_RATIO, (f"step {i}: logits differ from transformers' by {ratio:.1f}x its own bf16 "
+                                           f"error ({error[i]:.3g})")
+        worst = max(worst, ratio)
+    if diverged is not None:
+        top = ref_logits[diverged].topk(2).values.tolist()
+        assert top[0] - top[1] <= 2 * error[diverged], (
+            f"bf16 divergence at step {diverged} where transformers' top-2 gap {top[0] - top[1]:.4g} exceeds twice "
+            f"its own bf16 error ({error[diverged]:.4g}): ours {tokens}, transformers {ref_tokens}")
+    return worst
+
+
+def check_bf16_outputs(outputs, prompts: Sequence[Sequence[int]], refs: list[dict],
+                       captured: dict[int, list[torch.Tensor]], fp32_model: torch.nn.Module) -> float:
+    """check_bf16_against_hf for every output of the engine's bf16 run on `prompts` (its captured logits) against
+    transformers' bf16 references `refs`, its own error measured by `fp32_model`: the largest ratio."""
+    worst = 0.0
+    for prompt, out, ref in zip(prompts, outputs, refs):
+        logits = torch.stack(captured[out.request_id]).float().cpu()
+        error = hf_bf16_error(fp32_model, list(prompt), ref)
+        worst = max(worst, check_bf16_against_hf(out.outputs[0].token_ids, logits, ref, error))
     return worst
 
 

@@ -1,8 +1,8 @@
 """Dense families beyond the shared correctness tests (tests/test_correctness.py) without a file of their own (OLMo:
-test_olmo.py; MoE: test_moe.py): tensor parallelism against transformers, transformers' bf16 arithmetic in Gemma's
-norm, Gemma 3's, GPT-NeoX's and GPT-2's Hub layouts, the Gemma and GPT-2 config settings the engine refuses by name,
-the parallel residual (Phi, GPT-NeoX) and GPT-2's absolute positions under chunked prefill, prefix-cache hits and
-preemption, and the interleaved rope layout (Cohere, GLM)."""
+test_olmo.py; MoE: test_moe.py): tensor parallelism against transformers, Gemma 3's, GPT-NeoX's and GPT-2's Hub
+layouts, the Gemma and GPT-2 config settings the engine refuses by name, the parallel residual (Phi, GPT-NeoX) and
+GPT-2's absolute positions under chunked prefill, prefix-cache hits and preemption, and the interleaved rope layout
+(Cohere, GLM)."""
 import json
 import shutil
 
@@ -12,7 +12,6 @@ import torch
 from models import (LAYERNORM_KINDS, cached_hf_greedy, check_against_hf, chunked_prefix_preemption_logit_diff,
                     random_prompts)
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.layers.layernorm import GemmaRMSNorm
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -31,28 +30,6 @@ def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_l
     worst = check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits)
     report_logit_diff(f"{kind}, tensor parallel 2", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
-
-
-def test_gemma_norm_in_bf16_is_transformers_own():
-    """Gemma3RMSNorm keeps w in the model's dtype, adds 1 and multiplies in fp32, then casts: bit for bit, from an
-    fp32 checkpoint into a bf16 model, with and without the residual add before it."""
-    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
-
-    g = torch.Generator().manual_seed(0)
-    w = 0.3 * torch.randn(64, generator=g)  # the checkpoint's (fp32) weight
-    hf = Gemma3RMSNorm(64).to(torch.bfloat16)
-    hf.weight.data.copy_(w)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # as the engine builds a bf16 model
-    try:
-        ours = GemmaRMSNorm(64)
-    finally:
-        torch.set_default_dtype(default)
-    ours.weight_loader(ours.weight, w)
-    x, residual = (3 * torch.randn(2, 5, 64, generator=g)).bfloat16(), torch.randn(2, 5, 64, generator=g).bfloat16()
-    assert torch.equal(ours(x), hf(x))
-    out, new_residual = ours(x, residual)
-    assert torch.equal(new_residual, x + residual) and torch.equal(out, hf(x + residual))
 
 
 def edited_model(src, dst, **changes):

@@ -24,12 +24,11 @@ class AttentionOptions:
     qk_norm_after_rope: bool = False  # HunYuan: the q/k norms take the rotated q and k
     qk_norm_weightless: bool = False  # Llama 4: the q/k norms are x / rms(x) alone (no checkpoint weight)
     sliding_window: int | None = None  # attend to the last this-many positions (the query's own included)
-    # Qwen3-Next: q_proj also yields a per-head output gate (attention output * sigmoid(gate) before o_proj),
-    # and the q/k norms scale by 1 + weight.
+    # Qwen3-Next: q_proj also yields a per-head output gate (attention output * sigmoid(gate) before o_proj).
     output_gate: bool = False
-    zero_centered_norm: bool = False
-    # Gemma 3: q/k norms as its RMSNorm (1 + weight, in fp32), its own score scale (default head_dim ** -0.5), and
-    # the rope settings of the layer's type (its config nests them by "sliding_attention" / "full_attention").
+    # Gemma 3 (and Qwen3-Next): q/k norms as its RMSNorm (1 + weight, in fp32); Gemma 3: its own score scale (default
+    # head_dim ** -0.5), and the rope settings of the layer's type (its config nests them by "sliding_attention" /
+    # "full_attention").
     gemma_norm: bool = False
     scale: float | None = None
     rope_layer_type: str | None = None
@@ -89,7 +88,7 @@ class LlamaAttention(nn.Module):
             eps = config.rms_norm_eps
             norms = [GemmaRMSNorm(self.head_dim, eps) if options.gemma_norm
                      else WeightlessRMSNorm(self.head_dim, eps) if options.qk_norm_weightless
-                     else RMSNorm(self.head_dim, eps, options.zero_centered_norm) for _ in range(2)]
+                     else RMSNorm(self.head_dim, eps) for _ in range(2)]
             self.q_norm, self.k_norm = norms
         self.qk_norm, self.qk_norm_after_rope = options.qk_norm, options.qk_norm_after_rope
         self.clip_qkv = options.clip_qkv

@@ -1,8 +1,10 @@
 """Mamba (`MambaForCausalLM`, state-spaces/mamba-*-hf): every layer a norm, the Mamba-1 mixer and the residual add,
-no MLP. `residual_in_fp32` changes nothing in fp32; in 16-bit dtypes the residual stream stays in the model's dtype."""
+no MLP. `residual_in_fp32`: in 16-bit dtypes the residual stream stays in fp32, as transformers keeps it (see
+Fp32ResidualRMSNorm); it changes nothing in fp32."""
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanoinfer.layers.layernorm import Fp32ResidualRMSNorm, RMSNorm
 from nanoinfer.layers.mamba import MambaMixer, MambaSettings
 from nanoinfer.models.hybrid import HybridDecoderLayer, HybridForCausalLM
 
@@ -25,7 +27,14 @@ class MambaForCausalLM(HybridForCausalLM):
         return mamba_settings(config)
 
     def make_layer(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
-        return HybridDecoderLayer(config, MambaMixer(self.settings(config)), False, None, config.layer_norm_epsilon)
+        norm = Fp32ResidualRMSNorm if config.residual_in_fp32 else RMSNorm
+        return HybridDecoderLayer(config, MambaMixer(self.settings(config)), False, None, config.layer_norm_epsilon,
+                                  norm=norm)
+
+    def make_final_norm(self, config: PretrainedConfig, eps: float) -> RMSNorm:
+        if config.residual_in_fp32:
+            return Fp32ResidualRMSNorm(config.hidden_size, eps, final=True)
+        return super().make_final_norm(config, eps)
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config, config.layer_norm_epsilon)
