@@ -46,9 +46,10 @@ def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tens
               scale: float, causal: bool = True, window: int | None = None, soft_cap: float | None = None,
               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """float64 attention, sequence by sequence: q [tokens, heads, dim], keys[i]/values[i] [ctx_i, kv_heads, dim]
-    -> [tokens, heads * dim]; query j of n new tokens sits at ctx - n + j; a row seeing no key gives 0. With
-    soft_cap, scores s become soft_cap * tanh(s / soft_cap) before the mask. With sinks [heads], each head's softmax
-    takes its sink as one more logit, whose column is dropped after it (transformers' GPT-OSS)."""
+    -> [tokens, heads * dim]; query j of n new tokens sits at ctx - n + j; a row seeing no key gives 0; non-causal
+    with a window, each query sees the keys within window - 1 positions of its own on either side. With soft_cap,
+    scores s become soft_cap * tanh(s / soft_cap) before the mask. With sinks [heads], each head's softmax takes its
+    sink as one more logit, whose column is dropped after it (transformers' GPT-OSS)."""
     out, start = [], 0
     for k, v, n in zip(keys, values, q_lens):
         ctx, group = k.shape[0], q.shape[1] // k.shape[1]
@@ -56,12 +57,14 @@ def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tens
         scores = torch.einsum("nhd,lhd->hnl", q[start:start + n].double(), k) * scale
         if soft_cap is not None:
             scores = soft_cap * torch.tanh(scores / soft_cap)
+        q_pos, k_pos = torch.arange(ctx - n, ctx)[:, None], torch.arange(ctx)[None, :]
         if causal:
-            q_pos, k_pos = torch.arange(ctx - n, ctx)[:, None], torch.arange(ctx)[None, :]
             visible = k_pos <= q_pos
             if window is not None:
                 visible &= k_pos > q_pos - window
             scores = scores.masked_fill(~visible, float("-inf"))
+        elif window is not None:
+            scores = scores.masked_fill((k_pos - q_pos).abs() >= window, float("-inf"))
         if sinks is not None:
             sink_column = sinks.double().view(-1, 1, 1).expand(-1, n, 1)
             scores = torch.cat([scores, sink_column], -1)
@@ -124,8 +127,8 @@ def test_prefill_kernel_over_the_paged_cache(shape, dtype):
 @pytest.mark.parametrize("causal, window", [(True, None), (True, 5), (False, None), (False, 5)])
 def test_prefill_kernel_over_this_steps_kv(dtype, causal, window):
     """No cached prefix: keys are this step's k, v, row-strided views into one fused qkv tensor (Qwen3's k is
-    normed into a tensor of its own, v stays a view: both layouts). Non-causal (the encoder pass) ignores
-    the window, as the PyTorch backend does."""
+    normed into a tensor of its own, v stays a view: both layouts). Non-causal (the encoder pass) with a window:
+    on both sides (an encoder's local attention, ModernBERT's), over several key tiles and query tiles."""
     g = torch.Generator().manual_seed(7)
     heads, kv_heads, head_dim, lens = 6, 2, 48, [1, 19, 40]
     qkv = torch.randn(sum(lens), (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
@@ -136,7 +139,7 @@ def test_prefill_kernel_over_this_steps_kv(dtype, causal, window):
     ours = prefill_attention(q, k, v, torch.empty(3, 0, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
                              cu, cu, max(lens), 0.3, causal, window, config=SMALL)
     keys, values = k.split(lens), v.split(lens)
-    err = _error(ours, reference(q, keys, values, lens, 0.3, causal, window if causal else None))
+    err = _error(ours, reference(q, keys, values, lens, 0.3, causal, window))
     assert err < TOLERANCE[dtype], f"max error {err:.2e}"
 
 

@@ -38,6 +38,8 @@ class AttentionOptions:
     num_kv_heads: int | None = None  # where the config's `num_key_value_heads` does not say (Falcon, GPTBigCode)
     rotary_dim: int | None = None  # GPT-J: the leading dims rotated, where the config's rope settings do not say
     sinks: bool = False  # GPT-OSS: a learned logit per head joins each softmax's denominator
+    # ModernBERT's local layers: the window holds in the (non-causal) encoder pass, on both sides (see Attention)
+    encoder_only: bool = False
 
 
 def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
@@ -72,7 +74,7 @@ class LlamaAttention(nn.Module):
                                     options.rope_interleaved, options.rotary_dim) if options.rope else None)
         scale = self.head_dim ** -0.5 if options.scale is None else options.scale
         self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window,
-                              options.logits_soft_cap, sinks=options.sinks)
+                              options.logits_soft_cap, sinks=options.sinks, encoder_only=options.encoder_only)
         if options.qk_norm:
             eps = config.rms_norm_eps
             norms = [GemmaRMSNorm(self.head_dim, eps) if options.gemma_norm
