@@ -512,12 +512,18 @@ def test_bert_cross_encoder_matches_hf(tmp_path, report_logit_diff):
     assert worst < 1e-4, f"max |diff| {worst:.2e}"
 
 
-def test_modernbert_cross_encoder_matches_hf(tmp_path, report_logit_diff):
+@pytest.mark.parametrize("backend", ["triton", "flash"])
+def test_modernbert_cross_encoder_matches_hf(backend, tmp_path, report_logit_diff, request):
     """ModernBERT (models/modernbert.py): local layers windowed on both sides in the non-causal pass, each layer
     type with its rope theta; a mean-pooling cross-encoder's logits of token-id pairs longer than the window, and
-    the cls embeddings of its encoder."""
+    the cls embeddings of its encoder. Through the Triton kernels, and through the flash backend (flash-attn's
+    window_size, by its fake)."""
     d = build_encoder("modernbert", tmp_path / "modernbert", num_labels=1)
-    llm = triton_llm(d, max_model_len=64)
+    if backend == "triton":
+        llm = triton_llm(d, max_model_len=64)
+    else:
+        calls = request.getfixturevalue("flash_on_cpu")
+        llm = LLM(str(d), device="cpu", dtype="float32", attention_backend="flash", max_model_len=64)
     pairs = [(a, b[:12]) for a, b in zip(random_prompts(3, 5, 440, 10, 40, seed=12),
                                           random_prompts(3, 5, 440, 1, 20, seed=13))]
     scores = llm.score([a for a, _ in pairs], [b for _, b in pairs], use_activation=False)
@@ -530,8 +536,10 @@ def test_modernbert_cross_encoder_matches_hf(tmp_path, report_logit_diff):
             cls_state = model.model(torch.tensor([a + b])).last_hidden_state[0, 0]
         worst = max(worst, abs(score.outputs.score - logit),
                     (torch.tensor(embedding.outputs.embedding) - cls_state).abs().max().item())
-    report_logit_diff("modernbert, triton backend, cross-encoder logits and embeddings (max |diff|)", worst)
+    report_logit_diff(f"modernbert, {backend} backend, cross-encoder logits and embeddings (max |diff|)", worst)
     assert worst < 1e-4, f"max |diff| {worst:.2e}"
+    if backend == "flash":
+        assert {c["fn"] for c in calls} == {"varlen"}
 
 
 def test_engine_with_ngram_drafts_matches_hf(qwen3_dir):
