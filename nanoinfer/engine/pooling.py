@@ -19,8 +19,9 @@ def pool(hidden_states: torch.Tensor, lens: list[int], pooling: str) -> torch.Te
     fp32: each prompt's first token's ("cls"), its last one's, or the mean of its tokens."""
     if pooling == "mean":
         return torch.stack([h.float().mean(0) for h in hidden_states.split(lens)])
-    ends = torch.tensor(lens).cumsum(0)
-    rows = ends - torch.tensor(lens) if pooling == "cls" else ends - 1
+    sizes = torch.tensor(lens)
+    ends = sizes.cumsum(0)
+    rows = ends - sizes if pooling == "cls" else ends - 1
     return hidden_states[rows.to(hidden_states.device)].float()
 
 
