@@ -1301,11 +1301,15 @@ def chunked_prefix_preemption_logit_diff(model_dir, captured: dict[int, list[tor
 # --------------------------------------------------------------------------------------
 
 # Each built as transformers' `<Family>Model` (num_labels None) or `<Family>ForSequenceClassification`.
-ENCODER_KINDS = ("bert", "roberta", "xlm-roberta")
+ENCODER_KINDS = ("bert", "roberta", "xlm-roberta", "modernbert")
 ENCODER_MAX_POSITIONS = 128  # the longest prompt (RoBERTa's tables hold 2 rows more: positions start at pad + 1)
 BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]  # ids 0..4
 ROBERTA_SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # ids 0..4: pad 1, as RoBERTa's
-_ENCODER_SEEDS = {"bert": 6913, "roberta": 7024, "xlm-roberta": 8135}
+_ENCODER_SEEDS = {"bert": 6913, "roberta": 7024, "xlm-roberta": 8135, "modernbert": 9246}
+# ModernBERT: layers 0 and 3 global, 1 and 2 local, each token seeing those within 6 positions (shorter than most
+# test prompts), and rope thetas far apart, so that a lost window or one theta for both shows.
+MODERNBERT_LOCAL_ATTENTION = 12
+MODERNBERT_ROPE_THETAS = {"global_rope_theta": 20_000.0, "local_rope_theta": 50.0}
 
 
 def _bert_tokenizer():
@@ -1342,19 +1346,49 @@ def _roberta_tokenizer():
                                    model_input_names=["input_ids", "attention_mask"])
 
 
+def _modernbert_tokenizer():
+    """Byte-level BPE with BERT's specials and ModernBERT's templates: [CLS] a [SEP] b [SEP] (no token types)."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _train_tokenizer_object(BERT_SPECIAL_TOKENS)
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+                                                       special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                                   sep_token="[SEP]", mask_token="[MASK]", model_max_length=ENCODER_MAX_POSITIONS,
+                                   model_input_names=["input_ids", "attention_mask"])
+
+
+def _modernbert_config(num_labels: int | None):
+    """4 layers (global, local, local, global); the classifier pools the mean and has every bias (norms, attention,
+    MLP, head), the embedder none, as the released embedders."""
+    from transformers import ModernBertConfig
+
+    biases = num_labels is not None
+    return ModernBertConfig(
+        vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        hidden_activation="gelu", max_position_embeddings=ENCODER_MAX_POSITIONS, global_attn_every_n_layers=3,
+        local_attention=MODERNBERT_LOCAL_ATTENTION, **MODERNBERT_ROPE_THETAS, norm_eps=1e-5, norm_bias=biases,
+        attention_bias=biases, mlp_bias=biases, classifier_bias=biases, classifier_pooling="mean",
+        classifier_activation="gelu", pad_token_id=0, bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3,
+        initializer_range=INIT_STD)
+
+
 def make_encoder_config(kind: str, num_labels: int | None):
     from transformers import BertConfig, RobertaConfig, XLMRobertaConfig
 
     common = dict(vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, hidden_act="gelu", initializer_range=INIT_STD)
-    if kind == "bert":  # BERT's 2 token types and epsilon
+    if kind == "modernbert":
+        config = _modernbert_config(num_labels)
+    elif kind == "bert":  # BERT's 2 token types and epsilon
         config = BertConfig(**common, max_position_embeddings=ENCODER_MAX_POSITIONS, type_vocab_size=2,
                             pad_token_id=0, layer_norm_eps=1e-12)
     else:  # one token type; positions from pad_token_id + 1
         cls = RobertaConfig if kind == "roberta" else XLMRobertaConfig
         config = cls(**common, max_position_embeddings=ENCODER_MAX_POSITIONS + 2, type_vocab_size=1, pad_token_id=1,
                      bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5)
-    family = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta"}[kind]
+    family = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta", "modernbert": "ModernBert"}[kind]
     config.architectures = [f"{family}Model" if num_labels is None else f"{family}ForSequenceClassification"]
     if num_labels is not None:
         config.num_labels = num_labels
@@ -1381,7 +1415,8 @@ def build_encoder(kind: str, dir, num_labels: int | None = None) -> pathlib.Path
             if name.endswith("LayerNorm.weight"):
                 p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
     model.eval().save_pretrained(str(dir))
-    (_bert_tokenizer if kind == "bert" else _roberta_tokenizer)().save_pretrained(str(dir))
+    tokenizers = {"bert": _bert_tokenizer, "modernbert": _modernbert_tokenizer}
+    tokenizers.get(kind, _roberta_tokenizer)().save_pretrained(str(dir))
     return dir
 
 

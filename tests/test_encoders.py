@@ -1,6 +1,7 @@
-"""Encoder-only models (BERT, RoBERTa, XLM-RoBERTa; nanoinfer/models/bert.py): LLM.embed, classify and score against
-transformers' `<Family>Model` and `<Family>ForSequenceClassification` on the same weights (tests/models.py's
-build_encoder), the pooling a sentence-transformers config asks for, tensor parallelism, and what is refused."""
+"""Encoder-only models (BERT, RoBERTa, XLM-RoBERTa: nanoinfer/models/bert.py; ModernBERT: models/modernbert.py):
+LLM.embed, classify and score against transformers' `<Family>Model` and `<Family>ForSequenceClassification` on the
+same weights (tests/models.py's build_encoder), the pooling a sentence-transformers config asks for, tensor
+parallelism, and what is refused."""
 import json
 import math
 import shutil
@@ -11,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from models import ENCODER_KINDS, ENCODER_MAX_POSITIONS, build_encoder, load_hf_encoder, random_prompts
+from models import (ENCODER_KINDS, ENCODER_MAX_POSITIONS, MODERNBERT_LOCAL_ATTENTION, MODERNBERT_ROPE_THETAS,
+                    build_encoder, load_hf_encoder, random_prompts)
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.beam_search import BeamSearchParams
 
@@ -112,7 +114,7 @@ def test_classify_matches_transformers(kind, encoder, report_logit_diff):
                  hf_states(d, PROMPTS[0])[0], **TOL)
 
 
-@pytest.mark.parametrize("kind", ["bert", "roberta", "xlm-roberta"])
+@pytest.mark.parametrize("kind", ["bert", "roberta", "xlm-roberta", "modernbert"])
 def test_score_is_a_cross_encoder(kind, encoder, report_logit_diff):
     """Two texts through the tokenizer's pair encoding (BERT's with token types 0 and 1), token-id pairs joined
     (BERT: the first side type 0, the second type 1); one-to-many and pairwise."""
@@ -249,6 +251,56 @@ def test_relative_positions_are_refused(encoder, tmp_path):
         LLM(str(d), **ENGINE)
 
 
+def with_config(src: Path, dst: Path, changes: dict, removed: tuple[str, ...] = ()) -> Path:
+    """A copy of src whose config.json has `changes` and lacks `removed`."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text()) | changes
+    (dst / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in removed}))
+    return dst
+
+
+def test_modernbert_local_windows_and_rope_thetas(encoder, tmp_path):
+    """The test model's prompts outgrow its local window, and its local layers' rope theta is far from its global
+    ones': transformers' states change by far more than the tolerance with the window lifted or one theta for
+    every layer, so test_embeddings_match_transformers sees both."""
+    d, prompt = encoder("modernbert"), PROMPTS[1]
+    assert len(prompt) > MODERNBERT_LOCAL_ATTENTION
+    config = load_hf_encoder(d).config
+    assert config.layer_types == ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    assert {t: p["rope_theta"] for t, p in config.rope_parameters.items()} == {
+        "full_attention": MODERNBERT_ROPE_THETAS["global_rope_theta"],
+        "sliding_attention": MODERNBERT_ROPE_THETAS["local_rope_theta"]}
+    ref = hf_states(d, prompt)
+    theta = MODERNBERT_ROPE_THETAS["global_rope_theta"]
+    one_theta = {"rope_parameters": {t: {"rope_type": "default", "rope_theta": theta} for t in config.rope_parameters}}
+    for name, changes in (("no window", {"local_attention": 1000}), ("one theta", one_theta)):
+        assert (hf_states(with_config(d, tmp_path / name, changes), prompt) - ref).abs().max().item() > 1e-2, name
+
+
+def test_modernbert_hub_config_and_cls_pooling(encoder, tmp_path):
+    """A config in the Hub's form (global_attn_every_n_layers, global_rope_theta, local_rope_theta: transformers 5
+    derives layer_types and rope_parameters from them) embeds alike; a classifier with classifier_pooling "cls"
+    reads the first token (the test classifier's is "mean": test_classify_matches_transformers); a
+    sentence-transformers config gives the default pooling (mean, normalized, as the released embedders')."""
+    legacy = with_config(encoder("modernbert"), tmp_path / "hub", {"global_attn_every_n_layers": 3,
+                         **MODERNBERT_ROPE_THETAS}, removed=("layer_types", "rope_parameters"))
+    with LLM(str(legacy), **ENGINE) as llm:
+        embeddings = torch.tensor([o.outputs.embedding for o in llm.embed(PROMPTS, pooling="mean")])
+    assert_close(embeddings, torch.stack([hf_states(encoder("modernbert"), p).mean(0) for p in PROMPTS]), **TOL)
+    cls = with_config(encoder("modernbert", 3), tmp_path / "cls", {"classifier_pooling": "cls"})
+    with LLM(str(cls), **ENGINE) as llm:
+        logits = torch.tensor([o.outputs.probs for o in llm.classify(PROMPTS, use_activation=False)])
+    ref = torch.stack([hf_logits(cls, p) for p in PROMPTS])
+    assert_close(logits, ref, **TOL)
+    assert (ref - torch.stack([hf_logits(encoder("modernbert", 3), p) for p in PROMPTS])).abs().max() > 1e-2
+    st = with_pooling_config(encoder("modernbert"), tmp_path / "st", {"pooling_mode_mean_tokens": True})
+    with LLM(str(st), **ENGINE) as llm:
+        embeddings = torch.tensor([o.outputs.embedding for o in llm.embed(PROMPTS)])
+    assert_close(embeddings, F.normalize(torch.stack([hf_states(st, p).mean(0) for p in PROMPTS]), dim=-1), **TOL)
+    with pytest.raises(ValueError, match="classifier_pooling.*max"):  # transformers 5.23 refuses it first
+        LLM(str(with_config(encoder("modernbert", 3), tmp_path / "max", {"classifier_pooling": "max"})), **ENGINE)
+
+
 @pytest.mark.slow
 def test_tensor_parallel_2_matches_tp1_and_transformers(encoder):
     """BERT under TP=2 (gloo, a spawned worker): embeddings and cross-encoder scores (text pairs with token types,
@@ -275,13 +327,36 @@ def test_tensor_parallel_2_matches_tp1_and_transformers(encoder):
     assert_close(tp2_scores, torch.stack(ref), **TOL)
 
 
+@pytest.mark.slow
+def test_modernbert_tensor_parallel_2_matches_tp1_and_transformers(encoder):
+    """ModernBERT under TP=2 (each rank half the heads of the fused Wqkv and half of each GeGLU half of Wi): mean and
+    cls embeddings over several passes and a mean-pooling cross-encoder's scores equal TP=1 and transformers."""
+    embedder, cross_encoder = encoder("modernbert"), encoder("modernbert", 1)
+    firsts, seconds = PROMPTS[:3], [PROMPTS[3][:20], PROMPTS[4][:20], [7]]
+    results = []
+    for tp in (1, 2):
+        with LLM(str(embedder), **ENGINE, tensor_parallel_size=tp, max_num_batched_tokens=100) as llm:
+            embeddings = [torch.tensor([o.outputs.embedding for o in llm.embed(PROMPTS, pooling=p)])
+                          for p in ("mean", "cls")]
+        with LLM(str(cross_encoder), **ENGINE, tensor_parallel_size=tp) as llm:
+            scores = torch.tensor([o.outputs.score for o in llm.score(firsts, seconds, use_activation=False)])
+        results.append((*embeddings, scores))
+    refs = [torch.stack([hf_states(embedder, p).mean(0) for p in PROMPTS]),
+            torch.stack([hf_states(embedder, p)[0] for p in PROMPTS]),
+            torch.stack([hf_logits(cross_encoder, a + b)[0] for a, b in zip(firsts, seconds)])]
+    for tp1, tp2, ref in zip(*results, refs):
+        assert_close(tp2, tp1, **TOL)
+        assert_close(tp2, ref, **TOL)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 def test_encoders_on_cuda(backend, encoder, monkeypatch):
-    """fp32 on the GPU (no TF32) against transformers in fp32 on the CPU: BERT (token types) and RoBERTa (positions
-    from pad + 1) cross-encoders' scores and their encoders' mean-pooled states."""
+    """fp32 on the GPU (no TF32) against transformers in fp32 on the CPU: BERT (token types), RoBERTa (positions
+    from pad + 1) and ModernBERT (local windows on both sides, two rope thetas) cross-encoders' scores and their
+    encoders' mean-pooled states."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    for kind in ("bert", "roberta"):
+    for kind in ("bert", "roberta", "modernbert"):
         d = encoder(kind, 1)
         with LLM(str(d), device="cuda", dtype="float32", attention_backend=backend) as llm:
             scores = torch.tensor([o.outputs.score for o in llm.score(QUERY, DOCS, use_activation=False)])

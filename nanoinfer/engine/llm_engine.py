@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from nanoinfer.config import Config
 from nanoinfer.engine.model_runner import ModelRunner, RunnerOutput, TokenLogprobs
 from nanoinfer.engine.parallel import start_tensor_parallel
-from nanoinfer.engine.pooling import model_normalizes, model_pooling, pool
+from nanoinfer.engine.pooling import model_normalizes, model_pooling
 from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.lora.request import LoRARequest
@@ -179,8 +179,8 @@ class LLMEngine:
                              f"({self.config.hf_config.architectures[0]}), bidirectional only")
         pooling = pooling or model_pooling(self.config.model_path)
         checked = self._pooling_prompts("embed", prompts)
-        states = self._in_batches([ids for ids, _ in checked], lambda batch: self.model_runner.encode(batch, causal))
-        pooled = [pool(h, pooling) for h in states]
+        pooled = self._in_batches([ids for ids, _ in checked],
+                                  lambda batch: self.model_runner.encode(batch, causal, pooling))
         if model_normalizes(self.config.model_path) if normalize is None else normalize:
             pooled = [F.normalize(e, dim=0) for e in pooled]
         return [EmbeddingRequestOutput(next(Sequence.ids), text, ids, EmbeddingOutput(e.tolist()))

@@ -16,6 +16,7 @@ from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.gpu_memory import profile_kv_cache_blocks
 from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.parallel import TPGroup
+from nanoinfer.engine.pooling import pool
 from nanoinfer.engine.sampling_state import (ALLOWED_TOKENS, BAD_WORDS, GREEDY, LOGIT_BIAS, LOGPROBS, MIN_P,
                                               MIN_TOKENS, PENALIZED, STRUCTURED, TOP_K, TOP_P, HostStaging,
                                               HostTransfer, PenaltyCache, TokenTables, bad_word_bans,
@@ -409,20 +410,19 @@ class ModelRunner:
                 self.execute(*step)
 
     @torch.inference_mode()
-    def encode(self, prompts: list[list[int]], causal: bool) -> list[torch.Tensor]:
-        """Each prompt's final hidden states [len, hidden] (see _encode)."""
-        return list(self._encode_on_every_rank(prompts, causal).cpu().split([len(p) for p in prompts]))
+    def encode(self, prompts: list[list[int]], causal: bool, pooling: str) -> torch.Tensor:
+        """Each prompt's final hidden states (see _encode) pooled: [prompts, hidden] fp32 (see pooling.pool)."""
+        return pool(self._encode_on_every_rank(prompts, causal), [len(p) for p in prompts], pooling).cpu()
 
     @torch.inference_mode()
     def classify(self, prompts: list[list[int]]) -> torch.Tensor:
-        """The classification head's logits [prompts, num_labels] at each prompt's last token after a causal pass,
-        or, for an encoder, at its first token ([CLS]) after a bidirectional one. The head is replicated: rank 0
-        applies it alone."""
-        lens = np.array([len(p) for p in prompts])
-        ends = np.cumsum(lens)
-        rows = torch.tensor(ends - lens if self.encoder else ends - 1, device=self.device)
+        """The classification head's logits [prompts, num_labels] on each prompt's hidden states pooled as the model
+        says (its classifier_pooling): at its last token after a causal pass, or, for an encoder, after a
+        bidirectional one, at its first token ([CLS]) or their mean (ModernBERT's choice). The head is replicated:
+        rank 0 applies it alone."""
         hidden = self._encode_on_every_rank(prompts, causal=not self.encoder)
-        return self.model.compute_logits(hidden[rows]).float().cpu()
+        pooled = pool(hidden, [len(p) for p in prompts], self.model.classifier_pooling)
+        return self.model.compute_logits(pooled.to(hidden.dtype)).float().cpu()
 
     def _encode_on_every_rank(self, prompts: list[list[int]], causal: bool) -> torch.Tensor:
         """_encode on rank 0, with the other ranks running the same pass (serve): every rank ends with the whole

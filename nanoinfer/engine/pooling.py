@@ -14,14 +14,15 @@ _POOLING_MODULE = "sentence_transformers.models.Pooling"
 _NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
 
 
-def pool(hidden_states: torch.Tensor, pooling: str) -> torch.Tensor:
-    """One prompt's hidden states [tokens, hidden] -> [hidden] in fp32: the first token's ("cls"), the last one's, or
-    their mean."""
-    if pooling == "cls":
-        return hidden_states[0].float()
-    if pooling == "last":
-        return hidden_states[-1].float()
-    return hidden_states.float().mean(0)
+def pool(hidden_states: torch.Tensor, lens: list[int], pooling: str) -> torch.Tensor:
+    """Packed prompts' hidden states [tokens, hidden] (lens[i] tokens of prompt i, in order) -> [prompts, hidden] in
+    fp32: each prompt's first token's ("cls"), its last one's, or the mean of its tokens."""
+    if pooling == "mean":
+        return torch.stack([h.float().mean(0) for h in hidden_states.split(lens)])
+    sizes = torch.tensor(lens)
+    ends = sizes.cumsum(0)
+    rows = ends - sizes if pooling == "cls" else ends - 1
+    return hidden_states[rows.to(hidden_states.device)].float()
 
 
 def model_pooling(model_path: Path) -> str:

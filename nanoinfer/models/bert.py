@@ -157,6 +157,7 @@ class BertForSequenceClassification(BertModel):
     """transformers' head on the [CLS] token: the pooler (dense + tanh), then `classifier` to num_labels."""
 
     ignored_weight_prefixes = ()
+    classifier_pooling = "cls"  # see ModelRunner.classify
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config)
@@ -173,6 +174,8 @@ class BertForSequenceClassification(BertModel):
 class RobertaForSequenceClassification(RobertaModel):
     """transformers' RobertaClassificationHead on the <s> token: `classifier.dense` + tanh, then
     `classifier.out_proj` to num_labels."""
+
+    classifier_pooling = "cls"
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config)

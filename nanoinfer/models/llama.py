@@ -42,6 +42,8 @@ class AttentionOptions:
     # Llama 4's NoPE layers (attention temperature tuning): (floor_scale, attn_scale), the query at position p scaled
     # by 1 + attn_scale * log(1 + floor((p + 1) / floor_scale)).
     query_temperature: tuple[float, float] | None = None
+    # ModernBERT's local layers: the window holds in the (non-causal) encoder pass, on both sides (see Attention)
+    encoder_only: bool = False
 
 
 def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
@@ -83,7 +85,7 @@ class LlamaAttention(nn.Module):
                                     options.rope_interleaved, options.rotary_dim) if options.rope else None)
         scale = self.head_dim ** -0.5 if options.scale is None else options.scale
         self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window,
-                              options.logits_soft_cap, sinks=options.sinks)
+                              options.logits_soft_cap, sinks=options.sinks, encoder_only=options.encoder_only)
         if options.qk_norm:
             eps = config.rms_norm_eps
             norms = [GemmaRMSNorm(self.head_dim, eps) if options.gemma_norm

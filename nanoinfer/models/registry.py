@@ -80,8 +80,8 @@ _CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM" for
     "Phi3", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe", "SeedOss", "SmolLM3", "StableLm", "Starcoder2")} | {
     "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM", "GPT2ForSequenceClassification": "GPT2LMHeadModel"}
 
-# Encoder-only models (bert.py): bidirectional, with absolute positions; embedders (`*Model`: LLM.embed) and
-# classifiers on the first token (LLM.classify, LLM.score). They never generate.
+# Encoder-only models (bert.py, modernbert.py): bidirectional, with absolute positions or rope; embedders (`*Model`:
+# LLM.embed) and classifiers on the first token or the mean (LLM.classify, LLM.score). They never generate.
 _ENCODERS = {
     "BertModel": ("bert", "BertModel"),
     "RobertaModel": ("bert", "RobertaModel"),
@@ -89,6 +89,8 @@ _ENCODERS = {
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
     "RobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
     "XLMRobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
+    "ModernBertModel": ("modernbert", "ModernBertModel"),
+    "ModernBertForSequenceClassification": ("modernbert", "ModernBertForSequenceClassification"),
 }
 
 # Vision-language checkpoints, run as their language model alone (see vision_language.py; config.py gives the model
