@@ -10,8 +10,9 @@ from transformers import PretrainedConfig
 from nanoinfer.layers.activation import get_act_and_mul
 from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanoinfer.layers.layernorm import GemmaRMSNorm, RMSNorm
-from nanoinfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanoinfer.layers.layernorm import RMSNorm, rms_normalize
+from nanoinfer.layers.linear import (KeyAsValueQKVParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                                     RowParallelLinear)
 from nanoinfer.layers.rotary_embedding import get_rope
 
 
@@ -26,9 +27,10 @@ class AttentionOptions:
     # and the q/k norms scale by 1 + weight.
     output_gate: bool = False
     zero_centered_norm: bool = False
-    # Gemma 3: q/k norms as its RMSNorm (1 + weight, in fp32), its own score scale (default head_dim ** -0.5), and
-    # the rope settings of the layer's type (its config nests them by "sliding_attention" / "full_attention").
-    gemma_norm: bool = False
+    # Gemma 3: q/k norms of its own kind (GemmaRMSNorm: 1 + weight, in fp32; Gemma 4: OlmoRMSNorm's rounding), its
+    # own score scale (default head_dim ** -0.5), and the rope settings of the layer's type (its config nests them by
+    # "sliding_attention" / "full_attention").
+    qk_norm_class: type[RMSNorm] | None = None
     scale: float | None = None
     rope_layer_type: str | None = None
     rope: bool = True  # SmolLM3's NoPE layers: no position encoding at all
@@ -38,6 +40,11 @@ class AttentionOptions:
     num_kv_heads: int | None = None  # where the config's `num_key_value_heads` does not say (Falcon, GPTBigCode)
     rotary_dim: int | None = None  # GPT-J: the leading dims rotated, where the config's rope settings do not say
     sinks: bool = False  # GPT-OSS: a learned logit per head joins each softmax's denominator
+    # Gemma 4: the layer's own head size (its full layers' heads are wider than the config's `head_dim`), values
+    # scaled to unit RMS per head (a weightless norm), and, with `key_as_value`, values from the key projection.
+    head_dim: int | None = None
+    value_norm: bool = False
+    key_as_value: bool = False
 
 
 def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
@@ -60,10 +67,11 @@ class LlamaAttention(nn.Module):
         num_heads = config.num_attention_heads
         # GPT-NeoX's config has no num_key_value_heads: as many as query heads.
         num_kv_heads = options.num_kv_heads or getattr(config, "num_key_value_heads", None) or num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        self.head_dim = options.head_dim or getattr(config, "head_dim", None) or config.hidden_size // num_heads
         # With an output gate, each head's query and gate rows load as two consecutive "heads" of q.
         self.q_factor = 2 if options.output_gate else 1
-        self.qkv_proj = self.qkv_class(config.hidden_size, self.head_dim, num_heads * self.q_factor, num_kv_heads,
+        qkv_class = KeyAsValueQKVParallelLinear if options.key_as_value else self.qkv_class
+        self.qkv_proj = qkv_class(config.hidden_size, self.head_dim, num_heads * self.q_factor, num_kv_heads,
                                        options.qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // self.q_factor, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -75,11 +83,12 @@ class LlamaAttention(nn.Module):
                               options.logits_soft_cap, sinks=options.sinks)
         if options.qk_norm:
             eps = config.rms_norm_eps
-            norms = [GemmaRMSNorm(self.head_dim, eps) if options.gemma_norm
+            norms = [options.qk_norm_class(self.head_dim, eps) if options.qk_norm_class
                      else RMSNorm(self.head_dim, eps, options.zero_centered_norm) for _ in range(2)]
             self.q_norm, self.k_norm = norms
         self.qk_norm, self.qk_norm_after_rope = options.qk_norm, options.qk_norm_after_rope
         self.clip_qkv = options.clip_qkv
+        self.value_norm_eps = config.rms_norm_eps if options.value_norm else None
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -90,6 +99,8 @@ class LlamaAttention(nn.Module):
         if self.q_factor == 2:
             q, gate = q.chunk(2, -1)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.value_norm_eps is not None:
+            v = rms_normalize(v.view(-1, self.num_kv_heads, self.head_dim), self.value_norm_eps)
         rotate = positions is not None and self.rotary_emb is not None  # no: an encoder pass (LLM.embed), NoPE layer
         norms_in_rotation = self.qk_norm and rotate and not self.qk_norm_after_rope  # one pass on the CPU path
         if rotate:
