@@ -177,8 +177,9 @@ SSM_KINDS = ("lfm2", "bamba", "granitemoehybrid", "granitemoehybrid-dense")
 MAMBA2_HYBRID_KINDS = ("nemotron-h", "falcon-h1", "falcon-h1-norm")
 # Gemma 4 (see gemma4_config): sliding and full layers, the full ones with wider heads, one KV head and a rope turning
 # a quarter of their frequencies; "gemma4" with values from the key projection (attention_k_eq_v), "gemma4-moe" with
-# its own value projection and 2 of 4 experts beside the dense MLP in every layer.
-GEMMA4_KINDS = ("gemma4", "gemma4-moe")
+# its own value projection and 2 of 4 experts beside the dense MLP in every layer, "gemma4-e" as E2B/E4B: per-layer
+# embeddings, and its last two layers (twice as wide MLPs) reusing the keys and values of layers 2 and 3.
+GEMMA4_KINDS = ("gemma4", "gemma4-moe", "gemma4-e")
 # GPT-OSS: attention sinks (GPT_OSS_SINK_STD, so that they weigh), sliding and full layers, yarn rope, q/k/v/o biases,
 # 2 of 8 experts per token by a biased router, experts with biases whose gate/up weights (GPT_OSS_GATE_UP_STD) push
 # the SwiGLU into its clamps.
@@ -244,7 +245,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "ernie4_5": 2135, "falcon": 2246, "falcon-mqa": 3357, "gptj": 4468, "gpt-bigcode": 5579,
           "hunyuan": 3246, "cohere2": 4357, "apertus": 5468,
           "qwen3.5": 9024, "qwen3.5-moe": 1135, "olmoe": 2246, "glm4-moe": 3357, "dots1": 4468, "ernie4.5-moe": 5579,
-          "hunyuan-moe": 6680, "gpt-oss": 9024, "gemma4": 2469, "gemma4-moe": 3570}
+          "hunyuan-moe": 6680, "gpt-oss": 9024, "gemma4": 2469, "gemma4-moe": 3570, "gemma4-e": 4681}
 _SEEDS |= {"lfm2": 7791, "bamba": 8802, "granitemoehybrid": 9913, "granitemoehybrid-dense": 1124}
 _SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457}
 # Jamba's seed: on the test prompts its routers' 2nd and 3rd experts stay > 1e-4 apart (a near-tie flips the choice
@@ -884,24 +885,28 @@ def deepseek_config(kind: str, special: dict):
 
 
 def gemma4_config(kind: str, gemma: dict):
-    """Gemma 4 on Gemma 2/3's test settings, with four layers (its last one must be full), full layers' heads twice
-    as wide as the sliding ones' and one KV head there; no per-layer embeddings."""
+    """Gemma 4 on Gemma 2/3's test settings, with four layers, six for "gemma4-e" (the last one must be full), full
+    layers' heads twice as wide as the sliding ones' and one KV head there."""
     from transformers import Gemma4TextConfig
 
-    moe = kind == "gemma4-moe"
+    moe, e = kind == "gemma4-moe", kind == "gemma4-e"
     settings = {k: v for k, v in gemma.items() if k not in ("num_hidden_layers", "layer_types", "sliding_window")}
+    num_layers = 6 if e else 4
     return Gemma4TextConfig(
         **settings,
-        num_hidden_layers=4,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        num_hidden_layers=num_layers,
+        layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
         sliding_window=SLIDING_WINDOW["gemma4"],
         global_head_dim=64,
         num_global_key_value_heads=1,
-        attention_k_eq_v=not moe,
+        attention_k_eq_v=kind == "gemma4",
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                          "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                             "rope_theta": 1_000_000.0}},
-        hidden_size_per_layer_input=0,
+        hidden_size_per_layer_input=8 if e else 0,
+        vocab_size_per_layer_input=MODEL_VOCAB_SIZE,
+        num_kv_shared_layers=2 if e else 0,
+        use_double_wide_mlp=e,
         enable_moe_block=moe,
         **(dict(num_experts=4, top_k_experts=2, moe_intermediate_size=32) if moe else {}),
     )

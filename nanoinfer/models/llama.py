@@ -61,6 +61,7 @@ def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None
 class LlamaAttention(nn.Module):
     qkv_class: type[QKVParallelLinear] = QKVParallelLinear  # GPT-NeoX's loads its per-head checkpoint layout
     o_proj_class: type[RowParallelLinear] = RowParallelLinear  # GPT-2's loads its transposed weight
+    attn_class: type[Attention] = Attention  # Gemma 4's keeps the step's K/V for the layers that reuse them
 
     def __init__(self, config: PretrainedConfig, options: AttentionOptions):
         super().__init__()
@@ -79,7 +80,7 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = (get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type,
                                     options.rope_interleaved, options.rotary_dim) if options.rope else None)
         scale = self.head_dim ** -0.5 if options.scale is None else options.scale
-        self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window,
+        self.attn = self.attn_class(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window,
                               options.logits_soft_cap, sinks=options.sinks)
         if options.qk_norm:
             eps = config.rms_norm_eps
