@@ -12,6 +12,7 @@ from nanoinfer.layers.attention.selector import (DEFAULT_BLOCK_SIZE, check_backe
                                                   check_tensor_parallel_devices, resolve_device, select_backend)
 from nanoinfer.layers.rotary_embedding import rope_parameters
 from nanoinfer.models.registry import has_attention_sinks, is_vision_language
+from nanoinfer.models.vision_language import MEDIA_TOKEN_IDS
 from nanoinfer.sampling_params import check_seed
 from nanoinfer.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from nanoinfer.utils.gguf_loader import load_gguf_config, resolve_gguf
@@ -205,7 +206,7 @@ def language_model_config(config: PretrainedConfig, model_dir: Path) -> Pretrain
     heads = {"lm_head.weight", "language_model.lm_head.weight"}
     text.tie_word_embeddings = config.tie_word_embeddings and not any(
         name in heads for name, _ in iter_safetensors(model_dir))
-    for name in ("dtype", "quantization_config", "eos_token_id"):  # where the outer config has them
+    for name in ("dtype", "quantization_config", "eos_token_id", *MEDIA_TOKEN_IDS):  # where the outer config has them
         if getattr(config, name, None) is not None:
             setattr(text, name, getattr(config, name))
     return text

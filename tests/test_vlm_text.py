@@ -49,7 +49,8 @@ def make_vlm_config(kind: str):
         text = make_config("gemma4-e")  # per-layer embeddings, loaded from beside the language model's layers
         text.use_bidirectional_attention = "vision"
         vision = dict(_SIGLIP, num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=64)
-        return t.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
+        return t.Gemma4Config(text_config=text, vision_config=vision, audio_config=None, image_token_id=IMAGE_TOKEN,
+                              video_token_id=VIDEO_TOKEN)
     if kind == "mistral3":  # an LM head of its own (see build)
         pixtral = dict(_SIGLIP, model_type="pixtral", head_dim=8)
         return t.Mistral3Config(text_config=make_config("mistral"), vision_config=pixtral,

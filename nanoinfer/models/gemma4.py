@@ -25,6 +25,7 @@ from nanoinfer.layers.rotary_embedding import get_rope
 from nanoinfer.models import gemma, gemma2
 from nanoinfer.models.llama import (AttentionOptions, LlamaAttention, LlamaMLP, MLPFactory, OptionsFactory,
                                     layer_sliding_window)
+from nanoinfer.models.vision_language import MEDIA_TOKEN_IDS
 
 
 def check_config(config: PretrainedConfig) -> None:
@@ -265,6 +266,12 @@ class Gemma4ForCausalLM(gemma2.Gemma2ForCausalLM):
     check_config = staticmethod(check_config)
     attention_options = staticmethod(attention_options)
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, meta: AttentionMetadata
+                ) -> torch.Tensor:
+        if self.media_token_ids is not None:
+            input_ids = input_ids.masked_fill(torch.isin(input_ids, self.media_token_ids), self.pad_token_id)
+        return super().forward(input_ids, positions, meta)
+
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
         wide = config.use_double_wide_mlp and kv_sharing_mode(config, layer_idx) == "reuse"
@@ -272,6 +279,11 @@ class Gemma4ForCausalLM(gemma2.Gemma2ForCausalLM):
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config)
+        # transformers' Gemma4ForConditionalGeneration embeds (both embeddings) its image, video and audio placeholder
+        # ids as the pad token where no media come with them: always, here. The text model's config has none.
+        media = [getattr(config, name) for name in MEDIA_TOKEN_IDS if getattr(config, name, None) is not None]
+        self.media_token_ids = torch.tensor(media, dtype=torch.long) if media else None
+        self.pad_token_id = config.pad_token_id
         self.ignored_weight_suffixes = tuple(
             f".layers.{i}.self_attn.{name}" for i in range(config.num_hidden_layers)
             if kv_sharing_mode(config, i) == "reuse"

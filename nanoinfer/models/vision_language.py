@@ -22,6 +22,10 @@ VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_
                    "model.multi_modal_projector.", "model.visual.", "model.image_newline", "model.vision_model.",
                    "model.connector.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 
+# The outer config's placeholder ids, copied to the language model's config: Gemma 4's wrapper embeds them as the pad
+# token when no media come with them (see gemma4.py).
+MEDIA_TOKEN_IDS = ("image_token_id", "video_token_id", "audio_token_id")
+
 
 @cache
 def text_only(causal_lm: type[nn.Module], architecture: str) -> type[nn.Module]:
