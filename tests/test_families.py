@@ -76,6 +76,29 @@ def test_gemma3_hub_config_layout_matches_hf(model_dir, tmp_path, captured_logit
     assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
 
 
+def test_gemma4_hub_layout_matches_hf(model_dir, tmp_path, captured_logits):
+    """The Hub's Gemma 4 config.json (the full layers' head size as `global_head_dim`, no `per_layer_config`), and
+    checkpoints that keep k_proj, v_proj and k_norm for the layers reusing others' keys and values, which
+    transformers ignores on load."""
+    from safetensors.torch import load_file, save_file
+
+    d = edited_model(model_dir("gemma4-e"), tmp_path / "m", global_head_dim=64)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["per_layer_config"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(d / "model.safetensors")
+    g = torch.Generator().manual_seed(5)
+    for i in (4, 5):  # the reusing layers: a sliding one (heads of 32) and a full one (64)
+        width = 32 if i == 4 else 64
+        for name, shape in (("k_proj.weight", (2 * width, 64)), ("v_proj.weight", (2 * width, 64)),
+                            ("k_norm.weight", (width,))):
+            tensors[f"model.layers.{i}.self_attn.{name}"] = torch.randn(shape, generator=g)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
+
+
 @pytest.mark.parametrize("kind, changes, message", [
     # transformers' Gemma 3 reads attn_logit_softcapping but never applies it: no reference to match.
     ("gemma3", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),

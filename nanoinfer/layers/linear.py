@@ -138,7 +138,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class KeyAsValueQKVParallelLinear(QKVParallelLinear):
     """Attention whose values are its keys' projection (Gemma 4's `attention_k_eq_v`): the checkpoint has no v_proj,
-    and k_proj loads into both the k and the v rows. The k rows are computed twice (a few % of the layer's
+    and k_proj loads into both the k and the v rows. The k rows are computed twice (a tenth or less of the layer's
     projection) so that the attention stays the ordinary q, k, v one."""
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int,

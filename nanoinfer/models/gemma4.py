@@ -67,16 +67,16 @@ class Gemma4AttentionOptions(AttentionOptions):
 
 def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
     """The layer's head size and KV heads (transformers' per-layer config: wider on full layers), scores unscaled,
-    (w) q/k norms, a weightless value norm. The rope spans the whole head: "proportional" rope's frequencies past
-    its partial_rotary_factor are zero (those pairs, i and i + head_dim / 2, do not turn), which is not a rotation
-    of the leading dims alone."""
+    (w) q/k norms, a weightless value norm. The full layers' "proportional" rope spans the whole head, its
+    frequencies past partial_rotary_factor zero (those pairs, i and i + head_dim / 2, do not turn): transformers'
+    function gives all head_dim / 2 of them, and the table turns as many pairs."""
     layer = config.per_layer_config[layer_idx]
     layer_type = config.layer_types[layer_idx]
     bias = config.attention_bias
     return Gemma4AttentionOptions(
         qkv_bias=bias, o_bias=bias, scale=1.0, qk_norm=True, qk_norm_class=OlmoRMSNorm, value_norm=True,
         key_as_value=config.attention_k_eq_v and layer_type == "full_attention", head_dim=layer.head_dim,
-        num_kv_heads=layer.num_key_value_heads, rotary_dim=layer.head_dim, rope_layer_type=layer_type,
+        num_kv_heads=layer.num_key_value_heads, rope_layer_type=layer_type,
         sliding_window=layer_sliding_window(config, layer_idx), kv_sharing=kv_sharing_mode(config, layer_idx))
 
 
@@ -107,8 +107,7 @@ class Gemma4ReusedKVAttention(nn.Module):
         self.qkv_proj = QueryParallelLinear(config.hidden_size, num_heads * self.head_dim, options.qkv_bias)
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, options.o_bias)
         self.q_norm = options.qk_norm_class(self.head_dim, config.rms_norm_eps)
-        self.rotary_emb = get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type,
-                                   rotary_dim=options.rotary_dim)
+        self.rotary_emb = get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type)
         self.source: tuple[Gemma4KVSource, ...] = ()  # in a tuple: the source belongs to its own layer's module
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -176,8 +175,9 @@ class Gemma4Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [tokens, hidden] -> the top k experts' weights and ids, [tokens, k] each."""
         logits = self.proj(rms_normalize(x, self.eps) * self.scale * self.root_size)
-        weights, ids = select_experts(logits, self.top_k, renormalize=True)
-        return weights * self.per_expert_scale[ids], ids
+        # In fp32 until the experts' outputs are weighted, as transformers keeps them.
+        weights, ids = select_experts(logits.float(), self.top_k, renormalize=True)
+        return weights * self.per_expert_scale[ids].float(), ids
 
 
 class Gemma4DecoderLayer(gemma2.Gemma2DecoderLayer):
@@ -266,17 +266,6 @@ class Gemma4ForCausalLM(gemma2.Gemma2ForCausalLM):
     check_config = staticmethod(check_config)
     attention_options = staticmethod(attention_options)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, meta: AttentionMetadata
-                ) -> torch.Tensor:
-        if self.media_token_ids is not None:
-            input_ids = input_ids.masked_fill(torch.isin(input_ids, self.media_token_ids), self.pad_token_id)
-        return super().forward(input_ids, positions, meta)
-
-    @staticmethod
-    def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
-        wide = config.use_double_wide_mlp and kv_sharing_mode(config, layer_idx) == "reuse"
-        return LlamaMLP(config, config.intermediate_size * (2 if wide else 1), config.hidden_activation)
-
     def __init__(self, config: PretrainedConfig):
         super().__init__(config)
         # transformers' Gemma4ForConditionalGeneration embeds (both embeddings) its image, video and audio placeholder
@@ -288,3 +277,14 @@ class Gemma4ForCausalLM(gemma2.Gemma2ForCausalLM):
             f".layers.{i}.self_attn.{name}" for i in range(config.num_hidden_layers)
             if kv_sharing_mode(config, i) == "reuse"
             for name in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias", "k_norm.weight"))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, meta: AttentionMetadata
+                ) -> torch.Tensor:
+        if self.media_token_ids is not None:
+            input_ids = input_ids.masked_fill(torch.isin(input_ids, self.media_token_ids), self.pad_token_id)
+        return super().forward(input_ids, positions, meta)
+
+    @staticmethod
+    def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        wide = config.use_double_wide_mlp and kv_sharing_mode(config, layer_idx) == "reuse"
+        return LlamaMLP(config, config.intermediate_size * (2 if wide else 1), config.hidden_activation)
