@@ -107,6 +107,7 @@ def test_gemma4_hub_layout_matches_hf(model_dir, tmp_path, captured_logits):
     ("gemma", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
     ("gemma4", dict(use_bidirectional_attention="all"), "use_bidirectional_attention='all'"),
     ("gemma4-moe", dict(hidden_activation="silu"), "hidden_activation='silu'"),
+    ("gemma4-e", dict(num_kv_shared_layers=5), "num_kv_shared_layers=5"),
 ])
 def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes, message):
     d = edited_model(model_dir(kind), tmp_path / "m", **changes)

@@ -135,7 +135,8 @@ def check_bf16_against_hf(tokens: list[int], logits: torch.Tensor, ref: dict, er
 
 
 @pytest.mark.parametrize("kind", MODEL_KINDS + ("mistral", "gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3",
-                                                "olmo2", "olmo3", "glm4", "glm", "gemma4") + LAYERNORM_KINDS + DENSE_KINDS)
+                                                "olmo2", "olmo3", "glm4", "glm", "gemma4")
+                         + LAYERNORM_KINDS + DENSE_KINDS)
 def test_bf16_matches_transformers_up_to_bf16_rounding(kind, backend, model_dir, captured_logits,
                                                        report_logit_diff):
     """Dense families (mixture-of-experts routing can flip between near-equal experts in bf16, which is not a

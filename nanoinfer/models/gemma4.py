@@ -37,6 +37,10 @@ def check_config(config: PretrainedConfig) -> None:
     if config.hidden_size_per_layer_input and config.vocab_size_per_layer_input < config.vocab_size:
         raise ValueError(f"vocab_size_per_layer_input={config.vocab_size_per_layer_input} in the model config is "
                          f"below vocab_size={config.vocab_size}: some tokens would have no per-layer embedding")
+    first_shared = config.num_hidden_layers - config.num_kv_shared_layers
+    if missing := set(config.layer_types[first_shared:]) - set(config.layer_types[:first_shared]):
+        raise ValueError(f"num_kv_shared_layers={config.num_kv_shared_layers} in the model config: no earlier layer "
+                         f"of type {sorted(missing)} to reuse keys and values from")
     if config.enable_moe_block and config.hidden_activation != "gelu_pytorch_tanh":
         raise ValueError(f"hidden_activation={config.hidden_activation!r} in the model config: Gemma 4's experts are "
                          "implemented with 'gelu_pytorch_tanh' only")
