@@ -1,4 +1,5 @@
 """Engine settings given to `LLM(...)`, checked against the model's own config."""
+import itertools
 import math
 import os
 from dataclasses import dataclass, field, fields
@@ -11,6 +12,7 @@ from nanoinfer.layers.attention.selector import (DEFAULT_BLOCK_SIZE, check_backe
                                                   check_tensor_parallel_devices, resolve_device, select_backend)
 from nanoinfer.layers.rotary_embedding import rope_parameters
 from nanoinfer.models.registry import has_attention_sinks, is_vision_language
+from nanoinfer.models.vision_language import MEDIA_TOKEN_IDS
 from nanoinfer.sampling_params import check_seed
 from nanoinfer.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from nanoinfer.utils.gguf_loader import load_gguf_config, resolve_gguf
@@ -90,7 +92,8 @@ class Config:
             _positive(name, getattr(self, name))
         hf = self.hf_config
         if getattr(hf, "num_attention_heads", None) is not None:  # attention-free models (Mamba) have none
-            head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+            head_dim = max(getattr(layer, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+                           for layer in layer_configs(hf))
             if latent_dim is not None:  # head_dim is the rope part there
                 head_dim = latent_dim + hf.qk_rope_head_dim
             check_backend_limits(self.attention_backend, self.kvcache_block_size, self.torch_dtype, head_dim,
@@ -127,9 +130,10 @@ class Config:
         # Dequantized on load (FP8, MXFP4); AWQ/GPTQ/... files hold packed weights no layer here reads: refused
         # before any is loaded.
         check_quantization(cfg, source)
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                     "max_position_embeddings", "num_key_value_heads", "head_dim"):
-            value = getattr(cfg, name, None)
+        sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                 "max_position_embeddings", "num_key_value_heads", "head_dim")
+        for layer, name in itertools.product(layer_configs(cfg), sizes):
+            value = getattr(layer, name, None)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} in {source} must be a positive int")
         for name, value in (("rope_theta", rope_parameters(cfg)["rope_theta"]),
@@ -151,15 +155,16 @@ class Config:
         """Each rank holds whole heads and an equal share of the MLP; fewer KV heads than ranks are replicated."""
         tp, cfg = self.tensor_parallel_size, self.hf_config
         heads = getattr(cfg, "num_attention_heads", None) or tp  # attention-free models (Mamba): no heads to split
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         # GPT-2's config names the MLP's width n_inner (None: 4 x hidden).
         mlp_size = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size
         for name, value in (("num_attention_heads", heads), ("intermediate_size", mlp_size)):
             if value % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name} ({value})")
-        if kv_heads % tp and tp % kv_heads:
-            raise ValueError(f"tensor_parallel_size={tp} and the model's num_key_value_heads ({kv_heads}): "
-                             "one must divide the other")
+        for layer in layer_configs(cfg):
+            kv_heads = getattr(layer, "num_key_value_heads", None) or heads
+            if kv_heads % tp and tp % kv_heads:
+                raise ValueError(f"tensor_parallel_size={tp} and the model's num_key_value_heads ({kv_heads}): "
+                                 "one must divide the other")
 
     def _resolve_dtype(self) -> torch.dtype:
         if isinstance(self.dtype, torch.dtype):
@@ -194,6 +199,14 @@ class Config:
         return {f.name for f in fields(cls) if f.init}
 
 
+def layer_configs(config: PretrainedConfig) -> list[PretrainedConfig]:
+    """Each layer's config where transformers' differs by layer (Gemma 4's full layers have their own head size and
+    KV heads, and reading those from the config itself is an error), else the config alone."""
+    if not getattr(config, "is_heterogeneous", False):
+        return [config]
+    return [config.per_layer_config[i] for i in range(config.num_hidden_layers)]
+
+
 def language_model_config(config: PretrainedConfig, model_dir: Path) -> PretrainedConfig:
     """A vision-language checkpoint's text_config, which its language model runs on alone (models/vision_language.py),
     with the checkpoint's architectures and the settings transformers reads from the outer config."""
@@ -204,7 +217,7 @@ def language_model_config(config: PretrainedConfig, model_dir: Path) -> Pretrain
     heads = {"lm_head.weight", "language_model.lm_head.weight"}
     text.tie_word_embeddings = config.tie_word_embeddings and not any(
         name in heads for name, _ in iter_safetensors(model_dir))
-    for name in ("dtype", "quantization_config", "eos_token_id"):  # where the outer config has them
+    for name in ("dtype", "quantization_config", "eos_token_id", *MEDIA_TOKEN_IDS):  # where the outer config has them
         if getattr(config, name, None) is not None:
             setattr(text, name, getattr(config, name))
     return text

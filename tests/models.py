@@ -187,12 +187,18 @@ SSM_KINDS = ("lfm2", "bamba", "granitemoehybrid", "granitemoehybrid-dense")
 # first block twice, the first one before any Mamba2 layer), each with its own LoRA adapters, KV cache and linear;
 # rope, projection biases, GeLU.
 MAMBA2_HYBRID_KINDS = ("nemotron-h", "falcon-h1", "falcon-h1-norm", "zamba2")
+# Gemma 4 (see gemma4_config): sliding and full layers, the full ones with wider heads, one KV head and a rope turning
+# a quarter of their frequencies; "gemma4" with values from the key projection (attention_k_eq_v), "gemma4-moe" with
+# its own value projection and 2 of 4 experts beside the dense MLP in every layer, "gemma4-e" as E2B/E4B: per-layer
+# embeddings, and its last two layers (twice as wide MLPs) reusing the keys and values of layers 2 and 3.
+GEMMA4_KINDS = ("gemma4", "gemma4-moe", "gemma4-e")
 # GPT-OSS: attention sinks (GPT_OSS_SINK_STD, so that they weigh), sliding and full layers, yarn rope, q/k/v/o biases,
 # 2 of 8 experts per token by a biased router, experts with biases whose gate/up weights (GPT_OSS_GATE_UP_STD) push
 # the SwiGLU into its clamps.
 EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS + SSM_KINDS
                + MAMBA2_HYBRID_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
+               + GEMMA4_KINDS
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
                   "ernie4.5-moe", "hunyuan-moe", "llama4") + LAYERNORM_KINDS + DEEPSEEK_KINDS
                + DENSE_KINDS + ("gpt-oss",))
@@ -202,7 +208,7 @@ EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_K
 MAMBA1_KINDS = ("mamba", "falcon-mamba", "jamba")
 EXTRA_KINDS += MAMBA1_KINDS
 # Sliding windows: shorter than most test prompts.
-SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "gemma2": 11, "phi3": 24,
+SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "gemma2": 11, "gemma4": 10, "phi3": 24,
                   "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13, "exaone4": 10,
                   "cohere2": 12, "dots1": 12, "gpt-oss": 12}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
@@ -255,7 +261,8 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "ernie4_5": 2135, "falcon": 2246, "falcon-mqa": 3357, "gptj": 4468, "gpt-bigcode": 5579,
           "hunyuan": 3246, "cohere2": 4357, "apertus": 5468,
           "qwen3.5": 9024, "qwen3.5-moe": 1135, "olmoe": 2246, "glm4-moe": 3357, "dots1": 4468, "ernie4.5-moe": 5579,
-          "hunyuan-moe": 6680, "gpt-oss": 9024, "llama4": 7135}
+          "hunyuan-moe": 6680, "gpt-oss": 9024, "llama4": 7135, "gemma4": 2469, "gemma4-moe": 3570,
+          "gemma4-e": 4681}
 _SEEDS |= {"lfm2": 7791, "bamba": 8802, "granitemoehybrid": 9913, "granitemoehybrid-dense": 1124}
 _SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457, "zamba2": 5568}
 # Jamba's seed: on the test prompts its routers' 2nd and 3rd experts stay > 1e-4 apart (a near-tie flips the choice
@@ -411,7 +418,7 @@ def make_config(kind: str):
             tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
         )
-    gemma = dict(  # Gemma 2 and 3
+    gemma = dict(  # Gemma 2, 3 and 4
         **{k: v for k, v in _COMMON.items() if k != "hidden_act"},
         **special,
         hidden_activation="gelu_pytorch_tanh",
@@ -423,6 +430,8 @@ def make_config(kind: str):
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         final_logit_softcapping=5.0,  # below the test models' logits: a forgotten softcap shows
     )
+    if kind in GEMMA4_KINDS:
+        return gemma4_config(kind, gemma)
     if kind == "gemma3":
         return Gemma3TextConfig(
             **gemma,
@@ -924,6 +933,44 @@ def deepseek_config(kind: str, special: dict):
                                              "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0})
 
 
+def gemma4_config(kind: str, gemma: dict):
+    """Gemma 4 on Gemma 2/3's test settings, with four layers, six for "gemma4-e" (the last one must be full), full
+    layers' heads twice as wide as the sliding ones' and one KV head there."""
+    from transformers import Gemma4TextConfig
+
+    moe, e = kind == "gemma4-moe", kind == "gemma4-e"
+    settings = {k: v for k, v in gemma.items() if k not in ("num_hidden_layers", "layer_types", "sliding_window")}
+    num_layers = 6 if e else 4
+    return Gemma4TextConfig(
+        **settings,
+        num_hidden_layers=num_layers,
+        layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
+        sliding_window=SLIDING_WINDOW["gemma4"],
+        global_head_dim=64,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=kind == "gemma4",
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1_000_000.0}},
+        hidden_size_per_layer_input=8 if e else 0,
+        vocab_size_per_layer_input=MODEL_VOCAB_SIZE,
+        num_kv_shared_layers=2 if e else 0,
+        use_double_wide_mlp=e,
+        enable_moe_block=moe,
+        **(dict(num_experts=4, top_k_experts=2, moe_intermediate_size=32) if moe else {}),
+    )
+
+
+def _randomize_gemma4_(model, seed: int) -> None:
+    """Gemma 4's router scales (per input feature, per expert) and its layers' output scalars (a buffer) near 1,
+    each its own: a forgotten one shows."""
+    g = torch.Generator().manual_seed(seed + 3)
+    with torch.no_grad():
+        for name, t in sorted(model.state_dict(keep_vars=True).items()):
+            if name.endswith(("router.scale", "router.per_expert_scale", "layer_scalar")):
+                t.copy_(1.0 + NORM_NOISE * torch.randn(t.shape, generator=g))
+
+
 def _randomize_zero_centered_norms_(model, seed: int) -> None:
     """Qwen3-Next and Gemma 3 RMSNorms (all but Qwen3-Next's gated one) scale by 1 + weight, so their weights become
     NORM_NOISE * N(0,1); slow decays on some linear-attention heads (e^g near 1) carry the state far, across chunks."""
@@ -981,6 +1028,8 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
     _randomize_(model, _SEEDS[base_kind])
     if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2", "gemma"):
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
+    if kind in GEMMA4_KINDS:
+        _randomize_gemma4_(model, _SEEDS[base_kind])
     if kind == "gpt-oss":
         _sharpen_gpt_oss_(model, _SEEDS[base_kind])
     if kind in SSM_KINDS + MAMBA2_HYBRID_KINDS:

@@ -513,9 +513,10 @@ def test_start_up_log_line_shows_once_without_set_up_and_never_when_turned_off(r
         assert len(lines) == 1 and lines[0].startswith(expected[0]) and lines[0].endswith(expected[1]), lines
 
 
-@pytest.mark.parametrize("kind, tables", [("qwen3", 1), ("gemma3", 2)])
+@pytest.mark.parametrize("kind, tables", [("qwen3", 1), ("gemma3", 2), ("gemma4-e", 2)])
 def test_layers_share_one_rope_table_per_distinct_rope(kind, tables, model_dir):
-    """Not a copy per layer (on the GPU: 28 x 21 MB for Qwen3-0.6B); Gemma 3's sliding and full layers have two."""
+    """Not a copy per layer (on the GPU: 28 x 21 MB for Qwen3-0.6B); Gemma 3's and Gemma 4's sliding and full layers
+    have two (Gemma 4's layers reusing others' keys and values included)."""
     with LLM(str(model_dir(kind)), device="cpu", max_model_len=64) as llm:
         layers = llm.llm_engine.model_runner.model.model.layers
         assert len({id(layer.self_attn.rotary_emb) for layer in layers}) == tables < len(layers)

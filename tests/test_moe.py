@@ -241,7 +241,7 @@ def test_mixtral_hub_layout_loads(model_dir):
 
 # With two ranks too where the family brings weights of its own to shard (OLMoE's, GLM-4.5's and dots.llm1's layers
 # are OLMo 2's, Qwen3's and DeepSeek-V3's, tested sharded here and in test_olmo.py / test_tensor_parallel.py).
-TP2_KINDS = NEW_KINDS + ("granitemoe-shared", "ernie4.5-moe", "hunyuan-moe", "llama4") + DEEPSEEK_KINDS
+TP2_KINDS = NEW_KINDS + ("granitemoe-shared", "ernie4.5-moe", "hunyuan-moe", "llama4", "gemma4-moe") + DEEPSEEK_KINDS
 CHUNKED_KINDS = TP2_KINDS + ("olmoe", "glm4-moe", "dots1")
 
 

@@ -19,7 +19,7 @@ IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 502, 503, 504, 505
 PROMPTS = random_prompts(3, 5, 440, 2, 40, seed=21) + [[7, VISION_START, IMAGE_TOKEN, IMAGE_TOKEN, VISION_END, 9]]
 KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe",
          "qwen3.5", "qwen3.5-moe", "llava-qwen2", "llava-next", "llava-onevision", "internvl", "smolvlm", "idefics3",
-         "aya-vision", "llama4")
+         "aya-vision", "llama4", "gemma4")
 SEEDS = {kind: 7100 + i for i, kind in enumerate(KINDS)}
 
 # Tiny vision towers: one layer each; their weights are saved and must be skipped.
@@ -45,6 +45,12 @@ def make_vlm_config(kind: str):
     if kind == "gemma3":  # tied; its text config's final-logit softcap, which the wrapper never applies
         return t.Gemma3Config(text_config=make_config("gemma3"), vision_config=_SIGLIP, mm_tokens_per_image=4,
                               boi_token_index=VISION_START, eoi_token_index=VISION_END, image_token_index=IMAGE_TOKEN)
+    if kind == "gemma4":  # its text config's final-logit softcap, which this wrapper applies; image tokens both ways;
+        text = make_config("gemma4-e")  # per-layer embeddings, loaded from beside the language model's layers
+        text.use_bidirectional_attention = "vision"
+        vision = dict(_SIGLIP, num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=64)
+        return t.Gemma4Config(text_config=text, vision_config=vision, audio_config=None, image_token_id=IMAGE_TOKEN,
+                              video_token_id=VIDEO_TOKEN)
     if kind == "mistral3":  # an LM head of its own (see build)
         pixtral = dict(_SIGLIP, model_type="pixtral", head_dim=8)
         return t.Mistral3Config(text_config=make_config("mistral"), vision_config=pixtral,
@@ -129,6 +135,8 @@ def build_vlm(kind: str, model_dir):
     models._randomize_(model, SEEDS[kind])
     if kind in ("gemma3", "qwen3.5", "qwen3.5-moe"):  # (1 + weight) norms
         models._randomize_zero_centered_norms_(model, SEEDS[kind])
+    if kind == "gemma4":
+        models._randomize_gemma4_(model, SEEDS[kind])
     model.save_pretrained(str(model_dir))
     to_hub_layout(model_dir, kind)
     return model_dir

@@ -144,6 +144,8 @@ class ModelRunner:
         try:
             with device, shared_rope_tables():
                 model = cls(config.hf_config)
+        except ValueError as e:  # a setting the family refuses, named by its config: and where the config is
+            raise ValueError(f"{e} (model: {config.gguf_path or config.model_path})") from None
         finally:
             torch.set_default_dtype(default_dtype)
         if config.gguf_path is not None:

@@ -90,11 +90,19 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class OlmoRMSNorm(GemmaRMSNorm):
-    """x / rms(x) * w as transformers' Olmo2RMSNorm / Olmo3RMSNorm compute it: w in the model's dtype, applied in fp32
-    before the cast back (Llama's RMSNorm casts first), i.e. GemmaRMSNorm's rounding on the weight as stored."""
+    """x / rms(x) * w as transformers' Olmo2RMSNorm / Olmo3RMSNorm (and Gemma4RMSNorm) compute it: w in the model's
+    dtype, applied in fp32 before the cast back (Llama's RMSNorm casts first), i.e. GemmaRMSNorm's rounding on the
+    weight as stored."""
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         copy_weight(param, loaded[...].to(self.model_dtype).float())
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dimension, in fp32, cast back: an RMSNorm without a weight (Gemma 4's value norm and
+    its router's input norm)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class GatedRMSNorm(RMSNorm):

@@ -11,8 +11,9 @@ from transformers import PretrainedConfig
 from nanoinfer.layers.activation import get_act_and_mul
 from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanoinfer.layers.layernorm import GemmaRMSNorm, RMSNorm, WeightlessRMSNorm
-from nanoinfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanoinfer.layers.layernorm import RMSNorm, rms_normalize
+from nanoinfer.layers.linear import (KeyAsValueQKVParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                                     RowParallelLinear)
 from nanoinfer.layers.rotary_embedding import get_rope
 
 
@@ -22,14 +23,14 @@ class AttentionOptions:
     o_bias: bool = False
     qk_norm: bool = False
     qk_norm_after_rope: bool = False  # HunYuan: the q/k norms take the rotated q and k
-    qk_norm_weightless: bool = False  # Llama 4: the q/k norms are x / rms(x) alone (no checkpoint weight)
     sliding_window: int | None = None  # attend to the last this-many positions (the query's own included)
     # Qwen3-Next: q_proj also yields a per-head output gate (attention output * sigmoid(gate) before o_proj).
     output_gate: bool = False
-    # Gemma 3 (and Qwen3-Next): q/k norms as its RMSNorm (1 + weight, in fp32); Gemma 3: its own score scale (default
-    # head_dim ** -0.5), and the rope settings of the layer's type (its config nests them by "sliding_attention" /
-    # "full_attention").
-    gemma_norm: bool = False
+    # The q/k norms' class where not RMSNorm: Gemma 3's and Qwen3-Next's GemmaRMSNorm (1 + weight, in fp32), Gemma 4's
+    # OlmoRMSNorm (its rounding), Llama 4's WeightlessRMSNorm (x / rms(x) alone, no checkpoint weight). Gemma 3 also:
+    # its own score scale (default head_dim ** -0.5), and the rope settings of the layer's type (its config nests them
+    # by "sliding_attention" / "full_attention").
+    qk_norm_class: type[RMSNorm] | None = None
     scale: float | None = None
     rope_layer_type: str | None = None
     rope: bool = True  # SmolLM3's NoPE layers: no position encoding at all
@@ -44,6 +45,11 @@ class AttentionOptions:
     query_temperature: tuple[float, float] | None = None
     # ModernBERT's local layers: the window holds in the (non-causal) encoder pass, on both sides (see Attention)
     encoder_only: bool = False
+    # Gemma 4: the layer's own head size (its full layers' heads are wider than the config's `head_dim`), values
+    # scaled to unit RMS per head (a weightless norm), and, with `key_as_value`, values from the key projection.
+    head_dim: int | None = None
+    value_norm: bool = False
+    key_as_value: bool = False
 
 
 def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
@@ -67,16 +73,18 @@ def scale_query(q: torch.Tensor, positions: torch.Tensor, floor_scale: float, at
 class LlamaAttention(nn.Module):
     qkv_class: type[QKVParallelLinear] = QKVParallelLinear  # GPT-NeoX's loads its per-head checkpoint layout
     o_proj_class: type[RowParallelLinear] = RowParallelLinear  # GPT-2's loads its transposed weight
+    attn_class: type[Attention] = Attention  # Gemma 4's keeps the step's K/V for the layers that reuse them
 
     def __init__(self, config: PretrainedConfig, options: AttentionOptions):
         super().__init__()
         num_heads = config.num_attention_heads
         # GPT-NeoX's config has no num_key_value_heads: as many as query heads.
         num_kv_heads = options.num_kv_heads or getattr(config, "num_key_value_heads", None) or num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        self.head_dim = options.head_dim or getattr(config, "head_dim", None) or config.hidden_size // num_heads
         # With an output gate, each head's query and gate rows load as two consecutive "heads" of q.
         self.q_factor = 2 if options.output_gate else 1
-        self.qkv_proj = self.qkv_class(config.hidden_size, self.head_dim, num_heads * self.q_factor, num_kv_heads,
+        qkv_class = KeyAsValueQKVParallelLinear if options.key_as_value else self.qkv_class
+        self.qkv_proj = qkv_class(config.hidden_size, self.head_dim, num_heads * self.q_factor, num_kv_heads,
                                        options.qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // self.q_factor, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -84,17 +92,15 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = (get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type,
                                     options.rope_interleaved, options.rotary_dim) if options.rope else None)
         scale = self.head_dim ** -0.5 if options.scale is None else options.scale
-        self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window,
-                              options.logits_soft_cap, sinks=options.sinks, encoder_only=options.encoder_only)
+        self.attn = self.attn_class(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window,
+                                    options.logits_soft_cap, sinks=options.sinks, encoder_only=options.encoder_only)
         if options.qk_norm:
-            eps = config.rms_norm_eps
-            norms = [GemmaRMSNorm(self.head_dim, eps) if options.gemma_norm
-                     else WeightlessRMSNorm(self.head_dim, eps) if options.qk_norm_weightless
-                     else RMSNorm(self.head_dim, eps) for _ in range(2)]
-            self.q_norm, self.k_norm = norms
+            norm_class = options.qk_norm_class or RMSNorm
+            self.q_norm, self.k_norm = (norm_class(self.head_dim, config.rms_norm_eps) for _ in range(2))
         self.qk_norm, self.qk_norm_after_rope = options.qk_norm, options.qk_norm_after_rope
         self.clip_qkv = options.clip_qkv
         self.query_temperature = options.query_temperature
+        self.value_norm_eps = config.rms_norm_eps if options.value_norm else None
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -105,6 +111,8 @@ class LlamaAttention(nn.Module):
         if self.q_factor == 2:
             q, gate = q.chunk(2, -1)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.value_norm_eps is not None:
+            v = rms_normalize(v.view(-1, self.num_kv_heads, self.head_dim), self.value_norm_eps)
         rotate = positions is not None and self.rotary_emb is not None  # no: an encoder pass (LLM.embed), NoPE layer
         norms_in_rotation = self.qk_norm and rotate and not self.qk_norm_after_rope  # one pass on the CPU path
         if rotate:

@@ -9,6 +9,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.fused_moe import FusedMoE, select_experts_sigmoid_topk
+from nanoinfer.layers.layernorm import WeightlessRMSNorm
 from nanoinfer.layers.linear import ReplicatedLinear
 from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM, LlamaMLP
 
@@ -48,8 +49,8 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         # HF checkpoints keep Meta's q/k layout: rope rotates the pairs (x0, x1), (x2, x3), ... (complex numbers).
         temperature = (config.floor_scale, config.attn_scale) if config.attn_temperature_tuning and not rope else None
         return AttentionOptions(qkv_bias=bias, o_bias=bias, rope=rope, rope_interleaved=True,
-                                qk_norm=config.use_qk_norm and rope, qk_norm_after_rope=True, qk_norm_weightless=True,
-                                query_temperature=temperature)
+                                qk_norm=config.use_qk_norm and rope, qk_norm_after_rope=True,
+                                qk_norm_class=WeightlessRMSNorm, query_temperature=temperature)
 
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
