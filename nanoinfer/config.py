@@ -1,4 +1,5 @@
 """Engine settings given to `LLM(...)`, checked against the model's own config."""
+import itertools
 import math
 import os
 from dataclasses import dataclass, field, fields
@@ -11,6 +12,7 @@ from nanoinfer.layers.attention.selector import (DEFAULT_BLOCK_SIZE, check_backe
                                                   check_tensor_parallel_devices, resolve_device, select_backend)
 from nanoinfer.layers.rotary_embedding import rope_parameters
 from nanoinfer.models.registry import has_attention_sinks, is_vision_language
+from nanoinfer.models.vision_language import MEDIA_TOKEN_IDS
 from nanoinfer.sampling_params import check_seed
 from nanoinfer.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from nanoinfer.utils.gguf_loader import load_gguf_config, resolve_gguf
@@ -76,19 +78,22 @@ class Config:
         self.torch_dtype = self._resolve_dtype()
         if self.kvcache_block_size is None:
             self.kvcache_block_size = DEFAULT_BLOCK_SIZE[self.attention_backend]
-        limit = getattr(self.hf_config, "max_position_embeddings", None)  # None: no positions (Mamba), no limit
+        limit = position_limit(self.hf_config)
         if self.max_model_len is None:
             self.max_model_len = 4096 if limit is None else min(limit, 4096)
         _positive("max_model_len", self.max_model_len)
         if limit is not None and self.max_model_len > limit:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the {limit} positions of the model's "
+                             f"max_position_embeddings ({self.hf_config.max_position_embeddings})")
+        self._check_attention_chunk()
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_model_len)
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
             _positive(name, getattr(self, name))
         hf = self.hf_config
         if getattr(hf, "num_attention_heads", None) is not None:  # attention-free models (Mamba) have none
-            head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+            head_dim = max(getattr(layer, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+                           for layer in layer_configs(hf))
             if latent_dim is not None:  # head_dim is the rope part there
                 head_dim = latent_dim + hf.qk_rope_head_dim
             check_backend_limits(self.attention_backend, self.kvcache_block_size, self.torch_dtype, head_dim,
@@ -125,9 +130,10 @@ class Config:
         # Dequantized on load (FP8, MXFP4); AWQ/GPTQ/... files hold packed weights no layer here reads: refused
         # before any is loaded.
         check_quantization(cfg, source)
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                     "max_position_embeddings", "num_key_value_heads", "head_dim"):
-            value = getattr(cfg, name, None)
+        sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                 "max_position_embeddings", "num_key_value_heads", "head_dim")
+        for layer, name in itertools.product(layer_configs(cfg), sizes):
+            value = getattr(layer, name, None)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} in {source} must be a positive int")
         for name, value in (("rope_theta", rope_parameters(cfg)["rope_theta"]),
@@ -136,19 +142,29 @@ class Config:
                                       or not math.isfinite(value) or value <= 0):
                 raise ValueError(f"{name}={value!r} in {source} must be a finite number > 0")
 
+    def _check_attention_chunk(self) -> None:
+        """Chunked local attention (Llama 4's rope layers: a query sees only the keys of its own `attention_chunk_size`
+        chunk) equals causal attention while a sequence fits in one chunk, which is all the backends do."""
+        chunk = getattr(self.hf_config, "attention_chunk_size", None)
+        if chunk is not None and self.max_model_len > chunk:
+            source = self.gguf_path or self.model_path / "config.json"
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds attention_chunk_size={chunk} of {source}: "
+                             f"chunked local attention is not implemented, so max_model_len must be <= {chunk}")
+
     def _check_shardable(self) -> None:
         """Each rank holds whole heads and an equal share of the MLP; fewer KV heads than ranks are replicated."""
         tp, cfg = self.tensor_parallel_size, self.hf_config
         heads = getattr(cfg, "num_attention_heads", None) or tp  # attention-free models (Mamba): no heads to split
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         # GPT-2's config names the MLP's width n_inner (None: 4 x hidden).
         mlp_size = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size
         for name, value in (("num_attention_heads", heads), ("intermediate_size", mlp_size)):
             if value % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name} ({value})")
-        if kv_heads % tp and tp % kv_heads:
-            raise ValueError(f"tensor_parallel_size={tp} and the model's num_key_value_heads ({kv_heads}): "
-                             "one must divide the other")
+        for layer in layer_configs(cfg):
+            kv_heads = getattr(layer, "num_key_value_heads", None) or heads
+            if kv_heads % tp and tp % kv_heads:
+                raise ValueError(f"tensor_parallel_size={tp} and the model's num_key_value_heads ({kv_heads}): "
+                                 "one must divide the other")
 
     def _resolve_dtype(self) -> torch.dtype:
         if isinstance(self.dtype, torch.dtype):
@@ -183,6 +199,14 @@ class Config:
         return {f.name for f in fields(cls) if f.init}
 
 
+def layer_configs(config: PretrainedConfig) -> list[PretrainedConfig]:
+    """Each layer's config where transformers' differs by layer (Gemma 4's full layers have their own head size and
+    KV heads, and reading those from the config itself is an error), else the config alone."""
+    if not getattr(config, "is_heterogeneous", False):
+        return [config]
+    return [config.per_layer_config[i] for i in range(config.num_hidden_layers)]
+
+
 def language_model_config(config: PretrainedConfig, model_dir: Path) -> PretrainedConfig:
     """A vision-language checkpoint's text_config, which its language model runs on alone (models/vision_language.py),
     with the checkpoint's architectures and the settings transformers reads from the outer config."""
@@ -193,10 +217,19 @@ def language_model_config(config: PretrainedConfig, model_dir: Path) -> Pretrain
     heads = {"lm_head.weight", "language_model.lm_head.weight"}
     text.tie_word_embeddings = config.tie_word_embeddings and not any(
         name in heads for name, _ in iter_safetensors(model_dir))
-    for name in ("dtype", "quantization_config", "eos_token_id"):  # where the outer config has them
+    for name in ("dtype", "quantization_config", "eos_token_id", *MEDIA_TOKEN_IDS):  # where the outer config has them
         if getattr(config, name, None) is not None:
             setattr(text, name, getattr(config, name))
     return text
+
+
+def position_limit(config: PretrainedConfig) -> int | None:
+    """The longest sequence the model's positions cover: max_position_embeddings (None: no positions, as Mamba's, no
+    limit), less the first pad_token_id + 1 rows that RoBERTa's positions skip (models/bert.py)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and config.model_type in ("roberta", "xlm-roberta"):
+        limit -= (config.pad_token_id or 0) + 1
+    return limit
 
 
 def _positive(name: str, value: object) -> None:

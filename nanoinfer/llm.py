@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from nanoinfer.beam_search import BeamSearchOutput, BeamSearchParams, beam_search, check_beam_search
 from nanoinfer.config import Config
 from nanoinfer.engine.llm_engine import LLMEngine, Prompt
+from nanoinfer.engine.pooling import POOLING_TYPES
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.lora.request import LoRARequest
 from nanoinfer.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput,
@@ -108,6 +109,7 @@ class LLM:
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """generate() on one conversation (a list of {"role", "content"} messages) or a list of them, rendered
         with the tokenizer's chat template (vLLM's argument order)."""
+        self.llm_engine.check_generates()  # before the template: an encoder's tokenizer has none
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         if isinstance(messages, SequenceABC) and messages and all(isinstance(m, dict) for m in messages):
@@ -160,15 +162,18 @@ class LLM:
         with self._turn():
             return engine.run_on_every_rank(search)
 
-    def embed(self, prompts: Prompt | list[Prompt], pooling: str = "mean", normalize: bool = False,
+    def embed(self, prompts: Prompt | list[Prompt], pooling: str | None = None, normalize: bool | None = None,
               causal: bool = False) -> list[EmbeddingRequestOutput]:
-        """Each prompt's final-norm hidden states, mean- or last-token-pooled (optionally L2-normalised), in
-        `.outputs.embedding`; in input order. By default the model as a bidirectional encoder without position
-        encoding; `causal=True`: the model as it generates (vLLM's embedding of decoder models, e.g. Qwen3-Embedding
-        with pooling="last", normalize=True)."""
-        if pooling not in ("mean", "last"):
-            raise ValueError(f"pooling must be 'mean' or 'last', got {pooling!r}")
-        _check_bool("normalize", normalize)
+        """Each prompt's final hidden states (a decoder's after its final norm), pooled (optionally L2-normalised),
+        in `.outputs.embedding`; in input order. pooling: "cls" (the first token), "mean", "last", or None: the
+        model's sentence-transformers config's, else "mean"; normalize None: whether that config ends in a Normalize
+        module. A decoder runs by default as a bidirectional encoder
+        without position encoding; `causal=True`: as it generates (vLLM's embedding of decoder models, e.g.
+        Qwen3-Embedding with pooling="last", normalize=True). An encoder (BERT, RoBERTa) runs as it was trained."""
+        if pooling is not None and pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling must be None or one of {list(POOLING_TYPES)}, got {pooling!r}")
+        if normalize is not None:
+            _check_bool("normalize", normalize)
         _check_bool("causal", causal)
         prompts = _as_prompt_list(prompts)
         with self._turn() as engine:
@@ -178,7 +183,8 @@ class LLM:
                  ) -> list[ClassificationRequestOutput]:
         """A sequence-classification model's label probabilities for each prompt (`.outputs.probs`: vLLM's activation,
         a softmax over the labels or a sigmoid of a single one; the logits with use_activation=False), read at the
-        prompt's last token after a causal pass; in input order."""
+        prompt's last token after a causal pass (an encoder's: at its first, after a bidirectional one); in input
+        order."""
         _check_bool("use_activation", use_activation)
         prompts = _as_prompt_list(prompts)
         with self._turn() as engine:

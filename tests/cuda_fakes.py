@@ -3,8 +3,8 @@
 This module doubles as `flash_attn` (tests put it in sys.modules): its two paged-attention entry points follow
 flash-attn 2's documented contract (flash_attn_interface.py docstrings, flash_api.cpp checks), enforcing the
 argument rules the CUDA build checks (int32 metadata, contiguous last dims, shapes, page size a multiple of
-256) and computing the documented result in fp32 (causal mask aligned to the bottom right, GQA by head
-groups, empty rows -> 0). EagerGraph stands in for torch.cuda.CUDAGraph."""
+256) and computing the documented result in fp32 (causal mask and window aligned to the bottom right, GQA by
+head groups, empty rows -> 0). EagerGraph stands in for torch.cuda.CUDAGraph."""
 import torch
 
 PAGE_MULTIPLE = 256
@@ -30,10 +30,11 @@ def _gather(cache: torch.Tensor, table_row: torch.Tensor, length: int) -> torch.
     return cache[blocks.long()].flatten(0, 1)[:length]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, softcap: float
-            ) -> torch.Tensor:
-    """q [n, h, d], k, v [L, h_k, d] -> [n, h, d]; query j may see keys 0 .. L - n + j when causal; softcap > 0
-    caps the scores to softcap * tanh(score / softcap)."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, softcap: float,
+            window_size: tuple[int, int]) -> torch.Tensor:
+    """q [n, h, d], k, v [L, h_k, d] -> [n, h, d]; query j, at position L - n + j, may see keys 0 .. L - n + j when
+    causal, and with window_size (left, right) those from its position - left to its position + right (-1: no limit
+    on that side); softcap > 0 caps the scores to softcap * tanh(score / softcap)."""
     n, heads, _ = q.shape
     length, kv_heads, _ = k.shape
     assert heads % kv_heads == 0, "Number of heads in key/value must divide number of heads in query"
@@ -44,9 +45,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     scores = torch.einsum("nhd,lhd->hnl", q.float(), k) * scale
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
-    if causal:
-        visible = torch.arange(length)[None, :] <= torch.arange(n)[:, None] + (length - n)
-        scores = scores.masked_fill(~visible, float("-inf"))
+    k_pos, q_pos = torch.arange(length)[None, :], torch.arange(n)[:, None] + (length - n)
+    left, right = window_size
+    visible = k_pos <= q_pos if causal else torch.ones(n, length, dtype=torch.bool)
+    if left >= 0:
+        visible &= k_pos >= q_pos - left
+    if right >= 0:
+        visible &= k_pos <= q_pos + right
+    scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, -1).nan_to_num(0.0)  # a fully masked row outputs zeros
     return torch.einsum("hnl,lhd->nhd", probs, v).to(q.dtype)
 
@@ -58,7 +64,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     assert batch > 0 and q.dim() == 3
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "Input tensor must have contiguous last dimension"
     assert q.dtype == k.dtype == v.dtype
-    assert dropout_p == 0.0 and window_size == (-1, -1) and alibi_slopes is None
+    assert dropout_p == 0.0 and alibi_slopes is None
     _check_int32("cu_seqlens_q", cu_seqlens_q, (batch + 1,))
     _check_int32("cu_seqlens_k", cu_seqlens_k, (batch + 1,))
     if block_table is not None:
@@ -75,7 +81,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             ks, vs = _gather(k, block_table[i], length), _gather(v, block_table[i], length)
         else:
             ks, vs = k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]]
-        out[cq[i]:cq[i + 1]] = _attend(q[cq[i]:cq[i + 1]], ks, vs, scale, causal, softcap)
+        out[cq[i]:cq[i + 1]] = _attend(q[cq[i]:cq[i + 1]], ks, vs, scale, causal, softcap, window_size)
     calls.append(dict(fn="varlen", paged=block_table is not None, batch=batch))
     return out
 
@@ -98,7 +104,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out = torch.empty_like(q)
     for i, length in enumerate(cache_seqlens.tolist()):
         ks, vs = _gather(k_cache, block_table[i], length), _gather(v_cache, block_table[i], length)
-        out[i] = _attend(q[i], ks, vs, scale, causal, softcap)
+        out[i] = _attend(q[i], ks, vs, scale, causal, softcap, window_size)
     calls.append(dict(fn="kvcache", paged=True, batch=batch))
     return out
 

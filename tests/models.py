@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import pathlib
 import random
 from typing import Sequence
@@ -72,7 +73,12 @@ def add(a, b): return a + b  # 1 + 2 = 3; 10 * 10 = 100; [1, 2, 3] {"key": "valu
 """
 
 
-def _train_tokenizer_object():
+def _corpus_lines() -> list[str]:
+    # Repeat the corpus a few times so min_frequency does not prune everything.
+    return [line for line in _CORPUS.splitlines() if line.strip()] * 3
+
+
+def _train_tokenizer_object(special_tokens: Sequence[str] = SPECIAL_TOKENS):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -82,13 +88,12 @@ def _train_tokenizer_object():
     trainer = trainers.BpeTrainer(
         vocab_size=TOKENIZER_VOCAB_SIZE,
         min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    # Repeat the corpus a few times so min_frequency does not prune everything.
-    lines = [line for line in _CORPUS.splitlines() if line.strip()]
-    tok.train_from_iterator(lines * 3, trainer=trainer, length=len(lines) * 3)
+    lines = _corpus_lines()
+    tok.train_from_iterator(lines, trainer=trainer, length=len(lines))
     return tok
 
 
@@ -148,6 +153,10 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # shared experts. ERNIE 4.5 MoE (ernie4.5-moe): biases on every projection, interleaved rope, layers 1 and 2 sparse: 2 of
 # 8 experts chosen by softmax + a random correction bias, plus two shared experts. Hunyuan MoE (hunyuan-moe): q/k norms
 # after an NTK-alpha rope, q/k/v/o biases, 8 experts, a top k per layer (2, 1, 3), a shared MLP.
+# Llama 4 (llama4): interleaved llama3 rope with a weightless q/k norm after it on layers 0-2, layer 3 NoPE with
+# attention temperature tuning (floor_scale 4, so the queries' scale grows over the test lengths), layers 1 and 3
+# 2 of 8 experts by sigmoid of the top router logits (applied to the experts' input) plus a shared expert, layers 0
+# and 2 dense and wider; attention_chunk_size 512, beyond every test's max_model_len.
 # DeepSeek (DEEPSEEK_KINDS), multi-head latent attention with V narrower than K (16 against 16 + 8) and MoE with
 # shared experts: V2: the plain q_proj (as V2-Lite), 2 of 8 experts on every layer by softmax, yarn rope with
 # distinct mscale / mscale_all_dim (the rope's and the scores' scaling). V2-group: the low-rank q, layer 0 dense,
@@ -184,9 +193,16 @@ DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "er
 # scaled).
 SSM_KINDS = ("lfm2", "bamba", "granitemoehybrid", "granitemoehybrid-dense", "lfm2-moe")
 # NemotronH (one block per layer: Mamba2, attention without rope, relu^2 MLP, relu^2 experts) and Falcon-H1 (attention
-# and Mamba2 side by side in every layer, every muP multiplier away from 1); and Mamba2 alone (no attention, no MLP):
-# see mamba2_hybrid_config.
-MAMBA2_HYBRID_KINDS = ("nemotron-h", "falcon-h1", "falcon-h1-norm", "mamba2")
+# and Mamba2 side by side in every layer, every muP multiplier away from 1): see mamba2_hybrid_config.
+# Zamba2: Mamba2 layers and hybrid layers invoking 2 shared attention + MLP blocks in rotation (3 invocations: the
+# first block twice, the first one before any Mamba2 layer), each with its own LoRA adapters, KV cache and linear;
+# rope, projection biases, GeLU. And Mamba2 alone (no attention, no MLP).
+MAMBA2_HYBRID_KINDS = ("nemotron-h", "falcon-h1", "falcon-h1-norm", "zamba2", "mamba2")
+# Gemma 4 (see gemma4_config): sliding and full layers, the full ones with wider heads, one KV head and a rope turning
+# a quarter of their frequencies; "gemma4" with values from the key projection (attention_k_eq_v), "gemma4-moe" with
+# its own value projection and 2 of 4 experts beside the dense MLP in every layer, "gemma4-e" as E2B/E4B: per-layer
+# embeddings, and its last two layers (twice as wide MLPs) reusing the keys and values of layers 2 and 3.
+GEMMA4_KINDS = ("gemma4", "gemma4-moe", "gemma4-e")
 # GPT-OSS: attention sinks (GPT_OSS_SINK_STD, so that they weigh), sliding and full layers, yarn rope, q/k/v/o biases,
 # 2 of 8 experts per token by a biased router, experts with biases whose gate/up weights (GPT_OSS_GATE_UP_STD) push
 # the SwiGLU into its clamps.
@@ -196,10 +212,10 @@ MISTRAL_KINDS = ("mistral", "ministral", "ministral3")
 EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_NEXT_KINDS + SSM_KINDS
                + MAMBA2_HYBRID_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
-               + ("granite-swa", "granitemoe-swa")
+               + ("granite-swa", "granitemoe-swa") + GEMMA4_KINDS
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
-                  "ernie4.5-moe", "hunyuan-moe", "phimoe", "flexolmo", "exaone-moe") + ("vaultgemma",) + LAYERNORM_KINDS
-               + DEEPSEEK_KINDS + DENSE_KINDS + ("gpt-oss",))
+                  "ernie4.5-moe", "hunyuan-moe", "llama4", "phimoe", "flexolmo", "exaone-moe") + ("vaultgemma",)
+               + LAYERNORM_KINDS + DEEPSEEK_KINDS + DENSE_KINDS + ("gpt-oss",))
 # Mamba-1 mixers (see mamba1_config): Mamba (projection biases, tied), Falcon-Mamba (weightless dt/B/C norms, untied),
 # Jamba (dt/B/C norms with weights; attention without rope on layer 2; 2 of 4 experts on layers 1 and 3, dense MLPs
 # on 0 and 2).
@@ -207,9 +223,9 @@ MAMBA1_KINDS = ("mamba", "falcon-mamba", "jamba")
 EXTRA_KINDS += MAMBA1_KINDS
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 13, "ministral3": 15, "gemma3": 10,
-                  "gemma2": 11, "phi3": 24, "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13, "exaone4": 10,
-                  "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22, "vaultgemma": 11, "exaone-moe": 10,
-                  "granite-swa": 11, "granitemoe-swa": 13}
+                  "gemma2": 11, "gemma4": 10, "phi3": 24, "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13,
+                  "exaone4": 10, "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22, "vaultgemma": 11,
+                  "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -233,6 +249,10 @@ BIAS_STD = 0.1
 GPT_OSS_SINK_STD = 3.0
 # GPT-OSS's expert gate/up weights: pre-activations of std ~5, so that the clamps at swiglu_limit (7) often bind.
 GPT_OSS_GATE_UP_STD = 0.6
+# Zamba2's layer matrices (shared blocks, adapters, linears, Mamba2 projections and convs): INIT_STD times this. At
+# INIT_STD its 5 layers of fan-in 128 attention (scaled by (head_dim / 2) ** -0.5) are chaotic: transformers' own fp32
+# logits sit 7e-3 from its fp64 ones; at half, 2e-5.
+ZAMBA2_LAYER_WEIGHT_SCALE = 0.5
 SHARD_SIZE = "200KB"
 
 _COMMON = dict(
@@ -256,10 +276,11 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "ernie4_5": 2135, "falcon": 2246, "falcon-mqa": 3357, "gptj": 4468, "gpt-bigcode": 5579,
           "hunyuan": 3246, "cohere2": 4357, "apertus": 5468,
           "qwen3.5": 9024, "qwen3.5-moe": 1135, "olmoe": 2246, "glm4-moe": 3357, "dots1": 4468, "ernie4.5-moe": 5579,
-          "hunyuan-moe": 6680, "gpt-oss": 9024}
-_SEEDS |= {"lfm2-moe": 2346}
+          "hunyuan-moe": 6680, "gpt-oss": 9024, "llama4": 7135, "gemma4": 2469, "gemma4-moe": 3570,
+          "gemma4-e": 4681}
 _SEEDS |= {"lfm2": 7791, "bamba": 8802, "granitemoehybrid": 9913, "granitemoehybrid-dense": 1124}
-_SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457, "mamba2": 5568}
+_SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457, "zamba2": 5568, "mamba2": 5568}
+_SEEDS |= {"lfm2-moe": 2346}
 # Jamba's seed: on the test prompts its routers' 2nd and 3rd experts stay > 1e-4 apart (a near-tie flips the choice
 # on rounding, and that token's logits move by ~0.5).
 # FlexOLMo's seed: on the test prompts its routers' 2nd and 3rd experts stay >= 1e-5 apart, and every expert is used.
@@ -431,7 +452,7 @@ def make_config(kind: str):
             tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
         )
-    gemma = dict(  # Gemma 2 and 3
+    gemma = dict(  # Gemma 2, 3 and 4
         **{k: v for k, v in _COMMON.items() if k != "hidden_act"},
         **special,
         hidden_activation="gelu_pytorch_tanh",
@@ -443,6 +464,8 @@ def make_config(kind: str):
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         final_logit_softcapping=5.0,  # below the test models' logits: a forgotten softcap shows
     )
+    if kind in GEMMA4_KINDS:
+        return gemma4_config(kind, gemma)
     if kind == "gemma3":
         return Gemma3TextConfig(
             **gemma,
@@ -723,6 +746,29 @@ def make_config(kind: str):
             num_experts=8,
             moe_topk=[2, 1, 3],
         )
+    if kind == "llama4":
+        from transformers import Llama4TextConfig
+
+        return Llama4TextConfig(
+            **{**_COMMON, "intermediate_size": 48, "num_hidden_layers": 4},  # each expert's and the shared one's
+            **special,
+            intermediate_size_mlp=96,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            no_rope_layers=[1, 1, 1, 0],
+            use_qk_norm=True,
+            attn_temperature_tuning=True,
+            floor_scale=4,
+            attn_scale=0.1,
+            attention_chunk_size=512,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            interleave_moe_layer_step=2,
+        )
     if kind in DEEPSEEK_KINDS:
         return deepseek_config(kind, special)
     if kind == "gpt-oss":
@@ -863,7 +909,7 @@ def ssm_config(kind: str, special: dict):
 
 
 def mamba2_hybrid_config(kind: str, special: dict):
-    from transformers import FalconH1Config, Mamba2Config, NemotronHConfig
+    from transformers import FalconH1Config, Mamba2Config, NemotronHConfig, Zamba2Config
 
     if kind == "mamba2":  # 8 heads of 16 in 2 groups, 16-token scan chunks, projection biases, tied
         return Mamba2Config(**special, vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_hidden_layers=3, num_heads=8,
@@ -871,6 +917,15 @@ def mamba2_hybrid_config(kind: str, special: dict):
                             use_bias=True, use_conv_bias=True, layer_norm_epsilon=1e-5, initializer_range=INIT_STD,
                             tie_word_embeddings=True)
 
+    if kind == "zamba2":  # heads of 2 x 64 / 4 = 32 channels; 8 Mamba2 heads of 16 in 2 groups; adapters of rank 8
+        return Zamba2Config(**special, vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_attention_heads=4,
+                            max_position_embeddings=512, initializer_range=INIT_STD, intermediate_size=96,
+                            num_hidden_layers=5,
+                            layers_block_type=["hybrid", "linear_attention", "hybrid", "hybrid", "linear_attention"],
+                            num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}, n_mamba_heads=8,
+                            mamba_ngroups=2, mamba_d_state=16, chunk_size=16, add_bias_linear=True, rms_norm_eps=1e-5,
+                            tie_word_embeddings=True)
     common = dict(**special, vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=32, max_position_embeddings=512, initializer_range=INIT_STD)
     if kind == "nemotron-h":  # every block type ("M*E-M"), 2 of 8 experts in 2 groups, Mamba2 projection biases
@@ -966,6 +1021,44 @@ def deepseek_config(kind: str, special: dict):
                                              "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0})
 
 
+def gemma4_config(kind: str, gemma: dict):
+    """Gemma 4 on Gemma 2/3's test settings, with four layers, six for "gemma4-e" (the last one must be full), full
+    layers' heads twice as wide as the sliding ones' and one KV head there."""
+    from transformers import Gemma4TextConfig
+
+    moe, e = kind == "gemma4-moe", kind == "gemma4-e"
+    settings = {k: v for k, v in gemma.items() if k not in ("num_hidden_layers", "layer_types", "sliding_window")}
+    num_layers = 6 if e else 4
+    return Gemma4TextConfig(
+        **settings,
+        num_hidden_layers=num_layers,
+        layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
+        sliding_window=SLIDING_WINDOW["gemma4"],
+        global_head_dim=64,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=kind == "gemma4",
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1_000_000.0}},
+        hidden_size_per_layer_input=8 if e else 0,
+        vocab_size_per_layer_input=MODEL_VOCAB_SIZE,
+        num_kv_shared_layers=2 if e else 0,
+        use_double_wide_mlp=e,
+        enable_moe_block=moe,
+        **(dict(num_experts=4, top_k_experts=2, moe_intermediate_size=32) if moe else {}),
+    )
+
+
+def _randomize_gemma4_(model, seed: int) -> None:
+    """Gemma 4's router scales (per input feature, per expert) and its layers' output scalars (a buffer) near 1,
+    each its own: a forgotten one shows."""
+    g = torch.Generator().manual_seed(seed + 3)
+    with torch.no_grad():
+        for name, t in sorted(model.state_dict(keep_vars=True).items()):
+            if name.endswith(("router.scale", "router.per_expert_scale", "layer_scalar")):
+                t.copy_(1.0 + NORM_NOISE * torch.randn(t.shape, generator=g))
+
+
 def _randomize_zero_centered_norms_(model, seed: int) -> None:
     """Qwen3-Next and Gemma 3 RMSNorms (all but Qwen3-Next's gated one) scale by 1 + weight, so their weights become
     NORM_NOISE * N(0,1); slow decays on some linear-attention heads (e^g near 1) carry the state far, across chunks."""
@@ -1023,10 +1116,17 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
     _randomize_(model, _SEEDS[base_kind])
     if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2", "gemma", "vaultgemma"):
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
+    if kind in GEMMA4_KINDS:
+        _randomize_gemma4_(model, _SEEDS[base_kind])
     if kind in ("gpt-oss", "granite-swa", "granitemoe-swa"):
         _sharpen_gpt_oss_(model, _SEEDS[base_kind])
     if kind in SSM_KINDS + MAMBA2_HYBRID_KINDS:
         _randomize_mamba_(model, _SEEDS[base_kind])
+    if kind == "zamba2":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.startswith("model.layers.") and p.dim() > 1:
+                    p.mul_(ZAMBA2_LAYER_WEIGHT_SCALE)
     if kind in MAMBA1_KINDS:
         _randomize_mamba1_(model, _SEEDS[base_kind])
     g = torch.Generator().manual_seed(_SEEDS[base_kind] + 2)
@@ -1056,7 +1156,7 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
 # Hugging Face reference
 # --------------------------------------------------------------------------------------
 
-_HF_CACHE: dict[str, object] = {}
+_HF_CACHE: dict[tuple[str, torch.dtype], object] = {}
 
 
 def _quiet_transformers() -> None:
@@ -1073,20 +1173,21 @@ def hf_attention(model_dir) -> dict:
     return {"attn_implementation": "eager"} if config.get("attn_logit_softcapping") is not None else {}
 
 
-def load_hf_model(model_dir):
-    """Load (and cache per process) the transformers fp32 model for `model_dir`: a vision-language checkpoint as
-    transformers' conditional-generation model (see test_vlm_text.py)."""
+def load_hf_model(model_dir, dtype: torch.dtype = torch.float32):
+    """Load (and cache per process) the transformers model for `model_dir` on the CPU in `dtype` (fp32 unless told):
+    a vision-language checkpoint as transformers' conditional-generation model (see test_vlm_text.py)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from nanoinfer.models.registry import is_vision_language
 
     _quiet_transformers()
-    key = str(pathlib.Path(model_dir).resolve())
+    path = str(pathlib.Path(model_dir).resolve())
+    key = (path, dtype)
     if key not in _HF_CACHE:
-        vision_language = is_vision_language(json.loads((pathlib.Path(key) / "config.json").read_text()).get(
+        vision_language = is_vision_language(json.loads((pathlib.Path(path) / "config.json").read_text()).get(
             "architectures"))
         auto = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
-        m = auto.from_pretrained(key, dtype=torch.float32, **hf_attention(key))
+        m = auto.from_pretrained(path, dtype=dtype, **hf_attention(path))
         m.eval()
         _HF_CACHE[key] = m
     return _HF_CACHE[key]
@@ -1257,6 +1358,62 @@ def check_against_hf(outputs, refs: list[dict], captured: dict[int, list[torch.T
     return worst
 
 
+# bf16 against transformers in bf16, both measured against transformers' own bf16 rounding error at each step
+# (its bf16 logits minus its fp32 logits on the same tokens; ~0.1-0.3 on these models, several bf16 steps): before
+# any divergence our logits stay within BF16_ERROR_RATIO times that error of its bf16 ones (0.7x typical, 2.3x at
+# worst on the CPU), and a divergence passes only where its top-2 gap is within twice that error, i.e. where
+# rounding alone can swap them (on the CPU every divergence sat below half of that).
+BF16_ERROR_RATIO = 4
+
+
+def bf16_ulp(x: float) -> float:
+    """The distance between neighbouring bfloat16 numbers at |x|."""
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0 ** -133
+
+
+@torch.inference_mode()
+def hf_bf16_error(fp32_model: torch.nn.Module, prompt: list[int], ref: dict) -> list[float]:
+    """Per generated step, how far transformers' bf16 logits (`ref`, from hf_greedy) are from its fp32 logits
+    (`fp32_model`, on any device) for the same tokens (at least one bf16 step of the largest): the rounding error
+    bf16 itself brings."""
+    tokens = torch.tensor([prompt + ref["token_ids"][:-1]], device=fp32_model.device)
+    fp32 = fp32_model(input_ids=tokens).logits[0, len(prompt) - 1:].float().cpu()
+    return [max((b - f).abs().max().item(), bf16_ulp(b.abs().max().item())) for b, f in zip(ref["logits"], fp32)]
+
+
+def check_bf16_against_hf(tokens: list[int], logits: torch.Tensor, ref: dict, error: list[float]) -> float:
+    """Until our tokens leave transformers' (bf16) ones, our logits stay within BF16_ERROR_RATIO x its own bf16
+    error of its logits; where they leave, its top-2 gap is within twice that error. Returns the largest
+    |ours - transformers'| in units of that error."""
+    ref_tokens, ref_logits = ref["token_ids"], ref["logits"]
+    diverged = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), None)
+    steps = len(tokens) if diverged is None else diverged + 1
+    worst = 0.0
+    for i in range(steps):
+        ratio = (logits[i] - ref_logits[i]).abs().max().item() / error[i]
+        assert ratio <= BF16_ERROR_RATIO, (f"step {i}: logits differ from transformers' by {ratio:.1f}x its own bf16 "
+                                           f"error ({error[i]:.3g})")
+        worst = max(worst, ratio)
+    if diverged is not None:
+        top = ref_logits[diverged].topk(2).values.tolist()
+        assert top[0] - top[1] <= 2 * error[diverged], (
+            f"bf16 divergence at step {diverged} where transformers' top-2 gap {top[0] - top[1]:.4g} exceeds twice "
+            f"its own bf16 error ({error[diverged]:.4g}): ours {tokens}, transformers {ref_tokens}")
+    return worst
+
+
+def check_bf16_outputs(outputs, prompts: Sequence[Sequence[int]], refs: list[dict],
+                       captured: dict[int, list[torch.Tensor]], fp32_model: torch.nn.Module) -> float:
+    """check_bf16_against_hf for every output of the engine's bf16 run on `prompts` (its captured logits) against
+    transformers' bf16 references `refs`, its own error measured by `fp32_model`: the largest ratio."""
+    worst = 0.0
+    for prompt, out, ref in zip(prompts, outputs, refs):
+        logits = torch.stack(captured[out.request_id]).float().cpu()
+        error = hf_bf16_error(fp32_model, list(prompt), ref)
+        worst = max(worst, check_bf16_against_hf(out.outputs[0].token_ids, logits, ref, error))
+    return worst
+
+
 def chunked_prefix_preemption_logit_diff(model_dir, captured: dict[int, list[torch.Tensor]], max_tokens: int,
                                          tensor_parallel_size: int = 1) -> float:
     """The engine with 7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once,
@@ -1274,3 +1431,141 @@ def chunked_prefix_preemption_logit_diff(model_dir, captured: dict[int, list[tor
         assert llm.llm_engine.scheduler.num_preemptions > 0 and all(o.num_cached_tokens >= 40 for o in second)
     refs = cached_hf_greedy(model_dir, prompts, max_tokens)
     return max(check_against_hf(first, refs, captured), check_against_hf(second, refs, captured))
+
+
+# --------------------------------------------------------------------------------------
+# Encoder-only models (BERT, RoBERTa, XLM-RoBERTa)
+# --------------------------------------------------------------------------------------
+
+# Each built as transformers' `<Family>Model` (num_labels None) or `<Family>ForSequenceClassification`.
+ENCODER_KINDS = ("bert", "roberta", "xlm-roberta", "modernbert")
+ENCODER_MAX_POSITIONS = 128  # the longest prompt (RoBERTa's tables hold 2 rows more: positions start at pad + 1)
+BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]  # ids 0..4
+ROBERTA_SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # ids 0..4: pad 1, as RoBERTa's
+_ENCODER_SEEDS = {"bert": 6913, "roberta": 7024, "xlm-roberta": 8135, "modernbert": 9246}
+# ModernBERT: layers 0 and 3 global, 1 and 2 local, each token seeing those within 6 positions (shorter than most
+# test prompts), and rope thetas far apart, so that a lost window or one theta for both shows.
+MODERNBERT_LOCAL_ATTENTION = 12
+MODERNBERT_ROPE_THETAS = {"global_rope_theta": 20_000.0, "local_rope_theta": 50.0}
+
+
+def _bert_tokenizer():
+    """A WordPiece tokenizer with BERT's specials and pair template: [CLS] a [SEP] (type 0) b [SEP] (type 1). Its
+    vocabulary is written out (the corpus's words, its characters alone and as ##-continuations), not trained:
+    tokenizers' WordPieceTrainer breaks ties differently from run to run."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    normalizer, pre_tokenizer = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
+    words = {w for w, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(_CORPUS))}
+    chars = sorted({c for w in words for c in w})
+    vocab = BERT_SPECIAL_TOKENS + chars + [f"##{c}" for c in chars] + sorted(words - set(chars))
+    assert len(vocab) <= MODEL_VOCAB_SIZE
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.normalizer, tok.pre_tokenizer = normalizer, pre_tokenizer
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                                       special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                                   sep_token="[SEP]", mask_token="[MASK]", model_max_length=ENCODER_MAX_POSITIONS,
+                                   model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+
+
+def _roberta_tokenizer():
+    """Byte-level BPE with RoBERTa's specials and pair template <s> a </s></s> b </s> (no token types)."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _train_tokenizer_object(ROBERTA_SPECIAL_TOKENS)
+    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0), trim_offsets=False)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", sep_token="</s>",
+                                   cls_token="<s>", pad_token="<pad>", unk_token="<unk>", mask_token="<mask>",
+                                   model_max_length=ENCODER_MAX_POSITIONS,
+                                   model_input_names=["input_ids", "attention_mask"])
+
+
+def _modernbert_tokenizer():
+    """Byte-level BPE with BERT's specials and ModernBERT's templates: [CLS] a [SEP] b [SEP] (no token types)."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _train_tokenizer_object(BERT_SPECIAL_TOKENS)
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+                                                       special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                                   sep_token="[SEP]", mask_token="[MASK]", model_max_length=ENCODER_MAX_POSITIONS,
+                                   model_input_names=["input_ids", "attention_mask"])
+
+
+def _modernbert_config(num_labels: int | None):
+    """4 layers (global, local, local, global); the classifier pools the mean and has every bias (norms, attention,
+    MLP, head), the embedder none, as the released embedders."""
+    from transformers import ModernBertConfig
+
+    biases = num_labels is not None
+    return ModernBertConfig(
+        vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        hidden_activation="gelu", max_position_embeddings=ENCODER_MAX_POSITIONS, global_attn_every_n_layers=3,
+        local_attention=MODERNBERT_LOCAL_ATTENTION, **MODERNBERT_ROPE_THETAS, norm_eps=1e-5, norm_bias=biases,
+        attention_bias=biases, mlp_bias=biases, classifier_bias=biases, classifier_pooling="mean",
+        classifier_activation="gelu", pad_token_id=0, bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3,
+        initializer_range=INIT_STD)
+
+
+def make_encoder_config(kind: str, num_labels: int | None):
+    from transformers import BertConfig, RobertaConfig, XLMRobertaConfig
+
+    common = dict(vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, hidden_act="gelu", initializer_range=INIT_STD)
+    if kind == "modernbert":
+        config = _modernbert_config(num_labels)
+    elif kind == "bert":  # BERT's 2 token types and epsilon
+        config = BertConfig(**common, max_position_embeddings=ENCODER_MAX_POSITIONS, type_vocab_size=2,
+                            pad_token_id=0, layer_norm_eps=1e-12)
+    else:  # one token type; positions from pad_token_id + 1
+        cls = RobertaConfig if kind == "roberta" else XLMRobertaConfig
+        config = cls(**common, max_position_embeddings=ENCODER_MAX_POSITIONS + 2, type_vocab_size=1, pad_token_id=1,
+                     bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5)
+    family = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta", "modernbert": "ModernBert"}[kind]
+    config.architectures = [f"{family}Model" if num_labels is None else f"{family}ForSequenceClassification"]
+    if num_labels is not None:
+        config.num_labels = num_labels
+    return config
+
+
+def build_encoder(kind: str, dir, num_labels: int | None = None) -> pathlib.Path:
+    """A tiny random fp32 encoder of `kind` (ENCODER_KINDS) in `dir`, with its family's tokenizer: transformers'
+    `<Family>Model`, or with num_labels its `<Family>ForSequenceClassification` (a random head). Deterministic."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    _quiet_transformers()
+    dir = pathlib.Path(dir)
+    dir.mkdir(parents=True, exist_ok=True)
+    config = make_encoder_config(kind, num_labels)
+    seed = _ENCODER_SEEDS[kind] + (num_labels or 0)
+    torch.manual_seed(seed)
+    auto = AutoModel if num_labels is None else AutoModelForSequenceClassification
+    model = auto.from_config(config, dtype=torch.float32)
+    _randomize_(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # transformers' names: LayerNorm.weight, which _randomize_ takes for a plain weight
+        for name, p in model.named_parameters():
+            if name.endswith("LayerNorm.weight"):
+                p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
+    model.eval().save_pretrained(str(dir))
+    tokenizers = {"bert": _bert_tokenizer, "modernbert": _modernbert_tokenizer}
+    tokenizers.get(kind, _roberta_tokenizer)().save_pretrained(str(dir))
+    return dir
+
+
+def load_hf_encoder(model_dir):
+    """transformers' model for an encoder directory (build_encoder's), fp32, cached per process."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    _quiet_transformers()
+    key = str(pathlib.Path(model_dir).resolve())
+    if key not in _HF_CACHE:
+        config = json.loads((pathlib.Path(key) / "config.json").read_text())
+        classifier = config["architectures"][0].endswith("ForSequenceClassification")
+        auto = AutoModelForSequenceClassification if classifier else AutoModel
+        _HF_CACHE[key] = auto.from_pretrained(key, dtype=torch.float32).eval()
+    return _HF_CACHE[key]

@@ -18,9 +18,12 @@ def run_bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 def test_cpu_bench_profiles_and_compares_with_transformers(qwen3_dir, tmp_path):
     # --profile decodes 82 more tokens per prompt after the timed run: max_model_len (input + output) must hold them.
+    # One thread: toy-sized ops on two threads stall at every OpenMP barrier while other jobs load the cores (3.5
+    # minutes seen, against 45 s on one).
     out = tmp_path / "bench.json"
     run_bench("--model", str(qwen3_dir), "--device", "cpu", "--num-seqs", "3", "--min-input", "8",
-              "--max-input", "24", "--output-len", "90", "--profile", "--compare-hf", "--json", str(out))
+              "--max-input", "24", "--output-len", "90", "--profile", "--compare-hf", "--threads", "1",
+              "--json", str(out))
     result = json.loads(out.read_text())
     assert result["output_tokens"] == 270 and result["nanoinfer"]["wall_s"] > 0
     profile = result["decode_profile"]

@@ -30,6 +30,7 @@ from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention, selector
 from nanoinfer.layers.attention.cpu import CPUAttentionBackend
 from nanoinfer.layers.attention.metadata import AttentionMetadata
+from nanoinfer.layers.layernorm import GemmaRMSNorm
 from nanoinfer.layers.recurrent import RecurrentLayer
 from nanoinfer.sampling_params import SamplingParams
 
@@ -512,9 +513,10 @@ def test_start_up_log_line_shows_once_without_set_up_and_never_when_turned_off(r
         assert len(lines) == 1 and lines[0].startswith(expected[0]) and lines[0].endswith(expected[1]), lines
 
 
-@pytest.mark.parametrize("kind, tables", [("qwen3", 1), ("gemma3", 2)])
+@pytest.mark.parametrize("kind, tables", [("qwen3", 1), ("gemma3", 2), ("gemma4-e", 2)])
 def test_layers_share_one_rope_table_per_distinct_rope(kind, tables, model_dir):
-    """Not a copy per layer (on the GPU: 28 x 21 MB for Qwen3-0.6B); Gemma 3's sliding and full layers have two."""
+    """Not a copy per layer (on the GPU: 28 x 21 MB for Qwen3-0.6B); Gemma 3's and Gemma 4's sliding and full layers
+    have two (Gemma 4's layers reusing others' keys and values included)."""
     with LLM(str(model_dir(kind)), device="cpu", max_model_len=64) as llm:
         layers = llm.llm_engine.model_runner.model.model.layers
         assert len({id(layer.self_attn.rotary_emb) for layer in layers}) == tables < len(layers)
@@ -560,14 +562,16 @@ def test_close_del_and_with_free_the_model_and_caches_without_the_garbage_collec
         gc.enable()
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen3-moe", "qwen3-next", "deepseek-v3"])
+@pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen3-moe", "qwen3-next", "deepseek-v3", "llama4"])
 def test_model_is_built_on_the_target_device_in_its_dtype(kind, model_dir):
     """Built under the device (meta here, CUDA in use) and filled there: no parameter or buffer is ever made on
-    the host, so loading on CUDA needs no host copy of the model."""
+    the host, so loading on CUDA needs no host copy of the model. Qwen3-Next's (1 + weight) norms hold fp32 weights,
+    as Gemma's do."""
     config = Config(model_dir(kind), device="cpu", dtype="bfloat16")
     model = ModelRunner._load_model(config, torch.device("meta"))
     assert {t.device.type for t in (*model.parameters(), *model.buffers())} == {"meta"}
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    fp32_norms = {id(m.weight) for m in model.modules() if isinstance(m, GemmaRMSNorm)}
+    assert {p.dtype for p in model.parameters() if id(p) not in fp32_norms} == {torch.bfloat16}
 
 
 def test_sliding_window_decode_stays_on_the_inputs_device():

@@ -53,7 +53,7 @@ def test_embed_strings_errors_and_generation_untouched(qwen3_dir):
     assert len(out) == 1 and out[0].prompt == text and out[0].prompt_token_ids == llm.tokenizer.encode(text)
     assert torch.allclose(torch.tensor(out[0].outputs.embedding), hf_encoder_states(qwen3_dir, out[0].prompt_token_ids)[-1],
                           atol=ATOL)
-    for bad, error, match in [(dict(prompts=[[1, 2]], pooling="cls"), ValueError, "pooling"),
+    for bad, error, match in [(dict(prompts=[[1, 2]], pooling="max"), ValueError, "pooling"),
                               (dict(prompts=[[]]), ValueError, "empty"),
                               (dict(prompts=[list(range(5, 140))]), ValueError, "max_model_len"),
                               (dict(prompts=[[1, 2], [9999]]), ValueError, "vocabulary"),

@@ -384,6 +384,21 @@ def test_bad_model_config_value_names_it_and_the_file(qwen3_dir, tmp_path, key, 
     assert str(d / "config.json") in str(e.value)
 
 
+def test_max_model_len_beyond_attention_chunk_size_is_refused(model_dir, tmp_path):
+    """Llama 4's chunked local attention is causal attention only while a sequence fits in one chunk: a longer
+    max_model_len (given, or the default) is refused, naming the setting, its value and the file; one chunk runs."""
+    d = copy_model(model_dir("llama4"), tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["attention_chunk_size"] = 64
+    (d / "config.json").write_text(json.dumps(cfg))
+    for max_model_len, match in ((65, "max_model_len=65"), (None, "max_model_len=512")):
+        with pytest.raises(ValueError, match=f"{match} exceeds attention_chunk_size=64") as e:
+            LLM(str(d), device="cpu", dtype="float32", max_model_len=max_model_len)
+        assert str(d / "config.json") in str(e.value)
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=64) as llm:
+        assert len(llm.generate([list(range(5, 61))], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
+
+
 def test_quantized_checkpoint_is_refused_by_name(qwen3_dir, tmp_path):
     d = copy_model(qwen3_dir, tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())

@@ -1,8 +1,8 @@
 """Dense families beyond the shared correctness tests (tests/test_correctness.py) without a file of their own (OLMo:
-test_olmo.py; MoE: test_moe.py): tensor parallelism against transformers, transformers' bf16 arithmetic in Gemma's
-norm, Gemma 3's, GPT-NeoX's and GPT-2's Hub layouts, the Gemma and GPT-2 config settings the engine refuses by name,
-the parallel residual (Phi, GPT-NeoX) and GPT-2's absolute positions under chunked prefill, prefix-cache hits and
-preemption, and the interleaved rope layout (Cohere, GLM)."""
+test_olmo.py; MoE: test_moe.py): tensor parallelism against transformers, Gemma 3's, GPT-NeoX's and GPT-2's Hub
+layouts, the Gemma and GPT-2 config settings the engine refuses by name, the parallel residual (Phi, GPT-NeoX) and
+GPT-2's absolute positions under chunked prefill, prefix-cache hits and preemption, and the interleaved rope layout
+(Cohere, GLM)."""
 import json
 import shutil
 
@@ -12,7 +12,6 @@ import torch
 from models import (LAYERNORM_KINDS, cached_hf_greedy, check_against_hf, chunked_prefix_preemption_logit_diff,
                     random_prompts)
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.layers.layernorm import GemmaRMSNorm
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -22,8 +21,8 @@ LOGIT_ATOL = 1e-4
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2", "gemma", "granite", "smollm3", "glm4", "glm",
-                                  *LAYERNORM_KINDS, "nemotron", "ministral", "ministral3", "vaultgemma",
-                                  "granite-swa"])
+                                  *LAYERNORM_KINDS, "nemotron", "gemma4", "gemma4-e", "ministral", "ministral3",
+                                  "vaultgemma", "granite-swa"])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): each holds half the heads and MLP; windows, ropes and norms per rank."""
     d = model_dir(kind)
@@ -32,28 +31,6 @@ def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_l
     worst = check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits)
     report_logit_diff(f"{kind}, tensor parallel 2", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
-
-
-def test_gemma_norm_in_bf16_is_transformers_own():
-    """Gemma3RMSNorm keeps w in the model's dtype, adds 1 and multiplies in fp32, then casts: bit for bit, from an
-    fp32 checkpoint into a bf16 model, with and without the residual add before it."""
-    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
-
-    g = torch.Generator().manual_seed(0)
-    w = 0.3 * torch.randn(64, generator=g)  # the checkpoint's (fp32) weight
-    hf = Gemma3RMSNorm(64).to(torch.bfloat16)
-    hf.weight.data.copy_(w)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # as the engine builds a bf16 model
-    try:
-        ours = GemmaRMSNorm(64)
-    finally:
-        torch.set_default_dtype(default)
-    ours.weight_loader(ours.weight, w)
-    x, residual = (3 * torch.randn(2, 5, 64, generator=g)).bfloat16(), torch.randn(2, 5, 64, generator=g).bfloat16()
-    assert torch.equal(ours(x), hf(x))
-    out, new_residual = ours(x, residual)
-    assert torch.equal(new_residual, x + residual) and torch.equal(out, hf(x + residual))
 
 
 def edited_model(src, dst, **changes):
@@ -77,17 +54,44 @@ def test_gemma3_hub_config_layout_matches_hf(model_dir, tmp_path, captured_logit
     assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
 
 
+def test_gemma4_hub_layout_matches_hf(model_dir, tmp_path, captured_logits):
+    """The Hub's Gemma 4 config.json (the full layers' head size as `global_head_dim`, no `per_layer_config`), and
+    checkpoints that keep k_proj, v_proj and k_norm for the layers reusing others' keys and values, which
+    transformers ignores on load."""
+    from safetensors.torch import load_file, save_file
+
+    d = edited_model(model_dir("gemma4-e"), tmp_path / "m", global_head_dim=64)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["per_layer_config"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(d / "model.safetensors")
+    g = torch.Generator().manual_seed(5)
+    for i in (4, 5):  # the reusing layers: a sliding one (heads of 32) and a full one (64)
+        width = 32 if i == 4 else 64
+        for name, shape in (("k_proj.weight", (2 * width, 64)), ("v_proj.weight", (2 * width, 64)),
+                            ("k_norm.weight", (width,))):
+            tensors[f"model.layers.{i}.self_attn.{name}"] = torch.randn(shape, generator=g)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
+
+
 @pytest.mark.parametrize("kind, changes, message", [
     # transformers' Gemma 3 reads attn_logit_softcapping but never applies it: no reference to match.
     ("gemma3", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
     ("gemma3", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
     ("gemma2", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
     ("gemma", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
+    ("gemma4", dict(use_bidirectional_attention="all"), "use_bidirectional_attention='all'"),
+    ("gemma4-moe", dict(hidden_activation="silu"), "hidden_activation='silu'"),
+    ("gemma4-e", dict(num_kv_shared_layers=5), "num_kv_shared_layers=5"),
 ])
 def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes, message):
     d = edited_model(model_dir(kind), tmp_path / "m", **changes)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as refused:
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
+    assert str(d) in str(refused.value)
 
 
 def test_falcon_alibi_is_refused_by_name(model_dir, tmp_path):
@@ -96,10 +100,11 @@ def test_falcon_alibi_is_refused_by_name(model_dir, tmp_path):
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
 
 
-@pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj"])
-def test_parallel_residual_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, captured_logits,
-                                                                              report_logit_diff):
-    """7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once, twice."""
+@pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj", "gemma4", "gemma4-e"])
+def test_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, captured_logits, report_logit_diff):
+    """7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once, twice: the
+    parallel residual (Phi, GPT-NeoX, GPT-J), layers of two head sizes and values from the keys (Gemma 4), layers
+    attending over other layers' keys and values, cached or of the step (Gemma 4 E2B/E4B)."""
     worst = chunked_prefix_preemption_logit_diff(model_dir(kind), captured_logits, MAX_TOKENS)
     report_logit_diff(f"{kind}, chunked prefill + prefix hits + preemption", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"

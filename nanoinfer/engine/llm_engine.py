@@ -14,13 +14,15 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from nanoinfer.config import Config
 from nanoinfer.engine.model_runner import ModelRunner, RunnerOutput, TokenLogprobs
 from nanoinfer.engine.parallel import start_tensor_parallel
+from nanoinfer.engine.pooling import model_normalizes, model_pooling
 from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.lora.request import LoRARequest
 from nanoinfer.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
                                EmbeddingRequestOutput, Logprob, RequestMetrics, RequestOutput, ScoringOutput,
                                ScoringRequestOutput)
-from nanoinfer.models.registry import is_classifier
+from nanoinfer.models.bert import has_token_types, with_token_types
+from nanoinfer.models.registry import is_classifier, is_encoder
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams, bad_words_token_ids
 from nanoinfer.spec_decode.config import SpecDecodeStats
 from nanoinfer.structured.grammar import Grammar, GrammarCache, GrammarState
@@ -48,6 +50,9 @@ class LLMEngine:
                                    config.max_loras, config.speculative)
         self.vocab_size: int = config.hf_config.vocab_size
         self.is_classifier = is_classifier(config.hf_config.architectures)  # it pools and classifies, never generates
+        self.is_encoder = is_encoder(config.hf_config.architectures)  # BERT, RoBERTa: it pools, never generates
+        # A scored pair's token types go to the model (BERT's); other models see the pair's token ids alone.
+        self.token_types = self.is_encoder and has_token_types(config.hf_config)
         self.eos_token_ids = set(config.eos_token_ids)
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size)  # structured outputs' compiled regexes
         self.requests: dict[str, list[Sequence]] = {}  # unfinished requests: their n completions
@@ -71,9 +76,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if self.is_classifier:
-            raise ValueError(f"{self.config.model_path} is a sequence-classification model "
-                             f"({self.config.hf_config.architectures[0]}): use LLM.classify or LLM.score")
+        self.check_generates()
         params.validate()  # its fields may have changed since construction
         token_ids, text = self.prompt_token_ids(prompt)
         token_ids = self._truncated(token_ids, params.truncate_prompt_tokens)
@@ -96,6 +99,15 @@ class LLMEngine:
                          eos_token_ids=frozenset(self.eos_token_ids), metrics=metrics, bad_words_token_ids=bad_words,
                          grammar=grammar, lora_request=lora_request)
                 for i in range(params.n)]
+
+    def check_generates(self) -> None:
+        """A model that only pools (a classifier, an encoder) is refused generation, naming it."""
+        if not (self.is_classifier or self.is_encoder):
+            return
+        kind, use = (("a sequence-classification", "LLM.classify or LLM.score") if self.is_classifier
+                     else ("an encoder-only", "LLM.embed"))
+        raise ValueError(f"{self.config.model_path} is {kind} model ({self.config.hf_config.architectures[0]}) "
+                         f"and does not generate: use {use}")
 
     def _grammar(self, params: SamplingParams) -> Grammar | None:
         """params.structured_outputs compiled (cached by regex); ValueError when it cannot be, or when it cannot
@@ -158,41 +170,57 @@ class LLMEngine:
             raise ValueError(f"token id {out_of_range} is outside the vocabulary [0, {self.vocab_size})")
         return token_ids, text
 
-    def embed(self, prompts: list[Prompt], pooling: str, normalize: bool, causal: bool
+    def embed(self, prompts: list[Prompt], pooling: str | None, normalize: bool | None, causal: bool
               ) -> list[EmbeddingRequestOutput]:
-        """Pooled final hidden states (see ModelRunner.encode)."""
+        """Pooled final hidden states (see ModelRunner.encode); pooling and normalize None: the model's own (see
+        model_pooling and model_normalizes)."""
+        if causal and self.is_encoder:
+            raise ValueError(f"causal=True: {self.config.model_path} is an encoder-only model "
+                             f"({self.config.hf_config.architectures[0]}), bidirectional only")
+        pooling = pooling or model_pooling(self.config.model_path)
         checked = self._pooling_prompts("embed", prompts)
-        states = self._in_batches([ids for ids, _ in checked], lambda batch: self.model_runner.encode(batch, causal))
-        pooled = [h.float().mean(0) if pooling == "mean" else h[-1].float() for h in states]
-        if normalize:
+        pooled = self._in_batches([ids for ids, _ in checked],
+                                  lambda batch: self.model_runner.encode(batch, causal, pooling))
+        if model_normalizes(self.config.model_path) if normalize is None else normalize:
             pooled = [F.normalize(e, dim=0) for e in pooled]
         return [EmbeddingRequestOutput(next(Sequence.ids), text, ids, EmbeddingOutput(e.tolist()))
                 for (ids, text), e in zip(checked, pooled)]
 
-    def classify(self, prompts: list[Prompt], use_activation: bool, task: str = "classify"
-                 ) -> list[ClassificationRequestOutput]:
-        """Each prompt's label probabilities (see ModelRunner.classify and _activation), or logits."""
+    def classify(self, prompts: list[Prompt], use_activation: bool, task: str = "classify",
+                 token_types: list[list[int]] | None = None) -> list[ClassificationRequestOutput]:
+        """Each prompt's label probabilities (see ModelRunner.classify and _activation), or logits; token_types: each
+        prompt's, for a model that reads them (see models/bert.py)."""
         checked = self._pooling_prompts(task, prompts, classifier=True)
-        logits = torch.stack(self._in_batches([ids for ids, _ in checked], self.model_runner.classify))
+        inputs = [ids for ids, _ in checked]
+        if token_types is not None:
+            inputs = [with_token_types(ids, types) for ids, types in zip(inputs, token_types)]
+        logits = torch.stack(self._in_batches(inputs, self.model_runner.classify))
         probs = _activation(logits) if use_activation else logits
         return [ClassificationRequestOutput(next(Sequence.ids), text, ids, ClassificationOutput(p.tolist()))
                 for (ids, text), p in zip(checked, probs)]
 
     def score(self, pairs: list[tuple[Prompt, Prompt]], use_activation: bool) -> list[ScoringRequestOutput]:
         """A one-label classifier as a cross-encoder: the score of each (query, document) pair read as one prompt,
-        two texts through the tokenizer's pair encoding, anything else as the two sides' token ids joined."""
+        two texts through the tokenizer's pair encoding, anything else as the two sides' token ids joined; with
+        their token types where the model reads them (BERT's)."""
         if self.is_classifier and self.config.hf_config.num_labels != 1:
             raise ValueError(f"score needs a classification model with num_labels=1 (a cross-encoder); "
                              f"{self.config.model_path} has num_labels={self.config.hf_config.num_labels}")
         joined = [self._pair_prompt(a, b) for a, b in pairs]
+        token_types = [types for _, types in joined] if self.token_types else None
         return [ScoringRequestOutput(out.request_id, None, out.prompt_token_ids,
                                      ScoringOutput(out.outputs.probs[0]))
-                for out in self.classify(joined, use_activation, task="score")]
+                for out in self.classify([ids for ids, _ in joined], use_activation, "score", token_types)]
 
-    def _pair_prompt(self, first: Prompt, second: Prompt) -> list[int]:
+    def _pair_prompt(self, first: Prompt, second: Prompt) -> tuple[list[int], list[int]]:
+        """The pair's token ids and token types: the tokenizer's for two texts (all 0 where it gives none), else 0
+        for the first side's ids and 1 for the second's."""
         if isinstance(first, str) and isinstance(second, str) and self.tokenizer is not None:
-            return self.tokenizer(first, second)["input_ids"]
-        return self._tokenize(first)[0] + self._tokenize(second)[0]
+            encoding = self.tokenizer(first, second)
+            ids = encoding["input_ids"]
+            return ids, encoding.get("token_type_ids") or [0] * len(ids)
+        first_ids, second_ids = self._tokenize(first)[0], self._tokenize(second)[0]
+        return first_ids + second_ids, [0] * len(first_ids) + [1] * len(second_ids)
 
     def _pooling_prompts(self, task: str, prompts: list[Prompt], classifier: bool = False
                          ) -> list[tuple[list[int], str | None]]:

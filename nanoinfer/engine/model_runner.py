@@ -16,6 +16,7 @@ from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.gpu_memory import profile_kv_cache_blocks
 from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.parallel import TPGroup
+from nanoinfer.engine.pooling import pool
 from nanoinfer.engine.sampling_state import (ALLOWED_TOKENS, BAD_WORDS, GREEDY, LOGIT_BIAS, LOGPROBS, MIN_P,
                                               MIN_TOKENS, PENALIZED, STRUCTURED, TOP_K, TOP_P, HostStaging,
                                               HostTransfer, PenaltyCache, TokenTables, bad_word_bans,
@@ -31,7 +32,7 @@ from nanoinfer.layers.sampler import (Penalties, Sampler, SamplerOutput, Samplin
                                       verify_drafts)
 from nanoinfer.lora.model import LoRAModel
 from nanoinfer.lora.slots import LoRAMapping, LoRASlots
-from nanoinfer.models.registry import get_model_class, is_classifier
+from nanoinfer.models.registry import get_model_class, is_classifier, is_encoder
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.utils.dist import tp_scope
 from nanoinfer.utils.gguf_loader import iter_gguf_weights
@@ -81,7 +82,10 @@ class ModelRunner:
         else:
             keep_freed_memory()  # a CPU-path tuning: on CUDA it would only hold on to freed host memory
         self.model: nn.Module | None = None
-        self.generates = not is_classifier(config.hf_config.architectures)  # classifiers only pool (LLM.classify)
+        # Encoders (BERT, RoBERTa): bidirectional with absolute positions, classified at their first token.
+        self.encoder = is_encoder(config.hf_config.architectures)
+        # Classifiers and encoders only pool (LLM.embed, classify, score).
+        self.generates = not (self.encoder or is_classifier(config.hf_config.architectures))
         self.lora: LoRAModel | None = None  # the adapter slots, with enable_lora
         try:
             self._set_up(config)
@@ -140,6 +144,8 @@ class ModelRunner:
         try:
             with device, shared_rope_tables():
                 model = cls(config.hf_config)
+        except ValueError as e:  # a setting the family refuses, named by its config: and where the config is
+            raise ValueError(f"{e} (model: {config.gguf_path or config.model_path})") from None
         finally:
             torch.set_default_dtype(default_dtype)
         if config.gguf_path is not None:
@@ -196,7 +202,8 @@ class ModelRunner:
         return num_slots, num_slots * slot_bytes
 
     def _allocate_kv_cache(self, reserved_bytes: int = 0) -> int:
-        """KV blocks of the attention layers: num_kvcache_blocks if given; one sequence's for a classifier; else on
+        """KV blocks of the attention layers: num_kvcache_blocks if given; one sequence's for a model that only pools
+        (a classifier, an encoder: the scheduler's accounting, never written); else on
         CUDA what gpu_memory_utilization leaves after the weights and the warm-up's activations, on the CPU the cache
         budget minus reserved_bytes (the recurrent state)."""
         layers = self._attention_layers()
@@ -405,16 +412,19 @@ class ModelRunner:
                 self.execute(*step)
 
     @torch.inference_mode()
-    def encode(self, prompts: list[list[int]], causal: bool) -> list[torch.Tensor]:
-        """Each prompt's final hidden states [len, hidden] (see _encode)."""
-        return list(self._encode_on_every_rank(prompts, causal).cpu().split([len(p) for p in prompts]))
+    def encode(self, prompts: list[list[int]], causal: bool, pooling: str) -> torch.Tensor:
+        """Each prompt's final hidden states (see _encode) pooled: [prompts, hidden] fp32 (see pooling.pool)."""
+        return pool(self._encode_on_every_rank(prompts, causal), [len(p) for p in prompts], pooling).cpu()
 
     @torch.inference_mode()
     def classify(self, prompts: list[list[int]]) -> torch.Tensor:
-        """The classification head's logits [prompts, num_labels] at each prompt's last token, after a causal pass.
-        The head is replicated: rank 0 applies it alone."""
-        last = torch.tensor(np.cumsum([len(p) for p in prompts]) - 1, device=self.device)
-        return self.model.compute_logits(self._encode_on_every_rank(prompts, causal=True)[last]).float().cpu()
+        """The classification head's logits [prompts, num_labels] on each prompt's hidden states pooled as the model
+        says (its classifier_pooling): at its last token after a causal pass, or, for an encoder, after a
+        bidirectional one, at its first token ([CLS]) or their mean (ModernBERT's choice). The head is replicated:
+        rank 0 applies it alone."""
+        hidden = self._encode_on_every_rank(prompts, causal=not self.encoder)
+        pooled = pool(hidden, [len(p) for p in prompts], self.model.classifier_pooling)
+        return self.model.compute_logits(pooled.to(hidden.dtype)).float().cpu()
 
     def _encode_on_every_rank(self, prompts: list[list[int]], causal: bool) -> torch.Tensor:
         """_encode on rank 0, with the other ranks running the same pass (serve): every rank ends with the whole
@@ -425,10 +435,11 @@ class ModelRunner:
     @torch.inference_mode()
     def _encode(self, prompts: list[list[int]], causal: bool) -> torch.Tensor:
         """Final hidden states [tokens, hidden] of the prompts, packed, without touching the KV cache: causal with
-        position encoding (the model as it generates), or bidirectional without (the decoder used as an encoder)."""
+        position encoding (the model as it generates), or bidirectional without (the decoder used as an encoder);
+        an encoder's, bidirectional with its absolute positions."""
         lens = [len(p) for p in prompts]
         cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
-        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device) if causal else None
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device) if causal or self.encoder else None
         meta = AttentionMetadata(
             slot_mapping=None, block_tables=torch.empty(len(prompts), 0, dtype=torch.int32),
             context_lens=torch.tensor(lens, dtype=torch.int32), cu_seqlens_q=cu, cu_seqlens_k=cu,

@@ -107,10 +107,13 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, 
 
     lo = 0
     hi = ctx
+    end_q = ctx - q_len + tl.minimum(first_q + BLOCK_Q, q_len)  # one past the tile's last query position
     if CAUSAL:
-        hi = ctx - q_len + tl.minimum(first_q + BLOCK_Q, q_len)  # one past the tile's last query position
-        if HAS_WINDOW:
-            lo = tl.maximum(ctx - q_len + first_q - window + 1, 0)
+        hi = end_q
+    elif HAS_WINDOW:  # both sides: up to window - 1 keys past the last query
+        hi = tl.minimum(end_q - 1 + window, ctx)
+    if HAS_WINDOW:
+        lo = tl.maximum(ctx - q_len + first_q - window + 1, 0)
     # Segments of whole tiles, sized from this context: one CUDA graph serves every context length.
     seg_len = tl.cdiv(tl.cdiv(hi - lo, num_segments), BLOCK_N) * BLOCK_N
     lo = lo + segment * seg_len
@@ -144,8 +147,10 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, 
         visible = key_ok[None, :]
         if CAUSAL:
             visible &= key_pos[None, :] <= q_pos[:, None]
-            if HAS_WINDOW:
-                visible &= key_pos[None, :] > q_pos[:, None] - window
+        elif HAS_WINDOW:
+            visible &= key_pos[None, :] < q_pos[:, None] + window
+        if HAS_WINDOW:
+            visible &= key_pos[None, :] > q_pos[:, None] - window
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no visible key yet keeps max -inf: subtract 0 instead, so exp2 gives 0, not NaN.
@@ -278,12 +283,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_t
     dim] (keys through block_tables), or this step's [tokens, kv_heads, dim] when each context is just this step's
     tokens (rows from cu_seqlens_k); v narrower than q and k: K's prefix (a view of it). Causal: query j of a
     sequence with n new tokens and context c sits at c - n + j and sees the keys at positions <= its own (and > its
-    own - window with a window). With soft_cap, each scaled score s becomes soft_cap * tanh(s / soft_cap). sinks
-    [heads]: each head's sink logit joins the denominator of its softmax."""
+    own - window with a window); non-causal, every key (with a window, those within window - 1 positions of its
+    own on either side: an encoder's local attention). With soft_cap, each scaled score s becomes soft_cap *
+    tanh(s / soft_cap). sinks [heads]: each head's sink logit joins the denominator of its softmax."""
     group = q.shape[1] // k.shape[-2]
     config = config or prefill_config(group, v.shape[-1], q.element_size(), max_seqlen_q)
     return _attention(q, k, v, block_tables, context_lens, cu_seqlens_q, cu_seqlens_k, scale, soft_cap, causal,
-                      window if causal else None, config, decode=False, sinks=sinks)
+                      window, config, decode=False, sinks=sinks)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

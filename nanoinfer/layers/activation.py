@@ -22,16 +22,21 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
-class GeluTanhAndMul(nn.Module):
-    """GeLU with the tanh approximation (transformers' "gelu_pytorch_tanh", Gemma's MLP); torch's own kernel on
-    every device."""
+class GeluAndMul(nn.Module):
+    """GeLU, exact (transformers' "gelu": Zamba2's MLP) or with the tanh approximation ("gelu_pytorch_tanh": Gemma's
+    MLP); torch's own kernel on every device."""
+
+    def __init__(self, approximate: str = "none"):
+        super().__init__()
+        self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, -1)
-        return F.gelu(gate, approximate="tanh") * up
+        return F.gelu(gate, approximate=self.approximate) * up
 
 
-_ACT_AND_MUL = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
+_ACT_AND_MUL = {"silu": SiluAndMul, "gelu": GeluAndMul,
+                "gelu_pytorch_tanh": functools.partial(GeluAndMul, approximate="tanh")}
 
 
 def get_act_and_mul(name: str) -> nn.Module:

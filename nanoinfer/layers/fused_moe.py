@@ -1,7 +1,8 @@
-"""Mixture-of-experts SwiGLU MLPs: top-k softmax routing (or DeepSeek's group-limited and sigmoid routings, PhiMoE's
-sparsemixer), then every expert at once as two grouped matmuls over the token-expert pairs sorted by expert
-(FusedMoE; SparseMoeBlock puts the router in front), optionally with biases and GPT-OSS's clamped SwiGLU, or without
-a gate (NemotronH's relu^2). Each rank holds a slice of every expert's intermediate dimension."""
+"""Mixture-of-experts SwiGLU MLPs: top-k softmax routing (or DeepSeek's group-limited and sigmoid routings, Llama 4's
+sigmoid of the top k, PhiMoE's sparsemixer), then every expert at once as two grouped matmuls over the token-expert
+pairs sorted by expert (FusedMoE; SparseMoeBlock puts the router in front), optionally with biases and GPT-OSS's
+clamped SwiGLU, or without a gate (NemotronH's relu^2), the routing weights scaling the experts' outputs or (Llama 4)
+their inputs. Each rank holds a slice of every expert's intermediate dimension."""
 import re
 from collections.abc import Callable
 
@@ -88,6 +89,13 @@ def select_experts_sigmoid_biased(router_logits: torch.Tensor, top_k: int, corre
     return weights * scaling, ids
 
 
+def select_experts_sigmoid_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama 4: the top k router logits, each through a sigmoid in fp32 (no softmax, no rescaling), as transformers'
+    Llama4Router computes them."""
+    logits, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.sigmoid(logits.float()).to(router_logits.dtype), ids
+
+
 def select_experts_sparsemixer(router_logits: torch.Tensor, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """PhiMoE's sparsemixer at inference: two experts, the best and the second best; each weighs by a softmax over
     the experts whose logit lies within a relative 2 * jitter_eps of its own (the first choice left out of the
@@ -132,25 +140,32 @@ def clamped_swiglu(alpha: float, limit: float) -> GatedActivation:
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                  activation: GatedActivation = silu_and_mul) -> torch.Tensor:
+                  activation: GatedActivation = silu_and_mul, apply_router_weight_on_input: bool = False,
+                  sum_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [tokens, hidden]; w13 [experts, 2 * inter, hidden] (gate rows, then up rows; or, non-gated, up rows alone:
     [experts, inter, hidden]); w2 [experts, hidden, inter];
-    topk_* [tokens, k] -> sum over each token's k experts of weight * down(activation(gate(x), up(x))); the
-    optional biases [experts, 2 * inter] and [experts, hidden] added after each projection."""
+    topk_* [tokens, k] -> sum over each token's k experts of weight * down(activation(gate(x), up(x))), or, with
+    apply_router_weight_on_input, of down(activation(gate(weight * x), up(weight * x))); the optional biases
+    [experts, 2 * inter] and [experts, hidden] added after each projection. The expert outputs are summed in
+    sum_dtype (None: x's), then rounded to x's dtype."""
     k = topk_ids.shape[1]
     flat = topk_ids.flatten()
     order = flat.argsort(stable=True)  # pairs grouped by expert: each expert's rows are one contiguous segment
     token = order // k
+    weights = topk_weights.flatten()[order].unsqueeze(1)
     offsets = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
-    gate_up = torch._grouped_mm(x[token], w13.transpose(1, 2), offs=offsets)
+    rows = x[token] * weights if apply_router_weight_on_input else x[token]
+    gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)
     if w13_bias is not None:
         gate_up += w13_bias[flat[order]]
     y = torch._grouped_mm(activation(*gate_up.chunk(w13.shape[1] // w2.shape[2], dim=-1)), w2.transpose(1, 2),
                           offs=offsets)
     if w2_bias is not None:
         y += w2_bias[flat[order]]
-    y *= topk_weights.flatten()[order].unsqueeze(1)
-    return torch.zeros_like(x).index_add_(0, token, y)
+    y = y.to(sum_dtype or y.dtype)
+    if not apply_router_weight_on_input:
+        y *= weights
+    return torch.zeros_like(x, dtype=y.dtype).index_add_(0, token, y).to(x.dtype)
 
 
 class FusedMoE(nn.Module):
@@ -158,11 +173,16 @@ class FusedMoE(nn.Module):
     [experts, 2 * inter/tp, hidden] and w2_weight [experts, hidden, inter/tp], sharded like a MergedColumn /
     RowParallelLinear pair, and with bias, w13_bias [experts, 2 * inter/tp] and w2_bias [experts, hidden] (added
     by rank 0 alone). With reduce_results=False the caller all-reduces (e.g. after adding a shared expert).
-    gated=False: experts without a gate (w13 holds the up rows alone), `activation` taking the up projection."""
+    gated=False: experts without a gate (w13 holds the up rows alone), `activation` taking the up projection.
+    apply_router_weight_on_input: the routing weights scale each expert's input rather than its output (Llama 4).
+    stacked_transposed: the family's stacked checkpoint tensors are always [experts, in, out] (Llama 4), also where
+    hidden = 2 * inter makes the gate/up tensor's shape read either way.
+    fp32_sum: the weighted expert outputs summed in fp32 in 16-bit models (NemotronH's), else in the model's dtype."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  reduce_results: bool = True, bias: bool = False, activation: GatedActivation = silu_and_mul,
-                 gated: bool = True):
+                 gated: bool = True, apply_router_weight_on_input: bool = False, stacked_transposed: bool = False,
+                 fp32_sum: bool = False):
         super().__init__()
         self.tp_rank, self.tp_size, self.tp_group = tp_rank(), tp_size(), tp_group()
         if intermediate_size % self.tp_size:
@@ -173,6 +193,8 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize, self.reduce_results = (num_experts, top_k, renormalize,
                                                                                reduce_results)
         self.intermediate_size, self.gated = intermediate_size, gated
+        self.apply_router_weight_on_input, self.stacked_transposed = apply_router_weight_on_input, stacked_transposed
+        self.sum_dtype = torch.float32 if fp32_sum else None
         inter, projections = intermediate_size // self.tp_size, 2 if gated else 1
         self.w13_weight = nn.Parameter(torch.empty(num_experts, projections * inter, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, inter), requires_grad=False)
@@ -217,9 +239,10 @@ class FusedMoE(nn.Module):
         elif param is not self.w2_bias:  # w13's weight or bias: gate rows, then up rows
             expected[1] = 2 * full
         # Qwen3-VL-MoE's Hub files hold each expert's weight transposed ([experts, hidden, 2 * inter], [experts,
-        # inter, hidden]); transformers tells the layouts apart by shape alone, as here.
+        # inter, hidden]); transformers tells the layouts apart by shape alone, as here, unless the family says.
         shape = list(loaded.shape)
-        transposed = len(shape) == 3 and shape != expected and shape == [expected[0], expected[2], expected[1]]
+        transposed = (len(shape) == 3 and shape == [expected[0], expected[2], expected[1]]
+                      and (shape != expected or self.stacked_transposed))
         if shape != expected and not transposed:
             raise ValueError(f"shape mismatch: checkpoint tensor {tuple(shape)}, expected {tuple(expected)}")
         if param is self.w2_bias:
@@ -247,7 +270,7 @@ class FusedMoE(nn.Module):
         # The down projection's bias once in the sum over ranks.
         w2_bias = self.w2_bias if self.tp_rank == 0 else None
         y = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.w13_bias, w2_bias,
-                          self.activation)
+                          self.activation, self.apply_router_weight_on_input, self.sum_dtype)
         if self.reduce_results and self.tp_size > 1:
             dist.all_reduce(y, group=self.tp_group)
         return y

@@ -1,5 +1,5 @@
-"""RMSNorm, optionally fused with the residual add that precedes it; Gemma's (1 + weight) RMSNorm; the SiLU-gated
-RMSNorm of Gated DeltaNet; LayerNorm (with the same residual add) and StableLM's per-head LayerNorm."""
+"""RMSNorm, optionally fused with the residual add that precedes it, or without a weight; Gemma's (1 + weight) RMSNorm;
+the SiLU-gated RMSNorm of Gated DeltaNet; LayerNorm (with the same residual add) and StableLM's per-head LayerNorm."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,18 +11,12 @@ from nanoinfer.utils.dist import tp_rank, tp_size
 
 
 class RMSNorm(nn.Module):
-    """With zero_centered, the checkpoint stores weight - 1 (Qwen3-Next scales by 1 + weight): 1 is added on load."""
-
     fp32_weight = False  # an fp32 weight on 16-bit activations, applied in fp32 (GemmaRMSNorm)
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, zero_centered: bool = False):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.zero_centered = zero_centered
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        copy_weight(param, loaded.float() + 1.0 if self.zero_centered else loaded)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 and cast back before the weight, as transformers does.
@@ -44,10 +38,41 @@ class RMSNorm(nn.Module):
         return self._norm(residual), residual
 
 
+class WeightlessRMSNorm(RMSNorm):
+    """Falcon-Mamba's norms of dt, B and C, Llama 4's of q and k: x / rms(x), no weight in the checkpoint (a buffer
+    of ones here)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__(hidden_size, eps)
+        del self.weight
+        self.register_buffer("weight", torch.ones(hidden_size), persistent=False)
+
+
+class Fp32ResidualRMSNorm(RMSNorm):
+    """RMSNorm under Mamba's `residual_in_fp32` (transformers' MambaBlock, FalconMambaBlock): in a 16-bit model the
+    residual stream stays in fp32, each layer's output added to it in fp32, and normalized after a rounding to the
+    model's dtype; the final norm (`final`) normalizes the fp32 stream itself and applies the weight in fp32, rounding
+    once after (as transformers' norm_f on that stream, then the LM head's cast). The stream's first term (the
+    embeddings, residual None) needs no fp32. fp32 models: RMSNorm's fused kernels, the same numbers."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, final: bool = False):
+        super().__init__(hidden_size, eps)
+        self.final = final
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None or x.dtype == torch.float32:
+            return super().forward(x, residual)
+        residual = residual.float() + x
+        normed = self._norm(residual) if self.final else self._norm(residual.to(x.dtype))
+        return normed.to(x.dtype), residual
+
+
 class GemmaRMSNorm(RMSNorm):
-    """x / rms(x) * (1 + w) as transformers' Gemma3RMSNorm computes it: w in the model's dtype (the one this is built
-    under), 1 + w in fp32, applied in fp32 before the cast back. In fp32 models: the plain RMSNorm's fused kernels;
-    on CUDA in every dtype: the Triton kernel, which rounds this way for an fp32 weight."""
+    """x / rms(x) * (1 + w) as transformers' Gemma3RMSNorm (and Qwen3NextRMSNorm, Qwen3_5RMSNorm: the checkpoint
+    stores w = weight - 1) computes it: w in the model's dtype (the one this is built under), 1 + w in fp32, applied
+    in fp32 before the cast back. In fp32 models: the plain RMSNorm's fused kernels; on CUDA in every dtype: the
+    Triton kernel, which rounds this way for an fp32 weight."""
 
     fp32_weight = True
 
@@ -65,11 +90,19 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class OlmoRMSNorm(GemmaRMSNorm):
-    """x / rms(x) * w as transformers' Olmo2RMSNorm / Olmo3RMSNorm compute it: w in the model's dtype, applied in fp32
-    before the cast back (Llama's RMSNorm casts first), i.e. GemmaRMSNorm's rounding on the weight as stored."""
+    """x / rms(x) * w as transformers' Olmo2RMSNorm / Olmo3RMSNorm (and Gemma4RMSNorm) compute it: w in the model's
+    dtype, applied in fp32 before the cast back (Llama's RMSNorm casts first), i.e. GemmaRMSNorm's rounding on the
+    weight as stored."""
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         copy_weight(param, loaded[...].to(self.model_dtype).float())
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dimension, in fp32, cast back: an RMSNorm without a weight (Gemma 4's value norm and
+    its router's input norm)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class GatedRMSNorm(RMSNorm):

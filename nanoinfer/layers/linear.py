@@ -136,6 +136,26 @@ class QKVParallelLinear(ColumnParallelLinear):
         copy_weight(param.data.narrow(0, offset, size), loaded)
 
 
+class KeyAsValueQKVParallelLinear(QKVParallelLinear):
+    """Attention whose values are its keys' projection (Gemma 4's `attention_k_eq_v`): the checkpoint has no v_proj,
+    and k_proj loads into both the k and the v rows. The k rows are computed twice (a tenth or less of the layer's
+    projection) so that the attention stays the ordinary q, k, v one."""
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int,
+                 bias: bool = False):
+        super().__init__(hidden_size, head_size, total_num_heads, total_num_kv_heads, bias)
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.num_shards = 2  # complete once q and k arrived
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        if shard_id not in ("q", "k"):
+            raise ValueError(f"a {shard_id or 'stacked qkv'} projection for attention whose values are its keys")
+        super().weight_loader(param, loaded, shard_id)
+        if shard_id == "k":
+            super().weight_loader(param, loaded, "v")
+
+
 def load_stacked(layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor, parts: list[tuple[int | str, int]]
                  ) -> None:
     """A checkpoint tensor holding several of the layer's matrices stacked along dim 0: each part (its shard id,

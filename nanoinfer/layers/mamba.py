@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.layers.layernorm import RMSNorm
+from nanoinfer.layers.layernorm import RMSNorm, WeightlessRMSNorm
 from nanoinfer.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer, RowShardedWeight
 from nanoinfer.utils.dist import tp_size
@@ -63,15 +63,6 @@ def selective_state_update(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B
     """One token of each of S sequences: x, dt [S, I], B, C [S, N], state [S, I, N] (updated in place) -> y [S, I]."""
     state.mul_((dt[..., None] * A).exp()).add_(dt[..., None] * B[:, None, :] * x[..., None])
     return (state @ C[..., None]).squeeze(-1) + D * x
-
-
-class WeightlessRMSNorm(RMSNorm):
-    """Falcon-Mamba's norms of dt, B and C: x / rms(x), no weight in the checkpoint (a buffer of ones here)."""
-
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__(hidden_size, eps)
-        del self.weight
-        self.register_buffer("weight", torch.ones(hidden_size), persistent=False)
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,14 @@ def load_rank_rows(param: nn.Parameter, loaded: torch.Tensor) -> None:
 def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   silu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv (+ bias, + SiLU). x [..., n, C] new inputs, state [..., K-1, C] the inputs just before
-    them (zeros at a sequence's start), weight [C, K] -> (output [..., n, C], the new state)."""
+    them (zeros at a sequence's start), weight [C, K] -> (output [..., n, C], the new state). In 16-bit dtypes the
+    products, their sum and the bias are taken in fp32 and rounded once before the SiLU, as F.conv1d (transformers'
+    conv) does; in fp32 the casts are no-ops."""
     full = torch.cat((state, x), -2)
-    out = (full.unfold(-2, weight.shape[1], 1) * weight).sum(-1)  # windows [..., n, C, K] . weight
+    out = (full.unfold(-2, weight.shape[1], 1).float() * weight.float()).sum(-1)  # windows [..., n, C, K] . weight
     if bias is not None:
-        out = out + bias
+        out = out + bias.float()
+    out = out.to(x.dtype)
     return F.silu(out) if silu else out, full[..., full.shape[-2] - state.shape[-2]:, :]
 
 

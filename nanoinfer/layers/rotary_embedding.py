@@ -101,22 +101,22 @@ class RotaryEmbedding(nn.Module):
                 k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim] -> rotated copies; per-head RMSNorms
         (Qwen3's q/k norm), if given, are applied first, in the same pass on the CPU path and on CUDA."""
-        if q_norm is not None and q_norm.weight.dtype != q.dtype:
+        return self.rotate(positions, q, q_norm), self.rotate(positions, k, k_norm)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+        """One of forward's tensors (alone: Gemma 4's layers that reuse another layer's keys rotate their queries)."""
+        if norm is not None and norm.weight.dtype != x.dtype:
             # Gemma's fp32 (1 + weight) on 16-bit activations rounds its own way, not as the fused kernels do.
-            q, k, q_norm, k_norm = q_norm(q), k_norm(k), None, None
+            x, norm = norm(x), None
         # The C and Triton kernels rotate the neox layout only: the interleaved one (Cohere, GLM) takes the torch
-        # ops below on every device, ~20 small ops per layer where the kernels take one each.
-        if not self.interleaved and cpu_kernels.use_cpu_kernels(q):
-            return (cpu_kernels.rotary_neox(q, positions, self.cos, self.sin, *_norm_args(q_norm)),
-                    cpu_kernels.rotary_neox(k, positions, self.cos, self.sin, *_norm_args(k_norm)))
-        if not self.interleaved and q.is_cuda and (kernels := triton_layers()) is not None:  # 1 kernel, not ~20
-            return (kernels.rotary_neox(q, positions, self.cos, self.sin, *_norm_args(q_norm)),
-                    kernels.rotary_neox(k, positions, self.cos, self.sin, *_norm_args(k_norm)))
-        if q_norm is not None:
-            q, k = q_norm(q), k_norm(k)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        # ops below on every device, ~10 small ops per tensor where the kernels take one.
+        if not self.interleaved and cpu_kernels.use_cpu_kernels(x):
+            return cpu_kernels.rotary_neox(x, positions, self.cos, self.sin, *_norm_args(norm))
+        if not self.interleaved and x.is_cuda and (kernels := triton_layers()) is not None:  # 1 kernel, not ~10
+            return kernels.rotary_neox(x, positions, self.cos, self.sin, *_norm_args(norm))
+        if norm is not None:
+            x = norm(x)
+        return self._rotate(x, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

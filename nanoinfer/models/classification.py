@@ -13,6 +13,7 @@ from nanoinfer.models.llama import LlamaForCausalLM
 
 class ForSequenceClassification(nn.Module):
     causal_lm: type[LlamaForCausalLM]  # whose decoder (attention options, MLPs, checkpoint names) this model has
+    classifier_pooling = "last"  # the head reads each prompt's last token (see ModelRunner.classify)
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()

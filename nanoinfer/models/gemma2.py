@@ -16,6 +16,10 @@ _LAYER_TYPES = ("sliding_attention", "full_attention")
 def check_config(config: PretrainedConfig) -> None:
     """What this implementation cannot do, refused by name rather than run differently from transformers."""
     gemma.check_config(config)
+    check_layer_types(config)
+
+
+def check_layer_types(config: PretrainedConfig) -> None:
     for i, layer_type in enumerate(config.layer_types):
         if layer_type not in _LAYER_TYPES:
             raise ValueError(f"layer_types[{i}]={layer_type!r} in the model config; expected one of {_LAYER_TYPES}")

@@ -4,6 +4,7 @@ from dataclasses import replace
 
 from transformers import PretrainedConfig
 
+from nanoinfer.layers.layernorm import GemmaRMSNorm
 from nanoinfer.models import gemma2
 from nanoinfer.models.llama import AttentionOptions
 
@@ -22,5 +23,5 @@ class Gemma3ForCausalLM(gemma2.Gemma2ForCausalLM):
     def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
         """Gemma 2's, plus q/k norms as its RMSNorm (1 + weight, in fp32) and the rope settings of the layer's type
         (its config nests them by "sliding_attention" / "full_attention")."""
-        return replace(gemma2.attention_options(config, layer_idx), qk_norm=True, gemma_norm=True,
+        return replace(gemma2.attention_options(config, layer_idx), qk_norm=True, qk_norm_class=GemmaRMSNorm,
                        rope_layer_type=config.layer_types[layer_idx])

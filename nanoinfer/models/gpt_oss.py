@@ -9,8 +9,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.fused_moe import FusedMoE, clamped_swiglu
-from nanoinfer.layers.layernorm import GemmaRMSNorm, RMSNorm
-from nanoinfer.layers.linear import ReplicatedLinear
+from nanoinfer.layers.layernorm import GemmaRMSNorm
+from nanoinfer.layers.linear import ReplicatedLinear, copy_weight
 from nanoinfer.models.llama import AttentionOptions, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 # transformers 5.17 hard-codes these; later versions read them from the config (swiglu_alpha, swiglu_limit).
@@ -22,7 +22,7 @@ class GptOssRMSNorm(GemmaRMSNorm):
     """x / rms(x) * w with w in fp32 whatever the model's dtype (transformers keeps GPT-OSS's norms in fp32), applied
     in fp32 before the cast back."""
 
-    weight_loader = RMSNorm.weight_loader  # the weight as stored: no 1 + w
+    weight_loader = staticmethod(copy_weight)  # the weight as stored: no 1 + w
 
 
 class GptOssExperts(FusedMoE):

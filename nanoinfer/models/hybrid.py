@@ -20,11 +20,11 @@ LayerFactory = Callable[[PretrainedConfig, int], nn.Module]
 
 class HybridDecoderLayer(nn.Module):
     """Pre-norm: x + mixer(norm(x)), then + mlp(norm(.)) (mlp None: no second sublayer, no second norm); each
-    sublayer's output times residual_multiplier (Granite's; None: 1). zero_centered: norms scaling by 1 + weight
-    (Qwen3-Next's)."""
+    sublayer's output times residual_multiplier (Granite's; None: 1). norm: the norms' class (Qwen3-Next's scale by
+    1 + weight: GemmaRMSNorm)."""
 
     def __init__(self, config: PretrainedConfig, mixer: nn.Module, is_attention_layer: bool, mlp: nn.Module | None,
-                 eps: float, residual_multiplier: float | None = None, zero_centered: bool = False):
+                 eps: float, residual_multiplier: float | None = None, norm: type[RMSNorm] = RMSNorm):
         super().__init__()
         self.is_attention_layer = is_attention_layer
         if is_attention_layer:
@@ -32,9 +32,9 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.mixer = mixer
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, zero_centered)
+        self.input_layernorm = norm(config.hidden_size, eps)
         if mlp is not None:
-            self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero_centered)
+            self.post_attention_layernorm = norm(config.hidden_size, eps)
         self.residual_multiplier = residual_multiplier
 
     def scaled(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,12 +60,12 @@ class HybridDecoderLayer(nn.Module):
 
 
 class HybridModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, make_layer: LayerFactory, eps: float,
+    def __init__(self, config: PretrainedConfig, make_layer: LayerFactory, norm: RMSNorm,
                  embedding_multiplier: float | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps)
+        self.norm = norm
         self.embedding_multiplier = embedding_multiplier
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -86,10 +86,14 @@ class HybridForCausalLM(nn.Module):
     def make_layer(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
         raise NotImplementedError
 
+    def make_final_norm(self, config: PretrainedConfig, eps: float) -> RMSNorm:
+        """The norm after the last layer, rounding as the family's transformers model does."""
+        return RMSNorm(config.hidden_size, eps)
+
     def __init__(self, config: PretrainedConfig, eps: float, embedding_multiplier: float | None = None,
                  logits_scaling: float | None = None):
         super().__init__()
-        self.model = HybridModel(config, self.make_layer, eps, embedding_multiplier)
+        self.model = HybridModel(config, self.make_layer, self.make_final_norm(config, eps), embedding_multiplier)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,5 +1,6 @@
-"""Llama decoder; Qwen2, Qwen3, Qwen3-MoE, Mistral and Phi-3 reuse it with their per-layer attention options (qkv
-bias, per-head q/k norm, sliding window, sinks) and, for MoE, their own MLP per layer; Gemma 3 its layers' parts."""
+"""Llama decoder; Qwen2, Qwen3, Qwen3-MoE, Mistral, Phi-3 and Llama 4 reuse it with their per-layer attention options
+(qkv bias, per-head q/k norm, sliding window, sinks, query temperature) and, for MoE, their own MLP per layer; Gemma 3
+its layers' parts."""
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -10,8 +11,9 @@ from transformers import PretrainedConfig
 from nanoinfer.layers.activation import get_act_and_mul
 from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanoinfer.layers.layernorm import GemmaRMSNorm, RMSNorm
-from nanoinfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanoinfer.layers.layernorm import RMSNorm, rms_normalize
+from nanoinfer.layers.linear import (KeyAsValueQKVParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                                     RowParallelLinear)
 from nanoinfer.layers.rotary_embedding import get_rope
 
 
@@ -22,13 +24,13 @@ class AttentionOptions:
     qk_norm: bool = False
     qk_norm_after_rope: bool = False  # HunYuan: the q/k norms take the rotated q and k
     sliding_window: int | None = None  # attend to the last this-many positions (the query's own included)
-    # Qwen3-Next: q_proj also yields a per-head output gate (attention output * sigmoid(gate) before o_proj),
-    # and the q/k norms scale by 1 + weight.
+    # Qwen3-Next: q_proj also yields a per-head output gate (attention output * sigmoid(gate) before o_proj).
     output_gate: bool = False
-    zero_centered_norm: bool = False
-    # Gemma 3: q/k norms as its RMSNorm (1 + weight, in fp32), its own score scale (default head_dim ** -0.5), and
-    # the rope settings of the layer's type (its config nests them by "sliding_attention" / "full_attention").
-    gemma_norm: bool = False
+    # The q/k norms' class where not RMSNorm: Gemma 3's and Qwen3-Next's GemmaRMSNorm (1 + weight, in fp32), Gemma 4's
+    # OlmoRMSNorm (its rounding), Llama 4's WeightlessRMSNorm (x / rms(x) alone, no checkpoint weight). Gemma 3 also:
+    # its own score scale (default head_dim ** -0.5), and the rope settings of the layer's type (its config nests them
+    # by "sliding_attention" / "full_attention").
+    qk_norm_class: type[RMSNorm] | None = None
     scale: float | None = None
     rope_layer_type: str | None = None
     rope: bool = True  # SmolLM3's NoPE layers: no position encoding at all
@@ -39,8 +41,17 @@ class AttentionOptions:
     num_kv_heads: int | None = None  # where the config's `num_key_value_heads` does not say (Falcon, GPTBigCode)
     rotary_dim: int | None = None  # GPT-J: the leading dims rotated, where the config's rope settings do not say
     sinks: bool = False  # GPT-OSS: a learned logit per head joins each softmax's denominator
-    # Ministral 3 (Llama 4's attention temperature): (beta, length); q times 1 + beta * log(1 + floor(pos / length)).
-    query_scaling: tuple[float, int] | None = None
+    # Llama 4's NoPE layers (attention temperature tuning) and Ministral 3: (floor_scale, attn_scale, offset), the
+    # query at position p scaled by 1 + attn_scale * log(1 + floor((p + offset) / floor_scale)); offset 1 (Llama 4)
+    # or 0 (Ministral 3).
+    query_temperature: tuple[float, float, float] | None = None
+    # ModernBERT's local layers: the window holds in the (non-causal) encoder pass, on both sides (see Attention)
+    encoder_only: bool = False
+    # Gemma 4: the layer's own head size (its full layers' heads are wider than the config's `head_dim`), values
+    # scaled to unit RMS per head (a weightless norm), and, with `key_as_value`, values from the key projection.
+    head_dim: int | None = None
+    value_norm: bool = False
+    key_as_value: bool = False
 
 
 def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
@@ -54,19 +65,30 @@ def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None
     return window
 
 
+def scale_query(q: torch.Tensor, positions: torch.Tensor, floor_scale: float, attn_scale: float, offset: float
+                ) -> torch.Tensor:
+    """q [tokens, heads, head_dim] times its position's temperature (AttentionOptions.query_temperature), computed
+    in fp32 and the product rounded to q's dtype, as transformers' Llama4TextAttention does (its Ministral 3 rounds
+    the factor first: the same in fp32)."""
+    scale = torch.log1p(torch.floor((positions.float() + offset) / floor_scale)) * attn_scale + 1.0
+    return (q * scale[:, None, None]).to(q.dtype)
+
+
 class LlamaAttention(nn.Module):
     qkv_class: type[QKVParallelLinear] = QKVParallelLinear  # GPT-NeoX's loads its per-head checkpoint layout
     o_proj_class: type[RowParallelLinear] = RowParallelLinear  # GPT-2's loads its transposed weight
+    attn_class: type[Attention] = Attention  # Gemma 4's keeps the step's K/V for the layers that reuse them
 
     def __init__(self, config: PretrainedConfig, options: AttentionOptions):
         super().__init__()
         num_heads = config.num_attention_heads
         # GPT-NeoX's config has no num_key_value_heads: as many as query heads.
         num_kv_heads = options.num_kv_heads or getattr(config, "num_key_value_heads", None) or num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        self.head_dim = options.head_dim or getattr(config, "head_dim", None) or config.hidden_size // num_heads
         # With an output gate, each head's query and gate rows load as two consecutive "heads" of q.
         self.q_factor = 2 if options.output_gate else 1
-        self.qkv_proj = self.qkv_class(config.hidden_size, self.head_dim, num_heads * self.q_factor, num_kv_heads,
+        qkv_class = KeyAsValueQKVParallelLinear if options.key_as_value else self.qkv_class
+        self.qkv_proj = qkv_class(config.hidden_size, self.head_dim, num_heads * self.q_factor, num_kv_heads,
                                        options.qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // self.q_factor, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -75,16 +97,15 @@ class LlamaAttention(nn.Module):
                                     options.rope_interleaved, options.rotary_dim, options.rope_theta)
                            if options.rope else None)
         scale = self.head_dim ** -0.5 if options.scale is None else options.scale
-        self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window,
-                              options.logits_soft_cap, sinks=options.sinks)
+        self.attn = self.attn_class(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window,
+                                    options.logits_soft_cap, sinks=options.sinks, encoder_only=options.encoder_only)
         if options.qk_norm:
-            eps = config.rms_norm_eps
-            norms = [GemmaRMSNorm(self.head_dim, eps) if options.gemma_norm
-                     else RMSNorm(self.head_dim, eps, options.zero_centered_norm) for _ in range(2)]
-            self.q_norm, self.k_norm = norms
+            norm_class = options.qk_norm_class or RMSNorm
+            self.q_norm, self.k_norm = (norm_class(self.head_dim, config.rms_norm_eps) for _ in range(2))
         self.qk_norm, self.qk_norm_after_rope = options.qk_norm, options.qk_norm_after_rope
         self.clip_qkv = options.clip_qkv
-        self.query_scaling = options.query_scaling
+        self.query_temperature = options.query_temperature
+        self.value_norm_eps = config.rms_norm_eps if options.value_norm else None
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -95,23 +116,20 @@ class LlamaAttention(nn.Module):
         if self.q_factor == 2:
             q, gate = q.chunk(2, -1)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.value_norm_eps is not None:
+            v = rms_normalize(v.view(-1, self.num_kv_heads, self.head_dim), self.value_norm_eps)
         rotate = positions is not None and self.rotary_emb is not None  # no: an encoder pass (LLM.embed), NoPE layer
         norms_in_rotation = self.qk_norm and rotate and not self.qk_norm_after_rope  # one pass on the CPU path
         if rotate:
             q, k = self.rotary_emb(positions, q, k, *((self.q_norm, self.k_norm) if norms_in_rotation else ()))
         if self.qk_norm and not norms_in_rotation:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rotate and self.query_scaling is not None:
-            q = q * self.position_scaling(positions).to(q.dtype)[:, None, None]
+        if self.query_temperature is not None and positions is not None:
+            q = scale_query(q, positions, *self.query_temperature)
         o = self.attn(q, k, v, meta)
         if self.q_factor == 2:
             o = o * torch.sigmoid(gate.flatten(1))
         return self.o_proj(o)
-
-    def position_scaling(self, positions: torch.Tensor) -> torch.Tensor:
-        """Each token's query factor of query_scaling, computed in fp32 as transformers does."""
-        beta, length = self.query_scaling
-        return 1 + beta * torch.log(1 + torch.floor(positions.float() / length))
 
 
 class LlamaMLP(nn.Module):

@@ -1,9 +1,11 @@
 """Mamba (`MambaForCausalLM`, state-spaces/mamba-*-hf) and Mamba2 (`Mamba2ForCausalLM`, state-spaces/mamba2-*,
 Codestral Mamba): every layer a norm, the mixer (Mamba-1's or Mamba2's) and the residual add, no MLP.
-`residual_in_fp32` changes nothing in fp32; in 16-bit dtypes the residual stream stays in the model's dtype."""
+`residual_in_fp32`: in 16-bit dtypes the residual stream stays in fp32, as transformers keeps it (see
+Fp32ResidualRMSNorm); it changes nothing in fp32."""
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanoinfer.layers.layernorm import Fp32ResidualRMSNorm, RMSNorm
 from nanoinfer.layers.mamba import MambaMixer, MambaSettings
 from nanoinfer.layers.mamba2 import Mamba2Mixer, Mamba2Settings
 from nanoinfer.models.hybrid import HybridDecoderLayer, HybridForCausalLM
@@ -35,8 +37,14 @@ class MambaForCausalLM(HybridForCausalLM):
         return mamba_settings(config)
 
     def make_layer(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        norm = Fp32ResidualRMSNorm if config.residual_in_fp32 else RMSNorm
         return HybridDecoderLayer(config, self.mixer_class(self.settings(config)), False, None,
-                                  config.layer_norm_epsilon)
+                                  config.layer_norm_epsilon, norm=norm)
+
+    def make_final_norm(self, config: PretrainedConfig, eps: float) -> RMSNorm:
+        if config.residual_in_fp32:
+            return Fp32ResidualRMSNorm(config.hidden_size, eps, final=True)
+        return super().make_final_norm(config, eps)
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config, config.layer_norm_epsilon)

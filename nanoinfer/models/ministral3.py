@@ -9,7 +9,8 @@ from nanoinfer.models.llama import AttentionOptions
 from nanoinfer.models.mistral import MistralForCausalLM
 
 
-def query_scaling(config: PretrainedConfig) -> tuple[float, int] | None:
+def query_temperature(config: PretrainedConfig) -> tuple[float, float, float] | None:
+    """Llama 4's temperature (AttentionOptions.query_temperature) without its position offset."""
     params = rope_parameters(config)
     beta = params.get("llama_4_scaling_beta")
     if beta is None:
@@ -18,10 +19,10 @@ def query_scaling(config: PretrainedConfig) -> tuple[float, int] | None:
     if not isinstance(length, int) or length < 1:
         raise ValueError(f"original_max_position_embeddings={length!r} in the model config's rope_parameters must be "
                          f"a positive int beside llama_4_scaling_beta={beta}")
-    return float(beta), length
+    return float(length), float(beta), 0.0
 
 
 class Ministral3ForCausalLM(MistralForCausalLM):
     @staticmethod
     def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
-        return AttentionOptions(sliding_window=config.sliding_window, query_scaling=query_scaling(config))
+        return AttentionOptions(sliding_window=config.sliding_window, query_temperature=query_temperature(config))

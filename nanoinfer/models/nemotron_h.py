@@ -7,7 +7,7 @@ from transformers import PretrainedConfig
 
 from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.fused_moe import FusedMoE, relu2, select_experts_sigmoid_biased
-from nanoinfer.layers.layernorm import RMSNorm
+from nanoinfer.layers.layernorm import OlmoRMSNorm, RMSNorm
 from nanoinfer.layers.mamba2 import Mamba2Mixer, Mamba2Settings
 from nanoinfer.layers.recurrent import RecurrentBatch
 from nanoinfer.models.deepseek_v2 import DeepseekRouter, check_moe_config
@@ -26,7 +26,8 @@ def mamba2_settings(config: PretrainedConfig) -> Mamba2Settings:
 
 class NemotronHMoE(nn.Module):
     """Routed experts without a gate (relu^2), chosen as DeepSeek-V3's are (sigmoid scores plus a correction bias,
-    within the best groups), plus one shared relu^2 MLP."""
+    within the best groups), weighted and summed in fp32 (as transformers' NemotronHExperts), plus one shared relu^2
+    MLP."""
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
@@ -38,7 +39,8 @@ class NemotronHMoE(nn.Module):
         self.num_groups, self.topk_group, self.renormalize = config.n_group, config.topk_group, config.norm_topk_prob
         self.gate = DeepseekRouter(config, correction_bias=True)
         self.experts = FusedMoE(config.n_routed_experts, self.top_k, config.hidden_size,
-                                config.moe_intermediate_size, renormalize=False, activation=relu2, gated=False)
+                                config.moe_intermediate_size, renormalize=False, activation=relu2, gated=False,
+                                fp32_sum=True)
         self.shared_experts = DenseMLP(config, config.mlp_bias, config.moe_shared_expert_intermediate_size,
                                        config.mlp_hidden_act)
 
@@ -49,7 +51,8 @@ class NemotronHMoE(nn.Module):
 
 
 class NemotronHBlock(nn.Module):
-    """x + mixer(norm(x)), the mixer by the layer's block type."""
+    """x + mixer(norm(x)), the mixer by the layer's block type; the norms apply their weight in fp32 and round once
+    (transformers' NemotronHRMSNorm, as OLMo 2's)."""
 
     def __init__(self, config: PretrainedConfig, layer_idx: int):
         super().__init__()
@@ -64,7 +67,7 @@ class NemotronHBlock(nn.Module):
             self.mixer = NemotronHMoE(config)
         else:
             raise ValueError(f"unsupported block type {self.block_type!r} in layer {layer_idx}")
-        self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        self.norm = OlmoRMSNorm(config.hidden_size, config.layer_norm_epsilon)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata, batch: RecurrentBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,6 +94,9 @@ class NemotronHForCausalLM(HybridForCausalLM):
 
     def make_layer(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
         return NemotronHBlock(config, layer_idx)
+
+    def make_final_norm(self, config: PretrainedConfig, eps: float) -> RMSNorm:
+        return OlmoRMSNorm(config.hidden_size, eps)
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config, config.layer_norm_epsilon)

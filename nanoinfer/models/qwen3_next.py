@@ -1,5 +1,6 @@
 """Qwen3-Next: Gated DeltaNet (linear attention with per-sequence recurrent state) and gated full-attention layers,
-zero-centred RMSNorms, partial rotary embedding; MLPs are routed experts plus a gated shared expert, or dense."""
+zero-centred RMSNorms (1 + weight, applied in fp32 as Gemma's), partial rotary embedding; MLPs are routed experts plus
+a gated shared expert, or dense."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -8,7 +9,7 @@ from transformers import PretrainedConfig
 from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.layers.gated_delta_rule import GatedDeltaRule
-from nanoinfer.layers.layernorm import GatedRMSNorm, RMSNorm
+from nanoinfer.layers.layernorm import GatedRMSNorm, GemmaRMSNorm
 from nanoinfer.layers.linear import ColumnParallelLinear, RowParallelLinear
 from nanoinfer.layers.recurrent import RecurrentBatch, RowShardedWeight, load_rank_rows
 from nanoinfer.models.hybrid import HybridDecoderLayer
@@ -85,11 +86,11 @@ class Qwen3NextDecoderLayer(HybridDecoderLayer):
             mixer = self.linear_attention_class(config)
         elif layer_type == "full_attention":
             options = AttentionOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm=True,
-                                       output_gate=True, zero_centered_norm=True)
+                                       output_gate=True, qk_norm_class=GemmaRMSNorm)
             mixer = LlamaAttention(config, options)
         else:
             raise ValueError(f"unsupported layer type {layer_type!r} in layer {layer_idx}")
-        super().__init__(config, mixer, layer_type == "full_attention", mlp, config.rms_norm_eps, zero_centered=True)
+        super().__init__(config, mixer, layer_type == "full_attention", mlp, config.rms_norm_eps, norm=GemmaRMSNorm)
 
 
 class Qwen3NextModel(nn.Module):
@@ -100,7 +101,7 @@ class Qwen3NextModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.decoder_layer(config, i, make_mlp(config, i))
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         batch = RecurrentBatch.from_metadata(meta)

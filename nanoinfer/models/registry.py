@@ -22,6 +22,7 @@ _MODELS = {
     "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "Gemma4ForCausalLM": ("gemma4", "Gemma4ForCausalLM"),
     "GlmForCausalLM": ("glm", "GlmForCausalLM"),
     "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
     "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeForCausalLM"),
@@ -40,6 +41,7 @@ _MODELS = {
     "HunYuanDenseV1ForCausalLM": ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
     "HunYuanMoEV1ForCausalLM": ("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     "MinistralForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama's windows by layer_types (Qwen2's attention)
     "Ministral3ForCausalLM": ("ministral3", "Ministral3ForCausalLM"),
     "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
@@ -65,7 +67,7 @@ _MODELS = {
     "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
     "VaultGemmaForCausalLM": ("vaultgemma", "VaultGemmaForCausalLM"),
 }
-# Hybrids of attention with recurrent layers (Mamba2, short convolutions).
+# Hybrids of attention with recurrent layers (Mamba2, short convolutions; Zamba2's shared attention blocks).
 _MODELS |= {
     "BambaForCausalLM": ("bamba", "BambaForCausalLM"),
     "FalconH1ForCausalLM": ("falcon_h1", "FalconH1ForCausalLM"),
@@ -73,6 +75,7 @@ _MODELS |= {
     "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
     "Lfm2MoeForCausalLM": ("lfm2", "Lfm2MoeForCausalLM"),
     "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
+    "Zamba2ForCausalLM": ("zamba2", "Zamba2ForCausalLM"),
 }
 # State-space models: on the Mamba-1 mixer, alone or with attention; on the Mamba2 mixer alone.
 _MODELS |= {
@@ -89,12 +92,27 @@ _CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM" for
     "Phi3", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe", "SeedOss", "SmolLM3", "StableLm", "Starcoder2")} | {
     "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM", "GPT2ForSequenceClassification": "GPT2LMHeadModel"}
 
+# Encoder-only models (bert.py, modernbert.py): bidirectional, with absolute positions or rope; embedders (`*Model`:
+# LLM.embed) and classifiers on the first token or the mean (LLM.classify, LLM.score). They never generate.
+_ENCODERS = {
+    "BertModel": ("bert", "BertModel"),
+    "RobertaModel": ("bert", "RobertaModel"),
+    "XLMRobertaModel": ("bert", "RobertaModel"),
+    "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
+    "RobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
+    "XLMRobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
+    "ModernBertModel": ("modernbert", "ModernBertModel"),
+    "ModernBertForSequenceClassification": ("modernbert", "ModernBertForSequenceClassification"),
+}
+
 # Vision-language checkpoints, run as their language model alone (see vision_language.py; config.py gives the model
 # the checkpoint's text_config): the class of that language model, by the text config's model_type; _ANY_TEXT_FAMILY
 # where transformers' wrapper takes any text model (AutoModel.from_config), i.e. every causal LM here.
 _ANY_TEXT_FAMILY = None
 _VISION_LANGUAGE = {
     "Gemma3ForConditionalGeneration": {"gemma3_text": _MODELS["Gemma3ForCausalLM"]},
+    "Gemma4ForConditionalGeneration": {"gemma4_text": _MODELS["Gemma4ForCausalLM"]},
+    "Llama4ForConditionalGeneration": {"llama4_text": _MODELS["Llama4ForCausalLM"]},
     "Mistral3ForConditionalGeneration": {"mistral": _MODELS["MistralForCausalLM"],
                                          "ministral3": _MODELS["Ministral3ForCausalLM"]},
     "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": _MODELS["Qwen2ForCausalLM"]},
@@ -115,7 +133,7 @@ _ATTENTION_SINKS = {"GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWA
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS.keys() | _CLASSIFIERS.keys() | _VISION_LANGUAGE.keys())
+    return sorted(_MODELS.keys() | _CLASSIFIERS.keys() | _ENCODERS.keys() | _VISION_LANGUAGE.keys())
 
 
 def is_vision_language(architectures: list[str] | None) -> bool:
@@ -123,7 +141,12 @@ def is_vision_language(architectures: list[str] | None) -> bool:
 
 
 def is_classifier(architectures: list[str] | None) -> bool:
-    return bool(architectures) and architectures[0] in _CLASSIFIERS
+    return bool(architectures) and (architectures[0] in _CLASSIFIERS or (
+        architectures[0] in _ENCODERS and architectures[0].endswith("ForSequenceClassification")))
+
+
+def is_encoder(architectures: list[str] | None) -> bool:
+    return bool(architectures) and architectures[0] in _ENCODERS
 
 
 def has_attention_sinks(architectures: list[str] | None) -> bool:
@@ -142,6 +165,8 @@ def get_model_class(config: PretrainedConfig) -> type[nn.Module]:
             return sequence_classifier(_import(_MODELS[_CLASSIFIERS[arch]]))
         if arch in _MODELS:
             return _import(_MODELS[arch])
+        if arch in _ENCODERS:
+            return _import(_ENCODERS[arch])
     raise ValueError(f"unsupported model architecture {architectures}; supported: {supported_architectures()}")
 
 

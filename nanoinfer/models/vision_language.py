@@ -9,17 +9,23 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-# Where the checkpoints keep the language model. The Hub's Gemma 3, Mistral 3, Llava(-NeXT, -OneVision), InternVL
-# and Aya Vision files (and what transformers 5's save_pretrained writes for them): `language_model.model.*` and
+# Where the checkpoints keep the language model. The Hub's Gemma 3, Mistral 3, Llava(-NeXT, -OneVision), InternVL,
+# Aya Vision and Llama 4 files (and what transformers 5's save_pretrained writes for them): `language_model.model.*` and
 # `language_model.lm_head`; Qwen2-VL/2.5-VL's: `model.*` and `lm_head` already; Qwen3-VL/3-VL-MoE/3.5's:
 # `model.language_model.*` and `lm_head`; Idefics3's and SmolVLM's: `model.text_model.*` and `lm_head`.
 LANGUAGE_MODEL_NAMES = {"^model.language_model.": "model.", "^language_model.model.": "model.",
                         "^language_model.lm_head.": "lm_head.", "^model.text_model.": "model."}
 # The image side, in the same layouts (transformers' own in-memory names too): Llava-NeXT's and OneVision's
-# `image_newline`, Idefics3's and SmolVLM's `vision_model` and `connector`.
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_newline", "model.vision_tower.",
-                   "model.multi_modal_projector.", "model.visual.", "model.image_newline", "model.vision_model.",
-                   "model.connector.")
+# `image_newline`, Idefics3's and SmolVLM's `vision_model` and `connector`, Llama 4's `vision_model` at the top, Gemma
+# 4's audio tower and the projections of both towers into the text (`embed_vision`, `embed_audio`).
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_newline", "vision_model.",
+                   "model.vision_tower.", "model.multi_modal_projector.", "model.visual.", "model.image_newline",
+                   "model.vision_model.", "model.connector.", "model.audio_tower.", "model.embed_vision.",
+                   "model.embed_audio.")
+
+# The outer config's placeholder ids, copied to the language model's config: Gemma 4's wrapper embeds them as the pad
+# token when no media come with them (see gemma4.py).
+MEDIA_TOKEN_IDS = ("image_token_id", "video_token_id", "audio_token_id")
 
 
 @cache
@@ -34,9 +40,11 @@ def text_only(causal_lm: type[nn.Module], architecture: str) -> type[nn.Module]:
         self.ignored_weight_prefixes = VISION_PREFIXES + tuple(getattr(self, "ignored_weight_prefixes", ()))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """The bare LM head: transformers' wrappers apply none of the text family's logit scaling (Gemma's final
-        softcapping, Cohere's logit_scale, Granite's logits_scaling)."""
+        """The bare LM head: transformers' wrappers apply none of the text family's logit scaling (Gemma 2/3's final
+        softcapping, Cohere's logit_scale, Granite's logits_scaling), except where the family says they do."""
         return self.lm_head(hidden_states)
 
-    return type(architecture, (causal_lm,), {"__init__": __init__, "compute_logits": compute_logits,
-                                             "__doc__": causal_lm.__doc__})
+    namespace = {"__init__": __init__, "__doc__": causal_lm.__doc__}
+    if not getattr(causal_lm, "wrapper_scales_logits", False):
+        namespace["compute_logits"] = compute_logits
+    return type(architecture, (causal_lm,), namespace)

@@ -64,16 +64,19 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | L
     # A packed parameter is complete once every source mapped to it has arrived (experts: see FusedMoE).
     shards_per_param = {target: sum(t == target for t, _ in packed.values()) for target, _ in packed.values()}
     loaded: dict[str, set] = {}
-    # Tied parameters (lm_head sharing the embedding) appear once; a checkpoint copy of the alias is redundant.
+    # Tied parameters (lm_head sharing the embedding, Zamba2's shared blocks) appear once; a checkpoint copy of the
+    # alias (named as the checkpoint names it: the packed q/k/v of a shared block route to its qkv_proj) is redundant.
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - params.keys()
     ignored_prefixes: tuple[str, ...] = getattr(model, "ignored_weight_prefixes", ())
     ignored_suffixes = _IGNORED_SUFFIXES + getattr(model, "ignored_weight_suffixes", ())
     # Checkpoint names that differ from the model's own, e.g. Mixtral's `.block_sparse_moe.` for `.mlp.`.
     substitutions: dict[str, str] = getattr(model, "weight_name_substitutions", {})
     for name, tensor in weights:
-        if name.endswith(ignored_suffixes) or name in aliases or name.startswith(ignored_prefixes):
+        if name.endswith(ignored_suffixes) or name.startswith(ignored_prefixes):
             continue
         target, shard = checkpoint_target(name, packed, substitutions)
+        if target in aliases:
+            continue
         param = params.get(target)
         lazy = isinstance(tensor, LazyTensor)
         where = f" in {tensor.file}" if lazy else f" in {checkpoint}" if checkpoint is not None else ""

@@ -24,8 +24,10 @@ def get_backend(name: str, dtype: torch.dtype, device: torch.device = torch.devi
 
 class Attention(nn.Module):
     """Stores this step's K/V into the paged cache, then attends over each sequence's whole context, or over the
-    last `sliding_window` positions of it (the query's own included). With `logits_soft_cap` (Gemma 2), each
-    scaled score s becomes logits_soft_cap * tanh(s / logits_soft_cap) before masking and softmax. With
+    last `sliding_window` positions of it (the query's own included). A non-causal pass (LLM.embed's encoder pass)
+    drops a decoder's window, but keeps an `encoder_only` layer's on both sides: keys within sliding_window - 1
+    positions of the query (ModernBERT's local layers; vLLM's encoder-only attention). With `logits_soft_cap`
+    (Gemma 2), each scaled score s becomes logits_soft_cap * tanh(s / logits_soft_cap) before masking and softmax. With
     `value_prefix_dim` (DeepSeek's latent cache, MLA), each value is its key's first value_prefix_dim entries: the
     layer takes no v, only K is cached, and the output per head is value_prefix_dim wide. With `sinks` (GPT-OSS), a
     learned logit per head, the parameter `sinks` [num_heads], joins each softmax's denominator as a key whose value
@@ -33,7 +35,7 @@ class Attention(nn.Module):
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                 value_prefix_dim: int | None = None, sinks: bool = False):
+                 value_prefix_dim: int | None = None, sinks: bool = False, encoder_only: bool = False):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         if sliding_window is not None and sliding_window < 1:
@@ -43,6 +45,7 @@ class Attention(nn.Module):
         if value_prefix_dim is not None and not 0 < value_prefix_dim < head_dim:
             raise ValueError(f"value_prefix_dim must be in (0, head_dim={head_dim}) or None, got {value_prefix_dim}")
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
+        self.encoder_only = encoder_only
         self.value_prefix_dim = value_prefix_dim
         self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None
         self.first_head, self.total_heads = tp_rank() * num_heads, tp_size() * num_heads  # this rank's in the model's
@@ -90,7 +93,8 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = k[..., :self.value_prefix_dim] if self.value_prefix_dim else v.view(-1, self.num_kv_heads, self.head_dim)
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
+        window = self.sliding_window if meta.causal or self.encoder_only else None
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, window,
                                     self.logits_soft_cap, self.sinks)
 
 __all__ = ["Attention", "AttentionMetadata", "get_backend"]

@@ -118,16 +118,16 @@ class CPUAttentionBackend:
         """q [tokens, heads, dim] and this step's k, v [tokens, kv_heads, dim], already stored in the cache
         -> [tokens, heads * v dim]; without a cached prefix k, v may hold longer contexts, sequence i's from row
         cu_seqlens_k[i] (MLA's decompressed K/V, never stored). With a window, a query at position p sees keys at
-        p - window < position <= p. With soft_cap, each scaled score s becomes soft_cap * tanh(s / soft_cap) before
-        the mask. With sinks [heads], each head's sink logit joins the denominator of its softmax. A V cache narrower
-        than the K cache is K's prefix (a view of it: Attention's value_prefix_dim)."""
+        p - window < position <= p, or, in a non-causal pass, at p - window < position < p + window. With soft_cap,
+        each scaled score s becomes soft_cap * tanh(s / soft_cap) before the mask. With sinks [heads], each head's
+        sink logit joins the denominator of its softmax. A V cache narrower than the K cache is K's prefix (a view of
+        it: Attention's value_prefix_dim)."""
         state: CPUState = meta.backend_state
         if state is not None and state.row_context_lens is not None:
             return _kernel_decode(q, k_cache, v_cache, state.row_block_tables, state.row_context_lens, scale, window,
                                   soft_cap, sinks)
         if not meta.is_decode:
-            return self._prefill(q, k, v, k_cache, v_cache, meta, scale, window if meta.causal else None, soft_cap,
-                                 sinks)
+            return self._prefill(q, k, v, k_cache, v_cache, meta, scale, window, soft_cap, sinks)
         if self.decode_kernel:
             return _kernel_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window, soft_cap,
                                   sinks)
@@ -154,7 +154,8 @@ class CPUAttentionBackend:
         out = q.new_empty(q.shape[0], q.shape[1] * (v_cache if v is None else v).shape[-1])
         for i, (start, end, ctx, k_start) in enumerate(meta.backend_state.spans):
             n = end - start
-            # Query j sits at position ctx - n + j; the earliest key any of them sees is first.
+            # Query j sits at position ctx - n + j; the earliest key any of them sees is first (a non-causal pass
+            # has no cached prefix: ctx == n, first 0).
             first = 0 if window is None else max(0, ctx - n - window + 1)
             if not meta.has_cached_prefix:  # k, v hold every context (MLA's decompressed ones may exceed the step's)
                 ks, vs = k[k_start + first:k_start + ctx], v[k_start + first:k_start + ctx]
@@ -170,7 +171,7 @@ class CPUAttentionBackend:
             if ctx != n or (window is not None and window < n):
                 q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
                 k_pos = torch.arange(first, ctx, device=q.device)
-                mask = k_pos <= q_pos
+                mask = k_pos <= q_pos if meta.causal else k_pos < q_pos + window
                 if window is not None:
                     mask &= k_pos > q_pos - window
             # 4-D inputs: with 3-D ones SDPA skips its fused CPU kernel for the slow math path.

@@ -17,7 +17,8 @@ class AttentionMetadata:
     max_seqlen_k: int
     block_size: int
     has_cached_prefix: bool = False  # some sequence attends to keys stored in earlier steps (a prefill detail)
-    causal: bool = True  # False: every token of a sequence attends to all of it (no window either)
+    # False: every token of a sequence attends to all of it (but an encoder's local layer: its window on both sides)
+    causal: bool = True
     # [num_seqs] int64: each sequence's recurrent-state slot; only for models with linear-attention layers.
     state_slots: torch.Tensor | None = None
     backend_state: Any = None  # whatever the chosen backend derives from the above, once per step

@@ -32,10 +32,11 @@ class TritonAttentionBackend:
                 soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [tokens, heads, dim], this step's k, v [tokens, kv_heads, dim] (already stored) -> [tokens, heads * v
         dim]; without a cached prefix k, v may hold longer contexts, sequence i's from row cu_seqlens_k[i] (MLA's
-        decompressed K/V). With a window, a query at position p sees keys at p - window < position <= p. With
-        soft_cap, each scaled score s becomes soft_cap * tanh(s / soft_cap) before the mask. With sinks [heads], each
-        head's sink logit joins the denominator of its softmax. A v narrower than k is read as its own (the latent
-        cache's is K's prefix, MLA's decompressed one a tensor of its own)."""
+        decompressed K/V). With a window, a query at position p sees keys at p - window < position <= p, or, in a
+        non-causal pass, at p - window < position < p + window. With soft_cap, each scaled score s becomes soft_cap *
+        tanh(s / soft_cap) before the mask. With sinks [heads], each head's sink logit joins the denominator of its
+        softmax. A v narrower than k is read as its own (the latent cache's is K's prefix, MLA's decompressed one a
+        tensor of its own)."""
         if meta.is_decode:
             return self._decode(q, k_cache, v_cache, meta, scale, window, soft_cap, sinks)
         if meta.has_cached_prefix:  # keys come from the cache: the prefix was computed in earlier steps

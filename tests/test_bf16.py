@@ -1,0 +1,158 @@
+"""bf16 on the CPU against transformers in bf16 on the CPU (its torch path: no mamba_ssm, causal-conv1d or fla here,
+as on a GPU machine without them). Where transformers keeps a value in fp32 in 16-bit models, so does the engine, bit
+for bit against transformers' own modules: Gemma's, Qwen3-Next's and Qwen3.5's (1 + weight) norms and NemotronH's
+norms (weight applied in fp32), Mamba's fp32 residual stream (`residual_in_fp32`), the convs' fp32 accumulation
+(F.conv1d's), NemotronH's fp32 sum of the weighted experts. Then the recurrent and hybrid families end to end, measured
+against transformers' own bf16 rounding error as test_gpu.py measures every family on a GPU (check_bf16_outputs)."""
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from models import (MAMBA1_KINDS, MAMBA2_HYBRID_KINDS, QWEN3_NEXT_KINDS, SSM_KINDS, check_bf16_outputs, hf_greedy,
+                    load_hf_model, random_prompts)
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.layers.fused_moe import FusedMoE, relu2
+from nanoinfer.layers.layernorm import Fp32ResidualRMSNorm, GemmaRMSNorm, OlmoRMSNorm, RMSNorm
+from nanoinfer.layers.recurrent import causal_conv1d
+
+# Granite 4.0-H's and Qwen3-Next's routers sit at bf16 near-ties on these prompts (Granite's: top-2 and 3rd expert
+# 0.002 apart at several tokens of every prompt; Qwen3-Next's: 0.1306 and 0.1288 at prompt 0, step 3), which rounding
+# swaps: the logits move by several times the rounding error without a near-tie of the tokens (the reason test_gpu.py
+# compares only dense families in bf16). Their layers run here in granitemoehybrid-dense and qwen3.5-moe.
+ROUTER_NEAR_TIE_KINDS = ("granitemoehybrid", "qwen3-next")
+BF16_RECURRENT_KINDS = tuple(k for k in MAMBA1_KINDS + SSM_KINDS + MAMBA2_HYBRID_KINDS + QWEN3_NEXT_KINDS
+                             if k not in ROUTER_NEAR_TIE_KINDS)
+MAX_TOKENS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# Batched together: prompt chunks across 16-token scan chunks beside one-token decode steps.
+PROMPTS = random_prompts(4, 5, 440, 2, 60, seed=11)
+
+
+def built_in_bf16(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """A layer built under bf16, as the engine builds a bf16 model."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return build()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def _hf_norm(name: str) -> torch.nn.Module:
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNorm
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+
+    return {"gemma3": Gemma3RMSNorm, "qwen3-next": Qwen3NextRMSNorm, "qwen3.5": Qwen3_5RMSNorm,
+            "nemotron-h": NemotronHRMSNorm}[name](64)
+
+
+@pytest.mark.parametrize("family, norm_class", [("gemma3", GemmaRMSNorm), ("qwen3-next", GemmaRMSNorm),
+                                                ("qwen3.5", GemmaRMSNorm), ("nemotron-h", OlmoRMSNorm)])
+def test_norm_in_bf16_is_transformers_own(family, norm_class):
+    """Gemma 3's, Qwen3-Next's and Qwen3.5's norms keep w in the model's dtype, add 1 and multiply in fp32, then
+    cast; NemotronH's multiply by w in fp32, then cast: bit for bit, from an fp32 checkpoint into a bf16 model, with
+    and without the residual add before it."""
+    g = torch.Generator().manual_seed(0)
+    w = 0.3 * torch.randn(64, generator=g)  # the checkpoint's (fp32) weight
+    hf = _hf_norm(family).to(torch.bfloat16)
+    hf.weight.data.copy_(w)
+    ours = built_in_bf16(lambda: norm_class(64))
+    ours.weight_loader(ours.weight, w)
+    x, residual = (3 * torch.randn(2, 5, 64, generator=g)).bfloat16(), torch.randn(2, 5, 64, generator=g).bfloat16()
+    assert torch.equal(ours(x), hf(x))
+    out, new_residual = ours(x, residual)
+    assert torch.equal(new_residual, x + residual) and torch.equal(out, hf(x + residual))
+
+
+def test_mamba_residual_stream_in_fp32_is_transformers_own():
+    """transformers' MambaBlock with residual_in_fp32 over three layers, then norm_f and the LM head's cast: the
+    embeddings (bf16) enter the stream, each layer normalizes the fp32 stream rounded to bf16 and adds its bf16 output
+    to it in fp32, norm_f normalizes the fp32 stream. Bit for bit, the norms' inputs and the final hidden states."""
+    from transformers.models.mamba.modeling_mamba import MambaRMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    layers, weights = 3, [1 + 0.2 * torch.randn(64, generator=g) for _ in range(4)]
+    hf_norms = [MambaRMSNorm(64).to(torch.bfloat16) for _ in range(layers + 1)]
+    ours = [built_in_bf16(lambda: Fp32ResidualRMSNorm(64, 1e-6, final=i == layers)) for i in range(layers + 1)]
+    for hf, norm, w in zip(hf_norms, ours, weights):
+        hf.weight.data.copy_(w)
+        norm.weight.data.copy_(w)
+    embeddings = (3 * torch.randn(5, 64, generator=g)).bfloat16()
+    outputs = [torch.randn(5, 64, generator=g).bfloat16() for _ in range(layers)]  # the mixers' (any bf16 values)
+
+    hidden, hf_normed = embeddings, []  # transformers' MambaBlock.forward, the mixer's output given
+    for hf, out in zip(hf_norms, outputs):
+        hf_normed.append(hf(hidden.to(torch.bfloat16)))
+        hidden = hidden.to(torch.float32) + out
+    hf_final = hf_norms[-1](hidden).to(torch.bfloat16)
+
+    normed, residual = ours[0](embeddings), embeddings  # HybridDecoderLayer's first layer: no residual yet
+    ours_normed = [normed]
+    for norm, out in zip(ours[1:], outputs):
+        normed, residual = norm(out, residual)
+        ours_normed.append(normed)
+    assert residual.dtype == torch.float32 and torch.equal(residual, hidden)
+    assert all(torch.equal(a, b) for a, b in zip(ours_normed[:-1], hf_normed))
+    assert torch.equal(ours_normed[-1], hf_final)
+
+
+def test_fp32_residual_norm_is_the_plain_fused_one_in_fp32():
+    """In fp32 models nothing changes: the same numbers as RMSNorm's (fused) path, the residual as given."""
+    g = torch.Generator().manual_seed(0)
+    x, residual, w = torch.randn(5, 64, generator=g), torch.randn(5, 64, generator=g), torch.randn(64, generator=g)
+    plain, ours, final = RMSNorm(64), Fp32ResidualRMSNorm(64), Fp32ResidualRMSNorm(64, final=True)
+    for norm in (plain, ours, final):
+        norm.weight.data.copy_(w)
+    expected = plain(x, residual)
+    for norm in (ours, final):
+        assert all(torch.equal(a, b) for a, b in zip(norm(x, residual), expected))
+
+
+def test_causal_conv_in_bf16_is_transformers_own():
+    """Mamba's causal conv (F.conv1d: products and bias summed in fp32, rounded once before the SiLU) over a prompt,
+    then one decode step from the carried state: bit for bit."""
+    from transformers.models.mamba.modeling_mamba import causal_conv1d_fn, causal_conv1d_update
+
+    g = torch.Generator().manual_seed(0)
+    channels, kernel, n = 96, 4, 21
+    x = torch.randn(1, channels, n + 1, generator=g).bfloat16()
+    weight, bias = torch.randn(channels, kernel, generator=g).bfloat16(), torch.randn(channels, generator=g).bfloat16()
+    hf_prompt = causal_conv1d_fn(x[..., :n], weight, bias, activation="silu")
+    hf_step = causal_conv1d_update(x[..., n:], x[..., n - kernel:n].clone(), weight, bias, activation="silu")
+    ours, state = causal_conv1d(x[0, :, :n].T, torch.zeros(kernel - 1, channels, dtype=torch.bfloat16), weight, bias)
+    ours_step, _ = causal_conv1d(x[0, :, n:].T, state, weight, bias)
+    assert torch.equal(ours, hf_prompt[0].T) and torch.equal(ours_step, hf_step[0].T)
+
+
+def test_nemotron_h_experts_sum_in_fp32_as_transformers():
+    """NemotronHExperts weights each expert's bf16 output by its fp32 routing weight and sums in fp32, rounding
+    once: bit for bit (summed in bf16, it is not)."""
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+    config = NemotronHConfig(hidden_size=64, n_routed_experts=8, moe_intermediate_size=32, num_experts_per_tok=2,
+                             mlp_hidden_act="relu2")
+    g = torch.Generator().manual_seed(0)
+    hf = NemotronHExperts(config).to(torch.bfloat16)
+    ours = built_in_bf16(lambda: FusedMoE(8, 2, 64, 32, renormalize=False, activation=relu2, gated=False,
+                                          fp32_sum=True))
+    for param, target in ((hf.up_proj, ours.w13_weight), (hf.down_proj, ours.w2_weight)):
+        param.data.copy_(0.3 * torch.randn(param.shape, generator=g))
+        target.data.copy_(param.data)
+    x = torch.randn(40, 64, generator=g).bfloat16()
+    weights = 2.5 * torch.rand(40, 2, generator=g)  # fp32, as the sigmoid router's (times routed_scaling_factor)
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(40)])
+    assert torch.equal(ours.run_experts(x, weights, ids), hf(x, ids, weights))
+
+
+@pytest.mark.parametrize("kind", BF16_RECURRENT_KINDS)
+def test_bf16_matches_transformers_up_to_bf16_rounding(kind, model_dir, captured_logits, report_logit_diff):
+    d = model_dir(kind)
+    with LLM(str(d), device="cpu", dtype="bfloat16", max_model_len=128) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    refs = hf_greedy(load_hf_model(d, torch.bfloat16), PROMPTS, MAX_TOKENS)
+    worst = check_bf16_outputs(outputs, PROMPTS, refs, captured_logits, load_hf_model(d))
+    report_logit_diff(f"{kind}, CPU bf16 (x transformers' own bf16 error)", worst)
