@@ -135,7 +135,15 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # with different ropes.
 # GLM-4-0414: four norms per layer (Gemma 2's order), interleaved rope over half of each head, fused gate_up_proj,
 # q/k/v biases. GLM-4 (v1): the same without the norms after the sublayers, a quarter of each head rotated, MQA.
-# Mixtral: a window on every layer and 2 of 8 experts per token on every layer, renormalized. Qwen2-MoE: 2 of 8
+# Mixtral: a window on every layer and 2 of 8 experts per token on every layer, renormalized. PhiMoE (phimoe):
+# Mixtral's layout with LayerNorms, biases on q/k/v/o and the LM head, longrope (its own: short factors, short and long
+# mscales) and the sparsemixer, its threshold (router_jitter_noise) wide enough that some tokens' weights mix experts.
+# FlexOLMo: OLMo 2's layers (q/k/v/o biases) with 2 of 8 experts, renormalized. VaultGemma: Gemma 2's attention
+# (windowed layers, softcaps) and MLP in Gemma's two-norm layer. EXAONE-MoE (exaone-moe): EXAONE 4's attention (a
+# window and rope on layers 0 and 2, a global NoPE layer 1) with V3's MoE from layer 1 on (2 of 8 experts in the best
+# 2 of 4 groups, a random correction bias, a shared expert). GraniteSWA (granite-swa) and GraniteMoeSWA
+# (granitemoe-swa, GraniteMoeShared's MLPs): Granite's multipliers, sinks (GPT_OSS_SINK_STD), windowed layers 0 and 2,
+# a rope base per layer, layer 1 without rope. Qwen2-MoE: 2 of 8
 # experts (not renormalized) plus a gated shared expert on layers 0 and 2, layer 1 dense. Granite MoE: Granite's
 # multipliers around 2 of 8 experts (and, shared, an ungated shared expert). OLMoE: OLMo 2's whole-projection q/k
 # norms and q/k/v clipped to +-clip_qkv (which binds) in the pre-norm layer, 2 of 8 experts, not renormalized.
@@ -170,7 +178,8 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2", "falcon", "falcon-mqa", "gptj",
                    "gpt-bigcode", "cohere2")
 LAYER_NORM_EPS = 1e-3
-DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3")
+# GLM-4.7-Flash (glm4-moe-lite): V3's model with layer 0 dense by mlp_layer_types, a shared expert.
+DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3", "glm4-moe-lite")
 # More Llama-like families. OLMo: parameter-free LayerNorms, q/k/v clamped (clip_qkv, below many of the test model's
 # values). EXAONE 4: norms after the sublayers, per-head q/k norms, sliding layers with rope and a global one without.
 # Seed-OSS: q/k/v and MLP biases, none on o_proj. Helium: interleaved rope, q/k/v biases, fp32-weight RMSNorms.
@@ -180,13 +189,15 @@ DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3")
 DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "ernie4_5", "hunyuan", "apertus")
 # Hybrids of attention with recurrent layers (see ssm_config): LFM2 (short convolutions), Bamba and Granite 4.0-H
 # (Mamba2; Granite's MoE with a shared MLP and rope, or its dense MLP without position encoding).
-SSM_KINDS = ("lfm2", "bamba", "granitemoehybrid", "granitemoehybrid-dense")
+# LFM2-MoE: LFM2's layers, layer 0's MLP dense, then 2 of 8 experts (sigmoid, a random expert_bias, renormalized,
+# scaled).
+SSM_KINDS = ("lfm2", "bamba", "granitemoehybrid", "granitemoehybrid-dense", "lfm2-moe")
 # NemotronH (one block per layer: Mamba2, attention without rope, relu^2 MLP, relu^2 experts) and Falcon-H1 (attention
 # and Mamba2 side by side in every layer, every muP multiplier away from 1): see mamba2_hybrid_config.
 # Zamba2: Mamba2 layers and hybrid layers invoking 2 shared attention + MLP blocks in rotation (3 invocations: the
 # first block twice, the first one before any Mamba2 layer), each with its own LoRA adapters, KV cache and linear;
-# rope, projection biases, GeLU.
-MAMBA2_HYBRID_KINDS = ("nemotron-h", "falcon-h1", "falcon-h1-norm", "zamba2")
+# rope, projection biases, GeLU. And Mamba2 alone (no attention, no MLP).
+MAMBA2_HYBRID_KINDS = ("nemotron-h", "falcon-h1", "falcon-h1-norm", "zamba2", "mamba2")
 # Gemma 4 (see gemma4_config): sliding and full layers, the full ones with wider heads, one KV head and a rope turning
 # a quarter of their frequencies; "gemma4" with values from the key projection (attention_k_eq_v), "gemma4-moe" with
 # its own value projection and 2 of 4 experts beside the dense MLP in every layer, "gemma4-e" as E2B/E4B: per-layer
@@ -195,22 +206,26 @@ GEMMA4_KINDS = ("gemma4", "gemma4-moe", "gemma4-e")
 # GPT-OSS: attention sinks (GPT_OSS_SINK_STD, so that they weigh), sliding and full layers, yarn rope, q/k/v/o biases,
 # 2 of 8 experts per token by a biased router, experts with biases whose gate/up weights (GPT_OSS_GATE_UP_STD) push
 # the SwiGLU into its clamps.
-EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa", "mistral") + QWEN3_NEXT_KINDS + SSM_KINDS
+# Ministral: Mistral's attention windowed by layer_types (layer 1 full). Ministral 3: a window on every layer, yarn,
+# and queries scaled by position (Llama 4's temperature) with a short period, so the test prompts cross several.
+MISTRAL_KINDS = ("mistral", "ministral", "ministral3")
+EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_NEXT_KINDS + SSM_KINDS
                + MAMBA2_HYBRID_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
-               + GEMMA4_KINDS
+               + ("granite-swa", "granitemoe-swa") + GEMMA4_KINDS
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
-                  "ernie4.5-moe", "hunyuan-moe", "llama4") + LAYERNORM_KINDS + DEEPSEEK_KINDS
-               + DENSE_KINDS + ("gpt-oss",))
+                  "ernie4.5-moe", "hunyuan-moe", "llama4", "phimoe", "flexolmo", "exaone-moe") + ("vaultgemma",)
+               + LAYERNORM_KINDS + DEEPSEEK_KINDS + DENSE_KINDS + ("gpt-oss",))
 # Mamba-1 mixers (see mamba1_config): Mamba (projection biases, tied), Falcon-Mamba (weightless dt/B/C norms, untied),
 # Jamba (dt/B/C norms with weights; attention without rope on layer 2; 2 of 4 experts on layers 1 and 3, dense MLPs
 # on 0 and 2).
 MAMBA1_KINDS = ("mamba", "falcon-mamba", "jamba")
 EXTRA_KINDS += MAMBA1_KINDS
 # Sliding windows: shorter than most test prompts.
-SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "gemma3": 10, "gemma2": 11, "gemma4": 10, "phi3": 24,
-                  "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13, "exaone4": 10,
-                  "cohere2": 12, "dots1": 12, "gpt-oss": 12}
+SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 13, "ministral3": 15, "gemma3": 10,
+                  "gemma2": 11, "gemma4": 10, "phi3": 24, "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13,
+                  "exaone4": 10, "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22, "vaultgemma": 11,
+                  "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -264,9 +279,13 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "hunyuan-moe": 6680, "gpt-oss": 9024, "llama4": 7135, "gemma4": 2469, "gemma4-moe": 3570,
           "gemma4-e": 4681}
 _SEEDS |= {"lfm2": 7791, "bamba": 8802, "granitemoehybrid": 9913, "granitemoehybrid-dense": 1124}
-_SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457, "zamba2": 5568}
+_SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457, "zamba2": 5568, "mamba2": 5568}
+_SEEDS |= {"lfm2-moe": 2346}
 # Jamba's seed: on the test prompts its routers' 2nd and 3rd experts stay > 1e-4 apart (a near-tie flips the choice
 # on rounding, and that token's logits move by ~0.5).
+# FlexOLMo's seed: on the test prompts its routers' 2nd and 3rd experts stay >= 1e-5 apart, and every expert is used.
+_SEEDS |= {"glm4-moe-lite": 3457, "exaone-moe": 4568, "granite-swa": 5679, "granitemoe-swa": 6780}
+_SEEDS |= {"ministral": 6791, "ministral3": 7902, "phimoe": 8013, "flexolmo": 4024, "vaultgemma": 1235}
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
 
 
@@ -278,14 +297,16 @@ def _token_ids():
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
     from transformers import (ApertusConfig, ArceeConfig, Cohere2Config, CohereConfig, Dots1Config,
-                              Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, FalconConfig, Gemma2Config,
-                              Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig, GlmConfig, GPT2Config,
-                              GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig,
-                              GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config,
-                              LlamaConfig, MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config,
-                              OlmoConfig, OlmoeConfig, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig,
-                              Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig, SeedOssConfig, SmolLM3Config,
-                              StableLmConfig, Starcoder2Config)
+                              Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, ExaoneMoeConfig, FalconConfig,
+                              FlexOlmoConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig,
+                              GlmConfig, GPT2Config, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, GraniteConfig,
+                              GraniteMoeConfig, GraniteMoeSharedConfig, GraniteMoeSWAConfig, GraniteSWAConfig,
+                              HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config,
+                              LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig,
+                              NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config,
+                              PhiConfig, PhimoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
+                              Qwen3NextConfig, SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config,
+                              VaultGemmaConfig)
 
     ids = _token_ids()
     special = dict(
@@ -359,6 +380,18 @@ def make_config(kind: str):
             sliding_window=SLIDING_WINDOW[kind],
             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
         )
+    if kind == "ministral":
+        return MinistralConfig(**_COMMON, **special, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               tie_word_embeddings=False, sliding_window=SLIDING_WINDOW[kind],
+                               layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "ministral3":
+        return Ministral3Config(**_COMMON, **special, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                tie_word_embeddings=False, sliding_window=SLIDING_WINDOW[kind],
+                                rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+                                                 "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                 "llama_4_scaling_beta": 0.5})
     if kind == "qwen3-untied":
         return Qwen3Config(
             **_COMMON,
@@ -440,6 +473,9 @@ def make_config(kind: str):
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                              "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}},
         )
+    if kind == "vaultgemma":
+        return VaultGemmaConfig(**gemma, query_pre_attn_scalar=24, attn_logit_softcapping=GEMMA2_ATTN_SOFTCAP,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "gemma2":
         return Gemma2Config(
             **gemma,
@@ -474,6 +510,17 @@ def make_config(kind: str):
             residual_multiplier=0.6,
             logits_scaling=2.0,
         )
+    if kind in ("granite-swa", "granitemoe-swa"):
+        swa = dict(**special, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}, embedding_multiplier=3.0,
+                   attention_multiplier=0.4, residual_multiplier=0.6, logits_scaling=2.0,
+                   sliding_window=SLIDING_WINDOW[kind],
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   layer_rope_theta=[10_000.0, 0, 500_000.0])
+        if kind == "granite-swa":
+            return GraniteSWAConfig(**_COMMON, **swa)
+        return GraniteMoeSWAConfig(**{**_COMMON, "intermediate_size": 32}, **swa, shared_intermediate_size=48,
+                                   num_local_experts=8, num_experts_per_tok=2)
     if kind == "smollm3":
         # no_rope_layers [1, 0, 1]: layer 1 has no rope; with use_sliding_window, it is also the windowed layer.
         return SmolLM3Config(
@@ -588,6 +635,16 @@ def make_config(kind: str):
             num_experts_per_tok=2,
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         )
+    if kind == "phimoe":  # the prompts fit in original_max_position_embeddings, their continuations cross it
+        return PhimoeConfig(**{**_COMMON, "intermediate_size": 32}, **special, num_attention_heads=4,
+                            num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True, lm_head_bias=True,
+                            sliding_window=SLIDING_WINDOW[kind], num_local_experts=8, num_experts_per_tok=2,
+                            router_jitter_noise=0.2,
+                            rope_parameters={"rope_type": "longrope", "rope_theta": 10_000.0,
+                                             "original_max_position_embeddings": PHI3_ORIGINAL_MAX_POSITION,
+                                             "short_factor": [1.0, 1.1, 1.2, 1.4, 1.7, 2.0, 2.5, 3.0],
+                                             "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0],
+                                             "short_mscale": 1.1, "long_mscale": 1.3})
     if kind == "qwen2-moe":
         return Qwen2MoeConfig(
             **_COMMON,
@@ -621,6 +678,19 @@ def make_config(kind: str):
             residual_multiplier=0.6,
             logits_scaling=2.0,
         )
+    if kind == "exaone-moe":
+        return ExaoneMoeConfig(**{**_COMMON, "intermediate_size": 64}, **special, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+                               sliding_window=SLIDING_WINDOW[kind], sliding_window_pattern=2, num_experts=8,
+                               num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=1,
+                               first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
+                               routed_scaling_factor=2.5,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "flexolmo":
+        return FlexOlmoConfig(**{**_COMMON, "intermediate_size": 32}, **special, num_attention_heads=4,
+                              num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True, num_experts=8,
+                              num_experts_per_tok=2, norm_topk_prob=True,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "olmoe":
         return OlmoeConfig(
             **{**_COMMON, "intermediate_size": 32},  # each expert's
@@ -804,7 +874,7 @@ def qwen3_next_config(kind: str, special: dict):
 
 
 def ssm_config(kind: str, special: dict):
-    from transformers import BambaConfig, GraniteMoeHybridConfig, Lfm2Config
+    from transformers import BambaConfig, GraniteMoeHybridConfig, Lfm2Config, Lfm2MoeConfig
 
     common = dict(**special, vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, initializer_range=INIT_STD)
@@ -813,6 +883,12 @@ def ssm_config(kind: str, special: dict):
         return Lfm2Config(**common, intermediate_size=128, block_multiple_of=32, norm_eps=1e-5, conv_L_cache=3,
                           conv_bias=True, layer_types=["conv", "full_attention", "conv"], tie_word_embeddings=True,
                           rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    if kind == "lfm2-moe":
+        return Lfm2MoeConfig(**common, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                             num_experts_per_tok=2, num_dense_layers=1, routed_scaling_factor=2.5, norm_eps=1e-5,
+                             conv_L_cache=3, conv_bias=True, layer_types=["conv", "full_attention", "conv"],
+                             tie_word_embeddings=False,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     # 16-token scan chunks (prompts span several; real models: 256), 8 heads of 16 in 2 groups (Bamba: 1).
     mamba = dict(mamba_n_heads=8, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
                  mamba_conv_bias=True, mamba_proj_bias=False, rms_norm_eps=1e-5, hidden_act="silu",
@@ -832,7 +908,13 @@ def ssm_config(kind: str, special: dict):
 
 
 def mamba2_hybrid_config(kind: str, special: dict):
-    from transformers import FalconH1Config, NemotronHConfig, Zamba2Config
+    from transformers import FalconH1Config, Mamba2Config, NemotronHConfig, Zamba2Config
+
+    if kind == "mamba2":  # 8 heads of 16 in 2 groups, 16-token scan chunks, projection biases, tied
+        return Mamba2Config(**special, vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_hidden_layers=3, num_heads=8,
+                            head_dim=16, expand=2, n_groups=2, state_size=16, conv_kernel=4, chunk_size=16,
+                            use_bias=True, use_conv_bias=True, layer_norm_epsilon=1e-5, initializer_range=INIT_STD,
+                            tie_word_embeddings=True)
 
     if kind == "zamba2":  # heads of 2 x 64 / 4 = 32 channels; 8 Mamba2 heads of 16 in 2 groups; adapters of rank 8
         return Zamba2Config(**special, vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_attention_heads=4,
@@ -911,11 +993,16 @@ def _randomize_mamba1_(model, seed: int) -> None:
 
 
 def deepseek_config(kind: str, special: dict):
-    from transformers import DeepseekV2Config, DeepseekV3Config
+    from transformers import DeepseekV2Config, DeepseekV3Config, Glm4MoeLiteConfig
 
     mla = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
                qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, moe_intermediate_size=32,
                tie_word_embeddings=False)
+    if kind == "glm4-moe-lite":
+        return Glm4MoeLiteConfig(**_COMMON, **special, **mla, q_lora_rank=32, n_shared_experts=1,
+                                 mlp_layer_types=["dense", "sparse", "sparse"], n_group=4, topk_group=2,
+                                 norm_topk_prob=True, num_experts_per_tok=2, routed_scaling_factor=2.5,
+                                 rope_interleave=True, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "deepseek-v3":
         return DeepseekV3Config(**_COMMON, **special, **mla, q_lora_rank=32, n_shared_experts=1,
                                 first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
@@ -1026,11 +1113,11 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
     torch.manual_seed(_SEEDS[base_kind])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize_(model, _SEEDS[base_kind])
-    if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2", "gemma"):
+    if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2", "gemma", "vaultgemma"):
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
     if kind in GEMMA4_KINDS:
         _randomize_gemma4_(model, _SEEDS[base_kind])
-    if kind == "gpt-oss":
+    if kind in ("gpt-oss", "granite-swa", "granitemoe-swa"):
         _sharpen_gpt_oss_(model, _SEEDS[base_kind])
     if kind in SSM_KINDS + MAMBA2_HYBRID_KINDS:
         _randomize_mamba_(model, _SEEDS[base_kind])
@@ -1042,8 +1129,8 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
     if kind in MAMBA1_KINDS:
         _randomize_mamba1_(model, _SEEDS[base_kind])
     g = torch.Generator().manual_seed(_SEEDS[base_kind] + 2)
-    for name, buffer in model.named_buffers():  # a buffer, saved with the weights: V3's routing bias
-        if name.endswith("e_score_correction_bias"):
+    for name, buffer in model.named_buffers():  # a buffer, saved with the weights: V3's, LFM2-MoE's routing bias
+        if name.endswith(("e_score_correction_bias", "expert_bias")):
             buffer.copy_(0.3 * torch.randn(buffer.shape, generator=g))
     if config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()

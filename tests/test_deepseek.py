@@ -47,11 +47,13 @@ def test_deepseek_routing_is_transformers_own(kind):
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+    from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import Glm4MoeLiteTopkRouter
 
     config = make_config(kind)
     v3 = kind != "deepseek-v2" and kind != "deepseek-v2-group"
     torch.manual_seed(0)
-    ref = {"deepseek-v3": DeepseekV3TopkRouter, "glm4-moe": Glm4MoeTopkRouter}.get(kind, DeepseekV2TopkRouter)(config)
+    ref = {"deepseek-v3": DeepseekV3TopkRouter, "glm4-moe": Glm4MoeTopkRouter,
+           "glm4-moe-lite": Glm4MoeLiteTopkRouter}.get(kind, DeepseekV2TopkRouter)(config)
     ref.weight.normal_(0, 0.2)
     ours = (DeepseekV3MoE if v3 else DeepseekV2MoE)(config)
     ours.gate.weight.copy_(ref.weight)

@@ -1,9 +1,9 @@
-"""Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5, dots.llm1, ERNIE 4.5, Hunyuan, Llama 4,
-DeepSeek): the fused expert layer against transformers' own MoE block, its tensor-parallel shards, which layers are
-sparse, checkpoint layouts (per expert as on the Hub, Mixtral's names, transformers' stacked experts) and mapping
-errors; on whole models, routing equal to transformers' and varied, chunked prefill + prefix cache + preemption, with
-TP=1 and 2 (DeepSeek's too; its routers and the rest: test_deepseek.py). (Plain whole-model greedy/logits:
-test_correctness.py.)"""
+"""Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, FlexOLMo, GLM-4.5, dots.llm1, ERNIE 4.5, Hunyuan, Llama 4,
+PhiMoE, EXAONE-MoE, DeepSeek): the fused expert layer against transformers' own MoE block, its tensor-parallel shards,
+which layers are sparse, checkpoint layouts (per expert as on the Hub, Mixtral's names, transformers' stacked experts)
+and mapping errors; PhiMoE's sparsemixer against transformers'; on whole models, routing equal to transformers' and
+varied, chunked prefill + prefix cache + preemption, with TP=1 and 2 (DeepSeek's too; its routers and the rest:
+test_deepseek.py). (Plain whole-model greedy/logits: test_correctness.py.)"""
 import pytest
 import torch
 from safetensors import safe_open
@@ -191,7 +191,7 @@ def hf_routing(model_dir, tokens: list[int]) -> list[tuple[torch.Tensor, torch.T
     return found
 
 
-@pytest.mark.parametrize("kind", NEW_KINDS + ("olmoe",))
+@pytest.mark.parametrize("kind", NEW_KINDS + ("olmoe", "flexolmo"))
 def test_routing_is_transformers_own_and_varied(kind, model_dir):
     """Our routers pick the same experts as transformers' for every token of prompts and continuations; the
     choice varies (every expert is used in every sparse layer, most pairs occur) and the k-th expert leads the next
@@ -223,6 +223,19 @@ def test_routing_is_transformers_own_and_varied(kind, model_dir):
         assert ids.unique().numel() == 8 and ids.unique(dim=0).shape[0] >= 20  # of the 28 pairs of 8 experts
 
 
+@pytest.mark.parametrize("jitter_eps", [0.01, 0.1, 0.2])
+def test_sparsemixer_is_transformers_own(jitter_eps):
+    """PhiMoE's routing at inference: the same two experts and weights, bit for bit, as transformers' sparsemixer;
+    the weights mix near experts in (0, 1) for some tokens, not for others."""
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
+    logits = torch.randn(300, 8, generator=torch.Generator().manual_seed(0))
+    weights, ids = fused_moe.select_experts_sparsemixer(logits, jitter_eps)
+    hf_weights, hf_ids = sparsemixer(logits, jitter_eps=jitter_eps, training=False)
+    assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
+    assert (weights < 1).any() and (weights == 1).any()
+
+
 def test_mixtral_hub_layout_loads(model_dir):
     """transformers saves Mixtral as the Hub's checkpoints are: `block_sparse_moe`, experts' `w1`/`w3`/`w2`
     (gate/up/down), which land in our `mlp` router and stacked expert weights."""
@@ -241,8 +254,9 @@ def test_mixtral_hub_layout_loads(model_dir):
 
 # With two ranks too where the family brings weights of its own to shard (OLMoE's, GLM-4.5's and dots.llm1's layers
 # are OLMo 2's, Qwen3's and DeepSeek-V3's, tested sharded here and in test_olmo.py / test_tensor_parallel.py).
-TP2_KINDS = NEW_KINDS + ("granitemoe-shared", "ernie4.5-moe", "hunyuan-moe", "llama4", "gemma4-moe") + DEEPSEEK_KINDS
-CHUNKED_KINDS = TP2_KINDS + ("olmoe", "glm4-moe", "dots1")
+TP2_KINDS = (NEW_KINDS + ("granitemoe-shared", "ernie4.5-moe", "hunyuan-moe", "llama4", "gemma4-moe", "phimoe")
+             + DEEPSEEK_KINDS)
+CHUNKED_KINDS = TP2_KINDS + ("olmoe", "glm4-moe", "dots1", "flexolmo", "exaone-moe", "granitemoe-swa")
 
 
 @pytest.mark.parametrize("kind, tp", [(kind, 1) for kind in CHUNKED_KINDS]
@@ -267,7 +281,7 @@ def test_chunked_prefill_prefix_cache_and_preemption_match_hf(kind, tp, model_di
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
-@pytest.mark.parametrize("kind", ("qwen3-moe",) + NEW_KINDS + ("ernie4.5-moe",))
+@pytest.mark.parametrize("kind", ("qwen3-moe",) + NEW_KINDS + ("ernie4.5-moe", "phimoe"))
 def test_transformers_stacked_expert_layout_matches_hf(kind, model_dir, tmp_path, captured_logits):
     """A checkpoint in transformers' own layout (`save_pretrained(save_original_format=False)`, which transformers
     loads back): stacked experts, Mixtral's MoE named `mlp` rather than `block_sparse_moe`, ERNIE's statics under

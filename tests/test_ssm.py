@@ -1,7 +1,8 @@
-"""LFM2, Bamba, Granite 4.0-H, NemotronH, Falcon-H1 and Zamba2 (short-conv and Mamba2 hybrids) vs transformers under
-chunked prefill, preemption and two tensor-parallel ranks, prefix caching and LLM.embed refused; the Mamba2 scan's
-chunked and one-step forms against each other, and the mixers against transformers' over prompt chunks, decode steps
-and several sequences at once, whole and sharded over two ranks; Zamba2's shared blocks and its refused options."""
+"""LFM2, LFM2-MoE, Bamba, Granite 4.0-H, NemotronH, Falcon-H1 and Zamba2 (short-conv and Mamba2 hybrids) and Mamba2 vs
+transformers under chunked prefill, preemption and two tensor-parallel ranks, prefix caching and LLM.embed refused; the
+Mamba2 scan's chunked and one-step forms against each other, and the mixers against transformers' over prompt chunks,
+decode steps and several sequences at once, whole and sharded over two ranks; Zamba2's shared blocks and its refused
+options."""
 import inspect
 import json
 import re
@@ -50,20 +51,21 @@ def test_chunked_prefill_and_preemption_match_hf(ssm_dir, captured_logits, repor
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["lfm2", "granitemoehybrid", "nemotron-h", "falcon-h1-norm", "bamba", "zamba2"])
+@pytest.mark.parametrize("kind", ["lfm2", "granitemoehybrid", "nemotron-h", "falcon-h1-norm", "bamba", "zamba2",
+                                  "mamba2", "lfm2-moe"])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
-    """Two ranks (a spawned worker): LFM2's short conv sharded by channels; Granite's, NemotronH's, Falcon-H1's,
-    Bamba's and Zamba2's attention, MLPs and experts sharded, their Mamba2 mixers by heads, each rank with its heads'
-    state (Falcon-H1's multipliers folded into each rank's rows; Bamba's one group of B and C whole on both ranks;
-    Zamba2's adapters' B rows split as the projections they add to)."""
+    """Two ranks (a spawned worker): LFM2's short conv sharded by channels (LFM2-MoE's experts too); Granite's,
+    NemotronH's, Falcon-H1's, Bamba's and Zamba2's attention, MLPs and experts sharded, their Mamba2 mixers (Mamba2's
+    alone) by heads, each rank with its heads' state (Falcon-H1's multipliers folded into each rank's rows; Bamba's one
+    group of B and C whole on both ranks; Zamba2's adapters' B rows split as the projections they add to)."""
     llm, _, worst = run(model_dir(kind), captured_logits, prompts=PROMPTS[:4], tensor_parallel_size=2)
     report_logit_diff(f"{kind}, tensor parallel 2", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
     config = llm.llm_engine.config.hf_config
-    heads = next((getattr(config, name) for name in ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads")
+    heads = next((getattr(config, name) for name in ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads", "num_heads")
                   if getattr(config, name, None)), None)
     mixers = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Mamba2Mixer)]
-    assert bool(mixers) == (kind != "lfm2") and all(m.ssm_state.shape[1] * 2 == heads for m in mixers)
+    assert bool(mixers) == (not kind.startswith("lfm2")) and all(m.ssm_state.shape[1] * 2 == heads for m in mixers)
 
 
 def _scan_inputs(n: int, heads: int = 4, groups: int = 2, head_dim: int = 3, state_size: int = 5, seed: int = 0):

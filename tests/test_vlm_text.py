@@ -19,7 +19,7 @@ IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 502, 503, 504, 505
 PROMPTS = random_prompts(3, 5, 440, 2, 40, seed=21) + [[7, VISION_START, IMAGE_TOKEN, IMAGE_TOKEN, VISION_END, 9]]
 KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe",
          "qwen3.5", "qwen3.5-moe", "llava-qwen2", "llava-next", "llava-onevision", "internvl", "smolvlm", "idefics3",
-         "aya-vision", "llama4", "gemma4")
+         "aya-vision", "llama4", "gemma4", "mistral3-ministral3")
 # Gemma 4's wrapper kind keeps the seed it was checked with: at the next one (7118) transformers' own fp32 logits
 # stray 3.9e-4 from its fp64 ones along the greedy path, over this file's 1e-4 bar (ours were 2.2e-4 from its fp32).
 SEEDS = {kind: 7100 + i for i, kind in enumerate(KINDS)} | {"gemma4": 7117}
@@ -53,10 +53,11 @@ def make_vlm_config(kind: str):
         vision = dict(_SIGLIP, num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=64)
         return t.Gemma4Config(text_config=text, vision_config=vision, audio_config=None, image_token_id=IMAGE_TOKEN,
                               video_token_id=VIDEO_TOKEN)
-    if kind == "mistral3":  # an LM head of its own (see build)
+    if kind in ("mistral3", "mistral3-ministral3"):  # an LM head of its own (see build); Ministral-3's text model
         pixtral = dict(_SIGLIP, model_type="pixtral", head_dim=8)
-        return t.Mistral3Config(text_config=make_config("mistral"), vision_config=pixtral,
-                                image_token_index=IMAGE_TOKEN, tie_word_embeddings=False)
+        text = make_config("mistral" if kind == "mistral3" else "ministral3")
+        return t.Mistral3Config(text_config=text, vision_config=pixtral, image_token_index=IMAGE_TOKEN,
+                                tie_word_embeddings=False)
     if kind in ("llava", "llava-mistral", "llava-qwen2"):  # Llama with llama3 rope, Mistral's windows (as Pixtral)
         text = make_config({"llava": "llama", "llava-mistral": "mistral", "llava-qwen2": "qwen2"}[kind])
         return t.LlavaConfig(text_config=text, vision_config=_CLIP, image_token_index=IMAGE_TOKEN, image_seq_length=4)

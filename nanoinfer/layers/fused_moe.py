@@ -1,8 +1,8 @@
 """Mixture-of-experts SwiGLU MLPs: top-k softmax routing (or DeepSeek's group-limited and sigmoid routings, Llama 4's
-sigmoid of the top k), then every expert at once as two grouped matmuls over the token-expert pairs sorted by expert
-(FusedMoE; SparseMoeBlock puts the router in front), optionally with biases and GPT-OSS's clamped SwiGLU, or without a
-gate (NemotronH's relu^2), the routing weights scaling the experts' outputs or (Llama 4) their inputs. Each rank holds
-a slice of every expert's intermediate dimension."""
+sigmoid of the top k, PhiMoE's sparsemixer), then every expert at once as two grouped matmuls over the token-expert
+pairs sorted by expert (FusedMoE; SparseMoeBlock puts the router in front), optionally with biases and GPT-OSS's
+clamped SwiGLU, or without a gate (NemotronH's relu^2), the routing weights scaling the experts' outputs or (Llama 4)
+their inputs. Each rank holds a slice of every expert's intermediate dimension."""
 import re
 from collections.abc import Callable
 
@@ -72,19 +72,20 @@ def select_experts_softmax_grouped(router_logits: torch.Tensor, top_k: int, num_
     return weights * scaling, ids
 
 
-def select_experts_sigmoid_biased(router_logits: torch.Tensor, top_k: int, correction_bias: torch.Tensor,
-                                  num_groups: int, topk_group: int, renormalize: bool, scaling: float
-                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts_sigmoid_biased(router_logits: torch.Tensor, top_k: int, correction_bias: torch.Tensor | None,
+                                  num_groups: int, topk_group: int, renormalize: bool, scaling: float,
+                                  eps: float = 1e-20) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 ("noaux_tc"): sigmoid scores; the choice, among the topk_group groups whose two best biased
-    scores sum highest, is the top k of score + correction_bias; the weights are the unbiased scores (optionally
-    rescaled to sum to 1), times `scaling`."""
+    scores sum highest, is the top k of score + correction_bias (None: of the scores); the weights are the unbiased
+    scores (optionally rescaled to sum to 1, eps added to the sum: transformers' 1e-20 for DeepSeek, 1e-6 for
+    LFM2-MoE), times `scaling`."""
     scores = router_logits.float().sigmoid()
-    biased = scores + correction_bias.float()
+    biased = scores if correction_bias is None else scores + correction_bias.float()
     group_scores = biased.view(scores.shape[0], num_groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
     ids = torch.topk(mask_to_top_groups(biased, group_scores, topk_group, float("-inf")), top_k, dim=-1)[1]
     weights = scores.gather(1, ids)
     if renormalize:
-        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20  # transformers' epsilon
+        weights /= weights.sum(dim=-1, keepdim=True) + eps
     return weights * scaling, ids
 
 
@@ -93,6 +94,26 @@ def select_experts_sigmoid_topk(router_logits: torch.Tensor, top_k: int) -> tupl
     Llama4Router computes them."""
     logits, ids = torch.topk(router_logits, top_k, dim=-1)
     return torch.sigmoid(logits.float()).to(router_logits.dtype), ids
+
+
+def select_experts_sparsemixer(router_logits: torch.Tensor, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PhiMoE's sparsemixer at inference: two experts, the best and the second best; each weighs by a softmax over
+    the experts whose logit lies within a relative 2 * jitter_eps of its own (the first choice left out of the
+    second's), in the logits' dtype, as transformers computes it."""
+    first = router_logits.argmax(dim=-1, keepdim=True)
+    second_logits = router_logits.scatter(-1, first, float("-inf"))
+    second = second_logits.argmax(dim=-1, keepdim=True)
+    weights = [_sparsemixer_weight(router_logits, logits, chosen, jitter_eps)
+               for logits, chosen in ((router_logits, first), (second_logits, second))]
+    return torch.cat(weights, dim=-1), torch.cat((first, second), dim=-1)
+
+
+def _sparsemixer_weight(scores: torch.Tensor, logits: torch.Tensor, chosen: torch.Tensor, jitter_eps: float
+                        ) -> torch.Tensor:
+    """The softmax weight of the chosen expert (the top of `logits`) over those of `logits` near it."""
+    top = logits.gather(-1, chosen)
+    far = (top - scores) / scores.abs().clamp(min=top) > 2 * jitter_eps
+    return torch.softmax(logits.masked_fill(far, float("-inf")), dim=-1).gather(-1, chosen)
 
 
 # (gate, up) -> the activation that the down projection takes; of non-gated experts: (up) -> it.

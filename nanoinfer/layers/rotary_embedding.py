@@ -1,6 +1,7 @@
 """Rotary position embeddings with a precomputed cos/sin table, over the whole head or, with
 `partial_rotary_factor`, over its leading dimensions only: the neox layout (dimension i with i + rotary_dim / 2,
 most families) or the interleaved one (pairs (x0, x1), (x2, x3), ...: Cohere, GLM)."""
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -56,6 +57,14 @@ def inv_frequencies(config: PretrainedConfig, rotary_dim: int, layer_type: str |
     return inv_freq.float(), float(scaling)
 
 
+def with_rope_theta(config: PretrainedConfig, theta: float) -> PretrainedConfig:
+    """A shallow copy of config whose rope settings have base theta, as transformers' GraniteSWA builds one rotary
+    embedding per layer base."""
+    config = copy.copy(config)
+    config.rope_parameters = {**rope_parameters(config), "rope_theta": theta}
+    return config
+
+
 def longrope_frequencies(config: PretrainedConfig, max_position: int) -> tuple[torch.Tensor, float]:
     """Per-position inverse frequencies [max_position, rotary_dim / 2] of longrope (Phi-3, Phi-4-mini), and its
     attention scaling. transformers rotates a forward pass with the long factors when its sequence reaches
@@ -71,12 +80,15 @@ def longrope_frequencies(config: PretrainedConfig, max_position: int) -> tuple[t
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, scaling: float = 1.0,
+    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, scaling: float | torch.Tensor = 1.0,
                  interleaved: bool = False):
-        """inv_freq: [rotary_dim / 2], or one row per position [max_position, rotary_dim / 2]. interleaved: pair i
-        rotates dimensions (2i, 2i + 1) instead of (i, i + rotary_dim / 2)."""
+        """inv_freq: [rotary_dim / 2], or one row per position [max_position, rotary_dim / 2]; scaling: one factor,
+        or one per position [max_position, 1] (PhiMoE's). interleaved: pair i rotates dimensions (2i, 2i + 1)
+        instead of (i, i + rotary_dim / 2)."""
         super().__init__()
         inv_freq = inv_freq.to(torch.get_default_device())  # the table is built where the model is
+        if isinstance(scaling, torch.Tensor):
+            scaling = scaling.to(inv_freq.device)
         freqs = torch.arange(max_position, dtype=torch.float32).unsqueeze(1) * inv_freq
         # Non-persistent: derived from the config, never in a checkpoint.
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
@@ -140,10 +152,12 @@ def shared_rope_tables() -> Iterator[None]:
 
 
 def get_rope(config: PretrainedConfig, head_dim: int, max_position: int, layer_type: str | None = None,
-             interleaved: bool = False, rotary_dim: int | None = None) -> RotaryEmbedding:
+             interleaved: bool = False, rotary_dim: int | None = None, theta: float | None = None) -> RotaryEmbedding:
     """The rotary embedding of the config's rope settings (for `layer_type`, where they differ by layer type), in the
     interleaved layout where asked (see RotaryEmbedding), over rotary_dim leading dims where given (else the
-    settings' partial_rotary_factor of the head)."""
+    settings' partial_rotary_factor of the head), with base theta where given (else the settings')."""
+    if theta is not None:
+        config = with_rope_theta(config, theta)
     params = rope_parameters(config, layer_type)
     rotary_dim = rotary_dim or int(head_dim * params.get("partial_rotary_factor", 1.0))
     device = torch.get_default_device()

@@ -34,6 +34,18 @@ def deepseek_v3_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
     return LlamaMLP(config) if layer_idx < config.first_k_dense_replace else DeepseekV3MoE(config)
 
 
+_MLP_TYPES = ("dense", "sparse")
+
+
+def mlp_by_layer_type(config: PretrainedConfig, layer_idx: int) -> nn.Module:
+    """GLM-4.7-Flash's and EXAONE-MoE's rule: each MLP dense or DeepSeek-V3's MoE as `mlp_layer_types` says."""
+    mlp_type = config.mlp_layer_types[layer_idx]
+    if mlp_type not in _MLP_TYPES:
+        raise ValueError(f"mlp_layer_types[{layer_idx}]={mlp_type!r} in the model config; expected one of "
+                         f"{_MLP_TYPES}")
+    return DeepseekV3MoE(config) if mlp_type == "sparse" else LlamaMLP(config)
+
+
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     moe_class = DeepseekV3MoE
 

@@ -1,11 +1,19 @@
 """IBM Granite (3.x dense): the Llama decoder with four scalars — embeddings times `embedding_multiplier`, scores
-scaled by `attention_multiplier`, each sublayer's output times `residual_multiplier`, logits over `logits_scaling`."""
+scaled by `attention_multiplier`, each sublayer's output times `residual_multiplier`, logits over `logits_scaling`.
+GraniteSWA adds attention sinks (GPT-OSS's), windows on the layers `layer_types` marks "sliding_attention" and a rope
+base per layer (`layer_rope_theta`; 0: no position encoding)."""
+from dataclasses import replace
+
 import torch
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.attention import AttentionMetadata
+from nanoinfer.models.gpt_oss import GptOssForCausalLM
 from nanoinfer.models.llama import (AttentionOptions, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, MLPFactory,
-                                    OptionsFactory)
+                                    OptionsFactory, layer_sliding_window)
+
+# The sinks' checkpoint name, as GPT-OSS's.
+SINKS_SUBSTITUTION = GptOssForCausalLM.weight_name_substitutions
 
 
 class GraniteDecoderLayer(LlamaDecoderLayer):
@@ -47,3 +55,15 @@ class GraniteForCausalLM(LlamaForCausalLM):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head(hidden_states)
         return None if logits is None else logits / self.logits_scaling
+
+
+def swa_attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
+    """Granite's, with sinks, the layer's window and its rope base (GraniteSWA, GraniteMoeSWA)."""
+    theta = config.layer_rope_theta[layer_idx]
+    return replace(GraniteForCausalLM.attention_options(config, layer_idx), sinks=True,
+                   sliding_window=layer_sliding_window(config, layer_idx), rope=bool(theta), rope_theta=theta or None)
+
+
+class GraniteSWAForCausalLM(GraniteForCausalLM):
+    weight_name_substitutions = SINKS_SUBSTITUTION
+    attention_options = staticmethod(swa_attention_options)

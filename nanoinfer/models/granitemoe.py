@@ -5,7 +5,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.fused_moe import SparseMoeBlock
-from nanoinfer.models.granite import GraniteForCausalLM
+from nanoinfer.models.granite import SINKS_SUBSTITUTION, GraniteForCausalLM, swa_attention_options
 from nanoinfer.models.llama import LlamaMLP
 
 
@@ -36,3 +36,11 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
         return GraniteMoeBlock(config)
+
+
+class GraniteMoeSWAForCausalLM(GraniteMoeForCausalLM):
+    # transformers saves its experts in its own stacked layout under `block_sparse_moe`, the router as `router`.
+    weight_name_substitutions = (GraniteMoeForCausalLM.weight_name_substitutions | SINKS_SUBSTITUTION
+                                 | {".block_sparse_moe.router.": ".mlp.gate.",
+                                    ".block_sparse_moe.experts.": ".mlp.experts."})
+    attention_options = staticmethod(swa_attention_options)

@@ -1,8 +1,13 @@
 """LFM2 (`Lfm2ForCausalLM`): gated short-convolution layers and attention layers with per-head q/k norms, by
-`layer_types`, each followed by a SwiGLU MLP; the final norm is the checkpoint's `embedding_norm`."""
+`layer_types`, each followed by a SwiGLU MLP; the final norm is the checkpoint's `embedding_norm`. LFM2-MoE
+(`Lfm2MoeForCausalLM`): the same layers, the MLPs after the first `num_dense_layers` routed experts (sigmoid scores,
+chosen with an `expert_bias`, renormalized and scaled)."""
+import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanoinfer.layers.fused_moe import FusedMoE, select_experts_sigmoid_biased
+from nanoinfer.layers.linear import ReplicatedLinear
 from nanoinfer.layers.short_conv import ShortConv
 from nanoinfer.models.hybrid import HybridDecoderLayer, HybridForCausalLM
 from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaMLP
@@ -31,6 +36,7 @@ class Lfm2ForCausalLM(HybridForCausalLM):
         ".feed_forward.w1.": ".mlp.gate_proj.",
         ".feed_forward.w3.": ".mlp.up_proj.",
         ".feed_forward.w2.": ".mlp.down_proj.",
+        ".feed_forward.": ".mlp.",  # LFM2-MoE's experts, router and expert_bias
         ".operator_norm.": ".input_layernorm.",
         ".ffn_norm.": ".post_attention_layernorm.",
         "model.embedding_norm.": "model.norm.",
@@ -42,9 +48,37 @@ class Lfm2ForCausalLM(HybridForCausalLM):
             mixer = LlamaAttention(config, AttentionOptions(qk_norm=True))
         else:
             mixer = ShortConv(config.hidden_size, config.conv_L_cache, config.conv_bias)
-        mlp = LlamaMLP(config, lfm2_intermediate_size(config), "silu")
-        return HybridDecoderLayer(config, mixer, is_attention, mlp, config.norm_eps)
+        return HybridDecoderLayer(config, mixer, is_attention, self.make_mlp(config, layer_idx), config.norm_eps)
+
+    def make_mlp(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        return LlamaMLP(config, lfm2_intermediate_size(config), "silu")
 
     def __init__(self, config: PretrainedConfig):
         config.rms_norm_eps = config.norm_eps  # what LlamaAttention's q/k norms read
         super().__init__(config, config.norm_eps)
+
+
+class Lfm2MoeBlock(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.top_k, self.renormalize, self.scaling = (config.num_experts_per_tok, config.norm_topk_prob,
+                                                      config.routed_scaling_factor)
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts)
+        # A float32 buffer in transformers, as DeepSeek-V3's correction bias.
+        self.expert_bias = (nn.Parameter(torch.empty(config.num_experts, dtype=torch.float32), requires_grad=False)
+                            if config.use_expert_bias else None)
+        self.experts = FusedMoE(config.num_experts, self.top_k, config.hidden_size, config.moe_intermediate_size,
+                                renormalize=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # One group of every expert: no group limit.
+        weights, ids = select_experts_sigmoid_biased(self.gate(x), self.top_k, self.expert_bias, 1, 1,
+                                                     self.renormalize, self.scaling, eps=1e-6)
+        return self.experts.run_experts(x, weights.to(x.dtype), ids)
+
+
+class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
+    def make_mlp(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        if layer_idx < config.num_dense_layers:
+            return LlamaMLP(config, config.intermediate_size, "silu")  # without LFM2's width adjustment
+        return Lfm2MoeBlock(config)

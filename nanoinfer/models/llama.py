@@ -34,15 +34,17 @@ class AttentionOptions:
     scale: float | None = None
     rope_layer_type: str | None = None
     rope: bool = True  # SmolLM3's NoPE layers: no position encoding at all
+    rope_theta: float | None = None  # GraniteSWA: this layer's rope base, in place of the config's
     rope_interleaved: bool = False  # Cohere, GLM: rope rotates the pairs (x0, x1), (x2, x3), ...
     logits_soft_cap: float | None = None  # Gemma 2: scores capped to cap * tanh(score / cap)
     clip_qkv: float | None = None  # OLMo: q, k, v clamped to [-clip_qkv, clip_qkv] first (OLMoE: after q/k norms)
     num_kv_heads: int | None = None  # where the config's `num_key_value_heads` does not say (Falcon, GPTBigCode)
     rotary_dim: int | None = None  # GPT-J: the leading dims rotated, where the config's rope settings do not say
     sinks: bool = False  # GPT-OSS: a learned logit per head joins each softmax's denominator
-    # Llama 4's NoPE layers (attention temperature tuning): (floor_scale, attn_scale), the query at position p scaled
-    # by 1 + attn_scale * log(1 + floor((p + 1) / floor_scale)).
-    query_temperature: tuple[float, float] | None = None
+    # Llama 4's NoPE layers (attention temperature tuning) and Ministral 3: (floor_scale, attn_scale, offset), the
+    # query at position p scaled by 1 + attn_scale * log(1 + floor((p + offset) / floor_scale)); offset 1 (Llama 4)
+    # or 0 (Ministral 3).
+    query_temperature: tuple[float, float, float] | None = None
     # ModernBERT's local layers: the window holds in the (non-causal) encoder pass, on both sides (see Attention)
     encoder_only: bool = False
     # Gemma 4: the layer's own head size (its full layers' heads are wider than the config's `head_dim`), values
@@ -63,10 +65,12 @@ def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None
     return window
 
 
-def scale_query(q: torch.Tensor, positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
+def scale_query(q: torch.Tensor, positions: torch.Tensor, floor_scale: float, attn_scale: float, offset: float
+                ) -> torch.Tensor:
     """q [tokens, heads, head_dim] times its position's temperature (AttentionOptions.query_temperature), computed
-    in fp32 and the product rounded to q's dtype, as transformers' Llama4TextAttention does."""
-    scale = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+    in fp32 and the product rounded to q's dtype, as transformers' Llama4TextAttention does (its Ministral 3 rounds
+    the factor first: the same in fp32)."""
+    scale = torch.log1p(torch.floor((positions.float() + offset) / floor_scale)) * attn_scale + 1.0
     return (q * scale[:, None, None]).to(q.dtype)
 
 
@@ -90,7 +94,8 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = self.o_proj_class(num_heads * self.head_dim, config.hidden_size, options.o_bias)
         self.rotary_emb = (get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type,
-                                    options.rope_interleaved, options.rotary_dim) if options.rope else None)
+                                    options.rope_interleaved, options.rotary_dim, options.rope_theta)
+                           if options.rope else None)
         scale = self.head_dim ** -0.5 if options.scale is None else options.scale
         self.attn = self.attn_class(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window,
                                     options.logits_soft_cap, sinks=options.sinks, encoder_only=options.encoder_only)

@@ -47,7 +47,8 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         rope = bool(config.no_rope_layers[layer_idx])  # 1: the layer uses rope (transformers' naming)
         bias = config.attention_bias
         # HF checkpoints keep Meta's q/k layout: rope rotates the pairs (x0, x1), (x2, x3), ... (complex numbers).
-        temperature = (config.floor_scale, config.attn_scale) if config.attn_temperature_tuning and not rope else None
+        tuned = config.attn_temperature_tuning and not rope
+        temperature = (config.floor_scale, config.attn_scale, 1.0) if tuned else None
         return AttentionOptions(qkv_bias=bias, o_bias=bias, rope=rope, rope_interleaved=True,
                                 qk_norm=config.use_qk_norm and rope, qk_norm_after_rope=True,
                                 qk_norm_class=WeightlessRMSNorm, query_temperature=temperature)

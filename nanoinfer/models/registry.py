@@ -16,7 +16,9 @@ _MODELS = {
     "Ernie4_5_MoeForCausalLM": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
     "Ernie4_5ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),
     "Exaone4ForCausalLM": ("exaone4", "Exaone4ForCausalLM"),
+    "ExaoneMoeForCausalLM": ("exaone_moe", "ExaoneMoeForCausalLM"),
     "FalconForCausalLM": ("falcon", "FalconForCausalLM"),
+    "FlexOlmoForCausalLM": ("olmoe", "FlexOlmoForCausalLM"),
     "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
@@ -24,6 +26,7 @@ _MODELS = {
     "GlmForCausalLM": ("glm", "GlmForCausalLM"),
     "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
     "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeForCausalLM"),
+    "Glm4MoeLiteForCausalLM": ("glm4_moe_lite", "Glm4MoeLiteForCausalLM"),
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
     "GPTBigCodeForCausalLM": ("gpt_bigcode", "GPTBigCodeForCausalLM"),
     "GPTJForCausalLM": ("gptj", "GPTJForCausalLM"),
@@ -32,11 +35,15 @@ _MODELS = {
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "GraniteMoeForCausalLM": ("granitemoe", "GraniteMoeForCausalLM"),
     "GraniteMoeSharedForCausalLM": ("granitemoe", "GraniteMoeForCausalLM"),
+    "GraniteMoeSWAForCausalLM": ("granitemoe", "GraniteMoeSWAForCausalLM"),
+    "GraniteSWAForCausalLM": ("granite", "GraniteSWAForCausalLM"),
     "HeliumForCausalLM": ("helium", "HeliumForCausalLM"),
     "HunYuanDenseV1ForCausalLM": ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
     "HunYuanMoEV1ForCausalLM": ("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
+    "MinistralForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama's windows by layer_types (Qwen2's attention)
+    "Ministral3ForCausalLM": ("ministral3", "Ministral3ForCausalLM"),
     "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "NemotronForCausalLM": ("nemotron", "NemotronForCausalLM"),
@@ -46,6 +53,7 @@ _MODELS = {
     "OlmoeForCausalLM": ("olmoe", "OlmoeForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "PhiForCausalLM": ("phi", "PhiForCausalLM"),
+    "PhimoeForCausalLM": ("phimoe", "PhimoeForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
@@ -57,6 +65,7 @@ _MODELS = {
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
     "StableLmForCausalLM": ("stablelm", "StableLmForCausalLM"),
     "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
+    "VaultGemmaForCausalLM": ("vaultgemma", "VaultGemmaForCausalLM"),
 }
 # Hybrids of attention with recurrent layers (Mamba2, short convolutions; Zamba2's shared attention blocks).
 _MODELS |= {
@@ -64,14 +73,16 @@ _MODELS |= {
     "FalconH1ForCausalLM": ("falcon_h1", "FalconH1ForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
     "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
+    "Lfm2MoeForCausalLM": ("lfm2", "Lfm2MoeForCausalLM"),
     "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
     "Zamba2ForCausalLM": ("zamba2", "Zamba2ForCausalLM"),
 }
-# State-space models on the Mamba-1 mixer, alone or with attention.
+# State-space models: on the Mamba-1 mixer, alone or with attention; on the Mamba2 mixer alone.
 _MODELS |= {
     "FalconMambaForCausalLM": ("falcon_mamba", "FalconMambaForCausalLM"),
     "JambaForCausalLM": ("jamba", "JambaForCausalLM"),
     "MambaForCausalLM": ("mamba", "MambaForCausalLM"),
+    "Mamba2ForCausalLM": ("mamba", "Mamba2ForCausalLM"),
 }
 
 # Sequence classification (see classification.py) over the decoder of the causal LM of the same family.
@@ -102,7 +113,8 @@ _VISION_LANGUAGE = {
     "Gemma3ForConditionalGeneration": {"gemma3_text": _MODELS["Gemma3ForCausalLM"]},
     "Gemma4ForConditionalGeneration": {"gemma4_text": _MODELS["Gemma4ForCausalLM"]},
     "Llama4ForConditionalGeneration": {"llama4_text": _MODELS["Llama4ForCausalLM"]},
-    "Mistral3ForConditionalGeneration": {"mistral": _MODELS["MistralForCausalLM"]},
+    "Mistral3ForConditionalGeneration": {"mistral": _MODELS["MistralForCausalLM"],
+                                         "ministral3": _MODELS["Ministral3ForCausalLM"]},
     "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": _MODELS["Qwen2ForCausalLM"]},
     "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": _MODELS["Qwen2ForCausalLM"]},
     "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": _MODELS["Qwen3ForCausalLM"]},
@@ -117,7 +129,7 @@ _VISION_LANGUAGE = {
 
 # Families whose attention adds a learned logit per head to every softmax (attention sinks), which flash-attn 2 lacks:
 # the attention backend is chosen with them in mind (selector.select_backend).
-_ATTENTION_SINKS = {"GptOssForCausalLM"}
+_ATTENTION_SINKS = {"GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
