@@ -13,7 +13,7 @@ from transformers import PretrainedConfig
 from models import (MAMBA1_KINDS, MAMBA2_HYBRID_KINDS, QWEN3_NEXT_KINDS, SSM_KINDS, check_bf16_outputs, hf_greedy,
                     load_hf_model, random_prompts)
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.layers.fused_moe import FusedMoE, relu2, select_experts_topk_softmax
+from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, relu2, select_experts_topk_softmax
 from nanoinfer.layers.layernorm import Fp32ResidualRMSNorm, GemmaRMSNorm, OlmoRMSNorm, RMSNorm
 from nanoinfer.layers.recurrent import causal_conv1d
 from nanoinfer.models.deepseek_v3 import DeepseekV3MoE
@@ -192,6 +192,28 @@ def test_v3_moe_block_in_bf16_is_transformers_own(family):
     ours.shared_experts.gate_up_proj.weight.data.copy_(torch.cat([weights["shared_experts.gate_proj.weight"],
                                                                   weights["shared_experts.up_proj.weight"]]))
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert torch.equal(ours(x), hf(x[None])[0])
+
+
+def test_mixtral_moe_block_in_bf16_is_transformers_own():
+    """Mixtral's router leaves its renormalized weights in fp32: each expert's bf16 output times its weight in fp32,
+    each token's two products summed in fp32, rounded once. Bit for bit (rounding the weights to bf16 first, as
+    Qwen's routers do, most rows differ)."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    config = MixtralConfig(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)
+    config._experts_implementation = "grouped_mm"
+    hf = MixtralSparseMoeBlock(config)
+    g = torch.Generator().manual_seed(0)
+    for param in hf.state_dict().values():
+        param.copy_(0.3 * torch.randn(param.shape, generator=g))
+    ours = built_in_bf16(lambda: SparseMoeBlock(config, 8, 32, renormalize=True, fp32_weights=True))
+    for target, source in ((ours.gate.weight, hf.gate.weight), (ours.experts.w13_weight, hf.experts.gate_up_proj),
+                           (ours.experts.w2_weight, hf.experts.down_proj)):
+        target.data.copy_(source.data)
+    hf.to(torch.bfloat16)
+    x = torch.randn(64, 64, generator=g).bfloat16()
     assert torch.equal(ours(x), hf(x[None])[0])
 
 

@@ -41,13 +41,15 @@ def expert_weight_target(name: str) -> tuple[str, tuple[int, str] | None] | None
     return f"{name[:m.start()]}.experts.{'w2' if proj == 'down' else 'w13'}_{kind}", shard
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax in fp32 over all experts, keep the top k (optionally rescaled to sum to 1), as transformers does."""
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in fp32 over all experts, keep the top k (optionally rescaled to sum to 1), as transformers does; the
+    weights rounded to the logits' dtype, or (fp32_weights: Mixtral's router) left in fp32."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights /= weights.sum(dim=-1, keepdim=True)
-    return weights.to(router_logits.dtype), ids
+    return weights if fp32_weights else weights.to(router_logits.dtype), ids
 
 
 def select_experts_topk_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,11 +167,13 @@ class FusedMoE(nn.Module):
     gated=False: experts without a gate (w13 holds the up rows alone), `activation` taking the up projection.
     apply_router_weight_on_input: the routing weights scale each expert's input rather than its output (Llama 4).
     stacked_transposed: the family's stacked checkpoint tensors are always [experts, in, out] (Llama 4), also where
-    hidden = 2 * inter makes the gate/up tensor's shape read either way."""
+    hidden = 2 * inter makes the gate/up tensor's shape read either way.
+    fp32_weights: forward's routing weights left in fp32 in 16-bit models (see select_experts)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  reduce_results: bool = True, bias: bool = False, activation: GatedActivation = silu_and_mul,
-                 gated: bool = True, apply_router_weight_on_input: bool = False, stacked_transposed: bool = False):
+                 gated: bool = True, apply_router_weight_on_input: bool = False, stacked_transposed: bool = False,
+                 fp32_weights: bool = False):
         super().__init__()
         self.tp_rank, self.tp_size, self.tp_group = tp_rank(), tp_size(), tp_group()
         if intermediate_size % self.tp_size:
@@ -181,6 +185,7 @@ class FusedMoE(nn.Module):
                                                                                reduce_results)
         self.intermediate_size, self.gated = intermediate_size, gated
         self.apply_router_weight_on_input, self.stacked_transposed = apply_router_weight_on_input, stacked_transposed
+        self.fp32_weights = fp32_weights
         inter, projections = intermediate_size // self.tp_size, 2 if gated else 1
         self.w13_weight = nn.Parameter(torch.empty(num_experts, projections * inter, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, inter), requires_grad=False)
@@ -248,7 +253,7 @@ class FusedMoE(nn.Module):
                 copy_weight(param.data.narrow(1, half * inter, inter), part(half * full + start))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        return self.run_experts(x, *select_experts(router_logits, self.top_k, self.renormalize))
+        return self.run_experts(x, *select_experts(router_logits, self.top_k, self.renormalize, self.fp32_weights))
 
     def run_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """The experts of a routing made elsewhere (DeepSeek's), weighted, summed and (unless reduce_results is
@@ -266,14 +271,14 @@ class SparseMoeBlock(nn.Module):
     """An MoE layer's routed MLP: a replicated router (`gate`) scores the experts, each token goes to its top k."""
 
     def __init__(self, config: PretrainedConfig, num_experts: int, intermediate_size: int, renormalize: bool,
-                 top_k: int | None = None):
-        """top_k: experts per token; None: config.num_experts_per_tok."""
+                 top_k: int | None = None, fp32_weights: bool = False):
+        """top_k: experts per token; None: config.num_experts_per_tok. fp32_weights: see FusedMoE."""
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
         self.gate = ReplicatedLinear(config.hidden_size, num_experts)  # the router
         self.experts = FusedMoE(num_experts, top_k or config.num_experts_per_tok, config.hidden_size,
-                                intermediate_size, renormalize)
+                                intermediate_size, renormalize, fp32_weights=fp32_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x))
