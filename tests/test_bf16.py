@@ -2,19 +2,24 @@
 as on a GPU machine without them). Where transformers keeps a value in fp32 in 16-bit models, so does the engine, bit
 for bit against transformers' own modules: Gemma's, Qwen3-Next's and Qwen3.5's (1 + weight) norms and NemotronH's
 norms (weight applied in fp32), Mamba's fp32 residual stream (`residual_in_fp32`), the convs' fp32 accumulation
-(F.conv1d's), NemotronH's fp32 sum of the weighted experts. Then the recurrent and hybrid families end to end, measured
-against transformers' own bf16 rounding error as test_gpu.py measures every family on a GPU (check_bf16_outputs)."""
+(F.conv1d's), NemotronH's fp32 sum of the weighted experts; so do the MoE blocks of the attention families where a
+16-bit step is transformers' own (GLM-4.5's and DeepSeek-V3's fp32 correction bias and fp32-weighted sum, Mixtral's
+fp32 routing weights, GPT-OSS's and GraniteMoE's softmax over the top k logits). Then the recurrent and hybrid
+families end to end, measured against transformers' own bf16 rounding error as test_gpu.py measures every family on a
+GPU (check_bf16_outputs)."""
 from collections.abc import Callable
 
 import pytest
 import torch
+from transformers import PretrainedConfig
 
 from models import (MAMBA1_KINDS, MAMBA2_HYBRID_KINDS, QWEN3_NEXT_KINDS, SSM_KINDS, check_bf16_outputs, hf_greedy,
                     load_hf_model, random_prompts)
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.layers.fused_moe import FusedMoE, relu2
+from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, relu2, select_experts_topk_softmax
 from nanoinfer.layers.layernorm import Fp32ResidualRMSNorm, GemmaRMSNorm, OlmoRMSNorm, RMSNorm
 from nanoinfer.layers.recurrent import causal_conv1d
+from nanoinfer.models.deepseek_v3 import DeepseekV3MoE
 
 # Granite 4.0-H's and Qwen3-Next's routers sit at bf16 near-ties on these prompts (Granite's: top-2 and 3rd expert
 # 0.002 apart at several tokens of every prompt; Qwen3-Next's: 0.1306 and 0.1288 at prompt 0, step 3), which rounding
@@ -137,8 +142,7 @@ def test_nemotron_h_experts_sum_in_fp32_as_transformers():
                              mlp_hidden_act="relu2")
     g = torch.Generator().manual_seed(0)
     hf = NemotronHExperts(config).to(torch.bfloat16)
-    ours = built_in_bf16(lambda: FusedMoE(8, 2, 64, 32, renormalize=False, activation=relu2, gated=False,
-                                          fp32_sum=True))
+    ours = built_in_bf16(lambda: FusedMoE(8, 2, 64, 32, renormalize=False, activation=relu2, gated=False))
     for param, target in ((hf.up_proj, ours.w13_weight), (hf.down_proj, ours.w2_weight)):
         param.data.copy_(0.3 * torch.randn(param.shape, generator=g))
         target.data.copy_(param.data)
@@ -146,6 +150,100 @@ def test_nemotron_h_experts_sum_in_fp32_as_transformers():
     weights = 2.5 * torch.rand(40, 2, generator=g)  # fp32, as the sigmoid router's (times routed_scaling_factor)
     ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(40)])
     assert torch.equal(ours.run_experts(x, weights, ids), hf(x, ids, weights))
+
+
+def _hf_v3_moe(family: str) -> tuple[torch.nn.Module, PretrainedConfig]:
+    """transformers' GLM-4.5 or DeepSeek-V3 MoE block (sigmoid router with the correction bias in 8 experts of 4
+    groups, 2 of them per token, renormalized and scaled; one shared expert) with random fp32 weights, and its config
+    (experts run as from_pretrained runs them: grouped_mm)."""
+    from transformers import DeepseekV3Config, Glm4MoeConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as HfDeepseekV3MoE
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
+
+    config_class, block = {"glm4-moe": (Glm4MoeConfig, Glm4MoeMoE),
+                           "deepseek-v3": (DeepseekV3Config, HfDeepseekV3MoE)}[family]
+    config = config_class(hidden_size=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                          n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, n_shared_experts=1)
+    config._experts_implementation = "grouped_mm"
+    hf = block(config)
+    g = torch.Generator().manual_seed(0)
+    for param in hf.state_dict().values():
+        param.copy_(0.3 * torch.randn(param.shape, generator=g))
+    # Scores near 0.5 and biases near 3 (bf16's spacing there: 1/64): rounded to bf16, the bias moves choices.
+    hf.gate.weight.data.mul_(0.1)
+    hf.gate.e_score_correction_bias.copy_(3 + 0.05 * torch.randn(8, generator=g))
+    return hf, config
+
+
+@pytest.mark.parametrize("family", ["glm4-moe", "deepseek-v3"])
+def test_v3_moe_block_in_bf16_is_transformers_own(family):
+    """GLM-4.5's and DeepSeek-V3's MoE block, from an fp32 checkpoint into a bf16 model: transformers keeps the
+    correction bias in fp32 (`_keep_in_fp32_modules_strict`), weights each expert's bf16 output by its fp32 routing
+    weight in fp32 and sums each token's k products in fp32, rounding once, then adds the shared expert. Bit for bit
+    (with the bias rounded to bf16 the routing differs at near-ties; with the products rounded to bf16 or summed in
+    bf16, most rows differ by an ulp)."""
+    hf, config = _hf_v3_moe(family)
+    weights = {name: tensor.clone() for name, tensor in hf.state_dict().items()}
+    hf.to(torch.bfloat16).gate.e_score_correction_bias = weights["gate.e_score_correction_bias"]
+    ours = built_in_bf16(lambda: DeepseekV3MoE(config))
+    for target, source in ((ours.gate.weight, "gate.weight"),
+                           (ours.gate.e_score_correction_bias, "gate.e_score_correction_bias"),
+                           (ours.experts.w13_weight, "experts.gate_up_proj"), (ours.experts.w2_weight,
+                                                                               "experts.down_proj"),
+                           (ours.shared_experts.down_proj.weight, "shared_experts.down_proj.weight")):
+        target.data.copy_(weights[source])
+    ours.shared_experts.gate_up_proj.weight.data.copy_(torch.cat([weights["shared_experts.gate_proj.weight"],
+                                                                  weights["shared_experts.up_proj.weight"]]))
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert torch.equal(ours(x), hf(x[None])[0])
+
+
+def test_mixtral_moe_block_in_bf16_is_transformers_own():
+    """Mixtral's router leaves its renormalized weights in fp32: each expert's bf16 output times its weight in fp32,
+    each token's two products summed in fp32, rounded once. Bit for bit (rounding the weights to bf16 first, as
+    Qwen's routers do, most rows differ)."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    config = MixtralConfig(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)
+    config._experts_implementation = "grouped_mm"
+    hf = MixtralSparseMoeBlock(config)
+    g = torch.Generator().manual_seed(0)
+    for param in hf.state_dict().values():
+        param.copy_(0.3 * torch.randn(param.shape, generator=g))
+    ours = built_in_bf16(lambda: SparseMoeBlock(config, 8, 32, renormalize=True, fp32_weights=True))
+    for target, source in ((ours.gate.weight, hf.gate.weight), (ours.experts.w13_weight, hf.experts.gate_up_proj),
+                           (ours.experts.w2_weight, hf.experts.down_proj)):
+        target.data.copy_(source.data)
+    hf.to(torch.bfloat16)
+    x = torch.randn(64, 64, generator=g).bfloat16()
+    assert torch.equal(ours(x), hf(x[None])[0])
+
+
+def _hf_topk_softmax_router(family: str) -> torch.nn.Module:
+    from transformers import GptOssConfig, GraniteMoeConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+    from transformers.models.granitemoe.modeling_granitemoe import GraniteMoeTopKRouter
+
+    if family == "gpt-oss":
+        return GptOssTopKRouter(GptOssConfig(hidden_size=64, num_local_experts=8, num_experts_per_tok=4))
+    return GraniteMoeTopKRouter(GraniteMoeConfig(hidden_size=64, num_local_experts=8, num_experts_per_tok=4))
+
+
+@pytest.mark.parametrize("family", ["gpt-oss", "granitemoe"])
+def test_topk_softmax_routing_in_bf16_is_transformers_own(family):
+    """GPT-OSS's and GraniteMoE's routers softmax the top k bf16 router logits among themselves (in fp32) and round
+    to bf16: bit for bit (the full softmax's top k renormalized, equal in exact arithmetic, rounds about one weight
+    in 10^5 to the neighbouring bf16 number: hence the many tokens)."""
+    hf = _hf_topk_softmax_router(family)
+    g = torch.Generator().manual_seed(0)
+    for param in hf.parameters():
+        param.data.copy_(torch.randn(param.shape, generator=g))
+    hf.to(torch.bfloat16)
+    x = torch.randn(65536, 64, generator=g).bfloat16()
+    logits, hf_weights, hf_ids = hf(x)
+    weights, ids = select_experts_topk_softmax(logits.to(torch.bfloat16), 4)
+    assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
 
 
 @pytest.mark.parametrize("kind", BF16_RECURRENT_KINDS)

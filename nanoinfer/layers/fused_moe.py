@@ -41,13 +41,23 @@ def expert_weight_target(name: str) -> tuple[str, tuple[int, str] | None] | None
     return f"{name[:m.start()]}.experts.{'w2' if proj == 'down' else 'w13'}_{kind}", shard
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax in fp32 over all experts, keep the top k (optionally rescaled to sum to 1), as transformers does."""
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in fp32 over all experts, keep the top k (optionally rescaled to sum to 1), as transformers does; the
+    weights rounded to the logits' dtype, or (fp32_weights: Mixtral's router) left in fp32."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights /= weights.sum(dim=-1, keepdim=True)
-    return weights.to(router_logits.dtype), ids
+    return weights if fp32_weights else weights.to(router_logits.dtype), ids
+
+
+def select_experts_topk_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS and GraniteMoE: the top k router logits softmaxed among themselves in fp32, rounded to the logits'
+    dtype, as transformers routes them (the full softmax's top k renormalized is the same in exact arithmetic, not
+    in bf16)."""
+    logits, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.softmax(logits.float(), dim=-1).to(router_logits.dtype), ids
 
 
 def mask_to_top_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int, fill: float
@@ -140,14 +150,16 @@ def clamped_swiglu(alpha: float, limit: float) -> GatedActivation:
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                  activation: GatedActivation = silu_and_mul, apply_router_weight_on_input: bool = False,
-                  sum_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  activation: GatedActivation = silu_and_mul, apply_router_weight_on_input: bool = False
+                  ) -> torch.Tensor:
     """x [tokens, hidden]; w13 [experts, 2 * inter, hidden] (gate rows, then up rows; or, non-gated, up rows alone:
     [experts, inter, hidden]); w2 [experts, hidden, inter];
     topk_* [tokens, k] -> sum over each token's k experts of weight * down(activation(gate(x), up(x))), or, with
     apply_router_weight_on_input, of down(activation(gate(weight * x), up(weight * x))); the optional biases
-    [experts, 2 * inter] and [experts, hidden] added after each projection. The expert outputs are summed in
-    sum_dtype (None: x's), then rounded to x's dtype."""
+    [experts, 2 * inter] and [experts, hidden] added after each projection. In 16-bit models as transformers'
+    experts (its grouped_mm path) do: each output times its weight in the wider of the two dtypes (fp32 where the
+    router's weights are fp32), each token's k products summed in its top-k order accumulating in fp32, rounded once
+    to x's dtype."""
     k = topk_ids.shape[1]
     flat = topk_ids.flatten()
     order = flat.argsort(stable=True)  # pairs grouped by expert: each expert's rows are one contiguous segment
@@ -162,10 +174,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                           offs=offsets)
     if w2_bias is not None:
         y += w2_bias[flat[order]]
-    y = y.to(sum_dtype or y.dtype)
     if not apply_router_weight_on_input:
-        y *= weights
-    return torch.zeros_like(x, dtype=y.dtype).index_add_(0, token, y).to(x.dtype)
+        y = y.to(torch.promote_types(y.dtype, weights.dtype)).mul_(weights)
+    per_token = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, k) order: a sum without atomics
+    return per_token.view(-1, k, y.shape[1]).sum(dim=1).to(x.dtype)
 
 
 class FusedMoE(nn.Module):
@@ -177,12 +189,12 @@ class FusedMoE(nn.Module):
     apply_router_weight_on_input: the routing weights scale each expert's input rather than its output (Llama 4).
     stacked_transposed: the family's stacked checkpoint tensors are always [experts, in, out] (Llama 4), also where
     hidden = 2 * inter makes the gate/up tensor's shape read either way.
-    fp32_sum: the weighted expert outputs summed in fp32 in 16-bit models (NemotronH's), else in the model's dtype."""
+    fp32_weights: forward's routing weights left in fp32 in 16-bit models (see select_experts)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  reduce_results: bool = True, bias: bool = False, activation: GatedActivation = silu_and_mul,
                  gated: bool = True, apply_router_weight_on_input: bool = False, stacked_transposed: bool = False,
-                 fp32_sum: bool = False):
+                 fp32_weights: bool = False):
         super().__init__()
         self.tp_rank, self.tp_size, self.tp_group = tp_rank(), tp_size(), tp_group()
         if intermediate_size % self.tp_size:
@@ -194,7 +206,7 @@ class FusedMoE(nn.Module):
                                                                                reduce_results)
         self.intermediate_size, self.gated = intermediate_size, gated
         self.apply_router_weight_on_input, self.stacked_transposed = apply_router_weight_on_input, stacked_transposed
-        self.sum_dtype = torch.float32 if fp32_sum else None
+        self.fp32_weights = fp32_weights
         inter, projections = intermediate_size // self.tp_size, 2 if gated else 1
         self.w13_weight = nn.Parameter(torch.empty(num_experts, projections * inter, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, inter), requires_grad=False)
@@ -262,7 +274,7 @@ class FusedMoE(nn.Module):
                 copy_weight(param.data.narrow(1, half * inter, inter), part(half * full + start))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        return self.run_experts(x, *select_experts(router_logits, self.top_k, self.renormalize))
+        return self.run_experts(x, *select_experts(router_logits, self.top_k, self.renormalize, self.fp32_weights))
 
     def run_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """The experts of a routing made elsewhere (DeepSeek's), weighted, summed and (unless reduce_results is
@@ -270,7 +282,7 @@ class FusedMoE(nn.Module):
         # The down projection's bias once in the sum over ranks.
         w2_bias = self.w2_bias if self.tp_rank == 0 else None
         y = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.w13_bias, w2_bias,
-                          self.activation, self.apply_router_weight_on_input, self.sum_dtype)
+                          self.activation, self.apply_router_weight_on_input)
         if self.reduce_results and self.tp_size > 1:
             dist.all_reduce(y, group=self.tp_group)
         return y
@@ -280,14 +292,14 @@ class SparseMoeBlock(nn.Module):
     """An MoE layer's routed MLP: a replicated router (`gate`) scores the experts, each token goes to its top k."""
 
     def __init__(self, config: PretrainedConfig, num_experts: int, intermediate_size: int, renormalize: bool,
-                 top_k: int | None = None):
-        """top_k: experts per token; None: config.num_experts_per_tok."""
+                 top_k: int | None = None, fp32_weights: bool = False):
+        """top_k: experts per token; None: config.num_experts_per_tok. fp32_weights: see FusedMoE."""
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
         self.gate = ReplicatedLinear(config.hidden_size, num_experts)  # the router
         self.experts = FusedMoE(num_experts, top_k or config.num_experts_per_tok, config.hidden_size,
-                                intermediate_size, renormalize)
+                                intermediate_size, renormalize, fp32_weights=fp32_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x))

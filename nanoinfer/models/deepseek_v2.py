@@ -179,13 +179,15 @@ class DeepseekV2Attention(nn.Module):
 
 
 class DeepseekRouter(nn.Module):
-    """The router's weight (and V3's e_score_correction_bias), scoring in fp32 as transformers does."""
+    """The router's weight (and V3's e_score_correction_bias, kept in fp32 in 16-bit models as transformers keeps it),
+    scoring in fp32 as transformers does."""
 
     def __init__(self, config: PretrainedConfig, correction_bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size), requires_grad=False)
         if correction_bias:
-            self.e_score_correction_bias = nn.Parameter(torch.empty(config.n_routed_experts), requires_grad=False)
+            self.e_score_correction_bias = nn.Parameter(torch.empty(config.n_routed_experts, dtype=torch.float32),
+                                                        requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight.float())

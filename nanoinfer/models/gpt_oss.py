@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanoinfer.layers.fused_moe import FusedMoE, clamped_swiglu
+from nanoinfer.layers.fused_moe import FusedMoE, clamped_swiglu, select_experts_topk_softmax
 from nanoinfer.layers.layernorm import GemmaRMSNorm
 from nanoinfer.layers.linear import ReplicatedLinear, copy_weight
 from nanoinfer.models.llama import AttentionOptions, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
@@ -46,12 +46,12 @@ class GptOssMLP(nn.Module):
         self.router = ReplicatedLinear(config.hidden_size, config.num_local_experts, bias=True)
         activation = clamped_swiglu(getattr(config, "swiglu_alpha", SWIGLU_ALPHA),
                                     getattr(config, "swiglu_limit", SWIGLU_LIMIT))
-        # transformers softmaxes the top k router logits: the same weights as the full softmax's top k renormalized.
+        # renormalize=False: FusedMoE.forward's softmax routing is not used, select_experts_topk_softmax routes.
         self.experts = GptOssExperts(config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
-                                     config.intermediate_size, renormalize=True, bias=True, activation=activation)
+                                     config.intermediate_size, renormalize=False, bias=True, activation=activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.router(x))
+        return self.experts.run_experts(x, *select_experts_topk_softmax(self.router(x), self.experts.top_k))
 
 
 class GptOssDecoderLayer(LlamaDecoderLayer):

@@ -4,20 +4,20 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanoinfer.layers.fused_moe import SparseMoeBlock
+from nanoinfer.layers.fused_moe import SparseMoeBlock, select_experts_topk_softmax
 from nanoinfer.models.granite import SINKS_SUBSTITUTION, GraniteForCausalLM, swa_attention_options
 from nanoinfer.models.llama import LlamaMLP
 
 
 class GraniteMoeBlock(SparseMoeBlock):
     def __init__(self, config: PretrainedConfig):
-        # A softmax over the top k logits is the softmax over all experts renormalized over the top k.
-        super().__init__(config, config.num_local_experts, config.intermediate_size, renormalize=True)
+        # renormalize=False: FusedMoE.forward's softmax routing is not used, select_experts_topk_softmax routes.
+        super().__init__(config, config.num_local_experts, config.intermediate_size, renormalize=False)
         shared = getattr(config, "shared_intermediate_size", 0)  # GraniteMoeShared: every token through it, ungated
         self.shared_mlp = LlamaMLP(config, shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
+        y = self.experts.run_experts(x, *select_experts_topk_softmax(self.gate(x), self.experts.top_k))
         return y if self.shared_mlp is None else y + self.shared_mlp(x)
 
 

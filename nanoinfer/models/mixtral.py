@@ -15,4 +15,6 @@ class MixtralForCausalLM(MistralForCausalLM):
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
         # Router jitter and the auxiliary loss are training-only: inference routes on the plain router logits.
-        return SparseMoeBlock(config, config.num_local_experts, config.intermediate_size, renormalize=True)
+        # transformers' Mixtral router leaves its weights in fp32 (Qwen's round them to the model's dtype).
+        return SparseMoeBlock(config, config.num_local_experts, config.intermediate_size, renormalize=True,
+                              fp32_weights=True)

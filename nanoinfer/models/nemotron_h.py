@@ -39,8 +39,7 @@ class NemotronHMoE(nn.Module):
         self.num_groups, self.topk_group, self.renormalize = config.n_group, config.topk_group, config.norm_topk_prob
         self.gate = DeepseekRouter(config, correction_bias=True)
         self.experts = FusedMoE(config.n_routed_experts, self.top_k, config.hidden_size,
-                                config.moe_intermediate_size, renormalize=False, activation=relu2, gated=False,
-                                fp32_sum=True)
+                                config.moe_intermediate_size, renormalize=False, activation=relu2, gated=False)
         self.shared_experts = DenseMLP(config, config.mlp_bias, config.moe_shared_expert_intermediate_size,
                                        config.mlp_hidden_act)
 
