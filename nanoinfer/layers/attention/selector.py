@@ -16,8 +16,9 @@ FLASH_BLOCK_MULTIPLE = 256
 DEFAULT_BLOCK_SIZE = {"cpu": 16, "flash": 256, "triton": 16}
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
-# The Triton kernels keep a [rows, head_dim] fp32 accumulator in registers.
-TRITON_MAX_HEAD_DIM = 256
+# The Triton kernels keep a [rows, head_dim] fp32 accumulator in registers: from 257 on, in the wide tiles (fewer
+# rows and keys, kernels/triton_attention.py's wide_config), compiled and checked for sm_90 up to Gemma 4's 512.
+TRITON_MAX_HEAD_DIM = 512
 # MLA's latent cache (values = the keys' first kv_lora_rank entries) through Triton's wide tiles, compiled and
 # checked for DeepSeek's 512 + 64.
 TRITON_MAX_LATENT_DIM, TRITON_MAX_LATENT_ROPE_DIM = 512, 64
