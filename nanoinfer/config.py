@@ -72,9 +72,11 @@ class Config:
         self.torch_device = resolve_device(self.device)
         # DeepSeek's MLA caches its latent (kv_lora_rank) and rope key as one head, the latent doubling as the values.
         latent_dim = getattr(self.hf_config, "kv_lora_rank", None) or None
+        head_dim = cache_head_dim(self.hf_config, latent_dim)
         self.attention_backend = select_backend(self.attention_backend, self.torch_device,
                                                 latent_cache=latent_dim is not None,
-                                                attention_sinks=has_attention_sinks(self.hf_config.architectures))
+                                                attention_sinks=has_attention_sinks(self.hf_config.architectures),
+                                                head_dim=head_dim or 0)
         self.torch_dtype = self._resolve_dtype()
         if self.kvcache_block_size is None:
             self.kvcache_block_size = DEFAULT_BLOCK_SIZE[self.attention_backend]
@@ -90,12 +92,7 @@ class Config:
             self.max_num_batched_tokens = max(8192, self.max_model_len)
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
             _positive(name, getattr(self, name))
-        hf = self.hf_config
-        if getattr(hf, "num_attention_heads", None) is not None:  # attention-free models (Mamba) have none
-            head_dim = max(getattr(layer, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-                           for layer in layer_configs(hf))
-            if latent_dim is not None:  # head_dim is the rope part there
-                head_dim = latent_dim + hf.qk_rope_head_dim
+        if head_dim is not None:
             check_backend_limits(self.attention_backend, self.kvcache_block_size, self.torch_dtype, head_dim,
                                  latent_dim)
         if not isinstance(self.enforce_eager, bool):
@@ -205,6 +202,17 @@ def layer_configs(config: PretrainedConfig) -> list[PretrainedConfig]:
     if not getattr(config, "is_heterogeneous", False):
         return [config]
     return [config.per_layer_config[i] for i in range(config.num_hidden_layers)]
+
+
+def cache_head_dim(config: PretrainedConfig, latent_dim: int | None) -> int | None:
+    """The KV cache's head size, the widest layer's; MLA's latent plus its rope key; None for attention-free models
+    (Mamba)."""
+    if getattr(config, "num_attention_heads", None) is None:
+        return None
+    if latent_dim is not None:  # head_dim is the rope part there
+        return latent_dim + config.qk_rope_head_dim
+    return max(getattr(layer, "head_dim", None) or config.hidden_size // config.num_attention_heads
+               for layer in layer_configs(config))
 
 
 def language_model_config(config: PretrainedConfig, model_dir: Path) -> PretrainedConfig:

@@ -3,6 +3,7 @@ flash-attn's limits, the metadata every backend receives, CUDA-graph bookkeeping
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -138,6 +139,49 @@ def test_backend_choice_on_cuda(fake_cuda, monkeypatch):
     for requested in ("auto", "triton"):
         with pytest.raises(ValueError, match="needs triton: pip install triton"):
             selector.select_backend(requested, gpu)
+
+
+def test_auto_takes_the_pytorch_backend_for_heads_wider_than_flash_and_triton_take(fake_cuda, capsys):
+    gpu = torch.device("cuda", 0)
+    capsys.readouterr()
+    for installed in (True, False):
+        fake_cuda(installed)
+        assert selector.select_backend("auto", gpu, head_dim=256) == ("flash" if installed else "triton")
+        assert selector.select_backend("auto", gpu, head_dim=512) == "triton"  # wider than flash-attn takes
+        assert selector.select_backend("auto", gpu, head_dim=640) == "cpu"
+        assert selector.select_backend("triton", gpu, head_dim=640) == "triton"  # refused by check_backend_limits
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and all(line.startswith("INFO ") and line.endswith(
+        "[nanoinfer.layers.attention.selector] attention: the model's heads of 640 are wider than the flash and "
+        "triton backends take (triton: 512 at most); using the PyTorch backend (attention_backend='cpu')")
+        for line in lines), lines
+    assert selector.select_backend("auto", gpu, latent_cache=True, head_dim=576) == "triton"  # MLA: its own limits
+
+
+def test_gemma4_with_the_hubs_512_wide_full_layers_on_cuda(fake_cuda, model_dir, tmp_path):
+    """Real Gemma 4 checkpoints' full layers have heads of 512 (global_head_dim): 'auto' runs them on the Triton
+    backend, flash-attn installed or not (it stops at 256; asking for it is refused by name). Heads wider than
+    the Triton kernels take get the PyTorch backend, with its block size; asking for triton is refused."""
+    def with_global_head_dim(width: int) -> Path:
+        d = tmp_path / str(width)
+        shutil.copytree(model_dir("gemma4"), d)
+        cfg = json.loads((d / "config.json").read_text())
+        del cfg["per_layer_config"]  # as on the Hub: transformers derives it from global_head_dim
+        (d / "config.json").write_text(json.dumps({**cfg, "global_head_dim": width}))
+        return d
+
+    gemma4, wider = with_global_head_dim(512), with_global_head_dim(640)
+    for installed in (True, False):
+        fake_cuda(installed)
+        c = Config(gemma4)
+        assert (c.attention_backend, c.kvcache_block_size, c.torch_dtype) == ("triton", 16, torch.bfloat16)
+        c = Config(wider)
+        assert (c.attention_backend, c.kvcache_block_size, c.torch_dtype) == ("cpu", 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="triton attention backend supports head_dim <= 512, the model has 640"):
+        Config(wider, attention_backend="triton")
+    fake_cuda(True)
+    with pytest.raises(ValueError, match="flash-attn supports head_dim <= 256, the model has 512"):
+        Config(gemma4, attention_backend="flash")
 
 
 def test_flash_limits():

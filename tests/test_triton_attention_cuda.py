@@ -75,12 +75,13 @@ def test_backend_matches_pytorch_backend_at_real_sizes(dtype, kind, window):
     _check_against_pytorch_backend(dtype, kind, window)
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(12, 4, 80), (8, 8, 256)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(12, 4, 80), (8, 8, 256), (32, 4, 512), (48, 2, 512)])
 @pytest.mark.parametrize("kind", ["prefix-and-chunk", "decode-small"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_other_head_shapes_match_pytorch_backend(dtype, kind, heads, kv_heads, head_dim):
     """Shapes a held-out model may have: head_dim 80 (a padded 128-wide tile) with 3 query heads per KV head, and
-    head_dim 256 (whose fp32 prefill tiles once needed more shared memory than an H100 has)."""
+    head_dim 256 (whose fp32 prefill tiles once needed more shared memory than an H100 has), and 512 (Gemma 4's full
+    layers: the wide tiles), with a group of 24 split over programs."""
     _check_against_pytorch_backend(dtype, kind, None, heads, kv_heads, head_dim)
 
 

@@ -34,9 +34,11 @@ POINTERS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "part_acc_ptr", "part_max_ptr"
 STRIDES = ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh")
 
 
-def compile_attention(dtype: str, group: int, head_dim: int, config: ta.TileConfig, tail_dim: int = 0, **flags: bool):
-    """The kernel as a launch would specialize it: 16-byte aligned pointers, strides divisible by 16. tail_dim: q/k
-    dims past the values' head_dim (MLA's rope part)."""
+def compile_attention(dtype: str, group: int, head_dim: int, config: ta.TileConfig, tail_dim: int = 0,
+                      kv_split: int = 1, **flags: bool):
+    """The kernel as a launch would specialize it: 16-byte aligned pointers, strides divisible by 16. group: a
+    program's query heads, kv_split: programs per KV head. tail_dim: q/k dims past the values' head_dim (MLA's rope
+    part)."""
     fn = ta._attention_kernel
     split = flags["SPLIT"]
     types = {name: "*i32" for name in POINTERS[7:]}
@@ -47,8 +49,8 @@ def compile_attention(dtype: str, group: int, head_dim: int, config: ta.TileConf
     flags.setdefault("SOFTCAP", False)
     flags.setdefault("HAS_SINKS", False)
     types["sinks_ptr"] = f"*{dtype}" if flags["HAS_SINKS"] else "*i32"  # without sinks: context_lens, never read
-    constants = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=ta._block_d(head_dim), TAIL_DIM=tail_dim,
-                     BLOCK_T=ta._block_d(tail_dim),
+    constants = dict(GROUP=group, KV_SPLIT=kv_split, HEAD_DIM=head_dim, BLOCK_D=ta._block_d(head_dim),
+                     TAIL_DIM=tail_dim, BLOCK_T=ta._block_d(tail_dim),
                      BLOCK_M=config.block_m, BLOCK_Q=config.block_m // group, BLOCK_N=config.block_n,
                      KV_BLOCK_SIZE=16, UPCAST=False, PRECISION="tf32x3" if dtype == "fp32" else "tf32", **flags)
     return compile_kernel(fn, types, constants, aligned=(*POINTERS, *STRIDES), num_warps=config.num_warps,
@@ -116,7 +118,8 @@ H100_SHARED_MEMORY = 227 << 10  # per block, opt-in: more and the launch raises 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype, itemsize, head_dim", [("fp32", 4, 256), ("fp32", 4, 160), ("bf16", 2, 256)])
+@pytest.mark.parametrize("dtype, itemsize, head_dim", [("fp32", 4, 256), ("fp32", 4, 160), ("bf16", 2, 256),
+                                                       ("fp32", 4, 384)])
 def test_prefill_tiles_fit_the_h100_shared_memory(dtype, itemsize, head_dim):
     """Every head dim up to the backend's limit, in every dtype, launches on an H100 (fp32 tiles 256 wide once
     took 256 KB)."""
@@ -140,8 +143,32 @@ def test_latent_cache_tiles_compile_for_sm90(dtype, decode, paged):
     pipelined K/V loads, fit an H100's shared memory, and in 16 bits keep to registers."""
     itemsize = 4 if dtype == "fp32" else 2
     config = ta.decode_config(128, 512, itemsize) if decode else ta.prefill_config(128, 512, itemsize, 1024)
-    kernel = compile_attention(dtype, ta.heads_per_program(128, config.block_m), 512, config, tail_dim=64,
-                               DECODE=decode, PAGED=paged, CAUSAL=True, HAS_WINDOW=False, SPLIT=decode)
+    heads = ta.heads_per_program(128, config.block_m)
+    kernel = compile_attention(dtype, heads, 512, config, tail_dim=64, kv_split=128 // heads, DECODE=decode,
+                               PAGED=paged, CAUSAL=True, HAS_WINDOW=False, SPLIT=decode)
+    assert "cp.async" in kernel.asm["ptx"]
+    assert kernel.metadata.shared <= H100_SHARED_MEMORY, (config, kernel.metadata.shared)
+    if dtype != "fp32":
+        assert stack_bytes(kernel.asm["cubin"]) == 0
+
+
+WIDE_CASES = [  # heads of 512 (Gemma 4's full layers): (dtype, group, decode, paged)
+    ("bf16", 8, True, True), ("bf16", 8, False, True), ("bf16", 8, False, False), ("fp16", 2, True, True),
+    ("fp16", 2, False, True), ("bf16", 32, True, True), ("fp32", 8, True, True), ("fp32", 8, False, True)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype, group, decode, paged", WIDE_CASES,
+                         ids=[f"{c[0]}-group{c[1]}-{'decode' if c[2] else 'prefill'}{'-paged' * c[3]}"
+                              for c in WIDE_CASES])
+def test_wide_head_tiles_compile_for_sm90(dtype, group, decode, paged):
+    """Heads of 512 without a key tail take MLA's wide tiles (a group larger than their rows split over programs):
+    they compile with pipelined K/V loads, fit an H100's shared memory, and in 16 bits keep to registers."""
+    itemsize = 4 if dtype == "fp32" else 2
+    config = ta.decode_config(group, 512, itemsize) if decode else ta.prefill_config(group, 512, itemsize, 1024)
+    heads = ta.heads_per_program(group, config.block_m)
+    kernel = compile_attention(dtype, heads, 512, config, kv_split=group // heads, DECODE=decode, PAGED=paged,
+                               CAUSAL=True, HAS_WINDOW=False, SPLIT=decode)
     assert "cp.async" in kernel.asm["ptx"]
     assert kernel.metadata.shared <= H100_SHARED_MEMORY, (config, kernel.metadata.shared)
     if dtype != "fp32":
@@ -149,7 +176,7 @@ def test_latent_cache_tiles_compile_for_sm90(dtype, decode, paged):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("head_dim", [80, 512])  # 512: MLA's latent values
+@pytest.mark.parametrize("head_dim", [80, 512])  # 512: MLA's latent values, Gemma 4's full heads
 def test_reduce_kernel_compiles_for_sm90(head_dim):
     kernel = compile_kernel(ta._reduce_kernel, dict(out_ptr="*bf16", part_acc_ptr="*fp32", part_max_ptr="*fp32",
                                                     part_sum_ptr="*fp32", num_segments="i32", num_heads="i32"),

@@ -247,18 +247,49 @@ def test_latent_cache_kernels(dtype):
     heads, contexts, q_lens = 32, [40, 17, 33], [9, 1, 33]
     k_cache, _, tables, keys, _ = paged_cache(contexts, 1, LATENT + ROPE, 16, dtype, g)
     v_cache, values = k_cache[..., :LATENT], [k[..., :LATENT] for k in keys]
-    context_lens, scale = torch.tensor(contexts, dtype=torch.int32), 192 ** -0.5
+    scale = 192 ** -0.5
     q = torch.randn(sum(q_lens), heads, LATENT + ROPE, generator=g).to(dtype)
+    _check_paged_prefill_and_decode(q, k_cache, v_cache, tables, keys, values, q_lens, scale)
+
+
+def _check_paged_prefill_and_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                    tables: torch.Tensor, keys: list, values: list, q_lens: list[int],
+                                    scale: float) -> None:
+    """Prefill of q over the paged caches with the tiles the backend picks, then decode of each sequence's first
+    query, whole and in 3 segments, against float64 attention."""
+    contexts = [k.shape[0] for k in keys]
+    context_lens, tolerance = torch.tensor(contexts, dtype=torch.int32), TOLERANCE[q.dtype]
     ours = prefill_attention(q, k_cache, v_cache, tables, context_lens, _cu(q_lens), _cu(contexts), max(q_lens),
                              scale)
     err = _error(ours, reference(q, keys, values, q_lens, scale))
-    assert err < TOLERANCE[dtype], f"prefill: max error {err:.2e}"
+    assert err < tolerance, f"prefill: max error {err:.2e}"
     q = q[:len(contexts)]
     for segments in (1, 3):
-        partials = DecodePartials.allocate(len(contexts) * segments, heads, LATENT, q.device)
+        partials = DecodePartials.allocate(len(contexts) * segments, q.shape[1], v_cache.shape[-1], q.device)
         ours = decode_attention(q, k_cache, v_cache, tables, context_lens, scale, None, segments, partials)
         err = _error(ours, reference(q, keys, values, [1] * len(contexts), scale))
-        assert err < TOLERANCE[dtype], f"decode, {segments} segments: max error {err:.2e}"
+        assert err < tolerance, f"decode, {segments} segments: max error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (48, 2)], ids=str)
+def test_wide_head_kernels(dtype, heads, kv_heads):
+    """Heads of 512 (Gemma 4's full layers), with the tiles the backend picks for them: a group of 4 in one program,
+    and one of 24, larger than the tiles' rows, split over programs (12 or 24 heads each) for each of the 2 KV heads;
+    prefill over the paged cache (a cached prefix before a chunk, a decode row, a fresh prompt) and over this step's
+    K/V, then decode whole and split, against float64 attention."""
+    g = torch.Generator().manual_seed(heads + 512)
+    contexts, q_lens, head_dim = [40, 17, 33], [9, 1, 33], 512
+    k_cache, v_cache, tables, keys, values = paged_cache(contexts, kv_heads, head_dim, 16, dtype, g)
+    scale = 1.0  # Gemma 4's unscaled scores (of normed q and k)
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype) / 8
+    _check_paged_prefill_and_decode(q, k_cache, v_cache, tables, keys, values, q_lens, scale)
+    step_k, step_v = (torch.cat([x[-n:] for x, n in zip(xs, q_lens)]) for xs in (keys, values))
+    cu = _cu(q_lens)
+    ours = prefill_attention(q, step_k, step_v, tables, torch.tensor(q_lens, dtype=torch.int32), cu, cu,
+                             max(q_lens), scale)
+    err = _error(ours, reference(q, step_k.split(q_lens), step_v.split(q_lens), q_lens, scale))
+    assert err < TOLERANCE[dtype], f"prefill over this step's K/V: max error {err:.2e}"
 
 
 def test_decode_segments_really_split():

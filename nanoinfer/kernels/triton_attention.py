@@ -54,22 +54,24 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, 
                       context_lens_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, qk_scale, cap_scale, window, num_seqs,
                       num_heads, num_segments, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                       stride_bt, sinks_ptr,
-                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_DIM: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+                      GROUP: tl.constexpr, KV_SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      TAIL_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
                       DECODE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                       SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr,
                       PRECISION: tl.constexpr):
-    """Grid (query tiles, KV heads, segments). A tile: BLOCK_Q tokens of one sequence x the GROUP query heads of
-    one KV head; in a decode step, sequence i's single token. A segment: one of num_segments equal slices (whole
-    BLOCK_N tiles) of the keys the tile sees; split, its max, sum and unnormalized output go to the partial buffers
-    for the reduce kernel, else the output itself. Scores are q.k * qk_scale in base 2; with SOFTCAP, qk_scale
-    is scale / cap and the score tanh(q.k * qk_scale) * cap_scale, cap_scale = cap * log2(e). HEAD_DIM is the
-    values' (and the output's) width; q and k rows hold TAIL_DIM more, which only the scores read (MLA: the rope
-    part after the latent, which is also the value). With HAS_SINKS, segment 0 starts its softmax from the head's
-    sink (max = sink, sum = 1), so that split or not, the sink joins the denominator once."""
+    """Grid (query tiles, KV heads x KV_SPLIT, segments). A tile: BLOCK_Q tokens of one sequence x GROUP query heads
+    of one KV head, the whole group or, split over KV_SPLIT programs, a part of it (a group larger than the tile's
+    rows: MLA's, or wide heads'); in a decode step, sequence i's single token. A segment: one of num_segments
+    equal slices (whole BLOCK_N tiles) of the keys the tile sees; split, its max, sum and unnormalized output go to
+    the partial buffers for the reduce kernel, else the output itself. Scores are q.k * qk_scale in base 2; with
+    SOFTCAP, qk_scale is scale / cap and the score tanh(q.k * qk_scale) * cap_scale, cap_scale = cap * log2(e).
+    HEAD_DIM is the values' (and the output's) width; q and k rows hold TAIL_DIM more, which only the scores read
+    (MLA: the rope part after the latent, which is also the value). With HAS_SINKS, segment 0 starts its softmax
+    from the head's sink (max = sink, sum = 1), so that split or not, the sink joins the denominator once."""
     tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    program = tl.program_id(1)
+    kv_head = program // KV_SPLIT
     segment = tl.program_id(2)
     if DECODE:  # one token per sequence: tile i is sequence i
         seq = tile
@@ -90,7 +92,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, 
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     q_idx = first_q + offs_m // GROUP
-    head = kv_head * GROUP + offs_m % GROUP
+    head = program * GROUP + offs_m % GROUP
     row_ok = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
     token = (q_start + q_idx).to(tl.int64)
     q = tl.load(q_ptr + (token * stride_qt + head * stride_qh)[:, None] + offs_d[None, :],
@@ -222,8 +224,8 @@ class TileConfig:
     num_stages: int
 
 
-# From this value width on (MLA's latent: 512, its keys 576), tiles are wide_config's: their rows take part of a
-# large group of query heads (heads_per_program), not always a whole one.
+# From this value width on (MLA's latent: 512, its keys 576; Gemma 4's full layers: 512), tiles are wide_config's:
+# their rows take part of a large group of query heads (heads_per_program), not always a whole one.
 WIDE_BLOCK_D = 512
 
 
@@ -231,7 +233,8 @@ def wide_config(itemsize: int, prefill: bool) -> TileConfig:
     """Tiles of MLA's 512-wide values and 576-wide keys, as compiled for sm_90 (Triton 3.7.1): in 16 bits, decode
     16 rows (one token's 16 heads) x 32 keys in 4 warps (87 KB of shared memory), prefill 32 rows in 8 warps
     (106 KB), neither spilling (64 keys, or 32 rows in 4 warps, do). fp32 16 x 16 in 4 warps (142 KB): tf32x3
-    spills there, as on every fp32 tile (exact, not fast)."""
+    spills there, as on every fp32 tile (exact, not fast). Plain heads of 257 to 512 (no key tail) take the same
+    tiles, with less shared memory (83 and 100 KB) and, in 16 bits, no spills either."""
     if itemsize == 4:
         return TileConfig(16, 16, 4, 2)
     return TileConfig(32, 32, 8, 2) if prefill else TileConfig(16, 32, 4, 2)
@@ -263,7 +266,7 @@ def decode_config(group: int, head_dim: int, itemsize: int) -> TileConfig:
 
 def heads_per_program(group: int, block_m: int) -> int:
     """A program's query heads: its KV head's whole group, or, for a group larger than the tile's rows (MLA's one
-    KV head for all heads), the largest divisor of the group that fits."""
+    KV head for all heads; a group over 16 of wide heads), the largest divisor of the group that fits."""
     return group if group <= block_m else max(d for d in range(1, block_m + 1) if group % d == 0)
 
 
@@ -337,18 +340,16 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: 
         bufs = (out, out, out)  # not read
     group = num_heads // num_kv_heads
     tile_heads = heads_per_program(group, config.block_m)
-    if tile_heads < group:  # only MLA's one KV head: seen by each tile of heads as a KV head of its own (stride 0)
-        num_kv_heads, group = group // tile_heads, tile_heads
-        k, v = (x.expand(*x.shape[:-2], num_kv_heads, x.shape[-1]) for x in (k, v))
+    kv_split, group = group // tile_heads, tile_heads  # programs per KV head, and the query heads of each
     num_tiles = num_tokens if decode else num_tokens // (config.block_m // group) + context_lens.shape[0]
     block_d, tail = _block_d(head_dim), qk_dim - head_dim
     cu_q = context_lens if cu_seqlens_q is None else cu_seqlens_q  # not read in a decode step
     cu_k = context_lens if cu_seqlens_k is None else cu_seqlens_k
-    _attention_kernel[(num_tiles, num_kv_heads, num_segments)](
+    _attention_kernel[(num_tiles, num_kv_heads * kv_split, num_segments)](
         q, k, v, out, *bufs, block_tables, context_lens, cu_q, cu_k, *_score_scales(scale, soft_cap), window or 0,
         context_lens.shape[0], num_heads, num_segments, q.stride(0), q.stride(1), k.stride(-3), k.stride(-2),
-        v.stride(-3), v.stride(-2), block_tables.stride(0), GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        TAIL_DIM=tail, BLOCK_T=_block_d(tail), BLOCK_M=config.block_m, BLOCK_Q=config.block_m // group,
+        v.stride(-3), v.stride(-2), block_tables.stride(0), GROUP=group, KV_SPLIT=kv_split, HEAD_DIM=head_dim,
+        BLOCK_D=block_d, TAIL_DIM=tail, BLOCK_T=_block_d(tail), BLOCK_M=config.block_m, BLOCK_Q=config.block_m // group,
         BLOCK_N=config.block_n, KV_BLOCK_SIZE=k.shape[1] if paged else 1, DECODE=decode, PAGED=paged, CAUSAL=causal,
         HAS_WINDOW=window is not None, SPLIT=split, SOFTCAP=soft_cap is not None, num_warps=config.num_warps,
         num_stages=config.num_stages,

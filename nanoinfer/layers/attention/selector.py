@@ -1,10 +1,13 @@
 """Chooses the device and the attention backend once at start-up, and the KV block sizes each backend accepts."""
 import importlib.util
+import logging
 import os
 
 import torch
 
 from nanoinfer.utils.dist import tp_rank
+
+logger = logging.getLogger(__name__)
 
 BACKEND_CHOICES = ("auto", "cpu", "flash", "triton")
 # flash-attn 2 refuses a paged KV cache whose page is not a multiple of 256 tokens (flash_api.cpp, both
@@ -13,8 +16,9 @@ FLASH_BLOCK_MULTIPLE = 256
 DEFAULT_BLOCK_SIZE = {"cpu": 16, "flash": 256, "triton": 16}
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
-# The Triton kernels keep a [rows, head_dim] fp32 accumulator in registers.
-TRITON_MAX_HEAD_DIM = 256
+# The Triton kernels keep a [rows, head_dim] fp32 accumulator in registers: from 257 on, in the wide tiles (fewer
+# rows and keys, kernels/triton_attention.py's wide_config), compiled and checked for sm_90 up to Gemma 4's 512.
+TRITON_MAX_HEAD_DIM = 512
 # MLA's latent cache (values = the keys' first kv_lora_rank entries) through Triton's wide tiles, compiled and
 # checked for DeepSeek's 512 + 64.
 TRITON_MAX_LATENT_DIM, TRITON_MAX_LATENT_ROPE_DIM = 512, 64
@@ -72,12 +76,14 @@ def triton_available() -> bool:
 
 
 def select_backend(requested: str, device: torch.device, *, latent_cache: bool = False,
-                   attention_sinks: bool = False) -> str:
+                   attention_sinks: bool = False, head_dim: int = 0) -> str:
     """'flash' on CUDA with flash-attn installed, else 'triton' (paged Triton kernels; triton ships with CUDA
     builds of torch); 'cpu', the PyTorch backend, on the CPU or when asked for. 'triton' on a CPU device runs
     in Triton's interpreter, which only TRITON_INTERPRET=1 turns on (tests prove the kernels' logic that way).
     'auto' never picks flash for a latent cache (MLA; see check_backend_limits) nor for attention sinks (GPT-OSS),
-    which flash-attn 2 lacks: asking for 'flash' with sinks is an error."""
+    which flash-attn 2 lacks: asking for 'flash' with sinks is an error. head_dim: the widest layer's (not MLA's);
+    'auto' takes the PyTorch backend where it is wider than flash and Triton take (Gemma 4's full layers: 512),
+    an explicit 'flash' or 'triton' is refused for it by check_backend_limits."""
     if requested not in BACKEND_CHOICES:
         raise ValueError(f"unknown attention_backend {requested!r}; use one of {list(BACKEND_CHOICES)}")
     if requested == "flash" and attention_sinks:
@@ -93,10 +99,15 @@ def select_backend(requested: str, device: torch.device, *, latent_cache: bool =
         return "cpu"
     if requested == "cpu":
         return "cpu"
-    if flash_attn_available() and (requested == "flash" or not (latent_cache or attention_sinks)):
+    wide = not latent_cache and head_dim > FLASH_MAX_HEAD_DIM
+    if flash_attn_available() and (requested == "flash" or not (latent_cache or attention_sinks or wide)):
         return "flash"
     if requested == "flash":
         raise ValueError("attention_backend='flash' needs flash-attn and triton: pip install 'nanoinfer[cuda]'")
+    if not latent_cache and head_dim > TRITON_MAX_HEAD_DIM:
+        logger.info("attention: the model's heads of %d are wider than the flash and triton backends take (triton: "
+                    "%d at most); using the PyTorch backend (attention_backend='cpu')", head_dim, TRITON_MAX_HEAD_DIM)
+        return "cpu"
     _check_triton(device)
     return "triton"
 
