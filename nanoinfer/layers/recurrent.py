@@ -22,11 +22,12 @@ def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bi
     """Depthwise causal conv (+ bias, + SiLU). x [..., n, C] new inputs, state [..., K-1, C] the inputs just before
     them (zeros at a sequence's start), weight [C, K] -> (output [..., n, C], the new state). In 16-bit dtypes the
     products, their sum and the bias are taken in fp32 and rounded once before the SiLU, as F.conv1d (transformers'
-    conv) does; in fp32 the casts are no-ops."""
+    conv) does; in fp32 and fp64 the casts are no-ops."""
     full = torch.cat((state, x), -2)
-    out = (full.unfold(-2, weight.shape[1], 1).float() * weight.float()).sum(-1)  # windows [..., n, C, K] . weight
+    acc = torch.promote_types(x.dtype, torch.float32)
+    out = (full.unfold(-2, weight.shape[1], 1).to(acc) * weight.to(acc)).sum(-1)  # windows [..., n, C, K] . weight
     if bias is not None:
-        out = out + bias.float()
+        out = out + bias.to(acc)
     out = out.to(x.dtype)
     return F.silu(out) if silu else out, full[..., full.shape[-2] - state.shape[-2]:, :]
 
