@@ -910,9 +910,11 @@ def ssm_config(kind: str, special: dict):
 def mamba2_hybrid_config(kind: str, special: dict):
     from transformers import FalconH1Config, Mamba2Config, NemotronHConfig, Zamba2Config
 
-    if kind == "mamba2":  # 8 heads of 16 in 2 groups, 16-token scan chunks, projection biases, tied
+    # Mamba2: 8 heads of 16, 16-token scan chunks, projection biases, tied; 1 group, as the mamba2-* checkpoints have
+    # (transformers 5.17's gated norm is not grouped: NemotronH's and Zamba2's kinds cover 2 groups on both versions).
+    if kind == "mamba2":
         return Mamba2Config(**special, vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_hidden_layers=3, num_heads=8,
-                            head_dim=16, expand=2, n_groups=2, state_size=16, conv_kernel=4, chunk_size=16,
+                            head_dim=16, expand=2, n_groups=1, state_size=16, conv_kernel=4, chunk_size=16,
                             use_bias=True, use_conv_bias=True, layer_norm_epsilon=1e-5, initializer_range=INIT_STD,
                             tie_word_embeddings=True)
 

@@ -7,6 +7,7 @@ norms (weight applied in fp32), Mamba's fp32 residual stream (`residual_in_fp32`
 fp32 routing weights, GPT-OSS's and GraniteMoE's softmax over the top k logits). Then the recurrent and hybrid
 families end to end, measured against transformers' own bf16 rounding error as test_gpu.py measures every family on a
 GPU (check_bf16_outputs)."""
+import inspect
 from collections.abc import Callable
 
 import pytest
@@ -63,6 +64,9 @@ def test_norm_in_bf16_is_transformers_own(family, norm_class):
     g = torch.Generator().manual_seed(0)
     w = 0.3 * torch.randn(64, generator=g)  # the checkpoint's (fp32) weight
     hf = _hf_norm(family).to(torch.bfloat16)
+    if family == "nemotron-h" and "float32" not in inspect.getsource(type(hf).forward).split("return")[-1]:
+        pytest.skip("this transformers' NemotronHRMSNorm multiplies by w in bf16 (5.17 does; 5.23, which we follow, "
+                    "in fp32)")
     hf.weight.data.copy_(w)
     ours = built_in_bf16(lambda: norm_class(64))
     ours.weight_loader(ours.weight, w)
@@ -241,7 +245,11 @@ def test_topk_softmax_routing_in_bf16_is_transformers_own(family):
         param.data.copy_(torch.randn(param.shape, generator=g))
     hf.to(torch.bfloat16)
     x = torch.randn(65536, 64, generator=g).bfloat16()
-    logits, hf_weights, hf_ids = hf(x)
+    out = hf(x)
+    if family == "granitemoe" and out[0].dtype == torch.long:
+        pytest.skip("this transformers' GraniteMoeTopKRouter returns (ids, weights, logits) and routes otherwise (5.17 "
+                    "does; 5.23's top-k softmax, which we follow, returns (logits, weights, ids))")
+    logits, hf_weights, hf_ids = out
     weights, ids = select_experts_topk_softmax(logits.to(torch.bfloat16), 4)
     assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
 
