@@ -1415,6 +1415,27 @@ def check_bf16_outputs(outputs, prompts: Sequence[Sequence[int]], refs: list[dic
     return worst
 
 
+def shared_prefix_prompts() -> list[list[int]]:
+    """4 prompts of 41 to 70 tokens that share their first 40."""
+    shared = random_prompts(1, 5, 440, 40, 40, seed=8)[0]
+    return [shared + tail for tail in random_prompts(4, 5, 440, 1, 30, seed=9)]
+
+
+@torch.inference_mode()
+def hf_reordering_noise(model_dir, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> float:
+    """transformers' own fp32 rounding under a reordering of the same sums: the max |difference| between the logits
+    of its cached greedy decode and those of one uncached pass over the prompt and the generated tokens. A model
+    that amplifies rounding (Gemma 4 E's attention: q/k-normed and unscaled) shows it here as it does in a chunked
+    engine run, whose chunks reorder the sums in the same way."""
+    model = load_hf_model(model_dir)
+    worst = 0.0
+    for prompt, ref in zip(prompts, cached_hf_greedy(model_dir, prompts, max_new_tokens)):
+        ids = list(prompt) + ref["token_ids"][:-1]
+        logits = model(input_ids=torch.tensor([ids])).logits[0, len(prompt) - 1:].float()
+        worst = max(worst, (logits - ref["logits"]).abs().max().item())
+    return worst
+
+
 def chunked_prefix_preemption_logit_diff(model_dir, captured: dict[int, list[torch.Tensor]], max_tokens: int,
                                          tensor_parallel_size: int = 1) -> float:
     """The engine with 7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once,
@@ -1423,8 +1444,7 @@ def chunked_prefix_preemption_logit_diff(model_dir, captured: dict[int, list[tor
     from nanoinfer import LLM, SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    shared = random_prompts(1, 5, 440, 40, 40, seed=8)[0]
-    prompts = [shared + tail for tail in random_prompts(4, 5, 440, 1, 30, seed=9)]
+    prompts = shared_prefix_prompts()
     with LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=96, max_num_batched_tokens=7,
              kvcache_block_size=8, num_kvcache_blocks=14, tensor_parallel_size=tensor_parallel_size) as llm:
         first = llm.generate(prompts, greedy, use_tqdm=False)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models import (LAYERNORM_KINDS, cached_hf_greedy, check_against_hf, chunked_prefix_preemption_logit_diff,
-                    random_prompts)
+                    hf_reordering_noise, random_prompts, shared_prefix_prompts)
 from nanoinfer import LLM, SamplingParams
 
 MAX_TOKENS = 16
@@ -107,7 +107,11 @@ def test_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, ca
     attending over other layers' keys and values, cached or of the step (Gemma 4 E2B/E4B)."""
     worst = chunked_prefix_preemption_logit_diff(model_dir(kind), captured_logits, MAX_TOKENS)
     report_logit_diff(f"{kind}, chunked prefill + prefix hits + preemption", worst)
-    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+    # Gemma 4 E amplifies fp32 rounding at one position (5e-5 between transformers' own cached and uncached
+    # logits): there the engine's 7-token chunks differ by 1e-4 with SDPA's math kernel and by 2e-4 with torch
+    # 2.11's CPU flash kernel, while a real error shows at 1e-2 or more.
+    noise = hf_reordering_noise(model_dir(kind), shared_prefix_prompts(), MAX_TOKENS)
+    assert worst < max(LOGIT_ATOL, 8 * noise), f"max |logit diff| {worst:.2e} (transformers' own {noise:.2e})"
 
 
 def save_with_mask_buffers_and_check(d, weights: dict[str, torch.Tensor], attentions: list[str], captured_logits
