@@ -163,8 +163,8 @@ SINKS = 3.0 * torch.randn(16, generator=torch.Generator().manual_seed(9))  # GPT
 
 
 def alibi_bias(slopes: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
-    """float64 slope_h * distance (key position - query position): slopes [heads], distance [...] -> [heads, ...]."""
-    return slopes.double().view(-1, *[1] * distance.dim()) * distance.double()
+    """float64 -slope_h * |distance| (key position - query position): slopes [heads], distance [...] -> [heads, ...]."""
+    return slopes.double().view(-1, *[1] * distance.dim()) * -distance.double().abs()
 
 
 @pytest.mark.skipif(not available(), reason="the C kernel did not build here")
@@ -239,6 +239,34 @@ def test_prefill_with_alibi_over_a_cached_prefix_matches_float64(q_lens, heads, 
         start += m
     err = (ours.double() - torch.cat(refs)).abs().max().item()
     assert err < 1e-5, f"max |ours - float64| = {err:.2e} ({'rows as decodes' if backend_rows else 'SDPA'})"
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_non_causal_prefill_with_alibi_matches_float64(window):
+    """The non-causal pass (LLM.embed's) with ALiBi: every key (with a window, those within window - 1 positions on
+    either side) scores -slope * |query position - key position|, a penalty for distance both ways, as flash-attn's
+    alibi_slopes give it."""
+    heads, kv_heads, dim, lens = 6, 2, 32, [1, 19, 12]
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (2 * torch.randn(sum(lens), h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    meta = AttentionMetadata(slot_mapping=None, block_tables=torch.empty(3, 0, dtype=torch.int32),
+                             context_lens=torch.tensor(lens, dtype=torch.int32), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                             max_seqlen_q=max(lens), max_seqlen_k=max(lens), block_size=16, causal=False)
+    slopes = bloom_alibi_slopes(heads)
+    backend = CPUAttentionBackend(torch.float32)
+    backend.prepare(meta)
+    ours = backend.forward(q, k, v, torch.empty(0), torch.empty(0), meta, dim ** -0.5, window, alibi_slopes=slopes)
+    refs = []
+    for qs, ks, vs in zip(q.split(lens), k.split(lens), v.split(lens)):
+        ks, vs = (x.double().repeat_interleave(heads // kv_heads, 1) for x in (ks, vs))
+        pos = torch.arange(len(qs))
+        visible = None if window is None else (pos[None, :] - pos[:, None]).abs() < window
+        scores = torch.einsum("nhd,lhd->hnl", qs.double(), ks) * dim ** -0.5
+        probs = reference_probs(scores, None, None, visible, alibi_bias(slopes, pos[None, :] - pos[:, None]))
+        refs.append(torch.einsum("hnl,lhd->nhd", probs, vs).flatten(1))
+    err = (ours.double() - torch.cat(refs)).abs().max().item()
+    assert err < 1e-5, f"max |ours - float64| = {err:.2e}"
 
 
 @pytest.mark.skipif(not available(), reason="the C kernel did not build here")

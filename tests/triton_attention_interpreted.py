@@ -51,7 +51,7 @@ def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tens
     with a window, each query sees the keys within window - 1 positions of its own on either side. With soft_cap,
     scores s become soft_cap * tanh(s / soft_cap) before the mask. With sinks [heads], each head's softmax takes its
     sink as one more logit, whose column is dropped after it (transformers' GPT-OSS). With alibi_slopes [heads], each
-    head's scores gain slope * (key position - query position) after the cap."""
+    head's scores gain -slope * |query position - key position| after the cap."""
     out, start = [], 0
     for k, v, n in zip(keys, values, q_lens):
         ctx, group = k.shape[0], q.shape[1] // k.shape[1]
@@ -61,7 +61,7 @@ def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tens
             scores = soft_cap * torch.tanh(scores / soft_cap)
         q_pos, k_pos = torch.arange(ctx - n, ctx)[:, None], torch.arange(ctx)[None, :]
         if alibi_slopes is not None:
-            scores = scores + alibi_slopes.double().view(-1, 1, 1) * (k_pos - q_pos)
+            scores = scores - alibi_slopes.double().view(-1, 1, 1) * (k_pos - q_pos).abs()
         if causal:
             visible = k_pos <= q_pos
             if window is not None:
@@ -127,23 +127,25 @@ def test_prefill_kernel_over_the_paged_cache(shape, dtype):
         assert err < TOLERANCE[dtype], f"window {window}: max error {err:.2e}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype, alibi", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+                         ids=str)
 @pytest.mark.parametrize("causal, window", [(True, None), (True, 5), (False, None), (False, 5)])
-def test_prefill_kernel_over_this_steps_kv(dtype, causal, window):
+def test_prefill_kernel_over_this_steps_kv(dtype, alibi, causal, window):
     """No cached prefix: keys are this step's k, v, row-strided views into one fused qkv tensor (Qwen3's k is
     normed into a tensor of its own, v stays a view: both layouts). Non-causal (the encoder pass) with a window:
-    on both sides (an encoder's local attention, ModernBERT's), over several key tiles and query tiles."""
+    on both sides (an encoder's local attention, ModernBERT's), over several key tiles and query tiles. With ALiBi,
+    non-causal keys on either side are penalized by distance."""
     g = torch.Generator().manual_seed(7)
     heads, kv_heads, head_dim, lens = 6, 2, 48, [1, 19, 40]
     qkv = torch.randn(sum(lens), (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], 1)
     q, v = q.view(-1, heads, head_dim), v.view(-1, kv_heads, head_dim)
     k = k.reshape(-1, kv_heads, head_dim).clone()
-    cu = _cu(lens)
+    cu, extra = _cu(lens), score_option("alibi", heads, g, dtype) if alibi else {}
     ours = prefill_attention(q, k, v, torch.empty(3, 0, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
-                             cu, cu, max(lens), 0.3, causal, window, config=SMALL)
+                             cu, cu, max(lens), 0.3, causal, window, config=SMALL, **extra)
     keys, values = k.split(lens), v.split(lens)
-    err = _error(ours, reference(q, keys, values, lens, 0.3, causal, window))
+    err = _error(ours, reference(q, keys, values, lens, 0.3, causal, window, **extra))
     assert err < TOLERANCE[dtype], f"max error {err:.2e}"
 
 

@@ -8,7 +8,7 @@ block table, so any KV block size works. Softmax runs online in fp32, in base 2 
 may be soft-capped (Gemma 2): cap * tanh(score / cap), in natural units, before the mask. Values may be a prefix of
 the keys (DeepSeek's latent cache): q and k are then wider than v, their extra dims read by the scores alone, and
 the one KV head's many query heads are split over programs. A head's sink logit (GPT-OSS) is a key of value 0 that
-every query sees: the online softmax starts from it. ALiBi (BLOOM, MPT) adds slope * (key position - query position)
+every query sees: the online softmax starts from it. ALiBi (BLOOM, MPT) adds -slope * |query position - key position|
 to each head's scores, after the cap."""
 import functools
 from dataclasses import dataclass
@@ -70,7 +70,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, 
     HEAD_DIM is the values' (and the output's) width; q and k rows hold TAIL_DIM more, which only the scores read
     (MLA: the rope part after the latent, which is also the value). With HAS_SINKS, segment 0 starts its softmax
     from the head's sink (max = sink, sum = 1), so that split or not, the sink joins the denominator once. With ALIBI,
-    each row's score of the key at position t gains its head's slope * (t - its position), in base 2."""
+    each row's score of the key at position t gains its head's -slope * |its position - t|, in base 2."""
     tile = tl.program_id(0)
     program = tl.program_id(1)
     kv_head = program // KV_SPLIT
@@ -151,7 +151,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, 
         if SOFTCAP:
             s = _tanh(s) * cap_scale
         if ALIBI:
-            s += slope[:, None] * (key_pos[None, :] - q_pos[:, None]).to(tl.float32)
+            s -= slope[:, None] * tl.abs(key_pos[None, :] - q_pos[:, None]).to(tl.float32)
         visible = key_ok[None, :]
         if CAUSAL:
             visible &= key_pos[None, :] <= q_pos[:, None]
@@ -295,7 +295,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_t
     own - window with a window); non-causal, every key (with a window, those within window - 1 positions of its
     own on either side: an encoder's local attention). With soft_cap, each scaled score s becomes soft_cap *
     tanh(s / soft_cap). sinks [heads]: each head's sink logit joins the denominator of its softmax. alibi_slopes [heads]
-    fp32: each head's score of a key gains slope * (key position - query position)."""
+    fp32: each head's score of a key gains -slope * |query position - key position| (causal: key - query)."""
     group = q.shape[1] // k.shape[-2]
     config = config or prefill_config(group, v.shape[-1], q.element_size(), max_seqlen_q)
     return _attention(q, k, v, block_tables, context_lens, cu_seqlens_q, cu_seqlens_k, scale, soft_cap, causal,

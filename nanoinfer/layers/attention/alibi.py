@@ -1,6 +1,7 @@
-"""ALiBi (attention with linear biases, Press et al.): no position encoding; each head h adds slope_h * (key position
-- query position) to its scaled scores. The slopes of BLOOM and MPT, which differ for head counts that are not a
-power of two, and the bias as an additive mask for the PyTorch backend."""
+"""ALiBi (attention with linear biases, Press et al.): no position encoding; each head h adds -slope_h * |query position
+- key position| to its scaled scores: slope_h * (key position - query position) under the causal mask, and, in a
+non-causal pass, a penalty for distance on both sides, as flash-attn computes it. The slopes of BLOOM and MPT, which
+differ for head counts that are not a power of two, and the bias as an additive mask for the PyTorch backend."""
 import math
 
 import torch
@@ -32,10 +33,10 @@ def mpt_alibi_slopes(num_heads: int, alibi_bias_max: float) -> torch.Tensor:
 
 def alibi_mask(slopes: torch.Tensor, distance: torch.Tensor, visible: torch.Tensor | None, dtype: torch.dtype
                ) -> torch.Tensor:
-    """The additive mask slope_h * distance, -inf where not visible: slopes [heads], distance (key position - query
+    """The additive mask -slope_h * |distance|, -inf where not visible: slopes [heads], distance (key position - query
     position) and visible broadcasting together to [..., n, keys] -> [..., heads, n, keys] (heads before distance's
     last two dims)."""
-    bias = slopes.view(-1, 1, 1) * distance.unsqueeze(-3).to(slopes.dtype)
+    bias = slopes.view(-1, 1, 1) * -distance.abs().unsqueeze(-3).to(slopes.dtype)
     if visible is not None:
         bias = bias.masked_fill(~visible.unsqueeze(-3), float("-inf"))
     return bias.to(dtype)

@@ -128,9 +128,9 @@ class CPUAttentionBackend:
         cu_seqlens_k[i] (MLA's decompressed K/V, never stored). With a window, a query at position p sees keys at
         p - window < position <= p, or, in a non-causal pass, at p - window < position < p + window. With soft_cap,
         each scaled score s becomes soft_cap * tanh(s / soft_cap) before the mask. With sinks [heads], each head's
-        sink logit joins the denominator of its softmax. With alibi_slopes [heads] fp32, each head adds slope * (key
-        position - query position) to its scores. A V cache narrower than the K cache is K's prefix (a view of it:
-        Attention's value_prefix_dim)."""
+        sink logit joins the denominator of its softmax. With alibi_slopes [heads] fp32, each head adds -slope *
+        |query position - key position| to its scores. A V cache narrower than the K cache is K's prefix (a view of
+        it: Attention's value_prefix_dim)."""
         state: CPUState = meta.backend_state
         if state is not None and state.row_context_lens is not None:
             return _kernel_decode(q, k_cache, v_cache, state.row_block_tables, state.row_context_lens, scale, window,

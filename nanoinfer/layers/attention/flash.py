@@ -30,8 +30,8 @@ class FlashAttentionBackend:
         With a window, a query at position p sees keys at p - window < position <= p (flash-attn: left window-1),
         or, in a non-causal pass, at p - window < position < p + window (window-1 on both sides).
         With soft_cap, scores are capped to soft_cap * tanh(score / soft_cap) (flash-attn: softcap, 0 for none).
-        With alibi_slopes [heads] fp32, flash-attn adds -slope * |query position - key position| to each score: with
-        causal masking, slope * (key position - query position), positions aligned to the bottom right as above.
+        With alibi_slopes [heads] fp32, flash-attn adds -slope * |query position - key position| to each score, as the
+        other backends do, positions aligned to the bottom right as above.
         flash-attn 2 has no attention sinks: select_backend never picks this backend for a model with them."""
         if sinks is not None:
             raise ValueError("the flash backend cannot run attention sinks (flash-attn 2 has none): use 'triton'")

@@ -36,9 +36,9 @@ class TritonAttentionBackend:
         decompressed K/V). With a window, a query at position p sees keys at p - window < position <= p, or, in a
         non-causal pass, at p - window < position < p + window. With soft_cap, each scaled score s becomes soft_cap *
         tanh(s / soft_cap) before the mask. With sinks [heads], each head's sink logit joins the denominator of its
-        softmax. With alibi_slopes [heads] fp32, each head adds slope * (key position - query position) to its scores.
-        A v narrower than k is read as its own (the latent cache's is K's prefix, MLA's decompressed one a tensor of
-        its own)."""
+        softmax. With alibi_slopes [heads] fp32, each head adds -slope * |query position - key position| to its
+        scores. A v narrower than k is read as its own (the latent cache's is K's prefix, MLA's decompressed one a
+        tensor of its own)."""
         if meta.is_decode:
             return self._decode(q, k_cache, v_cache, meta, scale, window, soft_cap, sinks, alibi_slopes)
         if meta.has_cached_prefix:  # keys come from the cache: the prefix was computed in earlier steps
