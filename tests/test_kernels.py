@@ -13,7 +13,7 @@ from nanoinfer.kernels import cpu as cpu_kernels
 from nanoinfer.kernels.cpu import available, paged_decode_attention
 from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers import sampler
-from nanoinfer.layers.attention.alibi import bloom_alibi_slopes
+from nanoinfer.layers.attention.alibi import alibi_mask, bloom_alibi_slopes
 from nanoinfer.layers.attention.cpu import CPUAttentionBackend
 from nanoinfer.layers.sampler import noise_keys
 
@@ -294,12 +294,14 @@ def test_decode_with_sinks_matches_float64(heads, kv_heads, head_dim, block_size
     assert (without - ours).abs().max().item() > 1e-2
 
 
-@pytest.mark.parametrize("soft_cap, sinks", [(1.5, None), (None, SINKS[:6]), (1.5, SINKS[:6])],
-                         ids=["softcap", "sinks", "both"])
+@pytest.mark.parametrize("soft_cap, sinks, alibi", [(1.5, None, False), (None, SINKS[:6], False),
+                                                    (1.5, SINKS[:6], False), (1.5, None, True)],
+                         ids=["softcap", "sinks", "both", "softcap-alibi"])
 @pytest.mark.parametrize("budget_rows", [None, 3], ids=["whole", "chunked"])
-def test_explicit_prefill_attention_matches_float64(soft_cap, sinks, budget_rows, monkeypatch):
+def test_explicit_prefill_attention_matches_float64(soft_cap, sinks, alibi, budget_rows, monkeypatch):
     """The explicit scores that stand in for SDPA in a softcapped prefill or one with sinks: GQA, a bottom-right
-    causal mask with a window over a cached prefix; with a small score budget, computed 3 query rows at a time."""
+    causal mask with a window over a cached prefix (with ALiBi, a float mask per head, added after the cap); with a
+    small score budget, computed 3 query rows at a time."""
     from nanoinfer.layers.attention import cpu as cpu_backend
 
     g = torch.Generator().manual_seed(5)
@@ -310,9 +312,15 @@ def test_explicit_prefill_attention_matches_float64(soft_cap, sinks, budget_rows
     mask = (k_pos <= q_pos) & (k_pos > q_pos - 7)
     if budget_rows:
         monkeypatch.setattr(cpu_backend, "EXPLICIT_SCORE_BYTES", 4 * heads * keys * budget_rows)
-    ours = cpu_backend.attention(q, k, v, mask, True, scale, soft_cap, sinks)
+    slopes, bias = bloom_alibi_slopes(heads), None
+    if alibi:
+        bias = alibi_bias(slopes, k_pos - q_pos)
+        ours = cpu_backend.attention(q, k, v, alibi_mask(slopes, k_pos - q_pos, mask, q.dtype).unsqueeze(0), True,
+                                     scale, soft_cap, sinks)
+    else:
+        ours = cpu_backend.attention(q, k, v, mask, True, scale, soft_cap, sinks)
     kr, vr = (x.double().repeat_interleave(heads // kv_heads, 1) for x in (k, v))
-    ref = reference_probs((q.double() @ kr.transpose(-1, -2) * scale)[0], soft_cap, sinks, mask) @ vr[0]
+    ref = reference_probs((q.double() @ kr.transpose(-1, -2) * scale)[0], soft_cap, sinks, mask, bias) @ vr[0]
     assert (ours[0].double() - ref).abs().max().item() < 1e-5
     plain = cpu_backend.attention(q, k, v, mask, True, scale, None)
     assert (plain - ours).abs().max().item() > 1e-2
