@@ -39,10 +39,7 @@ class MptBlock(LayerNormDecoderLayer):
 
 class MptModel(LayerNormModel):
     decoder_layer = MptBlock
-
-    @staticmethod
-    def final_norm(config: PretrainedConfig) -> nn.Module:
-        return LayerNorm(config.hidden_size, config.layer_norm_epsilon, bias=False)
+    norm_bias = False
 
 
 class MptForCausalLM(LlamaForCausalLM):
