@@ -86,7 +86,7 @@ class Config:
         _positive("max_model_len", self.max_model_len)
         if limit is not None and self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the {limit} positions of the model's "
-                             f"max_position_embeddings ({self.hf_config.max_position_embeddings})")
+                             f"config ({position_field(self.hf_config)} in {self.model_path})")
         self._check_attention_chunk()
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_model_len)
@@ -231,10 +231,16 @@ def language_model_config(config: PretrainedConfig, model_dir: Path) -> Pretrain
     return text
 
 
+def position_field(config: PretrainedConfig) -> str:
+    """The config field that bounds a sequence: MPT's `max_seq_len` (its ALiBi table's length in transformers),
+    else max_position_embeddings."""
+    return "max_seq_len" if config.model_type == "mpt" else "max_position_embeddings"
+
+
 def position_limit(config: PretrainedConfig) -> int | None:
-    """The longest sequence the model's positions cover: max_position_embeddings (None: no positions, as Mamba's, no
-    limit), less the first pad_token_id + 1 rows that RoBERTa's positions skip (models/bert.py)."""
-    limit = getattr(config, "max_position_embeddings", None)
+    """The longest sequence the model's positions cover: position_field's value (None: no positions, as Mamba's or
+    BLOOM's, no limit), less the first pad_token_id + 1 rows that RoBERTa's positions skip (models/bert.py)."""
+    limit = getattr(config, position_field(config), None)
     if limit is not None and config.model_type in ("roberta", "xlm-roberta"):
         limit -= (config.pad_token_id or 0) + 1
     return limit

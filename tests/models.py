@@ -175,8 +175,11 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # GPT-J: the parallel residual with one norm, interleaved rope over half of each head, the LM head's bias.
 # GPTBigCode: GPT-2's layout with nn.Linear weights and multi-query attention, exact GeLU.
 # Cohere 2: Cohere's layer without q/k norms, sliding layers with rope and a global one without.
+# BLOOM: ALiBi with 6 heads (not a power of two: the slopes' second series), the per-head fused query_key_value, the
+# embeddings' LayerNorm, tied. MPT: ALiBi (alibi_bias_max 8), bias-free, q/k/v clamped (clip_qkv, below many of the
+# test model's values), its own softmax_scale, tied.
 LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2", "falcon", "falcon-mqa", "gptj",
-                   "gpt-bigcode", "cohere2")
+                   "gpt-bigcode", "cohere2", "bloom", "mpt")
 LAYER_NORM_EPS = 1e-3
 # GLM-4.7-Flash (glm4-moe-lite): V3's model with layer 0 dense by mlp_layer_types, a shared expert.
 DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3", "glm4-moe-lite")
@@ -274,7 +277,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "glm": 4579, "gpt2": 5680, "deepseek-v2": 6791, "deepseek-v2-group": 7802, "deepseek-v3": 8913,
           "olmo": 1359, "exaone4": 6680, "seed-oss": 7791, "helium": 8802, "arcee": 9913, "nemotron": 1024,
           "ernie4_5": 2135, "falcon": 2246, "falcon-mqa": 3357, "gptj": 4468, "gpt-bigcode": 5579,
-          "hunyuan": 3246, "cohere2": 4357, "apertus": 5468,
+          "hunyuan": 3246, "cohere2": 4357, "apertus": 5468, "bloom": 6579, "mpt": 7680,
           "qwen3.5": 9024, "qwen3.5-moe": 1135, "olmoe": 2246, "glm4-moe": 3357, "dots1": 4468, "ernie4.5-moe": 5579,
           "hunyuan-moe": 6680, "gpt-oss": 9024, "llama4": 7135, "gemma4": 2469, "gemma4-moe": 3570,
           "gemma4-e": 4681}
@@ -296,17 +299,16 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (ApertusConfig, ArceeConfig, Cohere2Config, CohereConfig, Dots1Config,
+    from transformers import (ApertusConfig, ArceeConfig, BloomConfig, Cohere2Config, CohereConfig, Dots1Config,
                               Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, ExaoneMoeConfig, FalconConfig,
                               FlexOlmoConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig,
                               GlmConfig, GPT2Config, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, GraniteConfig,
                               GraniteMoeConfig, GraniteMoeSharedConfig, GraniteMoeSWAConfig, GraniteSWAConfig,
-                              HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config,
-                              LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig,
-                              NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config,
-                              PhiConfig, PhimoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
-                              Qwen3NextConfig, SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config,
-                              VaultGemmaConfig)
+                              HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config, LlamaConfig, Ministral3Config,
+                              MinistralConfig, MistralConfig, MixtralConfig, MptConfig, NemotronConfig, Olmo2Config,
+                              Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config, PhiConfig, PhimoeConfig, Qwen2Config,
+                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig, SeedOssConfig,
+                              SmolLM3Config, StableLmConfig, Starcoder2Config, VaultGemmaConfig)
 
     ids = _token_ids()
     special = dict(
@@ -837,6 +839,15 @@ def make_config(kind: str):
         return GPTJConfig(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=4, n_positions=512, n_inner=128,
                           rotary_dim=8, activation_function="gelu_new", layer_norm_epsilon=LAYER_NORM_EPS,
                           initializer_range=INIT_STD, tie_word_embeddings=False, **special)
+    if kind == "bloom":  # BloomConfig's names: n_layer, n_head; the MLP 4x hidden_size
+        return BloomConfig(vocab_size=MODEL_VOCAB_SIZE, hidden_size=96, n_layer=3, n_head=6,
+                           layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD, tie_word_embeddings=True,
+                           **special)
+    if kind == "mpt":  # MptConfig's names: d_model, n_heads, n_layers, expansion_ratio, max_seq_len, attn_config
+        return MptConfig(vocab_size=MODEL_VOCAB_SIZE, d_model=64, n_heads=4, n_layers=3, expansion_ratio=4,
+                         max_seq_len=512, layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD,
+                         attn_config={"clip_qkv": 2.0, "softmax_scale": 0.15, "alibi_bias_max": 8},
+                         tie_word_embeddings=True, **special)
     if kind == "gpt-bigcode":
         return GPTBigCodeConfig(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=4, n_positions=512,
                                 n_inner=128, multi_query=True, activation_function="gelu",
@@ -1130,6 +1141,12 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
                     p.mul_(ZAMBA2_LAYER_WEIGHT_SCALE)
     if kind in MAMBA1_KINDS:
         _randomize_mamba1_(model, _SEEDS[base_kind])
+    if kind == "mpt":  # its norms (norm_1, norm_2, norm_f), which _randomize_ does not know by name, as the others'
+        g = torch.Generator().manual_seed(_SEEDS[base_kind] + 4)
+        with torch.no_grad():
+            for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+                if ".norm_" in name:
+                    p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
     g = torch.Generator().manual_seed(_SEEDS[base_kind] + 2)
     for name, buffer in model.named_buffers():  # a buffer, saved with the weights: V3's, LFM2-MoE's routing bias
         if name.endswith(("e_score_correction_bias", "expert_bias")):

@@ -100,11 +100,43 @@ def test_falcon_alibi_is_refused_by_name(model_dir, tmp_path):
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
 
 
-@pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj", "gemma4", "gemma4-e"])
+@pytest.mark.parametrize("kind, changes, message", [
+    ("mpt", dict(attn_config={"qk_ln": True}), "attn_config.qk_ln=True"),
+    ("mpt", dict(attn_config={"alibi": False}), "attn_config.alibi=False"),
+    ("mpt", dict(attn_config={"prefix_lm": True}), "attn_config.prefix_lm=True"),
+    ("mpt", dict(attn_config={"attn_type": "multiquery_attention"}), "attn_config.attn_type='multiquery_attention'"),
+    ("mpt", dict(no_bias=False), "no_bias=False"),
+    ("mpt", dict(logit_scale=0.5), "logit_scale=0.5"),
+    ("bloom", dict(apply_residual_connection_post_layernorm=True), "apply_residual_connection_post_layernorm=True"),
+])
+def test_alibi_family_settings_the_engine_cannot_run_are_refused_by_name(kind, changes, message, model_dir,
+                                                                         tmp_path):
+    """MPT's options that transformers does not build (it would run the checkpoint without them), BLOOM's
+    post-norm residual."""
+    src = model_dir(kind)
+    attn_config = json.loads((src / "config.json").read_text()).get("attn_config", {})
+    if "attn_config" in changes:
+        changes = {**changes, "attn_config": {**attn_config, **changes["attn_config"]}}
+    d = edited_model(src, tmp_path / "m", **changes)
+    with pytest.raises(ValueError, match=message) as refused:
+        LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
+    assert str(d) in str(refused.value)
+
+
+def test_mpt_sequences_are_bounded_by_max_seq_len(model_dir):
+    """MPT's config has no max_position_embeddings: its max_seq_len (512 here) bounds max_model_len."""
+    with LLM(str(model_dir("mpt")), device="cpu", dtype="float32") as llm:
+        assert llm.llm_engine.config.max_model_len == 512
+    with pytest.raises(ValueError, match="exceeds the 512 positions .*max_seq_len"):
+        LLM(str(model_dir("mpt")), device="cpu", dtype="float32", max_model_len=513)
+
+
+@pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj", "gemma4", "gemma4-e", "bloom", "mpt"])
 def test_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, captured_logits, report_logit_diff):
     """7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once, twice: the
     parallel residual (Phi, GPT-NeoX, GPT-J), layers of two head sizes and values from the keys (Gemma 4), layers
-    attending over other layers' keys and values, cached or of the step (Gemma 4 E2B/E4B)."""
+    attending over other layers' keys and values, cached or of the step (Gemma 4 E2B/E4B), ALiBi's key-minus-query
+    distances over cached prefixes and chunks (BLOOM, MPT)."""
     worst = chunked_prefix_preemption_logit_diff(model_dir(kind), captured_logits, MAX_TOKENS)
     report_logit_diff(f"{kind}, chunked prefill + prefix hits + preemption", worst)
     # Gemma 4 E amplifies fp32 rounding at one position (5e-5 between transformers' own cached and uncached

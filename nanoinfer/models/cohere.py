@@ -23,10 +23,7 @@ class CohereDecoderLayer(LayerNormDecoderLayer):
 
 class CohereModel(LayerNormModel):
     decoder_layer = CohereDecoderLayer
-
-    @staticmethod
-    def final_norm(config: PretrainedConfig) -> nn.Module:
-        return LayerNorm(config.hidden_size, config.layer_norm_eps, bias=False)
+    norm_bias = False
 
 
 class CohereForCausalLM(LlamaForCausalLM):

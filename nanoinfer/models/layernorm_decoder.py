@@ -111,8 +111,11 @@ class LayerNormDecoderLayer(nn.Module):
 
 
 class LayerNormModel(LlamaModel):
-    """LlamaModel with a final LayerNorm; subclasses set `decoder_layer`."""
+    """LlamaModel with a final LayerNorm, bias-free where `norm_bias` is False (Cohere, MPT); subclasses set
+    `decoder_layer`."""
 
-    @staticmethod
-    def final_norm(config: PretrainedConfig) -> nn.Module:
-        return LayerNorm(config.hidden_size, norm_eps(config))
+    norm_bias = True
+
+    @classmethod
+    def final_norm(cls, config: PretrainedConfig) -> nn.Module:
+        return LayerNorm(config.hidden_size, norm_eps(config), bias=cls.norm_bias)
