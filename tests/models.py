@@ -175,8 +175,10 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # GPT-J: the parallel residual with one norm, interleaved rope over half of each head, the LM head's bias.
 # GPTBigCode: GPT-2's layout with nn.Linear weights and multi-query attention, exact GeLU.
 # Cohere 2: Cohere's layer without q/k norms, sliding layers with rope and a global one without.
+# OPT: GPT-2's positions offset by 2, pre-norm, ReLU, biases, tied. opt-350m: post-norm (no final norm), token embeddings
+# narrower than the hidden size (project_in / project_out), no biases on the projections (enable_bias false).
 LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2", "falcon", "falcon-mqa", "gptj",
-                   "gpt-bigcode", "cohere2")
+                   "gpt-bigcode", "cohere2", "opt", "opt-350m")
 LAYER_NORM_EPS = 1e-3
 # GLM-4.7-Flash (glm4-moe-lite): V3's model with layer 0 dense by mlp_layer_types, a shared expert.
 DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3", "glm4-moe-lite")
@@ -274,7 +276,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "glm": 4579, "gpt2": 5680, "deepseek-v2": 6791, "deepseek-v2-group": 7802, "deepseek-v3": 8913,
           "olmo": 1359, "exaone4": 6680, "seed-oss": 7791, "helium": 8802, "arcee": 9913, "nemotron": 1024,
           "ernie4_5": 2135, "falcon": 2246, "falcon-mqa": 3357, "gptj": 4468, "gpt-bigcode": 5579,
-          "hunyuan": 3246, "cohere2": 4357, "apertus": 5468,
+          "hunyuan": 3246, "cohere2": 4357, "apertus": 5468, "opt": 6579, "opt-350m": 7680,
           "qwen3.5": 9024, "qwen3.5-moe": 1135, "olmoe": 2246, "glm4-moe": 3357, "dots1": 4468, "ernie4.5-moe": 5579,
           "hunyuan-moe": 6680, "gpt-oss": 9024, "llama4": 7135, "gemma4": 2469, "gemma4-moe": 3570,
           "gemma4-e": 4681}
@@ -303,7 +305,7 @@ def make_config(kind: str):
                               GraniteMoeConfig, GraniteMoeSharedConfig, GraniteMoeSWAConfig, GraniteSWAConfig,
                               HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config,
                               LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig,
-                              NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config,
+                              NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, OPTConfig, Phi3Config,
                               PhiConfig, PhimoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
                               Qwen3NextConfig, SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config,
                               VaultGemmaConfig)
@@ -842,6 +844,12 @@ def make_config(kind: str):
                                 n_inner=128, multi_query=True, activation_function="gelu",
                                 layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD,
                                 tie_word_embeddings=True, **special)
+    if kind in ("opt", "opt-350m"):  # OPTConfig's names: ffn_dim, activation_function, enable_bias; no epsilon
+        pre_norm = kind == "opt"
+        return OPTConfig(vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                         ffn_dim=128, max_position_embeddings=512, do_layer_norm_before=pre_norm,
+                         word_embed_proj_dim=64 if pre_norm else 32, enable_bias=pre_norm,
+                         activation_function="relu", init_std=INIT_STD, **special)
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND, OLMO2_MQA_KIND)}")
 
 

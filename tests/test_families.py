@@ -100,11 +100,12 @@ def test_falcon_alibi_is_refused_by_name(model_dir, tmp_path):
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
 
 
-@pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj", "gemma4", "gemma4-e"])
+@pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj", "gemma4", "gemma4-e", "opt-350m"])
 def test_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, captured_logits, report_logit_diff):
     """7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once, twice: the
     parallel residual (Phi, GPT-NeoX, GPT-J), layers of two head sizes and values from the keys (Gemma 4), layers
-    attending over other layers' keys and values, cached or of the step (Gemma 4 E2B/E4B)."""
+    attending over other layers' keys and values, cached or of the step (Gemma 4 E2B/E4B), post-norm layers and
+    OPT's offset positions (OPT-350m)."""
     worst = chunked_prefix_preemption_logit_diff(model_dir(kind), captured_logits, MAX_TOKENS)
     report_logit_diff(f"{kind}, chunked prefill + prefix hits + preemption", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
@@ -147,6 +148,19 @@ def test_gpt2_hub_checkpoint_layout_matches_hf(model_dir, tmp_path, captured_log
     save_with_mask_buffers_and_check(d, weights, [f"h.{i}.attn" for i in range(layers)], captured_logits)
 
 
+def test_opt_hub_checkpoint_layout_matches_hf(model_dir, tmp_path, captured_logits):
+    """OPT's older Hub files (OPTModel's): the decoder's tensors named `decoder.*`, without the `model.` prefix."""
+    from safetensors.torch import load_file, save_file
+
+    d = edited_model(model_dir("opt-350m"), tmp_path / "m")
+    weights = {name.removeprefix("model."): w for name, w in load_file(d / "model.safetensors").items()}
+    assert "decoder.project_in.weight" in weights and "decoder.embed_positions.weight" in weights
+    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
+
+
 @pytest.mark.parametrize("setting", ["scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
                                      "add_cross_attention"])
 def test_gpt2_settings_the_engine_cannot_run_are_refused_by_name(setting, model_dir, tmp_path):
@@ -180,12 +194,12 @@ def test_dense_mlp_activations_are_transformers_own():
     from nanoinfer.layers.activation import get_act
 
     x = 4 * torch.randn(4096, generator=torch.Generator().manual_seed(0))
-    for name in ("gelu", "gelu_fast", "gelu_new", "gelu_pytorch_tanh", "relu2", "silu"):
+    for name in ("gelu", "gelu_fast", "gelu_new", "gelu_pytorch_tanh", "relu", "relu2", "silu"):
         for dtype in (torch.float32, torch.bfloat16):
             assert torch.equal(get_act(name)(x.to(dtype)), ACT2FN[name](x.to(dtype))), (name, dtype)
     assert not torch.equal(get_act("gelu_new")(x), get_act("gelu_pytorch_tanh")(x))
-    with pytest.raises(ValueError, match="'relu'"):
-        get_act("relu")
+    with pytest.raises(ValueError, match="'tanh'"):
+        get_act("tanh")
 
 
 def test_xielu_is_transformers_own():

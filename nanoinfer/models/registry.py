@@ -51,6 +51,7 @@ _MODELS = {
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
     "Olmo3ForCausalLM": ("olmo3", "Olmo3ForCausalLM"),
     "OlmoeForCausalLM": ("olmoe", "OlmoeForCausalLM"),
+    "OPTForCausalLM": ("opt", "OPTForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "PhiForCausalLM": ("phi", "PhiForCausalLM"),
     "PhimoeForCausalLM": ("phimoe", "PhimoeForCausalLM"),
