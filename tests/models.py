@@ -177,8 +177,9 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # Cohere 2: Cohere's layer without q/k norms, sliding layers with rope and a global one without.
 # OPT: GPT-2's positions offset by 2, pre-norm, ReLU, biases, tied. opt-350m: post-norm (no final norm), token embeddings
 # narrower than the hidden size (project_in / project_out), no biases on the projections (enable_bias false).
+# GPT-Neo: GPT-2's layout with separate q/k/v, unscaled scores, local (windowed) layers 0 and 2, a global layer 1.
 LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2", "falcon", "falcon-mqa", "gptj",
-                   "gpt-bigcode", "cohere2", "opt", "opt-350m")
+                   "gpt-bigcode", "cohere2", "opt", "opt-350m", "gpt-neo")
 LAYER_NORM_EPS = 1e-3
 # GLM-4.7-Flash (glm4-moe-lite): V3's model with layer 0 dense by mlp_layer_types, a shared expert.
 DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3", "glm4-moe-lite")
@@ -227,7 +228,7 @@ EXTRA_KINDS += MAMBA1_KINDS
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 13, "ministral3": 15, "gemma3": 10,
                   "gemma2": 11, "gemma4": 10, "phi3": 24, "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13,
                   "exaone4": 10, "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22, "vaultgemma": 11,
-                  "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13}
+                  "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "gpt-neo": 11}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -276,7 +277,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "glm": 4579, "gpt2": 5680, "deepseek-v2": 6791, "deepseek-v2-group": 7802, "deepseek-v3": 8913,
           "olmo": 1359, "exaone4": 6680, "seed-oss": 7791, "helium": 8802, "arcee": 9913, "nemotron": 1024,
           "ernie4_5": 2135, "falcon": 2246, "falcon-mqa": 3357, "gptj": 4468, "gpt-bigcode": 5579,
-          "hunyuan": 3246, "cohere2": 4357, "apertus": 5468, "opt": 6579, "opt-350m": 7680,
+          "hunyuan": 3246, "cohere2": 4357, "apertus": 5468, "opt": 6579, "opt-350m": 7680, "gpt-neo": 8791,
           "qwen3.5": 9024, "qwen3.5-moe": 1135, "olmoe": 2246, "glm4-moe": 3357, "dots1": 4468, "ernie4.5-moe": 5579,
           "hunyuan-moe": 6680, "gpt-oss": 9024, "llama4": 7135, "gemma4": 2469, "gemma4-moe": 3570,
           "gemma4-e": 4681}
@@ -298,17 +299,17 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (ApertusConfig, ArceeConfig, Cohere2Config, CohereConfig, Dots1Config,
-                              Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, ExaoneMoeConfig, FalconConfig,
-                              FlexOlmoConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig,
-                              GlmConfig, GPT2Config, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, GraniteConfig,
-                              GraniteMoeConfig, GraniteMoeSharedConfig, GraniteMoeSWAConfig, GraniteSWAConfig,
-                              HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config,
-                              LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig,
-                              NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, OPTConfig, Phi3Config,
-                              PhiConfig, PhimoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
-                              Qwen3NextConfig, SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config,
-                              VaultGemmaConfig)
+    from transformers import (ApertusConfig, ArceeConfig, CodeGenConfig, Cohere2Config, CohereConfig, DbrxConfig,
+                              Dots1Config, Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, ExaoneMoeConfig,
+                              FalconConfig, FlexOlmoConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config,
+                              Glm4MoeConfig, GlmConfig, GPT2Config, GPTBigCodeConfig, GPTJConfig, GPTNeoConfig,
+                              GPTNeoXConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
+                              GraniteMoeSWAConfig, GraniteSWAConfig, HeliumConfig, HunYuanDenseV1Config,
+                              HunYuanMoEV1Config, LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig,
+                              MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig,
+                              OPTConfig, PersimmonConfig, Phi3Config, PhiConfig, PhimoeConfig, Qwen2Config,
+                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig, SeedOssConfig,
+                              SmolLM3Config, StableLmConfig, Starcoder2Config, VaultGemmaConfig)
 
     ids = _token_ids()
     special = dict(
@@ -850,6 +851,11 @@ def make_config(kind: str):
                          ffn_dim=128, max_position_embeddings=512, do_layer_norm_before=pre_norm,
                          word_embed_proj_dim=64 if pre_norm else 32, enable_bias=pre_norm,
                          activation_function="relu", init_std=INIT_STD, **special)
+    if kind == "gpt-neo":  # GPTNeoConfig's names: num_layers, num_heads; attention_types [[types, repeats], ...]
+        return GPTNeoConfig(vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_layers=3, num_heads=4,
+                            intermediate_size=128, max_position_embeddings=512, window_size=SLIDING_WINDOW[kind],
+                            attention_types=[[["local", "global"], 1], [["local"], 1]], activation_function="gelu_new",
+                            layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD, **special)
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND, OLMO2_MQA_KIND)}")
 
 

@@ -94,6 +94,13 @@ def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_di
     assert str(d) in str(refused.value)
 
 
+def test_gpt_neo_unknown_attention_type_is_refused_by_name(model_dir, tmp_path):
+    d = edited_model(model_dir("gpt-neo"), tmp_path / "m", attention_layers=["local", "global", "sparse"])
+    with pytest.raises(ValueError, match=r"attention_layers=\['local', 'global', 'sparse'\]") as refused:
+        LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
+    assert str(d) in str(refused.value)
+
+
 def test_falcon_alibi_is_refused_by_name(model_dir, tmp_path):
     d = edited_model(model_dir("falcon"), tmp_path / "m", alibi=True)
     with pytest.raises(ValueError, match="alibi=True"):
