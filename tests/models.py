@@ -178,8 +178,10 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # OPT: GPT-2's positions offset by 2, pre-norm, ReLU, biases, tied. opt-350m: post-norm (no final norm), token embeddings
 # narrower than the hidden size (project_in / project_out), no biases on the projections (enable_bias false).
 # GPT-Neo: GPT-2's layout with separate q/k/v, unscaled scores, local (windowed) layers 0 and 2, a global layer 1.
+# CodeGen: GPT-J's layer with the fused qkv_proj in its 4-group layout (8 heads: 2 per group, so the order within a
+# group shows), interleaved rope over half of each head.
 LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2", "falcon", "falcon-mqa", "gptj",
-                   "gpt-bigcode", "cohere2", "opt", "opt-350m", "gpt-neo")
+                   "gpt-bigcode", "cohere2", "opt", "opt-350m", "gpt-neo", "codegen")
 LAYER_NORM_EPS = 1e-3
 # GLM-4.7-Flash (glm4-moe-lite): V3's model with layer 0 dense by mlp_layer_types, a shared expert.
 DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3", "glm4-moe-lite")
@@ -277,7 +279,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "glm": 4579, "gpt2": 5680, "deepseek-v2": 6791, "deepseek-v2-group": 7802, "deepseek-v3": 8913,
           "olmo": 1359, "exaone4": 6680, "seed-oss": 7791, "helium": 8802, "arcee": 9913, "nemotron": 1024,
           "ernie4_5": 2135, "falcon": 2246, "falcon-mqa": 3357, "gptj": 4468, "gpt-bigcode": 5579,
-          "hunyuan": 3246, "cohere2": 4357, "apertus": 5468, "opt": 6579, "opt-350m": 7680, "gpt-neo": 8791,
+          "hunyuan": 3246, "cohere2": 4357, "apertus": 5468, "opt": 6579, "opt-350m": 7680, "gpt-neo": 8791, "codegen": 9802,
           "qwen3.5": 9024, "qwen3.5-moe": 1135, "olmoe": 2246, "glm4-moe": 3357, "dots1": 4468, "ernie4.5-moe": 5579,
           "hunyuan-moe": 6680, "gpt-oss": 9024, "llama4": 7135, "gemma4": 2469, "gemma4-moe": 3570,
           "gemma4-e": 4681}
@@ -856,6 +858,10 @@ def make_config(kind: str):
                             intermediate_size=128, max_position_embeddings=512, window_size=SLIDING_WINDOW[kind],
                             attention_types=[[["local", "global"], 1], [["local"], 1]], activation_function="gelu_new",
                             layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD, **special)
+    if kind == "codegen":  # CodeGenConfig's names, as GPT-J's
+        return CodeGenConfig(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=8, n_positions=512,
+                             n_ctx=512, n_inner=128, rotary_dim=4, activation_function="gelu_new",
+                             layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD, **special)
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND, OLMO2_MQA_KIND)}")
 
 

@@ -101,6 +101,13 @@ def test_gpt_neo_unknown_attention_type_is_refused_by_name(model_dir, tmp_path):
     assert str(d) in str(refused.value)
 
 
+def test_codegen_head_count_off_its_qkv_layout_is_refused_by_name(model_dir, tmp_path):
+    d = edited_model(model_dir("codegen"), tmp_path / "m", n_head=2)
+    with pytest.raises(ValueError, match="n_head=2") as refused:
+        LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
+    assert str(d) in str(refused.value)
+
+
 def test_falcon_alibi_is_refused_by_name(model_dir, tmp_path):
     d = edited_model(model_dir("falcon"), tmp_path / "m", alibi=True)
     with pytest.raises(ValueError, match="alibi=True"):
