@@ -180,8 +180,9 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # GPT-Neo: GPT-2's layout with separate q/k/v, unscaled scores, local (windowed) layers 0 and 2, a global layer 1.
 # CodeGen: GPT-J's layer with the fused qkv_proj in its 4-group layout (8 heads: 2 per group, so the order within a
 # group shows), interleaved rope over half of each head.
+# Persimmon: GPT-NeoX's per-head query_key_value, q/k LayerNorms shared by the heads, half of each head rotated, relu^2.
 LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2", "falcon", "falcon-mqa", "gptj",
-                   "gpt-bigcode", "cohere2", "opt", "opt-350m", "gpt-neo", "codegen")
+                   "gpt-bigcode", "cohere2", "opt", "opt-350m", "gpt-neo", "codegen", "persimmon")
 LAYER_NORM_EPS = 1e-3
 # GLM-4.7-Flash (glm4-moe-lite): V3's model with layer 0 dense by mlp_layer_types, a shared expert.
 DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3", "glm4-moe-lite")
@@ -279,7 +280,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "glm": 4579, "gpt2": 5680, "deepseek-v2": 6791, "deepseek-v2-group": 7802, "deepseek-v3": 8913,
           "olmo": 1359, "exaone4": 6680, "seed-oss": 7791, "helium": 8802, "arcee": 9913, "nemotron": 1024,
           "ernie4_5": 2135, "falcon": 2246, "falcon-mqa": 3357, "gptj": 4468, "gpt-bigcode": 5579,
-          "hunyuan": 3246, "cohere2": 4357, "apertus": 5468, "opt": 6579, "opt-350m": 7680, "gpt-neo": 8791, "codegen": 9802,
+          "hunyuan": 3246, "cohere2": 4357, "apertus": 5468,
           "qwen3.5": 9024, "qwen3.5-moe": 1135, "olmoe": 2246, "glm4-moe": 3357, "dots1": 4468, "ernie4.5-moe": 5579,
           "hunyuan-moe": 6680, "gpt-oss": 9024, "llama4": 7135, "gemma4": 2469, "gemma4-moe": 3570,
           "gemma4-e": 4681}
@@ -292,6 +293,7 @@ _SEEDS |= {"lfm2-moe": 2346}
 _SEEDS |= {"glm4-moe-lite": 3457, "exaone-moe": 4568, "granite-swa": 5679, "granitemoe-swa": 6780}
 _SEEDS |= {"ministral": 6791, "ministral3": 7902, "phimoe": 8013, "flexolmo": 4024, "vaultgemma": 1235}
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
+_SEEDS |= {"opt": 6579, "opt-350m": 7680, "gpt-neo": 8791, "codegen": 9802, "persimmon": 1913}
 
 
 def _token_ids():
@@ -811,6 +813,10 @@ def make_config(kind: str):
                               qk_layernorm=True, use_parallel_residual=True,
                               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
                                                "partial_rotary_factor": 0.25})
+    if kind == "persimmon":
+        return PersimmonConfig(**layernorm, hidden_act="relu2", qk_layernorm=True,
+                               rope_parameters={"rope_type": "default", "rope_theta": 25_000.0,
+                                                "partial_rotary_factor": 0.5})
     if kind == "phi":
         return PhiConfig(**layernorm, hidden_act="gelu_new", qk_layernorm=True,
                          rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5})

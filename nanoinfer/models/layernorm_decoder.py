@@ -66,6 +66,11 @@ class QKLayerNormAttention(LlamaAttention):
         return self.o_proj(self.attn(q, k, v, meta))
 
 
+def shared_qk_norm(eps: float) -> QKNormFactory:
+    """One LayerNorm (weight and bias) over head_dim for all the heads (Phi's, Persimmon's q/k norms)."""
+    return lambda heads, head_dim: LayerNorm(head_dim, eps)
+
+
 def maybe_per_head_qk_norm_attention(config: PretrainedConfig, options: AttentionOptions, qk_norm: bool,
                                      eps: float) -> LlamaAttention:
     """The Llama attention, with a LayerNorm of each head's own on its query and key where qk_norm (StableLM,

@@ -4,8 +4,8 @@ partial rotary; optionally LayerNorms on queries and keys (`qk_layernorm`, one s
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanoinfer.layers.layernorm import LayerNorm
-from nanoinfer.models.layernorm_decoder import DenseMLP, LayerNormDecoderLayer, LayerNormModel, QKLayerNormAttention
+from nanoinfer.models.layernorm_decoder import (DenseMLP, LayerNormDecoderLayer, LayerNormModel, QKLayerNormAttention,
+                                                shared_qk_norm)
 from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM
 
 
@@ -13,7 +13,7 @@ class PhiDecoderLayer(LayerNormDecoderLayer):
     def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module):
         eps = config.layer_norm_eps
         if config.qk_layernorm:
-            attention = QKLayerNormAttention(config, options, lambda heads, head_dim: LayerNorm(head_dim, eps))
+            attention = QKLayerNormAttention(config, options, shared_qk_norm(eps))
         else:
             attention = LlamaAttention(config, options)
         super().__init__(attention, mlp, config.hidden_size, eps, "parallel-one-norm")
