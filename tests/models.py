@@ -220,13 +220,18 @@ EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_N
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
                + ("granite-swa", "granitemoe-swa") + GEMMA4_KINDS
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
-                  "ernie4.5-moe", "hunyuan-moe", "llama4", "phimoe", "flexolmo", "exaone-moe") + ("vaultgemma",)
+                  "ernie4.5-moe", "hunyuan-moe", "llama4", "phimoe", "flexolmo", "exaone-moe", "dbrx")
+               + ("vaultgemma",)
                + LAYERNORM_KINDS + DEEPSEEK_KINDS + DENSE_KINDS + ("gpt-oss",))
 # Mamba-1 mixers (see mamba1_config): Mamba (projection biases, tied), Falcon-Mamba (weightless dt/B/C norms, untied),
 # Jamba (dt/B/C norms with weights; attention without rope on layer 2; 2 of 4 experts on layers 1 and 3, dense MLPs
 # on 0 and 2).
 MAMBA1_KINDS = ("mamba", "falcon-mamba", "jamba")
 EXTRA_KINDS += MAMBA1_KINDS
+# DBRX: q/k/v clamped to +-DBRX_CLIP_QKV (a sixth of layer 0's are beyond it), GQA, 2 of 8 experts on every layer,
+# their weights divided by their DBRX_NORM_P-norm (DBRX's own is 1, a plain renormalization: 2 tells them apart).
+DBRX_CLIP_QKV = 0.5
+DBRX_NORM_P = 2.0
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 13, "ministral3": 15, "gemma3": 10,
                   "gemma2": 11, "gemma4": 10, "phi3": 24, "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13,
@@ -293,7 +298,7 @@ _SEEDS |= {"lfm2-moe": 2346}
 _SEEDS |= {"glm4-moe-lite": 3457, "exaone-moe": 4568, "granite-swa": 5679, "granitemoe-swa": 6780}
 _SEEDS |= {"ministral": 6791, "ministral3": 7902, "phimoe": 8013, "flexolmo": 4024, "vaultgemma": 1235}
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
-_SEEDS |= {"opt": 6579, "opt-350m": 7680, "gpt-neo": 8791, "codegen": 9802, "persimmon": 1913}
+_SEEDS |= {"opt": 6579, "opt-350m": 7680, "gpt-neo": 8791, "codegen": 9802, "persimmon": 1913, "dbrx": 2924}
 
 
 def _token_ids():
@@ -642,6 +647,13 @@ def make_config(kind: str):
             num_experts_per_tok=2,
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         )
+    if kind == "dbrx":  # DbrxConfig's names (d_model, n_heads, n_layers, max_seq_len) and its attn / ffn sub-configs
+        return DbrxConfig(vocab_size=MODEL_VOCAB_SIZE, d_model=64, n_heads=4, n_layers=3, max_seq_len=512,
+                          attn_config={"kv_n_heads": 2, "clip_qkv": DBRX_CLIP_QKV, "rope_theta": 500_000.0},
+                          ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2,
+                                      "moe_normalize_expert_weights": DBRX_NORM_P},
+                          rope_parameters={"rope_type": "default", "rope_theta": 500_000.0},
+                          initializer_range=INIT_STD, tie_word_embeddings=False, **special)
     if kind == "phimoe":  # the prompts fit in original_max_position_embeddings, their continuations cross it
         return PhimoeConfig(**{**_COMMON, "intermediate_size": 32}, **special, num_attention_heads=4,
                             num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True, lm_head_bias=True,
