@@ -152,8 +152,9 @@ class Config:
         """Each rank holds whole heads and an equal share of the MLP; fewer KV heads than ranks are replicated."""
         tp, cfg = self.tensor_parallel_size, self.hf_config
         heads = getattr(cfg, "num_attention_heads", None) or tp  # attention-free models (Mamba): no heads to split
-        # GPT-2's config names the MLP's width n_inner (None: 4 x hidden).
-        mlp_size = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size
+        # GPT-2's config names the MLP's width n_inner (None: 4 x hidden), OPT's ffn_dim.
+        mlp_size = (getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None)
+                    or getattr(cfg, "ffn_dim", None) or 4 * cfg.hidden_size)
         for name, value in (("num_attention_heads", heads), ("intermediate_size", mlp_size)):
             if value % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name} ({value})")

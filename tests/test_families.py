@@ -175,6 +175,21 @@ def test_opt_hub_checkpoint_layout_matches_hf(model_dir, tmp_path, captured_logi
     assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
 
 
+def test_opt_projected_hidden_states_through_the_cuda_graph_runner_match_hf(model_dir, captured_logits):
+    """OPT-350m's decoder returns hidden states word_embed_proj_dim wide, not hidden_size: the CUDA-graph runner's
+    output buffer (EagerGraph on the CPU, see cuda_fakes) holds them."""
+    from cuda_fakes import capture_eager_graphs
+
+    d = model_dir("opt-350m")
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4) as llm:
+        runner = llm.llm_engine.model_runner
+        if not runner.backend.decode_kernel:
+            pytest.skip("the CPU decode kernel is not built: the PyTorch decode is not graph-safe")
+        capture_eager_graphs(runner)
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
+
+
 @pytest.mark.parametrize("setting", ["scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
                                      "add_cross_attention"])
 def test_gpt2_settings_the_engine_cannot_run_are_refused_by_name(setting, model_dir, tmp_path):

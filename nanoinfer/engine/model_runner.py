@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from nanoinfer.config import Config
-from nanoinfer.engine.cuda_graph import CUDAGraphRunner
+from nanoinfer.engine.cuda_graph import CUDAGraphRunner, hidden_states_width
 from nanoinfer.engine.gpu_memory import profile_kv_cache_blocks
 from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.parallel import TPGroup
@@ -284,11 +284,9 @@ class ModelRunner:
                 or any(isinstance(m, FusedMoE) for m in self.model.modules())):
             return None
         start = time.perf_counter()
-        # The hidden states the LM head takes: OPT-350m's are projected out to word_embed_proj_dim.
-        hf_config = self.config.hf_config
-        width = getattr(hf_config, "word_embed_proj_dim", None) or hf_config.hidden_size
         runner = CUDAGraphRunner(self.model, self.backend, self.config.max_num_seqs, self.config.max_model_len,
-                                 self.block_size, width, self.config.torch_dtype, self.device)
+                                 self.block_size, hidden_states_width(self.config.hf_config), self.config.torch_dtype,
+                                 self.device)
         runner.capture()
         if self.tp.rank == 0:
             logger.info("CUDA graphs: decode at %d batch sizes (1 to %d) captured in %.1f s", len(runner.sizes),
