@@ -141,6 +141,26 @@ def test_missing_or_extra_expert_is_reported(model_dir, tmp_path):
             LLM(str(broken), device="cpu", dtype="float32", max_model_len=64)
 
 
+@pytest.mark.parametrize("change, message", [("drop", "missing weights.*w13_weight"), ("truncate", "shape mismatch")])
+def test_dbrx_missing_or_misshaped_experts_are_reported(change, message, model_dir, tmp_path):
+    """DBRX's w1 and v1 each fill half of every expert's w13: one without the other is missing weights."""
+    d = model_dir("dbrx")
+    tensors = load_file(d / "model.safetensors")
+    broken = tmp_path / change
+    broken.mkdir()
+    for f in d.iterdir():
+        if f.suffix != ".safetensors":
+            (broken / f.name).write_bytes(f.read_bytes())
+    name = "transformer.blocks.1.ffn.experts.mlp.v1"
+    if change == "drop":
+        del tensors[name]
+    else:
+        tensors[name] = tensors[name][:-1].clone()
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(ValueError, match=message):
+        LLM(str(broken), device="cpu", dtype="float32", max_model_len=64)
+
+
 class Llama4Wrapper(torch.nn.Module):
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # the shared expert's
 
