@@ -175,8 +175,8 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # GPT-J: the parallel residual with one norm, interleaved rope over half of each head, the LM head's bias.
 # GPTBigCode: GPT-2's layout with nn.Linear weights and multi-query attention, exact GeLU.
 # Cohere 2: Cohere's layer without q/k norms, sliding layers with rope and a global one without.
-# OPT: GPT-2's positions offset by 2, pre-norm, ReLU, biases, tied. opt-350m: post-norm (no final norm), token embeddings
-# narrower than the hidden size (project_in / project_out), no biases on the projections (enable_bias false).
+# OPT: GPT-2's positions offset by 2, pre-norm, ReLU, biases, tied. opt-350m: post-norm (no final norm), token
+# embeddings narrower than the hidden size (project_in / project_out), no biases on the projections (enable_bias false).
 # GPT-Neo: GPT-2's layout with separate q/k/v, unscaled scores, local (windowed) layers 0 and 2, a global layer 1.
 # CodeGen: GPT-J's layer with the fused qkv_proj in its 4-group layout (8 heads: 2 per group, so the order within a
 # group shows), interleaved rope over half of each head.

@@ -12,10 +12,8 @@ from transformers import PretrainedConfig
 from nanoinfer.layers.fused_moe import FusedMoE, select_experts_pnorm
 from nanoinfer.layers.layernorm import LayerNorm
 from nanoinfer.layers.linear import ReplicatedLinear
-from nanoinfer.models.layernorm_decoder import LayerNormDecoderLayer, LayerNormModel
-from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM
-
-LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default: DBRX's config has no epsilon
+from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM
+from nanoinfer.models.olmo import OlmoDecoderLayer, OlmoModel
 
 
 class DbrxMoE(nn.Module):
@@ -35,18 +33,12 @@ class DbrxMoE(nn.Module):
         return self.experts.run_experts(x, *select_experts_pnorm(self.router(x), self.top_k, self.norm_p))
 
 
-class DbrxBlock(LayerNormDecoderLayer):
-    def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module):
-        super().__init__(LlamaAttention(config, options), mlp, config.hidden_size, LAYER_NORM_EPS,
-                         norm=partial(LayerNorm, bias=False))
+class DbrxBlock(OlmoDecoderLayer):  # OLMo's layer (nn.LayerNorm's default epsilon, not in the config) but its norms
+    norm = partial(LayerNorm, bias=False)
 
 
-class DbrxModel(LayerNormModel):
+class DbrxModel(OlmoModel):
     decoder_layer = DbrxBlock
-
-    @staticmethod
-    def final_norm(config: PretrainedConfig) -> nn.Module:
-        return LayerNorm(config.hidden_size, LAYER_NORM_EPS, bias=False)
 
 
 def check_config(config: PretrainedConfig) -> None:

@@ -6,23 +6,18 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.models.gpt_neox import GPTNeoXAttention, GroupedQKVLinear
-from nanoinfer.models.layernorm_decoder import (DenseMLP, LayerNormDecoderLayer, LayerNormModel, QKLayerNormAttention,
-                                                shared_qk_norm)
+from nanoinfer.models.layernorm_decoder import DenseMLP, LayerNormModel, QKLayerNormAttention
 from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM
+from nanoinfer.models.phi import PhiDecoderLayer
 
 
 class PersimmonQKNormAttention(QKLayerNormAttention):
     qkv_class = GroupedQKVLinear
 
 
-class PersimmonDecoderLayer(LayerNormDecoderLayer):
-    def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module):
-        eps = config.layer_norm_eps
-        if config.qk_layernorm:
-            attention = PersimmonQKNormAttention(config, options, shared_qk_norm(eps))
-        else:
-            attention = GPTNeoXAttention(config, options)
-        super().__init__(attention, mlp, config.hidden_size, eps)
+class PersimmonDecoderLayer(PhiDecoderLayer):
+    attention_classes = (PersimmonQKNormAttention, GPTNeoXAttention)
+    residual = "sequential"
 
 
 class PersimmonModel(LayerNormModel):
