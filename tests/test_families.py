@@ -175,6 +175,21 @@ def test_opt_hub_checkpoint_layout_matches_hf(model_dir, tmp_path, captured_logi
     assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
 
 
+@pytest.mark.parametrize("setting, value, dropped", [("layer_norm_elementwise_affine", False, "layer_norm."),
+                                                     ("_remove_final_layer_norm", True, "decoder.final_layer_norm.")])
+def test_opt_layer_norm_settings_match_hf(setting, value, dropped, model_dir, tmp_path, captured_logits):
+    """OPT's LayerNorms without weight and bias, and a pre-norm OPT without its final LayerNorm: their files hold no
+    such tensors."""
+    from safetensors.torch import load_file, save_file
+
+    d = edited_model(model_dir("opt"), tmp_path / "m", **{setting: value})
+    weights = {name: w for name, w in load_file(d / "model.safetensors").items() if dropped not in name}
+    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
+
+
 def test_opt_projected_hidden_states_through_the_cuda_graph_runner_match_hf(model_dir, captured_logits):
     """OPT-350m's decoder returns hidden states word_embed_proj_dim wide, not hidden_size: the CUDA-graph runner's
     output buffer (EagerGraph on the CPU, see cuda_fakes) holds them."""
