@@ -149,6 +149,20 @@ def test_gpt2_absolute_positions_under_chunked_prefill_prefix_hits_and_preemptio
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
+@pytest.mark.parametrize("kind, buffers", [("gpt-neo", ("attn.attention.bias", "attn.attention.masked_bias")),
+                                           ("codegen", ("attn.causal_mask",))])
+def test_mask_buffers_in_hub_checkpoints_are_skipped(kind, buffers, model_dir, tmp_path, captured_logits):
+    """The attention's mask buffers that GPT-Neo's and CodeGen's Hub files hold beside the weights."""
+    from safetensors.torch import load_file
+
+    d = edited_model(model_dir(kind), tmp_path / "m")
+    weights = load_file(d / "model.safetensors")
+    layers = {name.split(".")[2] for name in weights if name.startswith("transformer.h.")}
+    weights |= {f"transformer.h.{i}.{buffer}": torch.ones(1, 1, 64, 64, dtype=torch.bool).tril()
+                for i in layers for buffer in buffers}
+    save_with_mask_buffers_and_check(d, weights, [], captured_logits)
+
+
 def test_gpt2_hub_checkpoint_layout_matches_hf(model_dir, tmp_path, captured_logits):
     """The Hub's original GPT-2 files: GPT2Model's tensor names (no `transformer.` prefix) with the attention's
     causal-mask buffers (`attn.bias`, `attn.masked_bias`) beside them; and unscaled scores (scale_attn_weights

@@ -44,8 +44,8 @@ class CodeGenForCausalLM(GPTJForCausalLM):
     model_class = CodeGenModel
     packed_modules_mapping = {}  # qkv_proj holds q, v and k interleaved: its layer's weight_loader splits them
     check_config = staticmethod(check_config)
-    # The Hub's files also hold the attention's causal-mask buffers.
-    ignored_weight_suffixes = (".attn.causal_mask", ".attn.bias", ".attn.masked_bias")
+    # The Hub's files also hold the attention's causal-mask buffer.
+    ignored_weight_suffixes = (".attn.causal_mask",)
 
     def __init__(self, config: PretrainedConfig):
         self.check_config(config)
