@@ -205,6 +205,12 @@ def layer_configs(config: PretrainedConfig) -> list[PretrainedConfig]:
     return [config.per_layer_config[i] for i in range(config.num_hidden_layers)]
 
 
+def hidden_states_width(config: PretrainedConfig) -> int:
+    """The width of the hidden states a model returns, which its LM head (or classifier's score) takes: OPT-350m's
+    are projected out to `word_embed_proj_dim`."""
+    return getattr(config, "word_embed_proj_dim", None) or config.hidden_size
+
+
 def cache_head_dim(config: PretrainedConfig, latent_dim: int | None) -> int | None:
     """The KV cache's head size, the widest layer's; MLA's latent plus its rope key; None for attention-free models
     (Mamba)."""

@@ -6,17 +6,10 @@ from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from nanoinfer.layers.attention.metadata import AttentionMetadata
 
 MAX_CAPTURE_SIZE = 512
-
-
-def hidden_states_width(config: PretrainedConfig) -> int:
-    """The width of the hidden states a model returns, which the LM head takes: OPT-350m's are projected out to
-    `word_embed_proj_dim`."""
-    return getattr(config, "word_embed_proj_dim", None) or config.hidden_size
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from nanoinfer.config import Config
-from nanoinfer.engine.cuda_graph import CUDAGraphRunner, hidden_states_width
+from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.gpu_memory import profile_kv_cache_blocks
 from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.parallel import TPGroup

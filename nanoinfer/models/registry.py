@@ -93,8 +93,9 @@ _MODELS |= {
 # Sequence classification (see classification.py) over the decoder of the causal LM of the same family.
 _CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM" for family in (
     "Arcee", "DeepseekV2", "DeepseekV3", "Exaone4", "Falcon", "Gemma", "Gemma2", "Glm", "Glm4", "GPTBigCode", "GPTJ",
-    "GPTNeoX", "Helium", "HunYuanDenseV1", "HunYuanMoEV1", "Llama", "Mistral", "Mixtral", "Nemotron", "Olmo", "Olmo2", "Olmo3", "Phi",
-    "Phi3", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe", "SeedOss", "SmolLM3", "StableLm", "Starcoder2")} | {
+    "GPTNeo", "GPTNeoX", "Helium", "HunYuanDenseV1", "HunYuanMoEV1", "Llama", "Mistral", "Mixtral", "Nemotron", "Olmo",
+    "Olmo2", "Olmo3", "OPT", "Persimmon", "Phi", "Phi3", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe", "SeedOss", "SmolLM3",
+    "StableLm", "Starcoder2")} | {
     "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM", "GPT2ForSequenceClassification": "GPT2LMHeadModel"}
 
 # Encoder-only models (bert.py, modernbert.py): bidirectional, with absolute positions or rope; embedders (`*Model`:
