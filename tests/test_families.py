@@ -204,6 +204,20 @@ def test_opt_layer_norm_settings_match_hf(setting, value, dropped, model_dir, tm
     assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
 
 
+def test_opt_untied_lm_head_takes_the_projected_width(model_dir, tmp_path, captured_logits):
+    """An untied LM head of OPT-350m's layout: [vocab, word_embed_proj_dim], its own tensor in the file."""
+    from safetensors.torch import load_file, save_file
+
+    d = edited_model(model_dir("opt-350m"), tmp_path / "m", tie_word_embeddings=False)
+    weights = load_file(d / "model.safetensors")
+    weights["lm_head.weight"] = torch.randn(weights["model.decoder.embed_tokens.weight"].shape,
+                                            generator=torch.Generator().manual_seed(0))
+    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
+
+
 def test_opt_projected_hidden_states_through_the_cuda_graph_runner_match_hf(model_dir, captured_logits):
     """OPT-350m's decoder returns hidden states word_embed_proj_dim wide, not hidden_size: the CUDA-graph runner's
     output buffer (EagerGraph on the CPU, see cuda_fakes) holds them."""
