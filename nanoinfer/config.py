@@ -152,8 +152,9 @@ class Config:
         """Each rank holds whole heads and an equal share of the MLP; fewer KV heads than ranks are replicated."""
         tp, cfg = self.tensor_parallel_size, self.hf_config
         heads = getattr(cfg, "num_attention_heads", None) or tp  # attention-free models (Mamba): no heads to split
-        # GPT-2's config names the MLP's width n_inner (None: 4 x hidden).
-        mlp_size = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size
+        # GPT-2's config names the MLP's width n_inner (None: 4 x hidden), OPT's ffn_dim.
+        mlp_size = (getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None)
+                    or getattr(cfg, "ffn_dim", None) or 4 * cfg.hidden_size)
         for name, value in (("num_attention_heads", heads), ("intermediate_size", mlp_size)):
             if value % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name} ({value})")
@@ -202,6 +203,12 @@ def layer_configs(config: PretrainedConfig) -> list[PretrainedConfig]:
     if not getattr(config, "is_heterogeneous", False):
         return [config]
     return [config.per_layer_config[i] for i in range(config.num_hidden_layers)]
+
+
+def hidden_states_width(config: PretrainedConfig) -> int:
+    """The width of the hidden states a model returns, which its LM head (or classifier's score) takes: OPT-350m's
+    are projected out to `word_embed_proj_dim`."""
+    return getattr(config, "word_embed_proj_dim", None) or config.hidden_size
 
 
 def cache_head_dim(config: PretrainedConfig, latent_dim: int | None) -> int | None:

@@ -178,8 +178,14 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # BLOOM: ALiBi with 6 heads (not a power of two: the slopes' second series), the per-head fused query_key_value, the
 # embeddings' LayerNorm, tied. MPT: ALiBi (alibi_bias_max 8), bias-free, q/k/v clamped (clip_qkv, below many of the
 # test model's values), its own softmax_scale, tied.
+# OPT: GPT-2's positions offset by 2, pre-norm, ReLU, biases, tied. opt-350m: post-norm (no final norm), token
+# embeddings narrower than the hidden size (project_in / project_out), no biases on the projections (enable_bias false).
+# GPT-Neo: GPT-2's layout with separate q/k/v, unscaled scores, local (windowed) layers 0 and 2, a global layer 1.
+# CodeGen: GPT-J's layer with the fused qkv_proj in its 4-group layout (8 heads: 2 per group, so the order within a
+# group shows), interleaved rope over half of each head.
+# Persimmon: GPT-NeoX's per-head query_key_value, q/k LayerNorms shared by the heads, half of each head rotated, relu^2.
 LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2", "falcon", "falcon-mqa", "gptj",
-                   "gpt-bigcode", "cohere2", "bloom", "mpt")
+                   "gpt-bigcode", "cohere2", "bloom", "mpt", "opt", "opt-350m", "gpt-neo", "codegen", "persimmon")
 LAYER_NORM_EPS = 1e-3
 # GLM-4.7-Flash (glm4-moe-lite): V3's model with layer 0 dense by mlp_layer_types, a shared expert.
 DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3", "glm4-moe-lite")
@@ -217,18 +223,23 @@ EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_N
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
                + ("granite-swa", "granitemoe-swa") + GEMMA4_KINDS
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
-                  "ernie4.5-moe", "hunyuan-moe", "llama4", "phimoe", "flexolmo", "exaone-moe") + ("vaultgemma",)
+                  "ernie4.5-moe", "hunyuan-moe", "llama4", "phimoe", "flexolmo", "exaone-moe", "dbrx")
+               + ("vaultgemma",)
                + LAYERNORM_KINDS + DEEPSEEK_KINDS + DENSE_KINDS + ("gpt-oss",))
 # Mamba-1 mixers (see mamba1_config): Mamba (projection biases, tied), Falcon-Mamba (weightless dt/B/C norms, untied),
 # Jamba (dt/B/C norms with weights; attention without rope on layer 2; 2 of 4 experts on layers 1 and 3, dense MLPs
 # on 0 and 2).
 MAMBA1_KINDS = ("mamba", "falcon-mamba", "jamba")
 EXTRA_KINDS += MAMBA1_KINDS
+# DBRX: q/k/v clamped to +-DBRX_CLIP_QKV (a sixth of layer 0's are beyond it), GQA, 2 of 8 experts on every layer,
+# their weights divided by their DBRX_NORM_P-norm (DBRX's own is 1, a plain renormalization: 2 tells them apart).
+DBRX_CLIP_QKV = 0.5
+DBRX_NORM_P = 2.0
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 13, "ministral3": 15, "gemma3": 10,
                   "gemma2": 11, "gemma4": 10, "phi3": 24, "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13,
                   "exaone4": 10, "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22, "vaultgemma": 11,
-                  "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13}
+                  "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "gpt-neo": 11}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -290,6 +301,7 @@ _SEEDS |= {"lfm2-moe": 2346}
 _SEEDS |= {"glm4-moe-lite": 3457, "exaone-moe": 4568, "granite-swa": 5679, "granitemoe-swa": 6780}
 _SEEDS |= {"ministral": 6791, "ministral3": 7902, "phimoe": 8013, "flexolmo": 4024, "vaultgemma": 1235}
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
+_SEEDS |= {"opt": 6579, "opt-350m": 7680, "gpt-neo": 8791, "codegen": 9802, "persimmon": 1913, "dbrx": 2924}
 
 
 def _token_ids():
@@ -299,14 +311,16 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (ApertusConfig, ArceeConfig, BloomConfig, Cohere2Config, CohereConfig, Dots1Config,
-                              Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, ExaoneMoeConfig, FalconConfig,
-                              FlexOlmoConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig,
-                              GlmConfig, GPT2Config, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, GraniteConfig,
-                              GraniteMoeConfig, GraniteMoeSharedConfig, GraniteMoeSWAConfig, GraniteSWAConfig,
-                              HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config, LlamaConfig, Ministral3Config,
+    from transformers import (ApertusConfig, ArceeConfig, BloomConfig, CodeGenConfig, Cohere2Config, CohereConfig,
+                              DbrxConfig, Dots1Config, Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config,
+                              ExaoneMoeConfig, FalconConfig, FlexOlmoConfig, Gemma2Config, Gemma3TextConfig,
+                              GemmaConfig, Glm4Config, Glm4MoeConfig, GlmConfig, GPT2Config, GPTBigCodeConfig,
+                              GPTJConfig, GPTNeoConfig, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig,
+                              GraniteMoeSharedConfig, GraniteMoeSWAConfig, GraniteSWAConfig, HeliumConfig,
+                              HunYuanDenseV1Config, HunYuanMoEV1Config, LlamaConfig, Ministral3Config,
                               MinistralConfig, MistralConfig, MixtralConfig, MptConfig, NemotronConfig, Olmo2Config,
-                              Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config, PhiConfig, PhimoeConfig, Qwen2Config,
+                              Olmo3Config, OlmoConfig, OlmoeConfig, OPTConfig, PersimmonConfig, Phi3Config, PhiConfig,
+                              PhimoeConfig, Qwen2Config,
                               Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig, SeedOssConfig,
                               SmolLM3Config, StableLmConfig, Starcoder2Config, VaultGemmaConfig)
 
@@ -637,6 +651,13 @@ def make_config(kind: str):
             num_experts_per_tok=2,
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         )
+    if kind == "dbrx":  # DbrxConfig's names (d_model, n_heads, n_layers, max_seq_len) and its attn / ffn sub-configs
+        return DbrxConfig(vocab_size=MODEL_VOCAB_SIZE, d_model=64, n_heads=4, n_layers=3, max_seq_len=512,
+                          attn_config={"kv_n_heads": 2, "clip_qkv": DBRX_CLIP_QKV, "rope_theta": 500_000.0},
+                          ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2,
+                                      "moe_normalize_expert_weights": DBRX_NORM_P},
+                          rope_parameters={"rope_type": "default", "rope_theta": 500_000.0},
+                          initializer_range=INIT_STD, tie_word_embeddings=False, **special)
     if kind == "phimoe":  # the prompts fit in original_max_position_embeddings, their continuations cross it
         return PhimoeConfig(**{**_COMMON, "intermediate_size": 32}, **special, num_attention_heads=4,
                             num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True, lm_head_bias=True,
@@ -808,6 +829,10 @@ def make_config(kind: str):
                               qk_layernorm=True, use_parallel_residual=True,
                               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
                                                "partial_rotary_factor": 0.25})
+    if kind == "persimmon":
+        return PersimmonConfig(**layernorm, hidden_act="relu2", qk_layernorm=True,
+                               rope_parameters={"rope_type": "default", "rope_theta": 25_000.0,
+                                                "partial_rotary_factor": 0.5})
     if kind == "phi":
         return PhiConfig(**layernorm, hidden_act="gelu_new", qk_layernorm=True,
                          rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5})
@@ -853,6 +878,21 @@ def make_config(kind: str):
                                 n_inner=128, multi_query=True, activation_function="gelu",
                                 layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD,
                                 tie_word_embeddings=True, **special)
+    if kind in ("opt", "opt-350m"):  # OPTConfig's names: ffn_dim, activation_function, enable_bias; no epsilon
+        pre_norm = kind == "opt"
+        return OPTConfig(vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                         ffn_dim=128, max_position_embeddings=512, do_layer_norm_before=pre_norm,
+                         word_embed_proj_dim=64 if pre_norm else 32, enable_bias=pre_norm,
+                         activation_function="relu", init_std=INIT_STD, **special)
+    if kind == "gpt-neo":  # GPTNeoConfig's names: num_layers, num_heads; attention_types [[types, repeats], ...]
+        return GPTNeoConfig(vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_layers=3, num_heads=4,
+                            intermediate_size=128, max_position_embeddings=512, window_size=SLIDING_WINDOW[kind],
+                            attention_types=[[["local", "global"], 1], [["local"], 1]], activation_function="gelu_new",
+                            layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD, **special)
+    if kind == "codegen":  # CodeGenConfig's names, as GPT-J's
+        return CodeGenConfig(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=8, n_positions=512,
+                             n_ctx=512, n_inner=128, rotary_dim=4, activation_function="gelu_new",
+                             layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD, **special)
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND, OLMO2_MQA_KIND)}")
 
 

@@ -75,6 +75,7 @@ _ACT = {
     "gelu_fast": gelu_fast,
     "gelu_new": gelu_new,
     "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),  # StarCoder2
+    "relu": F.relu,  # OPT
     "relu2": relu_squared,
     "silu": F.silu,
 }
