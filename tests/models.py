@@ -180,13 +180,18 @@ LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2"
 LAYER_NORM_EPS = 1e-3
 # GLM-4.7-Flash (glm4-moe-lite): V3's model with layer 0 dense by mlp_layer_types, a shared expert.
 DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3", "glm4-moe-lite")
+# MLA beyond DeepSeek's routers: Youtu-LLM (V3's attention, dense MLPs on every layer, tied).
+MLA_KINDS = ("youtu",)
 # More Llama-like families. OLMo: parameter-free LayerNorms, q/k/v clamped (clip_qkv, below many of the test model's
 # values). EXAONE 4: norms after the sublayers, per-head q/k norms, sliding layers with rope and a global one without.
 # Seed-OSS: q/k/v and MLP biases, none on o_proj. Helium: interleaved rope, q/k/v biases, fp32-weight RMSNorms.
 # Arcee: a non-gated relu^2 MLP. Nemotron: the same MLP, LayerNorm1P (1 + weight) norms, half of each head rotated.
 # ERNIE 4.5: interleaved rope, biases on q/k/v/o and the MLP. Hunyuan: per-head q/k norms after rope, NTK-alpha rope.
 # Apertus: per-head q/k norms, a non-gated MLP with xIELU (learned parameters per layer), q/k/v/o biases.
-DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "ernie4_5", "hunyuan", "apertus")
+# CWM: Llama with windows on the layers layer_types marks, llama3 rope. Jais 2: Nemotron's layer with plain LayerNorms
+# (biases), the relu^2 MLP with biases, q/k/v/o biases, rope over the whole head.
+DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "ernie4_5", "hunyuan", "apertus", "cwm",
+               "jais2")
 # Hybrids of attention with recurrent layers (see ssm_config): LFM2 (short convolutions), Bamba and Granite 4.0-H
 # (Mamba2; Granite's MoE with a shared MLP and rope, or its dense MLP without position encoding).
 # LFM2-MoE: LFM2's layers, layer 0's MLP dense, then 2 of 8 experts (sigmoid, a random expert_bias, renormalized,
@@ -215,7 +220,7 @@ EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_N
                + ("granite-swa", "granitemoe-swa") + GEMMA4_KINDS
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
                   "ernie4.5-moe", "hunyuan-moe", "llama4", "phimoe", "flexolmo", "exaone-moe") + ("vaultgemma",)
-               + LAYERNORM_KINDS + DEEPSEEK_KINDS + DENSE_KINDS + ("gpt-oss",))
+               + LAYERNORM_KINDS + DEEPSEEK_KINDS + DENSE_KINDS + ("gpt-oss",) + ("solar-open",) + MLA_KINDS)
 # Mamba-1 mixers (see mamba1_config): Mamba (projection biases, tied), Falcon-Mamba (weightless dt/B/C norms, untied),
 # Jamba (dt/B/C norms with weights; attention without rope on layer 2; 2 of 4 experts on layers 1 and 3, dense MLPs
 # on 0 and 2).
@@ -225,7 +230,7 @@ EXTRA_KINDS += MAMBA1_KINDS
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 13, "ministral3": 15, "gemma3": 10,
                   "gemma2": 11, "gemma4": 10, "phi3": 24, "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13,
                   "exaone4": 10, "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22, "vaultgemma": 11,
-                  "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13}
+                  "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "cwm": 12}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -287,6 +292,7 @@ _SEEDS |= {"lfm2-moe": 2346}
 _SEEDS |= {"glm4-moe-lite": 3457, "exaone-moe": 4568, "granite-swa": 5679, "granitemoe-swa": 6780}
 _SEEDS |= {"ministral": 6791, "ministral3": 7902, "phimoe": 8013, "flexolmo": 4024, "vaultgemma": 1235}
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
+_SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707}
 
 
 def _token_ids():
@@ -577,6 +583,22 @@ def make_config(kind: str):
         return ApertusConfig(**{**_COMMON, "hidden_act": "xielu"}, **special, num_attention_heads=4,
                              num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True,
                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "cwm":  # llama3 rope, windows on the layers layer_types marks (not every 4th's pattern)
+        from transformers import CwmConfig
+
+        return CwmConfig(**_COMMON, **special, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         tie_word_embeddings=False, sliding_window=SLIDING_WINDOW[kind],
+                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 64})
+    if kind == "jais2":  # its epsilon named layer_norm_eps
+        from transformers import Jais2Config
+
+        return Jais2Config(**{k: v for k, v in _COMMON.items() if k not in ("rms_norm_eps", "hidden_act")},
+                           **special, hidden_act="relu2", layer_norm_eps=LAYER_NORM_EPS, num_attention_heads=4,
+                           num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True, mlp_bias=True,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "olmo":  # no rms_norm_eps: OLMo's LayerNorms have a fixed epsilon
         return OlmoConfig(
             **{k: v for k, v in _COMMON.items() if k != "rms_norm_eps"},
@@ -713,6 +735,13 @@ def make_config(kind: str):
         return Glm4MoeConfig(**v3_moe, use_qk_norm=True, n_shared_experts=1, n_group=4, topk_group=2,
                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
                                               "partial_rotary_factor": 0.5})
+    if kind == "solar-open":  # GLM-4.5's layout without its q/k norms and dense layers (its config has neither)
+        from transformers import SolarOpenConfig
+
+        return SolarOpenConfig(**{k: v for k, v in v3_moe.items() if k not in ("intermediate_size",
+                                                                                 "first_k_dense_replace")},
+                               n_shared_experts=1, n_group=4, topk_group=2,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "dots1":  # layers from max_window_layers on windowed: layer 2
         return Dots1Config(**v3_moe, n_shared_experts=2, sliding_window=SLIDING_WINDOW[kind], max_window_layers=2,
                            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
@@ -768,7 +797,7 @@ def make_config(kind: str):
             num_experts_per_tok=2,
             interleave_moe_layer_step=2,
         )
-    if kind in DEEPSEEK_KINDS:
+    if kind in DEEPSEEK_KINDS + MLA_KINDS:
         return deepseek_config(kind, special)
     if kind == "gpt-oss":
         # swiglu_alpha / swiglu_limit at their defaults: transformers 5.17 hard-codes them.
@@ -1000,6 +1029,12 @@ def deepseek_config(kind: str, special: dict):
     mla = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
                qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, moe_intermediate_size=32,
                tie_word_embeddings=False)
+    if kind == "youtu":  # tied, as Youtu-LLM
+        from transformers import YoutuConfig
+
+        mla = {k: v for k, v in mla.items() if k not in ("n_routed_experts", "moe_intermediate_size")}
+        return YoutuConfig(**_COMMON, **special, **{**mla, "tie_word_embeddings": True}, q_lora_rank=32,
+                           rope_interleave=True, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "glm4-moe-lite":
         return Glm4MoeLiteConfig(**_COMMON, **special, **mla, q_lora_rank=32, n_shared_experts=1,
                                  mlp_layer_types=["dense", "sparse", "sparse"], n_group=4, topk_group=2,
@@ -1130,6 +1165,9 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
                     p.mul_(ZAMBA2_LAYER_WEIGHT_SCALE)
     if kind in MAMBA1_KINDS:
         _randomize_mamba1_(model, _SEEDS[base_kind])
+    if kind == "youtu":  # transformers' Youtu zeroes the pad token's embedding when it loads a checkpoint: saved so
+        with torch.no_grad():
+            model.get_input_embeddings().weight[config.pad_token_id] = 0.0
     g = torch.Generator().manual_seed(_SEEDS[base_kind] + 2)
     for name, buffer in model.named_buffers():  # a buffer, saved with the weights: V3's, LFM2-MoE's routing bias
         if name.endswith(("e_score_correction_bias", "expert_bias")):

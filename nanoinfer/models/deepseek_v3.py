@@ -30,8 +30,8 @@ class DeepseekV3MoE(DeepseekV2MoE):
 
 def deepseek_v3_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
     """DeepSeek-V3's layer rule, which GLM-4.5 and dots.llm1 follow: the first `first_k_dense_replace` MLPs dense, the
-    others its MoE."""
-    return LlamaMLP(config) if layer_idx < config.first_k_dense_replace else DeepseekV3MoE(config)
+    others its MoE (every one where the config has no such setting: Solar Open's)."""
+    return LlamaMLP(config) if layer_idx < getattr(config, "first_k_dense_replace", 0) else DeepseekV3MoE(config)
 
 
 _MLP_TYPES = ("dense", "sparse")

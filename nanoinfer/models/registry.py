@@ -10,6 +10,7 @@ _MODELS = {
     "ArceeForCausalLM": ("arcee", "ArceeForCausalLM"),
     "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
     "Cohere2ForCausalLM": ("cohere2", "Cohere2ForCausalLM"),
+    "CwmForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama's windows by layer_types (Qwen2's attention), no biases
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
     "Dots1ForCausalLM": ("dots1", "Dots1ForCausalLM"),
@@ -40,6 +41,7 @@ _MODELS = {
     "HeliumForCausalLM": ("helium", "HeliumForCausalLM"),
     "HunYuanDenseV1ForCausalLM": ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
     "HunYuanMoEV1ForCausalLM": ("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM"),
+    "Jais2ForCausalLM": ("jais2", "Jais2ForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     "MinistralForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama's windows by layer_types (Qwen2's attention)
@@ -63,9 +65,13 @@ _MODELS = {
     "Qwen3_5MoeForCausalLM": ("qwen3_5", "Qwen3_5MoeForCausalLM"),
     "SeedOssForCausalLM": ("seed_oss", "SeedOssForCausalLM"),
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
+    # GLM-4.5's model without q/k norms, experts on every layer (the config has neither use_qk_norm nor
+    # first_k_dense_replace)
+    "SolarOpenForCausalLM": ("glm4_moe", "Glm4MoeForCausalLM"),
     "StableLmForCausalLM": ("stablelm", "StableLmForCausalLM"),
     "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
     "VaultGemmaForCausalLM": ("vaultgemma", "VaultGemmaForCausalLM"),
+    "YoutuForCausalLM": ("youtu", "YoutuForCausalLM"),
 }
 # Hybrids of attention with recurrent layers (Mamba2, short convolutions; Zamba2's shared attention blocks).
 _MODELS |= {
