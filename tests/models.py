@@ -180,8 +180,9 @@ LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2"
 LAYER_NORM_EPS = 1e-3
 # GLM-4.7-Flash (glm4-moe-lite): V3's model with layer 0 dense by mlp_layer_types, a shared expert.
 DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3", "glm4-moe-lite")
-# MLA beyond DeepSeek's routers: Youtu-LLM (V3's attention, dense MLPs on every layer, tied).
-MLA_KINDS = ("youtu",)
+# MLA beyond DeepSeek's routers: Youtu-LLM (V3's attention, dense MLPs on every layer, tied); A.X-K1 (axk1): V3 as
+# "deepseek-v3" with an RMSNorm on the output of each MoE.
+MLA_KINDS = ("youtu", "axk1")
 # More Llama-like families. OLMo: parameter-free LayerNorms, q/k/v clamped (clip_qkv, below many of the test model's
 # values). EXAONE 4: norms after the sublayers, per-head q/k norms, sliding layers with rope and a global one without.
 # Seed-OSS: q/k/v and MLP biases, none on o_proj. Helium: interleaved rope, q/k/v biases, fp32-weight RMSNorms.
@@ -220,7 +221,7 @@ EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_N
                + ("granite-swa", "granitemoe-swa") + GEMMA4_KINDS
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
                   "ernie4.5-moe", "hunyuan-moe", "llama4", "phimoe", "flexolmo", "exaone-moe") + ("vaultgemma",)
-               + LAYERNORM_KINDS + DEEPSEEK_KINDS + DENSE_KINDS + ("gpt-oss",) + ("solar-open",) + MLA_KINDS)
+               + LAYERNORM_KINDS + DEEPSEEK_KINDS + DENSE_KINDS + ("gpt-oss",) + ("solar-open", "minimax-m2") + MLA_KINDS)
 # Mamba-1 mixers (see mamba1_config): Mamba (projection biases, tied), Falcon-Mamba (weightless dt/B/C norms, untied),
 # Jamba (dt/B/C norms with weights; attention without rope on layer 2; 2 of 4 experts on layers 1 and 3, dense MLPs
 # on 0 and 2).
@@ -292,7 +293,7 @@ _SEEDS |= {"lfm2-moe": 2346}
 _SEEDS |= {"glm4-moe-lite": 3457, "exaone-moe": 4568, "granite-swa": 5679, "granitemoe-swa": 6780}
 _SEEDS |= {"ministral": 6791, "ministral3": 7902, "phimoe": 8013, "flexolmo": 4024, "vaultgemma": 1235}
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
-_SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707}
+_SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minimax-m2": 9818, "axk1": 1929}
 
 
 def _token_ids():
@@ -713,6 +714,14 @@ def make_config(kind: str):
                               num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True, num_experts=8,
                               num_experts_per_tok=2, norm_topk_prob=True,
                               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "minimax-m2":  # half of each head rotated, as the Hub's rotary_dim
+        from transformers import MiniMaxM2Config
+
+        return MiniMaxM2Config(**{**_COMMON, "intermediate_size": 32}, **special, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, num_local_experts=8,
+                               num_experts_per_tok=2,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                                                "partial_rotary_factor": 0.5})
     if kind == "olmoe":
         return OlmoeConfig(
             **{**_COMMON, "intermediate_size": 32},  # each expert's
@@ -1035,6 +1044,13 @@ def deepseek_config(kind: str, special: dict):
         mla = {k: v for k, v in mla.items() if k not in ("n_routed_experts", "moe_intermediate_size")}
         return YoutuConfig(**_COMMON, **special, **{**mla, "tie_word_embeddings": True}, q_lora_rank=32,
                            rope_interleave=True, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "axk1":  # transformers 5.17 reads first_k_dense_replace, 5.23 mlp_layer_types: the same layers
+        from transformers import AXK1Config
+
+        return AXK1Config(**_COMMON, **special, **mla, q_lora_rank=32, n_shared_experts=1, first_k_dense_replace=1,
+                          mlp_layer_types=["dense", "sparse", "sparse"], n_group=4, topk_group=2, norm_topk_prob=True,
+                          num_experts_per_tok=2, routed_scaling_factor=2.5, rope_interleave=True,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "glm4-moe-lite":
         return Glm4MoeLiteConfig(**_COMMON, **special, **mla, q_lora_rank=32, n_shared_experts=1,
                                  mlp_layer_types=["dense", "sparse", "sparse"], n_group=4, topk_group=2,
