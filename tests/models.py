@@ -192,7 +192,7 @@ MLA_KINDS = ("youtu", "axk1")
 # CWM: Llama with windows on the layers layer_types marks, llama3 rope. Jais 2: Nemotron's layer with plain LayerNorms
 # (biases), the relu^2 MLP with biases, q/k/v/o biases, rope over the whole head.
 DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "ernie4_5", "hunyuan", "apertus", "cwm",
-               "jais2")
+               "jais2", "nanochat")
 # Hybrids of attention with recurrent layers (see ssm_config): LFM2 (short convolutions), Bamba and Granite 4.0-H
 # (Mamba2; Granite's MoE with a shared MLP and rope, or its dense MLP without position encoding).
 # LFM2-MoE: LFM2's layers, layer 0's MLP dense, then 2 of 8 experts (sigmoid, a random expert_bias, renormalized,
@@ -293,7 +293,7 @@ _SEEDS |= {"lfm2-moe": 2346}
 _SEEDS |= {"glm4-moe-lite": 3457, "exaone-moe": 4568, "granite-swa": 5679, "granitemoe-swa": 6780}
 _SEEDS |= {"ministral": 6791, "ministral3": 7902, "phimoe": 8013, "flexolmo": 4024, "vaultgemma": 1235}
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
-_SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minimax-m2": 9818, "axk1": 1929}
+_SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minimax-m2": 9818, "axk1": 1929, "nanochat": 2030}
 
 
 def _token_ids():
@@ -600,6 +600,13 @@ def make_config(kind: str):
                            **special, hidden_act="relu2", layer_norm_eps=LAYER_NORM_EPS, num_attention_heads=4,
                            num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True, mlp_bias=True,
                            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "nanochat":  # attention biases, which NanoChat's checkpoints lack, tested all the same
+        from transformers import NanoChatConfig
+
+        return NanoChatConfig(**{**_COMMON, "hidden_act": "relu2"}, **special, num_attention_heads=4,
+                              num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True,
+                              final_logit_softcapping=5.0,  # below the test models' logits: a forgotten one shows
+                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "olmo":  # no rms_norm_eps: OLMo's LayerNorms have a fixed epsilon
         return OlmoConfig(
             **{k: v for k, v in _COMMON.items() if k != "rms_norm_eps"},
