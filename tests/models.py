@@ -221,7 +221,8 @@ EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_N
                + ("granite-swa", "granitemoe-swa") + GEMMA4_KINDS
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
                   "ernie4.5-moe", "hunyuan-moe", "llama4", "phimoe", "flexolmo", "exaone-moe") + ("vaultgemma",)
-               + LAYERNORM_KINDS + DEEPSEEK_KINDS + DENSE_KINDS + ("gpt-oss",) + ("solar-open", "minimax-m2") + MLA_KINDS)
+               + LAYERNORM_KINDS + DEEPSEEK_KINDS + DENSE_KINDS + ("gpt-oss",)
+               + ("solar-open", "minimax-m2", "cohere2-moe", "cohere2-moe-sigmoid") + MLA_KINDS)
 # Mamba-1 mixers (see mamba1_config): Mamba (projection biases, tied), Falcon-Mamba (weightless dt/B/C norms, untied),
 # Jamba (dt/B/C norms with weights; attention without rope on layer 2; 2 of 4 experts on layers 1 and 3, dense MLPs
 # on 0 and 2).
@@ -231,7 +232,8 @@ EXTRA_KINDS += MAMBA1_KINDS
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 13, "ministral3": 15, "gemma3": 10,
                   "gemma2": 11, "gemma4": 10, "phi3": 24, "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13,
                   "exaone4": 10, "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22, "vaultgemma": 11,
-                  "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "cwm": 12}
+                  "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "cwm": 12,
+                  "cohere2-moe": 11, "cohere2-moe-sigmoid": 12}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -293,7 +295,8 @@ _SEEDS |= {"lfm2-moe": 2346}
 _SEEDS |= {"glm4-moe-lite": 3457, "exaone-moe": 4568, "granite-swa": 5679, "granitemoe-swa": 6780}
 _SEEDS |= {"ministral": 6791, "ministral3": 7902, "phimoe": 8013, "flexolmo": 4024, "vaultgemma": 1235}
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
-_SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minimax-m2": 9818, "axk1": 1929, "nanochat": 2030}
+_SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minimax-m2": 9818, "axk1": 1929,
+           "nanochat": 2030, "cohere2-moe": 3141, "cohere2-moe-sigmoid": 4252}
 
 
 def _token_ids():
@@ -303,17 +306,16 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (ApertusConfig, ArceeConfig, Cohere2Config, CohereConfig, Dots1Config,
+    from transformers import (ApertusConfig, ArceeConfig, Cohere2Config, Cohere2MoeConfig, CohereConfig, Dots1Config,
                               Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, ExaoneMoeConfig, FalconConfig,
                               FlexOlmoConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig,
                               GlmConfig, GPT2Config, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, GraniteConfig,
                               GraniteMoeConfig, GraniteMoeSharedConfig, GraniteMoeSWAConfig, GraniteSWAConfig,
-                              HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config,
-                              LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig,
-                              NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config,
-                              PhiConfig, PhimoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
-                              Qwen3NextConfig, SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config,
-                              VaultGemmaConfig)
+                              HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config, LlamaConfig, Ministral3Config,
+                              MinistralConfig, MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config,
+                              OlmoConfig, OlmoeConfig, Phi3Config, PhiConfig, PhimoeConfig, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig, SeedOssConfig, SmolLM3Config,
+                              StableLmConfig, Starcoder2Config, VaultGemmaConfig)
 
     ids = _token_ids()
     special = dict(
@@ -866,6 +868,16 @@ def make_config(kind: str):
         return Cohere2Config(**layernorm, num_key_value_heads=2, hidden_act="silu", attention_bias=True,
                              logit_scale=0.5, tie_word_embeddings=True, sliding_window=SLIDING_WINDOW[kind],
                              sliding_window_pattern=2, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind in ("cohere2-moe", "cohere2-moe-sigmoid"):  # Cohere 2's (q/k/v/o biases, a sliding and a full layer)
+        del layernorm["tie_word_embeddings"]
+        layernorm["intermediate_size"] = 32  # each expert's
+        # Layer 0 dense, wider, full and roped (prefix_dense_sliding_window_pattern 1); then a sliding, a full layer.
+        prefix = dict(first_k_dense_replace=1, prefix_dense_intermediate_size=96, sliding_window_pattern=2)
+        sigmoid = dict(rms_norm_eps=1e-5, expert_selection_fn="sigmoid", shared_expert_combination_strategy="sum")
+        return Cohere2MoeConfig(**layernorm, **prefix, **(sigmoid if kind == "cohere2-moe-sigmoid" else {}),
+                                num_key_value_heads=2, hidden_act="silu", attention_bias=True, logit_scale=0.5,
+                                tie_word_embeddings=True, sliding_window=SLIDING_WINDOW[kind], num_experts=8,
+                                num_experts_per_tok=2, num_shared_experts=1, rope_theta=10_000.0)
     if kind == "cohere":  # no biases at all; logit_scale away from 1
         del layernorm["tie_word_embeddings"]
         return CohereConfig(**layernorm, num_key_value_heads=2, hidden_act="silu", use_qk_norm=True, logit_scale=0.5,

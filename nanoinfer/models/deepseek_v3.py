@@ -37,13 +37,18 @@ def deepseek_v3_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
 _MLP_TYPES = ("dense", "sparse")
 
 
-def mlp_by_layer_type(config: PretrainedConfig, layer_idx: int) -> nn.Module:
-    """GLM-4.7-Flash's and EXAONE-MoE's rule: each MLP dense or DeepSeek-V3's MoE as `mlp_layer_types` says."""
+def mlp_layer_type(config: PretrainedConfig, layer_idx: int) -> str:
+    """`mlp_layer_types[layer_idx]`, "dense" or "sparse" (anything else refused by name)."""
     mlp_type = config.mlp_layer_types[layer_idx]
     if mlp_type not in _MLP_TYPES:
         raise ValueError(f"mlp_layer_types[{layer_idx}]={mlp_type!r} in the model config; expected one of "
                          f"{_MLP_TYPES}")
-    return DeepseekV3MoE(config) if mlp_type == "sparse" else LlamaMLP(config)
+    return mlp_type
+
+
+def mlp_by_layer_type(config: PretrainedConfig, layer_idx: int) -> nn.Module:
+    """GLM-4.7-Flash's and EXAONE-MoE's rule: each MLP dense or DeepSeek-V3's MoE as `mlp_layer_types` says."""
+    return DeepseekV3MoE(config) if mlp_layer_type(config, layer_idx) == "sparse" else LlamaMLP(config)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
