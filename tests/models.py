@@ -157,6 +157,11 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # attention temperature tuning (floor_scale 4, so the queries' scale grows over the test lengths), layers 1 and 3
 # 2 of 8 experts by sigmoid of the top router logits (applied to the experts' input) plus a shared expert, layers 0
 # and 2 dense and wider; attention_chunk_size 512, beyond every test's max_model_len.
+# Solar Open (solar-open): GLM-4.5's layout without q/k norms, experts on every layer (2 of 4 groups). MiniMax-M2
+# (minimax-m2): OLMoE's whole-projection q/k norms, half of each head rotated, 2 of 8 experts by sigmoid + a random
+# correction bias, renormalized. Cohere 2 MoE (cohere2-moe): Cohere 2's layer with a wider dense layer 0 (full and
+# roped), then 2 of 8 experts softmaxed over the top 2, a shared expert averaged in; cohere2-moe-sigmoid: RMSNorms,
+# sigmoid weights renormalized, the shared expert summed.
 # DeepSeek (DEEPSEEK_KINDS), multi-head latent attention with V narrower than K (16 against 16 + 8) and MoE with
 # shared experts: V2: the plain q_proj (as V2-Lite), 2 of 8 experts on every layer by softmax, yarn rope with
 # distinct mscale / mscale_all_dim (the rope's and the scores' scaling). V2-group: the low-rank q, layer 0 dense,
