@@ -157,6 +157,11 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # attention temperature tuning (floor_scale 4, so the queries' scale grows over the test lengths), layers 1 and 3
 # 2 of 8 experts by sigmoid of the top router logits (applied to the experts' input) plus a shared expert, layers 0
 # and 2 dense and wider; attention_chunk_size 512, beyond every test's max_model_len.
+# Solar Open (solar-open): GLM-4.5's layout without q/k norms, experts on every layer (2 of 4 groups). MiniMax-M2
+# (minimax-m2): OLMoE's whole-projection q/k norms, half of each head rotated, 2 of 8 experts by sigmoid + a random
+# correction bias, renormalized. Cohere 2 MoE (cohere2-moe): Cohere 2's layer with a wider dense layer 0 (full and
+# roped), then 2 of 8 experts softmaxed over the top 2, a shared expert averaged in; cohere2-moe-sigmoid: RMSNorms,
+# sigmoid weights renormalized, the shared expert summed.
 # DeepSeek (DEEPSEEK_KINDS), multi-head latent attention with V narrower than K (16 against 16 + 8) and MoE with
 # shared experts: V2: the plain q_proj (as V2-Lite), 2 of 8 experts on every layer by softmax, yarn rope with
 # distinct mscale / mscale_all_dim (the rope's and the scores' scaling). V2-group: the low-rank q, layer 0 dense,
@@ -189,13 +194,19 @@ LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2"
 LAYER_NORM_EPS = 1e-3
 # GLM-4.7-Flash (glm4-moe-lite): V3's model with layer 0 dense by mlp_layer_types, a shared expert.
 DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3", "glm4-moe-lite")
+# MLA beyond DeepSeek's routers: Youtu-LLM (V3's attention, dense MLPs on every layer, tied); A.X-K1 (axk1): V3 as
+# "deepseek-v3" with an RMSNorm on the output of each MoE.
+MLA_KINDS = ("youtu", "axk1")
 # More Llama-like families. OLMo: parameter-free LayerNorms, q/k/v clamped (clip_qkv, below many of the test model's
 # values). EXAONE 4: norms after the sublayers, per-head q/k norms, sliding layers with rope and a global one without.
 # Seed-OSS: q/k/v and MLP biases, none on o_proj. Helium: interleaved rope, q/k/v biases, fp32-weight RMSNorms.
 # Arcee: a non-gated relu^2 MLP. Nemotron: the same MLP, LayerNorm1P (1 + weight) norms, half of each head rotated.
 # ERNIE 4.5: interleaved rope, biases on q/k/v/o and the MLP. Hunyuan: per-head q/k norms after rope, NTK-alpha rope.
 # Apertus: per-head q/k norms, a non-gated MLP with xIELU (learned parameters per layer), q/k/v/o biases.
-DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "ernie4_5", "hunyuan", "apertus")
+# CWM: Llama with windows on the layers layer_types marks, llama3 rope. Jais 2: Nemotron's layer with plain LayerNorms
+# (biases), the relu^2 MLP with biases, q/k/v/o biases, rope over the whole head.
+DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "ernie4_5", "hunyuan", "apertus", "cwm",
+               "jais2", "nanochat")
 # Hybrids of attention with recurrent layers (see ssm_config): LFM2 (short convolutions), Bamba and Granite 4.0-H
 # (Mamba2; Granite's MoE with a shared MLP and rope, or its dense MLP without position encoding).
 # LFM2-MoE: LFM2's layers, layer 0's MLP dense, then 2 of 8 experts (sigmoid, a random expert_bias, renormalized,
@@ -225,7 +236,8 @@ EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_N
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
                   "ernie4.5-moe", "hunyuan-moe", "llama4", "phimoe", "flexolmo", "exaone-moe", "dbrx")
                + ("vaultgemma",)
-               + LAYERNORM_KINDS + DEEPSEEK_KINDS + DENSE_KINDS + ("gpt-oss",))
+               + LAYERNORM_KINDS + DEEPSEEK_KINDS + DENSE_KINDS + ("gpt-oss",)
+               + ("solar-open", "minimax-m2", "cohere2-moe", "cohere2-moe-sigmoid") + MLA_KINDS)
 # Mamba-1 mixers (see mamba1_config): Mamba (projection biases, tied), Falcon-Mamba (weightless dt/B/C norms, untied),
 # Jamba (dt/B/C norms with weights; attention without rope on layer 2; 2 of 4 experts on layers 1 and 3, dense MLPs
 # on 0 and 2).
@@ -239,7 +251,8 @@ DBRX_NORM_P = 2.0
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 13, "ministral3": 15, "gemma3": 10,
                   "gemma2": 11, "gemma4": 10, "phi3": 24, "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13,
                   "exaone4": 10, "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22, "vaultgemma": 11,
-                  "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "gpt-neo": 11}
+                  "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "gpt-neo": 11, "cwm": 12,
+                  "cohere2-moe": 11, "cohere2-moe-sigmoid": 12}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -302,6 +315,8 @@ _SEEDS |= {"glm4-moe-lite": 3457, "exaone-moe": 4568, "granite-swa": 5679, "gran
 _SEEDS |= {"ministral": 6791, "ministral3": 7902, "phimoe": 8013, "flexolmo": 4024, "vaultgemma": 1235}
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
 _SEEDS |= {"opt": 6579, "opt-350m": 7680, "gpt-neo": 8791, "codegen": 9802, "persimmon": 1913, "dbrx": 2924}
+_SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minimax-m2": 9818, "axk1": 1929,
+           "nanochat": 2030, "cohere2-moe": 3141, "cohere2-moe-sigmoid": 4252}
 
 
 def _token_ids():
@@ -311,18 +326,17 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (ApertusConfig, ArceeConfig, BloomConfig, CodeGenConfig, Cohere2Config, CohereConfig,
-                              DbrxConfig, Dots1Config, Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config,
-                              ExaoneMoeConfig, FalconConfig, FlexOlmoConfig, Gemma2Config, Gemma3TextConfig,
-                              GemmaConfig, Glm4Config, Glm4MoeConfig, GlmConfig, GPT2Config, GPTBigCodeConfig,
-                              GPTJConfig, GPTNeoConfig, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig,
-                              GraniteMoeSharedConfig, GraniteMoeSWAConfig, GraniteSWAConfig, HeliumConfig,
-                              HunYuanDenseV1Config, HunYuanMoEV1Config, LlamaConfig, Ministral3Config,
+    from transformers import (ApertusConfig, ArceeConfig, BloomConfig, CodeGenConfig, Cohere2Config, Cohere2MoeConfig,
+                              CohereConfig, DbrxConfig, Dots1Config, Ernie4_5_MoeConfig, Ernie4_5Config,
+                              Exaone4Config, ExaoneMoeConfig, FalconConfig, FlexOlmoConfig, Gemma2Config,
+                              Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig, GlmConfig, GPT2Config,
+                              GPTBigCodeConfig, GPTJConfig, GPTNeoConfig, GPTNeoXConfig, GraniteConfig,
+                              GraniteMoeConfig, GraniteMoeSharedConfig, GraniteMoeSWAConfig, GraniteSWAConfig,
+                              HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config, LlamaConfig, Ministral3Config,
                               MinistralConfig, MistralConfig, MixtralConfig, MptConfig, NemotronConfig, Olmo2Config,
                               Olmo3Config, OlmoConfig, OlmoeConfig, OPTConfig, PersimmonConfig, Phi3Config, PhiConfig,
-                              PhimoeConfig, Qwen2Config,
-                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig, SeedOssConfig,
-                              SmolLM3Config, StableLmConfig, Starcoder2Config, VaultGemmaConfig)
+                              PhimoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
+                              SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config, VaultGemmaConfig)
 
     ids = _token_ids()
     special = dict(
@@ -593,6 +607,29 @@ def make_config(kind: str):
         return ApertusConfig(**{**_COMMON, "hidden_act": "xielu"}, **special, num_attention_heads=4,
                              num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True,
                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "cwm":  # llama3 rope, windows on the layers layer_types marks (not every 4th's pattern)
+        from transformers import CwmConfig
+
+        return CwmConfig(**_COMMON, **special, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         tie_word_embeddings=False, sliding_window=SLIDING_WINDOW[kind],
+                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 64})
+    if kind == "jais2":  # its epsilon named layer_norm_eps
+        from transformers import Jais2Config
+
+        return Jais2Config(**{k: v for k, v in _COMMON.items() if k not in ("rms_norm_eps", "hidden_act")},
+                           **special, hidden_act="relu2", layer_norm_eps=LAYER_NORM_EPS, num_attention_heads=4,
+                           num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True, mlp_bias=True,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "nanochat":  # attention biases, which NanoChat's checkpoints lack, tested all the same
+        from transformers import NanoChatConfig
+
+        return NanoChatConfig(**{**_COMMON, "hidden_act": "relu2"}, **special, num_attention_heads=4,
+                              num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True,
+                              final_logit_softcapping=5.0,  # below the test models' logits: a forgotten one shows
+                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "olmo":  # no rms_norm_eps: OLMo's LayerNorms have a fixed epsilon
         return OlmoConfig(
             **{k: v for k, v in _COMMON.items() if k != "rms_norm_eps"},
@@ -714,6 +751,14 @@ def make_config(kind: str):
                               num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True, num_experts=8,
                               num_experts_per_tok=2, norm_topk_prob=True,
                               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "minimax-m2":  # half of each head rotated, as the Hub's rotary_dim
+        from transformers import MiniMaxM2Config
+
+        return MiniMaxM2Config(**{**_COMMON, "intermediate_size": 32}, **special, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, num_local_experts=8,
+                               num_experts_per_tok=2,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                                                "partial_rotary_factor": 0.5})
     if kind == "olmoe":
         return OlmoeConfig(
             **{**_COMMON, "intermediate_size": 32},  # each expert's
@@ -736,6 +781,13 @@ def make_config(kind: str):
         return Glm4MoeConfig(**v3_moe, use_qk_norm=True, n_shared_experts=1, n_group=4, topk_group=2,
                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
                                               "partial_rotary_factor": 0.5})
+    if kind == "solar-open":  # GLM-4.5's layout without its q/k norms and dense layers (its config has neither)
+        from transformers import SolarOpenConfig
+
+        return SolarOpenConfig(**{k: v for k, v in v3_moe.items() if k not in ("intermediate_size",
+                                                                                 "first_k_dense_replace")},
+                               n_shared_experts=1, n_group=4, topk_group=2,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "dots1":  # layers from max_window_layers on windowed: layer 2
         return Dots1Config(**v3_moe, n_shared_experts=2, sliding_window=SLIDING_WINDOW[kind], max_window_layers=2,
                            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
@@ -791,7 +843,7 @@ def make_config(kind: str):
             num_experts_per_tok=2,
             interleave_moe_layer_step=2,
         )
-    if kind in DEEPSEEK_KINDS:
+    if kind in DEEPSEEK_KINDS + MLA_KINDS:
         return deepseek_config(kind, special)
     if kind == "gpt-oss":
         # swiglu_alpha / swiglu_limit at their defaults: transformers 5.17 hard-codes them.
@@ -848,6 +900,16 @@ def make_config(kind: str):
         return Cohere2Config(**layernorm, num_key_value_heads=2, hidden_act="silu", attention_bias=True,
                              logit_scale=0.5, tie_word_embeddings=True, sliding_window=SLIDING_WINDOW[kind],
                              sliding_window_pattern=2, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind in ("cohere2-moe", "cohere2-moe-sigmoid"):  # Cohere 2's (q/k/v/o biases, a sliding and a full layer)
+        del layernorm["tie_word_embeddings"]
+        layernorm["intermediate_size"] = 32  # each expert's
+        # Layer 0 dense, wider, full and roped (prefix_dense_sliding_window_pattern 1); then a sliding, a full layer.
+        prefix = dict(first_k_dense_replace=1, prefix_dense_intermediate_size=96, sliding_window_pattern=2)
+        sigmoid = dict(rms_norm_eps=1e-5, expert_selection_fn="sigmoid", shared_expert_combination_strategy="sum")
+        return Cohere2MoeConfig(**layernorm, **prefix, **(sigmoid if kind == "cohere2-moe-sigmoid" else {}),
+                                num_key_value_heads=2, hidden_act="silu", attention_bias=True, logit_scale=0.5,
+                                tie_word_embeddings=True, sliding_window=SLIDING_WINDOW[kind], num_experts=8,
+                                num_experts_per_tok=2, num_shared_experts=1, rope_theta=10_000.0)
     if kind == "cohere":  # no biases at all; logit_scale away from 1
         del layernorm["tie_word_embeddings"]
         return CohereConfig(**layernorm, num_key_value_heads=2, hidden_act="silu", use_qk_norm=True, logit_scale=0.5,
@@ -1051,6 +1113,19 @@ def deepseek_config(kind: str, special: dict):
     mla = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
                qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, moe_intermediate_size=32,
                tie_word_embeddings=False)
+    if kind == "youtu":  # tied, as Youtu-LLM
+        from transformers import YoutuConfig
+
+        mla = {k: v for k, v in mla.items() if k not in ("n_routed_experts", "moe_intermediate_size")}
+        return YoutuConfig(**_COMMON, **special, **{**mla, "tie_word_embeddings": True}, q_lora_rank=32,
+                           rope_interleave=True, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "axk1":  # transformers 5.17 reads first_k_dense_replace, 5.23 mlp_layer_types: the same layers
+        from transformers import AXK1Config
+
+        return AXK1Config(**_COMMON, **special, **mla, q_lora_rank=32, n_shared_experts=1, first_k_dense_replace=1,
+                          mlp_layer_types=["dense", "sparse", "sparse"], n_group=4, topk_group=2, norm_topk_prob=True,
+                          num_experts_per_tok=2, routed_scaling_factor=2.5, rope_interleave=True,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "glm4-moe-lite":
         return Glm4MoeLiteConfig(**_COMMON, **special, **mla, q_lora_rank=32, n_shared_experts=1,
                                  mlp_layer_types=["dense", "sparse", "sparse"], n_group=4, topk_group=2,
@@ -1187,6 +1262,9 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
             for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
                 if ".norm_" in name:
                     p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
+    if kind == "youtu":  # transformers' Youtu zeroes the pad token's embedding when it loads a checkpoint: saved so
+        with torch.no_grad():
+            model.get_input_embeddings().weight[config.pad_token_id] = 0.0
     g = torch.Generator().manual_seed(_SEEDS[base_kind] + 2)
     for name, buffer in model.named_buffers():  # a buffer, saved with the weights: V3's, LFM2-MoE's routing bias
         if name.endswith(("e_score_correction_bias", "expert_bias")):

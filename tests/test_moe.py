@@ -4,6 +4,9 @@ shards, which layers are sparse, checkpoint layouts (per expert as on the Hub, M
 experts) and mapping errors; PhiMoE's sparsemixer and DBRX's p-norm routing against transformers'; on whole models,
 routing equal to transformers' and varied, chunked prefill + prefix cache + preemption, with TP=1 and 2 (DeepSeek's
 too; its routers and the rest: test_deepseek.py). (Plain whole-model greedy/logits: test_correctness.py.)"""
+import json
+import shutil
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -288,9 +291,11 @@ def test_mixtral_hub_layout_loads(model_dir):
 
 # With two ranks too where the family brings weights of its own to shard (OLMoE's, GLM-4.5's and dots.llm1's layers
 # are OLMo 2's, Qwen3's and DeepSeek-V3's, tested sharded here and in test_olmo.py / test_tensor_parallel.py).
+# Solar Open's and Youtu's layers are GLM-4.5's and DeepSeek-V3's (MLA) with Llama's MLP, sharded elsewhere.
 TP2_KINDS = (NEW_KINDS + ("granitemoe-shared", "ernie4.5-moe", "hunyuan-moe", "llama4", "gemma4-moe", "phimoe", "dbrx")
-             + DEEPSEEK_KINDS)
-CHUNKED_KINDS = TP2_KINDS + ("olmoe", "glm4-moe", "dots1", "flexolmo", "exaone-moe", "granitemoe-swa")
+             + DEEPSEEK_KINDS + ("minimax-m2", "cohere2-moe", "axk1"))
+CHUNKED_KINDS = TP2_KINDS + ("olmoe", "glm4-moe", "dots1", "flexolmo", "exaone-moe", "granitemoe-swa", "solar-open",
+                             "cohere2-moe-sigmoid", "youtu")
 
 
 @pytest.mark.parametrize("kind, tp", [(kind, 1) for kind in CHUNKED_KINDS]
@@ -315,7 +320,7 @@ def test_chunked_prefill_prefix_cache_and_preemption_match_hf(kind, tp, model_di
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
-@pytest.mark.parametrize("kind", ("qwen3-moe",) + NEW_KINDS + ("ernie4.5-moe", "phimoe"))
+@pytest.mark.parametrize("kind", ("qwen3-moe",) + NEW_KINDS + ("ernie4.5-moe", "phimoe", "minimax-m2", "cohere2-moe"))
 def test_transformers_stacked_expert_layout_matches_hf(kind, model_dir, tmp_path, captured_logits):
     """A checkpoint in transformers' own layout (`save_pretrained(save_original_format=False)`, which transformers
     loads back): stacked experts, Mixtral's MoE named `mlp` rather than `block_sparse_moe`, ERNIE's statics under
@@ -331,3 +336,17 @@ def test_transformers_stacked_expert_layout_matches_hf(kind, model_dir, tmp_path
     with LLM(str(stacked), device="cpu", dtype="float32", max_model_len=128) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(expert_selection_fn="topk"), "expert_selection_fn='topk'"),
+    (dict(shared_expert_combination_strategy="max"), "shared_expert_combination_strategy='max'"),
+])
+def test_cohere2_moe_settings_the_engine_cannot_run_are_refused_by_name(model_dir, tmp_path, changes, message):
+    d = tmp_path / "m"
+    shutil.copytree(model_dir("cohere2-moe"), d)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, **changes}))
+    with pytest.raises(ValueError, match=message) as refused:
+        LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
+    assert str(d) in str(refused.value)

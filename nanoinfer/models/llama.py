@@ -36,6 +36,7 @@ class AttentionOptions:
     rope: bool = True  # SmolLM3's NoPE layers: no position encoding at all
     rope_theta: float | None = None  # GraniteSWA: this layer's rope base, in place of the config's
     rope_interleaved: bool = False  # Cohere, GLM: rope rotates the pairs (x0, x1), (x2, x3), ...
+    rope_reversed: bool = False  # NanoChat: rope turns by minus the angle (see get_rope)
     logits_soft_cap: float | None = None  # Gemma 2: scores capped to cap * tanh(score / cap)
     clip_qkv: float | None = None  # OLMo: q, k, v clamped to [-clip_qkv, clip_qkv] first (OLMoE: after q/k norms)
     num_kv_heads: int | None = None  # where the config's `num_key_value_heads` does not say (Falcon, GPTBigCode)
@@ -96,7 +97,8 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = self.o_proj_class(num_heads * self.head_dim, config.hidden_size, options.o_bias)
         self.rotary_emb = (get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type,
-                                    options.rope_interleaved, options.rotary_dim, options.rope_theta)
+                                    options.rope_interleaved, options.rotary_dim, options.rope_theta,
+                                    options.rope_reversed)
                            if options.rope else None)
         scale = self.head_dim ** -0.5 if options.scale is None else options.scale
         self.attn = self.attn_class(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window,
