@@ -131,7 +131,9 @@ class Config:
                  "max_position_embeddings", "num_key_value_heads", "head_dim")
         for layer, name in itertools.product(layer_configs(cfg), sizes):
             value = getattr(layer, name, None)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            # Gemma 3n's intermediate_size: a list, one per layer.
+            values = value if name == "intermediate_size" and isinstance(value, list) and value else [value]
+            if value is not None and any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
                 raise ValueError(f"{name}={value!r} in {source} must be a positive int")
         for name, value in (("rope_theta", rope_parameters(cfg)["rope_theta"]),
                             ("rms_norm_eps", getattr(cfg, "rms_norm_eps", None))):
@@ -154,7 +156,8 @@ class Config:
         heads = getattr(cfg, "num_attention_heads", None) or tp  # attention-free models (Mamba): no heads to split
         # GPT-2's config names the MLP's width n_inner (None: 4 x hidden).
         mlp_size = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size
-        for name, value in (("num_attention_heads", heads), ("intermediate_size", mlp_size)):
+        mlp_sizes = mlp_size if isinstance(mlp_size, list) else [mlp_size]  # Gemma 3n's: one per layer
+        for name, value in (("num_attention_heads", heads), *(("intermediate_size", size) for size in mlp_sizes)):
             if value % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name} ({value})")
         for layer in layer_configs(cfg):
