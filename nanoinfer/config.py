@@ -231,6 +231,9 @@ def language_model_config(config: PretrainedConfig, model_dir: Path) -> Pretrain
     for name in ("dtype", "quantization_config", "eos_token_id", *MEDIA_TOKEN_IDS):  # where the outer config has them
         if getattr(config, name, None) is not None:
             setattr(text, name, getattr(config, name))
+    # Gemma 3n's wrapper embeds the ids from a media sub-config's `vocab_offset` on with tables of its own.
+    text.media_token_configs = {name: sub for name in ("vision_config", "audio_config")
+                                if hasattr(sub := getattr(config, name, None), "vocab_offset")}
     return text
 
 

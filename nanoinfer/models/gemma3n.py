@@ -17,7 +17,8 @@ from transformers import PretrainedConfig
 
 from nanoinfer.layers.activation import get_act
 from nanoinfer.layers.attention import AttentionMetadata
-from nanoinfer.layers.layernorm import OlmoRMSNorm
+from nanoinfer.layers.embed_head import VocabParallelEmbedding
+from nanoinfer.layers.layernorm import OlmoRMSNorm, rms_normalize
 from nanoinfer.layers.linear import ReplicatedLinear
 from nanoinfer.models import gemma2, gemma4
 from nanoinfer.models.llama import LlamaMLP, MLPFactory, OptionsFactory
@@ -34,6 +35,13 @@ def check_config(config: PretrainedConfig) -> None:
     if not 0 <= config.altup_active_idx < config.altup_num_inputs:
         raise ValueError(f"altup_active_idx={config.altup_active_idx} in the model config: not one of the "
                          f"altup_num_inputs={config.altup_num_inputs} streams")
+    media = getattr(config, "media_token_configs", {})
+    if "vision_config" in media and "audio_config" in media:  # transformers: vision ids up to the audio ones
+        vision, audio = media["vision_config"], media["audio_config"]
+        if vision.vocab_offset + vision.vocab_size != audio.vocab_offset:
+            raise ValueError(f"vision_config.vocab_offset={vision.vocab_offset} + vocab_size={vision.vocab_size} in "
+                             f"the model config: the vision ids do not end where the audio ids "
+                             f"(from {audio.vocab_offset}) start")
     for i, sparsity in enumerate(config.activation_sparsity_pattern):
         if not 0.0 <= sparsity < 1.0:
             raise ValueError(f"activation_sparsity_pattern[{i}]={sparsity} in the model config: expected a fraction "
@@ -64,17 +72,18 @@ class Gemma3nMLP(LlamaMLP):
             icdf = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(sparsity, dtype=torch.float32))
             self.std_multiplier = icdf.to(torch.get_default_dtype()).item()
             self.act = get_act(config.hidden_activation)
+            self.tp_size, self.tp_group = tp_size(), tp_group()
 
     def cutoff(self, gate: torch.Tensor) -> torch.Tensor:
         """mean + std * icdf(p) over each row of gate [tokens, width / ranks] -> [tokens, 1]."""
-        if tp_size() == 1:
+        if self.tp_size == 1:
             mean, std = torch.mean(gate, dim=-1, keepdim=True), torch.std(gate, dim=-1, keepdim=True, unbiased=False)
             return mean + std * self.std_multiplier
         total = gate.sum(-1, keepdim=True)
-        dist.all_reduce(total, group=tp_group())
+        dist.all_reduce(total, group=self.tp_group)
         mean = total / self.width
         squares = (gate - mean).square().sum(-1, keepdim=True)
-        dist.all_reduce(squares, group=tp_group())
+        dist.all_reduce(squares, group=self.tp_group)
         return mean + (squares / self.width).sqrt() * self.std_multiplier
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -163,10 +172,33 @@ class Gemma3nDecoderLayer(gemma4.PerLayerInputDecoderLayer):
         return corrected
 
 
+class MediaTokenEmbedder(nn.Module):
+    """Gemma3nForConditionalGeneration's embedding of the ids from a media sub-config's `vocab_offset` on (image
+    and audio placeholders, their delimiters; transformers' Gemma3nMultimodalEmbedder on ids): a table of their own,
+    normed, projected to the text's width and normed without a weight. Small, and replicated but for the table."""
+
+    def __init__(self, media_config: PretrainedConfig, hidden_size: int):
+        super().__init__()
+        self.vocab_offset, self.eps = media_config.vocab_offset, media_config.rms_norm_eps
+        self.vocab_end = self.vocab_offset + media_config.vocab_size
+        self.embedding = VocabParallelEmbedding(media_config.vocab_size, media_config.hidden_size)
+        self.hard_embedding_norm = OlmoRMSNorm(media_config.hidden_size, self.eps)
+        self.embedding_projection = ReplicatedLinear(media_config.hidden_size, hidden_size)
+
+    def forward(self, input_ids: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        """embeddings [tokens, hidden] with the rows of this embedder's ids replaced (computed for every token:
+        the same work at every step, which CUDA graphs need)."""
+        ids = input_ids.clamp(self.vocab_offset, self.vocab_end - 1) - self.vocab_offset
+        own = rms_normalize(self.embedding_projection(self.hard_embedding_norm(self.embedding(ids))), self.eps)
+        mine = (input_ids >= self.vocab_offset) & (input_ids < self.vocab_end)
+        return torch.where(mine.unsqueeze(-1), own.to(embeddings.dtype), embeddings)
+
+
 class Gemma3nModel(gemma4.Gemma4Model):
     """The streams: the scaled embedding and its `altup_num_inputs - 1` projections, each rescaled to the
     embedding's RMS; after the layers, the other streams' unembedding projections rescaled to the first's RMS, and
-    the mean of all. The projections (hidden x hidden each) are replicated: the rescaling needs whole rows."""
+    the mean of all. The projections (hidden x hidden each) are replicated: the rescaling needs whole rows. Read
+    from Gemma3nForConditionalGeneration's checkpoint, media token ids take the wrapper's embeddings."""
 
     decoder_layer = Gemma3nDecoderLayer
 
@@ -175,6 +207,16 @@ class Gemma3nModel(gemma4.Gemma4Model):
         hidden, extra = config.hidden_size, config.altup_num_inputs - 1
         self.altup_projections = nn.ModuleList(ReplicatedLinear(hidden, hidden) for _ in range(extra))
         self.altup_unembed_projections = nn.ModuleList(ReplicatedLinear(hidden, hidden) for _ in range(extra))
+        media = getattr(config, "media_token_configs", {})
+        self.embed_vision = MediaTokenEmbedder(media["vision_config"], hidden) if "vision_config" in media else None
+        self.embed_audio = MediaTokenEmbedder(media["audio_config"], hidden) if "audio_config" in media else None
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        x = super().embed(input_ids, positions)
+        for embedder in (self.embed_vision, self.embed_audio):
+            if embedder is not None:
+                x = embedder(input_ids, x)
+        return x
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, meta: AttentionMetadata
                 ) -> torch.Tensor:
@@ -201,7 +243,8 @@ class Gemma3nForCausalLM(gemma2.Gemma2ForCausalLM):
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config)
-        self.ignored_weight_suffixes = gemma4.reused_kv_weight_suffixes(config)
+        # The media embedders' norm of soft tokens (encoder outputs), which text never reaches.
+        self.ignored_weight_suffixes = gemma4.reused_kv_weight_suffixes(config) + (".soft_embedding_norm.weight",)
 
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:

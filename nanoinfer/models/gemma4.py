@@ -81,7 +81,7 @@ def kv_sharing_attention_options(config: PretrainedConfig, layer_idx: int) -> Ge
     bias = config.attention_bias
     return Gemma4AttentionOptions(
         qkv_bias=bias, o_bias=bias, scale=1.0, qk_norm=True, qk_norm_class=OlmoRMSNorm, value_norm=True,
-        head_dim=config.head_dim, rope_layer_type=layer_type, sliding_window=layer_sliding_window(config, layer_idx),
+        rope_layer_type=layer_type, sliding_window=layer_sliding_window(config, layer_idx),
         kv_sharing=kv_sharing_mode(config, layer_idx))
 
 
@@ -119,7 +119,7 @@ class Gemma4ReusedKVAttention(nn.Module):
 
     def __init__(self, config: PretrainedConfig, options: AttentionOptions):
         super().__init__()
-        num_heads, self.head_dim = config.num_attention_heads, options.head_dim
+        num_heads, self.head_dim = config.num_attention_heads, options.head_dim or config.head_dim
         self.qkv_proj = QueryParallelLinear(config.hidden_size, num_heads * self.head_dim, options.qkv_bias)
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, options.o_bias)
         self.q_norm = options.qk_norm_class(self.head_dim, config.rms_norm_eps)
