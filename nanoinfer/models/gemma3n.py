@@ -63,8 +63,9 @@ class Gemma3nMLP(LlamaMLP):
     sums behind its mean and (population) std are all-reduced, two floats per token."""
 
     def __init__(self, config: PretrainedConfig, layer_idx: int):
-        self.width = config.intermediate_size[layer_idx]
-        super().__init__(config, self.width, config.hidden_activation)
+        width = config.intermediate_size[layer_idx]
+        super().__init__(config, width, config.hidden_activation)
+        self.width = width
         sparsity = config.activation_sparsity_pattern[layer_idx]
         self.std_multiplier: float | None = None
         if sparsity > 0.0:
