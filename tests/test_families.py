@@ -87,7 +87,8 @@ def test_gemma4_hub_layout_matches_hf(model_dir, tmp_path, captured_logits):
     ("gemma4-moe", dict(hidden_activation="silu"), "hidden_activation='silu'"),
     ("gemma4-e", dict(num_kv_shared_layers=5), "num_kv_shared_layers=5"),
     ("gemma3n", dict(altup_active_idx=4), "altup_active_idx=4"),
-    ("gemma3n", dict(activation_sparsity_pattern=[0.95, 1.0, 0.0, 0.0, 0.0, 0.0]), r"activation_sparsity_pattern\[1\]=1.0"),
+    ("gemma3n", dict(activation_sparsity_pattern=[0.95, 1.0, 0.0, 0.0, 0.0, 0.0]),
+     r"activation_sparsity_pattern\[1\]=1.0"),
     ("gemma3n", dict(hidden_size_per_layer_input=0), "hidden_size_per_layer_input=0"),
 ])
 def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes, message):

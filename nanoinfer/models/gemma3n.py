@@ -148,6 +148,8 @@ class Laurel(nn.Module):
 
 
 class Gemma3nDecoderLayer(gemma4.PerLayerInputDecoderLayer):
+    """Gemma 4's layer parts run on AltUp's active prediction; it hands the next layer all the corrected streams."""
+
     def __init__(self, config: PretrainedConfig, options: gemma4.Gemma4AttentionOptions, mlp: nn.Module):
         super().__init__(config, options, mlp)
         self.altup = AltUp(config)

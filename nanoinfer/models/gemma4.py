@@ -7,7 +7,8 @@ multiplying each layer's output. Its MoE variant runs, in every layer, the dense
 by side, each with its own norms, the router reading the residual stream. E2B/E4B add per-layer embeddings (a
 token's own small vector for every layer, mixed with a projection of its embedding, gating a residual branch at the
 end of each layer) and, on their last `num_kv_shared_layers` layers, attention over the keys and values of the
-last earlier layer of the same type (those layers compute and cache none, and their MLPs may be twice as wide)."""
+last earlier layer of the same type (those layers compute and cache none, and their MLPs may be twice as wide).
+Gemma 3n (gemma3n.py) is built on the E-models' pieces."""
 from dataclasses import dataclass, replace
 
 import torch
