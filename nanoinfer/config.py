@@ -131,7 +131,9 @@ class Config:
                  "max_position_embeddings", "num_key_value_heads", "head_dim")
         for layer, name in itertools.product(layer_configs(cfg), sizes):
             value = getattr(layer, name, None)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            # Gemma 3n's intermediate_size: a list, one per layer.
+            values = value if name == "intermediate_size" and isinstance(value, list) and value else [value]
+            if value is not None and any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
                 raise ValueError(f"{name}={value!r} in {source} must be a positive int")
         for name, value in (("rope_theta", rope_parameters(cfg)["rope_theta"]),
                             ("rms_norm_eps", getattr(cfg, "rms_norm_eps", None))):
@@ -155,7 +157,8 @@ class Config:
         # GPT-2's config names the MLP's width n_inner (None: 4 x hidden), OPT's ffn_dim.
         mlp_size = (getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None)
                     or getattr(cfg, "ffn_dim", None) or 4 * cfg.hidden_size)
-        for name, value in (("num_attention_heads", heads), ("intermediate_size", mlp_size)):
+        mlp_sizes = mlp_size if isinstance(mlp_size, list) else [mlp_size]  # Gemma 3n's: one per layer
+        for name, value in (("num_attention_heads", heads), *(("intermediate_size", size) for size in mlp_sizes)):
             if value % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name} ({value})")
         for layer in layer_configs(cfg):
@@ -235,6 +238,9 @@ def language_model_config(config: PretrainedConfig, model_dir: Path) -> Pretrain
     for name in ("dtype", "quantization_config", "eos_token_id", *MEDIA_TOKEN_IDS):  # where the outer config has them
         if getattr(config, name, None) is not None:
             setattr(text, name, getattr(config, name))
+    # Gemma 3n's wrapper embeds the ids from a media sub-config's `vocab_offset` on with tables of its own.
+    text.media_token_configs = {name: sub for name in ("vision_config", "audio_config")
+                                if hasattr(sub := getattr(config, name, None), "vocab_offset")}
     return text
 
 

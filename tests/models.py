@@ -223,6 +223,10 @@ MAMBA2_HYBRID_KINDS = ("nemotron-h", "falcon-h1", "falcon-h1-norm", "zamba2", "m
 # its own value projection and 2 of 4 experts beside the dense MLP in every layer, "gemma4-e" as E2B/E4B: per-layer
 # embeddings, and its last two layers (twice as wide MLPs) reusing the keys and values of layers 2 and 3.
 GEMMA4_KINDS = ("gemma4", "gemma4-moe", "gemma4-e")
+# Gemma 3n (see gemma3n_config): Gemma 4 E-style attention and per-layer inputs (a table shorter than the vocabulary:
+# prompt ids from 400 take its row 0) inside AltUp's 4 streams, LAuReL, activation sparsity on layers 0 and 1 (0.95,
+# 0.6), MLPs of two widths, and its last two layers reusing the keys and values of layers 2 and 3.
+GEMMA3N_KIND = "gemma3n"
 # GPT-OSS: attention sinks (GPT_OSS_SINK_STD, so that they weigh), sliding and full layers, yarn rope, q/k/v/o biases,
 # 2 of 8 experts per token by a biased router, experts with biases whose gate/up weights (GPT_OSS_GATE_UP_STD) push
 # the SwiGLU into its clamps.
@@ -232,7 +236,7 @@ MISTRAL_KINDS = ("mistral", "ministral", "ministral3")
 EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_NEXT_KINDS + SSM_KINDS
                + MAMBA2_HYBRID_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
-               + ("granite-swa", "granitemoe-swa") + GEMMA4_KINDS
+               + ("granite-swa", "granitemoe-swa") + GEMMA4_KINDS + (GEMMA3N_KIND,)
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
                   "ernie4.5-moe", "hunyuan-moe", "llama4", "phimoe", "flexolmo", "exaone-moe", "dbrx")
                + ("vaultgemma",)
@@ -249,9 +253,9 @@ DBRX_CLIP_QKV = 0.5
 DBRX_NORM_P = 2.0
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 13, "ministral3": 15, "gemma3": 10,
-                  "gemma2": 11, "gemma4": 10, "phi3": 24, "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13,
-                  "exaone4": 10, "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22, "vaultgemma": 11,
-                  "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "gpt-neo": 11, "cwm": 12,
+                  "gemma2": 11, "gemma4": 10, GEMMA3N_KIND: 10, "phi3": 24, "smollm3": 11, "olmo3": 11, "mixtral": 14,
+                  "starcoder2": 13, "exaone4": 10, "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22,
+                  "vaultgemma": 11, "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "gpt-neo": 11, "cwm": 12,
                   "cohere2-moe": 11, "cohere2-moe-sigmoid": 12}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
@@ -304,7 +308,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "hunyuan": 3246, "cohere2": 4357, "apertus": 5468, "bloom": 6579, "mpt": 7680,
           "qwen3.5": 9024, "qwen3.5-moe": 1135, "olmoe": 2246, "glm4-moe": 3357, "dots1": 4468, "ernie4.5-moe": 5579,
           "hunyuan-moe": 6680, "gpt-oss": 9024, "llama4": 7135, "gemma4": 2469, "gemma4-moe": 3570,
-          "gemma4-e": 4681}
+          "gemma4-e": 4681, GEMMA3N_KIND: 5792}
 _SEEDS |= {"lfm2": 7791, "bamba": 8802, "granitemoehybrid": 9913, "granitemoehybrid-dense": 1124}
 _SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457, "zamba2": 5568, "mamba2": 5568}
 _SEEDS |= {"lfm2-moe": 2346}
@@ -495,6 +499,8 @@ def make_config(kind: str):
     )
     if kind in GEMMA4_KINDS:
         return gemma4_config(kind, gemma)
+    if kind == GEMMA3N_KIND:
+        return gemma3n_config(gemma)
     if kind == "gemma3":
         return Gemma3TextConfig(
             **gemma,
@@ -1173,6 +1179,27 @@ def gemma4_config(kind: str, gemma: dict):
         use_double_wide_mlp=e,
         enable_moe_block=moe,
         **(dict(num_experts=4, top_k_experts=2, moe_intermediate_size=32) if moe else {}),
+    )
+
+
+def gemma3n_config(gemma: dict):
+    """Gemma 3n on Gemma 2/3's test settings, with six layers (the last one must be full)."""
+    from transformers import Gemma3nTextConfig
+
+    settings = {k: v for k, v in gemma.items() if k not in ("num_hidden_layers", "layer_types", "intermediate_size")}
+    return Gemma3nTextConfig(
+        **settings,
+        num_hidden_layers=6,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+        intermediate_size=[128, 96, 128, 96, 128, 128],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}},
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=400,
+        num_kv_shared_layers=2,
+        altup_num_inputs=4,
+        laurel_rank=8,
+        activation_sparsity_pattern=[0.95, 0.6, 0.0, 0.0, 0.0, 0.0],
     )
 
 

@@ -22,7 +22,7 @@ LOGIT_ATOL = 1e-4
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2", "gemma", "granite", "smollm3", "glm4", "glm",
                                   *LAYERNORM_KINDS, "nemotron", "gemma4", "gemma4-e", "ministral", "ministral3",
-                                  "vaultgemma", "granite-swa", "jais2", "nanochat"])
+                                  "vaultgemma", "granite-swa", "jais2", "nanochat", "gemma3n"])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): each holds half the heads and MLP; windows, ropes and norms per rank."""
     d = model_dir(kind)
@@ -86,6 +86,10 @@ def test_gemma4_hub_layout_matches_hf(model_dir, tmp_path, captured_logits):
     ("gemma4", dict(use_bidirectional_attention="all"), "use_bidirectional_attention='all'"),
     ("gemma4-moe", dict(hidden_activation="silu"), "hidden_activation='silu'"),
     ("gemma4-e", dict(num_kv_shared_layers=5), "num_kv_shared_layers=5"),
+    ("gemma3n", dict(altup_active_idx=4), "altup_active_idx=4"),
+    ("gemma3n", dict(activation_sparsity_pattern=[0.95, 1.0, 0.0, 0.0, 0.0, 0.0]),
+     r"activation_sparsity_pattern\[1\]=1.0"),
+    ("gemma3n", dict(hidden_size_per_layer_input=0), "hidden_size_per_layer_input=0"),
 ])
 def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes, message):
     d = edited_model(model_dir(kind), tmp_path / "m", **changes)
@@ -145,11 +149,12 @@ def test_mpt_sequences_are_bounded_by_max_seq_len(model_dir):
         LLM(str(model_dir("mpt")), device="cpu", dtype="float32", max_model_len=513)
 
 
-@pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj", "gemma4", "gemma4-e", "bloom", "mpt", "opt-350m"])
+@pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj", "gemma4", "gemma4-e", "bloom", "mpt", "opt-350m",
+                                  "gemma3n"])
 def test_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, captured_logits, report_logit_diff):
     """7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once, twice: the
     parallel residual (Phi, GPT-NeoX, GPT-J), layers of two head sizes and values from the keys (Gemma 4), layers
-    attending over other layers' keys and values, cached or of the step (Gemma 4 E2B/E4B), ALiBi's key-minus-query
+    attending over other layers' keys and values, cached or of the step (Gemma 4 E2B/E4B, Gemma 3n), ALiBi's key-minus-query
     distances over cached prefixes and chunks (BLOOM, MPT), post-norm layers and OPT's offset positions (OPT-350m)."""
     worst = chunked_prefix_preemption_logit_diff(model_dir(kind), captured_logits, MAX_TOKENS)
     report_logit_diff(f"{kind}, chunked prefill + prefix hits + preemption", worst)

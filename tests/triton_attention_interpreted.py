@@ -500,11 +500,12 @@ def chunked_then_cached_against_hf(kind: str, model_dir, captured_logits, graphs
     return twice_against_hf(llm, d, prompts, 16, captured_logits)
 
 
-@pytest.mark.parametrize("kind", ["qwen3-swa", "gemma3", "olmo3", "gemma2", "gpt-oss", "gemma4-e"])
+@pytest.mark.parametrize("kind", ["qwen3-swa", "gemma3", "olmo3", "gemma2", "gpt-oss", "gemma4-e", "gemma3n"])
 def test_engine_sliding_window_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
-    """Windowed (qwen3-swa: 9, gemma3: 10, olmo3: 11, gemma2: 11, gpt-oss: 12, gemma4-e: 10) and full layers (gemma3,
-    olmo3: with their own rope; gemma3, gemma2: a score scale that is not head_dim ** -0.5; gemma2: softcapped scores;
-    gpt-oss: attention sinks; gemma4-e: full layers' heads twice as wide, layers over other layers' caches);
+    """Windowed (qwen3-swa: 9, gemma3: 10, olmo3: 11, gemma2: 11, gpt-oss: 12, gemma4-e and gemma3n: 10) and full
+    layers (gemma3, olmo3: with their own rope; gemma3, gemma2: a score scale that is not head_dim ** -0.5; gemma2:
+    softcapped scores; gpt-oss: attention sinks; gemma4-e: full layers' heads twice as wide, layers over other
+    layers' caches; gemma3n: those layers inside AltUp's streams);
     contexts a few windows long, prefilled in chunks, then again with a cached prefix."""
     worst = chunked_then_cached_against_hf(kind, model_dir, captured_logits)
     report_logit_diff(f"{kind}, triton backend, sliding window", worst)
