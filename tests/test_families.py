@@ -154,8 +154,9 @@ def test_mpt_sequences_are_bounded_by_max_seq_len(model_dir):
 def test_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, captured_logits, report_logit_diff):
     """7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once, twice: the
     parallel residual (Phi, GPT-NeoX, GPT-J), layers of two head sizes and values from the keys (Gemma 4), layers
-    attending over other layers' keys and values, cached or of the step (Gemma 4 E2B/E4B, Gemma 3n), ALiBi's key-minus-query
-    distances over cached prefixes and chunks (BLOOM, MPT), post-norm layers and OPT's offset positions (OPT-350m)."""
+    attending over other layers' keys and values, cached or of the step (Gemma 4 E2B/E4B, Gemma 3n), ALiBi's
+    key-minus-query distances over cached prefixes and chunks (BLOOM, MPT), post-norm layers and OPT's offset
+    positions (OPT-350m)."""
     worst = chunked_prefix_preemption_logit_diff(model_dir(kind), captured_logits, MAX_TOKENS)
     report_logit_diff(f"{kind}, chunked prefill + prefix hits + preemption", worst)
     # Gemma 4 E amplifies fp32 rounding at one position (5e-5 between transformers' own cached and uncached
