@@ -221,11 +221,19 @@ EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_N
 # on 0 and 2).
 MAMBA1_KINDS = ("mamba", "falcon-mamba", "jamba")
 EXTRA_KINDS += MAMBA1_KINDS
+# The newest transformers families (see newest_family_config), each with transformers' module name: where the
+# installed transformers lacks it (5.17, the GPU machine's, lacks some), its tests skip (conftest's model_dir).
+# AFMoE (afmoe): per-head q/k norms, a sigmoid output gate, sliding layers 0 and 2 with rope and a full NoPE layer 1,
+# four norms per layer, muP's embedding scale, q/k/v/o biases; layer 0 dense, then 2 of 8 experts (sigmoid, a random
+# expert_bias, renormalized, route_scale) plus a shared expert.
+NEWEST_FAMILIES = {"afmoe": "afmoe"}
+NEWEST_KINDS = tuple(NEWEST_FAMILIES)
+EXTRA_KINDS += NEWEST_KINDS
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 13, "ministral3": 15, "gemma3": 10,
                   "gemma2": 11, "gemma4": 10, "phi3": 24, "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13,
                   "exaone4": 10, "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22, "vaultgemma": 11,
-                  "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13}
+                  "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "afmoe": 10}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -287,6 +295,7 @@ _SEEDS |= {"lfm2-moe": 2346}
 _SEEDS |= {"glm4-moe-lite": 3457, "exaone-moe": 4568, "granite-swa": 5679, "granitemoe-swa": 6780}
 _SEEDS |= {"ministral": 6791, "ministral3": 7902, "phimoe": 8013, "flexolmo": 4024, "vaultgemma": 1235}
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
+_SEEDS |= {"afmoe": 5474}
 
 
 def _token_ids():
@@ -316,6 +325,8 @@ def make_config(kind: str):
         return ssm_config(kind, special)
     if kind in MAMBA2_HYBRID_KINDS:
         return mamba2_hybrid_config(kind, special)
+    if kind in NEWEST_KINDS:
+        return newest_family_config(kind, special)
     if kind in ("qwen3", "qwen3-sharded"):
         return Qwen3Config(
             **_COMMON,
@@ -843,6 +854,21 @@ def make_config(kind: str):
                                 layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD,
                                 tie_word_embeddings=True, **special)
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND, OLMO2_MQA_KIND)}")
+
+
+def newest_family_config(kind: str, special: dict):
+    """NEWEST_KINDS' configs, imported by name: transformers 5.17 lacks some of these families."""
+    import transformers
+
+    common = dict(**_COMMON, **special, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  tie_word_embeddings=False)
+    if kind == "afmoe":
+        return transformers.AfmoeConfig(**{**common, "intermediate_size": 96}, attention_bias=True,
+                                        sliding_window=SLIDING_WINDOW[kind], global_attn_every_n_layers=2,
+                                        mup_enabled=True, num_dense_layers=1, num_experts=8, num_experts_per_tok=2,
+                                        num_shared_experts=1, moe_intermediate_size=32, route_scale=2.5,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    raise ValueError(f"unknown model kind {kind!r}; expected one of {NEWEST_KINDS}")
 
 
 def qwen3_next_config(kind: str, special: dict):

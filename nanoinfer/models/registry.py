@@ -6,6 +6,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 _MODELS = {
+    "AfmoeForCausalLM": ("afmoe", "AfmoeForCausalLM"),
     "ApertusForCausalLM": ("apertus", "ApertusForCausalLM"),
     "ArceeForCausalLM": ("arcee", "ArceeForCausalLM"),
     "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
