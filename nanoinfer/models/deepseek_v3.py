@@ -59,13 +59,18 @@ def deepseek_v3_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
 _MLP_TYPES = ("dense", "sparse")
 
 
-def mlp_by_layer_type(config: PretrainedConfig, layer_idx: int) -> nn.Module:
-    """GLM-4.7-Flash's and EXAONE-MoE's rule: each MLP dense or DeepSeek-V3's MoE as `mlp_layer_types` says."""
+def is_sparse_by_layer_type(config: PretrainedConfig, layer_idx: int) -> bool:
+    """Whether `mlp_layer_types` makes the layer's MLP experts ("sparse") rather than dense."""
     mlp_type = config.mlp_layer_types[layer_idx]
     if mlp_type not in _MLP_TYPES:
         raise ValueError(f"mlp_layer_types[{layer_idx}]={mlp_type!r} in the model config; expected one of "
                          f"{_MLP_TYPES}")
-    return DeepseekV3MoE(config) if mlp_type == "sparse" else LlamaMLP(config)
+    return mlp_type == "sparse"
+
+
+def mlp_by_layer_type(config: PretrainedConfig, layer_idx: int) -> nn.Module:
+    """GLM-4.7-Flash's and EXAONE-MoE's rule: each MLP dense or DeepSeek-V3's MoE as `mlp_layer_types` says."""
+    return DeepseekV3MoE(config) if is_sparse_by_layer_type(config, layer_idx) else LlamaMLP(config)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -41,8 +41,10 @@ _MODELS = {
     "HeliumForCausalLM": ("helium", "HeliumForCausalLM"),
     "HunYuanDenseV1ForCausalLM": ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
     "HunYuanMoEV1ForCausalLM": ("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM"),
+    "HYV3ForCausalLM": ("hy_v3", "HYV3ForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
+    "MellumForCausalLM": ("mellum", "MellumForCausalLM"),
     "MinistralForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama's windows by layer_types (Qwen2's attention)
     "Ministral3ForCausalLM": ("ministral3", "Ministral3ForCausalLM"),
     "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
