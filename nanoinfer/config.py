@@ -154,7 +154,9 @@ class Config:
         heads = getattr(cfg, "num_attention_heads", None) or tp  # attention-free models (Mamba): no heads to split
         # GPT-2's config names the MLP's width n_inner (None: 4 x hidden).
         mlp_size = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size
-        for name, value in (("num_attention_heads", heads), ("intermediate_size", mlp_size)):
+        per_layer_heads = getattr(cfg, "num_attention_heads_per_layer", None) or ()  # Laguna's
+        for name, value in (("num_attention_heads", heads), ("intermediate_size", mlp_size),
+                            *((f"num_attention_heads_per_layer[{i}]", h) for i, h in enumerate(per_layer_heads))):
             if value % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name} ({value})")
         for layer in layer_configs(cfg):

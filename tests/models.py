@@ -229,8 +229,11 @@ EXTRA_KINDS += MAMBA1_KINDS
 # Mellum: Qwen3-MoE's attention (q/k/v/o biases) on sliding layers 0 and 2 and a full layer 1 with another rope base,
 # layer 0's MLP dense, then 2 of 8 experts (softmax, renormalized). HY3 (hy-v3): per-head q/k norms, q/k/v/o and MLP
 # biases, layer 0 dense, then 2 of 8 experts (sigmoid, a random correction bias, renormalized, scaled) plus a shared
-# expert.
-NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3"}
+# expert. Laguna: 4, 6 and 2 query heads on its layers (2 KV heads), a softplus gate per head, sliding layers 0 and 2
+# and a full layer 1 with its own rope over half of each head, q/k/v/o biases; layer 0 dense, then 2 of 8 experts
+# (sigmoid of router logits softcapped below their size, a random correction bias, renormalized, scaled) plus a
+# shared expert.
+NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 EXTRA_KINDS += NEWEST_KINDS
 # Sliding windows: shorter than most test prompts.
@@ -238,7 +241,7 @@ SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 1
                   "gemma2": 11, "gemma4": 10, "phi3": 24, "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13,
                   "exaone4": 10, "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22, "vaultgemma": 11,
                   "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "afmoe": 10,
-                  "mellum": 12}
+                  "mellum": 12, "laguna": 11}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -300,7 +303,7 @@ _SEEDS |= {"lfm2-moe": 2346}
 _SEEDS |= {"glm4-moe-lite": 3457, "exaone-moe": 4568, "granite-swa": 5679, "granitemoe-swa": 6780}
 _SEEDS |= {"ministral": 6791, "ministral3": 7902, "phimoe": 8013, "flexolmo": 4024, "vaultgemma": 1235}
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
-_SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696}
+_SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707}
 
 
 def _token_ids():
@@ -889,6 +892,19 @@ def newest_family_config(kind: str, special: dict):
                                        num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=32,
                                        router_scaling_factor=2.5,
                                        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "laguna":
+        return transformers.LagunaConfig(**{**common, "intermediate_size": 96}, attention_bias=True, gating=True,
+                                         num_attention_heads_per_layer=[4, 6, 2], sliding_window=SLIDING_WINDOW[kind],
+                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                         mlp_layer_types=["dense", "sparse", "sparse"], num_experts=8,
+                                         num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=32, moe_routed_scaling_factor=2.5,
+                                         moe_router_logit_softcapping=1.5,
+                                         rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                                "rope_theta": 10_000.0},
+                                                          "full_attention": {"rope_type": "default",
+                                                                             "rope_theta": 500_000.0,
+                                                                             "partial_rotary_factor": 0.5}})
     raise ValueError(f"unknown model kind {kind!r}; expected one of {NEWEST_KINDS}")
 
 
