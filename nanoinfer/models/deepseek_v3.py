@@ -30,14 +30,15 @@ class DeepseekV3MoE(DeepseekV2MoE):
 
 
 class UngroupedSigmoidMoE(DeepseekV3MoE):
-    """AFMoE's, Laguna's and HY3's MoE: V3's routing without a group limit (one group), always renormalized, times
-    the family's `scaling` (Laguna scales the routed output instead: the same in exact arithmetic); the router logits
-    first softcapped to cap * tanh(logit / cap) where logit_softcap > 0 (Laguna)."""
+    """AFMoE's, Laguna's, HY3's and Flint's MoE (Kolibri-1's chooses otherwise): V3's routing without a group limit
+    (one group), the correction bias where the class has one (Flint's has none), renormalized unless told not to
+    (`norm_topk_prob`), times the family's `scaling` (Laguna scales the routed output instead: the same in exact
+    arithmetic); the router logits first softcapped to cap * tanh(logit / cap) where logit_softcap > 0 (Laguna)."""
 
-    def __init__(self, config: PretrainedConfig, num_experts: int, shared_intermediate_size: int, scaling: float,
-                 logit_softcap: float = 0.0):
+    def __init__(self, config: PretrainedConfig, num_experts: int, shared_intermediate_size: int,
+                 scaling: float = 1.0, logit_softcap: float = 0.0, renormalize: bool = True):
         super().__init__(config, num_experts, shared_intermediate_size)
-        self.scaling, self.logit_softcap = scaling, logit_softcap
+        self.scaling, self.logit_softcap, self.renormalize = scaling, logit_softcap, renormalize
 
     def configure_routing(self, config: PretrainedConfig) -> None:
         check_moe_config(config, grouped=False)
@@ -46,8 +47,8 @@ class UngroupedSigmoidMoE(DeepseekV3MoE):
         logits = self.gate(x)
         if self.logit_softcap > 0:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
-        return select_experts_sigmoid_biased(logits, self.top_k, self.gate.e_score_correction_bias, 1, 1, True,
-                                             self.scaling)
+        bias = self.gate.e_score_correction_bias if self.correction_bias else None
+        return select_experts_sigmoid_biased(logits, self.top_k, bias, 1, 1, self.renormalize, self.scaling)
 
 
 def deepseek_v3_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:

@@ -20,6 +20,7 @@ _MODELS = {
     "ExaoneMoeForCausalLM": ("exaone_moe", "ExaoneMoeForCausalLM"),
     "FalconForCausalLM": ("falcon", "FalconForCausalLM"),
     "FlexOlmoForCausalLM": ("olmoe", "FlexOlmoForCausalLM"),
+    "FlintForCausalLM": ("flint", "FlintForCausalLM"),
     "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
@@ -133,7 +134,7 @@ _VISION_LANGUAGE = {
 
 # Families whose attention adds a learned logit per head to every softmax (attention sinks), which flash-attn 2 lacks:
 # the attention backend is chosen with them in mind (selector.select_backend).
-_ATTENTION_SINKS = {"GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM"}
+_ATTENTION_SINKS = {"FlintForCausalLM", "GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
