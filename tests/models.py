@@ -236,7 +236,11 @@ EXTRA_KINDS += MAMBA1_KINDS
 # Flint: GPT-OSS's sinks (GPT_OSS_SINK_STD) and norms, per-head q/k norms, sliding layers 0 and 2 with rope and a full
 # NoPE layer 1, q/k/v/o biases; layer 0 dense (mlp_only_layers), then 2 of 8 experts (sigmoid, renormalized) plus a
 # shared expert.
-NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint"}
+# Kolibri-1 (kolibri1): EXAONE 4's attention (sliding layers 0 and 2 with rope, a full NoPE layer 1) in GLM-4's
+# four-norm layer, 2 of 8 experts on every layer (the top router logits plus a random correction bias, weighted by
+# their sigmoid, renormalized) plus a shared expert.
+NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
+                   "kolibri1": "kolibri1"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 EXTRA_KINDS += NEWEST_KINDS
 # Sliding windows: shorter than most test prompts.
@@ -244,7 +248,7 @@ SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 1
                   "gemma2": 11, "gemma4": 10, "phi3": 24, "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13,
                   "exaone4": 10, "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22, "vaultgemma": 11,
                   "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "afmoe": 10,
-                  "mellum": 12, "laguna": 11, "flint": 12}
+                  "mellum": 12, "laguna": 11, "flint": 12, "kolibri1": 10}
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -306,7 +310,7 @@ _SEEDS |= {"lfm2-moe": 2346}
 _SEEDS |= {"glm4-moe-lite": 3457, "exaone-moe": 4568, "granite-swa": 5679, "granitemoe-swa": 6780}
 _SEEDS |= {"ministral": 6791, "ministral3": 7902, "phimoe": 8013, "flexolmo": 4024, "vaultgemma": 1235}
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
-_SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818}
+_SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818, "kolibri1": 1929}
 
 
 def _token_ids():
@@ -916,6 +920,13 @@ def newest_family_config(kind: str, special: dict):
                                         moe_intermediate_size=32, shared_expert_intermediate_size=32,
                                         norm_topk_prob=True,
                                         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "kolibri1":  # no dense MLP: no intermediate_size
+        return transformers.Kolibri1Config(**{k: v for k, v in common.items() if k != "intermediate_size"},
+                                           sliding_window=SLIDING_WINDOW[kind],
+                                           layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                           num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=32, norm_topk_prob=True,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     raise ValueError(f"unknown model kind {kind!r}; expected one of {NEWEST_KINDS}")
 
 
