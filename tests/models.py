@@ -239,9 +239,13 @@ EXTRA_KINDS += MAMBA1_KINDS
 # Kolibri-1 (kolibri1): EXAONE 4's attention (sliding layers 0 and 2 with rope, a full NoPE layer 1) in GLM-4's
 # four-norm layer, 2 of 8 experts on every layer (the top router logits plus a random correction bias, weighted by
 # their sigmoid, renormalized) plus a shared expert.
+# LFM3: LFM2's short convolutions (layers 0 and 2) with a sliding attention layer 1 and a full one 3 with its own
+# (proportional) rope over half of each head, sandwich norms, a sigmoid output gate per head, q/k/v/o biases.
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
-                   "kolibri1": "kolibri1"}
+                   "kolibri1": "kolibri1", "lfm3": "lfm3"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
+NEWEST_HYBRID_KINDS = ("lfm3",)  # tested as the other hybrids (test_ssm.py)
+NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS if kind not in NEWEST_HYBRID_KINDS)  # as the MoEs (test_moe.py)
 EXTRA_KINDS += NEWEST_KINDS
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 13, "ministral3": 15, "gemma3": 10,
@@ -249,6 +253,8 @@ SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 1
                   "exaone4": 10, "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22, "vaultgemma": 11,
                   "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "afmoe": 10,
                   "mellum": 12, "laguna": 11, "flint": 12, "kolibri1": 10}
+# LFM3's window, apart from SLIDING_WINDOW (whose test takes prefix cache hits, which hybrids refuse).
+LFM3_SLIDING_WINDOW = 10
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -310,7 +316,7 @@ _SEEDS |= {"lfm2-moe": 2346}
 _SEEDS |= {"glm4-moe-lite": 3457, "exaone-moe": 4568, "granite-swa": 5679, "granitemoe-swa": 6780}
 _SEEDS |= {"ministral": 6791, "ministral3": 7902, "phimoe": 8013, "flexolmo": 4024, "vaultgemma": 1235}
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
-_SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818, "kolibri1": 1929}
+_SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818, "kolibri1": 1929, "lfm3": 2030}
 
 
 def _token_ids():
@@ -927,6 +933,18 @@ def newest_family_config(kind: str, special: dict):
                                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                            shared_expert_intermediate_size=32, norm_topk_prob=True,
                                            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "lfm3":
+        lfm3 = {**common, "intermediate_size": 96, "num_hidden_layers": 4}
+        return transformers.Lfm3Config(**{k: v for k, v in lfm3.items() if k != "rms_norm_eps"}, norm_eps=1e-5,
+                                       conv_L_cache=3, conv_bias=True, layer_types=["conv", "sliding_attention", "conv",
+                                                                         "full_attention"],
+                                       sliding_window=LFM3_SLIDING_WINDOW, use_sandwich_norm=True,
+                                       use_attention_gate=True, attention_bias=True,
+                                       rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                              "rope_theta": 10_000.0},
+                                                        "full_attention": {"rope_type": "proportional",
+                                                                           "rope_theta": 1_000_000.0,
+                                                                           "partial_rotary_factor": 0.5}})
     raise ValueError(f"unknown model kind {kind!r}; expected one of {NEWEST_KINDS}")
 
 

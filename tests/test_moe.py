@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 import nanoinfer.layers.fused_moe as fused_moe
-from models import (DEEPSEEK_KINDS, NEWEST_KINDS, cached_hf_greedy, check_against_hf, load_hf_model, make_config,
+from models import (DEEPSEEK_KINDS, NEWEST_MOE_KINDS, cached_hf_greedy, check_against_hf, load_hf_model, make_config,
                     random_prompts)
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, select_experts
@@ -256,7 +256,7 @@ def test_mixtral_hub_layout_loads(model_dir):
 # With two ranks too where the family brings weights of its own to shard (OLMoE's, GLM-4.5's and dots.llm1's layers
 # are OLMo 2's, Qwen3's and DeepSeek-V3's, tested sharded here and in test_olmo.py / test_tensor_parallel.py).
 TP2_KINDS = (NEW_KINDS + ("granitemoe-shared", "ernie4.5-moe", "hunyuan-moe", "llama4", "gemma4-moe", "phimoe")
-             + DEEPSEEK_KINDS + NEWEST_KINDS)
+             + DEEPSEEK_KINDS + NEWEST_MOE_KINDS)
 CHUNKED_KINDS = TP2_KINDS + ("olmoe", "glm4-moe", "dots1", "flexolmo", "exaone-moe", "granitemoe-swa")
 
 
