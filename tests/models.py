@@ -241,10 +241,12 @@ EXTRA_KINDS += MAMBA1_KINDS
 # their sigmoid, renormalized) plus a shared expert.
 # LFM3: LFM2's short convolutions (layers 0 and 2) with a sliding attention layer 1 and a full one 3 with its own
 # (proportional) rope over half of each head, sandwich norms, a sigmoid output gate per head, q/k/v/o biases.
+# OLMo Hybrid (olmo-hybrid): Gated DeltaNet layers 0 and 2 (q, k, v and their convs stored apart, beta doubled) around
+# OLMo 3's post-norm attention layer 1 (whole-projection q/k norms, q/k/v/o biases).
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
-                   "kolibri1": "kolibri1", "lfm3": "lfm3"}
+                   "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
-NEWEST_HYBRID_KINDS = ("lfm3",)  # tested as the other hybrids (test_ssm.py)
+NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid")  # tested as the other hybrids (test_ssm.py)
 NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS if kind not in NEWEST_HYBRID_KINDS)  # as the MoEs (test_moe.py)
 EXTRA_KINDS += NEWEST_KINDS
 # Sliding windows: shorter than most test prompts.
@@ -316,7 +318,7 @@ _SEEDS |= {"lfm2-moe": 2346}
 _SEEDS |= {"glm4-moe-lite": 3457, "exaone-moe": 4568, "granite-swa": 5679, "granitemoe-swa": 6780}
 _SEEDS |= {"ministral": 6791, "ministral3": 7902, "phimoe": 8013, "flexolmo": 4024, "vaultgemma": 1235}
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
-_SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818, "kolibri1": 1929, "lfm3": 2030}
+_SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818, "kolibri1": 1929, "lfm3": 2030, "olmo-hybrid": 3141}
 
 
 def _token_ids():
@@ -945,6 +947,16 @@ def newest_family_config(kind: str, special: dict):
                                                         "full_attention": {"rope_type": "proportional",
                                                                            "rope_theta": 1_000_000.0,
                                                                            "partial_rotary_factor": 0.5}})
+    if kind == "olmo-hybrid":
+        # No head_dim: hidden / heads. Values as wide as keys: transformers' save_pretrained splits the fused conv
+        # back into the Hub's q/k/v convs in three equal parts.
+        return transformers.OlmoHybridConfig(**{k: v for k, v in common.items() if k != "head_dim"},
+                                             attention_bias=True,
+                                             layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                             linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+                                             linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                                             linear_allow_neg_eigval=True,
+                                             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     raise ValueError(f"unknown model kind {kind!r}; expected one of {NEWEST_KINDS}")
 
 
