@@ -45,7 +45,8 @@ class Lfm3SandwichDecoderLayer(HybridDecoderLayer):
 
 
 class Lfm3ForCausalLM(Lfm2ForCausalLM):
-    weight_name_substitutions = {".self_attn.gate_proj.": ".self_attn.g_proj.",  # the Hub's name (and save_pretrained's)
+    # The Hub's names (which transformers' save_pretrained writes back) to the layer's, then LFM2's.
+    weight_name_substitutions = {".self_attn.gate_proj.": ".self_attn.g_proj.",
                                  ".post_operator_norm.": ".post_mixer_layernorm.",
                                  ".post_ffn_norm.": ".post_feedforward_layernorm.",
                                  **Lfm2ForCausalLM.weight_name_substitutions}
