@@ -1,8 +1,8 @@
 """Dense families beyond the shared correctness tests (tests/test_correctness.py) without a file of their own (OLMo:
 test_olmo.py; MoE: test_moe.py): tensor parallelism against transformers, Gemma 3's, GPT-NeoX's and GPT-2's Hub
-layouts, the Gemma, GPT-2, Laguna, Mellum and OLMo Hybrid config settings the engine refuses by name, the parallel residual (Phi, GPT-NeoX) and
-GPT-2's absolute positions under chunked prefill, prefix-cache hits and preemption, and the interleaved rope layout
-(Cohere, GLM)."""
+layouts, the Gemma, GPT-2, Laguna, Mellum and OLMo Hybrid config settings the engine refuses by name, the parallel
+residual (Phi, GPT-NeoX) and GPT-2's absolute positions under chunked prefill, prefix-cache hits and preemption, and
+the interleaved rope layout (Cohere, GLM)."""
 import json
 import shutil
 
