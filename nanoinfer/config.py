@@ -86,7 +86,7 @@ class Config:
         _positive("max_model_len", self.max_model_len)
         if limit is not None and self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the {limit} positions of the model's "
-                             f"max_position_embeddings ({self.hf_config.max_position_embeddings})")
+                             f"config ({position_field(self.hf_config)} in {self.model_path})")
         self._check_attention_chunk()
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_model_len)
@@ -131,7 +131,9 @@ class Config:
                  "max_position_embeddings", "num_key_value_heads", "head_dim")
         for layer, name in itertools.product(layer_configs(cfg), sizes):
             value = getattr(layer, name, None)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            # Gemma 3n's intermediate_size: a list, one per layer.
+            values = value if name == "intermediate_size" and isinstance(value, list) and value else [value]
+            if value is not None and any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
                 raise ValueError(f"{name}={value!r} in {source} must be a positive int")
         for name, value in (("rope_theta", rope_parameters(cfg)["rope_theta"]),
                             ("rms_norm_eps", getattr(cfg, "rms_norm_eps", None))):
@@ -152,10 +154,12 @@ class Config:
         """Each rank holds whole heads and an equal share of the MLP; fewer KV heads than ranks are replicated."""
         tp, cfg = self.tensor_parallel_size, self.hf_config
         heads = getattr(cfg, "num_attention_heads", None) or tp  # attention-free models (Mamba): no heads to split
-        # GPT-2's config names the MLP's width n_inner (None: 4 x hidden).
-        mlp_size = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size
+        # GPT-2's config names the MLP's width n_inner (None: 4 x hidden), OPT's ffn_dim.
+        mlp_size = (getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None)
+                    or getattr(cfg, "ffn_dim", None) or 4 * cfg.hidden_size)
+        mlp_sizes = mlp_size if isinstance(mlp_size, list) else [mlp_size]  # Gemma 3n's: one per layer
         per_layer_heads = getattr(cfg, "num_attention_heads_per_layer", None) or ()  # Laguna's
-        for name, value in (("num_attention_heads", heads), ("intermediate_size", mlp_size),
+        for name, value in (("num_attention_heads", heads), *(("intermediate_size", size) for size in mlp_sizes),
                             *((f"num_attention_heads_per_layer[{i}]", h) for i, h in enumerate(per_layer_heads))):
             if value % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name} ({value})")
@@ -206,6 +210,12 @@ def layer_configs(config: PretrainedConfig) -> list[PretrainedConfig]:
     return [config.per_layer_config[i] for i in range(config.num_hidden_layers)]
 
 
+def hidden_states_width(config: PretrainedConfig) -> int:
+    """The width of the hidden states a model returns, which its LM head (or classifier's score) takes: OPT-350m's
+    are projected out to `word_embed_proj_dim`."""
+    return getattr(config, "word_embed_proj_dim", None) or config.hidden_size
+
+
 def cache_head_dim(config: PretrainedConfig, latent_dim: int | None) -> int | None:
     """The KV cache's head size, the widest layer's; MLA's latent plus its rope key; None for attention-free models
     (Mamba)."""
@@ -230,13 +240,22 @@ def language_model_config(config: PretrainedConfig, model_dir: Path) -> Pretrain
     for name in ("dtype", "quantization_config", "eos_token_id", *MEDIA_TOKEN_IDS):  # where the outer config has them
         if getattr(config, name, None) is not None:
             setattr(text, name, getattr(config, name))
+    # Gemma 3n's wrapper embeds the ids from a media sub-config's `vocab_offset` on with tables of its own.
+    text.media_token_configs = {name: sub for name in ("vision_config", "audio_config")
+                                if hasattr(sub := getattr(config, name, None), "vocab_offset")}
     return text
 
 
+def position_field(config: PretrainedConfig) -> str:
+    """The config field that bounds a sequence: MPT's `max_seq_len` (its ALiBi table's length in transformers),
+    else max_position_embeddings."""
+    return "max_seq_len" if config.model_type == "mpt" else "max_position_embeddings"
+
+
 def position_limit(config: PretrainedConfig) -> int | None:
-    """The longest sequence the model's positions cover: max_position_embeddings (None: no positions, as Mamba's, no
-    limit), less the first pad_token_id + 1 rows that RoBERTa's positions skip (models/bert.py)."""
-    limit = getattr(config, "max_position_embeddings", None)
+    """The longest sequence the model's positions cover: position_field's value (None: no positions, as Mamba's or
+    BLOOM's, no limit), less the first pad_token_id + 1 rows that RoBERTa's positions skip (models/bert.py)."""
+    limit = getattr(config, position_field(config), None)
     if limit is not None and config.model_type in ("roberta", "xlm-roberta"):
         limit -= (config.pad_token_id or 0) + 1
     return limit

@@ -24,6 +24,13 @@ def _check_paged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torc
     assert block_table.dim() == 2 and block_table.shape[0] == batch, "block_table must be [batch, max_blocks]"
 
 
+def _check_alibi(alibi_slopes: torch.Tensor | None, heads: int) -> None:
+    """flash-attn's rule: fp32 slopes, one per head (nanoinfer never passes the per-sequence [batch, heads] form)."""
+    if alibi_slopes is not None:
+        assert alibi_slopes.dtype == torch.float32, "ALiBi slopes must have dtype fp32"
+        assert alibi_slopes.stride(-1) == 1 and tuple(alibi_slopes.shape) == (heads,), "ALiBi slopes: [heads]"
+
+
 def _gather(cache: torch.Tensor, table_row: torch.Tensor, length: int) -> torch.Tensor:
     blocks = table_row[:-(-length // cache.shape[1])]
     assert bool((blocks >= 0).all()) and bool((blocks < cache.shape[0]).all()), f"bad block ids {blocks.tolist()}"
@@ -31,10 +38,11 @@ def _gather(cache: torch.Tensor, table_row: torch.Tensor, length: int) -> torch.
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, softcap: float,
-            window_size: tuple[int, int]) -> torch.Tensor:
+            window_size: tuple[int, int], alibi_slopes: torch.Tensor | None) -> torch.Tensor:
     """q [n, h, d], k, v [L, h_k, d] -> [n, h, d]; query j, at position L - n + j, may see keys 0 .. L - n + j when
     causal, and with window_size (left, right) those from its position - left to its position + right (-1: no limit
-    on that side); softcap > 0 caps the scores to softcap * tanh(score / softcap)."""
+    on that side); softcap > 0 caps the scores to softcap * tanh(score / softcap); alibi_slopes [h] adds
+    -slope * |query position - key position| to each score."""
     n, heads, _ = q.shape
     length, kv_heads, _ = k.shape
     assert heads % kv_heads == 0, "Number of heads in key/value must divide number of heads in query"
@@ -46,6 +54,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
     k_pos, q_pos = torch.arange(length)[None, :], torch.arange(n)[:, None] + (length - n)
+    if alibi_slopes is not None:
+        scores = scores - alibi_slopes.view(-1, 1, 1) * (q_pos - k_pos).abs()
     left, right = window_size
     visible = k_pos <= q_pos if causal else torch.ones(n, length, dtype=torch.bool)
     if left >= 0:
@@ -64,7 +74,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     assert batch > 0 and q.dim() == 3
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "Input tensor must have contiguous last dimension"
     assert q.dtype == k.dtype == v.dtype
-    assert dropout_p == 0.0 and alibi_slopes is None
+    assert dropout_p == 0.0
+    _check_alibi(alibi_slopes, q.shape[1])
     _check_int32("cu_seqlens_q", cu_seqlens_q, (batch + 1,))
     _check_int32("cu_seqlens_k", cu_seqlens_k, (batch + 1,))
     if block_table is not None:
@@ -81,7 +92,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             ks, vs = _gather(k, block_table[i], length), _gather(v, block_table[i], length)
         else:
             ks, vs = k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]]
-        out[cq[i]:cq[i + 1]] = _attend(q[cq[i]:cq[i + 1]], ks, vs, scale, causal, softcap, window_size)
+        out[cq[i]:cq[i + 1]] = _attend(q[cq[i]:cq[i + 1]], ks, vs, scale, causal, softcap, window_size, alibi_slopes)
     calls.append(dict(fn="varlen", paged=block_table is not None, batch=batch))
     return out
 
@@ -95,6 +106,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
     assert q.dtype == k_cache.dtype == v_cache.dtype
     assert k is None and v is None and rotary_cos is None and cache_batch_idx is None and cache_leftpad is None
+    _check_alibi(alibi_slopes, q.shape[2])
     assert block_table is not None, "nanoinfer always passes the paged cache"
     _check_paged(k_cache, v_cache, block_table, batch)
     assert isinstance(cache_seqlens, torch.Tensor)
@@ -104,7 +116,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out = torch.empty_like(q)
     for i, length in enumerate(cache_seqlens.tolist()):
         ks, vs = _gather(k_cache, block_table[i], length), _gather(v_cache, block_table[i], length)
-        out[i] = _attend(q[i], ks, vs, scale, causal, softcap, window_size)
+        out[i] = _attend(q[i], ks, vs, scale, causal, softcap, window_size, alibi_slopes)
     calls.append(dict(fn="kvcache", paged=True, batch=batch))
     return out
 
@@ -124,10 +136,11 @@ class EagerGraph:
 def capture_eager_graphs(runner) -> None:
     """What ModelRunner._capture_graphs does on CUDA, done on the CPU with EagerGraph (the runner captures graphs
     only on a CUDA device): decode steps then go through the graph runner's static buffers and padding."""
+    from nanoinfer.config import hidden_states_width
     from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 
     c = runner.config
     runner.graph_runner = CUDAGraphRunner(runner.model, runner.backend, c.max_num_seqs, c.max_model_len,
-                                          runner.block_size, c.hf_config.hidden_size, c.torch_dtype, runner.device,
-                                          new_graph=EagerGraph)
+                                          runner.block_size, hidden_states_width(c.hf_config), c.torch_dtype,
+                                          runner.device, new_graph=EagerGraph)
     runner.graph_runner.capture()

@@ -157,6 +157,11 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # attention temperature tuning (floor_scale 4, so the queries' scale grows over the test lengths), layers 1 and 3
 # 2 of 8 experts by sigmoid of the top router logits (applied to the experts' input) plus a shared expert, layers 0
 # and 2 dense and wider; attention_chunk_size 512, beyond every test's max_model_len.
+# Solar Open (solar-open): GLM-4.5's layout without q/k norms, experts on every layer (2 of 4 groups). MiniMax-M2
+# (minimax-m2): OLMoE's whole-projection q/k norms, half of each head rotated, 2 of 8 experts by sigmoid + a random
+# correction bias, renormalized. Cohere 2 MoE (cohere2-moe): Cohere 2's layer with a wider dense layer 0 (full and
+# roped), then 2 of 8 experts softmaxed over the top 2, a shared expert averaged in; cohere2-moe-sigmoid: RMSNorms,
+# sigmoid weights renormalized, the shared expert summed.
 # DeepSeek (DEEPSEEK_KINDS), multi-head latent attention with V narrower than K (16 against 16 + 8) and MoE with
 # shared experts: V2: the plain q_proj (as V2-Lite), 2 of 8 experts on every layer by softmax, yarn rope with
 # distinct mscale / mscale_all_dim (the rope's and the scores' scaling). V2-group: the low-rank q, layer 0 dense,
@@ -175,18 +180,33 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # GPT-J: the parallel residual with one norm, interleaved rope over half of each head, the LM head's bias.
 # GPTBigCode: GPT-2's layout with nn.Linear weights and multi-query attention, exact GeLU.
 # Cohere 2: Cohere's layer without q/k norms, sliding layers with rope and a global one without.
+# BLOOM: ALiBi with 6 heads (not a power of two: the slopes' second series), the per-head fused query_key_value, the
+# embeddings' LayerNorm, tied. MPT: ALiBi (alibi_bias_max 8), bias-free, q/k/v clamped (clip_qkv, below many of the
+# test model's values), its own softmax_scale, tied.
+# OPT: GPT-2's positions offset by 2, pre-norm, ReLU, biases, tied. opt-350m: post-norm (no final norm), token
+# embeddings narrower than the hidden size (project_in / project_out), no biases on the projections (enable_bias false).
+# GPT-Neo: GPT-2's layout with separate q/k/v, unscaled scores, local (windowed) layers 0 and 2, a global layer 1.
+# CodeGen: GPT-J's layer with the fused qkv_proj in its 4-group layout (8 heads: 2 per group, so the order within a
+# group shows), interleaved rope over half of each head.
+# Persimmon: GPT-NeoX's per-head query_key_value, q/k LayerNorms shared by the heads, half of each head rotated, relu^2.
 LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2", "falcon", "falcon-mqa", "gptj",
-                   "gpt-bigcode", "cohere2")
+                   "gpt-bigcode", "cohere2", "bloom", "mpt", "opt", "opt-350m", "gpt-neo", "codegen", "persimmon")
 LAYER_NORM_EPS = 1e-3
 # GLM-4.7-Flash (glm4-moe-lite): V3's model with layer 0 dense by mlp_layer_types, a shared expert.
 DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3", "glm4-moe-lite")
+# MLA beyond DeepSeek's routers: Youtu-LLM (V3's attention, dense MLPs on every layer, tied); A.X-K1 (axk1): V3 as
+# "deepseek-v3" with an RMSNorm on the output of each MoE.
+MLA_KINDS = ("youtu", "axk1")
 # More Llama-like families. OLMo: parameter-free LayerNorms, q/k/v clamped (clip_qkv, below many of the test model's
 # values). EXAONE 4: norms after the sublayers, per-head q/k norms, sliding layers with rope and a global one without.
 # Seed-OSS: q/k/v and MLP biases, none on o_proj. Helium: interleaved rope, q/k/v biases, fp32-weight RMSNorms.
 # Arcee: a non-gated relu^2 MLP. Nemotron: the same MLP, LayerNorm1P (1 + weight) norms, half of each head rotated.
 # ERNIE 4.5: interleaved rope, biases on q/k/v/o and the MLP. Hunyuan: per-head q/k norms after rope, NTK-alpha rope.
 # Apertus: per-head q/k norms, a non-gated MLP with xIELU (learned parameters per layer), q/k/v/o biases.
-DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "ernie4_5", "hunyuan", "apertus")
+# CWM: Llama with windows on the layers layer_types marks, llama3 rope. Jais 2: Nemotron's layer with plain LayerNorms
+# (biases), the relu^2 MLP with biases, q/k/v/o biases, rope over the whole head.
+DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "ernie4_5", "hunyuan", "apertus", "cwm",
+               "jais2", "nanochat")
 # Hybrids of attention with recurrent layers (see ssm_config): LFM2 (short convolutions), Bamba and Granite 4.0-H
 # (Mamba2; Granite's MoE with a shared MLP and rope, or its dense MLP without position encoding).
 # LFM2-MoE: LFM2's layers, layer 0's MLP dense, then 2 of 8 experts (sigmoid, a random expert_bias, renormalized,
@@ -203,6 +223,10 @@ MAMBA2_HYBRID_KINDS = ("nemotron-h", "falcon-h1", "falcon-h1-norm", "zamba2", "m
 # its own value projection and 2 of 4 experts beside the dense MLP in every layer, "gemma4-e" as E2B/E4B: per-layer
 # embeddings, and its last two layers (twice as wide MLPs) reusing the keys and values of layers 2 and 3.
 GEMMA4_KINDS = ("gemma4", "gemma4-moe", "gemma4-e")
+# Gemma 3n (see gemma3n_config): Gemma 4 E-style attention and per-layer inputs (a table shorter than the vocabulary:
+# prompt ids from 400 take its row 0) inside AltUp's 4 streams, LAuReL, activation sparsity on layers 0 and 1 (0.95,
+# 0.6), MLPs of two widths, and its last two layers reusing the keys and values of layers 2 and 3.
+GEMMA3N_KIND = "gemma3n"
 # GPT-OSS: attention sinks (GPT_OSS_SINK_STD, so that they weigh), sliding and full layers, yarn rope, q/k/v/o biases,
 # 2 of 8 experts per token by a biased router, experts with biases whose gate/up weights (GPT_OSS_GATE_UP_STD) push
 # the SwiGLU into its clamps.
@@ -212,10 +236,12 @@ MISTRAL_KINDS = ("mistral", "ministral", "ministral3")
 EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_NEXT_KINDS + SSM_KINDS
                + MAMBA2_HYBRID_KINDS
                + ("gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3", "olmo2", "olmo3", "glm4", "glm")
-               + ("granite-swa", "granitemoe-swa") + GEMMA4_KINDS
+               + ("granite-swa", "granitemoe-swa") + GEMMA4_KINDS + (GEMMA3N_KIND,)
                + ("mixtral", "qwen2-moe", "granitemoe", "granitemoe-shared", "olmoe", "glm4-moe", "dots1",
-                  "ernie4.5-moe", "hunyuan-moe", "llama4", "phimoe", "flexolmo", "exaone-moe") + ("vaultgemma",)
-               + LAYERNORM_KINDS + DEEPSEEK_KINDS + DENSE_KINDS + ("gpt-oss",))
+                  "ernie4.5-moe", "hunyuan-moe", "llama4", "phimoe", "flexolmo", "exaone-moe", "dbrx")
+               + ("vaultgemma",)
+               + LAYERNORM_KINDS + DEEPSEEK_KINDS + DENSE_KINDS + ("gpt-oss",)
+               + ("solar-open", "minimax-m2", "cohere2-moe", "cohere2-moe-sigmoid") + MLA_KINDS)
 # Mamba-1 mixers (see mamba1_config): Mamba (projection biases, tied), Falcon-Mamba (weightless dt/B/C norms, untied),
 # Jamba (dt/B/C norms with weights; attention without rope on layer 2; 2 of 4 experts on layers 1 and 3, dense MLPs
 # on 0 and 2).
@@ -249,12 +275,17 @@ NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid")  # tested as the other hybrids (test_ssm.py)
 NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS if kind not in NEWEST_HYBRID_KINDS)  # as the MoEs (test_moe.py)
 EXTRA_KINDS += NEWEST_KINDS
+# DBRX: q/k/v clamped to +-DBRX_CLIP_QKV (a sixth of layer 0's are beyond it), GQA, 2 of 8 experts on every layer,
+# their weights divided by their DBRX_NORM_P-norm (DBRX's own is 1, a plain renormalization: 2 tells them apart).
+DBRX_CLIP_QKV = 0.5
+DBRX_NORM_P = 2.0
 # Sliding windows: shorter than most test prompts.
 SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 13, "ministral3": 15, "gemma3": 10,
-                  "gemma2": 11, "gemma4": 10, "phi3": 24, "smollm3": 11, "olmo3": 11, "mixtral": 14, "starcoder2": 13,
-                  "exaone4": 10, "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22, "vaultgemma": 11,
-                  "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "afmoe": 10,
-                  "mellum": 12, "laguna": 11, "flint": 12, "kolibri1": 10}
+                  "gemma2": 11, "gemma4": 10, GEMMA3N_KIND: 10, "phi3": 24, "smollm3": 11, "olmo3": 11, "mixtral": 14,
+                  "starcoder2": 13, "exaone4": 10, "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22,
+                  "vaultgemma": 11, "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "gpt-neo": 11, "cwm": 12,
+                  "cohere2-moe": 11, "cohere2-moe-sigmoid": 12, "afmoe": 10, "mellum": 12,
+                  "laguna": 11, "flint": 12, "kolibri1": 10}
 # LFM3's window, apart from SLIDING_WINDOW (whose test takes prefix cache hits, which hybrids refuse).
 LFM3_SLIDING_WINDOW = 10
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
@@ -305,10 +336,10 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "glm": 4579, "gpt2": 5680, "deepseek-v2": 6791, "deepseek-v2-group": 7802, "deepseek-v3": 8913,
           "olmo": 1359, "exaone4": 6680, "seed-oss": 7791, "helium": 8802, "arcee": 9913, "nemotron": 1024,
           "ernie4_5": 2135, "falcon": 2246, "falcon-mqa": 3357, "gptj": 4468, "gpt-bigcode": 5579,
-          "hunyuan": 3246, "cohere2": 4357, "apertus": 5468,
+          "hunyuan": 3246, "cohere2": 4357, "apertus": 5468, "bloom": 6579, "mpt": 7680,
           "qwen3.5": 9024, "qwen3.5-moe": 1135, "olmoe": 2246, "glm4-moe": 3357, "dots1": 4468, "ernie4.5-moe": 5579,
           "hunyuan-moe": 6680, "gpt-oss": 9024, "llama4": 7135, "gemma4": 2469, "gemma4-moe": 3570,
-          "gemma4-e": 4681}
+          "gemma4-e": 4681, GEMMA3N_KIND: 5792}
 _SEEDS |= {"lfm2": 7791, "bamba": 8802, "granitemoehybrid": 9913, "granitemoehybrid-dense": 1124}
 _SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457, "zamba2": 5568, "mamba2": 5568}
 _SEEDS |= {"lfm2-moe": 2346}
@@ -318,6 +349,9 @@ _SEEDS |= {"lfm2-moe": 2346}
 _SEEDS |= {"glm4-moe-lite": 3457, "exaone-moe": 4568, "granite-swa": 5679, "granitemoe-swa": 6780}
 _SEEDS |= {"ministral": 6791, "ministral3": 7902, "phimoe": 8013, "flexolmo": 4024, "vaultgemma": 1235}
 _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
+_SEEDS |= {"opt": 6579, "opt-350m": 7680, "gpt-neo": 8791, "codegen": 9802, "persimmon": 1913, "dbrx": 2924}
+_SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minimax-m2": 9818, "axk1": 1929,
+           "nanochat": 2030, "cohere2-moe": 3141, "cohere2-moe-sigmoid": 4252}
 _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818, "kolibri1": 1929,
            "lfm3": 2030, "olmo-hybrid": 3141}
 
@@ -329,17 +363,17 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (ApertusConfig, ArceeConfig, Cohere2Config, CohereConfig, Dots1Config,
-                              Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, ExaoneMoeConfig, FalconConfig,
-                              FlexOlmoConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig,
-                              GlmConfig, GPT2Config, GPTBigCodeConfig, GPTJConfig, GPTNeoXConfig, GraniteConfig,
+    from transformers import (ApertusConfig, ArceeConfig, BloomConfig, CodeGenConfig, Cohere2Config, Cohere2MoeConfig,
+                              CohereConfig, DbrxConfig, Dots1Config, Ernie4_5_MoeConfig, Ernie4_5Config,
+                              Exaone4Config, ExaoneMoeConfig, FalconConfig, FlexOlmoConfig, Gemma2Config,
+                              Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig, GlmConfig, GPT2Config,
+                              GPTBigCodeConfig, GPTJConfig, GPTNeoConfig, GPTNeoXConfig, GraniteConfig,
                               GraniteMoeConfig, GraniteMoeSharedConfig, GraniteMoeSWAConfig, GraniteSWAConfig,
-                              HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config,
-                              LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig,
-                              NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config,
-                              PhiConfig, PhimoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
-                              Qwen3NextConfig, SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config,
-                              VaultGemmaConfig)
+                              HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config, LlamaConfig, Ministral3Config,
+                              MinistralConfig, MistralConfig, MixtralConfig, MptConfig, NemotronConfig, Olmo2Config,
+                              Olmo3Config, OlmoConfig, OlmoeConfig, OPTConfig, PersimmonConfig, Phi3Config, PhiConfig,
+                              PhimoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
+                              SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config, VaultGemmaConfig)
 
     ids = _token_ids()
     special = dict(
@@ -500,6 +534,8 @@ def make_config(kind: str):
     )
     if kind in GEMMA4_KINDS:
         return gemma4_config(kind, gemma)
+    if kind == GEMMA3N_KIND:
+        return gemma3n_config(gemma)
     if kind == "gemma3":
         return Gemma3TextConfig(
             **gemma,
@@ -612,6 +648,29 @@ def make_config(kind: str):
         return ApertusConfig(**{**_COMMON, "hidden_act": "xielu"}, **special, num_attention_heads=4,
                              num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True,
                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "cwm":  # llama3 rope, windows on the layers layer_types marks (not every 4th's pattern)
+        from transformers import CwmConfig
+
+        return CwmConfig(**_COMMON, **special, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         tie_word_embeddings=False, sliding_window=SLIDING_WINDOW[kind],
+                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 64})
+    if kind == "jais2":  # its epsilon named layer_norm_eps
+        from transformers import Jais2Config
+
+        return Jais2Config(**{k: v for k, v in _COMMON.items() if k not in ("rms_norm_eps", "hidden_act")},
+                           **special, hidden_act="relu2", layer_norm_eps=LAYER_NORM_EPS, num_attention_heads=4,
+                           num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True, mlp_bias=True,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "nanochat":  # attention biases, which NanoChat's checkpoints lack, tested all the same
+        from transformers import NanoChatConfig
+
+        return NanoChatConfig(**{**_COMMON, "hidden_act": "relu2"}, **special, num_attention_heads=4,
+                              num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True,
+                              final_logit_softcapping=5.0,  # below the test models' logits: a forgotten one shows
+                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "olmo":  # no rms_norm_eps: OLMo's LayerNorms have a fixed epsilon
         return OlmoConfig(
             **{k: v for k, v in _COMMON.items() if k != "rms_norm_eps"},
@@ -670,6 +729,13 @@ def make_config(kind: str):
             num_experts_per_tok=2,
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         )
+    if kind == "dbrx":  # DbrxConfig's names (d_model, n_heads, n_layers, max_seq_len) and its attn / ffn sub-configs
+        return DbrxConfig(vocab_size=MODEL_VOCAB_SIZE, d_model=64, n_heads=4, n_layers=3, max_seq_len=512,
+                          attn_config={"kv_n_heads": 2, "clip_qkv": DBRX_CLIP_QKV, "rope_theta": 500_000.0},
+                          ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2,
+                                      "moe_normalize_expert_weights": DBRX_NORM_P},
+                          rope_parameters={"rope_type": "default", "rope_theta": 500_000.0},
+                          initializer_range=INIT_STD, tie_word_embeddings=False, **special)
     if kind == "phimoe":  # the prompts fit in original_max_position_embeddings, their continuations cross it
         return PhimoeConfig(**{**_COMMON, "intermediate_size": 32}, **special, num_attention_heads=4,
                             num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True, lm_head_bias=True,
@@ -726,6 +792,14 @@ def make_config(kind: str):
                               num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True, num_experts=8,
                               num_experts_per_tok=2, norm_topk_prob=True,
                               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "minimax-m2":  # half of each head rotated, as the Hub's rotary_dim
+        from transformers import MiniMaxM2Config
+
+        return MiniMaxM2Config(**{**_COMMON, "intermediate_size": 32}, **special, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, num_local_experts=8,
+                               num_experts_per_tok=2,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                                                "partial_rotary_factor": 0.5})
     if kind == "olmoe":
         return OlmoeConfig(
             **{**_COMMON, "intermediate_size": 32},  # each expert's
@@ -748,6 +822,13 @@ def make_config(kind: str):
         return Glm4MoeConfig(**v3_moe, use_qk_norm=True, n_shared_experts=1, n_group=4, topk_group=2,
                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
                                               "partial_rotary_factor": 0.5})
+    if kind == "solar-open":  # GLM-4.5's layout without its q/k norms and dense layers (its config has neither)
+        from transformers import SolarOpenConfig
+
+        return SolarOpenConfig(**{k: v for k, v in v3_moe.items() if k not in ("intermediate_size",
+                                                                                 "first_k_dense_replace")},
+                               n_shared_experts=1, n_group=4, topk_group=2,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "dots1":  # layers from max_window_layers on windowed: layer 2
         return Dots1Config(**v3_moe, n_shared_experts=2, sliding_window=SLIDING_WINDOW[kind], max_window_layers=2,
                            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
@@ -803,7 +884,7 @@ def make_config(kind: str):
             num_experts_per_tok=2,
             interleave_moe_layer_step=2,
         )
-    if kind in DEEPSEEK_KINDS:
+    if kind in DEEPSEEK_KINDS + MLA_KINDS:
         return deepseek_config(kind, special)
     if kind == "gpt-oss":
         # swiglu_alpha / swiglu_limit at their defaults: transformers 5.17 hard-codes them.
@@ -841,6 +922,10 @@ def make_config(kind: str):
                               qk_layernorm=True, use_parallel_residual=True,
                               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
                                                "partial_rotary_factor": 0.25})
+    if kind == "persimmon":
+        return PersimmonConfig(**layernorm, hidden_act="relu2", qk_layernorm=True,
+                               rope_parameters={"rope_type": "default", "rope_theta": 25_000.0,
+                                                "partial_rotary_factor": 0.5})
     if kind == "phi":
         return PhiConfig(**layernorm, hidden_act="gelu_new", qk_layernorm=True,
                          rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5})
@@ -856,6 +941,16 @@ def make_config(kind: str):
         return Cohere2Config(**layernorm, num_key_value_heads=2, hidden_act="silu", attention_bias=True,
                              logit_scale=0.5, tie_word_embeddings=True, sliding_window=SLIDING_WINDOW[kind],
                              sliding_window_pattern=2, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind in ("cohere2-moe", "cohere2-moe-sigmoid"):  # Cohere 2's (q/k/v/o biases, a sliding and a full layer)
+        del layernorm["tie_word_embeddings"]
+        layernorm["intermediate_size"] = 32  # each expert's
+        # Layer 0 dense, wider, full and roped (prefix_dense_sliding_window_pattern 1); then a sliding, a full layer.
+        prefix = dict(first_k_dense_replace=1, prefix_dense_intermediate_size=96, sliding_window_pattern=2)
+        sigmoid = dict(rms_norm_eps=1e-5, expert_selection_fn="sigmoid", shared_expert_combination_strategy="sum")
+        return Cohere2MoeConfig(**layernorm, **prefix, **(sigmoid if kind == "cohere2-moe-sigmoid" else {}),
+                                num_key_value_heads=2, hidden_act="silu", attention_bias=True, logit_scale=0.5,
+                                tie_word_embeddings=True, sliding_window=SLIDING_WINDOW[kind], num_experts=8,
+                                num_experts_per_tok=2, num_shared_experts=1, rope_theta=10_000.0)
     if kind == "cohere":  # no biases at all; logit_scale away from 1
         del layernorm["tie_word_embeddings"]
         return CohereConfig(**layernorm, num_key_value_heads=2, hidden_act="silu", use_qk_norm=True, logit_scale=0.5,
@@ -872,11 +967,35 @@ def make_config(kind: str):
         return GPTJConfig(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=4, n_positions=512, n_inner=128,
                           rotary_dim=8, activation_function="gelu_new", layer_norm_epsilon=LAYER_NORM_EPS,
                           initializer_range=INIT_STD, tie_word_embeddings=False, **special)
+    if kind == "bloom":  # BloomConfig's names: n_layer, n_head; the MLP 4x hidden_size
+        return BloomConfig(vocab_size=MODEL_VOCAB_SIZE, hidden_size=96, n_layer=3, n_head=6,
+                           layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD, tie_word_embeddings=True,
+                           **special)
+    if kind == "mpt":  # MptConfig's names: d_model, n_heads, n_layers, expansion_ratio, max_seq_len, attn_config
+        return MptConfig(vocab_size=MODEL_VOCAB_SIZE, d_model=64, n_heads=4, n_layers=3, expansion_ratio=4,
+                         max_seq_len=512, layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD,
+                         attn_config={"clip_qkv": 2.0, "softmax_scale": 0.15, "alibi_bias_max": 8},
+                         tie_word_embeddings=True, **special)
     if kind == "gpt-bigcode":
         return GPTBigCodeConfig(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=4, n_positions=512,
                                 n_inner=128, multi_query=True, activation_function="gelu",
                                 layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD,
                                 tie_word_embeddings=True, **special)
+    if kind in ("opt", "opt-350m"):  # OPTConfig's names: ffn_dim, activation_function, enable_bias; no epsilon
+        pre_norm = kind == "opt"
+        return OPTConfig(vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                         ffn_dim=128, max_position_embeddings=512, do_layer_norm_before=pre_norm,
+                         word_embed_proj_dim=64 if pre_norm else 32, enable_bias=pre_norm,
+                         activation_function="relu", init_std=INIT_STD, **special)
+    if kind == "gpt-neo":  # GPTNeoConfig's names: num_layers, num_heads; attention_types [[types, repeats], ...]
+        return GPTNeoConfig(vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_layers=3, num_heads=4,
+                            intermediate_size=128, max_position_embeddings=512, window_size=SLIDING_WINDOW[kind],
+                            attention_types=[[["local", "global"], 1], [["local"], 1]], activation_function="gelu_new",
+                            layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD, **special)
+    if kind == "codegen":  # CodeGenConfig's names, as GPT-J's
+        return CodeGenConfig(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=8, n_positions=512,
+                             n_ctx=512, n_inner=128, rotary_dim=4, activation_function="gelu_new",
+                             layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD, **special)
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND, OLMO2_MQA_KIND)}")
 
 
@@ -1116,6 +1235,19 @@ def deepseek_config(kind: str, special: dict):
     mla = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
                qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, moe_intermediate_size=32,
                tie_word_embeddings=False)
+    if kind == "youtu":  # tied, as Youtu-LLM
+        from transformers import YoutuConfig
+
+        mla = {k: v for k, v in mla.items() if k not in ("n_routed_experts", "moe_intermediate_size")}
+        return YoutuConfig(**_COMMON, **special, **{**mla, "tie_word_embeddings": True}, q_lora_rank=32,
+                           rope_interleave=True, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "axk1":  # transformers 5.17 reads first_k_dense_replace, 5.23 mlp_layer_types: the same layers
+        from transformers import AXK1Config
+
+        return AXK1Config(**_COMMON, **special, **mla, q_lora_rank=32, n_shared_experts=1, first_k_dense_replace=1,
+                          mlp_layer_types=["dense", "sparse", "sparse"], n_group=4, topk_group=2, norm_topk_prob=True,
+                          num_experts_per_tok=2, routed_scaling_factor=2.5, rope_interleave=True,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "glm4-moe-lite":
         return Glm4MoeLiteConfig(**_COMMON, **special, **mla, q_lora_rank=32, n_shared_experts=1,
                                  mlp_layer_types=["dense", "sparse", "sparse"], n_group=4, topk_group=2,
@@ -1163,6 +1295,27 @@ def gemma4_config(kind: str, gemma: dict):
         use_double_wide_mlp=e,
         enable_moe_block=moe,
         **(dict(num_experts=4, top_k_experts=2, moe_intermediate_size=32) if moe else {}),
+    )
+
+
+def gemma3n_config(gemma: dict):
+    """Gemma 3n on Gemma 2/3's test settings, with six layers (the last one must be full)."""
+    from transformers import Gemma3nTextConfig
+
+    settings = {k: v for k, v in gemma.items() if k not in ("num_hidden_layers", "layer_types", "intermediate_size")}
+    return Gemma3nTextConfig(
+        **settings,
+        num_hidden_layers=6,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+        intermediate_size=[128, 96, 128, 96, 128, 128],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}},
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=400,
+        num_kv_shared_layers=2,
+        altup_num_inputs=4,
+        laurel_rank=8,
+        activation_sparsity_pattern=[0.95, 0.6, 0.0, 0.0, 0.0, 0.0],
     )
 
 
@@ -1246,6 +1399,15 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
                     p.mul_(ZAMBA2_LAYER_WEIGHT_SCALE)
     if kind in MAMBA1_KINDS:
         _randomize_mamba1_(model, _SEEDS[base_kind])
+    if kind == "mpt":  # its norms (norm_1, norm_2, norm_f), which _randomize_ does not know by name, as the others'
+        g = torch.Generator().manual_seed(_SEEDS[base_kind] + 4)
+        with torch.no_grad():
+            for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+                if ".norm_" in name:
+                    p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
+    if kind == "youtu":  # transformers' Youtu zeroes the pad token's embedding when it loads a checkpoint: saved so
+        with torch.no_grad():
+            model.get_input_embeddings().weight[config.pad_token_id] = 0.0
     g = torch.Generator().manual_seed(_SEEDS[base_kind] + 2)
     for name, buffer in model.named_buffers():  # a buffer, saved with the weights: V3's, LFM2-MoE's routing bias
         if name.endswith(("e_score_correction_bias", "expert_bias")):
@@ -1531,6 +1693,27 @@ def check_bf16_outputs(outputs, prompts: Sequence[Sequence[int]], refs: list[dic
     return worst
 
 
+def shared_prefix_prompts() -> list[list[int]]:
+    """4 prompts of 41 to 70 tokens that share their first 40."""
+    shared = random_prompts(1, 5, 440, 40, 40, seed=8)[0]
+    return [shared + tail for tail in random_prompts(4, 5, 440, 1, 30, seed=9)]
+
+
+@torch.inference_mode()
+def hf_reordering_noise(model_dir, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> float:
+    """transformers' own fp32 rounding under a reordering of the same sums: the max |difference| between the logits
+    of its cached greedy decode and those of one uncached pass over the prompt and the generated tokens. A model
+    that amplifies rounding (Gemma 4 E's attention: q/k-normed and unscaled) shows it here as it does in a chunked
+    engine run, whose chunks reorder the sums in the same way."""
+    model = load_hf_model(model_dir)
+    worst = 0.0
+    for prompt, ref in zip(prompts, cached_hf_greedy(model_dir, prompts, max_new_tokens)):
+        ids = list(prompt) + ref["token_ids"][:-1]
+        logits = model(input_ids=torch.tensor([ids])).logits[0, len(prompt) - 1:].float()
+        worst = max(worst, (logits - ref["logits"]).abs().max().item())
+    return worst
+
+
 def chunked_prefix_preemption_logit_diff(model_dir, captured: dict[int, list[torch.Tensor]], max_tokens: int,
                                          tensor_parallel_size: int = 1) -> float:
     """The engine with 7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once,
@@ -1539,8 +1722,7 @@ def chunked_prefix_preemption_logit_diff(model_dir, captured: dict[int, list[tor
     from nanoinfer import LLM, SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    shared = random_prompts(1, 5, 440, 40, 40, seed=8)[0]
-    prompts = [shared + tail for tail in random_prompts(4, 5, 440, 1, 30, seed=9)]
+    prompts = shared_prefix_prompts()
     with LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=96, max_num_batched_tokens=7,
              kvcache_block_size=8, num_kvcache_blocks=14, tensor_parallel_size=tensor_parallel_size) as llm:
         first = llm.generate(prompts, greedy, use_tqdm=False)

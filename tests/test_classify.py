@@ -39,7 +39,8 @@ def classifier_dir(src: pathlib.Path, dst: pathlib.Path, num_labels: int) -> pat
     for head in ("lm_head.weight", "embed_out.weight"):  # GPT-NeoX's is saved as embed_out
         weights.pop(head, None)
     weights.pop("lm_head.bias", None)  # Phi's
-    hidden = config.get("hidden_size", config.get("n_embd"))  # GPT-2 names it n_embd
+    # GPT-2 names it n_embd; OPT-350m's score takes the projected-out width
+    hidden = config.get("word_embed_proj_dim", config.get("hidden_size", config.get("n_embd")))
     weights["score.weight"] = torch.randn(num_labels, hidden, generator=torch.Generator().manual_seed(num_labels))
     save_file(weights, dst / "model.safetensors")
     return dst
@@ -62,7 +63,8 @@ def classifiers(model_dir, tmp_path_factory):
 @pytest.mark.parametrize("kind", ["qwen3", "llama", "mistral", "qwen3-moe", "gemma2", "gemma", "phi3", "phi",
                                   "gpt-neox", "stablelm", "starcoder2", "glm4", "gpt2", "deepseek-v3", "olmo",
                                   "falcon", "gptj", "gpt-bigcode", "exaone4", "seed-oss",
-                                  "helium", "arcee", "nemotron", "hunyuan", "hunyuan-moe"])
+                                  "helium", "arcee", "nemotron", "hunyuan", "hunyuan-moe", "opt", "opt-350m", "gpt-neo",
+                                  "persimmon"])
 def test_classify_matches_transformers(kind, classifiers, report_logit_diff):
     d = classifiers(kind, 3)
     ref = hf_label_logits(d, PROMPTS)

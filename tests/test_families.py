@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models import (LAYERNORM_KINDS, cached_hf_greedy, check_against_hf, chunked_prefix_preemption_logit_diff,
-                    random_prompts)
+                    hf_reordering_noise, random_prompts, shared_prefix_prompts)
 from nanoinfer import LLM, SamplingParams
 
 MAX_TOKENS = 16
@@ -22,7 +22,7 @@ LOGIT_ATOL = 1e-4
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2", "gemma", "granite", "smollm3", "glm4", "glm",
                                   *LAYERNORM_KINDS, "nemotron", "gemma4", "gemma4-e", "ministral", "ministral3",
-                                  "vaultgemma", "granite-swa"])
+                                  "vaultgemma", "granite-swa", "jais2", "nanochat", "gemma3n"])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): each holds half the heads and MLP; windows, ropes and norms per rank."""
     d = model_dir(kind)
@@ -86,6 +86,10 @@ def test_gemma4_hub_layout_matches_hf(model_dir, tmp_path, captured_logits):
     ("gemma4", dict(use_bidirectional_attention="all"), "use_bidirectional_attention='all'"),
     ("gemma4-moe", dict(hidden_activation="silu"), "hidden_activation='silu'"),
     ("gemma4-e", dict(num_kv_shared_layers=5), "num_kv_shared_layers=5"),
+    ("gemma3n", dict(altup_active_idx=4), "altup_active_idx=4"),
+    ("gemma3n", dict(activation_sparsity_pattern=[0.95, 1.0, 0.0, 0.0, 0.0, 0.0]),
+     r"activation_sparsity_pattern\[1\]=1.0"),
+    ("gemma3n", dict(hidden_size_per_layer_input=0), "hidden_size_per_layer_input=0"),
 ])
 def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes, message):
     d = edited_model(model_dir(kind), tmp_path / "m", **changes)
@@ -112,20 +116,71 @@ def test_newest_families_settings_the_engine_cannot_run_are_refused_by_name(kind
     assert str(d) in str(refused.value)
 
 
+def test_gpt_neo_unknown_attention_type_is_refused_by_name(model_dir, tmp_path):
+    d = edited_model(model_dir("gpt-neo"), tmp_path / "m", attention_layers=["local", "global", "sparse"])
+    with pytest.raises(ValueError, match=r"attention_layers=\['local', 'global', 'sparse'\]") as refused:
+        LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
+    assert str(d) in str(refused.value)
+
+
+def test_codegen_head_count_off_its_qkv_layout_is_refused_by_name(model_dir, tmp_path):
+    d = edited_model(model_dir("codegen"), tmp_path / "m", n_head=2)
+    with pytest.raises(ValueError, match="n_head=2") as refused:
+        LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
+    assert str(d) in str(refused.value)
+
+
 def test_falcon_alibi_is_refused_by_name(model_dir, tmp_path):
     d = edited_model(model_dir("falcon"), tmp_path / "m", alibi=True)
     with pytest.raises(ValueError, match="alibi=True"):
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
 
 
-@pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj", "gemma4", "gemma4-e"])
+@pytest.mark.parametrize("kind, changes, message", [
+    ("mpt", dict(attn_config={"qk_ln": True}), "attn_config.qk_ln=True"),
+    ("mpt", dict(attn_config={"alibi": False}), "attn_config.alibi=False"),
+    ("mpt", dict(attn_config={"prefix_lm": True}), "attn_config.prefix_lm=True"),
+    ("mpt", dict(attn_config={"attn_type": "multiquery_attention"}), "attn_config.attn_type='multiquery_attention'"),
+    ("mpt", dict(no_bias=False), "no_bias=False"),
+    ("mpt", dict(logit_scale=0.5), "logit_scale=0.5"),
+    ("bloom", dict(apply_residual_connection_post_layernorm=True), "apply_residual_connection_post_layernorm=True"),
+])
+def test_alibi_family_settings_the_engine_cannot_run_are_refused_by_name(kind, changes, message, model_dir,
+                                                                         tmp_path):
+    """MPT's options that transformers does not build (it would run the checkpoint without them), BLOOM's
+    post-norm residual."""
+    src = model_dir(kind)
+    attn_config = json.loads((src / "config.json").read_text()).get("attn_config", {})
+    if "attn_config" in changes:
+        changes = {**changes, "attn_config": {**attn_config, **changes["attn_config"]}}
+    d = edited_model(src, tmp_path / "m", **changes)
+    with pytest.raises(ValueError, match=message) as refused:
+        LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
+    assert str(d) in str(refused.value)
+
+
+def test_mpt_sequences_are_bounded_by_max_seq_len(model_dir):
+    """MPT's config has no max_position_embeddings: its max_seq_len (512 here) bounds max_model_len."""
+    with LLM(str(model_dir("mpt")), device="cpu", dtype="float32") as llm:
+        assert llm.llm_engine.config.max_model_len == 512
+    with pytest.raises(ValueError, match="exceeds the 512 positions .*max_seq_len"):
+        LLM(str(model_dir("mpt")), device="cpu", dtype="float32", max_model_len=513)
+
+
+@pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj", "gemma4", "gemma4-e", "bloom", "mpt", "opt-350m",
+                                  "gemma3n"])
 def test_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, captured_logits, report_logit_diff):
     """7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once, twice: the
     parallel residual (Phi, GPT-NeoX, GPT-J), layers of two head sizes and values from the keys (Gemma 4), layers
-    attending over other layers' keys and values, cached or of the step (Gemma 4 E2B/E4B)."""
+    attending over other layers' keys and values, cached or of the step (Gemma 4 E2B/E4B, Gemma 3n), ALiBi's key-minus-query
+    distances over cached prefixes and chunks (BLOOM, MPT), post-norm layers and OPT's offset positions (OPT-350m)."""
     worst = chunked_prefix_preemption_logit_diff(model_dir(kind), captured_logits, MAX_TOKENS)
     report_logit_diff(f"{kind}, chunked prefill + prefix hits + preemption", worst)
-    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+    # Gemma 4 E amplifies fp32 rounding at one position (5e-5 between transformers' own cached and uncached
+    # logits): there the engine's 7-token chunks differ by 1e-4 with SDPA's math kernel and by 2e-4 with torch
+    # 2.11's CPU flash kernel, while a real error shows at 1e-2 or more.
+    noise = hf_reordering_noise(model_dir(kind), shared_prefix_prompts(), MAX_TOKENS)
+    assert worst < max(LOGIT_ATOL, 8 * noise), f"max |logit diff| {worst:.2e} (transformers' own {noise:.2e})"
 
 
 def save_with_mask_buffers_and_check(d, weights: dict[str, torch.Tensor], attentions: list[str], captured_logits
@@ -152,6 +207,20 @@ def test_gpt2_absolute_positions_under_chunked_prefill_prefix_hits_and_preemptio
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
+@pytest.mark.parametrize("kind, buffers", [("gpt-neo", ("attn.attention.bias", "attn.attention.masked_bias")),
+                                           ("codegen", ("attn.causal_mask",))])
+def test_mask_buffers_in_hub_checkpoints_are_skipped(kind, buffers, model_dir, tmp_path, captured_logits):
+    """The attention's mask buffers that GPT-Neo's and CodeGen's Hub files hold beside the weights."""
+    from safetensors.torch import load_file
+
+    d = edited_model(model_dir(kind), tmp_path / "m")
+    weights = load_file(d / "model.safetensors")
+    layers = {name.split(".")[2] for name in weights if name.startswith("transformer.h.")}
+    weights |= {f"transformer.h.{i}.{buffer}": torch.ones(1, 1, 64, 64, dtype=torch.bool).tril()
+                for i in layers for buffer in buffers}
+    save_with_mask_buffers_and_check(d, weights, [], captured_logits)
+
+
 def test_gpt2_hub_checkpoint_layout_matches_hf(model_dir, tmp_path, captured_logits):
     """The Hub's original GPT-2 files: GPT2Model's tensor names (no `transformer.` prefix) with the attention's
     causal-mask buffers (`attn.bias`, `attn.masked_bias`) beside them; and unscaled scores (scale_attn_weights
@@ -163,6 +232,63 @@ def test_gpt2_hub_checkpoint_layout_matches_hf(model_dir, tmp_path, captured_log
     assert "h.0.attn.c_attn.weight" in weights and "lm_head.weight" not in weights  # tied: not saved
     layers = json.loads((d / "config.json").read_text())["n_layer"]
     save_with_mask_buffers_and_check(d, weights, [f"h.{i}.attn" for i in range(layers)], captured_logits)
+
+
+def test_opt_hub_checkpoint_layout_matches_hf(model_dir, tmp_path, captured_logits):
+    """OPT's older Hub files (OPTModel's): the decoder's tensors named `decoder.*`, without the `model.` prefix."""
+    from safetensors.torch import load_file, save_file
+
+    d = edited_model(model_dir("opt-350m"), tmp_path / "m")
+    weights = {name.removeprefix("model."): w for name, w in load_file(d / "model.safetensors").items()}
+    assert "decoder.project_in.weight" in weights and "decoder.embed_positions.weight" in weights
+    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
+
+
+@pytest.mark.parametrize("setting, value, dropped", [("layer_norm_elementwise_affine", False, "layer_norm."),
+                                                     ("_remove_final_layer_norm", True, "decoder.final_layer_norm.")])
+def test_opt_layer_norm_settings_match_hf(setting, value, dropped, model_dir, tmp_path, captured_logits):
+    """OPT's LayerNorms without weight and bias, and a pre-norm OPT without its final LayerNorm: their files hold no
+    such tensors."""
+    from safetensors.torch import load_file, save_file
+
+    d = edited_model(model_dir("opt"), tmp_path / "m", **{setting: value})
+    weights = {name: w for name, w in load_file(d / "model.safetensors").items() if dropped not in name}
+    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
+
+
+def test_opt_untied_lm_head_takes_the_projected_width(model_dir, tmp_path, captured_logits):
+    """An untied LM head of OPT-350m's layout: [vocab, word_embed_proj_dim], its own tensor in the file."""
+    from safetensors.torch import load_file, save_file
+
+    d = edited_model(model_dir("opt-350m"), tmp_path / "m", tie_word_embeddings=False)
+    weights = load_file(d / "model.safetensors")
+    weights["lm_head.weight"] = torch.randn(weights["model.decoder.embed_tokens.weight"].shape,
+                                            generator=torch.Generator().manual_seed(0))
+    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
+
+
+def test_opt_projected_hidden_states_through_the_cuda_graph_runner_match_hf(model_dir, captured_logits):
+    """OPT-350m's decoder returns hidden states word_embed_proj_dim wide, not hidden_size: the CUDA-graph runner's
+    output buffer (EagerGraph on the CPU, see cuda_fakes) holds them."""
+    from cuda_fakes import capture_eager_graphs
+
+    d = model_dir("opt-350m")
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4) as llm:
+        runner = llm.llm_engine.model_runner
+        if not runner.backend.decode_kernel:
+            pytest.skip("the CPU decode kernel is not built: the PyTorch decode is not graph-safe")
+        capture_eager_graphs(runner)
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
 
 
 @pytest.mark.parametrize("setting", ["scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
@@ -198,12 +324,12 @@ def test_dense_mlp_activations_are_transformers_own():
     from nanoinfer.layers.activation import get_act
 
     x = 4 * torch.randn(4096, generator=torch.Generator().manual_seed(0))
-    for name in ("gelu", "gelu_fast", "gelu_new", "gelu_pytorch_tanh", "relu2", "silu"):
+    for name in ("gelu", "gelu_fast", "gelu_new", "gelu_pytorch_tanh", "relu", "relu2", "silu"):
         for dtype in (torch.float32, torch.bfloat16):
             assert torch.equal(get_act(name)(x.to(dtype)), ACT2FN[name](x.to(dtype))), (name, dtype)
     assert not torch.equal(get_act("gelu_new")(x), get_act("gelu_pytorch_tanh")(x))
-    with pytest.raises(ValueError, match="'relu'"):
-        get_act("relu")
+    with pytest.raises(ValueError, match="'tanh'"):
+        get_act("tanh")
 
 
 def test_xielu_is_transformers_own():

@@ -2,6 +2,7 @@
 random paged caches) and the fused small ops (against the op chains they replace)."""
 import math
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from nanoinfer.kernels import cpu as cpu_kernels
 from nanoinfer.kernels.cpu import available, paged_decode_attention
 from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers import sampler
+from nanoinfer.layers.attention.alibi import alibi_mask, bloom_alibi_slopes
 from nanoinfer.layers.attention.cpu import CPUAttentionBackend
 from nanoinfer.layers.sampler import noise_keys
 
@@ -98,12 +100,14 @@ def test_decode_kernel_sliding_window(window):
 
 
 def reference_probs(scores: torch.Tensor, soft_cap: float | None, sinks: torch.Tensor | None,
-                    visible: torch.Tensor | None = None) -> torch.Tensor:
-    """Softmax probabilities of float64 scores [heads, ..., keys]: capped to soft_cap * tanh(s / soft_cap), then
-    masked (visible: True), and with each head's sink as one more logit whose column is dropped after the softmax
-    (transformers' GPT-OSS)."""
+                    visible: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax probabilities of float64 scores [heads, ..., keys]: capped to soft_cap * tanh(s / soft_cap), plus
+    bias (ALiBi's), then masked (visible: True), and with each head's sink as one more logit whose column is dropped
+    after the softmax (transformers' GPT-OSS)."""
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
+    if bias is not None:
+        scores = scores + bias
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
     if sinks is None:
@@ -113,16 +117,18 @@ def reference_probs(scores: torch.Tensor, soft_cap: float | None, sinks: torch.T
 
 
 def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float, soft_cap: float | None, window: int | None, sinks: torch.Tensor | None = None
-                     ) -> torch.Tensor:
-    """float64 decode, sequence by sequence, the scores as reference_probs takes them."""
+                     scale: float, soft_cap: float | None, window: int | None, sinks: torch.Tensor | None = None,
+                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 decode, sequence by sequence, the scores as reference_probs takes them; with ALiBi, the key at t
+    scores slope * (t - (n - 1)) more, the query at the context's last position n - 1."""
     outs = []
     for i, n in enumerate(meta.context_lens.tolist()):
         blocks = meta.block_tables[i, :-(-n // meta.block_size)].long()
         first = 0 if window is None else max(0, n - window)
         k, v = (c[blocks].flatten(0, 1)[first:n].double() for c in (k_cache, v_cache))
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
-        probs = reference_probs(torch.einsum("hd,lhd->hl", q[i].double(), k) * scale, soft_cap, sinks)
+        bias = None if alibi_slopes is None else alibi_bias(alibi_slopes, torch.arange(first, n) - (n - 1))
+        probs = reference_probs(torch.einsum("hd,lhd->hl", q[i].double(), k) * scale, soft_cap, sinks, bias=bias)
         outs.append(torch.einsum("hl,lhd->hd", probs, v).flatten())
     return torch.stack(outs)
 
@@ -156,6 +162,113 @@ def test_decode_with_softcap_matches_float64(heads, kv_heads, head_dim, block_si
 SINKS = 3.0 * torch.randn(16, generator=torch.Generator().manual_seed(9))  # GPT-OSS's attention sinks, per head
 
 
+def alibi_bias(slopes: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
+    """float64 -slope_h * |distance| (key position - query position): slopes [heads], distance [...] -> [heads, ...]."""
+    return slopes.double().view(-1, *[1] * distance.dim()) * -distance.double().abs()
+
+
+@pytest.mark.skipif(not available(), reason="the C kernel did not build here")
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size, context_lens", [
+    (16, 8, 64, 16, [1, 15, 16, 17, 250, 33]),
+    (12, 3, 40, 8, [9, 100]),  # 4 query heads per KV head
+    (6, 1, 128, 1, [5, 2, 31]),  # 6 heads: BLOOM's second series of slopes
+    (10, 5, 16, 16, [40, 1, 17]),  # KV heads split unevenly across work items: each slice's own slopes
+])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("decode_kernel", [True, False], ids=["kernel", "torch"])
+def test_decode_with_alibi_matches_float64(heads, kv_heads, head_dim, block_size, context_lens, window,
+                                           decode_kernel):
+    """ALiBi (BLOOM's slopes) in the C kernel and in the PyTorch path's float mask: the query at position
+    context - 1, each key t positions before it scoring slope * -t more."""
+    meta, q, k_cache, v_cache = random_case(heads, kv_heads, head_dim, block_size, context_lens)
+    scale, slopes = head_dim ** -0.5, bloom_alibi_slopes(heads)
+    backend = CPUAttentionBackend(torch.float32)
+    backend.decode_kernel = decode_kernel
+    backend.prepare(meta)
+    unused = torch.empty(0)
+    ours = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window, alibi_slopes=slopes)
+    ref = decode_reference(q, k_cache, v_cache, meta, scale, None, window, alibi_slopes=slopes)
+    err = (ours.double() - ref).abs().max().item()
+    assert err < 1e-5, f"max |ours - float64| = {err:.2e}"
+    without = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window)
+    assert (without - ours).abs().max().item() > 1e-2
+
+
+def prefill_case(heads: int, kv_heads: int, head_dim: int, contexts: list[int], q_lens: list[int], seed: int
+                 ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A prefill step over random paged caches: sequence i computes its last q_lens[i] of contexts[i] tokens (the
+    rest a cached prefix or earlier chunks), their K/V already stored: (metadata, q, this step's k, v, caches)."""
+    block_size = 16
+    meta = decode_metadata(contexts, block_size, sum(-(-n // block_size) for n in contexts) + 3, seed)
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = (torch.randn(meta.block_tables.max().item() + 4, block_size, kv_heads, head_dim, generator=g)
+                        for _ in range(2))
+    slots = torch.cat([meta.block_tables[i, torch.arange(n - m, n) // block_size].long() * block_size
+                       + torch.arange(n - m, n) % block_size for i, (n, m) in enumerate(zip(contexts, q_lens))])
+    k, v = (c.flatten(0, 1)[slots] for c in (k_cache, v_cache))
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    meta = replace(meta, slot_mapping=slots, cu_seqlens_q=cu_q, max_seqlen_q=max(q_lens), has_cached_prefix=True)
+    return meta, 2 * torch.randn(sum(q_lens), heads, head_dim, generator=g), k, v, k_cache, v_cache
+
+
+@pytest.mark.skipif(not available(), reason="the C kernel did not build here")
+@pytest.mark.parametrize("q_lens", [[9, 1, 30, 5], [3, 1, 8, 5]], ids=["sdpa", "rows-as-decodes"])
+@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (5, 5)])
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_with_alibi_over_a_cached_prefix_matches_float64(q_lens, heads, kv_heads, window):
+    """ALiBi in a prefill step: a chunk after a cached prefix, a decode row, a chunk of 30 after 10 cached tokens,
+    a whole fresh prompt; query j of n new tokens at context c sits at c - n + j. Steps of long chunks go through
+    SDPA with ALiBi's float mask, steps of at most 8 tokens per sequence through the C kernel, a row at a time."""
+    contexts = [40, 17, 40, 5]
+    meta, q, k, v, k_cache, v_cache = prefill_case(heads, kv_heads, 32, contexts, q_lens, seed=heads)
+    scale, slopes = 32 ** -0.5, bloom_alibi_slopes(heads)
+    backend = CPUAttentionBackend(torch.float32)
+    backend.prepare(meta)
+    assert (backend_rows := meta.backend_state.row_context_lens is not None) == (max(q_lens) <= 8)
+    ours = backend.forward(q, k, v, k_cache, v_cache, meta, scale, window, alibi_slopes=slopes)
+    refs, start = [], 0
+    for i, (n, m) in enumerate(zip(contexts, q_lens)):
+        blocks = meta.block_tables[i, :-(-n // 16)].long()
+        keys, values = (c[blocks].flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, 1)
+                        for c in (k_cache, v_cache))
+        q_pos, k_pos = torch.arange(n - m, n).unsqueeze(1), torch.arange(n)
+        visible = (k_pos <= q_pos) & (k_pos > q_pos - (window or n))
+        scores = torch.einsum("nhd,lhd->hnl", q[start:start + m].double(), keys) * scale
+        probs = reference_probs(scores, None, None, visible, alibi_bias(slopes, k_pos - q_pos))
+        refs.append(torch.einsum("hnl,lhd->nhd", probs, values).flatten(1))
+        start += m
+    err = (ours.double() - torch.cat(refs)).abs().max().item()
+    assert err < 1e-5, f"max |ours - float64| = {err:.2e} ({'rows as decodes' if backend_rows else 'SDPA'})"
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_non_causal_prefill_with_alibi_matches_float64(window):
+    """The non-causal pass (LLM.embed's) with ALiBi: every key (with a window, those within window - 1 positions on
+    either side) scores -slope * |query position - key position|, a penalty for distance both ways, as flash-attn's
+    alibi_slopes give it."""
+    heads, kv_heads, dim, lens = 6, 2, 32, [1, 19, 12]
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (2 * torch.randn(sum(lens), h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    meta = AttentionMetadata(slot_mapping=None, block_tables=torch.empty(3, 0, dtype=torch.int32),
+                             context_lens=torch.tensor(lens, dtype=torch.int32), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                             max_seqlen_q=max(lens), max_seqlen_k=max(lens), block_size=16, causal=False)
+    slopes = bloom_alibi_slopes(heads)
+    backend = CPUAttentionBackend(torch.float32)
+    backend.prepare(meta)
+    ours = backend.forward(q, k, v, torch.empty(0), torch.empty(0), meta, dim ** -0.5, window, alibi_slopes=slopes)
+    refs = []
+    for qs, ks, vs in zip(q.split(lens), k.split(lens), v.split(lens)):
+        ks, vs = (x.double().repeat_interleave(heads // kv_heads, 1) for x in (ks, vs))
+        pos = torch.arange(len(qs))
+        visible = None if window is None else (pos[None, :] - pos[:, None]).abs() < window
+        scores = torch.einsum("nhd,lhd->hnl", qs.double(), ks) * dim ** -0.5
+        probs = reference_probs(scores, None, None, visible, alibi_bias(slopes, pos[None, :] - pos[:, None]))
+        refs.append(torch.einsum("hnl,lhd->nhd", probs, vs).flatten(1))
+    err = (ours.double() - torch.cat(refs)).abs().max().item()
+    assert err < 1e-5, f"max |ours - float64| = {err:.2e}"
+
+
 @pytest.mark.skipif(not available(), reason="the C kernel did not build here")
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size, context_lens", [
     (16, 8, 64, 16, [1, 15, 16, 17, 250, 33]),
@@ -181,12 +294,14 @@ def test_decode_with_sinks_matches_float64(heads, kv_heads, head_dim, block_size
     assert (without - ours).abs().max().item() > 1e-2
 
 
-@pytest.mark.parametrize("soft_cap, sinks", [(1.5, None), (None, SINKS[:6]), (1.5, SINKS[:6])],
-                         ids=["softcap", "sinks", "both"])
+@pytest.mark.parametrize("soft_cap, sinks, alibi", [(1.5, None, False), (None, SINKS[:6], False),
+                                                    (1.5, SINKS[:6], False), (1.5, None, True)],
+                         ids=["softcap", "sinks", "both", "softcap-alibi"])
 @pytest.mark.parametrize("budget_rows", [None, 3], ids=["whole", "chunked"])
-def test_explicit_prefill_attention_matches_float64(soft_cap, sinks, budget_rows, monkeypatch):
+def test_explicit_prefill_attention_matches_float64(soft_cap, sinks, alibi, budget_rows, monkeypatch):
     """The explicit scores that stand in for SDPA in a softcapped prefill or one with sinks: GQA, a bottom-right
-    causal mask with a window over a cached prefix; with a small score budget, computed 3 query rows at a time."""
+    causal mask with a window over a cached prefix (with ALiBi, a float mask per head, added after the cap); with a
+    small score budget, computed 3 query rows at a time."""
     from nanoinfer.layers.attention import cpu as cpu_backend
 
     g = torch.Generator().manual_seed(5)
@@ -197,9 +312,15 @@ def test_explicit_prefill_attention_matches_float64(soft_cap, sinks, budget_rows
     mask = (k_pos <= q_pos) & (k_pos > q_pos - 7)
     if budget_rows:
         monkeypatch.setattr(cpu_backend, "EXPLICIT_SCORE_BYTES", 4 * heads * keys * budget_rows)
-    ours = cpu_backend.attention(q, k, v, mask, True, scale, soft_cap, sinks)
+    slopes, bias = bloom_alibi_slopes(heads), None
+    if alibi:
+        bias = alibi_bias(slopes, k_pos - q_pos)
+        ours = cpu_backend.attention(q, k, v, alibi_mask(slopes, k_pos - q_pos, mask, q.dtype).unsqueeze(0), True,
+                                     scale, soft_cap, sinks)
+    else:
+        ours = cpu_backend.attention(q, k, v, mask, True, scale, soft_cap, sinks)
     kr, vr = (x.double().repeat_interleave(heads // kv_heads, 1) for x in (k, v))
-    ref = reference_probs((q.double() @ kr.transpose(-1, -2) * scale)[0], soft_cap, sinks, mask) @ vr[0]
+    ref = reference_probs((q.double() @ kr.transpose(-1, -2) * scale)[0], soft_cap, sinks, mask, bias) @ vr[0]
     assert (ours[0].double() - ref).abs().max().item() < 1e-5
     plain = cpu_backend.attention(q, k, v, mask, True, scale, None)
     assert (plain - ours).abs().max().item() > 1e-2

@@ -1,9 +1,12 @@
 """Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, FlexOLMo, GLM-4.5, dots.llm1, ERNIE 4.5, Hunyuan, Llama 4,
-PhiMoE, EXAONE-MoE, DeepSeek): the fused expert layer against transformers' own MoE block, its tensor-parallel shards,
-which layers are sparse, checkpoint layouts (per expert as on the Hub, Mixtral's names, transformers' stacked experts)
-and mapping errors; PhiMoE's sparsemixer against transformers'; on whole models, routing equal to transformers' and
-varied, chunked prefill + prefix cache + preemption, with TP=1 and 2 (DeepSeek's too; its routers and the rest:
-test_deepseek.py). (Plain whole-model greedy/logits: test_correctness.py.)"""
+PhiMoE, EXAONE-MoE, DBRX, DeepSeek): the fused expert layer against transformers' own MoE block, its tensor-parallel
+shards, which layers are sparse, checkpoint layouts (per expert as on the Hub, Mixtral's names, transformers' stacked
+experts) and mapping errors; PhiMoE's sparsemixer and DBRX's p-norm routing against transformers'; on whole models,
+routing equal to transformers' and varied, chunked prefill + prefix cache + preemption, with TP=1 and 2 (DeepSeek's
+too; its routers and the rest: test_deepseek.py). (Plain whole-model greedy/logits: test_correctness.py.)"""
+import json
+import shutil
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -142,6 +145,26 @@ def test_missing_or_extra_expert_is_reported(model_dir, tmp_path):
             LLM(str(broken), device="cpu", dtype="float32", max_model_len=64)
 
 
+@pytest.mark.parametrize("change, message", [("drop", "missing weights.*w13_weight"), ("truncate", "shape mismatch")])
+def test_dbrx_missing_or_misshaped_experts_are_reported(change, message, model_dir, tmp_path):
+    """DBRX's w1 and v1 each fill half of every expert's w13: one without the other is missing weights."""
+    d = model_dir("dbrx")
+    tensors = load_file(d / "model.safetensors")
+    broken = tmp_path / change
+    broken.mkdir()
+    for f in d.iterdir():
+        if f.suffix != ".safetensors":
+            (broken / f.name).write_bytes(f.read_bytes())
+    name = "transformer.blocks.1.ffn.experts.mlp.v1"
+    if change == "drop":
+        del tensors[name]
+    else:
+        tensors[name] = tensors[name][:-1].clone()
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(ValueError, match=message):
+        LLM(str(broken), device="cpu", dtype="float32", max_model_len=64)
+
+
 class Llama4Wrapper(torch.nn.Module):
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # the shared expert's
 
@@ -237,6 +260,20 @@ def test_sparsemixer_is_transformers_own(jitter_eps):
     assert (weights < 1).any() and (weights == 1).any()
 
 
+@pytest.mark.parametrize("p", [1.0, 2.0, None])
+def test_dbrx_routing_is_transformers_own(p):
+    """DBRX's top k, divided by their p-norm (moe_normalize_expert_weights; None: not at all), bit for bit as
+    transformers' DbrxFFN routes them."""
+    from transformers.models.dbrx.modeling_dbrx import DbrxFFN
+
+    config = make_config("dbrx")
+    config.ffn_config.moe_normalize_expert_weights = p
+    logits = torch.randn(300, 8, generator=torch.Generator().manual_seed(0))
+    hf_weights, hf_ids = DbrxFFN(config).route_tokens_to_experts(logits)
+    weights, ids = fused_moe.select_experts_pnorm(logits, config.ffn_config.moe_top_k, p)
+    assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
+
+
 def test_mixtral_hub_layout_loads(model_dir):
     """transformers saves Mixtral as the Hub's checkpoints are: `block_sparse_moe`, experts' `w1`/`w3`/`w2`
     (gate/up/down), which land in our `mlp` router and stacked expert weights."""
@@ -255,9 +292,11 @@ def test_mixtral_hub_layout_loads(model_dir):
 
 # With two ranks too where the family brings weights of its own to shard (OLMoE's, GLM-4.5's and dots.llm1's layers
 # are OLMo 2's, Qwen3's and DeepSeek-V3's, tested sharded here and in test_olmo.py / test_tensor_parallel.py).
-TP2_KINDS = (NEW_KINDS + ("granitemoe-shared", "ernie4.5-moe", "hunyuan-moe", "llama4", "gemma4-moe", "phimoe")
-             + DEEPSEEK_KINDS + NEWEST_MOE_KINDS)
-CHUNKED_KINDS = TP2_KINDS + ("olmoe", "glm4-moe", "dots1", "flexolmo", "exaone-moe", "granitemoe-swa")
+# Solar Open's and Youtu's layers are GLM-4.5's and DeepSeek-V3's (MLA) with Llama's MLP, sharded elsewhere.
+TP2_KINDS = (NEW_KINDS + ("granitemoe-shared", "ernie4.5-moe", "hunyuan-moe", "llama4", "gemma4-moe", "phimoe", "dbrx")
+             + DEEPSEEK_KINDS + ("minimax-m2", "cohere2-moe", "axk1") + NEWEST_MOE_KINDS)
+CHUNKED_KINDS = TP2_KINDS + ("olmoe", "glm4-moe", "dots1", "flexolmo", "exaone-moe", "granitemoe-swa", "solar-open",
+                             "cohere2-moe-sigmoid", "youtu")
 
 
 @pytest.mark.parametrize("kind, tp", [(kind, 1) for kind in CHUNKED_KINDS]
@@ -282,7 +321,7 @@ def test_chunked_prefill_prefix_cache_and_preemption_match_hf(kind, tp, model_di
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
-@pytest.mark.parametrize("kind", ("qwen3-moe",) + NEW_KINDS + ("ernie4.5-moe", "phimoe"))
+@pytest.mark.parametrize("kind", ("qwen3-moe",) + NEW_KINDS + ("ernie4.5-moe", "phimoe", "minimax-m2", "cohere2-moe"))
 def test_transformers_stacked_expert_layout_matches_hf(kind, model_dir, tmp_path, captured_logits):
     """A checkpoint in transformers' own layout (`save_pretrained(save_original_format=False)`, which transformers
     loads back): stacked experts, Mixtral's MoE named `mlp` rather than `block_sparse_moe`, ERNIE's statics under
@@ -298,3 +337,17 @@ def test_transformers_stacked_expert_layout_matches_hf(kind, model_dir, tmp_path
     with LLM(str(stacked), device="cpu", dtype="float32", max_model_len=128) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(expert_selection_fn="topk"), "expert_selection_fn='topk'"),
+    (dict(shared_expert_combination_strategy="max"), "shared_expert_combination_strategy='max'"),
+])
+def test_cohere2_moe_settings_the_engine_cannot_run_are_refused_by_name(model_dir, tmp_path, changes, message):
+    d = tmp_path / "m"
+    shutil.copytree(model_dir("cohere2-moe"), d)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, **changes}))
+    with pytest.raises(ValueError, match=message) as refused:
+        LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
+    assert str(d) in str(refused.value)

@@ -48,7 +48,9 @@ def compile_attention(dtype: str, group: int, head_dim: int, config: ta.TileConf
     types.update({name: "i32" for name in STRIDES}, qk_scale="fp32", cap_scale="fp32")
     flags.setdefault("SOFTCAP", False)
     flags.setdefault("HAS_SINKS", False)
+    flags.setdefault("ALIBI", False)
     types["sinks_ptr"] = f"*{dtype}" if flags["HAS_SINKS"] else "*i32"  # without sinks: context_lens, never read
+    types["alibi_ptr"] = "*fp32" if flags["ALIBI"] else "*i32"  # the slopes, fp32 whatever the model's dtype
     constants = dict(GROUP=group, KV_SPLIT=kv_split, HEAD_DIM=head_dim, BLOCK_D=ta._block_d(head_dim),
                      TAIL_DIM=tail_dim, BLOCK_T=ta._block_d(tail_dim),
                      BLOCK_M=config.block_m, BLOCK_Q=config.block_m // group, BLOCK_N=config.block_n,
@@ -96,6 +98,12 @@ CASES = [  # (dtype, group, head_dim, config, flags): Qwen3-0.6B's shapes first,
     ("bf16", 8, 64, ta.decode_config(8, 64, 2), dict(DECODE, HAS_WINDOW=True, SPLIT=True, HAS_SINKS=True)),
     ("bf16", 8, 64, ta.prefill_config(8, 64, 2, 1024),
      dict(DECODE=False, PAGED=True, CAUSAL=True, HAS_WINDOW=False, SPLIT=False, HAS_SINKS=True)),
+    # ALiBi (BLOOM-7B1's shapes: 32 heads of 128, one per KV head; MPT-7B's are the same).
+    ("bf16", 1, 128, ta.decode_config(1, 128, 2), dict(DECODE, HAS_WINDOW=False, SPLIT=True, ALIBI=True)),
+    ("bf16", 1, 128, ta.prefill_config(1, 128, 2, 1024),
+     dict(DECODE=False, PAGED=True, CAUSAL=True, HAS_WINDOW=False, SPLIT=False, ALIBI=True)),
+    ("bf16", 1, 128, ta.prefill_config(1, 128, 2, 1024),
+     dict(DECODE=False, PAGED=False, CAUSAL=True, HAS_WINDOW=False, SPLIT=False, ALIBI=True)),
     # ModernBERT-base's local layers: the encoder pass, non-causal with a window on both sides (12 heads of 64).
     ("bf16", 1, 64, ta.prefill_config(1, 64, 2, 1024),
      dict(DECODE=False, PAGED=False, CAUSAL=False, HAS_WINDOW=True, SPLIT=False)),
@@ -106,7 +114,7 @@ CASES = [  # (dtype, group, head_dim, config, flags): Qwen3-0.6B's shapes first,
 @pytest.mark.parametrize("dtype, group, head_dim, config, flags", CASES,
                          ids=[f"{c[0]}-group{c[1]}-d{c[2]}-{'decode' if c[4]['DECODE'] else 'prefill'}"
                               f"{'-softcap' * c[4].get('SOFTCAP', False)}{'-sinks' * c[4].get('HAS_SINKS', False)}"
-                              for c in CASES])
+                              f"{'-alibi' * c[4].get('ALIBI', False)}{'-paged' * c[4]['PAGED']}" for c in CASES])
 def test_attention_kernel_compiles_for_sm90(dtype, group, head_dim, config, flags):
     kernel = compile_attention(dtype, group, head_dim, config, **flags)
     assert "cp.async" in kernel.asm["ptx"]  # K/V tiles are loaded asynchronously, num_stages deep

@@ -1,6 +1,7 @@
 """Vision-language checkpoints (`*ForConditionalGeneration`, each built here with a tiny vision tower) run as text
 models: greedy tokens and logits against transformers' own conditional-generation model on text-only input (fp32),
 with the checkpoint layouts the Hub uses, and with two tensor-parallel ranks."""
+import contextlib
 import json
 
 import pytest
@@ -19,7 +20,7 @@ IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 502, 503, 504, 505
 PROMPTS = random_prompts(3, 5, 440, 2, 40, seed=21) + [[7, VISION_START, IMAGE_TOKEN, IMAGE_TOKEN, VISION_END, 9]]
 KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe",
          "qwen3.5", "qwen3.5-moe", "llava-qwen2", "llava-next", "llava-onevision", "internvl", "smolvlm", "idefics3",
-         "aya-vision", "llama4", "gemma4", "mistral3-ministral3")
+         "aya-vision", "llama4", "gemma4", "mistral3-ministral3", "gemma3n")
 # Gemma 4's wrapper kind keeps the seed it was checked with: at the next one (7118) transformers' own fp32 logits
 # stray 3.9e-4 from its fp64 ones along the greedy path, over this file's 1e-4 bar (ours were 2.2e-4 from its fp32).
 SEEDS = {kind: 7100 + i for i, kind in enumerate(KINDS)} | {"gemma4": 7117}
@@ -53,6 +54,11 @@ def make_vlm_config(kind: str):
         vision = dict(_SIGLIP, num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=64)
         return t.Gemma4Config(text_config=text, vision_config=vision, audio_config=None, image_token_id=IMAGE_TOKEN,
                               video_token_id=VIDEO_TOKEN)
+    if kind == "gemma3n":  # its text config's final-logit softcap, which this wrapper applies; the ids from 496 on
+        # have embeddings of the wrapper's (image ones to 503, audio ones from 504: the prompt's placeholders).
+        return t.Gemma3nConfig(text_config=make_config("gemma3n"),
+                               vision_config=dict(hidden_size=16, vocab_offset=496, vocab_size=8),
+                               audio_config=dict(hidden_size=24, vocab_offset=504, vocab_size=8))
     if kind in ("mistral3", "mistral3-ministral3"):  # an LM head of its own (see build); Ministral-3's text model
         pixtral = dict(_SIGLIP, model_type="pixtral", head_dim=8)
         text = make_config("mistral" if kind == "mistral3" else "ministral3")
@@ -107,6 +113,28 @@ def make_vlm_config(kind: str):
     return config_class(text_config=text, vision_config=_QWEN3_VISION, **_QWEN_TOKENS)
 
 
+@contextlib.contextmanager
+def gemma3n_towers_stubbed():
+    """transformers builds Gemma 3n's vision tower with timm, which the tests do without: it and the audio tower
+    become empty modules (text never reaches them); the checkpoint gets a tensor of each (see to_hub_layout)."""
+    from transformers.models.gemma3n import modeling_gemma3n
+
+    auto = modeling_gemma3n.AutoModel
+
+    class StubbedTowers:
+        @staticmethod
+        def from_config(config, **kwargs):
+            if config.model_type in ("gemma3n_vision", "gemma3n_audio"):
+                return torch.nn.Module()
+            return auto.from_config(config, **kwargs)
+
+    modeling_gemma3n.AutoModel = StubbedTowers
+    try:
+        yield
+    finally:
+        modeling_gemma3n.AutoModel = auto
+
+
 def to_hub_layout(model_dir, kind: str) -> None:
     """What transformers 5 saves, changed to the Hub checkpoints' layout where it differs. Mistral Small 3.1's config
     leaves tie_word_embeddings to its default (True in transformers 5) while the checkpoint holds its own head,
@@ -128,13 +156,19 @@ def to_hub_layout(model_dir, kind: str) -> None:
         for name in [n for n in tensors if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
             tensors[name] = tensors[name].transpose(1, 2).contiguous()
         save_file(tensors, file, metadata={"format": "pt"})
+    if kind == "gemma3n":  # the stubbed towers' places
+        file = model_dir / "model.safetensors"
+        tensors = load_file(file) | {"model.vision_tower.timm_model.conv_stem.conv.weight": torch.ones(4, 3, 3, 3),
+                                     "model.audio_tower.conformer.0.norm.weight": torch.ones(4)}
+        save_file(tensors, file, metadata={"format": "pt"})
 
 
 def build_vlm(kind: str, model_dir):
     from transformers import AutoModelForImageTextToText
 
     torch.manual_seed(SEEDS[kind])
-    model = AutoModelForImageTextToText.from_config(make_vlm_config(kind), dtype=torch.float32)
+    with gemma3n_towers_stubbed():
+        model = AutoModelForImageTextToText.from_config(make_vlm_config(kind), dtype=torch.float32)
     models._randomize_(model, SEEDS[kind])
     if kind in ("gemma3", "qwen3.5", "qwen3.5-moe"):  # (1 + weight) norms
         models._randomize_zero_centered_norms_(model, SEEDS[kind])
@@ -160,7 +194,8 @@ def vlm_dir(tmp_path_factory):
 
 def hf_reference(model_dir) -> list[dict]:
     """transformers' conditional-generation model loaded from the checkpoint (as a user would), on text alone."""
-    assert type(models.load_hf_model(model_dir)).__name__.endswith("ForConditionalGeneration")
+    with gemma3n_towers_stubbed():
+        assert type(models.load_hf_model(model_dir)).__name__.endswith("ForConditionalGeneration")
     return cached_hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
 
 

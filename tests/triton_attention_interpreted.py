@@ -28,6 +28,7 @@ from nanoinfer.kernels import triton_attention  # noqa: E402
 from nanoinfer.kernels.triton_attention import (DecodePartials, TileConfig, decode_attention,  # noqa: E402
                                                 prefill_attention)
 from nanoinfer.layers.attention import Attention, get_backend  # noqa: E402
+from nanoinfer.layers.attention.alibi import bloom_alibi_slopes  # noqa: E402
 
 # Worst |ours - reference| / (1 + |reference|): fp32 differs in summation order only; fp16/bf16 by about one
 # rounding of the output, plus (fp16) the probabilities rounded to fp16 for the P @ V product.
@@ -44,12 +45,13 @@ def _error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], q_lens: list[int],
               scale: float, causal: bool = True, window: int | None = None, soft_cap: float | None = None,
-              sinks: torch.Tensor | None = None) -> torch.Tensor:
+              sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """float64 attention, sequence by sequence: q [tokens, heads, dim], keys[i]/values[i] [ctx_i, kv_heads, dim]
     -> [tokens, heads * dim]; query j of n new tokens sits at ctx - n + j; a row seeing no key gives 0; non-causal
     with a window, each query sees the keys within window - 1 positions of its own on either side. With soft_cap,
     scores s become soft_cap * tanh(s / soft_cap) before the mask. With sinks [heads], each head's softmax takes its
-    sink as one more logit, whose column is dropped after it (transformers' GPT-OSS)."""
+    sink as one more logit, whose column is dropped after it (transformers' GPT-OSS). With alibi_slopes [heads], each
+    head's scores gain -slope * |query position - key position| after the cap."""
     out, start = [], 0
     for k, v, n in zip(keys, values, q_lens):
         ctx, group = k.shape[0], q.shape[1] // k.shape[1]
@@ -58,6 +60,8 @@ def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tens
         if soft_cap is not None:
             scores = soft_cap * torch.tanh(scores / soft_cap)
         q_pos, k_pos = torch.arange(ctx - n, ctx)[:, None], torch.arange(ctx)[None, :]
+        if alibi_slopes is not None:
+            scores = scores - alibi_slopes.double().view(-1, 1, 1) * (k_pos - q_pos).abs()
         if causal:
             visible = k_pos <= q_pos
             if window is not None:
@@ -123,23 +127,25 @@ def test_prefill_kernel_over_the_paged_cache(shape, dtype):
         assert err < TOLERANCE[dtype], f"window {window}: max error {err:.2e}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype, alibi", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+                         ids=str)
 @pytest.mark.parametrize("causal, window", [(True, None), (True, 5), (False, None), (False, 5)])
-def test_prefill_kernel_over_this_steps_kv(dtype, causal, window):
+def test_prefill_kernel_over_this_steps_kv(dtype, alibi, causal, window):
     """No cached prefix: keys are this step's k, v, row-strided views into one fused qkv tensor (Qwen3's k is
     normed into a tensor of its own, v stays a view: both layouts). Non-causal (the encoder pass) with a window:
-    on both sides (an encoder's local attention, ModernBERT's), over several key tiles and query tiles."""
+    on both sides (an encoder's local attention, ModernBERT's), over several key tiles and query tiles. With ALiBi,
+    non-causal keys on either side are penalized by distance."""
     g = torch.Generator().manual_seed(7)
     heads, kv_heads, head_dim, lens = 6, 2, 48, [1, 19, 40]
     qkv = torch.randn(sum(lens), (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], 1)
     q, v = q.view(-1, heads, head_dim), v.view(-1, kv_heads, head_dim)
     k = k.reshape(-1, kv_heads, head_dim).clone()
-    cu = _cu(lens)
+    cu, extra = _cu(lens), score_option("alibi", heads, g, dtype) if alibi else {}
     ours = prefill_attention(q, k, v, torch.empty(3, 0, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
-                             cu, cu, max(lens), 0.3, causal, window, config=SMALL)
+                             cu, cu, max(lens), 0.3, causal, window, config=SMALL, **extra)
     keys, values = k.split(lens), v.split(lens)
-    err = _error(ours, reference(q, keys, values, lens, 0.3, causal, window))
+    err = _error(ours, reference(q, keys, values, lens, 0.3, causal, window, **extra))
     assert err < TOLERANCE[dtype], f"max error {err:.2e}"
 
 
@@ -188,19 +194,21 @@ SINK_STD = 3.0  # against the same scores: some heads' sinks take most of the so
 
 
 def score_option(option: str, heads: int, g: torch.Generator, dtype: torch.dtype) -> dict:
-    """The kernels' (and the reference's) argument for attention-logit softcapping (Gemma 2) or for attention sinks
-    (GPT-OSS; a logit per head, in the model's dtype)."""
+    """The kernels' (and the reference's) argument for attention-logit softcapping (Gemma 2), for attention sinks
+    (GPT-OSS; a logit per head, in the model's dtype) or for ALiBi (BLOOM's slopes for this many heads, fp32)."""
     if option == "softcap":
         return {"soft_cap": SOFT_CAP}
+    if option == "alibi":
+        return {"alibi_slopes": bloom_alibi_slopes(heads)}
     return {"sinks": (SINK_STD * torch.randn(heads, generator=g)).to(dtype)}
 
 
-@pytest.mark.parametrize("option", ["softcap", "sinks"])
+@pytest.mark.parametrize("option", ["softcap", "sinks", "alibi"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("window", [None, 7])
 def test_prefill_kernel_softcap_or_sinks(option, dtype, window):
-    """Softcapped scores, or sinks, on a mixed batch over the paged cache: a cached prefix before a chunk, a decode
-    row, a fresh prompt."""
+    """Softcapped scores, sinks, or ALiBi (3 query heads per KV head), on a mixed batch over the paged cache: a
+    cached prefix before a chunk, a decode row, a fresh prompt."""
     g = torch.Generator().manual_seed(11)
     heads, kv_heads, head_dim, contexts, q_lens = 6, 2, 80, [40, 17, 33], [9, 1, 33]
     k_cache, v_cache, tables, keys, values = paged_cache(contexts, kv_heads, head_dim, 16, dtype, g)
@@ -213,12 +221,12 @@ def test_prefill_kernel_softcap_or_sinks(option, dtype, window):
     assert _error(ours, reference(q, keys, values, q_lens, scale, window=window)) > 1e-2
 
 
-@pytest.mark.parametrize("option", ["softcap", "sinks"])
+@pytest.mark.parametrize("option", ["softcap", "sinks", "alibi"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_decode_kernel_softcap_or_sinks_split_kv(option, dtype):
-    """Softcapped decode, or with sinks, whole and split into segments merged by the reduce kernel, which needs no
-    change: the partial maxima are of the capped scores, and only segment 0 starts from the sink, so that it counts
-    once. A context 0 (a graph's padding row) still gives 0."""
+    """Softcapped decode, with sinks or with ALiBi, whole and split into segments merged by the reduce kernel, which
+    needs no change: the partial maxima are of the capped (biased) scores, and only segment 0 starts from the sink, so
+    that it counts once. A context 0 (a graph's padding row) still gives 0."""
     g = torch.Generator().manual_seed(12)
     heads, kv_heads, head_dim, contexts = 4, 2, 64, [0, 1, 17, 150]
     k_cache, v_cache, tables, keys, values = paged_cache(contexts, kv_heads, head_dim, 16, dtype, g)
@@ -368,25 +376,34 @@ def test_latent_cache_backend_equals_pytorch_backend(kind):
     assert err < 1e-5, f"max |triton - cpu| = {err:.2e}"
 
 
+# The backends' arguments for each score option, on backends_on_the_same_metadata's 6 heads: (soft_cap, slopes).
+SCORE_OPTIONS = {"softcap": {"soft_cap": SOFT_CAP}, "alibi": {"alibi_slopes": bloom_alibi_slopes(6)}}
+
+
+@pytest.mark.parametrize("option", sorted(SCORE_OPTIONS))
 @pytest.mark.parametrize("kind", ["prefix-and-chunk", "decode", "mixed"])
-def test_softcap_backend_equals_pytorch_backend_on_the_same_metadata(kind):
-    """Softcapped scores with a window, through the triton backend and the PyTorch one (explicit scores in prefill,
-    the C kernel in decode)."""
-    (ours, _, _), (cpu, _, _) = backends_on_the_same_metadata(("triton", "cpu"), BATCHES[kind], 16, 11, 6, SOFT_CAP)
-    [(uncapped, _, _)] = backends_on_the_same_metadata(("cpu",), BATCHES[kind], 16, 11, 6)
+def test_softcap_or_alibi_backend_equals_pytorch_backend_on_the_same_metadata(kind, option):
+    """Softcapped scores, or ALiBi, with a window, through the triton backend and the PyTorch one (explicit scores,
+    or SDPA with ALiBi's float mask, in prefill; the C kernel in decode)."""
+    (ours, _, _), (cpu, _, _) = backends_on_the_same_metadata(("triton", "cpu"), BATCHES[kind], 16, 11, 6,
+                                                              **SCORE_OPTIONS[option])
+    [(plain, _, _)] = backends_on_the_same_metadata(("cpu",), BATCHES[kind], 16, 11, 6)
     err = (ours - cpu).abs().max().item()
     assert err < 1e-5, f"max |triton - cpu| = {err:.2e}"
-    assert (uncapped - cpu).abs().max().item() > 1e-2
+    assert (plain - cpu).abs().max().item() > 1e-2
 
 
+@pytest.mark.parametrize("option", sorted(SCORE_OPTIONS))
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
-def test_flash_backend_passes_the_softcap(decode, flash_on_cpu):
-    """flash-attn's softcap (its fake here computes flash-attn's documented result) in both of its entry points."""
+def test_flash_backend_passes_the_softcap_and_alibi_slopes(decode, option, flash_on_cpu):
+    """flash-attn's softcap and alibi_slopes (its fake here computes flash-attn's documented result) in both of its
+    entry points."""
     batch = (ScheduledBatch([page_seq(257, 256, [2, 5]), page_seq(600, 599, [1, 3, 4])], [1, 1]) if decode else
              ScheduledBatch([page_seq(300, 256, [4, 1]), page_seq(37, 0, [2])], [44, 37]))
-    (flash, _, _), (cpu, _, _) = backends_on_the_same_metadata(("flash", "cpu"), batch, 256, 6, None, SOFT_CAP)
-    [(uncapped, _, _)] = backends_on_the_same_metadata(("cpu",), batch, 256, 6)
-    assert (flash - cpu).abs().max().item() < 1e-5 and (uncapped - cpu).abs().max().item() > 1e-2
+    (flash, _, _), (cpu, _, _) = backends_on_the_same_metadata(("flash", "cpu"), batch, 256, 6, None,
+                                                               **SCORE_OPTIONS[option])
+    [(plain, _, _)] = backends_on_the_same_metadata(("cpu",), batch, 256, 6)
+    assert (flash - cpu).abs().max().item() < 1e-5 and (plain - cpu).abs().max().item() > 1e-2
     assert [c["fn"] for c in flash_on_cpu] == ["kvcache" if decode else "varlen"]
 
 
@@ -469,19 +486,38 @@ def test_engine_prefix_hits_and_chunked_prefill_match_hf(qwen3_dir, captured_log
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
 
-@pytest.mark.parametrize("kind", ["qwen3-swa", "gemma3", "olmo3", "gemma2", "gpt-oss", "gemma4-e"])
-def test_engine_sliding_window_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
-    """Windowed (qwen3-swa: 9, gemma3: 10, olmo3: 11, gemma2: 11, gpt-oss: 12, gemma4-e: 10) and full layers (gemma3,
-    olmo3: with their own rope; gemma3, gemma2: a score scale that is not head_dim ** -0.5; gemma2: softcapped scores;
-    gpt-oss: attention sinks; gemma4-e: full layers' heads twice as wide, layers over other layers' caches);
-    contexts a few windows long, prefilled in 7-token chunks with 8-token blocks, then again with a cached prefix."""
+def chunked_then_cached_against_hf(kind: str, model_dir, captured_logits, graphs: bool = False) -> float:
+    """Prompts sharing 24 tokens through the triton backend, prefilled in 7-token chunks with 8-token blocks, then
+    again with a cached prefix (decode under the CUDA-graph runner stand-in with `graphs`): the max |logit
+    difference| from transformers."""
     d = model_dir(kind)
     shared = random_prompts(1, 5, 440, 24, 24, seed=8)[0]
     prompts = [shared + tail for tail in random_prompts(2, 5, 440, 1, 12, seed=9)]
     llm = LLM(str(d), device="cpu", dtype="float32", attention_backend="triton", max_num_seqs=4,
               max_model_len=64, max_num_batched_tokens=7, kvcache_block_size=8)
-    worst = twice_against_hf(llm, d, prompts, 16, captured_logits)
+    if graphs:
+        cuda_fakes.capture_eager_graphs(llm.llm_engine.model_runner)
+    return twice_against_hf(llm, d, prompts, 16, captured_logits)
+
+
+@pytest.mark.parametrize("kind", ["qwen3-swa", "gemma3", "olmo3", "gemma2", "gpt-oss", "gemma4-e", "gemma3n"])
+def test_engine_sliding_window_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
+    """Windowed (qwen3-swa: 9, gemma3: 10, olmo3: 11, gemma2: 11, gpt-oss: 12, gemma4-e and gemma3n: 10) and full
+    layers (gemma3, olmo3: with their own rope; gemma3, gemma2: a score scale that is not head_dim ** -0.5; gemma2:
+    softcapped scores; gpt-oss: attention sinks; gemma4-e: full layers' heads twice as wide, layers over other
+    layers' caches; gemma3n: those layers inside AltUp's streams);
+    contexts a few windows long, prefilled in chunks, then again with a cached prefix."""
+    worst = chunked_then_cached_against_hf(kind, model_dir, captured_logits)
     report_logit_diff(f"{kind}, triton backend, sliding window", worst)
+    assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["bloom", "mpt"])
+def test_engine_alibi_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
+    """ALiBi (BLOOM's 6 heads, MPT's 4) in chunks, over a cached prefix, and in decode under the CUDA-graph runner
+    stand-in (the slopes a buffer at a fixed address)."""
+    worst = chunked_then_cached_against_hf(kind, model_dir, captured_logits, graphs=True)
+    report_logit_diff(f"{kind}, triton backend, ALiBi", worst)
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
 

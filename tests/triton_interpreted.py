@@ -228,7 +228,8 @@ def _seq(num_tokens: int, computed: int, table: list[int]) -> Sequence:
 
 
 def backends_on_the_same_metadata(names: tuple[str, ...], batch: ScheduledBatch, block_size: int, num_blocks: int,
-                                  window: int | None = None, soft_cap: float | None = None
+                                  window: int | None = None, soft_cap: float | None = None,
+                                  alibi_slopes: torch.Tensor | None = None
                                   ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """ModelRunner.prepare's metadata for `batch` fed to each backend on the same q, k, v (6 q / 2 KV heads, dim
     32) and the same stale caches: (output, k_cache, v_cache) per backend, the caches after its store."""
@@ -247,8 +248,8 @@ def backends_on_the_same_metadata(names: tuple[str, ...], batch: ScheduledBatch,
         k_cache, v_cache = caches.clone()
         backend.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         backend.prepare(meta)
-        outs.append((backend.forward(q, k, v, k_cache, v_cache, meta, dim ** -0.5, window, soft_cap), k_cache,
-                     v_cache))
+        outs.append((backend.forward(q, k, v, k_cache, v_cache, meta, dim ** -0.5, window, soft_cap,
+                                     alibi_slopes=alibi_slopes), k_cache, v_cache))
     return outs
 
 

@@ -285,7 +285,7 @@ class ModelRunner:
             return None
         start = time.perf_counter()
         runner = CUDAGraphRunner(self.model, self.backend, self.config.max_num_seqs, self.config.max_model_len,
-                                 self.block_size, self.config.hf_config.hidden_size, self.config.torch_dtype,
+                                 self.block_size, hidden_states_width(self.config.hf_config), self.config.torch_dtype,
                                  self.device)
         runner.capture()
         if self.tp.rank == 0:

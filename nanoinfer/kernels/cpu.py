@@ -22,7 +22,7 @@ _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention_cpu.c",
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "paged_decode_attention": [_P] * 6 + [_I] * 8 + [_F, _F, _P],
+    "paged_decode_attention": [_P] * 6 + [_I] * 8 + [_F, _F, _P, _P],
     "rms_norm": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _F, _I],
     "rotary_neox": [_P, _I, _P, _P, _P, _P, _P, _F, _I, _I, _I, _I, _I],
     "silu_and_mul": [_P, _P, _I, _I, _I],
@@ -109,19 +109,22 @@ def _per_token(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            window: int | None = None, soft_cap: float | None = None,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [seqs, heads, dim] fp32, one token per sequence; caches [blocks, block_size, kv_heads, dim]; with a
-    window, each query sees only the last `window` positions of its context; with soft_cap, each scaled score s
-    becomes soft_cap * tanh(s / soft_cap); sinks [heads] fp32: a logit per head that joins each softmax's
-    denominator (a key whose value is 0)."""
+                           sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None
+                           ) -> torch.Tensor:
+    """q [seqs, heads, dim] fp32, one token per sequence (at position context - 1); caches [blocks, block_size,
+    kv_heads, dim]; with a window, each query sees only the last `window` positions of its context; with soft_cap,
+    each scaled score s becomes soft_cap * tanh(s / soft_cap); sinks [heads] fp32: a logit per head that joins each
+    softmax's denominator (a key whose value is 0); alibi_slopes [heads] fp32: each head's score of the key at
+    position t gains slope * (t - (context - 1))."""
     q, block_tables, context_lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
-    assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and block_tables.dtype == torch.int32 and (
-        sinks is None or sinks.dtype == torch.float32 and sinks.shape == q.shape[1:2] and sinks.is_contiguous())
+    assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and block_tables.dtype == torch.int32 and all(
+        x is None or x.dtype == torch.float32 and x.shape == q.shape[1:2] and x.is_contiguous()
+        for x in (sinks, alibi_slopes))
     out = torch.empty_like(q)
     _run("paged_decode_attention", q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
          context_lens.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2],
          k_cache.shape[1], block_tables.shape[1], window or 0, torch.get_num_threads(), scale, soft_cap or 0.0,
-         None if sinks is None else sinks.data_ptr())
+         *(None if x is None else x.data_ptr() for x in (sinks, alibi_slopes)))
     return out
 
 

@@ -81,6 +81,7 @@ typedef struct {
     const float *q, *k_cache, *v_cache;
     const int32_t *block_tables, *context_lens;
     const float *sinks; /* per query head, or NULL */
+    const float *alibi_slopes; /* per query head, or NULL */
     float *out;
     int64_t num_heads, num_kv_heads, block_size, max_blocks, window;
     float scale, soft_cap;
@@ -98,9 +99,11 @@ INLINE void attend(const Args *a, int64_t seq, int64_t j0, int64_t j1, int64_t d
     const int64_t first = a->window > 0 && len > a->window ? len - a->window : 0;
     const int32_t *table = a->block_tables + seq * a->max_blocks;
     const float *q = a->q + (seq * a->num_heads + j0 * g) * dim;
-    float *acc = scratch, *s = acc + nh * dim, *m = s + CHUNK * hp, *l = m + hp;
+    float *acc = scratch, *s = acc + nh * dim, *m = s + CHUNK * hp, *l = m + hp, *slope = l + hp;
     memset(acc, 0, sizeof(float) * nh * dim);
     for (int64_t h = 0; h < hp; ++h) m[h] = -INFINITY, l[h] = 0.f;
+    /* ALiBi: the query sits at len - 1, so a key at t scores slope * (t - len + 1) more (padding heads: 0). */
+    for (int64_t h = 0; h < hp; ++h) slope[h] = a->alibi_slopes != NULL && h < nh ? a->alibi_slopes[j0 * g + h] : 0.f;
     /* A sink is a key of score sinks[h] and value 0: the softmax starts from it (max = sink, sum = e^0). */
     if (a->sinks != NULL)
         for (int64_t h = 0; h < nh; ++h) m[h] = a->sinks[j0 * g + h], l[h] = 1.f;
@@ -129,6 +132,7 @@ INLINE void attend(const Args *a, int64_t seq, int64_t j0, int64_t j1, int64_t d
                 }
                 vf score = sum_lanes(part) * a->scale;
                 if (capped) score = a->soft_cap * tanh_lanes(score / a->soft_cap);
+                if (a->alibi_slopes != NULL) score += load(slope + h0) * (float)(t0 + t - len + 1);
                 store(s + t * hp + h0, score);
             }
         }
@@ -169,7 +173,7 @@ INLINE void attend(const Args *a, int64_t seq, int64_t j0, int64_t j1, int64_t d
 
 static int64_t scratch_floats(int64_t num_heads, int64_t dim) {
     const int64_t hp = (num_heads + W - 1) / W * W;
-    return num_heads * dim + CHUNK * hp + 2 * hp;
+    return num_heads * dim + CHUNK * hp + 3 * hp;
 }
 
 INLINE void attend_capped_or_not(const Args *a, int64_t seq, int64_t j0, int64_t j1, int64_t dim, float *scratch) {
@@ -188,15 +192,17 @@ static void attend_dispatch(const Args *a, int64_t seq, int64_t j0, int64_t j1, 
 /* q, out: [seqs, heads, dim]; caches: [blocks, block_size, kv_heads, dim]; tables: [seqs, max_blocks].
  * window > 0 attends only to each sequence's last `window` tokens (sliding-window attention); soft_cap > 0 caps
  * each scaled score s to soft_cap * tanh(s / soft_cap) (Gemma 2's attention-logit softcapping); sinks, if not
- * NULL, holds a logit per query head that joins each softmax's denominator (GPT-OSS's attention sinks).
+ * NULL, holds a logit per query head that joins each softmax's denominator (GPT-OSS's attention sinks);
+ * alibi_slopes, if not NULL, a slope per query head: a key t positions before the query scores slope * -t more
+ * (ALiBi: BLOOM, MPT).
  * Work items are (sequence, slice of KV heads): whole rows (contiguous reads) when there are enough
  * sequences to keep every thread busy, finer slices for small batches. */
 void paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                             const int32_t *block_tables, const int32_t *context_lens, float *out,
                             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
                             int64_t block_size, int64_t max_blocks, int64_t window, int64_t num_threads,
-                            float scale, float soft_cap, const float *sinks) {
-    const Args a = {q, k_cache, v_cache, block_tables, context_lens, sinks, out, num_heads, num_kv_heads,
+                            float scale, float soft_cap, const float *sinks, const float *alibi_slopes) {
+    const Args a = {q, k_cache, v_cache, block_tables, context_lens, sinks, alibi_slopes, out, num_heads, num_kv_heads,
                     block_size, max_blocks, window, scale, soft_cap};
     int64_t slices = (4 * num_threads + num_seqs - 1) / num_seqs;
     slices = slices < 1 ? 1 : slices > num_kv_heads ? num_kv_heads : slices;

@@ -8,7 +8,8 @@ block table, so any KV block size works. Softmax runs online in fp32, in base 2 
 may be soft-capped (Gemma 2): cap * tanh(score / cap), in natural units, before the mask. Values may be a prefix of
 the keys (DeepSeek's latent cache): q and k are then wider than v, their extra dims read by the scores alone, and
 the one KV head's many query heads are split over programs. A head's sink logit (GPT-OSS) is a key of value 0 that
-every query sees: the online softmax starts from it."""
+every query sees: the online softmax starts from it. ALiBi (BLOOM, MPT) adds -slope * |query position - key position|
+to each head's scores, after the cap."""
 import functools
 from dataclasses import dataclass
 
@@ -53,13 +54,13 @@ def _tanh(x):
 def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, block_tables_ptr,
                       context_lens_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, qk_scale, cap_scale, window, num_seqs,
                       num_heads, num_segments, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                      stride_bt, sinks_ptr,
+                      stride_bt, sinks_ptr, alibi_ptr,
                       GROUP: tl.constexpr, KV_SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                       TAIL_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
                       DECODE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                      SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr,
-                      PRECISION: tl.constexpr):
+                      SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, ALIBI: tl.constexpr,
+                      UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Grid (query tiles, KV heads x KV_SPLIT, segments). A tile: BLOCK_Q tokens of one sequence x GROUP query heads
     of one KV head, the whole group or, split over KV_SPLIT programs, a part of it (a group larger than the tile's
     rows: MLA's, or wide heads'); in a decode step, sequence i's single token. A segment: one of num_segments
@@ -68,7 +69,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, 
     SOFTCAP, qk_scale is scale / cap and the score tanh(q.k * qk_scale) * cap_scale, cap_scale = cap * log2(e).
     HEAD_DIM is the values' (and the output's) width; q and k rows hold TAIL_DIM more, which only the scores read
     (MLA: the rope part after the latent, which is also the value). With HAS_SINKS, segment 0 starts its softmax
-    from the head's sink (max = sink, sum = 1), so that split or not, the sink joins the denominator once."""
+    from the head's sink (max = sink, sum = 1), so that split or not, the sink joins the denominator once. With ALIBI,
+    each row's score of the key at position t gains its head's -slope * |its position - t|, in base 2."""
     tile = tl.program_id(0)
     program = tl.program_id(1)
     kv_head = program // KV_SPLIT
@@ -127,6 +129,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, 
     if HAS_SINKS:
         m_i = tl.load(sinks_ptr + head, mask=row_ok & (segment == 0), other=float("-inf")).to(tl.float32) * _LOG2E
         l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
+    if ALIBI:
+        slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * _LOG2E
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         key_pos = start + offs_n
@@ -146,6 +150,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, 
         s = s * qk_scale
         if SOFTCAP:
             s = _tanh(s) * cap_scale
+        if ALIBI:
+            s -= slope[:, None] * tl.abs(key_pos[None, :] - q_pos[:, None]).to(tl.float32)
         visible = key_ok[None, :]
         if CAUSAL:
             visible &= key_pos[None, :] <= q_pos[:, None]
@@ -281,31 +287,34 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_t
                       context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                       max_seqlen_q: int, scale: float, causal: bool = True, window: int | None = None,
                       config: TileConfig | None = None, soft_cap: float | None = None,
-                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """q [tokens, heads, dim] -> [tokens, heads * v dim]. k, v: the paged caches [blocks, block_size, kv_heads,
     dim] (keys through block_tables), or this step's [tokens, kv_heads, dim] when each context is just this step's
     tokens (rows from cu_seqlens_k); v narrower than q and k: K's prefix (a view of it). Causal: query j of a
     sequence with n new tokens and context c sits at c - n + j and sees the keys at positions <= its own (and > its
     own - window with a window); non-causal, every key (with a window, those within window - 1 positions of its
     own on either side: an encoder's local attention). With soft_cap, each scaled score s becomes soft_cap *
-    tanh(s / soft_cap). sinks [heads]: each head's sink logit joins the denominator of its softmax."""
+    tanh(s / soft_cap). sinks [heads]: each head's sink logit joins the denominator of its softmax. alibi_slopes [heads]
+    fp32: each head's score of a key gains -slope * |query position - key position| (causal: key - query)."""
     group = q.shape[1] // k.shape[-2]
     config = config or prefill_config(group, v.shape[-1], q.element_size(), max_seqlen_q)
     return _attention(q, k, v, block_tables, context_lens, cu_seqlens_q, cu_seqlens_k, scale, soft_cap, causal,
-                      window, config, decode=False, sinks=sinks)
+                      window, config, decode=False, sinks=sinks, alibi_slopes=alibi_slopes)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, window: int | None = None, num_segments: int = 1,
                      partials: DecodePartials | None = None, config: TileConfig | None = None,
-                     soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence: q [seqs, heads, dim] over the paged caches -> [seqs, heads * v dim]; a context
     length 0 gives zeros. With num_segments > 1 each context is split into that many segments computed in
-    parallel into `partials` (capacity >= seqs * num_segments), then merged by a reduce kernel. soft_cap, sinks and
-    a v narrower than k: as in prefill_attention."""
+    parallel into `partials` (capacity >= seqs * num_segments), then merged by a reduce kernel. soft_cap, sinks,
+    alibi_slopes and a v narrower than k: as in prefill_attention."""
     config = config or decode_config(q.shape[1] // k_cache.shape[2], v_cache.shape[-1], q.element_size())
     return _attention(q, k_cache, v_cache, block_tables, context_lens, None, None, scale, soft_cap, True, window,
-                      config, decode=True, num_segments=num_segments, partials=partials, sinks=sinks)
+                      config, decode=True, num_segments=num_segments, partials=partials, sinks=sinks,
+                      alibi_slopes=alibi_slopes)
 
 
 def _score_scales(scale: float, soft_cap: float | None) -> tuple[float, float]:
@@ -319,7 +328,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: 
                context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
                scale: float, soft_cap: float | None, causal: bool, window: int | None, config: TileConfig,
                decode: bool, num_segments: int = 1, partials: DecodePartials | None = None,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     num_tokens, num_heads, qk_dim = q.shape
     head_dim, num_kv_heads = v.shape[-1], k.shape[-2]  # head_dim: the values' and the output's
     paged = k.dim() == 4
@@ -327,8 +336,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: 
     # Unit last strides; paged slots address rows as block * size + offset.
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and (
         not paged or k.is_contiguous() and v.stride(0) == v.shape[1] * v.stride(1))
-    assert 1 <= num_segments <= MAX_SEGMENTS and (
-        sinks is None or sinks.shape == (num_heads,) and sinks.is_contiguous())
+    assert 1 <= num_segments <= MAX_SEGMENTS and all(
+        x is None or x.shape == (num_heads,) and x.is_contiguous() for x in (sinks, alibi_slopes))
     out = q.new_empty(num_tokens, num_heads * head_dim)
     if num_tokens == 0:
         return out
@@ -353,8 +362,9 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: 
         BLOCK_N=config.block_n, KV_BLOCK_SIZE=k.shape[1] if paged else 1, DECODE=decode, PAGED=paged, CAUSAL=causal,
         HAS_WINDOW=window is not None, SPLIT=split, SOFTCAP=soft_cap is not None, num_warps=config.num_warps,
         num_stages=config.num_stages,
-        # Without sinks the pointer is never read: any tensor will do.
+        # Without sinks (ALiBi) the pointer is never read: any tensor will do.
         sinks_ptr=context_lens if sinks is None else sinks, HAS_SINKS=sinks is not None,
+        alibi_ptr=context_lens if alibi_slopes is None else alibi_slopes, ALIBI=alibi_slopes is not None,
         # fp32 dots as three TF32 products (fp32-accurate; Triton's default, one TF32 product, is not; "ieee"
         # compiles to FMA loops that spill kilobytes of registers on sm_90). CPU tensors get here only in the
         # interpreter, whose bf16 needs the upcast.

@@ -58,16 +58,24 @@ def gelu_fast(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
 
 
+def bloom_gelu(x: torch.Tensor) -> torch.Tensor:
+    """BLOOM's GeLU (transformers' bloom_gelu_forward): the tanh approximation with its own rounded constant, op for
+    op."""
+    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+
 def relu_squared(x: torch.Tensor) -> torch.Tensor:
     """transformers' "relu2" (Arcee's, Nemotron's): relu(x) ** 2."""
     return torch.square(F.relu(x))
 
 
 _ACT = {
+    "bloom_gelu": bloom_gelu,
     "gelu": F.gelu,  # exact (erf): Pythia
     "gelu_fast": gelu_fast,
     "gelu_new": gelu_new,
     "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),  # StarCoder2
+    "relu": F.relu,  # OPT
     "relu2": relu_squared,
     "silu": F.silu,
 }

@@ -24,15 +24,22 @@ _EXPERT_WEIGHT = re.compile(rf"\.experts\.(\d+)\.({'|'.join(_EXPERT_PROJ)})\.wei
 # `<moe>.experts.down_proj` [experts, hidden, inter]; with biases (GPT-OSS), `<moe>.experts.gate_up_proj_bias`
 # [experts, 2 * inter] and `<moe>.experts.down_proj_bias` [experts, hidden].
 _STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up|down)_proj(_bias)?$")
+# DBRX's layout: `<moe>.experts.mlp.{w1,v1,w2}`, every expert's gate / up / down (transposed) rows stacked in one
+# [experts * inter, hidden] tensor each.
+_DBRX_EXPERTS = re.compile(r"\.experts\.mlp\.(w1|v1|w2)$")
+_DBRX_PROJ = {"w1": "gate", "v1": "up", "w2": "down"}
 
 
-def expert_weight_target(name: str) -> tuple[str, tuple[int, str] | None] | None:
+def expert_weight_target(name: str) -> tuple[str, tuple[int | None, str] | None] | None:
     """The FusedMoE parameter a checkpoint tensor belongs to and its (expert, "gate"|"up"|"down") shard id (None:
-    all experts' stacked)."""
+    all experts' stacked in transformers' layout; expert None: all experts' in DBRX's)."""
     kind = "weight"
     if m := _EXPERT_WEIGHT.search(name):
         proj = _EXPERT_PROJ[m.group(2)]
         shard = (int(m.group(1)), proj)
+    elif m := _DBRX_EXPERTS.search(name):
+        proj = _DBRX_PROJ[m.group(1)]
+        shard = (None, proj)
     elif m := _STACKED_EXPERTS.search(name):
         proj, shard = m.group(1), None
         kind = "bias" if m.group(2) else kind
@@ -50,6 +57,16 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, f
     if renormalize:
         weights /= weights.sum(dim=-1, keepdim=True)
     return weights if fp32_weights else weights.to(router_logits.dtype), ids
+
+
+def select_experts_pnorm(router_logits: torch.Tensor, top_k: int, p: float | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DBRX: softmax over all experts in the logits' dtype, the top k divided by their p-norm
+    (`moe_normalize_expert_weights`; None: left as they are), as transformers' DbrxFFN routes them."""
+    weights, ids = torch.topk(torch.softmax(router_logits, dim=-1), top_k, dim=-1)
+    if p is not None:
+        weights = weights / torch.norm(weights, p=p, dim=-1, keepdim=True)
+    return weights, ids
 
 
 def select_experts_topk_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,15 +247,18 @@ class FusedMoE(nn.Module):
             self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
         self.activation = activation
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str] | None = None
-                      ) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: tuple[int | None, str] | None = None) -> None:
         """One expert's full gate_proj/up_proj [inter, hidden] or down_proj [hidden, inter] from the checkpoint, or
         (shard_id None) all experts' stacked: gate_up_proj [experts, 2 * inter, hidden], down_proj [experts, hidden,
-        inter] and their biases."""
+        inter] and their biases, or (expert None) all experts' gate, up or down in DBRX's layout (see load_flat)."""
         if shard_id is None:
             self.load_stacked(param, loaded)
             return
         expert, proj = shard_id
+        if expert is None:
+            self.load_flat(param, loaded, proj)
+            return
         if expert >= self.num_experts:
             raise ValueError(f"expert {expert} out of range: the model has {self.num_experts} experts")
         dim = 1 if proj == "down" else 0
@@ -252,6 +272,17 @@ class FusedMoE(nn.Module):
         if proj != "down":
             dest = dest.narrow(0, inter if proj == "up" and self.gated else 0, inter)
         copy_weight(dest, loaded.narrow(dim, self.tp_rank * inter, inter))
+
+    def load_flat(self, param: nn.Parameter, loaded: torch.Tensor, proj: str) -> None:
+        """DBRX's w1 / v1 / w2: every expert's gate / up / down rows stacked, [experts * inter, hidden] (the down
+        projection transposed), loaded expert by expert."""
+        inter, hidden = self.intermediate_size, self.w2_weight.shape[1]
+        if list(loaded.shape) != [self.num_experts * inter, hidden]:
+            raise ValueError(f"shape mismatch: checkpoint tensor {tuple(loaded.shape)}, expected "
+                             f"({self.num_experts * inter}, {hidden}) ({self.num_experts} experts x {inter})")
+        for expert in range(self.num_experts):
+            rows = loaded.narrow(0, expert * inter, inter)
+            self.weight_loader(param, rows.t() if proj == "down" else rows, (expert, proj))
 
     def load_stacked(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """All experts' tensor for `param` in transformers' layout (see _STACKED_EXPERTS): this rank's slice of the

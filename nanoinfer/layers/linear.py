@@ -136,6 +136,24 @@ class QKVParallelLinear(ColumnParallelLinear):
         copy_weight(param.data.narrow(0, offset, size), loaded)
 
 
+class RegroupedQKVLinear(QKVParallelLinear):
+    """A fused q/k/v projection whose checkpoint rows a family lays out its own way (GPT-NeoX's per head, Falcon's per
+    KV head, CodeGen's in 4 groups): `parts` splits the whole tensor into q, k and v, each in head order, and
+    QKVParallelLinear's loader takes this rank's heads of each."""
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        rows = (self.total_num_heads + 2 * self.total_num_kv_heads) * self.head_size
+        if loaded.shape[0] != rows:
+            raise ValueError(f"shape mismatch: checkpoint tensor has {loaded.shape[0]} rows, expected {rows} "
+                             f"({self.total_num_heads} + 2 x {self.total_num_kv_heads} heads x {self.head_size})")
+        for shard_id, part in self.parts(loaded[...]):
+            super().weight_loader(param, part.reshape(-1, *loaded.shape[1:]), shard_id)
+
+    def parts(self, loaded: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """("q", rows), ("k", rows), ("v", rows) of the checkpoint's weight or bias, in any order."""
+        raise NotImplementedError
+
+
 class KeyAsValueQKVParallelLinear(QKVParallelLinear):
     """Attention whose values are its keys' projection (Gemma 4's `attention_k_eq_v`): the checkpoint has no v_proj,
     and k_proj loads into both the k and the v rows. The k rows are computed twice (a tenth or less of the layer's

@@ -152,10 +152,12 @@ def shared_rope_tables() -> Iterator[None]:
 
 
 def get_rope(config: PretrainedConfig, head_dim: int, max_position: int, layer_type: str | None = None,
-             interleaved: bool = False, rotary_dim: int | None = None, theta: float | None = None) -> RotaryEmbedding:
+             interleaved: bool = False, rotary_dim: int | None = None, theta: float | None = None,
+             reverse: bool = False) -> RotaryEmbedding:
     """The rotary embedding of the config's rope settings (for `layer_type`, where they differ by layer type), in the
     interleaved layout where asked (see RotaryEmbedding), over rotary_dim leading dims where given (else the
-    settings' partial_rotary_factor of the head), with base theta where given (else the settings')."""
+    settings' partial_rotary_factor of the head), with base theta where given (else the settings'); reverse: every
+    angle negated (NanoChat's rotate_half, (x2, -x1), turns the other way), i.e. the sine tables'."""
     if theta is not None:
         config = with_rope_theta(config, theta)
     params = rope_parameters(config, layer_type)
@@ -166,6 +168,8 @@ def get_rope(config: PretrainedConfig, head_dim: int, max_position: int, layer_t
             inv_freq, scaling = longrope_frequencies(config, max_position)
         else:
             inv_freq, scaling = inv_frequencies(config, rotary_dim, layer_type)
+    if reverse:
+        inv_freq = -inv_freq
     if _shared is None:
         return RotaryEmbedding(head_dim, max_position, inv_freq, scaling, interleaved)
     key = (head_dim, max_position, tuple(inv_freq.shape), inv_freq.numpy().tobytes(), scaling, interleaved, device)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanoinfer.config import hidden_states_width
 from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.linear import ReplicatedLinear
 from nanoinfer.models.llama import LlamaForCausalLM
@@ -23,7 +24,7 @@ class ForSequenceClassification(nn.Module):
         self.model = lm.model_class(config, lm.attention_options, lm.make_mlp)
         if hasattr(lm, "config_packed_modules_mapping"):  # checkpoint names that depend on the config (StableLM's)
             self.packed_modules_mapping = lm.config_packed_modules_mapping(config)
-        self.score = ReplicatedLinear(config.hidden_size, config.num_labels)
+        self.score = ReplicatedLinear(hidden_states_width(config), config.num_labels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, meta: AttentionMetadata
                 ) -> torch.Tensor:

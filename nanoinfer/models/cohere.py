@@ -1,24 +1,32 @@
 """Cohere (Command-R, Command-R+): one bias-free LayerNorm feeding the attention and a gated SiLU MLP in parallel,
 x + attn(ln(x)) + mlp(ln(x)); interleaved rope; optional per-head LayerNorms on queries and keys (`use_qk_norm`);
 logits times `logit_scale`; tied embeddings."""
+from collections.abc import Callable
 from functools import partial
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanoinfer.layers.layernorm import LayerNorm
+from nanoinfer.layers.layernorm import LayerNorm, RMSNorm
 from nanoinfer.models.layernorm_decoder import LayerNormDecoderLayer, LayerNormModel, maybe_per_head_qk_norm_attention
 from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM
 
 
+def norm_class_and_eps(config: PretrainedConfig) -> tuple[Callable[[int, float], nn.Module], float]:
+    """The bias-free LayerNorm, or (Cohere 2 MoE's configs that set `rms_norm_eps`) an RMSNorm, and its epsilon."""
+    if getattr(config, "rms_norm_eps", None) is not None:
+        return RMSNorm, config.rms_norm_eps
+    return partial(LayerNorm, bias=False), config.layer_norm_eps
+
+
 class CohereDecoderLayer(LayerNormDecoderLayer):
     def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module):
-        eps = config.layer_norm_eps
+        norm, eps = norm_class_and_eps(config)
         # Cohere 2's config has no use_qk_norm: never a q/k norm.
-        attention = maybe_per_head_qk_norm_attention(config, options, getattr(config, "use_qk_norm", False), eps)
-        super().__init__(attention, mlp, config.hidden_size, eps, "parallel-one-norm",
-                         norm=partial(LayerNorm, bias=False))
+        attention = maybe_per_head_qk_norm_attention(config, options, getattr(config, "use_qk_norm", False),
+                                                     config.layer_norm_eps)
+        super().__init__(attention, mlp, config.hidden_size, eps, "parallel-one-norm", norm=norm)
 
 
 class CohereModel(LayerNormModel):
@@ -26,7 +34,8 @@ class CohereModel(LayerNormModel):
 
     @staticmethod
     def final_norm(config: PretrainedConfig) -> nn.Module:
-        return LayerNorm(config.hidden_size, config.layer_norm_eps, bias=False)
+        norm, eps = norm_class_and_eps(config)
+        return norm(config.hidden_size, eps)
 
 
 class CohereForCausalLM(LlamaForCausalLM):

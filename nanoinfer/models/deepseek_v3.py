@@ -53,25 +53,25 @@ class UngroupedSigmoidMoE(DeepseekV3MoE):
 
 def deepseek_v3_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
     """DeepSeek-V3's layer rule, which GLM-4.5 and dots.llm1 follow: the first `first_k_dense_replace` MLPs dense, the
-    others its MoE."""
-    return LlamaMLP(config) if layer_idx < config.first_k_dense_replace else DeepseekV3MoE(config)
+    others its MoE (every one where the config has no such setting: Solar Open's)."""
+    return LlamaMLP(config) if layer_idx < getattr(config, "first_k_dense_replace", 0) else DeepseekV3MoE(config)
 
 
 _MLP_TYPES = ("dense", "sparse")
 
 
-def is_sparse_by_layer_type(config: PretrainedConfig, layer_idx: int) -> bool:
-    """Whether `mlp_layer_types` makes the layer's MLP experts ("sparse") rather than dense."""
+def mlp_layer_type(config: PretrainedConfig, layer_idx: int) -> str:
+    """`mlp_layer_types[layer_idx]`, "dense" or "sparse" (anything else refused by name)."""
     mlp_type = config.mlp_layer_types[layer_idx]
     if mlp_type not in _MLP_TYPES:
         raise ValueError(f"mlp_layer_types[{layer_idx}]={mlp_type!r} in the model config; expected one of "
                          f"{_MLP_TYPES}")
-    return mlp_type == "sparse"
+    return mlp_type
 
 
 def mlp_by_layer_type(config: PretrainedConfig, layer_idx: int) -> nn.Module:
     """GLM-4.7-Flash's and EXAONE-MoE's rule: each MLP dense or DeepSeek-V3's MoE as `mlp_layer_types` says."""
-    return DeepseekV3MoE(config) if is_sparse_by_layer_type(config, layer_idx) else LlamaMLP(config)
+    return DeepseekV3MoE(config) if mlp_layer_type(config, layer_idx) == "sparse" else LlamaMLP(config)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

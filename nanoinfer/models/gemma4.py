@@ -7,8 +7,9 @@ multiplying each layer's output. Its MoE variant runs, in every layer, the dense
 by side, each with its own norms, the router reading the residual stream. E2B/E4B add per-layer embeddings (a
 token's own small vector for every layer, mixed with a projection of its embedding, gating a residual branch at the
 end of each layer) and, on their last `num_kv_shared_layers` layers, attention over the keys and values of the
-last earlier layer of the same type (those layers compute and cache none, and their MLPs may be twice as wide)."""
-from dataclasses import dataclass
+last earlier layer of the same type (those layers compute and cache none, and their MLPs may be twice as wide).
+Gemma 3n (gemma3n.py) is built on the E-models' pieces."""
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -37,13 +38,17 @@ def check_config(config: PretrainedConfig) -> None:
     if config.hidden_size_per_layer_input and config.vocab_size_per_layer_input < config.vocab_size:
         raise ValueError(f"vocab_size_per_layer_input={config.vocab_size_per_layer_input} in the model config is "
                          f"below vocab_size={config.vocab_size}: some tokens would have no per-layer embedding")
+    check_kv_sharing(config)
+    if config.enable_moe_block and config.hidden_activation != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation={config.hidden_activation!r} in the model config: Gemma 4's experts are "
+                         "implemented with 'gelu_pytorch_tanh' only")
+
+
+def check_kv_sharing(config: PretrainedConfig) -> None:
     first_shared = config.num_hidden_layers - config.num_kv_shared_layers
     if missing := set(config.layer_types[first_shared:]) - set(config.layer_types[:first_shared]):
         raise ValueError(f"num_kv_shared_layers={config.num_kv_shared_layers} in the model config: no earlier layer "
                          f"of type {sorted(missing)} to reuse keys and values from")
-    if config.enable_moe_block and config.hidden_activation != "gelu_pytorch_tanh":
-        raise ValueError(f"hidden_activation={config.hidden_activation!r} in the model config: Gemma 4's experts are "
-                         "implemented with 'gelu_pytorch_tanh' only")
 
 
 def kv_source(config: PretrainedConfig, layer_idx: int) -> int | None:
@@ -69,19 +74,27 @@ class Gemma4AttentionOptions(AttentionOptions):
     kv_sharing: str | None = None  # kv_sharing_mode's
 
 
-def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
-    """The layer's head size and KV heads (transformers' per-layer config: wider on full layers), scores unscaled,
-    (w) q/k norms, a weightless value norm. The full layers' "proportional" rope spans the whole head, its
-    frequencies past partial_rotary_factor zero (those pairs, i and i + head_dim / 2, do not turn): transformers'
-    function gives all head_dim / 2 of them, and the table turns as many pairs."""
-    layer = config.per_layer_config[layer_idx]
+def kv_sharing_attention_options(config: PretrainedConfig, layer_idx: int) -> Gemma4AttentionOptions:
+    """Scores unscaled (the q/k norms set their size), (w) q/k norms, a weightless value norm, the rope and window
+    of the layer's type, keys and values maybe shared with another layer: Gemma 3n's attention, and Gemma 4's but
+    for the head sizes."""
     layer_type = config.layer_types[layer_idx]
     bias = config.attention_bias
     return Gemma4AttentionOptions(
         qkv_bias=bias, o_bias=bias, scale=1.0, qk_norm=True, qk_norm_class=OlmoRMSNorm, value_norm=True,
-        key_as_value=config.attention_k_eq_v and layer_type == "full_attention", head_dim=layer.head_dim,
-        num_kv_heads=layer.num_key_value_heads, rope_layer_type=layer_type,
-        sliding_window=layer_sliding_window(config, layer_idx), kv_sharing=kv_sharing_mode(config, layer_idx))
+        rope_layer_type=layer_type, sliding_window=layer_sliding_window(config, layer_idx),
+        kv_sharing=kv_sharing_mode(config, layer_idx))
+
+
+def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
+    """kv_sharing_attention_options with the layer's head size and KV heads (transformers' per-layer config: wider
+    on full layers). The full layers' "proportional" rope spans the whole head, its frequencies past
+    partial_rotary_factor zero (those pairs, i and i + head_dim / 2, do not turn): transformers' function gives all
+    head_dim / 2 of them, and the table turns as many pairs."""
+    layer = config.per_layer_config[layer_idx]
+    key_as_value = config.attention_k_eq_v and config.layer_types[layer_idx] == "full_attention"
+    return replace(kv_sharing_attention_options(config, layer_idx), head_dim=layer.head_dim,
+                   num_kv_heads=layer.num_key_value_heads, key_as_value=key_as_value)
 
 
 class QueryParallelLinear(ColumnParallelLinear):
@@ -107,7 +120,7 @@ class Gemma4ReusedKVAttention(nn.Module):
 
     def __init__(self, config: PretrainedConfig, options: AttentionOptions):
         super().__init__()
-        num_heads, self.head_dim = config.num_attention_heads, options.head_dim
+        num_heads, self.head_dim = config.num_attention_heads, options.head_dim or config.head_dim
         self.qkv_proj = QueryParallelLinear(config.hidden_size, num_heads * self.head_dim, options.qkv_bias)
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, options.o_bias)
         self.q_norm = options.qk_norm_class(self.head_dim, config.rms_norm_eps)
@@ -134,13 +147,16 @@ class Gemma4KVSource(Attention):
 
 
 class PerLayerEmbeddings(nn.Module):
-    """Gemma 4's per-layer inputs: for every token and layer, (its row of a second embedding, scaled by
-    sqrt(width), + the RMS-normed projection of its main embedding, scaled by hidden_size ** -0.5) / sqrt(2).
-    The projection is small (hidden x layers x width) and replicated on every rank."""
+    """Gemma 4's and Gemma 3n's per-layer inputs: for every token and layer, (its row of a second embedding, scaled
+    by sqrt(width), + the RMS-normed projection of its main embedding, scaled by hidden_size ** -0.5) / sqrt(2).
+    Ids past the second embedding's table (Gemma 3n's multimodal ones; Gemma 4 refuses such a table) take its row
+    0, as transformers' Gemma 3n does. The projection is small (hidden x layers x width) and replicated on every
+    rank."""
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         self.num_layers, self.width = config.num_hidden_layers, config.hidden_size_per_layer_input
+        self.table_size = config.vocab_size_per_layer_input
         self.embed_tokens_per_layer = VocabParallelEmbedding(config.vocab_size_per_layer_input,
                                                              self.num_layers * self.width)
         self.per_layer_model_projection = ReplicatedLinear(config.hidden_size, self.num_layers * self.width)
@@ -152,6 +168,7 @@ class PerLayerEmbeddings(nn.Module):
     def forward(self, input_ids: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         """[tokens] and their main embeddings [tokens, hidden] -> [tokens, layers, width]."""
         shape = (input_ids.shape[0], self.num_layers, self.width)
+        input_ids = input_ids.masked_fill(input_ids >= self.table_size, 0)
         own = self.embed_tokens_per_layer(input_ids).view(shape) * self.embed_scale
         projected = self.per_layer_model_projection(embeddings) * self.projection_scale
         return (self.per_layer_projection_norm(projected.view(shape)) + own) * 2 ** -0.5
@@ -184,10 +201,10 @@ class Gemma4Router(nn.Module):
         return weights * self.per_expert_scale[ids].float(), ids
 
 
-class Gemma4DecoderLayer(gemma2.Gemma2DecoderLayer):
-    """Gemma 2's sandwich norms; with `enable_moe_block`, the experts' output (from the residual stream, under their
-    own pre-norm) joins the dense MLP's, each after a norm of its own; the layer's whole output (residual stream
-    included) is scaled by `layer_scalar`, so each layer hands the next its sum rather than a pending residual add."""
+class PerLayerInputDecoderLayer(gemma2.Gemma2DecoderLayer):
+    """Gemma 2's sandwich norms (plain-weight RMSNorms here) around an attention that may reuse, or keep for reuse,
+    keys and values (kv_sharing), and, with per-layer embeddings, the branch that feeds the layer its own input: the
+    parts Gemma 4's and Gemma 3n's (gemma3n.py) layers share."""
 
     norm_class = OlmoRMSNorm
 
@@ -196,13 +213,27 @@ class Gemma4DecoderLayer(gemma2.Gemma2DecoderLayer):
         self.attention_class = {"reuse": Gemma4ReusedKVAttention, "store": Gemma4KVSourceAttention}.get(
             options.kv_sharing, LlamaAttention)
         super().__init__(config, options, mlp)
-        self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
         self.per_layer_width = config.hidden_size_per_layer_input
         if self.per_layer_width:
             self.per_layer_input_gate = ReplicatedLinear(config.hidden_size, self.per_layer_width)
             self.per_layer_projection = ReplicatedLinear(self.per_layer_width, config.hidden_size)
             self.post_per_layer_input_norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
             self.act_fn = get_act(config.hidden_activation)
+
+    def per_layer_branch(self, x: torch.Tensor, per_layer_input: torch.Tensor) -> torch.Tensor:
+        """x [tokens, hidden] gating this layer's per-layer input [tokens, width], projected back and normed."""
+        gated = self.act_fn(self.per_layer_input_gate(x)) * per_layer_input
+        return self.post_per_layer_input_norm(self.per_layer_projection(gated))
+
+
+class Gemma4DecoderLayer(PerLayerInputDecoderLayer):
+    """With `enable_moe_block`, the experts' output (from the residual stream, under their own pre-norm) joins the
+    dense MLP's, each after a norm of its own; the layer's whole output (residual stream included) is scaled by
+    `layer_scalar`, so each layer hands the next its sum rather than a pending residual add."""
+
+    def __init__(self, config: PretrainedConfig, options: Gemma4AttentionOptions, mlp: nn.Module):
+        super().__init__(config, options, mlp)
+        self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
         self.router: Gemma4Router | None = None
         if config.enable_moe_block:
             self.router = Gemma4Router(config)
@@ -228,8 +259,7 @@ class Gemma4DecoderLayer(gemma2.Gemma2DecoderLayer):
         x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
         x = residual + self.post_feedforward_layernorm(self.feed_forward(x, residual))
         if self.per_layer_width:
-            gated = self.act_fn(self.per_layer_input_gate(x)) * per_layer_input
-            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+            x = x + self.per_layer_branch(x, per_layer_input)
         return x * self.layer_scalar
 
 
@@ -256,14 +286,26 @@ class Gemma4Model(gemma.GemmaModel):
         return self.norm(x)
 
 
+# The per-layer embeddings' checkpoint names (at the model's top level) and where they load here.
+PER_LAYER_EMBEDDING_NAMES = {f"model.{name}.": f"model.per_layer_embeddings.{name}." for name in (
+    "embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm")}
+
+
+def reused_kv_weight_suffixes(config: PretrainedConfig) -> tuple[str, ...]:
+    """The key/value projections and key norms checkpoints keep for the layers reusing others' keys and values,
+    which transformers ignores on load."""
+    return tuple(f".layers.{i}.self_attn.{name}" for i in range(config.num_hidden_layers)
+                 if kv_sharing_mode(config, i) == "reuse"
+                 for name in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias", "k_norm.weight"))
+
+
 class Gemma4ForCausalLM(gemma2.Gemma2ForCausalLM):
     """Checkpoints keep k_proj/v_proj/k_norm of the layers reusing others' keys and values; transformers ignores
     them, and so does this. The per-layer embeddings load at the model's top level (`model.embed_tokens_per_layer`,
     ...), which here is that module's."""
 
     model_class = Gemma4Model
-    weight_name_substitutions = {f"model.{name}.": f"model.per_layer_embeddings.{name}." for name in (
-        "embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm")}
+    weight_name_substitutions = PER_LAYER_EMBEDDING_NAMES
     # transformers' Gemma4ForConditionalGeneration softcaps its logits as the text model does (Gemma 3's wrapper
     # does not): the vision-language reading keeps compute_logits (see vision_language.py).
     wrapper_scales_logits = True
@@ -277,10 +319,7 @@ class Gemma4ForCausalLM(gemma2.Gemma2ForCausalLM):
         media = [getattr(config, name) for name in MEDIA_TOKEN_IDS if getattr(config, name, None) is not None]
         self.media_token_ids = torch.tensor(media, dtype=torch.long) if media else None
         self.pad_token_id = config.pad_token_id
-        self.ignored_weight_suffixes = tuple(
-            f".layers.{i}.self_attn.{name}" for i in range(config.num_hidden_layers)
-            if kv_sharing_mode(config, i) == "reuse"
-            for name in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias", "k_norm.weight"))
+        self.ignored_weight_suffixes = reused_kv_weight_suffixes(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, meta: AttentionMetadata
                 ) -> torch.Tensor:

@@ -50,18 +50,21 @@ class GPT2Block(LayerNormDecoderLayer):
 
 class GPT2Model(LayerNormModel):
     decoder_layer = GPT2Block
+    position_offset = 0  # OPT's table holds 2 rows before position 0's (its padding's, once)
 
     def __init__(self, config: PretrainedConfig, attention_options: OptionsFactory, make_mlp: MLPFactory):
         super().__init__(config, attention_options, make_mlp)
         # Replicated on every rank: small (GPT-2's 1024 positions), and no all-reduce of its own.
-        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.wpe = nn.Embedding(config.max_position_embeddings + self.position_offset, config.hidden_size)
         self.wpe.weight.requires_grad_(False)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         """positions: each token's position in its sequence (so a cached prefix or an earlier chunk counts); None,
         in an encoder pass (see LLM.embed), adds no position embedding, as the rope families rotate nothing."""
-        x = self.embed_tokens(input_ids)
-        return x if positions is None else x + self.wpe(positions)
+        return self.add_positions(self.embed_tokens(input_ids), positions)
+
+    def add_positions(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        return x if positions is None else x + self.wpe(positions + self.position_offset)
 
 
 def check_config(config: PretrainedConfig) -> None:

@@ -6,25 +6,20 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanoinfer.layers.linear import QKVParallelLinear
+from nanoinfer.layers.linear import RegroupedQKVLinear
 from nanoinfer.models.layernorm_decoder import DenseMLP, LayerNormDecoderLayer, LayerNormModel
 from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM
 
 
-class GroupedQKVLinear(QKVParallelLinear):
+class GroupedQKVLinear(RegroupedQKVLinear):
     """A fused q/k/v projection stored grouped by KV head: each KV head's query heads, then its k, then its v.
     GPT-NeoX's (one query head per group: [heads, (q, k, v), head_dim]) and Falcon's (multi-query: one group)."""
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def parts(self, loaded: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """loaded: query_key_value's weight or bias, [kv heads x (q per kv head + 2) x head_dim, ...]."""
-        groups, per_group = self.total_num_kv_heads, self.total_num_heads // self.total_num_kv_heads + 2
-        rows, rest = groups * per_group * self.head_size, loaded.shape[1:]
-        if loaded.shape[0] != rows:
-            raise ValueError(f"shape mismatch: checkpoint tensor has {loaded.shape[0]} rows, expected {rows} "
-                             f"({groups} KV heads x {per_group} heads x {self.head_size})")
-        grouped = loaded[...].reshape(groups, per_group, self.head_size, *rest)
-        for shard_id, part in (("q", grouped[:, :-2]), ("k", grouped[:, -2]), ("v", grouped[:, -1])):
-            super().weight_loader(param, part.reshape(-1, *rest), shard_id)
+        per_group = self.total_num_heads // self.total_num_kv_heads + 2
+        grouped = loaded.reshape(self.total_num_kv_heads, per_group, self.head_size, *loaded.shape[1:])
+        return [("q", grouped[:, :-2]), ("k", grouped[:, -2]), ("v", grouped[:, -1])]
 
 
 class GPTNeoXAttention(LlamaAttention):

@@ -9,8 +9,10 @@ from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCau
 
 
 class GPTJBlock(LayerNormDecoderLayer):
+    attention_class: type[LlamaAttention] = LlamaAttention  # CodeGen's loads its own qkv_proj layout
+
     def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module):
-        super().__init__(LlamaAttention(config, options), mlp, config.hidden_size, config.layer_norm_epsilon,
+        super().__init__(self.attention_class(config, options), mlp, config.hidden_size, config.layer_norm_epsilon,
                          "parallel-one-norm")
 
 

@@ -7,7 +7,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.models.apertus import ApertusForCausalLM
-from nanoinfer.models.deepseek_v3 import UngroupedSigmoidMoE, is_sparse_by_layer_type
+from nanoinfer.models.deepseek_v3 import UngroupedSigmoidMoE, mlp_layer_type
 from nanoinfer.models.llama import LlamaForCausalLM, LlamaMLP
 
 
@@ -20,7 +20,7 @@ class HYV3ForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
-        if not is_sparse_by_layer_type(config, layer_idx):
+        if mlp_layer_type(config, layer_idx) != "sparse":
             return LlamaMLP(config)
         return UngroupedSigmoidMoE(config, config.num_experts, config.moe_intermediate_size * config.num_shared_experts,
                                    config.router_scaling_factor)

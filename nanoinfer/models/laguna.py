@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanoinfer.models.deepseek_v3 import UngroupedSigmoidMoE, is_sparse_by_layer_type
+from nanoinfer.models.deepseek_v3 import UngroupedSigmoidMoE, mlp_layer_type
 from nanoinfer.models.gemma2 import check_layer_types
 from nanoinfer.models.gpt_oss import GptOssRMSNorm
 from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM, LlamaMLP, layer_sliding_window
@@ -43,7 +43,7 @@ class LagunaForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
-        if not is_sparse_by_layer_type(config, layer_idx):
+        if mlp_layer_type(config, layer_idx) != "sparse":
             return LlamaMLP(config)
         return UngroupedSigmoidMoE(config, config.num_experts, config.shared_expert_intermediate_size,
                                    config.moe_routed_scaling_factor, config.moe_router_logit_softcapping)

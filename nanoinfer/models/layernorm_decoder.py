@@ -1,6 +1,6 @@
-"""The decoder parts of the LayerNorm families (StarCoder2, StableLM, Phi, GPT-NeoX, Cohere): LayerNorms (with
-biases but Cohere's), dense (ungated) MLPs, LayerNorms on queries and keys, and the parallel residual
-x + attn(ln1(x)) + mlp(ln2(x))."""
+"""The decoder parts of the LayerNorm families (StarCoder2, StableLM, Phi, GPT-NeoX, Cohere, OPT): LayerNorms (with
+biases but Cohere's), dense (ungated) MLPs, LayerNorms on queries and keys, the parallel residual
+x + attn(ln1(x)) + mlp(ln2(x)) and the post-norm layer ln2(h + mlp(h)), h = ln1(x + attn(x))."""
 from collections.abc import Callable
 from functools import partial
 from typing import Literal
@@ -66,6 +66,11 @@ class QKLayerNormAttention(LlamaAttention):
         return self.o_proj(self.attn(q, k, v, meta))
 
 
+def shared_qk_norm(eps: float) -> QKNormFactory:
+    """One LayerNorm (weight and bias) over head_dim for all the heads (Phi's, Persimmon's q/k norms)."""
+    return lambda heads, head_dim: LayerNorm(head_dim, eps)
+
+
 def maybe_per_head_qk_norm_attention(config: PretrainedConfig, options: AttentionOptions, qk_norm: bool,
                                      eps: float) -> LlamaAttention:
     """The Llama attention, with a LayerNorm of each head's own on its query and key where qk_norm (StableLM,
@@ -75,14 +80,16 @@ def maybe_per_head_qk_norm_attention(config: PretrainedConfig, options: Attentio
     return LlamaAttention(config, options)
 
 
-# How a layer adds its sublayers: one after the other, or both from its input, with two norms or one.
-Residual = Literal["sequential", "parallel", "parallel-one-norm"]
+# How a layer adds its sublayers: one after the other, or both from its input, with two norms or one; or one after
+# the other with each norm after its add (post-norm).
+Residual = Literal["sequential", "parallel", "parallel-one-norm", "post-norm"]
 
 
 class LayerNormDecoderLayer(nn.Module):
     """Pre-norm with LayerNorms. Sequential: h = x + attn(ln1(x)); out = h + mlp(ln2(h)) (LlamaDecoderLayer's order).
     Parallel: out = x + attn(ln1(x)) + mlp(ln2(x)), with ln2 = ln1 where the family has a single norm (Phi,
-    StableLM). As in LlamaDecoderLayer, the stream is x + residual, the add left to the next norm. norm: the
+    StableLM). Post-norm (OPT-350m): h = ln1(x + attn(x)); out = ln2(h + mlp(h)), no residual carried. Otherwise, as
+    in LlamaDecoderLayer, the stream is x + residual, the add left to the next norm. norm: the
     LayerNorm class (hidden_size, eps), without bias (Cohere) or any parameter (OLMo) where the family's has none."""
 
     def __init__(self, attention: nn.Module, mlp: nn.Module, hidden_size: int, eps: float,
@@ -90,13 +97,16 @@ class LayerNormDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = attention
         self.mlp = mlp
-        self.parallel = residual != "sequential"
+        self.parallel = residual.startswith("parallel")
+        self.post_norm = residual == "post-norm"
         self.input_layernorm = norm(hidden_size, eps)
         self.post_attention_layernorm = (None if residual == "parallel-one-norm"
                                          else norm(hidden_size, eps))
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.post_norm:
+            return self.forward_post_norm(positions, x, meta), None  # residual: None, after a post-norm layer
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
@@ -109,10 +119,27 @@ class LayerNormDecoderLayer(nn.Module):
             x = self.post_attention_layernorm(residual)
         return attn + self.mlp(x), residual
 
+    def forward_post_norm(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata
+                          ) -> torch.Tensor:
+        x, _ = self.input_layernorm(self.self_attn(positions, x, meta), x)
+        x, _ = self.post_attention_layernorm(self.mlp(x), x)
+        return x
+
+
+class ResidualSum(nn.Module):
+    """In place of a final norm where a family has none (OPT-350m's post-norm layers): the stream x + residual, called
+    as a norm is."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        return (x if residual is None else x + residual), None
+
 
 class LayerNormModel(LlamaModel):
-    """LlamaModel with a final LayerNorm; subclasses set `decoder_layer`."""
+    """LlamaModel with a final LayerNorm, bias-free where `norm_bias` is False (Cohere, MPT); subclasses set
+    `decoder_layer`."""
 
-    @staticmethod
-    def final_norm(config: PretrainedConfig) -> nn.Module:
-        return LayerNorm(config.hidden_size, norm_eps(config))
+    norm_bias = True
+
+    @classmethod
+    def final_norm(cls, config: PretrainedConfig) -> nn.Module:
+        return LayerNorm(config.hidden_size, norm_eps(config), bias=cls.norm_bias)

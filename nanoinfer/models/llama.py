@@ -41,11 +41,14 @@ class AttentionOptions:
     rope: bool = True  # SmolLM3's NoPE layers: no position encoding at all
     rope_theta: float | None = None  # GraniteSWA: this layer's rope base, in place of the config's
     rope_interleaved: bool = False  # Cohere, GLM: rope rotates the pairs (x0, x1), (x2, x3), ...
+    rope_reversed: bool = False  # NanoChat: rope turns by minus the angle (see get_rope)
     logits_soft_cap: float | None = None  # Gemma 2: scores capped to cap * tanh(score / cap)
     clip_qkv: float | None = None  # OLMo: q, k, v clamped to [-clip_qkv, clip_qkv] first (OLMoE: after q/k norms)
     num_kv_heads: int | None = None  # where the config's `num_key_value_heads` does not say (Falcon, GPTBigCode)
     rotary_dim: int | None = None  # GPT-J: the leading dims rotated, where the config's rope settings do not say
     sinks: bool = False  # GPT-OSS: a learned logit per head joins each softmax's denominator
+    # BLOOM, MPT: ALiBi, the model's slope per head (layers/attention/alibi.py); such layers take rope=False
+    alibi_slopes: torch.Tensor | None = None
     # Llama 4's NoPE layers (attention temperature tuning) and Ministral 3: (floor_scale, attn_scale, offset), the
     # query at position p scaled by 1 + attn_scale * log(1 + floor((p + offset) / floor_scale)); offset 1 (Llama 4)
     # or 0 (Ministral 3).
@@ -103,11 +106,13 @@ class LlamaAttention(nn.Module):
             self.g_proj = ColumnParallelLinear(config.hidden_size, num_heads * (1 if self.gate_per_head else
                                                                                   self.head_dim))
         self.rotary_emb = (get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type,
-                                    options.rope_interleaved, options.rotary_dim, options.rope_theta)
+                                    options.rope_interleaved, options.rotary_dim, options.rope_theta,
+                                    options.rope_reversed)
                            if options.rope else None)
         scale = self.head_dim ** -0.5 if options.scale is None else options.scale
         self.attn = self.attn_class(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window,
-                                    options.logits_soft_cap, sinks=options.sinks, encoder_only=options.encoder_only)
+                                    options.logits_soft_cap, sinks=options.sinks, encoder_only=options.encoder_only,
+                                    alibi_slopes=options.alibi_slopes)
         if options.qk_norm:
             norm_class = options.qk_norm_class or RMSNorm
             self.q_norm, self.k_norm = (norm_class(self.head_dim, config.rms_norm_eps) for _ in range(2))

@@ -7,7 +7,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.rotary_embedding import rope_parameters
-from nanoinfer.models.deepseek_v3 import is_sparse_by_layer_type
+from nanoinfer.models.deepseek_v3 import mlp_layer_type
 from nanoinfer.models.gemma2 import check_layer_types
 from nanoinfer.models.llama import AttentionOptions, LlamaMLP
 from nanoinfer.models.qwen3 import Qwen3ForCausalLM
@@ -35,7 +35,7 @@ class MellumForCausalLM(Qwen3ForCausalLM):
 
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
-        return Qwen3MoeSparseMoeBlock(config) if is_sparse_by_layer_type(config, layer_idx) else LlamaMLP(config)
+        return Qwen3MoeSparseMoeBlock(config) if mlp_layer_type(config, layer_idx) == "sparse" else LlamaMLP(config)
 
     def __init__(self, config: PretrainedConfig):
         check_config(config)

@@ -1,5 +1,6 @@
 """OLMo (OLMo 1): Llama's attention and gated SiLU MLP with LayerNorms that have neither weight nor bias (epsilon
 1e-5), q/k/v clamped to [-clip_qkv, clip_qkv] where the config sets it, optional biases on q/k/v/o."""
+from collections.abc import Callable
 from functools import partial
 
 from torch import nn
@@ -13,17 +14,18 @@ OLMO_NORM_EPS = 1e-5  # transformers' OlmoLayerNorm: fixed, not in the config
 
 
 class OlmoDecoderLayer(LayerNormDecoderLayer):
+    norm: Callable[[int, float], LayerNorm] = partial(LayerNorm, affine=False)  # DBRX's: weight, no bias
+
     def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module):
-        super().__init__(LlamaAttention(config, options), mlp, config.hidden_size, OLMO_NORM_EPS,
-                         norm=partial(LayerNorm, affine=False))
+        super().__init__(LlamaAttention(config, options), mlp, config.hidden_size, OLMO_NORM_EPS, norm=self.norm)
 
 
 class OlmoModel(LayerNormModel):
     decoder_layer = OlmoDecoderLayer
 
-    @staticmethod
-    def final_norm(config: PretrainedConfig) -> nn.Module:
-        return LayerNorm(config.hidden_size, OLMO_NORM_EPS, affine=False)
+    @classmethod
+    def final_norm(cls, config: PretrainedConfig) -> nn.Module:
+        return cls.decoder_layer.norm(config.hidden_size, OLMO_NORM_EPS)
 
 
 class OlmoForCausalLM(LlamaForCausalLM):

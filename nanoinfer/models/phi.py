@@ -4,19 +4,24 @@ partial rotary; optionally LayerNorms on queries and keys (`qk_layernorm`, one s
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanoinfer.layers.layernorm import LayerNorm
-from nanoinfer.models.layernorm_decoder import DenseMLP, LayerNormDecoderLayer, LayerNormModel, QKLayerNormAttention
+from nanoinfer.models.layernorm_decoder import (DenseMLP, LayerNormDecoderLayer, LayerNormModel, QKLayerNormAttention,
+                                                Residual, shared_qk_norm)
 from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM
 
 
 class PhiDecoderLayer(LayerNormDecoderLayer):
+    # Persimmon's: GPT-NeoX's per-head query_key_value, one sublayer after the other.
+    attention_classes: tuple[type[QKLayerNormAttention], type[LlamaAttention]] = (QKLayerNormAttention, LlamaAttention)
+    residual: Residual = "parallel-one-norm"
+
     def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module):
         eps = config.layer_norm_eps
+        with_qk_norm, without = self.attention_classes
         if config.qk_layernorm:
-            attention = QKLayerNormAttention(config, options, lambda heads, head_dim: LayerNorm(head_dim, eps))
+            attention = with_qk_norm(config, options, shared_qk_norm(eps))
         else:
-            attention = LlamaAttention(config, options)
-        super().__init__(attention, mlp, config.hidden_size, eps, "parallel-one-norm")
+            attention = without(config, options)
+        super().__init__(attention, mlp, config.hidden_size, eps, self.residual)
 
 
 class PhiModel(LayerNormModel):

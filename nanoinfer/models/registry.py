@@ -9,8 +9,14 @@ _MODELS = {
     "AfmoeForCausalLM": ("afmoe", "AfmoeForCausalLM"),
     "ApertusForCausalLM": ("apertus", "ApertusForCausalLM"),
     "ArceeForCausalLM": ("arcee", "ArceeForCausalLM"),
-    "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
+    "AXK1ForCausalLM": ("axk1", "AXK1ForCausalLM"),
+    "BloomForCausalLM": ("bloom", "BloomForCausalLM"),
+    "CodeGenForCausalLM": ("codegen", "CodeGenForCausalLM"),
     "Cohere2ForCausalLM": ("cohere2", "Cohere2ForCausalLM"),
+    "Cohere2MoeForCausalLM": ("cohere2_moe", "Cohere2MoeForCausalLM"),
+    "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
+    "CwmForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama's windows by layer_types (Qwen2's attention), no biases
+    "DbrxForCausalLM": ("dbrx", "DbrxForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
     "Dots1ForCausalLM": ("dots1", "Dots1ForCausalLM"),
@@ -24,6 +30,7 @@ _MODELS = {
     "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "Gemma3nForCausalLM": ("gemma3n", "Gemma3nForCausalLM"),
     "Gemma4ForCausalLM": ("gemma4", "Gemma4ForCausalLM"),
     "GlmForCausalLM": ("glm", "GlmForCausalLM"),
     "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
@@ -32,6 +39,7 @@ _MODELS = {
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
     "GPTBigCodeForCausalLM": ("gpt_bigcode", "GPTBigCodeForCausalLM"),
     "GPTJForCausalLM": ("gptj", "GPTJForCausalLM"),
+    "GPTNeoForCausalLM": ("gpt_neo", "GPTNeoForCausalLM"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
@@ -43,20 +51,27 @@ _MODELS = {
     "HunYuanDenseV1ForCausalLM": ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
     "HunYuanMoEV1ForCausalLM": ("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM"),
     "HYV3ForCausalLM": ("hy_v3", "HYV3ForCausalLM"),
-    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Jais2ForCausalLM": ("jais2", "Jais2ForCausalLM"),
     "Kolibri1ForCausalLM": ("kolibri1", "Kolibri1ForCausalLM"),
     "LagunaForCausalLM": ("laguna", "LagunaForCausalLM"),
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     "MellumForCausalLM": ("mellum", "MellumForCausalLM"),
+    "MiniMaxM2ForCausalLM": ("minimax_m2", "MiniMaxM2ForCausalLM"),
     "MinistralForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama's windows by layer_types (Qwen2's attention)
     "Ministral3ForCausalLM": ("ministral3", "Ministral3ForCausalLM"),
     "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "MPTForCausalLM": ("mpt", "MptForCausalLM"),  # MosaicML's own remote-code name, as on the Hub
+    "MptForCausalLM": ("mpt", "MptForCausalLM"),
+    "NanoChatForCausalLM": ("nanochat", "NanoChatForCausalLM"),
     "NemotronForCausalLM": ("nemotron", "NemotronForCausalLM"),
     "OlmoForCausalLM": ("olmo", "OlmoForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
     "Olmo3ForCausalLM": ("olmo3", "Olmo3ForCausalLM"),
     "OlmoeForCausalLM": ("olmoe", "OlmoeForCausalLM"),
+    "OPTForCausalLM": ("opt", "OPTForCausalLM"),
+    "PersimmonForCausalLM": ("persimmon", "PersimmonForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "PhiForCausalLM": ("phi", "PhiForCausalLM"),
     "PhimoeForCausalLM": ("phimoe", "PhimoeForCausalLM"),
@@ -69,9 +84,13 @@ _MODELS = {
     "Qwen3_5MoeForCausalLM": ("qwen3_5", "Qwen3_5MoeForCausalLM"),
     "SeedOssForCausalLM": ("seed_oss", "SeedOssForCausalLM"),
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
+    # GLM-4.5's model without q/k norms, experts on every layer (the config has neither use_qk_norm nor
+    # first_k_dense_replace)
+    "SolarOpenForCausalLM": ("glm4_moe", "Glm4MoeForCausalLM"),
     "StableLmForCausalLM": ("stablelm", "StableLmForCausalLM"),
     "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
     "VaultGemmaForCausalLM": ("vaultgemma", "VaultGemmaForCausalLM"),
+    "YoutuForCausalLM": ("youtu", "YoutuForCausalLM"),
 }
 # Hybrids of attention with recurrent layers (Mamba2, short convolutions; Zamba2's shared attention blocks).
 _MODELS |= {
@@ -96,8 +115,9 @@ _MODELS |= {
 # Sequence classification (see classification.py) over the decoder of the causal LM of the same family.
 _CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM" for family in (
     "Arcee", "DeepseekV2", "DeepseekV3", "Exaone4", "Falcon", "Gemma", "Gemma2", "Glm", "Glm4", "GPTBigCode", "GPTJ",
-    "GPTNeoX", "Helium", "HunYuanDenseV1", "HunYuanMoEV1", "Llama", "Mistral", "Mixtral", "Nemotron", "Olmo", "Olmo2", "Olmo3", "Phi",
-    "Phi3", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe", "SeedOss", "SmolLM3", "StableLm", "Starcoder2")} | {
+    "GPTNeo", "GPTNeoX", "Helium", "HunYuanDenseV1", "HunYuanMoEV1", "Llama", "Mistral", "Mixtral", "Nemotron", "Olmo",
+    "Olmo2", "Olmo3", "OPT", "Persimmon", "Phi", "Phi3", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe", "SeedOss", "SmolLM3",
+    "StableLm", "Starcoder2")} | {
     "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM", "GPT2ForSequenceClassification": "GPT2LMHeadModel"}
 
 # Encoder-only models (bert.py, modernbert.py): bidirectional, with absolute positions or rope; embedders (`*Model`:
@@ -119,6 +139,7 @@ _ENCODERS = {
 _ANY_TEXT_FAMILY = None
 _VISION_LANGUAGE = {
     "Gemma3ForConditionalGeneration": {"gemma3_text": _MODELS["Gemma3ForCausalLM"]},
+    "Gemma3nForConditionalGeneration": {"gemma3n_text": _MODELS["Gemma3nForCausalLM"]},
     "Gemma4ForConditionalGeneration": {"gemma4_text": _MODELS["Gemma4ForCausalLM"]},
     "Llama4ForConditionalGeneration": {"llama4_text": _MODELS["Llama4ForCausalLM"]},
     "Mistral3ForConditionalGeneration": {"mistral": _MODELS["MistralForCausalLM"],

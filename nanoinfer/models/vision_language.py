@@ -37,7 +37,10 @@ def text_only(causal_lm: type[nn.Module], architecture: str) -> type[nn.Module]:
         causal_lm.__init__(self, config)
         # Instance attributes: some families set theirs per config (DeepSeek-V3's and GLM-4.5's MTP layers).
         self.weight_name_substitutions = {**LANGUAGE_MODEL_NAMES, **getattr(self, "weight_name_substitutions", {})}
-        self.ignored_weight_prefixes = VISION_PREFIXES + tuple(getattr(self, "ignored_weight_prefixes", ()))
+        # Less what the language model loads itself (Gemma 3n's embeddings of media token ids).
+        own = [name for name, _ in self.named_parameters()]
+        self.ignored_weight_prefixes = tuple(p for p in VISION_PREFIXES if not any(n.startswith(p) for n in own)) + \
+            tuple(getattr(self, "ignored_weight_prefixes", ()))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """The bare LM head: transformers' wrappers apply none of the text family's logit scaling (Gemma 2/3's final

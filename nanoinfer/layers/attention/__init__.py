@@ -31,11 +31,15 @@ class Attention(nn.Module):
     `value_prefix_dim` (DeepSeek's latent cache, MLA), each value is its key's first value_prefix_dim entries: the
     layer takes no v, only K is cached, and the output per head is value_prefix_dim wide. With `sinks` (GPT-OSS), a
     learned logit per head, the parameter `sinks` [num_heads], joins each softmax's denominator as a key whose value
-    is 0. num_heads, num_kv_heads: this tensor-parallel rank's."""
+    is 0. With `alibi_slopes` [the model's heads] (BLOOM, MPT), each head adds -slope * |query position - key
+    position| to its scaled scores (after a soft cap; causally, slope * (key - query position)); this rank keeps its
+    own heads' slopes, fp32, in the buffer of that name.
+    num_heads, num_kv_heads: this tensor-parallel rank's."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                 value_prefix_dim: int | None = None, sinks: bool = False, encoder_only: bool = False):
+                 value_prefix_dim: int | None = None, sinks: bool = False, encoder_only: bool = False,
+                 alibi_slopes: torch.Tensor | None = None):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         if sliding_window is not None and sliding_window < 1:
@@ -49,6 +53,12 @@ class Attention(nn.Module):
         self.value_prefix_dim = value_prefix_dim
         self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None
         self.first_head, self.total_heads = tp_rank() * num_heads, tp_size() * num_heads  # this rank's in the model's
+        if alibi_slopes is not None and tuple(alibi_slopes.shape) != (self.total_heads,):
+            raise ValueError(f"alibi_slopes must hold one slope per head ({self.total_heads}), got shape "
+                             f"{tuple(alibi_slopes.shape)}")
+        # Non-persistent: derived from the config, never in a checkpoint; fp32 whatever the model's dtype.
+        self.register_buffer("alibi_slopes", None if alibi_slopes is None else alibi_slopes.narrow(
+            0, self.first_head, num_heads).to(torch.get_default_device(), torch.float32), persistent=False)
         self.k_cache = self.v_cache = torch.empty(0)  # [num_blocks, block_size, kv_heads, head_dim], set by ModelRunner
         self.backend = None  # set by ModelRunner with the cache
 
@@ -95,6 +105,6 @@ class Attention(nn.Module):
         v = k[..., :self.value_prefix_dim] if self.value_prefix_dim else v.view(-1, self.num_kv_heads, self.head_dim)
         window = self.sliding_window if meta.causal or self.encoder_only else None
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, window,
-                                    self.logits_soft_cap, self.sinks)
+                                    self.logits_soft_cap, self.sinks, self.alibi_slopes)
 
 __all__ = ["Attention", "AttentionMetadata", "get_backend"]

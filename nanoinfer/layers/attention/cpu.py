@@ -1,7 +1,8 @@
 """Paged attention in PyTorch, for the CPU (and the fallback on CUDA without flash-attn). Decode: a C kernel
 reading K/V in place on CPU fp32 (else one batched SDPA over gathered blocks). Prefill: one SDPA per sequence, or,
 for steps of a few tokens per sequence (speculative verification), every query row through the decode kernel.
-SDPA cannot soft-cap scores nor add attention sinks: such layers compute the scores explicitly instead."""
+SDPA cannot soft-cap scores nor add attention sinks: such layers compute the scores explicitly instead. ALiBi's
+biases go into SDPA as a float mask (alibi.py)."""
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 
 from nanoinfer.kernels import cpu as cpu_kernels
 from nanoinfer.kernels.cpu import paged_decode_attention, store_kvcache, use_cpu_kernels
+from nanoinfer.layers.attention.alibi import alibi_mask
 from nanoinfer.layers.attention.metadata import AttentionMetadata
 
 # Decode without the kernel gathers each sequence's K/V, padded to the longest context: for a whole batch that is
@@ -40,7 +42,8 @@ class CPUState:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
               scale: float, soft_cap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [batch, heads, n, dim], k, v [batch, kv_heads, keys, dim] -> [batch, heads, n, dim]; mask (True: visible)
-    broadcasts to [batch, 1, n, keys], or None for all keys (causal: the square causal mask)."""
+    broadcasts to [batch, 1, n, keys], or None for all keys (causal: the square causal mask); or a float mask added to
+    the scaled scores, [batch, heads or 1, n, keys] (ALiBi's, -inf where not visible)."""
     if soft_cap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and causal, scale=scale,
                                               enable_gqa=True)
@@ -54,11 +57,11 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     """attention() over materialized scores, in the order of transformers' eager attention, softmax in fp32: with
     soft_cap, each scaled score s capped to soft_cap * tanh(s / soft_cap) before the mask (Gemma 2); with sinks
     [heads], each head's sink logit joins its softmax as one more column, dropped after it (GPT-OSS). Each KV head
-    serves its group of query heads as a broadcast dim: no repeated K/V."""
+    serves its group of query heads as a broadcast dim: no repeated K/V. A float mask is added after the cap."""
     b, heads, n, dim = q.shape
     rows = max(1, EXPLICIT_SCORE_BYTES // (4 * b * heads * k.shape[2]))
     if n > rows:  # chunks of query rows, each with its rows of the mask
-        mask = None if mask is None else mask.expand(*mask.shape[:-2], n, k.shape[2])
+        mask = None if mask is None else mask.expand(*mask.shape[:-2], n, mask.shape[-1])
         return torch.cat([explicit_attention(q[:, :, i:i + rows], k, v, None if mask is None else
                                              mask[..., i:i + rows, :], scale, soft_cap, sinks)
                           for i in range(0, n, rows)], 2)
@@ -67,8 +70,12 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
     if soft_cap is not None:
         scores = torch.tanh(scores / soft_cap) * soft_cap
-    if mask is not None:  # [batch, 1, n, keys] -> [batch, 1, 1, n, keys] over (KV head, head in group)
-        scores = scores.masked_fill(~(mask.unsqueeze(1) if mask.dim() == 4 else mask), float("-inf"))
+    if mask is not None and mask.dim() == 4:  # [batch, heads or 1, n, keys] -> [batch, KV heads or 1, group or 1, ...]
+        mask = mask.unflatten(1, (kv_heads if mask.shape[1] == heads else 1, -1))
+    if mask is not None and mask.dtype != torch.bool:
+        scores = scores + mask
+    elif mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is None:
         probs = torch.softmax(scores, -1, dtype=torch.float32)
     else:
@@ -114,28 +121,33 @@ class CPUAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
-                soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+                alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
         """q [tokens, heads, dim] and this step's k, v [tokens, kv_heads, dim], already stored in the cache
         -> [tokens, heads * v dim]; without a cached prefix k, v may hold longer contexts, sequence i's from row
         cu_seqlens_k[i] (MLA's decompressed K/V, never stored). With a window, a query at position p sees keys at
         p - window < position <= p, or, in a non-causal pass, at p - window < position < p + window. With soft_cap,
         each scaled score s becomes soft_cap * tanh(s / soft_cap) before the mask. With sinks [heads], each head's
-        sink logit joins the denominator of its softmax. A V cache narrower than the K cache is K's prefix (a view of
+        sink logit joins the denominator of its softmax. With alibi_slopes [heads] fp32, each head adds -slope *
+        |query position - key position| to its scores. A V cache narrower than the K cache is K's prefix (a view of
         it: Attention's value_prefix_dim)."""
         state: CPUState = meta.backend_state
         if state is not None and state.row_context_lens is not None:
             return _kernel_decode(q, k_cache, v_cache, state.row_block_tables, state.row_context_lens, scale, window,
-                                  soft_cap, sinks)
+                                  soft_cap, sinks, alibi_slopes)
         if not meta.is_decode:
-            return self._prefill(q, k, v, k_cache, v_cache, meta, scale, window, soft_cap, sinks)
+            return self._prefill(q, k, v, k_cache, v_cache, meta, scale, window, soft_cap, sinks, alibi_slopes)
         if self.decode_kernel:
             return _kernel_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window, soft_cap,
-                                  sinks)
+                                  sinks, alibi_slopes)
         b, slots = meta.num_seqs, state.mask.shape[-1]
         mask = state.mask
+        slot = torch.arange(slots, device=mask.device)
         if window is not None:
-            slot = torch.arange(slots, device=mask.device)
             mask = mask & (slot >= (meta.context_lens - window).view(-1, 1, 1, 1))
+        if alibi_slopes is not None:  # the query sits at context - 1
+            mask = alibi_mask(alibi_slopes, (slot - (meta.context_lens.view(-1, 1) - 1)).unsqueeze(1), mask[:, 0],
+                              q.dtype)
         blocks = state.block_index.view(b, -1)
         rows = max(1, DECODE_GATHER_BYTES // (2 * slots * k_cache[0, 0].nbytes))
         outs = []
@@ -149,7 +161,8 @@ class CPUAttentionBackend:
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None,
-                 soft_cap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+                 soft_cap: float | None, sinks: torch.Tensor | None, alibi_slopes: torch.Tensor | None
+                 ) -> torch.Tensor:
         # This step's v may be None where every sequence attends over the cache alone.
         out = q.new_empty(q.shape[0], q.shape[1] * (v_cache if v is None else v).shape[-1])
         for i, (start, end, ctx, k_start) in enumerate(meta.backend_state.spans):
@@ -168,12 +181,12 @@ class CPUAttentionBackend:
                 vs = (ks[..., :v_cache.shape[-1]] if v_cache.shape[-1] < k_cache.shape[-1]  # V is K's prefix
                       else self._gather("v", v_cache, blocks).flatten(0, 1)[skip:skip + ctx - first])
             mask = None
-            if ctx != n or (window is not None and window < n):
+            if ctx != n or (window is not None and window < n) or alibi_slopes is not None:
                 q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
                 k_pos = torch.arange(first, ctx, device=q.device)
-                mask = k_pos <= q_pos if meta.causal else k_pos < q_pos + window
-                if window is not None:
-                    mask &= k_pos > q_pos - window
+                mask = _visible(q_pos, k_pos, meta.causal, window)
+                if alibi_slopes is not None:
+                    mask = alibi_mask(alibi_slopes, k_pos - q_pos, mask, q.dtype).unsqueeze(0)
             # 4-D inputs: with 3-D ones SDPA skips its fused CPU kernel for the slow math path.
             qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q[start:end], ks, vs))
             o = attention(qs, ks, vs, mask, meta.causal, scale, soft_cap, sinks)
@@ -189,16 +202,31 @@ class CPUAttentionBackend:
         return torch.index_select(cache, 0, block_index, out=buf[:numel].view(shape))
 
 
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor | None:
+    """Which keys each query sees (q_pos [n, 1], k_pos [keys]): causally those up to its own position, else all of
+    them; with a window only the last `window` of those (non-causal: within window - 1 on either side). None: all."""
+    if causal:
+        visible = k_pos <= q_pos
+    elif window is not None:
+        visible = k_pos < q_pos + window
+    else:
+        return None
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    return visible
+
+
 def _kernel_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                    context_lens: torch.Tensor, scale: float, window: int | None, soft_cap: float | None,
-                   sinks: torch.Tensor | None) -> torch.Tensor:
+                   sinks: torch.Tensor | None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """The C decode kernel -> [seqs, heads * v dim]. With V as K's prefix, the kernel (whose V rows are laid out
     as K's) reads the whole K rows as values and each head's output keeps the prefix: the rest (MLA's rope part,
     64 of 576 for DeepSeek-V3) is ~10% more accumulation for no new kernel."""
     if v_cache.shape[-1] == k_cache.shape[-1]:
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window, soft_cap,
-                                      sinks).flatten(1)
-    out = paged_decode_attention(q, k_cache, k_cache, block_tables, context_lens, scale, window, soft_cap, sinks)
+                                      sinks, alibi_slopes).flatten(1)
+    out = paged_decode_attention(q, k_cache, k_cache, block_tables, context_lens, scale, window, soft_cap, sinks,
+                                 alibi_slopes)
     return out[..., :v_cache.shape[-1]].flatten(1)
 
 

@@ -24,11 +24,14 @@ class FlashAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
-                soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+                alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
         """q [tokens, heads, dim], this step's k, v [tokens, kv_heads, dim] (already stored) -> [tokens, heads*dim].
         With a window, a query at position p sees keys at p - window < position <= p (flash-attn: left window-1),
         or, in a non-causal pass, at p - window < position < p + window (window-1 on both sides).
         With soft_cap, scores are capped to soft_cap * tanh(score / soft_cap) (flash-attn: softcap, 0 for none).
+        With alibi_slopes [heads] fp32, flash-attn adds -slope * |query position - key position| to each score, as the
+        other backends do, positions aligned to the bottom right as above.
         flash-attn 2 has no attention sinks: select_backend never picks this backend for a model with them."""
         if sinks is not None:
             raise ValueError("the flash backend cannot run attention sinks (flash-attn 2 has none): use 'triton'")
@@ -38,7 +41,7 @@ class FlashAttentionBackend:
             # One query per sequence; causal is moot for a single query row.
             o = self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
                                   block_table=meta.block_tables, softmax_scale=scale, causal=True,
-                                  window_size=window_size, softcap=softcap)
+                                  window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
             return o.flatten(1)
         table = None
         if meta.has_cached_prefix:  # keys come from the cache: the prefix was computed in earlier steps
@@ -47,5 +50,6 @@ class FlashAttentionBackend:
         # context c sits at position c - n + j, as in the CPU backend.
         o = self.varlen(q, k, v, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
                         max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, softmax_scale=scale,
-                        causal=meta.causal, window_size=window_size, softcap=softcap, block_table=table)
+                        causal=meta.causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                        block_table=table)
         return o.flatten(1)
