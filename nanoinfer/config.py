@@ -158,7 +158,9 @@ class Config:
         mlp_size = (getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None)
                     or getattr(cfg, "ffn_dim", None) or 4 * cfg.hidden_size)
         mlp_sizes = mlp_size if isinstance(mlp_size, list) else [mlp_size]  # Gemma 3n's: one per layer
-        for name, value in (("num_attention_heads", heads), *(("intermediate_size", size) for size in mlp_sizes)):
+        per_layer_heads = getattr(cfg, "num_attention_heads_per_layer", None) or ()  # Laguna's
+        for name, value in (("num_attention_heads", heads), *(("intermediate_size", size) for size in mlp_sizes),
+                            *((f"num_attention_heads_per_layer[{i}]", h) for i, h in enumerate(per_layer_heads))):
             if value % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name} ({value})")
         for layer in layer_configs(cfg):

@@ -247,6 +247,34 @@ EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_N
 # on 0 and 2).
 MAMBA1_KINDS = ("mamba", "falcon-mamba", "jamba")
 EXTRA_KINDS += MAMBA1_KINDS
+# The newest transformers families (see newest_family_config), each with transformers' module name: where the
+# installed transformers lacks it (5.17, the GPU machine's, lacks some), its tests skip (conftest's model_dir).
+# AFMoE (afmoe): per-head q/k norms, a sigmoid output gate, sliding layers 0 and 2 with rope and a full NoPE layer 1,
+# four norms per layer, muP's embedding scale, q/k/v/o biases; layer 0 dense, then 2 of 8 experts (sigmoid, a random
+# expert_bias, renormalized, route_scale) plus a shared expert.
+# Mellum: Qwen3-MoE's attention (q/k/v/o biases) on sliding layers 0 and 2 and a full layer 1 with another rope base,
+# layer 0's MLP dense, then 2 of 8 experts (softmax, renormalized). HY3 (hy-v3): per-head q/k norms, q/k/v/o and MLP
+# biases, layer 0 dense, then 2 of 8 experts (sigmoid, a random correction bias, renormalized, scaled) plus a shared
+# expert. Laguna: 4, 6 and 2 query heads on its layers (2 KV heads), a softplus gate per head, sliding layers 0 and 2
+# and a full layer 1 with its own rope over half of each head, q/k/v/o biases; layer 0 dense, then 2 of 8 experts
+# (sigmoid of router logits softcapped below their size, a random correction bias, renormalized, scaled) plus a
+# shared expert.
+# Flint: GPT-OSS's sinks (GPT_OSS_SINK_STD) and norms, per-head q/k norms, sliding layers 0 and 2 with rope and a full
+# NoPE layer 1, q/k/v/o biases; layer 0 dense (mlp_only_layers), then 2 of 8 experts (sigmoid, renormalized) plus a
+# shared expert.
+# Kolibri-1 (kolibri1): EXAONE 4's attention (sliding layers 0 and 2 with rope, a full NoPE layer 1) in GLM-4's
+# four-norm layer, 2 of 8 experts on every layer (the top router logits plus a random correction bias, weighted by
+# their sigmoid, renormalized) plus a shared expert.
+# LFM3: LFM2's short convolutions (layers 0 and 2) with a sliding attention layer 1 and a full one 3 with its own
+# (proportional) rope over half of each head, sandwich norms, a sigmoid output gate per head, q/k/v/o biases.
+# OLMo Hybrid (olmo-hybrid): Gated DeltaNet layers 0 and 2 (q, k, v and their convs stored apart, beta doubled) around
+# OLMo 3's post-norm attention layer 1 (whole-projection q/k norms, q/k/v/o biases).
+NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
+                   "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid"}
+NEWEST_KINDS = tuple(NEWEST_FAMILIES)
+NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid")  # tested as the other hybrids (test_ssm.py)
+NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS if kind not in NEWEST_HYBRID_KINDS)  # as the MoEs (test_moe.py)
+EXTRA_KINDS += NEWEST_KINDS
 # DBRX: q/k/v clamped to +-DBRX_CLIP_QKV (a sixth of layer 0's are beyond it), GQA, 2 of 8 experts on every layer,
 # their weights divided by their DBRX_NORM_P-norm (DBRX's own is 1, a plain renormalization: 2 tells them apart).
 DBRX_CLIP_QKV = 0.5
@@ -256,7 +284,10 @@ SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 1
                   "gemma2": 11, "gemma4": 10, GEMMA3N_KIND: 10, "phi3": 24, "smollm3": 11, "olmo3": 11, "mixtral": 14,
                   "starcoder2": 13, "exaone4": 10, "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22,
                   "vaultgemma": 11, "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "gpt-neo": 11, "cwm": 12,
-                  "cohere2-moe": 11, "cohere2-moe-sigmoid": 12}
+                  "cohere2-moe": 11, "cohere2-moe-sigmoid": 12, "afmoe": 10, "mellum": 12,
+                  "laguna": 11, "flint": 12, "kolibri1": 10}
+# LFM3's window, apart from SLIDING_WINDOW (whose test takes prefix cache hits, which hybrids refuse).
+LFM3_SLIDING_WINDOW = 10
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -321,6 +352,8 @@ _SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
 _SEEDS |= {"opt": 6579, "opt-350m": 7680, "gpt-neo": 8791, "codegen": 9802, "persimmon": 1913, "dbrx": 2924}
 _SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minimax-m2": 9818, "axk1": 1929,
            "nanochat": 2030, "cohere2-moe": 3141, "cohere2-moe-sigmoid": 4252}
+_SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818, "kolibri1": 1929,
+           "lfm3": 2030, "olmo-hybrid": 3141}
 
 
 def _token_ids():
@@ -350,6 +383,8 @@ def make_config(kind: str):
         return ssm_config(kind, special)
     if kind in MAMBA2_HYBRID_KINDS:
         return mamba2_hybrid_config(kind, special)
+    if kind in NEWEST_KINDS:
+        return newest_family_config(kind, special)
     if kind in ("qwen3", "qwen3-sharded"):
         return Qwen3Config(
             **_COMMON,
@@ -964,6 +999,87 @@ def make_config(kind: str):
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND, OLMO2_MQA_KIND)}")
 
 
+def newest_family_config(kind: str, special: dict):
+    """NEWEST_KINDS' configs, imported by name: transformers 5.17 lacks some of these families."""
+    import transformers
+
+    common = dict(**_COMMON, **special, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  tie_word_embeddings=False)
+    if kind == "afmoe":
+        return transformers.AfmoeConfig(**{**common, "intermediate_size": 96}, attention_bias=True,
+                                        sliding_window=SLIDING_WINDOW[kind], global_attn_every_n_layers=2,
+                                        mup_enabled=True, num_dense_layers=1, num_experts=8, num_experts_per_tok=2,
+                                        num_shared_experts=1, moe_intermediate_size=32, route_scale=2.5,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "mellum":
+        return transformers.MellumConfig(**{**common, "intermediate_size": 96}, attention_bias=True,
+                                         sliding_window=SLIDING_WINDOW[kind],
+                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                         mlp_layer_types=["dense", "sparse", "sparse"], num_experts=8,
+                                         num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                                         rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                                "rope_theta": 10_000.0},
+                                                          "full_attention": {"rope_type": "default",
+                                                                             "rope_theta": 500_000.0}})
+    if kind == "hy-v3":
+        return transformers.HYV3Config(**{**common, "intermediate_size": 96}, attention_bias=True, mlp_bias=True,
+                                       mlp_layer_types=["dense", "sparse", "sparse"], num_experts=8,
+                                       num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=32,
+                                       router_scaling_factor=2.5,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "laguna":
+        return transformers.LagunaConfig(**{**common, "intermediate_size": 96}, attention_bias=True, gating=True,
+                                         num_attention_heads_per_layer=[4, 6, 2], sliding_window=SLIDING_WINDOW[kind],
+                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                         mlp_layer_types=["dense", "sparse", "sparse"], num_experts=8,
+                                         num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=32, moe_routed_scaling_factor=2.5,
+                                         moe_router_logit_softcapping=1.5,
+                                         rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                                "rope_theta": 10_000.0},
+                                                          "full_attention": {"rope_type": "default",
+                                                                             "rope_theta": 500_000.0,
+                                                                             "partial_rotary_factor": 0.5}})
+    if kind == "flint":
+        return transformers.FlintConfig(**{**common, "intermediate_size": 96}, attention_bias=True,
+                                        sliding_window=SLIDING_WINDOW[kind],
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                        mlp_only_layers=[0], num_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                        norm_topk_prob=True,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "kolibri1":  # no dense MLP: no intermediate_size
+        return transformers.Kolibri1Config(**{k: v for k, v in common.items() if k != "intermediate_size"},
+                                           sliding_window=SLIDING_WINDOW[kind],
+                                           layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                           num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=32, norm_topk_prob=True,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "lfm3":
+        lfm3 = {**common, "intermediate_size": 96, "num_hidden_layers": 4}
+        return transformers.Lfm3Config(**{k: v for k, v in lfm3.items() if k != "rms_norm_eps"}, norm_eps=1e-5,
+                                       conv_L_cache=3, conv_bias=True, layer_types=["conv", "sliding_attention", "conv",
+                                                                         "full_attention"],
+                                       sliding_window=LFM3_SLIDING_WINDOW, use_sandwich_norm=True,
+                                       use_attention_gate=True, attention_bias=True,
+                                       rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                              "rope_theta": 10_000.0},
+                                                        "full_attention": {"rope_type": "proportional",
+                                                                           "rope_theta": 1_000_000.0,
+                                                                           "partial_rotary_factor": 0.5}})
+    if kind == "olmo-hybrid":
+        # No head_dim: hidden / heads. Values as wide as keys: transformers' save_pretrained splits the fused conv
+        # back into the Hub's q/k/v convs in three equal parts.
+        return transformers.OlmoHybridConfig(**{k: v for k, v in common.items() if k != "head_dim"},
+                                             attention_bias=True,
+                                             layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                             linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+                                             linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                                             linear_allow_neg_eigval=True,
+                                             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    raise ValueError(f"unknown model kind {kind!r}; expected one of {NEWEST_KINDS}")
+
+
 def qwen3_next_config(kind: str, special: dict):
     from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
@@ -1272,7 +1388,7 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
     if kind in GEMMA4_KINDS:
         _randomize_gemma4_(model, _SEEDS[base_kind])
-    if kind in ("gpt-oss", "granite-swa", "granitemoe-swa"):
+    if kind in ("gpt-oss", "granite-swa", "granitemoe-swa", "flint"):
         _sharpen_gpt_oss_(model, _SEEDS[base_kind])
     if kind in SSM_KINDS + MAMBA2_HYBRID_KINDS:
         _randomize_mamba_(model, _SEEDS[base_kind])

@@ -1,8 +1,8 @@
 """Dense families beyond the shared correctness tests (tests/test_correctness.py) without a file of their own (OLMo:
 test_olmo.py; MoE: test_moe.py): tensor parallelism against transformers, Gemma 3's, GPT-NeoX's and GPT-2's Hub
-layouts, the Gemma and GPT-2 config settings the engine refuses by name, the parallel residual (Phi, GPT-NeoX) and
-GPT-2's absolute positions under chunked prefill, prefix-cache hits and preemption, and the interleaved rope layout
-(Cohere, GLM)."""
+layouts, the Gemma, GPT-2, Laguna, Mellum and OLMo Hybrid config settings the engine refuses by name, the parallel
+residual (Phi, GPT-NeoX) and GPT-2's absolute positions under chunked prefill, prefix-cache hits and preemption, and
+the interleaved rope layout (Cohere, GLM)."""
 import json
 import shutil
 
@@ -92,6 +92,24 @@ def test_gemma4_hub_layout_matches_hf(model_dir, tmp_path, captured_logits):
     ("gemma3n", dict(hidden_size_per_layer_input=0), "hidden_size_per_layer_input=0"),
 ])
 def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes, message):
+    d = edited_model(model_dir(kind), tmp_path / "m", **changes)
+    with pytest.raises(ValueError, match=message) as refused:
+        LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
+    assert str(d) in str(refused.value)
+
+
+@pytest.mark.parametrize("kind, changes, message", [
+    ("laguna", dict(gating="per-token"), "gating='per-token'"),
+    # transformers' Mellum rotates whole heads with a partial rope's tables (and fails on their shapes).
+    ("mellum", dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                     "full_attention": {"rope_type": "default", "rope_theta": 500_000.0,
+                                                        "partial_rotary_factor": 0.5}}),
+     "partial_rotary_factor=0.5"),
+    # transformers' OLMo Hybrid pairs each value head with one key head (no repeat).
+    ("olmo-hybrid", dict(linear_num_value_heads=4, linear_value_head_dim=8), "linear_num_value_heads=4"),
+])
+def test_newest_families_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes,
+                                                                             message):
     d = edited_model(model_dir(kind), tmp_path / "m", **changes)
     with pytest.raises(ValueError, match=message) as refused:
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 import nanoinfer.layers.fused_moe as fused_moe
-from models import DEEPSEEK_KINDS, cached_hf_greedy, check_against_hf, load_hf_model, make_config, random_prompts
+from models import (DEEPSEEK_KINDS, NEWEST_MOE_KINDS, cached_hf_greedy, check_against_hf, load_hf_model, make_config,
+                    random_prompts)
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, select_experts
 from nanoinfer.models.llama4 import Llama4MoE
@@ -293,7 +294,7 @@ def test_mixtral_hub_layout_loads(model_dir):
 # are OLMo 2's, Qwen3's and DeepSeek-V3's, tested sharded here and in test_olmo.py / test_tensor_parallel.py).
 # Solar Open's and Youtu's layers are GLM-4.5's and DeepSeek-V3's (MLA) with Llama's MLP, sharded elsewhere.
 TP2_KINDS = (NEW_KINDS + ("granitemoe-shared", "ernie4.5-moe", "hunyuan-moe", "llama4", "gemma4-moe", "phimoe", "dbrx")
-             + DEEPSEEK_KINDS + ("minimax-m2", "cohere2-moe", "axk1"))
+             + DEEPSEEK_KINDS + ("minimax-m2", "cohere2-moe", "axk1") + NEWEST_MOE_KINDS)
 CHUNKED_KINDS = TP2_KINDS + ("olmoe", "glm4-moe", "dots1", "flexolmo", "exaone-moe", "granitemoe-swa", "solar-open",
                              "cohere2-moe-sigmoid", "youtu")
 

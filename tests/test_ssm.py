@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from models import MAMBA2_HYBRID_KINDS, SSM_KINDS
+from models import MAMBA2_HYBRID_KINDS, NEWEST_HYBRID_KINDS, SSM_KINDS
 from nanoinfer import LLM
 from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.mamba2 import Mamba2Mixer, Mamba2Settings, ssd_chunk_scan, ssd_step
@@ -27,7 +27,7 @@ from test_qwen3_next import GREEDY, LOGIT_ATOL, PROMPTS, run
 from test_qwen3_next import test_embed_is_refused, test_no_prefix_cache_reuse  # noqa: F401
 
 
-@pytest.fixture(scope="module", params=SSM_KINDS + MAMBA2_HYBRID_KINDS)
+@pytest.fixture(scope="module", params=SSM_KINDS + MAMBA2_HYBRID_KINDS + NEWEST_HYBRID_KINDS)
 def ssm_dir(request, model_dir):
     return model_dir(request.param)
 
@@ -52,7 +52,7 @@ def test_chunked_prefill_and_preemption_match_hf(ssm_dir, captured_logits, repor
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lfm2", "granitemoehybrid", "nemotron-h", "falcon-h1-norm", "bamba", "zamba2",
-                                  "mamba2", "lfm2-moe"])
+                                  "mamba2", "lfm2-moe", *NEWEST_HYBRID_KINDS])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): LFM2's short conv sharded by channels (LFM2-MoE's experts too); Granite's,
     NemotronH's, Falcon-H1's, Bamba's and Zamba2's attention, MLPs and experts sharded, their Mamba2 mixers (Mamba2's
@@ -65,7 +65,8 @@ def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_l
     heads = next((getattr(config, name) for name in ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads", "num_heads")
                   if getattr(config, name, None)), None)
     mixers = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Mamba2Mixer)]
-    assert bool(mixers) == (not kind.startswith("lfm2")) and all(m.ssm_state.shape[1] * 2 == heads for m in mixers)
+    assert bool(mixers) == (kind not in ("lfm2", "lfm2-moe", *NEWEST_HYBRID_KINDS))
+    assert all(m.ssm_state.shape[1] * 2 == heads for m in mixers)
 
 
 def _scan_inputs(n: int, heads: int = 4, groups: int = 2, head_dim: int = 3, state_size: int = 5, seed: int = 0):

@@ -116,6 +116,18 @@ def select_experts_sigmoid_biased(router_logits: torch.Tensor, top_k: int, corre
     return weights * scaling, ids
 
 
+def select_experts_biased_logits(router_logits: torch.Tensor, top_k: int, correction_bias: torch.Tensor,
+                                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kolibri-1: the top k of the fp32 router logits plus correction_bias; the weights the sigmoid of the chosen
+    (unbiased) logits, optionally rescaled to sum to 1, as transformers' Kolibri1TopKRouter computes them."""
+    logits = router_logits.float()
+    ids = torch.topk(logits + correction_bias.float(), top_k, dim=-1)[1]
+    weights = logits.gather(1, ids).sigmoid()
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
 def select_experts_sigmoid_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Llama 4: the top k router logits, each through a sigmoid in fp32 (no softmax, no rescaling), as transformers'
     Llama4Router computes them."""

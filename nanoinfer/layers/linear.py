@@ -228,6 +228,26 @@ def load_row_shards(param: nn.Parameter, loaded: torch.Tensor, segments: Segment
     copy_weight(param, torch.cat(parts))
 
 
+def load_row_segment(param: nn.Parameter, loaded: torch.Tensor, segments: Segments, index: int) -> None:
+    """Copy this rank's rows of a checkpoint tensor holding segment `index` of `segments` alone (OLMo Hybrid's q, k
+    and v projections and convs, stored apart) to their place among this rank's rows."""
+    rows, split = segments[index]
+    if loaded.shape[0] != rows:
+        raise ValueError(f"shape mismatch: checkpoint tensor {tuple(loaded.shape)}, expected {rows} rows (segment "
+                         f"{index} of {segments})")
+    size = rows // tp_size() if split else rows
+    start = tp_rank() * size if split else 0
+    copy_weight(param.data.narrow(0, local_rows(segments[:index]), size), loaded.narrow(0, start, size))
+
+
+def load_segments(param: nn.Parameter, loaded: torch.Tensor, segments: Segments, shard_id: int | None) -> None:
+    """A checkpoint tensor of all the segments (shard_id None) or of segment shard_id alone."""
+    if shard_id is None:
+        load_row_shards(param, loaded, segments)
+    else:
+        load_row_segment(param, loaded, segments, shard_id)
+
+
 class SegmentedColumnParallelLinear(LinearBase):
     """A column-parallel layer whose output rows are segments, each split over the ranks or whole on each (Mamba2's
     in_proj: z, x, dt split by heads; B and C by groups, or whole where the groups do not split; Qwen3.5's
@@ -237,5 +257,5 @@ class SegmentedColumnParallelLinear(LinearBase):
         super().__init__(input_size, local_rows(segments), bias, tp_dim=0)
         self.segments = segments
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        load_row_shards(param, loaded, self.segments)
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        load_segments(param, loaded, self.segments, shard_id)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.layers.attention import AttentionMetadata
-from nanoinfer.layers.linear import Segments, load_row_shards, local_rows
+from nanoinfer.layers.linear import Segments, load_row_shards, load_segments, local_rows
 
 def load_rank_rows(param: nn.Parameter, loaded: torch.Tensor) -> None:
     """This rank's equal share of dim 0 (per-head or per-channel parameters)."""
@@ -67,8 +67,8 @@ class RowShardedWeight(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, *row_shape), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(rows), requires_grad=False) if bias else None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        load_row_shards(param, loaded, self.segments)
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        load_segments(param, loaded, self.segments, shard_id)
 
 
 class RecurrentLayer(nn.Module):

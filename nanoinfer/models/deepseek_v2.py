@@ -182,11 +182,13 @@ class DeepseekRouter(nn.Module):
     """The router's weight (and V3's e_score_correction_bias, kept in fp32 in 16-bit models as transformers keeps it),
     scoring in fp32 as transformers does."""
 
-    def __init__(self, config: PretrainedConfig, correction_bias: bool):
+    def __init__(self, config: PretrainedConfig, correction_bias: bool, num_experts: int | None = None):
+        """num_experts: where the config does not name it `n_routed_experts`."""
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size), requires_grad=False)
+        num_experts = num_experts or config.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(num_experts, config.hidden_size), requires_grad=False)
         if correction_bias:
-            self.e_score_correction_bias = nn.Parameter(torch.empty(config.n_routed_experts, dtype=torch.float32),
+            self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32),
                                                         requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -198,18 +200,23 @@ class DeepseekV2MoE(nn.Module):
     MLP of n_shared_experts x moe_intermediate_size that every token passes through, added ungated."""
     correction_bias = False
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, num_experts: int | None = None,
+                 shared_intermediate_size: int | None = None):
+        """num_experts, shared_intermediate_size (0: no shared experts): where the config does not say them as
+        DeepSeek's does (`n_routed_experts`; `n_shared_experts` x `moe_intermediate_size`)."""
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
-        self.top_k, self.scaling = config.num_experts_per_tok, config.routed_scaling_factor
-        self.gate = DeepseekRouter(config, self.correction_bias)
+        num_experts = num_experts or config.n_routed_experts
+        self.top_k = config.num_experts_per_tok
+        self.gate = DeepseekRouter(config, self.correction_bias, num_experts)
         self.configure_routing(config)
         # renormalize=False: FusedMoE.forward's softmax routing is not used, select_experts routes instead.
-        self.experts = FusedMoE(config.n_routed_experts, config.num_experts_per_tok, config.hidden_size,
+        self.experts = FusedMoE(num_experts, config.num_experts_per_tok, config.hidden_size,
                                 config.moe_intermediate_size, renormalize=False)
-        shared = config.n_shared_experts or 0
-        self.shared_experts = LlamaMLP(config, config.moe_intermediate_size * shared) if shared else None
+        if shared_intermediate_size is None:
+            shared_intermediate_size = config.moe_intermediate_size * (config.n_shared_experts or 0)
+        self.shared_experts = LlamaMLP(config, shared_intermediate_size) if shared_intermediate_size else None
 
     def configure_routing(self, config: PretrainedConfig) -> None:
         if config.topk_method not in _TOPK_METHODS:
@@ -218,7 +225,7 @@ class DeepseekV2MoE(nn.Module):
         check_moe_config(config, grouped)
         # transformers' V2 router ignores norm_topk_prob (False in DeepSeek-V2's configs): so does this one.
         self.num_groups = config.n_group if grouped else None
-        self.topk_group = config.topk_group
+        self.topk_group, self.scaling = config.topk_group, config.routed_scaling_factor
 
     def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return select_experts_softmax_grouped(self.gate(x), self.top_k, self.num_groups, self.topk_group,

@@ -22,10 +22,33 @@ class DeepseekV3MoE(DeepseekV2MoE):
         # transformers' V3 router always routes this way, whatever `topk_method` says.
         check_moe_config(config, grouped=True)
         self.num_groups, self.topk_group, self.renormalize = config.n_group, config.topk_group, config.norm_topk_prob
+        self.scaling = config.routed_scaling_factor
 
     def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return select_experts_sigmoid_biased(self.gate(x), self.top_k, self.gate.e_score_correction_bias,
                                              self.num_groups, self.topk_group, self.renormalize, self.scaling)
+
+
+class UngroupedSigmoidMoE(DeepseekV3MoE):
+    """AFMoE's, Laguna's, HY3's and Flint's MoE (Kolibri-1's chooses otherwise): V3's routing without a group limit
+    (one group), the correction bias where the class has one (Flint's has none), renormalized unless told not to
+    (`norm_topk_prob`), times the family's `scaling` (Laguna scales the routed output instead: the same in exact
+    arithmetic); the router logits first softcapped to cap * tanh(logit / cap) where logit_softcap > 0 (Laguna)."""
+
+    def __init__(self, config: PretrainedConfig, num_experts: int, shared_intermediate_size: int,
+                 scaling: float = 1.0, logit_softcap: float = 0.0, renormalize: bool = True):
+        super().__init__(config, num_experts, shared_intermediate_size)
+        self.scaling, self.logit_softcap, self.renormalize = scaling, logit_softcap, renormalize
+
+    def configure_routing(self, config: PretrainedConfig) -> None:
+        check_moe_config(config, grouped=False)
+
+    def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.gate(x)
+        if self.logit_softcap > 0:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        bias = self.gate.e_score_correction_bias if self.correction_bias else None
+        return select_experts_sigmoid_biased(logits, self.top_k, bias, 1, 1, self.renormalize, self.scaling)
 
 
 def deepseek_v3_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:

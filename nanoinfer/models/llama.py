@@ -12,8 +12,8 @@ from nanoinfer.layers.activation import get_act_and_mul
 from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.layers.layernorm import RMSNorm, rms_normalize
-from nanoinfer.layers.linear import (KeyAsValueQKVParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                     RowParallelLinear)
+from nanoinfer.layers.linear import (ColumnParallelLinear, KeyAsValueQKVParallelLinear, MergedColumnParallelLinear,
+                                     QKVParallelLinear, RowParallelLinear)
 from nanoinfer.layers.rotary_embedding import get_rope
 
 
@@ -26,6 +26,11 @@ class AttentionOptions:
     sliding_window: int | None = None  # attend to the last this-many positions (the query's own included)
     # Qwen3-Next: q_proj also yields a per-head output gate (attention output * sigmoid(gate) before o_proj).
     output_gate: bool = False
+    # AFMoE, Laguna: a projection of its own (g_proj) gates the attention output before o_proj, through this
+    # activation (taken in fp32), one gate per element or (gate_per_head) one per head.
+    gate_activation: Callable[[torch.Tensor], torch.Tensor] | None = None
+    gate_per_head: bool = False
+    num_heads: int | None = None  # Laguna: this layer's query heads, where they differ by layer
     # The q/k norms' class where not RMSNorm: Gemma 3's and Qwen3-Next's GemmaRMSNorm (1 + weight, in fp32), Gemma 4's
     # OlmoRMSNorm (its rounding), Llama 4's WeightlessRMSNorm (x / rms(x) alone, no checkpoint weight). Gemma 3 also:
     # its own score scale (default head_dim ** -0.5), and the rope settings of the layer's type (its config nests them
@@ -84,7 +89,7 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config: PretrainedConfig, options: AttentionOptions):
         super().__init__()
-        num_heads = config.num_attention_heads
+        num_heads = options.num_heads or config.num_attention_heads
         # GPT-NeoX's config has no num_key_value_heads: as many as query heads.
         num_kv_heads = options.num_kv_heads or getattr(config, "num_key_value_heads", None) or num_heads
         self.head_dim = options.head_dim or getattr(config, "head_dim", None) or config.hidden_size // num_heads
@@ -96,6 +101,10 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // self.q_factor, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = self.o_proj_class(num_heads * self.head_dim, config.hidden_size, options.o_bias)
+        self.gate_activation, self.gate_per_head = options.gate_activation, options.gate_per_head
+        if self.gate_activation is not None:  # column-parallel over the heads, as q
+            self.g_proj = ColumnParallelLinear(config.hidden_size, num_heads * (1 if self.gate_per_head else
+                                                                                  self.head_dim))
         self.rotary_emb = (get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type,
                                     options.rope_interleaved, options.rotary_dim, options.rope_theta,
                                     options.rope_reversed)
@@ -134,7 +143,16 @@ class LlamaAttention(nn.Module):
         o = self.attn(q, k, v, meta)
         if self.q_factor == 2:
             o = o * torch.sigmoid(gate.flatten(1))
+        if self.gate_activation is not None:
+            o = self.gate_output(o, x)
         return self.o_proj(o)
+
+    def gate_output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o [tokens, heads * head_dim] times the gate g_proj computes from the layer's input x."""
+        gate = self.gate_activation(self.g_proj(x).float()).to(o.dtype)
+        if self.gate_per_head:
+            return (o.view(-1, self.num_heads, self.head_dim) * gate[..., None]).flatten(1)
+        return o * gate
 
 
 class LlamaMLP(nn.Module):

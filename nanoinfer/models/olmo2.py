@@ -59,7 +59,8 @@ class Olmo2Attention(LlamaAttention):
         if self.clip_qkv is not None:  # OLMoE's, unlike OLMo 1's (LlamaAttention): after the q/k norms
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
-        if positions is not None:  # None: no position encoding at all (an encoder pass, see LLM.embed)
+        # No position encoding in an encoder pass (positions None, see LLM.embed) or a NoPE layer (OLMo Hybrid's).
+        if positions is not None and self.rotary_emb is not None:
             q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 

@@ -23,6 +23,8 @@ class Qwen3NextGatedDeltaNet(nn.Module):
     they serve (as vLLM's Qwen3NextGatedDeltaNet): their rows of the input projections, their q | k | v conv
     channels, A_log, dt_bias and state, and out_proj's input columns (one all-reduce). The gated norm is per head,
     so it needs no other rank. num_k_heads and num_v_heads are this rank's."""
+    # beta = max_beta * sigmoid(b); OLMo Hybrid's allow_neg_eigval doubles it (eigenvalues 1 - beta down to -1).
+    max_beta = 1.0
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
@@ -71,7 +73,7 @@ class Qwen3NextGatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
         mixed_qkv, z, b, a = self.project(x)
-        beta = b.float().sigmoid()
+        beta = b.float().sigmoid() * self.max_beta
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         out = self.delta_rule(mixed_qkv, self.conv1d.weight.squeeze(1), g, beta, batch).to(x.dtype)
         return self.out_proj(self.norm(out, z).flatten(1))
