@@ -21,6 +21,7 @@ from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, relu2, select_e
 from nanoinfer.layers.layernorm import Fp32ResidualRMSNorm, GemmaRMSNorm, OlmoRMSNorm, RMSNorm
 from nanoinfer.layers.recurrent import causal_conv1d
 from nanoinfer.models.deepseek_v3 import DeepseekV3MoE
+from nanoinfer.models.registry import get_model_class
 
 # Granite 4.0-H's and Qwen3-Next's routers sit at bf16 near-ties on these prompts (Granite's: top-2 and 3rd expert
 # 0.002 apart at several tokens of every prompt; Qwen3-Next's: 0.1306 and 0.1288 at prompt 0, step 3), which rounding
@@ -251,6 +252,63 @@ def test_topk_softmax_routing_in_bf16_is_transformers_own(family):
                     "does; 5.23's top-k softmax, which we follow, returns (logits, weights, ids))")
     logits, hf_weights, hf_ids = out
     weights, ids = select_experts_topk_softmax(logits.to(torch.bfloat16), 4)
+    assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
+
+
+# Each family's router in transformers: its module, router, config and model classes, and the config's routing (8
+# experts, 2 per token; Flint's layer 0 sparse).
+_FP32_ROUTERS = {
+    "hunyuan-moe": ("hunyuan_v1_moe", "HunYuanMoEV1Gate", "HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM",
+                    {"num_experts": 8, "moe_topk": 2}),
+    "flint": ("flint", "FlintTopKRouter", "FlintConfig", "FlintForCausalLM",
+              {"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "mlp_only_layers": []}),
+    "kolibri1": ("kolibri1", "Kolibri1TopKRouter", "Kolibri1Config", "Kolibri1ForCausalLM",
+                 {"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "mlp_only_layers": []}),
+}
+
+
+def _hf_router_in_bf16(family: str, checkpoint: dict[str, torch.Tensor]) -> tuple[torch.nn.Module, PretrainedConfig]:
+    """transformers' router for `family` as from_pretrained(dtype=bfloat16) builds it from an fp32 checkpoint: built
+    under bf16 (Hunyuan's weight stays fp32, its own dtype), the model's `_keep_in_fp32_modules_strict` in fp32, the
+    checkpoint cast to each tensor's dtype; and the family's config."""
+    import transformers
+
+    module_name, router_name, config_name, model_name, routing = _FP32_ROUTERS[family]
+    module = pytest.importorskip(f"transformers.models.{module_name}.modeling_{module_name}",
+                                 reason=f"this transformers has no {family} (5.17 has no Flint or Kolibri-1)")
+    config = getattr(transformers, config_name)(hidden_size=64, **routing)
+    hf = built_in_bf16(lambda: getattr(module, router_name)(config))
+    keep = getattr(module, model_name)._keep_in_fp32_modules_strict or []
+    for name, tensor in [*hf.named_parameters(), *hf.named_buffers()]:
+        if any(k in f"gate.{name}" for k in keep):
+            tensor.data = tensor.data.float()
+        tensor.data.copy_(checkpoint[name.removeprefix("wg.")])  # Hunyuan's `gate.wg.weight`
+    return hf, config
+
+
+@pytest.mark.parametrize("family", list(_FP32_ROUTERS))
+def test_fp32_router_in_bf16_is_transformers_own(family):
+    """Hunyuan MoE's router (built in fp32: fp32 logits and routing weights), Flint's (its weight kept in fp32,
+    `_keep_in_fp32_modules_strict`) and Kolibri-1's (bf16 weight upcast, fp32 correction bias) in a bf16 model from an
+    fp32 checkpoint: bit for bit on the routing weights and the chosen experts (with the router's weight rounded to
+    bf16, or its logits, the weights differ and near-ties choose other experts)."""
+    from nanoinfer.layers.fused_moe import select_experts
+    g = torch.Generator().manual_seed(0)
+    checkpoint = {"weight": 0.3 * torch.randn(8, 64, generator=g),
+                  "e_score_correction_bias": 0.05 * torch.randn(8, generator=g)}
+    hf, config = _hf_router_in_bf16(family, checkpoint)
+    config.architectures = [_FP32_ROUTERS[family][3]]
+    ours = built_in_bf16(lambda: get_model_class(config).make_mlp(config, 0))
+    ours.gate.weight.data.copy_(checkpoint["weight"])
+    if family == "kolibri1":
+        ours.gate.e_score_correction_bias.data.copy_(checkpoint["e_score_correction_bias"])
+    x = torch.randn(65536, 64, generator=g).bfloat16()
+    _, hf_weights, hf_ids = hf(x)
+    if family == "hunyuan-moe":  # a SparseMoeBlock: FusedMoE routes the router's logits
+        weights, ids = select_experts(ours.gate(x), ours.experts.top_k, ours.experts.renormalize,
+                                      ours.experts.fp32_weights)
+    else:
+        weights, ids = ours.select_experts(x)
     assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
 
 

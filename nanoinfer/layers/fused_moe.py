@@ -331,16 +331,33 @@ class FusedMoE(nn.Module):
         return y
 
 
+class Fp32Router(nn.Module):
+    """A replicated router scoring in fp32 in every model dtype, as transformers' DeepSeek, ERNIE, Hunyuan MoE and
+    Flint routers do: the input and the weight upcast, fp32 logits. The weight in the model's dtype (DeepSeek's), or
+    (fp32_weight) kept in fp32 where transformers keeps the checkpoint's fp32 weight in 16-bit models (ERNIE's,
+    Hunyuan MoE's and Flint's): rounded to bf16 first, the logits move and near-ties choose other experts."""
+
+    def __init__(self, hidden_size: int, num_experts: int, fp32_weight: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size,
+                                               dtype=torch.float32 if fp32_weight else None), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
 class SparseMoeBlock(nn.Module):
     """An MoE layer's routed MLP: a replicated router (`gate`) scores the experts, each token goes to its top k."""
 
     def __init__(self, config: PretrainedConfig, num_experts: int, intermediate_size: int, renormalize: bool,
-                 top_k: int | None = None, fp32_weights: bool = False):
-        """top_k: experts per token; None: config.num_experts_per_tok. fp32_weights: see FusedMoE."""
+                 top_k: int | None = None, fp32_weights: bool = False, fp32_router: bool = False):
+        """top_k: experts per token; None: config.num_experts_per_tok. fp32_weights: see FusedMoE. fp32_router: the
+        router's weight kept in fp32 and its logits fp32 (Fp32Router), so the routing weights too."""
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
-        self.gate = ReplicatedLinear(config.hidden_size, num_experts)  # the router
+        self.gate = (Fp32Router(config.hidden_size, num_experts, fp32_weight=True) if fp32_router
+                     else ReplicatedLinear(config.hidden_size, num_experts))  # the router
         self.experts = FusedMoE(num_experts, top_k or config.num_experts_per_tok, config.hidden_size,
                                 intermediate_size, renormalize, fp32_weights=fp32_weights)
 
