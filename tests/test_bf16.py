@@ -4,9 +4,9 @@ for bit against transformers' own modules: Gemma's, Qwen3-Next's and Qwen3.5's (
 norms (weight applied in fp32), Mamba's fp32 residual stream (`residual_in_fp32`), the convs' fp32 accumulation
 (F.conv1d's), NemotronH's fp32 sum of the weighted experts; so do the MoE blocks of the attention families where a
 16-bit step is transformers' own (GLM-4.5's and DeepSeek-V3's fp32 correction bias and fp32-weighted sum, Mixtral's
-fp32 routing weights, GPT-OSS's and GraniteMoE's softmax over the top k logits). Then the recurrent and hybrid
-families end to end, measured against transformers' own bf16 rounding error as test_gpu.py measures every family on a
-GPU (check_bf16_outputs)."""
+fp32 routing weights, GPT-OSS's and GraniteMoE's softmax over the top k logits, Hunyuan MoE's and Flint's fp32
+routers). Then the recurrent and hybrid families end to end, measured against transformers' own bf16 rounding error
+as test_gpu.py measures every family on a GPU (check_bf16_outputs)."""
 import inspect
 from collections.abc import Callable
 
