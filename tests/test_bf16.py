@@ -5,8 +5,8 @@ norms (weight applied in fp32), Mamba's fp32 residual stream (`residual_in_fp32`
 (F.conv1d's), NemotronH's fp32 sum of the weighted experts; so do the MoE blocks of the attention families where a
 16-bit step is transformers' own (GLM-4.5's and DeepSeek-V3's fp32 correction bias and fp32-weighted sum, Mixtral's
 fp32 routing weights, GPT-OSS's and GraniteMoE's softmax over the top k logits, Hunyuan MoE's and Flint's fp32
-routers). Then the recurrent and hybrid families end to end, measured against transformers' own bf16 rounding error
-as test_gpu.py measures every family on a GPU (check_bf16_outputs)."""
+routers, AFMoE's and Laguna's bf16 ones). Then the recurrent and hybrid families end to end, measured against
+transformers' own bf16 rounding error as test_gpu.py measures every family on a GPU (check_bf16_outputs)."""
 import inspect
 from collections.abc import Callable
 
@@ -190,7 +190,14 @@ def test_v3_moe_block_in_bf16_is_transformers_own(family):
     hf, config = _hf_v3_moe(family)
     weights = {name: tensor.clone() for name, tensor in hf.state_dict().items()}
     hf.to(torch.bfloat16).gate.e_score_correction_bias = weights["gate.e_score_correction_bias"]
-    ours = built_in_bf16(lambda: DeepseekV3MoE(config))
+    ours = load_v3_moe_block(built_in_bf16(lambda: DeepseekV3MoE(config)), weights)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert torch.equal(ours(x), hf(x[None])[0])
+
+
+def load_v3_moe_block(ours: torch.nn.Module, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A DeepseekV3MoE (or subclass) with the fp32 weights of transformers' V3-style block (`weights`: its state
+    dict): the router with its correction bias, the stacked experts, the shared expert's gate, up and down."""
     for target, source in ((ours.gate.weight, "gate.weight"),
                            (ours.gate.e_score_correction_bias, "gate.e_score_correction_bias"),
                            (ours.experts.w13_weight, "experts.gate_up_proj"), (ours.experts.w2_weight,
@@ -199,7 +206,30 @@ def test_v3_moe_block_in_bf16_is_transformers_own(family):
         target.data.copy_(weights[source])
     ours.shared_experts.gate_up_proj.weight.data.copy_(torch.cat([weights["shared_experts.gate_proj.weight"],
                                                                   weights["shared_experts.up_proj.weight"]]))
-    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    return ours
+
+
+def test_laguna_moe_block_in_bf16_is_transformers_own():
+    """Laguna's MoE block in bf16: the routing weights rounded to bf16, the routed experts' bf16 sum times
+    `moe_routed_scaling_factor` (in bf16), then the shared expert added. Bit for bit (with the factor in the routing
+    weights instead, as DeepSeek's routers apply it, most rows differ)."""
+    from transformers import LagunaConfig
+    from transformers.models.laguna.modeling_laguna import LagunaSparseMoeBlock
+
+    from nanoinfer.models.laguna import LagunaMoE
+
+    config = LagunaConfig(hidden_size=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=32, moe_routed_scaling_factor=2.5,
+                          moe_router_logit_softcapping=1.5)
+    config._experts_implementation = "grouped_mm"
+    hf = LagunaSparseMoeBlock(config)
+    g = torch.Generator().manual_seed(0)
+    for param in hf.state_dict().values():
+        param.copy_(0.3 * torch.randn(param.shape, generator=g))
+    weights = {name: tensor.clone() for name, tensor in hf.state_dict().items()}
+    ours = load_v3_moe_block(built_in_bf16(lambda: LagunaMoE(config)), weights)
+    hf.to(torch.bfloat16)
+    x = torch.randn(64, 64, generator=g).bfloat16()
     assert torch.equal(ours(x), hf(x[None])[0])
 
 
@@ -256,14 +286,18 @@ def test_topk_softmax_routing_in_bf16_is_transformers_own(family):
 
 
 # Each family's router in transformers: its module, router, config and model classes, and the config's routing (8
-# experts, 2 per token; Flint's layer 0 sparse).
-_FP32_ROUTERS = {
+# experts, 2 per token; layer 1 routed in each).
+_ROUTERS = {
     "hunyuan-moe": ("hunyuan_v1_moe", "HunYuanMoEV1Gate", "HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM",
                     {"num_experts": 8, "moe_topk": 2}),
     "flint": ("flint", "FlintTopKRouter", "FlintConfig", "FlintForCausalLM",
               {"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "mlp_only_layers": []}),
     "kolibri1": ("kolibri1", "Kolibri1TopKRouter", "Kolibri1Config", "Kolibri1ForCausalLM",
-                 {"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "mlp_only_layers": []}),
+                 {"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True}),
+    "afmoe": ("afmoe", "AfmoeTokenChoiceRouter", "AfmoeConfig", "AfmoeForCausalLM",
+              {"num_experts": 8, "num_experts_per_tok": 2, "route_scale": 2.5}),
+    "laguna": ("laguna", "LagunaTopKRouter", "LagunaConfig", "LagunaForCausalLM",
+               {"num_experts": 8, "num_experts_per_tok": 2, "moe_router_logit_softcapping": 1.5}),
 }
 
 
@@ -273,7 +307,7 @@ def _hf_router_in_bf16(family: str, checkpoint: dict[str, torch.Tensor]) -> tupl
     checkpoint cast to each tensor's dtype; and the family's config."""
     import transformers
 
-    module_name, router_name, config_name, model_name, routing = _FP32_ROUTERS[family]
+    module_name, router_name, config_name, model_name, routing = _ROUTERS[family]
     module = pytest.importorskip(f"transformers.models.{module_name}.modeling_{module_name}",
                                  reason=f"this transformers has no {family} (5.17 has no Flint or Kolibri-1)")
     config = getattr(transformers, config_name)(hidden_size=64, **routing)
@@ -282,28 +316,33 @@ def _hf_router_in_bf16(family: str, checkpoint: dict[str, torch.Tensor]) -> tupl
     for name, tensor in [*hf.named_parameters(), *hf.named_buffers()]:
         if any(k in f"gate.{name}" for k in keep):
             tensor.data = tensor.data.float()
-        tensor.data.copy_(checkpoint[name.removeprefix("wg.")])  # Hunyuan's `gate.wg.weight`
+        tensor.data.copy_(checkpoint[name.removeprefix("wg.").removeprefix("gate.")])  # Hunyuan's, AFMoE's names
     return hf, config
 
 
-@pytest.mark.parametrize("family", list(_FP32_ROUTERS))
-def test_fp32_router_in_bf16_is_transformers_own(family):
-    """Hunyuan MoE's router (built in fp32: fp32 logits and routing weights), Flint's (its weight kept in fp32,
-    `_keep_in_fp32_modules_strict`) and Kolibri-1's (bf16 weight upcast, fp32 correction bias) in a bf16 model from an
-    fp32 checkpoint: bit for bit on the routing weights and the chosen experts (with the router's weight rounded to
-    bf16, or its logits, the weights differ and near-ties choose other experts)."""
+@pytest.mark.parametrize("family", list(_ROUTERS))
+def test_router_in_bf16_is_transformers_own(family):
+    """Routers in a bf16 model from an fp32 checkpoint, where transformers' dtypes are their own: Hunyuan MoE's
+    (built in fp32: fp32 logits and routing weights), Flint's (its weight kept in fp32,
+    `_keep_in_fp32_modules_strict`), Kolibri-1's (bf16 weight upcast, fp32 correction bias), AFMoE's and Laguna's
+    (bf16 logits upcast, bf16 correction bias; Laguna's weights rounded to bf16). Bit for bit on the routing weights
+    and the chosen experts (with the logits or the weight in another dtype, the weights differ and near-ties choose
+    other experts)."""
     from nanoinfer.layers.fused_moe import select_experts
+
     g = torch.Generator().manual_seed(0)
     checkpoint = {"weight": 0.3 * torch.randn(8, 64, generator=g),
                   "e_score_correction_bias": 0.05 * torch.randn(8, generator=g)}
     hf, config = _hf_router_in_bf16(family, checkpoint)
-    config.architectures = [_FP32_ROUTERS[family][3]]
-    ours = built_in_bf16(lambda: get_model_class(config).make_mlp(config, 0))
-    ours.gate.weight.data.copy_(checkpoint["weight"])
-    if family == "kolibri1":
-        ours.gate.e_score_correction_bias.data.copy_(checkpoint["e_score_correction_bias"])
+    config.architectures = [_ROUTERS[family][3]]
+    ours = built_in_bf16(lambda: get_model_class(config).make_mlp(config, 1))
+    for name, param in ours.gate.named_parameters():
+        param.data.copy_(checkpoint[name])
     x = torch.randn(65536, 64, generator=g).bfloat16()
-    _, hf_weights, hf_ids = hf(x)
+    if family == "afmoe":  # the bias (`expert_bias`, bf16: kept in fp32 in fp16 models alone) is its MoE block's
+        _, hf_weights, hf_ids = hf(x[None], checkpoint["e_score_correction_bias"].bfloat16())
+    else:
+        _, hf_weights, hf_ids = hf(x)
     if family == "hunyuan-moe":  # a SparseMoeBlock: FusedMoE routes the router's logits
         weights, ids = select_experts(ours.gate(x), ours.experts.top_k, ours.experts.renormalize,
                                       ours.experts.fp32_weights)

@@ -32,8 +32,8 @@ class DeepseekV3MoE(DeepseekV2MoE):
 class UngroupedSigmoidMoE(DeepseekV3MoE):
     """AFMoE's, Laguna's, HY3's and Flint's MoE (Kolibri-1's chooses otherwise): V3's routing without a group limit
     (one group), the correction bias where the class has one (Flint's has none), renormalized unless told not to
-    (`norm_topk_prob`), times the family's `scaling` (Laguna scales the routed output instead: the same in exact
-    arithmetic); the router logits first softcapped to cap * tanh(logit / cap) where logit_softcap > 0 (Laguna)."""
+    (`norm_topk_prob`), times the family's `scaling` (Laguna's scales the routed output instead); the router logits
+    first softcapped to cap * tanh(logit / cap) where logit_softcap > 0 (Laguna)."""
 
     def __init__(self, config: PretrainedConfig, num_experts: int, shared_intermediate_size: int,
                  scaling: float = 1.0, logit_softcap: float = 0.0, renormalize: bool = True):
