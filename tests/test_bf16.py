@@ -5,8 +5,9 @@ norms (weight applied in fp32), Mamba's fp32 residual stream (`residual_in_fp32`
 (F.conv1d's), NemotronH's fp32 sum of the weighted experts; so do the MoE blocks of the attention families where a
 16-bit step is transformers' own (GLM-4.5's and DeepSeek-V3's fp32 correction bias and fp32-weighted sum, Mixtral's
 fp32 routing weights, GPT-OSS's and GraniteMoE's softmax over the top k logits, Hunyuan MoE's and Flint's fp32
-routers, AFMoE's and Laguna's bf16 ones). Then the recurrent and hybrid families end to end, measured against
-transformers' own bf16 rounding error as test_gpu.py measures every family on a GPU (check_bf16_outputs)."""
+routers, AFMoE's, Laguna's and LFM2-MoE's bf16 ones). Then the recurrent and hybrid families end to end,
+measured against transformers' own bf16 rounding error as test_gpu.py measures every family on a GPU
+(check_bf16_outputs)."""
 import inspect
 from collections.abc import Callable
 
@@ -17,11 +18,16 @@ from transformers import PretrainedConfig
 from models import (MAMBA1_KINDS, MAMBA2_HYBRID_KINDS, QWEN3_NEXT_KINDS, SSM_KINDS, check_bf16_outputs, hf_greedy,
                     load_hf_model, random_prompts)
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, relu2, select_experts_topk_softmax
+from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, relu2, select_experts, select_experts_topk_softmax
 from nanoinfer.layers.layernorm import Fp32ResidualRMSNorm, GemmaRMSNorm, OlmoRMSNorm, RMSNorm
 from nanoinfer.layers.recurrent import causal_conv1d
+from nanoinfer.models.afmoe import AfmoeForCausalLM
 from nanoinfer.models.deepseek_v3 import DeepseekV3MoE
-from nanoinfer.models.registry import get_model_class
+from nanoinfer.models.flint import FlintForCausalLM
+from nanoinfer.models.hunyuan_v1_moe import HunYuanMoEV1Moe
+from nanoinfer.models.kolibri1 import Kolibri1ForCausalLM
+from nanoinfer.models.laguna import LagunaMoE
+from nanoinfer.models.lfm2 import Lfm2MoeBlock
 
 # Granite 4.0-H's and Qwen3-Next's routers sit at bf16 near-ties on these prompts (Granite's: top-2 and 3rd expert
 # 0.002 apart at several tokens of every prompt; Qwen3-Next's: 0.1306 and 0.1288 at prompt 0, step 3), which rounding
@@ -216,8 +222,6 @@ def test_laguna_moe_block_in_bf16_is_transformers_own():
     from transformers import LagunaConfig
     from transformers.models.laguna.modeling_laguna import LagunaSparseMoeBlock
 
-    from nanoinfer.models.laguna import LagunaMoE
-
     config = LagunaConfig(hidden_size=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                           shared_expert_intermediate_size=32, moe_routed_scaling_factor=2.5,
                           moe_router_logit_softcapping=1.5)
@@ -285,20 +289,31 @@ def test_topk_softmax_routing_in_bf16_is_transformers_own(family):
     assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
 
 
-# Each family's router in transformers: its module, router, config and model classes, and the config's routing (8
-# experts, 2 per token; layer 1 routed in each).
+# Each family's router in transformers (its module, router, config and model classes), the engine's MoE block for
+# the family's config, and the config's routing (8 experts, 2 per token).
 _ROUTERS = {
     "hunyuan-moe": ("hunyuan_v1_moe", "HunYuanMoEV1Gate", "HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM",
-                    {"num_experts": 8, "moe_topk": 2}),
+                    lambda config: HunYuanMoEV1Moe(config, 0), {"num_experts": 8, "moe_topk": 2}),
     "flint": ("flint", "FlintTopKRouter", "FlintConfig", "FlintForCausalLM",
+              lambda config: FlintForCausalLM.make_mlp(config, 0),
               {"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "mlp_only_layers": []}),
     "kolibri1": ("kolibri1", "Kolibri1TopKRouter", "Kolibri1Config", "Kolibri1ForCausalLM",
+                 lambda config: Kolibri1ForCausalLM.make_mlp(config, 0),
                  {"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True}),
     "afmoe": ("afmoe", "AfmoeTokenChoiceRouter", "AfmoeConfig", "AfmoeForCausalLM",
+              lambda config: AfmoeForCausalLM.make_mlp(config, 1),
               {"num_experts": 8, "num_experts_per_tok": 2, "route_scale": 2.5}),
-    "laguna": ("laguna", "LagunaTopKRouter", "LagunaConfig", "LagunaForCausalLM",
+    "laguna": ("laguna", "LagunaTopKRouter", "LagunaConfig", "LagunaForCausalLM", LagunaMoE,
                {"num_experts": 8, "num_experts_per_tok": 2, "moe_router_logit_softcapping": 1.5}),
+    "lfm2-moe": ("lfm2_moe", "Lfm2MoeTopKRouter", "Lfm2MoeConfig", "Lfm2MoeForCausalLM", Lfm2MoeBlock,
+                 {"num_experts": 8, "num_experts_per_tok": 2, "routed_scaling_factor": 2.5}),
 }
+# The routers given the correction bias by their MoE block, and its dtype there (AFMoE's stays fp32 in fp16 models
+# alone, LFM2-MoE's is an fp32 buffer).
+_BIAS_FROM_BLOCK = {"afmoe": torch.bfloat16, "lfm2-moe": torch.float32}
+# Where the engine's blocks hold the checkpoint's router weight and correction bias.
+_OUR_ROUTER_PARAMS = {"gate.weight": "weight", "gate.e_score_correction_bias": "e_score_correction_bias",
+                      "expert_bias": "e_score_correction_bias"}
 
 
 def _hf_router_in_bf16(family: str, checkpoint: dict[str, torch.Tensor]) -> tuple[torch.nn.Module, PretrainedConfig]:
@@ -307,7 +322,7 @@ def _hf_router_in_bf16(family: str, checkpoint: dict[str, torch.Tensor]) -> tupl
     checkpoint cast to each tensor's dtype; and the family's config."""
     import transformers
 
-    module_name, router_name, config_name, model_name, routing = _ROUTERS[family]
+    module_name, router_name, config_name, model_name, _, routing = _ROUTERS[family]
     module = pytest.importorskip(f"transformers.models.{module_name}.modeling_{module_name}",
                                  reason=f"this transformers has no {family} (5.17 has no Flint or Kolibri-1)")
     config = getattr(transformers, config_name)(hidden_size=64, **routing)
@@ -325,22 +340,21 @@ def test_router_in_bf16_is_transformers_own(family):
     """Routers in a bf16 model from an fp32 checkpoint, where transformers' dtypes are their own: Hunyuan MoE's
     (built in fp32: fp32 logits and routing weights), Flint's (its weight kept in fp32,
     `_keep_in_fp32_modules_strict`), Kolibri-1's (bf16 weight upcast, fp32 correction bias), AFMoE's and Laguna's
-    (bf16 logits upcast, bf16 correction bias; Laguna's weights rounded to bf16). Bit for bit on the routing weights
-    and the chosen experts (with the logits or the weight in another dtype, the weights differ and near-ties choose
-    other experts)."""
-    from nanoinfer.layers.fused_moe import select_experts
-
+    (bf16 logits upcast, bf16 correction bias; Laguna's weights rounded to bf16), LFM2-MoE's (sigmoid, renormalized
+    and scaled in bf16, an fp32 expert bias). Bit for bit on the routing weights and the chosen experts (in another
+    dtype, the weights differ and near-ties choose other experts)."""
     g = torch.Generator().manual_seed(0)
     checkpoint = {"weight": 0.3 * torch.randn(8, 64, generator=g),
                   "e_score_correction_bias": 0.05 * torch.randn(8, generator=g)}
     hf, config = _hf_router_in_bf16(family, checkpoint)
-    config.architectures = [_ROUTERS[family][3]]
-    ours = built_in_bf16(lambda: get_model_class(config).make_mlp(config, 1))
-    for name, param in ours.gate.named_parameters():
-        param.data.copy_(checkpoint[name])
+    ours = built_in_bf16(lambda: _ROUTERS[family][4](config))
+    for name, param in ours.named_parameters():
+        if name in _OUR_ROUTER_PARAMS:
+            param.data.copy_(checkpoint[_OUR_ROUTER_PARAMS[name]])
     x = torch.randn(65536, 64, generator=g).bfloat16()
-    if family == "afmoe":  # the bias (`expert_bias`, bf16: kept in fp32 in fp16 models alone) is its MoE block's
-        _, hf_weights, hf_ids = hf(x[None], checkpoint["e_score_correction_bias"].bfloat16())
+    if family in _BIAS_FROM_BLOCK:
+        bias = checkpoint["e_score_correction_bias"].to(_BIAS_FROM_BLOCK[family])
+        _, hf_weights, hf_ids = hf(x[None] if family == "afmoe" else x, bias)  # AFMoE's takes [batch, tokens, hidden]
     else:
         _, hf_weights, hf_ids = hf(x)
     if family == "hunyuan-moe":  # a SparseMoeBlock: FusedMoE routes the router's logits

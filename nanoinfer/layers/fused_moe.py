@@ -100,19 +100,18 @@ def select_experts_softmax_grouped(router_logits: torch.Tensor, top_k: int, num_
 
 
 def select_experts_sigmoid_biased(router_logits: torch.Tensor, top_k: int, correction_bias: torch.Tensor | None,
-                                  num_groups: int, topk_group: int, renormalize: bool, scaling: float,
-                                  eps: float = 1e-20) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 ("noaux_tc"): sigmoid scores; the choice, among the topk_group groups whose two best biased
+                                  num_groups: int, topk_group: int, renormalize: bool, scaling: float
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 ("noaux_tc"): fp32 sigmoid scores; the choice, among the topk_group groups whose two best biased
     scores sum highest, is the top k of score + correction_bias (None: of the scores); the weights are the unbiased
-    scores (optionally rescaled to sum to 1, eps added to the sum: transformers' 1e-20 for DeepSeek, 1e-6 for
-    LFM2-MoE), times `scaling`."""
+    scores (optionally rescaled to sum to 1, transformers' 1e-20 added to the sum), times `scaling`."""
     scores = router_logits.float().sigmoid()
     biased = scores if correction_bias is None else scores + correction_bias.float()
     group_scores = biased.view(scores.shape[0], num_groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
     ids = torch.topk(mask_to_top_groups(biased, group_scores, topk_group, float("-inf")), top_k, dim=-1)[1]
     weights = scores.gather(1, ids)
     if renormalize:
-        weights /= weights.sum(dim=-1, keepdim=True) + eps
+        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
     return weights * scaling, ids
 
 
