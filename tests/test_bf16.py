@@ -5,9 +5,9 @@ norms (weight applied in fp32), Mamba's fp32 residual stream (`residual_in_fp32`
 (F.conv1d's), NemotronH's fp32 sum of the weighted experts; so do the MoE blocks of the attention families where a
 16-bit step is transformers' own (GLM-4.5's and DeepSeek-V3's fp32 correction bias and fp32-weighted sum, Mixtral's
 fp32 routing weights, GPT-OSS's and GraniteMoE's softmax over the top k logits, Hunyuan MoE's and Flint's fp32
-routers, AFMoE's, Laguna's and LFM2-MoE's bf16 ones). Then the recurrent and hybrid families end to end,
-measured against transformers' own bf16 rounding error as test_gpu.py measures every family on a GPU
-(check_bf16_outputs)."""
+routers, AFMoE's, Laguna's and LFM2-MoE's bf16 ones, HY3's and MiniMax-M2's unsorted top k). Then the recurrent
+and hybrid families end to end, measured against transformers' own bf16 rounding error as test_gpu.py measures every
+family on a GPU (check_bf16_outputs)."""
 import inspect
 from collections.abc import Callable
 
@@ -25,9 +25,11 @@ from nanoinfer.models.afmoe import AfmoeForCausalLM
 from nanoinfer.models.deepseek_v3 import DeepseekV3MoE
 from nanoinfer.models.flint import FlintForCausalLM
 from nanoinfer.models.hunyuan_v1_moe import HunYuanMoEV1Moe
+from nanoinfer.models.hy_v3 import HYV3ForCausalLM
 from nanoinfer.models.kolibri1 import Kolibri1ForCausalLM
 from nanoinfer.models.laguna import LagunaMoE
 from nanoinfer.models.lfm2 import Lfm2MoeBlock
+from nanoinfer.models.minimax_m2 import MiniMaxM2MoE
 
 # Granite 4.0-H's and Qwen3-Next's routers sit at bf16 near-ties on these prompts (Granite's: top-2 and 3rd expert
 # 0.002 apart at several tokens of every prompt; Qwen3-Next's: 0.1306 and 0.1288 at prompt 0, step 3), which rounding
@@ -307,13 +309,20 @@ _ROUTERS = {
                {"num_experts": 8, "num_experts_per_tok": 2, "moe_router_logit_softcapping": 1.5}),
     "lfm2-moe": ("lfm2_moe", "Lfm2MoeTopKRouter", "Lfm2MoeConfig", "Lfm2MoeForCausalLM", Lfm2MoeBlock,
                  {"num_experts": 8, "num_experts_per_tok": 2, "routed_scaling_factor": 2.5}),
+    # 4 per token: CPU's torch.topk(sorted=False) returns 2 sorted, 4 not.
+    "hy-v3": ("hy_v3", "HYV3TopKRouter", "HYV3Config", "HYV3ForCausalLM",
+              lambda config: HYV3ForCausalLM.make_mlp(config, 1),
+              {"num_local_experts": 8, "num_experts": 8, "num_experts_per_tok": 4, "router_scaling_factor": 2.5}),
+    "minimax-m2": ("minimax_m2", "MiniMaxM2TopKRouter", "MiniMaxM2Config", "MiniMaxM2ForCausalLM", MiniMaxM2MoE,
+                   {"num_local_experts": 8, "num_experts_per_tok": 4}),
 }
 # The routers given the correction bias by their MoE block, and its dtype there (AFMoE's stays fp32 in fp16 models
-# alone, LFM2-MoE's is an fp32 buffer).
-_BIAS_FROM_BLOCK = {"afmoe": torch.bfloat16, "lfm2-moe": torch.float32}
+# alone, LFM2-MoE's is an fp32 buffer, HY3's strictly kept in fp32, MiniMax-M2's a buffer of the model's dtype).
+_BIAS_FROM_BLOCK = {"afmoe": torch.bfloat16, "lfm2-moe": torch.float32, "hy-v3": torch.float32,
+                    "minimax-m2": torch.bfloat16}
 # Where the engine's blocks hold the checkpoint's router weight and correction bias.
 _OUR_ROUTER_PARAMS = {"gate.weight": "weight", "gate.e_score_correction_bias": "e_score_correction_bias",
-                      "expert_bias": "e_score_correction_bias"}
+                      "expert_bias": "e_score_correction_bias", "e_score_correction_bias": "e_score_correction_bias"}
 
 
 def _hf_router_in_bf16(family: str, checkpoint: dict[str, torch.Tensor]) -> tuple[torch.nn.Module, PretrainedConfig]:
@@ -341,8 +350,9 @@ def test_router_in_bf16_is_transformers_own(family):
     (built in fp32: fp32 logits and routing weights), Flint's (its weight kept in fp32,
     `_keep_in_fp32_modules_strict`), Kolibri-1's (bf16 weight upcast, fp32 correction bias), AFMoE's and Laguna's
     (bf16 logits upcast, bf16 correction bias; Laguna's weights rounded to bf16), LFM2-MoE's (sigmoid, renormalized
-    and scaled in bf16, an fp32 expert bias). Bit for bit on the routing weights and the chosen experts (in another
-    dtype, the weights differ and near-ties choose other experts)."""
+    and scaled in bf16, an fp32 expert bias), HY3's and MiniMax-M2's (the top k unsorted, the order the experts'
+    fp32 sum follows). Bit for bit on the routing weights and the chosen experts, in order (in another dtype, the
+    weights differ and near-ties choose other experts)."""
     g = torch.Generator().manual_seed(0)
     checkpoint = {"weight": 0.3 * torch.randn(8, 64, generator=g),
                   "e_score_correction_bias": 0.05 * torch.randn(8, generator=g)}

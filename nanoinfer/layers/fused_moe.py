@@ -100,15 +100,18 @@ def select_experts_softmax_grouped(router_logits: torch.Tensor, top_k: int, num_
 
 
 def select_experts_sigmoid_biased(router_logits: torch.Tensor, top_k: int, correction_bias: torch.Tensor | None,
-                                  num_groups: int, topk_group: int, renormalize: bool, scaling: float
-                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                                  num_groups: int, topk_group: int, renormalize: bool, scaling: float,
+                                  sorted_topk: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 ("noaux_tc"): fp32 sigmoid scores; the choice, among the topk_group groups whose two best biased
     scores sum highest, is the top k of score + correction_bias (None: of the scores); the weights are the unbiased
-    scores (optionally rescaled to sum to 1, transformers' 1e-20 added to the sum), times `scaling`."""
+    scores (optionally rescaled to sum to 1, transformers' 1e-20 added to the sum), times `scaling`. sorted_topk=False:
+    the top k in torch.topk's unsorted order (HY3's and MiniMax-M2's routers take them so; the experts' fp32 sum
+    follows that order, which for k > 2 rounds some rows otherwise)."""
     scores = router_logits.float().sigmoid()
     biased = scores if correction_bias is None else scores + correction_bias.float()
     group_scores = biased.view(scores.shape[0], num_groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
-    ids = torch.topk(mask_to_top_groups(biased, group_scores, topk_group, float("-inf")), top_k, dim=-1)[1]
+    ids = torch.topk(mask_to_top_groups(biased, group_scores, topk_group, float("-inf")), top_k, dim=-1,
+                     sorted=sorted_topk)[1]
     weights = scores.gather(1, ids)
     if renormalize:
         weights /= weights.sum(dim=-1, keepdim=True) + 1e-20

@@ -35,6 +35,8 @@ class UngroupedSigmoidMoE(DeepseekV3MoE):
     (`norm_topk_prob`), times the family's `scaling` (Laguna's scales the routed output instead); the router logits
     first softcapped to cap * tanh(logit / cap) where logit_softcap > 0 (Laguna)."""
 
+    sorted_topk = True  # see select_experts_sigmoid_biased
+
     def __init__(self, config: PretrainedConfig, num_experts: int, shared_intermediate_size: int,
                  scaling: float = 1.0, logit_softcap: float = 0.0, renormalize: bool = True):
         super().__init__(config, num_experts, shared_intermediate_size)
@@ -48,7 +50,8 @@ class UngroupedSigmoidMoE(DeepseekV3MoE):
         if self.logit_softcap > 0:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         bias = self.gate.e_score_correction_bias if self.correction_bias else None
-        return select_experts_sigmoid_biased(logits, self.top_k, bias, 1, 1, self.renormalize, self.scaling)
+        return select_experts_sigmoid_biased(logits, self.top_k, bias, 1, 1, self.renormalize, self.scaling,
+                                             self.sorted_topk)
 
 
 def deepseek_v3_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
