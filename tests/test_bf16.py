@@ -5,7 +5,7 @@ norms (weight applied in fp32), Mamba's fp32 residual stream (`residual_in_fp32`
 (F.conv1d's), NemotronH's fp32 sum of the weighted experts; so do the MoE blocks of the attention families where a
 16-bit step is transformers' own (GLM-4.5's and DeepSeek-V3's fp32 correction bias and fp32-weighted sum, Mixtral's
 fp32 routing weights, GPT-OSS's and GraniteMoE's softmax over the top k logits, Hunyuan MoE's and Flint's fp32
-routers, AFMoE's, Laguna's and LFM2-MoE's bf16 ones, HY3's and MiniMax-M2's unsorted top k). Then the recurrent
+routers, AFMoE's, Laguna's and LFM2-MoE's bf16 ones, the V3-style routers' unsorted top k). Then the recurrent
 and hybrid families end to end, measured against transformers' own bf16 rounding error as test_gpu.py measures every
 family on a GPU (check_bf16_outputs)."""
 import inspect
@@ -22,6 +22,7 @@ from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, relu2, select_e
 from nanoinfer.layers.layernorm import Fp32ResidualRMSNorm, GemmaRMSNorm, OlmoRMSNorm, RMSNorm
 from nanoinfer.layers.recurrent import causal_conv1d
 from nanoinfer.models.afmoe import AfmoeForCausalLM
+from nanoinfer.models.deepseek_v2 import DeepseekV2MoE
 from nanoinfer.models.deepseek_v3 import DeepseekV3MoE
 from nanoinfer.models.flint import FlintForCausalLM
 from nanoinfer.models.hunyuan_v1_moe import HunYuanMoEV1Moe
@@ -30,6 +31,7 @@ from nanoinfer.models.kolibri1 import Kolibri1ForCausalLM
 from nanoinfer.models.laguna import LagunaMoE
 from nanoinfer.models.lfm2 import Lfm2MoeBlock
 from nanoinfer.models.minimax_m2 import MiniMaxM2MoE
+from nanoinfer.models.nemotron_h import NemotronHMoE
 
 # Granite 4.0-H's and Qwen3-Next's routers sit at bf16 near-ties on these prompts (Granite's: top-2 and 3rd expert
 # 0.002 apart at several tokens of every prompt; Qwen3-Next's: 0.1306 and 0.1288 at prompt 0, step 3), which rounding
@@ -167,16 +169,16 @@ def test_nemotron_h_experts_sum_in_fp32_as_transformers():
 
 def _hf_v3_moe(family: str) -> tuple[torch.nn.Module, PretrainedConfig]:
     """transformers' GLM-4.5 or DeepSeek-V3 MoE block (sigmoid router with the correction bias in 8 experts of 4
-    groups, 2 of them per token, renormalized and scaled; one shared expert) with random fp32 weights, and its config
-    (experts run as from_pretrained runs them: grouped_mm)."""
+    groups, 4 of them per token from the best 3 groups, renormalized and scaled; one shared expert) with random fp32
+    weights, and its config (experts run as from_pretrained runs them: grouped_mm)."""
     from transformers import DeepseekV3Config, Glm4MoeConfig
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as HfDeepseekV3MoE
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
 
     config_class, block = {"glm4-moe": (Glm4MoeConfig, Glm4MoeMoE),
                            "deepseek-v3": (DeepseekV3Config, HfDeepseekV3MoE)}[family]
-    config = config_class(hidden_size=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                          n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, n_shared_experts=1)
+    config = config_class(hidden_size=64, n_routed_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
+                          n_group=4, topk_group=3, norm_topk_prob=True, routed_scaling_factor=2.5, n_shared_experts=1)
     config._experts_implementation = "grouped_mm"
     hf = block(config)
     g = torch.Generator().manual_seed(0)
@@ -199,7 +201,7 @@ def test_v3_moe_block_in_bf16_is_transformers_own(family):
     weights = {name: tensor.clone() for name, tensor in hf.state_dict().items()}
     hf.to(torch.bfloat16).gate.e_score_correction_bias = weights["gate.e_score_correction_bias"]
     ours = load_v3_moe_block(built_in_bf16(lambda: DeepseekV3MoE(config)), weights)
-    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
     assert torch.equal(ours(x), hf(x[None])[0])
 
 
@@ -291,6 +293,9 @@ def test_topk_softmax_routing_in_bf16_is_transformers_own(family):
     assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
 
 
+# DeepSeek's routing in 4 groups of 2 experts, the best 3 groups' 4 best experts per token.
+_V3_GROUPS = {"n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 3,
+              "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 2.5}
 # Each family's router in transformers (its module, router, config and model classes), the engine's MoE block for
 # the family's config, and the config's routing (8 experts, 2 per token).
 _ROUTERS = {
@@ -315,6 +320,13 @@ _ROUTERS = {
               {"num_local_experts": 8, "num_experts": 8, "num_experts_per_tok": 4, "router_scaling_factor": 2.5}),
     "minimax-m2": ("minimax_m2", "MiniMaxM2TopKRouter", "MiniMaxM2Config", "MiniMaxM2ForCausalLM", MiniMaxM2MoE,
                    {"num_local_experts": 8, "num_experts_per_tok": 4}),
+    "deepseek-v3": ("deepseek_v3", "DeepseekV3TopkRouter", "DeepseekV3Config", "DeepseekV3ForCausalLM", DeepseekV3MoE,
+                    {**_V3_GROUPS, "norm_topk_prob": True}),
+    "deepseek-v2": ("deepseek_v2", "DeepseekV2TopkRouter", "DeepseekV2Config", "DeepseekV2ForCausalLM", DeepseekV2MoE,
+                    {**_V3_GROUPS, "topk_method": "group_limited_greedy"}),
+    "nemotron-h": ("nemotron_h", "NemotronHTopkRouter", "NemotronHConfig", "NemotronHForCausalLM", NemotronHMoE,
+                   {**_V3_GROUPS, "norm_topk_prob": True, "moe_shared_expert_intermediate_size": 32,
+                    "mlp_hidden_act": "relu2"}),
 }
 # The routers given the correction bias by their MoE block, and its dtype there (AFMoE's stays fp32 in fp16 models
 # alone, LFM2-MoE's is an fp32 buffer, HY3's strictly kept in fp32, MiniMax-M2's a buffer of the model's dtype).
@@ -350,9 +362,9 @@ def test_router_in_bf16_is_transformers_own(family):
     (built in fp32: fp32 logits and routing weights), Flint's (its weight kept in fp32,
     `_keep_in_fp32_modules_strict`), Kolibri-1's (bf16 weight upcast, fp32 correction bias), AFMoE's and Laguna's
     (bf16 logits upcast, bf16 correction bias; Laguna's weights rounded to bf16), LFM2-MoE's (sigmoid, renormalized
-    and scaled in bf16, an fp32 expert bias), HY3's and MiniMax-M2's (the top k unsorted, the order the experts'
-    fp32 sum follows). Bit for bit on the routing weights and the chosen experts, in order (in another dtype, the
-    weights differ and near-ties choose other experts)."""
+    and scaled in bf16, an fp32 expert bias), HY3's, MiniMax-M2's, DeepSeek-V2's, V3's and NemotronH's (the top k
+    unsorted, the order the experts' fp32 sum follows). Bit for bit on the routing weights and the chosen experts, in
+    order (in another dtype, the weights differ and near-ties choose other experts)."""
     g = torch.Generator().manual_seed(0)
     checkpoint = {"weight": 0.3 * torch.randn(8, 64, generator=g),
                   "e_score_correction_bias": 0.05 * torch.randn(8, generator=g)}

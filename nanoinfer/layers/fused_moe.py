@@ -95,18 +95,18 @@ def select_experts_softmax_grouped(router_logits: torch.Tensor, top_k: int, num_
     if num_groups is not None:
         group_scores = scores.view(scores.shape[0], num_groups, -1).amax(dim=-1)
         scores = mask_to_top_groups(scores, group_scores, topk_group, 0.0)
-    weights, ids = torch.topk(scores, top_k, dim=-1)
+    weights, ids = torch.topk(scores, top_k, dim=-1, sorted=False)  # unsorted: see select_experts_sigmoid_biased
     return weights * scaling, ids
 
 
 def select_experts_sigmoid_biased(router_logits: torch.Tensor, top_k: int, correction_bias: torch.Tensor | None,
                                   num_groups: int, topk_group: int, renormalize: bool, scaling: float,
-                                  sorted_topk: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                                  sorted_topk: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 ("noaux_tc"): fp32 sigmoid scores; the choice, among the topk_group groups whose two best biased
     scores sum highest, is the top k of score + correction_bias (None: of the scores); the weights are the unbiased
-    scores (optionally rescaled to sum to 1, transformers' 1e-20 added to the sum), times `scaling`. sorted_topk=False:
-    the top k in torch.topk's unsorted order (HY3's and MiniMax-M2's routers take them so; the experts' fp32 sum
-    follows that order, which for k > 2 rounds some rows otherwise)."""
+    scores (optionally rescaled to sum to 1, transformers' 1e-20 added to the sum), times `scaling`. The top k in
+    torch.topk's unsorted order, as transformers' V3-style routers take them (the experts' fp32 sum follows that
+    order, which for k > 2 rounds some rows otherwise), or sorted (sorted_topk: AFMoE's, Laguna's, Flint's)."""
     scores = router_logits.float().sigmoid()
     biased = scores if correction_bias is None else scores + correction_bias.float()
     group_scores = biased.view(scores.shape[0], num_groups, -1).topk(2, dim=-1)[0].sum(dim=-1)

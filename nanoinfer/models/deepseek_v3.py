@@ -35,7 +35,7 @@ class UngroupedSigmoidMoE(DeepseekV3MoE):
     (`norm_topk_prob`), times the family's `scaling` (Laguna's scales the routed output instead); the router logits
     first softcapped to cap * tanh(logit / cap) where logit_softcap > 0 (Laguna)."""
 
-    sorted_topk = True  # see select_experts_sigmoid_biased
+    sorted_topk = True  # see select_experts_sigmoid_biased (HY3's unsorted)
 
     def __init__(self, config: PretrainedConfig, num_experts: int, shared_intermediate_size: int,
                  scaling: float = 1.0, logit_softcap: float = 0.0, renormalize: bool = True):

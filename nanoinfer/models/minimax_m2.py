@@ -31,7 +31,7 @@ class MiniMaxM2MoE(nn.Module):
 
     def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return select_experts_sigmoid_biased(self.gate(x), self.top_k, self.e_score_correction_bias, num_groups=1,
-                                             topk_group=1, renormalize=True, scaling=1.0, sorted_topk=False)
+                                             topk_group=1, renormalize=True, scaling=1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts.run_experts(x, *self.select_experts(x))
