@@ -2,7 +2,8 @@
 projection (sigmoid, per element), rope on the sliding-window layers alone (the full ones NoPE), norms before and after
 both sublayers (Gemma 2's layer), all applying their weight in fp32 (transformers keeps them in fp32), muP's
 sqrt(hidden) embedding scale where `mup_enabled`; the first `num_dense_layers` MLPs dense, the others sigmoid-routed
-experts chosen with an `expert_bias` (router logits and bias in the model's dtype), renormalized and scaled by `route_scale`, plus ungated shared experts."""
+experts chosen with an `expert_bias` (router logits and bias in the model's dtype), renormalized and scaled by
+`route_scale`, plus ungated shared experts."""
 import torch
 from torch import nn
 from transformers import PretrainedConfig
