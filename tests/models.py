@@ -223,8 +223,8 @@ MAMBA2_HYBRID_KINDS = ("nemotron-h", "falcon-h1", "falcon-h1-norm", "zamba2", "m
 # its own value projection and 2 of 4 experts beside the dense MLP in every layer, "gemma4-e" as E2B/E4B: per-layer
 # embeddings, and its last two layers (twice as wide MLPs) reusing the keys and values of layers 2 and 3.
 GEMMA4_KINDS = ("gemma4", "gemma4-moe", "gemma4-e")
-# Gemma 3n (see gemma3n_config): Gemma 4 E-style attention and per-layer inputs (a table shorter than the vocabulary:
-# prompt ids from 400 take its row 0) inside AltUp's 4 streams, LAuReL, activation sparsity on layers 0 and 1 (0.95,
+# Gemma 3n (see gemma3n_config): Gemma 4 E-style attention and per-layer inputs (a table shorter than the vocabulary
+# where transformers maps the ids past it: prompt ids from 400 take its row 0) inside AltUp's 4 streams, LAuReL, activation sparsity on layers 0 and 1 (0.95,
 # 0.6), MLPs of two widths, and its last two layers reusing the keys and values of layers 2 and 3.
 GEMMA3N_KIND = "gemma3n"
 # GPT-OSS: attention sinks (GPT_OSS_SINK_STD, so that they weigh), sliding and full layers, yarn rope, q/k/v/o biases,
@@ -1298,6 +1298,14 @@ def gemma4_config(kind: str, gemma: dict):
     )
 
 
+def _gemma3n_maps_per_layer_ids() -> bool:
+    """Whether transformers' Gemma3nTextModel sends ids past its per-layer table to row 0 (5.23 does; 5.17 indexes
+    the table with every id, so there the test model's table covers the whole vocabulary)."""
+    from transformers.models.gemma3n.modeling_gemma3n import Gemma3nTextModel
+
+    return "vocab_size_per_layer_input" in inspect.getsource(Gemma3nTextModel.get_per_layer_inputs)
+
+
 def gemma3n_config(gemma: dict):
     """Gemma 3n on Gemma 2/3's test settings, with six layers (the last one must be full)."""
     from transformers import Gemma3nTextConfig
@@ -1311,7 +1319,7 @@ def gemma3n_config(gemma: dict):
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}},
         hidden_size_per_layer_input=8,
-        vocab_size_per_layer_input=400,
+        vocab_size_per_layer_input=400 if _gemma3n_maps_per_layer_ids() else MODEL_VOCAB_SIZE,
         num_kv_shared_layers=2,
         altup_num_inputs=4,
         laurel_rank=8,
