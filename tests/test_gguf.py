@@ -641,13 +641,12 @@ def test_gpt_oss_tokenizer_and_text_prompts(model_dir, tmp_path: pathlib.Path, c
     text = ["The quick brown fox jumps over the lazy dog.", "Hello, world! 1234"]
     theirs = AutoTokenizer.from_pretrained(src)
     try:
-        load_gguf_checkpoint(str(path))
-    except TypeError:
-        with pytest.raises(ValueError, match="cannot build this GPT-OSS file's tokenizer"):
-            load_gguf_tokenizer(path)
+        ours = load_gguf_tokenizer(path)
+    except ValueError as e:  # 5.17's tokenizer parses the model config too (5.23's reads the vocabulary alone)
+        if Version(transformers.__version__) >= Version("5.23") or "cannot build this GPT-OSS" not in str(e):
+            raise
         pytest.skip(f"transformers {transformers.__version__}'s GGUF reader fails on GPT-OSS's rope-scaling keys even "
-                    "to build its tokenizer (refused by name, checked)")
-    ours = load_gguf_tokenizer(path)
+                    "to build its tokenizer (refused by name)")
     assert [ours(t).input_ids for t in text] == [theirs(t).input_ids for t in text]
     assert ours.eos_token == theirs.eos_token
     with LLM(str(path), device="cpu", dtype="float32", max_model_len=128) as llm:
