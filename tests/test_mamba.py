@@ -1,20 +1,26 @@
 """Mamba, Falcon-Mamba, Jamba and Zamba (the Mamba-1 mixer; Zamba's multi-head) vs transformers under chunked prefill, preemption and two
 tensor-parallel ranks, prefix caching and LLM.embed refused; the selective scan's chunked and one-step forms against
 each other, and the mixer against transformers' over prompt chunks, decode steps and several sequences at once, whole
-and sharded over two ranks."""
+and sharded over two ranks; Zamba's shared block and its refused options."""
 import functools
 import inspect
+import json
+import re
+import shutil
 
 import pytest
 import torch
 
 from models import MAMBA1_KINDS
+from nanoinfer import LLM
+from nanoinfer.layers.attention import Attention
 from nanoinfer.layers.mamba import (MambaMixer, MambaSettings, MultiHeadMambaMixer, selective_scan,
                                     selective_state_update)
 from nanoinfer.models.falcon_mamba import falcon_mamba_settings
 from nanoinfer.models.jamba import jamba_mamba_settings
 from nanoinfer.models.mamba import mamba_settings
-from nanoinfer.models.zamba import zamba_mamba_settings
+from nanoinfer.models.zamba import ZambaForCausalLM, zamba_mamba_settings
+from nanoinfer.models.zamba2 import Zamba2HybridLayer
 from nanoinfer.utils.dist import tp_scope
 # Prefix caching refused (a cached prefix has K/V but no recurrent state), LLM.embed refused (causal layers).
 from test_qwen3_next import LOGIT_ATOL, PROMPTS, run, test_embed_is_refused, test_no_prefix_cache_reuse  # noqa: F401
@@ -164,3 +170,32 @@ def check_outputs(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None
     for y, want in zip(got, expected):
         torch.testing.assert_close(y, want, rtol=0, atol=1e-6 * want.abs().max().item())
         assert want.abs().max() > 1
+
+
+def test_zamba_shares_its_block_with_a_cache_per_invocation(model_dir):
+    """Zamba's hybrid layers 2 and 4 invoke its one shared block (no adapters, stored once under layer 2), each
+    invocation with its own KV cache and linear."""
+    with LLM(str(model_dir("zamba")), device="cpu", dtype="float32", max_model_len=64) as llm:
+        model = llm.llm_engine.model_runner.model
+        assert isinstance(model, ZambaForCausalLM)
+        layers = model.model.layers
+        hybrid = [i for i, layer in enumerate(layers) if isinstance(layer, Zamba2HybridLayer)]
+        assert hybrid == [2, 4] and layers[2].shared_transformer is layers[4].shared_transformer
+        block = layers[2].shared_transformer
+        assert not block.self_attn.adapted and block.feed_forward.gate_up_proj_adapter_list is None
+        caches = [m for m in model.modules() if isinstance(m, Attention)]
+        assert {id(c) for c in caches} == {id(layers[i].attn) for i in hybrid} and len(caches) == 2
+        assert layers[2].linear is not layers[4].linear
+
+
+@pytest.mark.parametrize("change, option", [({"attention_hidden_size": 96}, "attention_hidden_size=96"),
+                                            ({"attention_head_dim": 16}, "attention_head_dim=16"),
+                                            ({"hidden_mamba_act": "gelu"}, "hidden_mamba_act='gelu'")])
+def test_zamba_unsupported_config_is_refused(model_dir, tmp_path, change, option):
+    """Shapes and options transformers' Zamba lets vary and ours assumes are refused by name, with the model's path."""
+    d = shutil.copytree(model_dir("zamba"), tmp_path / "zamba")
+    config = json.loads((d / "config.json").read_text()) | change
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=re.escape(option)) as e:
+        LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
+    assert str(d) in str(e.value)
