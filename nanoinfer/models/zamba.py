@@ -52,4 +52,5 @@ class ZambaForCausalLM(Zamba2ForCausalLM):
     packed_modules_mapping = Zamba2ForCausalLM.packed_modules_mapping | {
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     # The shared block's checkpoint name (Zamba2's is shared_transformer), then Zamba2's.
-    weight_name_substitutions = {".shared_transf.": ".shared_transformer."} | Zamba2ForCausalLM.weight_name_substitutions
+    weight_name_substitutions = ({".shared_transf.": ".shared_transformer."}
+                                 | Zamba2ForCausalLM.weight_name_substitutions)
