@@ -152,6 +152,8 @@ def test_mixer_sharded_over_two_ranks_matches_transformers(family, monkeypatch):
 def test_mixer_channels_must_split_over_ranks():
     with tp_scope(0, 3, None), pytest.raises(ValueError, match="intermediate_size=128 .* tensor_parallel_size=3"):
         MambaMixer(_hf_mixer("mamba")[1])
+    with tp_scope(0, 8, None), pytest.raises(ValueError, match="n_mamba_heads=4 .* tensor_parallel_size=8"):
+        MultiHeadMambaMixer(_hf_mixer("zamba")[1])  # 16 channels a rank, but half a head
 
 
 def _inputs_and_hf_outputs(hf) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
