@@ -223,8 +223,8 @@ MAMBA2_HYBRID_KINDS = ("nemotron-h", "falcon-h1", "falcon-h1-norm", "zamba2", "m
 # its own value projection and 2 of 4 experts beside the dense MLP in every layer, "gemma4-e" as E2B/E4B: per-layer
 # embeddings, and its last two layers (twice as wide MLPs) reusing the keys and values of layers 2 and 3.
 GEMMA4_KINDS = ("gemma4", "gemma4-moe", "gemma4-e")
-# Gemma 3n (see gemma3n_config): Gemma 4 E-style attention and per-layer inputs (a table shorter than the vocabulary:
-# prompt ids from 400 take its row 0) inside AltUp's 4 streams, LAuReL, activation sparsity on layers 0 and 1 (0.95,
+# Gemma 3n (see gemma3n_config): Gemma 4 E-style attention and per-layer inputs (a table shorter than the vocabulary
+# where transformers maps the ids past it: prompt ids from 400 take its row 0) inside AltUp's 4 streams, LAuReL, activation sparsity on layers 0 and 1 (0.95,
 # 0.6), MLPs of two widths, and its last two layers reusing the keys and values of layers 2 and 3.
 GEMMA3N_KIND = "gemma3n"
 # GPT-OSS: attention sinks (GPT_OSS_SINK_STD, so that they weigh), sliding and full layers, yarn rope, q/k/v/o biases,
@@ -245,7 +245,7 @@ EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_N
 # Mamba-1 mixers (see mamba1_config): Mamba (projection biases, tied), Falcon-Mamba (weightless dt/B/C norms, untied),
 # Jamba (dt/B/C norms with weights; attention without rope on layer 2; 2 of 4 experts on layers 1 and 3, dense MLPs
 # on 0 and 2).
-MAMBA1_KINDS = ("mamba", "falcon-mamba", "jamba")
+MAMBA1_KINDS = ("mamba", "falcon-mamba", "jamba", "zamba")
 EXTRA_KINDS += MAMBA1_KINDS
 # The newest transformers families (see newest_family_config), each with transformers' module name: where the
 # installed transformers lacks it (5.17, the GPU machine's, lacks some), its tests skip (conftest's model_dir).
@@ -311,9 +311,9 @@ BIAS_STD = 0.1
 GPT_OSS_SINK_STD = 3.0
 # GPT-OSS's expert gate/up weights: pre-activations of std ~5, so that the clamps at swiglu_limit (7) often bind.
 GPT_OSS_GATE_UP_STD = 0.6
-# Zamba2's layer matrices (shared blocks, adapters, linears, Mamba2 projections and convs): INIT_STD times this. At
-# INIT_STD its 5 layers of fan-in 128 attention (scaled by (head_dim / 2) ** -0.5) are chaotic: transformers' own fp32
-# logits sit 7e-3 from its fp64 ones; at half, 2e-5.
+# Zamba's and Zamba2's layer matrices (shared blocks, adapters, linears, Mamba projections and convs): INIT_STD times
+# this. At INIT_STD Zamba2's 5 layers of fan-in 128 attention (scaled by (head_dim / 2) ** -0.5) are chaotic:
+# transformers' own fp32 logits sit 7e-3 from its fp64 ones; at half, 2e-5. (Zamba's at INIT_STD: ours 3.6e-4 away.)
 ZAMBA2_LAYER_WEIGHT_SCALE = 0.5
 SHARD_SIZE = "200KB"
 
@@ -348,7 +348,7 @@ _SEEDS |= {"lfm2-moe": 2346}
 # FlexOLMo's seed: on the test prompts its routers' 2nd and 3rd experts stay >= 1e-5 apart, and every expert is used.
 _SEEDS |= {"glm4-moe-lite": 3457, "exaone-moe": 4568, "granite-swa": 5679, "granitemoe-swa": 6780}
 _SEEDS |= {"ministral": 6791, "ministral3": 7902, "phimoe": 8013, "flexolmo": 4024, "vaultgemma": 1235}
-_SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363}
+_SEEDS |= {"mamba": 2137, "falcon-mamba": 3248, "jamba": 4363, "zamba": 5474}
 _SEEDS |= {"opt": 6579, "opt-350m": 7680, "gpt-neo": 8791, "codegen": 9802, "persimmon": 1913, "dbrx": 2924}
 _SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minimax-m2": 9818, "axk1": 1929,
            "nanochat": 2030, "cohere2-moe": 3141, "cohere2-moe-sigmoid": 4252}
@@ -1200,7 +1200,7 @@ def _randomize_mamba_(model, seed: int) -> None:
 
 
 def mamba1_config(kind: str, special: dict):
-    from transformers import FalconMambaConfig, JambaConfig, MambaConfig
+    from transformers import FalconMambaConfig, JambaConfig, MambaConfig, ZambaConfig
 
     # 128 channels (expand 2), 8 states per channel, dt of rank 8.
     common = dict(**special, vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, initializer_range=INIT_STD, hidden_act="silu")
@@ -1210,6 +1210,12 @@ def mamba1_config(kind: str, special: dict):
         return MambaConfig(**common, **mamba, use_bias=True, tie_word_embeddings=True)
     if kind == "falcon-mamba":
         return FalconMambaConfig(**common, **mamba, use_bias=False, mixer_rms_eps=1e-6, tie_word_embeddings=False)
+    if kind == "zamba":  # layers M M H M H M: the shared block invoked twice; 2 mixer heads of 64 channels; GQA
+        return ZambaConfig(**common, num_hidden_layers=6, attn_layer_period=2, attn_layer_offset=1,
+                           intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=512, rms_norm_eps=1e-5, hidden_mamba_act="silu", n_mamba_heads=2,
+                           mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8, mamba_conv_bias=True,
+                           mamba_proj_bias=False, tie_word_embeddings=True)
     return JambaConfig(**common, num_hidden_layers=4, intermediate_size=64, num_attention_heads=4,
                        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, attn_layer_period=4,
                        attn_layer_offset=2, num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
@@ -1225,7 +1231,7 @@ def _randomize_mamba1_(model, seed: int) -> None:
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             if name.endswith(".A_log"):
                 p.copy_(torch.linspace(0.01, 1.0, p.numel()).log().view_as(p))
-            elif name.endswith(".dt_proj.bias"):
+            elif name.endswith((".dt_proj.bias", ".dt_proj_bias")):  # Zamba's
                 p.copy_(-2.0 + 0.5 * torch.randn(p.shape, generator=g))
 
 
@@ -1298,6 +1304,14 @@ def gemma4_config(kind: str, gemma: dict):
     )
 
 
+def _gemma3n_maps_per_layer_ids() -> bool:
+    """Whether transformers' Gemma3nTextModel sends ids past its per-layer table to row 0 (5.23 does; 5.17 indexes
+    the table with every id, so there the test model's table covers the whole vocabulary)."""
+    from transformers.models.gemma3n.modeling_gemma3n import Gemma3nTextModel
+
+    return "vocab_size_per_layer_input" in inspect.getsource(Gemma3nTextModel.get_per_layer_inputs)
+
+
 def gemma3n_config(gemma: dict):
     """Gemma 3n on Gemma 2/3's test settings, with six layers (the last one must be full)."""
     from transformers import Gemma3nTextConfig
@@ -1311,7 +1325,7 @@ def gemma3n_config(gemma: dict):
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}},
         hidden_size_per_layer_input=8,
-        vocab_size_per_layer_input=400,
+        vocab_size_per_layer_input=400 if _gemma3n_maps_per_layer_ids() else MODEL_VOCAB_SIZE,
         num_kv_shared_layers=2,
         altup_num_inputs=4,
         laurel_rank=8,
@@ -1392,7 +1406,7 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
         _sharpen_gpt_oss_(model, _SEEDS[base_kind])
     if kind in SSM_KINDS + MAMBA2_HYBRID_KINDS:
         _randomize_mamba_(model, _SEEDS[base_kind])
-    if kind == "zamba2":
+    if kind in ("zamba", "zamba2"):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.startswith("model.layers.") and p.dim() > 1:

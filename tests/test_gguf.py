@@ -12,6 +12,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from transformers.utils import is_accelerate_available
@@ -638,7 +640,13 @@ def test_gpt_oss_tokenizer_and_text_prompts(model_dir, tmp_path: pathlib.Path, c
     _write_hf_as_gguf(path, "gpt-oss", src, tokenizer=True)
     text = ["The quick brown fox jumps over the lazy dog.", "Hello, world! 1234"]
     theirs = AutoTokenizer.from_pretrained(src)
-    ours = load_gguf_tokenizer(path)
+    try:
+        ours = load_gguf_tokenizer(path)
+    except ValueError as e:  # 5.17's tokenizer parses the model config too (5.23's reads the vocabulary alone)
+        if Version(transformers.__version__) >= Version("5.23") or "cannot build this GPT-OSS" not in str(e):
+            raise
+        pytest.skip(f"transformers {transformers.__version__}'s GGUF reader fails on GPT-OSS's rope-scaling keys even "
+                    "to build its tokenizer (refused by name)")
     assert [ours(t).input_ids for t in text] == [theirs(t).input_ids for t in text]
     assert ours.eos_token == theirs.eos_token
     with LLM(str(path), device="cpu", dtype="float32", max_model_len=128) as llm:
@@ -696,6 +704,9 @@ def test_engine_matches_transformers_on_the_same_gguf(case, model_dir, tmp_path:
     import nanoinfer.engine.llm_engine as llm_engine
     from nanoinfer import LLM, SamplingParams
 
+    if case == "lfm2" and Version(transformers.__version__) < Version("5.23"):
+        pytest.skip(f"transformers {transformers.__version__} (5.17 seen) builds another model than 5.23 from the same "
+                    "LFM2 file: no reference (the engine on LFM2 files against safetensors: test_converted_checkpoint_*)")
     spec = _FOR_TRANSFORMERS[case]
     src = pathlib.Path(shutil.copytree(model_dir(spec.kind), tmp_path / spec.kind))
     config = json.loads((src / "config.json").read_text())

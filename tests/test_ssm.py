@@ -5,6 +5,7 @@ decode steps and several sequences at once, whole and sharded over two ranks; Za
 options."""
 import inspect
 import json
+import pathlib
 import re
 import shutil
 import threading
@@ -345,7 +346,12 @@ def test_zamba2_shares_its_blocks_with_a_cache_per_invocation(model_dir, tmp_pat
 def test_zamba2_unsupported_config_is_refused(model_dir, tmp_path, change, option):
     """Options transformers' Zamba2 cannot run (k and v adapters narrower than their input) or ignores are refused
     by name, with the model's path; the engine is not built."""
-    d = shutil.copytree(model_dir("zamba2"), tmp_path / "zamba2")
+    check_config_refused(model_dir("zamba2"), tmp_path, change, option)
+
+
+def check_config_refused(model: pathlib.Path, tmp_path: pathlib.Path, change: dict, option: str) -> None:
+    """A copy of `model` with `change` in its config.json: LLM raises a ValueError naming `option` and the copy."""
+    d = shutil.copytree(model, tmp_path / model.name)
     config = json.loads((d / "config.json").read_text()) | change
     (d / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=re.escape(option)) as e:

@@ -92,7 +92,8 @@ _MODELS = {
     "VaultGemmaForCausalLM": ("vaultgemma", "VaultGemmaForCausalLM"),
     "YoutuForCausalLM": ("youtu", "YoutuForCausalLM"),
 }
-# Hybrids of attention with recurrent layers (Mamba2, short convolutions; Zamba2's shared attention blocks).
+# Hybrids of attention with recurrent layers (Mamba2, short convolutions; Zamba's and Zamba2's shared
+# attention blocks).
 _MODELS |= {
     "BambaForCausalLM": ("bamba", "BambaForCausalLM"),
     "FalconH1ForCausalLM": ("falcon_h1", "FalconH1ForCausalLM"),
@@ -102,6 +103,7 @@ _MODELS |= {
     "Lfm3ForCausalLM": ("lfm3", "Lfm3ForCausalLM"),
     "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
     "OlmoHybridForCausalLM": ("olmo_hybrid", "OlmoHybridForCausalLM"),
+    "ZambaForCausalLM": ("zamba", "ZambaForCausalLM"),
     "Zamba2ForCausalLM": ("zamba2", "Zamba2ForCausalLM"),
 }
 # State-space models: on the Mamba-1 mixer, alone or with attention; on the Mamba2 mixer alone.

@@ -1,7 +1,7 @@
 """Zamba2 (`Zamba2ForCausalLM`, Zyphra's Zamba2-1.2B / 2.7B / 7B): Mamba2 layers, and hybrid layers that first run
 one of `num_mem_blocks` shared transformer blocks (in rotation) on the concatenated hidden states and input embeddings,
 each invocation with its own LoRA adapters, KV cache and linear back to the hidden size, whose output joins the
-input of the layer's Mamba2 mixer."""
+input of the layer's Mamba2 mixer. Zamba (zamba.py) reuses these parts: one shared block, no adapters, no rope."""
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -61,10 +61,11 @@ def adapters(invocations: list[int], input_size: int, rank: int, make_b: type[Li
 
 class Zamba2Attention(nn.Module):
     """The shared attention's weights: q/k/v over the 2 x hidden input, heads of 2 x hidden / num_attention_heads
-    scaled by (head_dim / 2) ** -0.5, rope where `use_mem_rope`, o_proj back to hidden; the adapters of each
-    invocation of this block. The KV cache is the invocation's (its hybrid layer's Attention)."""
+    scaled by (head_dim / 2) ** -0.5, rope where `use_mem_rope` (Zamba has none), o_proj back to hidden; the adapters
+    of each invocation of this block (`invocations`; None: no adapters, as Zamba). The KV cache is the invocation's
+    (its hybrid layer's Attention)."""
 
-    def __init__(self, config: PretrainedConfig, invocations: list[int]):
+    def __init__(self, config: PretrainedConfig, invocations: list[int] | None):
         super().__init__()
         heads, width = config.num_attention_heads, 2 * config.hidden_size
         self.head_dim = width // heads
@@ -73,9 +74,9 @@ class Zamba2Attention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = (self.head_dim / 2) ** -0.5
         self.o_proj = RowParallelLinear(width, config.hidden_size)
-        self.rotary_emb = (get_rope(config, self.head_dim, config.max_position_embeddings) if config.use_mem_rope
-                           else None)
-        self.adapted = config.use_shared_attention_adapter
+        self.rotary_emb = (get_rope(config, self.head_dim, config.max_position_embeddings)
+                           if getattr(config, "use_mem_rope", False) else None)
+        self.adapted = invocations is not None and config.use_shared_attention_adapter
         if self.adapted:
             rank = config.adapter_rank
             self.linear_q_adapter_list, self.linear_k_adapter_list, self.linear_v_adapter_list = (
@@ -101,16 +102,19 @@ class Zamba2Attention(nn.Module):
 
 
 class Zamba2MLP(LlamaMLP):
-    """The shared MLP (act(gate) * up over one gate_up_proj), each invocation's adapter added to gate_up_proj."""
+    """The shared MLP (act(gate) * up over one gate_up_proj), each invocation's adapter added to gate_up_proj
+    (`invocations` None: none, and no biases, as Zamba)."""
 
-    def __init__(self, config: PretrainedConfig, invocations: list[int]):
-        super().__init__(config, bias=config.add_bias_linear)
+    def __init__(self, config: PretrainedConfig, invocations: list[int] | None):
+        super().__init__(config, bias=invocations is not None and config.add_bias_linear)
         inter = config.intermediate_size
-        self.gate_up_proj_adapter_list = adapters(invocations, config.hidden_size, config.adapter_rank,
-                                                  MergedColumnParallelLinear, [inter, inter])
+        self.gate_up_proj_adapter_list = None if invocations is None else adapters(
+            invocations, config.hidden_size, config.adapter_rank, MergedColumnParallelLinear, [inter, inter])
 
     def forward(self, x: torch.Tensor, invocation: int) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x) + self.gate_up_proj_adapter_list[str(invocation)](x)
+        gate_up = self.gate_up_proj(x)
+        if self.gate_up_proj_adapter_list is not None:
+            gate_up = gate_up + self.gate_up_proj_adapter_list[str(invocation)](x)
         return self.down_proj(self.act_fn(gate_up))
 
 
@@ -119,7 +123,7 @@ class Zamba2SharedTransformer(nn.Module):
     residual adds. Registered in each hybrid layer that invokes it, loaded once (the checkpoint holds it under the
     first; later copies, where a checkpoint has them, are the same parameters)."""
 
-    def __init__(self, config: PretrainedConfig, invocations: list[int]):
+    def __init__(self, config: PretrainedConfig, invocations: list[int] | None):
         super().__init__()
         self.input_layernorm = RMSNorm(2 * config.hidden_size, config.rms_norm_eps)
         self.self_attn = Zamba2Attention(config, invocations)
@@ -136,14 +140,15 @@ class Zamba2SharedTransformer(nn.Module):
 class Zamba2HybridLayer(nn.Module):
     """h = the residual stream; t = linear(shared block(h, embeddings)); h + mixer(norm(h + t)). The invocation's own
     parts: its KV cache (`attn`), its `linear` (whole on every rank: its input is the MLP's all-reduced output, and
-    it is hidden x hidden), its Mamba2 layer."""
+    it is hidden x hidden), its Mamba layer (`mamba_decoder`)."""
 
-    def __init__(self, config: PretrainedConfig, shared: Zamba2SharedTransformer, invocation: int):
+    def __init__(self, config: PretrainedConfig, shared: Zamba2SharedTransformer, invocation: int,
+                 mamba_decoder: HybridDecoderLayer):
         super().__init__()
         self.shared_transformer, self.invocation = shared, invocation
         self.attn = shared.self_attn.kv_cache_layer()
         self.linear = ReplicatedLinear(config.hidden_size, config.hidden_size)
-        self.mamba_decoder = mamba_layer(config)
+        self.mamba_decoder = mamba_decoder
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 embeddings: torch.Tensor, meta: AttentionMetadata, batch: RecurrentBatch
@@ -155,18 +160,26 @@ class Zamba2HybridLayer(nn.Module):
 
 
 class Zamba2Model(nn.Module):
+    adapted = True  # the shared blocks' per-invocation adapters (Zamba has none)
+    check_config = staticmethod(check_config)
+    mamba_layer = staticmethod(mamba_layer)
+
+    @staticmethod
+    def layout(config: PretrainedConfig) -> tuple[list[int], int]:
+        """The hybrid layers' indices and the number of shared blocks they invoke in rotation."""
+        return config.hybrid_layer_ids, config.num_mem_blocks
+
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        check_config(config)
+        self.check_config(config)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # Hybrid layer n (in layer order) invokes shared block n % num_mem_blocks, as transformers ties them.
-        hybrid = config.hybrid_layer_ids
-        blocks = config.num_mem_blocks
-        shared = [Zamba2SharedTransformer(config, list(range(b, len(hybrid), blocks)))
+        hybrid, blocks = self.layout(config)
+        shared = [Zamba2SharedTransformer(config, list(range(b, len(hybrid), blocks)) if self.adapted else None)
                   for b in range(min(blocks, len(hybrid)))]
         self.layers = nn.ModuleList(
-            Zamba2HybridLayer(config, shared[hybrid.index(i) % blocks], hybrid.index(i)) if i in hybrid
-            else mamba_layer(config) for i in range(config.num_hidden_layers))
+            Zamba2HybridLayer(config, shared[hybrid.index(i) % blocks], hybrid.index(i), self.mamba_layer(config))
+            if i in hybrid else self.mamba_layer(config) for i in range(config.num_hidden_layers))
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -183,12 +196,13 @@ class Zamba2Model(nn.Module):
 
 
 class Zamba2ForCausalLM(nn.Module):
+    model_class: type[Zamba2Model] = Zamba2Model
     packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
     weight_name_substitutions = {".mamba.": ".mixer."}  # HybridDecoderLayer's name for the recurrent mixer
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        self.model = Zamba2Model(config)
+        self.model = self.model_class(config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -9,6 +9,7 @@ from typing import Iterator, TypeVar
 import gguf
 import numpy as np
 import torch
+import transformers
 from transformers import (AutoConfig, AutoTokenizer, GptOssConfig, PretrainedConfig, PreTrainedTokenizerBase,
                           PreTrainedTokenizerFast)
 
@@ -401,8 +402,15 @@ def load_gguf_tokenizer(gguf_path: str | os.PathLike) -> PreTrainedTokenizerBase
     reader = _reader(p)
     # AutoTokenizer reads the model's config first, which transformers 5.23 fails to parse for GPT-OSS (see
     # _gpt_oss_config); the fast tokenizer class reads the vocabulary alone.
-    loader = PreTrainedTokenizerFast if _field(reader, "general.architecture") == "gpt-oss" else AutoTokenizer
-    tok = loader.from_pretrained(p.parent, gguf_file=p.name)
+    gpt_oss = _field(reader, "general.architecture") == "gpt-oss"
+    loader = PreTrainedTokenizerFast if gpt_oss else AutoTokenizer
+    try:
+        tok = loader.from_pretrained(p.parent, gguf_file=p.name)
+    except TypeError as e:  # transformers 5.17 parses the model config to build the tokenizer, and fails on GPT-OSS's
+        if not gpt_oss:
+            raise
+        raise ValueError(f"{p}: transformers {transformers.__version__} cannot build this GPT-OSS file's tokenizer (its "
+                         f"GGUF reader fails on the file's rope-scaling keys: {e}); transformers 5.23 can") from e
     # The file's own ids: transformers 5.17 makes SmolLM2's <|im_start|> its EOS token and sets no padding token.
     for name, key in _SPECIAL_TOKENS.items():
         if (token_id := _field(reader, key)) is not None:
