@@ -4,9 +4,10 @@ for bit against transformers' own modules: Gemma's, Qwen3-Next's and Qwen3.5's (
 norms (weight applied in fp32), Mamba's fp32 residual stream (`residual_in_fp32`), the convs' fp32 accumulation
 (F.conv1d's), NemotronH's fp32 sum of the weighted experts; so do the MoE blocks of the attention families where a
 16-bit step is transformers' own (GLM-4.5's and DeepSeek-V3's fp32 correction bias and fp32-weighted sum, Mixtral's
-fp32 routing weights, GPT-OSS's and GraniteMoE's softmax over the top k logits). Then the recurrent and hybrid
-families end to end, measured against transformers' own bf16 rounding error as test_gpu.py measures every family on a
-GPU (check_bf16_outputs)."""
+fp32 routing weights, GPT-OSS's and GraniteMoE's softmax over the top k logits, Hunyuan MoE's and Flint's fp32
+routers, AFMoE's, Laguna's and LFM2-MoE's bf16 ones, the V3-style routers' unsorted top k). Then the recurrent
+and hybrid families end to end, measured against transformers' own bf16 rounding error as test_gpu.py measures every
+family on a GPU (check_bf16_outputs)."""
 import inspect
 from collections.abc import Callable
 
@@ -17,10 +18,20 @@ from transformers import PretrainedConfig
 from models import (MAMBA1_KINDS, MAMBA2_HYBRID_KINDS, QWEN3_NEXT_KINDS, SSM_KINDS, check_bf16_outputs, hf_greedy,
                     load_hf_model, random_prompts)
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, relu2, select_experts_topk_softmax
+from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, relu2, select_experts, select_experts_topk_softmax
 from nanoinfer.layers.layernorm import Fp32ResidualRMSNorm, GemmaRMSNorm, OlmoRMSNorm, RMSNorm
 from nanoinfer.layers.recurrent import causal_conv1d
+from nanoinfer.models.afmoe import AfmoeForCausalLM
+from nanoinfer.models.deepseek_v2 import DeepseekV2MoE
 from nanoinfer.models.deepseek_v3 import DeepseekV3MoE
+from nanoinfer.models.flint import FlintForCausalLM
+from nanoinfer.models.hunyuan_v1_moe import HunYuanMoEV1Moe
+from nanoinfer.models.hy_v3 import HYV3ForCausalLM
+from nanoinfer.models.kolibri1 import Kolibri1ForCausalLM
+from nanoinfer.models.laguna import LagunaMoE
+from nanoinfer.models.lfm2 import Lfm2MoeBlock
+from nanoinfer.models.minimax_m2 import MiniMaxM2MoE
+from nanoinfer.models.nemotron_h import NemotronHMoE
 
 # Granite 4.0-H's and Qwen3-Next's routers sit at bf16 near-ties on these prompts (Granite's: top-2 and 3rd expert
 # 0.002 apart at several tokens of every prompt; Qwen3-Next's: 0.1306 and 0.1288 at prompt 0, step 3), which rounding
@@ -158,16 +169,16 @@ def test_nemotron_h_experts_sum_in_fp32_as_transformers():
 
 def _hf_v3_moe(family: str) -> tuple[torch.nn.Module, PretrainedConfig]:
     """transformers' GLM-4.5 or DeepSeek-V3 MoE block (sigmoid router with the correction bias in 8 experts of 4
-    groups, 2 of them per token, renormalized and scaled; one shared expert) with random fp32 weights, and its config
-    (experts run as from_pretrained runs them: grouped_mm)."""
+    groups, 4 of them per token from the best 3 groups, renormalized and scaled; one shared expert) with random fp32
+    weights, and its config (experts run as from_pretrained runs them: grouped_mm)."""
     from transformers import DeepseekV3Config, Glm4MoeConfig
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as HfDeepseekV3MoE
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
 
     config_class, block = {"glm4-moe": (Glm4MoeConfig, Glm4MoeMoE),
                            "deepseek-v3": (DeepseekV3Config, HfDeepseekV3MoE)}[family]
-    config = config_class(hidden_size=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                          n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, n_shared_experts=1)
+    config = config_class(hidden_size=64, n_routed_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
+                          n_group=4, topk_group=3, norm_topk_prob=True, routed_scaling_factor=2.5, n_shared_experts=1)
     config._experts_implementation = "grouped_mm"
     hf = block(config)
     g = torch.Generator().manual_seed(0)
@@ -189,7 +200,14 @@ def test_v3_moe_block_in_bf16_is_transformers_own(family):
     hf, config = _hf_v3_moe(family)
     weights = {name: tensor.clone() for name, tensor in hf.state_dict().items()}
     hf.to(torch.bfloat16).gate.e_score_correction_bias = weights["gate.e_score_correction_bias"]
-    ours = built_in_bf16(lambda: DeepseekV3MoE(config))
+    ours = load_v3_moe_block(built_in_bf16(lambda: DeepseekV3MoE(config)), weights)
+    x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert torch.equal(ours(x), hf(x[None])[0])
+
+
+def load_v3_moe_block(ours: torch.nn.Module, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A DeepseekV3MoE (or subclass) with the fp32 weights of transformers' V3-style block (`weights`: its state
+    dict): the router with its correction bias, the stacked experts, the shared expert's gate, up and down."""
     for target, source in ((ours.gate.weight, "gate.weight"),
                            (ours.gate.e_score_correction_bias, "gate.e_score_correction_bias"),
                            (ours.experts.w13_weight, "experts.gate_up_proj"), (ours.experts.w2_weight,
@@ -198,7 +216,28 @@ def test_v3_moe_block_in_bf16_is_transformers_own(family):
         target.data.copy_(weights[source])
     ours.shared_experts.gate_up_proj.weight.data.copy_(torch.cat([weights["shared_experts.gate_proj.weight"],
                                                                   weights["shared_experts.up_proj.weight"]]))
-    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    return ours
+
+
+def test_laguna_moe_block_in_bf16_is_transformers_own():
+    """Laguna's MoE block in bf16: the routing weights rounded to bf16, the routed experts' bf16 sum times
+    `moe_routed_scaling_factor` (in bf16), then the shared expert added. Bit for bit (with the factor in the routing
+    weights instead, as DeepSeek's routers apply it, most rows differ)."""
+    from transformers import LagunaConfig
+    from transformers.models.laguna.modeling_laguna import LagunaSparseMoeBlock
+
+    config = LagunaConfig(hidden_size=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=32, moe_routed_scaling_factor=2.5,
+                          moe_router_logit_softcapping=1.5)
+    config._experts_implementation = "grouped_mm"
+    hf = LagunaSparseMoeBlock(config)
+    g = torch.Generator().manual_seed(0)
+    for param in hf.state_dict().values():
+        param.copy_(0.3 * torch.randn(param.shape, generator=g))
+    weights = {name: tensor.clone() for name, tensor in hf.state_dict().items()}
+    ours = load_v3_moe_block(built_in_bf16(lambda: LagunaMoE(config)), weights)
+    hf.to(torch.bfloat16)
+    x = torch.randn(64, 64, generator=g).bfloat16()
     assert torch.equal(ours(x), hf(x[None])[0])
 
 
@@ -251,6 +290,100 @@ def test_topk_softmax_routing_in_bf16_is_transformers_own(family):
                     "does; 5.23's top-k softmax, which we follow, returns (logits, weights, ids))")
     logits, hf_weights, hf_ids = out
     weights, ids = select_experts_topk_softmax(logits.to(torch.bfloat16), 4)
+    assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
+
+
+# DeepSeek's routing in 4 groups of 2 experts, the best 3 groups' 4 best experts per token.
+_V3_GROUPS = {"n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 3,
+              "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 2.5}
+# Each family's router in transformers (its module, router, config and model classes), the engine's MoE block for
+# the family's config, and the config's routing (8 experts, 2 per token).
+_ROUTERS = {
+    "hunyuan-moe": ("hunyuan_v1_moe", "HunYuanMoEV1Gate", "HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM",
+                    lambda config: HunYuanMoEV1Moe(config, 0), {"num_experts": 8, "moe_topk": 2}),
+    "flint": ("flint", "FlintTopKRouter", "FlintConfig", "FlintForCausalLM",
+              lambda config: FlintForCausalLM.make_mlp(config, 0),
+              {"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "mlp_only_layers": []}),
+    "kolibri1": ("kolibri1", "Kolibri1TopKRouter", "Kolibri1Config", "Kolibri1ForCausalLM",
+                 lambda config: Kolibri1ForCausalLM.make_mlp(config, 0),
+                 {"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True}),
+    "afmoe": ("afmoe", "AfmoeTokenChoiceRouter", "AfmoeConfig", "AfmoeForCausalLM",
+              lambda config: AfmoeForCausalLM.make_mlp(config, 1),
+              {"num_experts": 8, "num_experts_per_tok": 2, "route_scale": 2.5}),
+    "laguna": ("laguna", "LagunaTopKRouter", "LagunaConfig", "LagunaForCausalLM", LagunaMoE,
+               {"num_experts": 8, "num_experts_per_tok": 2, "moe_router_logit_softcapping": 1.5}),
+    "lfm2-moe": ("lfm2_moe", "Lfm2MoeTopKRouter", "Lfm2MoeConfig", "Lfm2MoeForCausalLM", Lfm2MoeBlock,
+                 {"num_experts": 8, "num_experts_per_tok": 2, "routed_scaling_factor": 2.5}),
+    # 4 per token: CPU's torch.topk(sorted=False) returns 2 sorted, 4 not.
+    "hy-v3": ("hy_v3", "HYV3TopKRouter", "HYV3Config", "HYV3ForCausalLM",
+              lambda config: HYV3ForCausalLM.make_mlp(config, 1),
+              {"num_local_experts": 8, "num_experts": 8, "num_experts_per_tok": 4, "router_scaling_factor": 2.5}),
+    "minimax-m2": ("minimax_m2", "MiniMaxM2TopKRouter", "MiniMaxM2Config", "MiniMaxM2ForCausalLM", MiniMaxM2MoE,
+                   {"num_local_experts": 8, "num_experts_per_tok": 4}),
+    "deepseek-v3": ("deepseek_v3", "DeepseekV3TopkRouter", "DeepseekV3Config", "DeepseekV3ForCausalLM", DeepseekV3MoE,
+                    {**_V3_GROUPS, "norm_topk_prob": True}),
+    "deepseek-v2": ("deepseek_v2", "DeepseekV2TopkRouter", "DeepseekV2Config", "DeepseekV2ForCausalLM", DeepseekV2MoE,
+                    {**_V3_GROUPS, "topk_method": "group_limited_greedy"}),
+    "nemotron-h": ("nemotron_h", "NemotronHTopkRouter", "NemotronHConfig", "NemotronHForCausalLM", NemotronHMoE,
+                   {**_V3_GROUPS, "norm_topk_prob": True, "moe_shared_expert_intermediate_size": 32,
+                    "mlp_hidden_act": "relu2"}),
+}
+# The routers given the correction bias by their MoE block, and its dtype there (AFMoE's stays fp32 in fp16 models
+# alone, LFM2-MoE's is an fp32 buffer, HY3's strictly kept in fp32, MiniMax-M2's a buffer of the model's dtype).
+_BIAS_FROM_BLOCK = {"afmoe": torch.bfloat16, "lfm2-moe": torch.float32, "hy-v3": torch.float32,
+                    "minimax-m2": torch.bfloat16}
+# Where the engine's blocks hold the checkpoint's router weight and correction bias.
+_OUR_ROUTER_PARAMS = {"gate.weight": "weight", "gate.e_score_correction_bias": "e_score_correction_bias",
+                      "expert_bias": "e_score_correction_bias", "e_score_correction_bias": "e_score_correction_bias"}
+
+
+def _hf_router_in_bf16(family: str, checkpoint: dict[str, torch.Tensor]) -> tuple[torch.nn.Module, PretrainedConfig]:
+    """transformers' router for `family` as from_pretrained(dtype=bfloat16) builds it from an fp32 checkpoint: built
+    under bf16 (Hunyuan's weight stays fp32, its own dtype), the model's `_keep_in_fp32_modules_strict` in fp32, the
+    checkpoint cast to each tensor's dtype; and the family's config."""
+    import transformers
+
+    module_name, router_name, config_name, model_name, _, routing = _ROUTERS[family]
+    module = pytest.importorskip(f"transformers.models.{module_name}.modeling_{module_name}",
+                                 reason=f"this transformers has no {family} (5.17 has no Flint or Kolibri-1)")
+    config = getattr(transformers, config_name)(hidden_size=64, **routing)
+    hf = built_in_bf16(lambda: getattr(module, router_name)(config))
+    keep = getattr(module, model_name)._keep_in_fp32_modules_strict or []
+    for name, tensor in [*hf.named_parameters(), *hf.named_buffers()]:
+        if any(k in f"gate.{name}" for k in keep):
+            tensor.data = tensor.data.float()
+        tensor.data.copy_(checkpoint[name.removeprefix("wg.").removeprefix("gate.")])  # Hunyuan's, AFMoE's names
+    return hf, config
+
+
+@pytest.mark.parametrize("family", list(_ROUTERS))
+def test_router_in_bf16_is_transformers_own(family):
+    """Routers in a bf16 model from an fp32 checkpoint, where transformers' dtypes are their own: Hunyuan MoE's
+    (built in fp32: fp32 logits and routing weights), Flint's (its weight kept in fp32,
+    `_keep_in_fp32_modules_strict`), Kolibri-1's (bf16 weight upcast, fp32 correction bias), AFMoE's and Laguna's
+    (bf16 logits upcast, bf16 correction bias; Laguna's weights rounded to bf16), LFM2-MoE's (sigmoid, renormalized
+    and scaled in bf16, an fp32 expert bias), HY3's, MiniMax-M2's, DeepSeek-V2's, V3's and NemotronH's (the top k
+    unsorted, the order the experts' fp32 sum follows). Bit for bit on the routing weights and the chosen experts, in
+    order (in another dtype, the weights differ and near-ties choose other experts)."""
+    g = torch.Generator().manual_seed(0)
+    checkpoint = {"weight": 0.3 * torch.randn(8, 64, generator=g),
+                  "e_score_correction_bias": 0.05 * torch.randn(8, generator=g)}
+    hf, config = _hf_router_in_bf16(family, checkpoint)
+    ours = built_in_bf16(lambda: _ROUTERS[family][4](config))
+    for name, param in ours.named_parameters():
+        if name in _OUR_ROUTER_PARAMS:
+            param.data.copy_(checkpoint[_OUR_ROUTER_PARAMS[name]])
+    x = torch.randn(65536, 64, generator=g).bfloat16()
+    if family in _BIAS_FROM_BLOCK:
+        bias = checkpoint["e_score_correction_bias"].to(_BIAS_FROM_BLOCK[family])
+        _, hf_weights, hf_ids = hf(x[None] if family == "afmoe" else x, bias)  # AFMoE's takes [batch, tokens, hidden]
+    else:
+        _, hf_weights, hf_ids = hf(x)
+    if family == "hunyuan-moe":  # a SparseMoeBlock: FusedMoE routes the router's logits
+        weights, ids = select_experts(ours.gate(x), ours.experts.top_k, ours.experts.renormalize,
+                                      ours.experts.fp32_weights)
+    else:
+        weights, ids = ours.select_experts(x)
     assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
 
 

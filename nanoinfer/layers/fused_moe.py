@@ -95,24 +95,26 @@ def select_experts_softmax_grouped(router_logits: torch.Tensor, top_k: int, num_
     if num_groups is not None:
         group_scores = scores.view(scores.shape[0], num_groups, -1).amax(dim=-1)
         scores = mask_to_top_groups(scores, group_scores, topk_group, 0.0)
-    weights, ids = torch.topk(scores, top_k, dim=-1)
+    weights, ids = torch.topk(scores, top_k, dim=-1, sorted=False)  # unsorted: see select_experts_sigmoid_biased
     return weights * scaling, ids
 
 
 def select_experts_sigmoid_biased(router_logits: torch.Tensor, top_k: int, correction_bias: torch.Tensor | None,
                                   num_groups: int, topk_group: int, renormalize: bool, scaling: float,
-                                  eps: float = 1e-20) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 ("noaux_tc"): sigmoid scores; the choice, among the topk_group groups whose two best biased
+                                  sorted_topk: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 ("noaux_tc"): fp32 sigmoid scores; the choice, among the topk_group groups whose two best biased
     scores sum highest, is the top k of score + correction_bias (None: of the scores); the weights are the unbiased
-    scores (optionally rescaled to sum to 1, eps added to the sum: transformers' 1e-20 for DeepSeek, 1e-6 for
-    LFM2-MoE), times `scaling`."""
+    scores (optionally rescaled to sum to 1, transformers' 1e-20 added to the sum), times `scaling`. The top k in
+    torch.topk's unsorted order, as transformers' V3-style routers take them (the experts' fp32 sum follows that
+    order, which for k > 2 rounds some rows otherwise), or sorted (sorted_topk: AFMoE's, Laguna's, Flint's)."""
     scores = router_logits.float().sigmoid()
     biased = scores if correction_bias is None else scores + correction_bias.float()
     group_scores = biased.view(scores.shape[0], num_groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
-    ids = torch.topk(mask_to_top_groups(biased, group_scores, topk_group, float("-inf")), top_k, dim=-1)[1]
+    ids = torch.topk(mask_to_top_groups(biased, group_scores, topk_group, float("-inf")), top_k, dim=-1,
+                     sorted=sorted_topk)[1]
     weights = scores.gather(1, ids)
     if renormalize:
-        weights /= weights.sum(dim=-1, keepdim=True) + eps
+        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
     return weights * scaling, ids
 
 
@@ -331,16 +333,33 @@ class FusedMoE(nn.Module):
         return y
 
 
+class Fp32Router(nn.Module):
+    """A replicated router scoring in fp32 in every model dtype, as transformers' DeepSeek, ERNIE, Hunyuan MoE and
+    Flint routers do: the input and the weight upcast, fp32 logits. The weight in the model's dtype (DeepSeek's), or
+    (fp32_weight) kept in fp32 where transformers keeps the checkpoint's fp32 weight in 16-bit models (ERNIE's,
+    Hunyuan MoE's and Flint's): rounded to bf16 first, the logits move and near-ties choose other experts."""
+
+    def __init__(self, hidden_size: int, num_experts: int, fp32_weight: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size,
+                                               dtype=torch.float32 if fp32_weight else None), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
 class SparseMoeBlock(nn.Module):
     """An MoE layer's routed MLP: a replicated router (`gate`) scores the experts, each token goes to its top k."""
 
     def __init__(self, config: PretrainedConfig, num_experts: int, intermediate_size: int, renormalize: bool,
-                 top_k: int | None = None, fp32_weights: bool = False):
-        """top_k: experts per token; None: config.num_experts_per_tok. fp32_weights: see FusedMoE."""
+                 top_k: int | None = None, fp32_weights: bool = False, fp32_router: bool = False):
+        """top_k: experts per token; None: config.num_experts_per_tok. fp32_weights: see FusedMoE. fp32_router: the
+        router's weight kept in fp32 and its logits fp32 (Fp32Router), so the routing weights too."""
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
-        self.gate = ReplicatedLinear(config.hidden_size, num_experts)  # the router
+        self.gate = (Fp32Router(config.hidden_size, num_experts, fp32_weight=True) if fp32_router
+                     else ReplicatedLinear(config.hidden_size, num_experts))  # the router
         self.experts = FusedMoE(num_experts, top_k or config.num_experts_per_tok, config.hidden_size,
                                 intermediate_size, renormalize, fp32_weights=fp32_weights)
 

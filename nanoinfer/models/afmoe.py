@@ -2,7 +2,8 @@
 projection (sigmoid, per element), rope on the sliding-window layers alone (the full ones NoPE), norms before and after
 both sublayers (Gemma 2's layer), all applying their weight in fp32 (transformers keeps them in fp32), muP's
 sqrt(hidden) embedding scale where `mup_enabled`; the first `num_dense_layers` MLPs dense, the others sigmoid-routed
-experts chosen with an `expert_bias`, renormalized and scaled by `route_scale`, plus ungated shared experts."""
+experts chosen with an `expert_bias` (router logits and bias in the model's dtype), renormalized and scaled by
+`route_scale`, plus ungated shared experts."""
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -12,6 +13,10 @@ from nanoinfer.models.gemma2 import Gemma2DecoderLayer, check_layer_types
 from nanoinfer.models.gpt_oss import GptOssRMSNorm
 from nanoinfer.models.llama import (AttentionOptions, LlamaForCausalLM, LlamaMLP, LlamaModel, MLPFactory,
                                     OptionsFactory)
+
+
+class AfmoeMoE(UngroupedSigmoidMoE):
+    router_in_model_dtype = True  # transformers' `expert_bias` stays fp32 in fp16 models alone
 
 
 class AfmoeDecoderLayer(Gemma2DecoderLayer):
@@ -56,8 +61,8 @@ class AfmoeForCausalLM(LlamaForCausalLM):
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
         if layer_idx < config.num_dense_layers:
             return LlamaMLP(config)
-        return UngroupedSigmoidMoE(config, config.num_experts, config.moe_intermediate_size * config.num_shared_experts,
-                                   config.route_scale)
+        return AfmoeMoE(config, config.num_experts, config.moe_intermediate_size * config.num_shared_experts,
+                        config.route_scale)
 
     def __init__(self, config: PretrainedConfig):
         check_layer_types(config)

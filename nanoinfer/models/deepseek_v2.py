@@ -10,7 +10,7 @@ from transformers import PretrainedConfig
 
 from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.attention.mla import MLADims, MLASplit, mla_split
-from nanoinfer.layers.fused_moe import FusedMoE, select_experts_softmax_grouped
+from nanoinfer.layers.fused_moe import FusedMoE, Fp32Router, select_experts_softmax_grouped
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from nanoinfer.layers.rotary_embedding import get_rope, rope_parameters
@@ -178,27 +178,31 @@ class DeepseekV2Attention(nn.Module):
                                          self.attn.scale)
 
 
-class DeepseekRouter(nn.Module):
+class DeepseekRouter(Fp32Router):
     """The router's weight (and V3's e_score_correction_bias, kept in fp32 in 16-bit models as transformers keeps it),
-    scoring in fp32 as transformers does."""
+    scoring in fp32 as transformers does; or (in_model_dtype: AFMoE's and Laguna's, which transformers keeps in no
+    wider dtype) the logits computed in the model's dtype, then upcast, and the correction bias in the model's dtype."""
 
-    def __init__(self, config: PretrainedConfig, correction_bias: bool, num_experts: int | None = None):
-        """num_experts: where the config does not name it `n_routed_experts`."""
-        super().__init__()
+    def __init__(self, config: PretrainedConfig, correction_bias: bool, num_experts: int | None = None,
+                 fp32_weight: bool = False, in_model_dtype: bool = False):
+        """num_experts: where the config does not name it `n_routed_experts`. fp32_weight: see Fp32Router."""
         num_experts = num_experts or config.n_routed_experts
-        self.weight = nn.Parameter(torch.empty(num_experts, config.hidden_size), requires_grad=False)
+        super().__init__(config.hidden_size, num_experts, fp32_weight)
+        self.in_model_dtype = in_model_dtype
         if correction_bias:
-            self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32),
-                                                        requires_grad=False)
+            self.e_score_correction_bias = nn.Parameter(
+                torch.empty(num_experts, dtype=None if in_model_dtype else torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        return F.linear(x, self.weight).float() if self.in_model_dtype else super().forward(x)
 
 
 class DeepseekV2MoE(nn.Module):
     """Routed experts (FusedMoE, each rank a slice of every expert) plus `n_shared_experts` shared experts as one
     MLP of n_shared_experts x moe_intermediate_size that every token passes through, added ungated."""
     correction_bias = False
+    fp32_router_weight = False  # see Fp32Router
+    router_in_model_dtype = False  # see DeepseekRouter
 
     def __init__(self, config: PretrainedConfig, num_experts: int | None = None,
                  shared_intermediate_size: int | None = None):
@@ -209,7 +213,8 @@ class DeepseekV2MoE(nn.Module):
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
         num_experts = num_experts or config.n_routed_experts
         self.top_k = config.num_experts_per_tok
-        self.gate = DeepseekRouter(config, self.correction_bias, num_experts)
+        self.gate = DeepseekRouter(config, self.correction_bias, num_experts, self.fp32_router_weight,
+                                   self.router_in_model_dtype)
         self.configure_routing(config)
         # renormalize=False: FusedMoE.forward's softmax routing is not used, select_experts routes instead.
         self.experts = FusedMoE(num_experts, config.num_experts_per_tok, config.hidden_size,

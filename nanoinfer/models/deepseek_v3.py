@@ -32,8 +32,10 @@ class DeepseekV3MoE(DeepseekV2MoE):
 class UngroupedSigmoidMoE(DeepseekV3MoE):
     """AFMoE's, Laguna's, HY3's and Flint's MoE (Kolibri-1's chooses otherwise): V3's routing without a group limit
     (one group), the correction bias where the class has one (Flint's has none), renormalized unless told not to
-    (`norm_topk_prob`), times the family's `scaling` (Laguna scales the routed output instead: the same in exact
-    arithmetic); the router logits first softcapped to cap * tanh(logit / cap) where logit_softcap > 0 (Laguna)."""
+    (`norm_topk_prob`), times the family's `scaling` (Laguna's scales the routed output instead); the router logits
+    first softcapped to cap * tanh(logit / cap) where logit_softcap > 0 (Laguna)."""
+
+    sorted_topk = True  # see select_experts_sigmoid_biased (HY3's unsorted)
 
     def __init__(self, config: PretrainedConfig, num_experts: int, shared_intermediate_size: int,
                  scaling: float = 1.0, logit_softcap: float = 0.0, renormalize: bool = True):
@@ -48,7 +50,8 @@ class UngroupedSigmoidMoE(DeepseekV3MoE):
         if self.logit_softcap > 0:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         bias = self.gate.e_score_correction_bias if self.correction_bias else None
-        return select_experts_sigmoid_biased(logits, self.top_k, bias, 1, 1, self.renormalize, self.scaling)
+        return select_experts_sigmoid_biased(logits, self.top_k, bias, 1, 1, self.renormalize, self.scaling,
+                                             self.sorted_topk)
 
 
 def deepseek_v3_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:

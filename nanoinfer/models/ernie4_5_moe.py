@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanoinfer.layers.fused_moe import FusedMoE
+from nanoinfer.layers.fused_moe import FusedMoE, Fp32Router
 from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM, LlamaMLP
 
 
@@ -38,8 +38,7 @@ class Ernie4_5_MoeSparseMoeBlock(nn.Module):
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
         self.top_k, self.norm_min = config.num_experts_per_tok, config.moe_norm_min
         # The router and the statics stay in fp32 in every model dtype, as transformers keeps them.
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False, dtype=torch.float32)
-        self.gate.weight.requires_grad_(False)
+        self.gate = Fp32Router(config.hidden_size, config.num_experts, fp32_weight=True)
         self.moe_statics = Ernie4_5_MoeStatics(config.num_experts)
         self.experts = FusedMoE(config.num_experts, self.top_k, config.hidden_size, config.moe_intermediate_size,
                                 renormalize=False)  # routed by select_experts_softmax_biased, not by FusedMoE
@@ -48,7 +47,7 @@ class Ernie4_5_MoeSparseMoeBlock(nn.Module):
                                if shared else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts_softmax_biased(self.gate(x.float()), self.top_k,
+        weights, ids = select_experts_softmax_biased(self.gate(x), self.top_k,
                                                      self.moe_statics.e_score_correction_bias[0], self.norm_min)
         y = self.experts.run_experts(x, weights.to(x.dtype), ids)
         return y if self.shared_experts is None else y + self.shared_experts(x)

@@ -1,8 +1,8 @@
 """Flint (`FlintForCausalLM`, RecursiveSI's): GPT-OSS's decoder (its fp32-weight RMSNorms, attention sinks) with
 Qwen3-MoE's per-head q/k norms, rope on the sliding-window layers alone (the full ones NoPE), q/k/v/o biases where
 `attention_bias`; Qwen3-MoE's dense and sparse layers (`mlp_only_layers`, `decoder_sparse_step`), the sparse ones
-top k experts by sigmoid scores (no correction bias), renormalized where `norm_topk_prob`, plus an ungated shared
-expert."""
+top k experts by sigmoid scores of an fp32 router (no correction bias), renormalized where `norm_topk_prob`, plus
+an ungated shared expert."""
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -15,6 +15,7 @@ from nanoinfer.models.qwen2_moe import is_sparse_layer
 
 class FlintMoE(UngroupedSigmoidMoE):
     correction_bias = False
+    fp32_router_weight = True  # transformers' `_keep_in_fp32_modules_strict`
 
 
 class FlintForCausalLM(GptOssForCausalLM):

@@ -13,7 +13,9 @@ from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM, LlamaMLP
 class HunYuanMoEV1Moe(SparseMoeBlock):
     def __init__(self, config: PretrainedConfig, layer_idx: int):
         top_k = config.moe_topk if isinstance(config.moe_topk, int) else config.moe_topk[layer_idx]
-        super().__init__(config, config.num_experts, config.intermediate_size, renormalize=True, top_k=top_k)
+        # transformers builds the router in fp32 (its logits and routing weights fp32) in every model dtype.
+        super().__init__(config, config.num_experts, config.intermediate_size, renormalize=True, top_k=top_k,
+                         fp32_router=True)
         self.shared_mlp = LlamaMLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,10 @@ from nanoinfer.models.deepseek_v3 import UngroupedSigmoidMoE, mlp_layer_type
 from nanoinfer.models.llama import LlamaForCausalLM, LlamaMLP
 
 
+class HYV3MoE(UngroupedSigmoidMoE):
+    sorted_topk = False  # as transformers' HYV3TopKRouter
+
+
 class HYV3ForCausalLM(LlamaForCausalLM):
     attention_options = staticmethod(ApertusForCausalLM.attention_options)
     # The Hub's names (which transformers' save_pretrained writes back) and transformers' own.
@@ -22,8 +26,8 @@ class HYV3ForCausalLM(LlamaForCausalLM):
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
         if mlp_layer_type(config, layer_idx) != "sparse":
             return LlamaMLP(config)
-        return UngroupedSigmoidMoE(config, config.num_experts, config.moe_intermediate_size * config.num_shared_experts,
-                                   config.router_scaling_factor)
+        return HYV3MoE(config, config.num_experts, config.moe_intermediate_size * config.num_shared_experts,
+                       config.router_scaling_factor)
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config)

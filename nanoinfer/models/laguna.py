@@ -4,6 +4,7 @@ element ("per-element"), a query head count per layer (`num_attention_heads_per_
 with a rope each (rotating the leading `partial_rotary_factor` of each head), in pre-norm layers; MLPs dense or, as
 `mlp_layer_types` says, experts chosen by softcapped sigmoid scores plus a correction bias, renormalized, scaled by
 `moe_routed_scaling_factor`, plus an ungated shared expert."""
+import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
@@ -27,6 +28,24 @@ def check_config(config: PretrainedConfig) -> None:
     check_layer_types(config)
 
 
+class LagunaMoE(UngroupedSigmoidMoE):
+    """As transformers' LagunaSparseMoeBlock: the router's logits and correction bias in the model's dtype, the
+    routing weights rounded to it, the routed experts' sum (not the weights) times `moe_routed_scaling_factor`."""
+    router_in_model_dtype = True
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__(config, config.num_experts, config.shared_expert_intermediate_size,
+                         logit_softcap=config.moe_router_logit_softcapping)
+        self.routed_scaling = config.moe_routed_scaling_factor
+
+    def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = super().select_experts(x)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts.run_experts(x, *self.select_experts(x)) * self.routed_scaling + self.shared_experts(x)
+
+
 class LagunaForCausalLM(LlamaForCausalLM):
     # The Hub's names (which transformers' save_pretrained writes back).
     weight_name_substitutions = {".mlp.experts.e_score_correction_bias": ".mlp.gate.e_score_correction_bias",
@@ -45,8 +64,7 @@ class LagunaForCausalLM(LlamaForCausalLM):
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
         if mlp_layer_type(config, layer_idx) != "sparse":
             return LlamaMLP(config)
-        return UngroupedSigmoidMoE(config, config.num_experts, config.shared_expert_intermediate_size,
-                                   config.moe_routed_scaling_factor, config.moe_router_logit_softcapping)
+        return LagunaMoE(config)
 
     def __init__(self, config: PretrainedConfig):
         check_config(config)

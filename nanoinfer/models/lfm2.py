@@ -1,12 +1,12 @@
 """LFM2 (`Lfm2ForCausalLM`): gated short-convolution layers and attention layers with per-head q/k norms, by
 `layer_types`, each followed by a SwiGLU MLP; the final norm is the checkpoint's `embedding_norm`. LFM2-MoE
 (`Lfm2MoeForCausalLM`): the same layers, the MLPs after the first `num_dense_layers` routed experts (sigmoid scores,
-chosen with an `expert_bias`, renormalized and scaled)."""
+chosen with an `expert_bias`, renormalized and scaled, in the model's dtype as transformers routes them)."""
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanoinfer.layers.fused_moe import FusedMoE, select_experts_sigmoid_biased
+from nanoinfer.layers.fused_moe import FusedMoE
 from nanoinfer.layers.linear import ReplicatedLinear
 from nanoinfer.layers.short_conv import ShortConv
 from nanoinfer.models.hybrid import HybridDecoderLayer, HybridForCausalLM
@@ -58,6 +58,22 @@ class Lfm2ForCausalLM(HybridForCausalLM):
         super().__init__(config, config.norm_eps)
 
 
+def select_experts_lfm2_moe(router_logits: torch.Tensor, top_k: int, expert_bias: torch.Tensor | None,
+                            renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """LFM2-MoE, as transformers' Lfm2MoeTopKRouter computes it, in the logits' dtype: sigmoid scores; the top k of
+    score + expert_bias (fp32; None: of the scores); the weights the chosen scores, optionally rescaled to sum to 1
+    (1e-6 added to the sum), times `scaling`."""
+    scores = router_logits.sigmoid()
+    if expert_bias is None:
+        weights, ids = torch.topk(scores, top_k, dim=-1)
+    else:
+        ids = torch.topk(scores + expert_bias, top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
+    return weights * scaling, ids
+
+
 class Lfm2MoeBlock(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
@@ -70,11 +86,11 @@ class Lfm2MoeBlock(nn.Module):
         self.experts = FusedMoE(config.num_experts, self.top_k, config.hidden_size, config.moe_intermediate_size,
                                 renormalize=False)
 
+    def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return select_experts_lfm2_moe(self.gate(x), self.top_k, self.expert_bias, self.renormalize, self.scaling)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One group of every expert: no group limit.
-        weights, ids = select_experts_sigmoid_biased(self.gate(x), self.top_k, self.expert_bias, 1, 1,
-                                                     self.renormalize, self.scaling, eps=1e-6)
-        return self.experts.run_experts(x, weights.to(x.dtype), ids)
+        return self.experts.run_experts(x, *self.select_experts(x))
 
 
 class Lfm2MoeForCausalLM(Lfm2ForCausalLM):

@@ -29,10 +29,12 @@ class MiniMaxM2MoE(nn.Module):
         self.experts = FusedMoE(num_experts, self.top_k, config.hidden_size, config.intermediate_size,
                                 renormalize=False)
 
+    def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return select_experts_sigmoid_biased(self.gate(x), self.top_k, self.e_score_correction_bias, num_groups=1,
+                                             topk_group=1, renormalize=True, scaling=1.0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts_sigmoid_biased(self.gate(x), self.top_k, self.e_score_correction_bias,
-                                                     num_groups=1, topk_group=1, renormalize=True, scaling=1.0)
-        return self.experts.run_experts(x, weights, ids)
+        return self.experts.run_experts(x, *self.select_experts(x))
 
 
 class MiniMaxM2ForCausalLM(OlmoeForCausalLM):

@@ -43,10 +43,12 @@ class NemotronHMoE(nn.Module):
         self.shared_experts = DenseMLP(config, config.mlp_bias, config.moe_shared_expert_intermediate_size,
                                        config.mlp_hidden_act)
 
+    def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return select_experts_sigmoid_biased(self.gate(x), self.top_k, self.gate.e_score_correction_bias,
+                                             self.num_groups, self.topk_group, self.renormalize, self.scaling)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts_sigmoid_biased(self.gate(x), self.top_k, self.gate.e_score_correction_bias,
-                                                     self.num_groups, self.topk_group, self.renormalize, self.scaling)
-        return self.experts.run_experts(x, weights, ids) + self.shared_experts(x)
+        return self.experts.run_experts(x, *self.select_experts(x)) + self.shared_experts(x)
 
 
 class NemotronHBlock(nn.Module):
