@@ -233,10 +233,10 @@ def test_tensor_parallel_2_matches_hf(kind, vlm_dir, captured_logits, report_log
 def test_unsupported_language_model_is_refused(vlm_dir, tmp_path):
     """A known wrapper over a language model no family here implements is named, not run as another family."""
     config = json.loads((vlm_dir("llava") / "config.json").read_text())
-    config["text_config"]["model_type"] = "opt"
+    config["text_config"]["model_type"] = "xglm"
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "model.safetensors").write_bytes((vlm_dir("llava") / "model.safetensors").read_bytes())
-    with pytest.raises(ValueError, match=r"LlavaForConditionalGeneration with a 'opt' language model"):
+    with pytest.raises(ValueError, match=r"LlavaForConditionalGeneration with a 'xglm' language model"):
         LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=64)
 
 

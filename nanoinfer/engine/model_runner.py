@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nanoinfer.config import Config
+from nanoinfer.config import Config, hidden_states_width
 from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.gpu_memory import profile_kv_cache_blocks
 from nanoinfer.engine.input_batch import InputBatch
