@@ -184,6 +184,16 @@ def has_attention_sinks(architectures: list[str] | None) -> bool:
     return bool(architectures) and architectures[0] in _ATTENTION_SINKS
 
 
+def chunked_attention_size(config: PretrainedConfig, layer_idx: int | None = None) -> int | None:
+    """Llama 4's chunked local attention: `attention_chunk_size` on the layers `layer_types` marks
+    "chunked_attention" (transformers' rule; its default marks the rope layers), on layer_idx or, None, on any."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    chunked = [t == "chunked_attention" for t in layer_types]
+    if not (chunked[layer_idx] if layer_idx is not None else any(chunked)):
+        return None
+    return getattr(config, "attention_chunk_size", None)
+
+
 def get_model_class(config: PretrainedConfig) -> type[nn.Module]:
     """The class for config.architectures; for a vision-language checkpoint config is its text_config (with the
     checkpoint's architectures), whose model_type names the language model."""
