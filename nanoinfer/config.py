@@ -128,7 +128,7 @@ class Config:
         # before any is loaded.
         check_quantization(cfg, source)
         sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                 "max_position_embeddings", "num_key_value_heads", "head_dim")
+                 "max_position_embeddings", "num_key_value_heads", "head_dim", "attention_chunk_size")
         for layer, name in itertools.product(layer_configs(cfg), sizes):
             value = getattr(layer, name, None)
             # Gemma 3n's intermediate_size: a list, one per layer.
