@@ -136,6 +136,23 @@ def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return torch.stack(outs)
 
 
+def decode_against_float64(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           decode_kernel: bool, window: int | None, **option) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch backend's decode step of q over the caches as `meta` describes it, through the C kernel or the
+    gather + SDPA path, with `option` (soft_cap, sinks, alibi_slopes or chunk), checked against decode_reference:
+    (its output, the output without the option)."""
+    scale = q.shape[-1] ** -0.5
+    backend = CPUAttentionBackend(torch.float32)
+    backend.decode_kernel = decode_kernel
+    backend.prepare(meta)
+    unused = torch.empty(0)  # this step's k, v: only prefill reads them, decode reads the cache
+    ours = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window, **option)
+    ref = decode_reference(q, k_cache, v_cache, meta, scale, window=window, **{"soft_cap": None, **option})
+    err = (ours.double() - ref).abs().max().item()
+    assert err < 1e-5, f"max |ours - float64| = {err:.2e}"
+    return ours, backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window)
+
+
 @pytest.mark.skipif(not available(), reason="the C kernel did not build here")
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size, context_lens", [
     (16, 8, 64, 16, [1, 15, 16, 17, 250, 33]),
@@ -149,16 +166,7 @@ def test_decode_with_softcap_matches_float64(heads, kv_heads, head_dim, block_si
     """Attention-logit softcapping (Gemma 2) in the C kernel and in the PyTorch path that SDPA leaves it to; a cap
     of 2 bends most scores here (their std is ~2), so a missing or misplaced tanh shows."""
     meta, q, k_cache, v_cache = random_case(heads, kv_heads, head_dim, block_size, context_lens)
-    scale, soft_cap = head_dim ** -0.5, 2.0
-    backend = CPUAttentionBackend(torch.float32)
-    backend.decode_kernel = decode_kernel
-    backend.prepare(meta)
-    unused = torch.empty(0)
-    ours = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window, soft_cap)
-    ref = decode_reference(q, k_cache, v_cache, meta, scale, soft_cap, window)
-    err = (ours.double() - ref).abs().max().item()
-    assert err < 1e-5, f"max |ours - float64| = {err:.2e}"
-    uncapped = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window)
+    ours, uncapped = decode_against_float64(meta, q, k_cache, v_cache, decode_kernel, window, soft_cap=2.0)
     assert (uncapped - ours).abs().max().item() > 1e-2
 
 
@@ -184,16 +192,8 @@ def test_decode_with_alibi_matches_float64(heads, kv_heads, head_dim, block_size
     """ALiBi (BLOOM's slopes) in the C kernel and in the PyTorch path's float mask: the query at position
     context - 1, each key t positions before it scoring slope * -t more."""
     meta, q, k_cache, v_cache = random_case(heads, kv_heads, head_dim, block_size, context_lens)
-    scale, slopes = head_dim ** -0.5, bloom_alibi_slopes(heads)
-    backend = CPUAttentionBackend(torch.float32)
-    backend.decode_kernel = decode_kernel
-    backend.prepare(meta)
-    unused = torch.empty(0)
-    ours = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window, alibi_slopes=slopes)
-    ref = decode_reference(q, k_cache, v_cache, meta, scale, None, window, alibi_slopes=slopes)
-    err = (ours.double() - ref).abs().max().item()
-    assert err < 1e-5, f"max |ours - float64| = {err:.2e}"
-    without = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window)
+    ours, without = decode_against_float64(meta, q, k_cache, v_cache, decode_kernel, window,
+                                           alibi_slopes=bloom_alibi_slopes(heads))
     assert (without - ours).abs().max().item() > 1e-2
 
 
@@ -276,17 +276,8 @@ def test_decode_with_chunks_matches_float64(heads, kv_heads, head_dim, block_siz
     keys of its own chunk alone; with a window too, the later of the two starts (5: the window binds after a chunk's
     first 5 tokens; 20: the chunk always binds)."""
     meta, q, k_cache, v_cache = random_case(heads, kv_heads, head_dim, block_size, context_lens)
-    scale = head_dim ** -0.5
-    backend = CPUAttentionBackend(torch.float32)
-    backend.decode_kernel = decode_kernel
-    backend.prepare(meta)
-    unused = torch.empty(0)
-    ours = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window, chunk=chunk)
-    ref = decode_reference(q, k_cache, v_cache, meta, scale, None, window, chunk=chunk)
-    err = (ours.double() - ref).abs().max().item()
-    assert err < 1e-5, f"max |ours - float64| = {err:.2e}"
+    ours, unchunked = decode_against_float64(meta, q, k_cache, v_cache, decode_kernel, window, chunk=chunk)
     # The chunk changed the output exactly where it starts later than the window (or the context).
-    unchunked = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window)
     n = meta.context_lens
     binds = (n - 1) // chunk * chunk > (n - (window or n)).clamp_min(0)
     assert torch.equal(binds, (unchunked - ours).abs().amax(1) > 1e-3)
@@ -356,15 +347,8 @@ def test_decode_with_sinks_matches_float64(heads, kv_heads, head_dim, block_size
     """Attention sinks (GPT-OSS) in the C kernel and in the PyTorch path that SDPA leaves them to: each head's sink
     logit (std 3 against scores of std ~2 here) joins its softmax's denominator."""
     meta, q, k_cache, v_cache = random_case(heads, kv_heads, head_dim, block_size, context_lens)
-    scale, sinks = head_dim ** -0.5, SINKS[:heads].clone()
-    backend = CPUAttentionBackend(torch.float32)
-    backend.decode_kernel = decode_kernel
-    backend.prepare(meta)
-    unused = torch.empty(0)
-    ours = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window, sinks=sinks)
-    err = (ours.double() - decode_reference(q, k_cache, v_cache, meta, scale, None, window, sinks)).abs().max().item()
-    assert err < 1e-5, f"max |ours - float64| = {err:.2e}"
-    without = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window)
+    ours, without = decode_against_float64(meta, q, k_cache, v_cache, decode_kernel, window,
+                                           sinks=SINKS[:heads].clone())
     assert (without - ours).abs().max().item() > 1e-2
 
 
