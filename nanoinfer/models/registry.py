@@ -187,9 +187,8 @@ def has_attention_sinks(architectures: list[str] | None) -> bool:
 def chunked_attention_size(config: PretrainedConfig, layer_idx: int | None = None) -> int | None:
     """Llama 4's chunked local attention: `attention_chunk_size` on the layers `layer_types` marks
     "chunked_attention" (transformers' rule; its default marks the rope layers), on layer_idx or, None, on any."""
-    layer_types = getattr(config, "layer_types", None) or ()
-    chunked = [t == "chunked_attention" for t in layer_types]
-    if not (chunked[layer_idx] if layer_idx is not None else any(chunked)):
+    chunked = [t == "chunked_attention" for t in getattr(config, "layer_types", None) or ()]
+    if not (any(chunked) if layer_idx is None else layer_idx < len(chunked) and chunked[layer_idx]):
         return None
     return getattr(config, "attention_chunk_size", None)
 
