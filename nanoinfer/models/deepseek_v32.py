@@ -137,6 +137,11 @@ class DeepseekV32Attention(DeepseekV2Attention):
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q_latent = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_latent).view(-1, self.num_heads, self.nope_dim + self.rope_dim)
+        return self.o_proj(self.sparse_attention(positions, x, q, q_latent, meta))
+
+    def sparse_attention(self, positions: torch.Tensor | None, x: torch.Tensor, q: torch.Tensor, q_latent: torch.Tensor,
+                         meta: AttentionMetadata) -> torch.Tensor:
+        """q [tokens, heads, qk dim] and its latent -> [tokens, heads * v_head_dim], each query over its selection."""
         q_nope, q_rope, k = self.project(positions, q, x)
         self.attn.store(k, None, meta)
         step = sparse_step(meta, self)
@@ -155,7 +160,7 @@ class DeepseekV32Attention(DeepseekV2Attention):
                 o = self.sparse(self.absorbed_query(q_nope[rows], q_rope[rows]), latent, latent[..., :self.kv_lora_rank],
                                 mask)
                 out[rows] = self.kv_b_proj.up_project_output(o.view(n, self.num_heads, self.kv_lora_rank))
-        return self.o_proj(out)
+        return out
 
     def sparse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [rows, heads, dim], k, v [keys, heads or 1, dim] -> [rows, heads * v dim], each row over its mask's keys."""

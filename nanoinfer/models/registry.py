@@ -10,6 +10,7 @@ _MODELS = {
     "ApertusForCausalLM": ("apertus", "ApertusForCausalLM"),
     "ArceeForCausalLM": ("arcee", "ArceeForCausalLM"),
     "AXK1ForCausalLM": ("axk1", "AXK1ForCausalLM"),
+    "AXK2ForCausalLM": ("axk2", "AXK2ForCausalLM"),
     "BloomForCausalLM": ("bloom", "BloomForCausalLM"),
     "CodeGenForCausalLM": ("codegen", "CodeGenForCausalLM"),
     "Cohere2ForCausalLM": ("cohere2", "Cohere2ForCausalLM"),
@@ -164,7 +165,7 @@ _VISION_LANGUAGE = {
 # the attention backend is chosen with them in mind (selector.select_backend).
 _ATTENTION_SINKS = {"FlintForCausalLM", "GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM"}
 # Families with DeepSeek sparse attention (deepseek_v32.py), which only the PyTorch backend runs.
-_SPARSE_ATTENTION = {"DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"}
+_SPARSE_ATTENTION = {"AXK2ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
