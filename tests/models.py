@@ -1292,7 +1292,8 @@ def dsa_config(kind: str, special: dict):
                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, moe_intermediate_size=32,
                n_shared_experts=1, mlp_layer_types=["dense", "sparse", "sparse"], n_group=4, topk_group=2,
                norm_topk_prob=True, num_experts_per_tok=2, routed_scaling_factor=2.5, tie_word_embeddings=False,
-               index_n_heads=16, index_head_dim=16, index_topk=DSA_WIDE_TOPK if kind == "deepseek-v32-wide" else DSA_TOPK,
+               index_n_heads=16, index_head_dim=16,
+               index_topk=DSA_WIDE_TOPK if kind == "deepseek-v32-wide" else DSA_TOPK,
                rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "glm-moe-dsa":
         return transformers.GlmMoeDsaConfig(**dsa, indexer_types=["full", "shared", "full"])

@@ -309,8 +309,9 @@ def dsa_kind(kind: str) -> str:
 
 
 def test_sparse_attention_runs_on_the_pytorch_backend_only(model_dir, monkeypatch, capsys):
-    """No other backend selects keys per query: on a CUDA machine (as far as Config looks, flash-attn installed) 'auto'
-    takes the PyTorch backend for DeepSeek-V3.2, saying so in one INFO line; 'triton' and 'flash' are refused by name."""
+    """No other backend selects keys per query: on a CUDA machine (as far as Config looks, flash-attn installed)
+    'auto' takes the PyTorch backend for DeepSeek-V3.2, saying so in one INFO line; 'triton' and 'flash' are refused
+    by name."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)

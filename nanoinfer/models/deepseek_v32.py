@@ -2,7 +2,7 @@
 in every layer a "lightning indexer" scores each query against every visible key, and the query attends only to its
 `index_topk` best keys (all of them in a shorter context). The indexer's keys are cached per layer in the KV cache's
 blocks beside the latent rows (IndexerKeyCache), so prefix-cache hits, chunked prefill and preemption keep them. The
-selection is a mask on the MLA attention, computed on the PyTorch backend only (config.py refuses the others).
+selection is a mask on the MLA attention, computed on the PyTorch backend only (selector.py refuses the others).
 GLM-MoE-DSA (glm_moe_dsa.py) is this with layers that reuse an earlier layer's selection."""
 from dataclasses import dataclass
 
@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 
 from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.attention.cpu import attention
-from nanoinfer.layers.attention.mla import decompress_pays
+from nanoinfer.layers.attention.mla import MLADims, decompress_pays
 from nanoinfer.layers.linear import ReplicatedLinear
 from nanoinfer.layers.rotary_embedding import get_rope
 from nanoinfer.models.deepseek_v2 import DeepseekV2Attention, DeepseekV2DecoderLayer, DeepseekV2Model
@@ -38,14 +38,14 @@ class SparseStep:
     selection: list[torch.Tensor] | None = None  # the last indexer's: per sequence [rows, context] bool, True: attended
 
 
-def sparse_step(meta: AttentionMetadata, attn: DeepseekV2Attention) -> SparseStep:
+def sparse_step(meta: AttentionMetadata, dims: MLADims) -> SparseStep:
     if meta.model_state is None:
         cu, ctx = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist()
         spans = [(cu[i], cu[i + 1] - cu[i], ctx[i]) for i in range(meta.num_seqs)]
         new = np.array([n for _, n, _ in spans])
         meta.model_state = SparseStep(spans, [None if n == c else _context_slots(meta, i, c)
                                               for i, (_, n, c) in enumerate(spans)],
-                                      decompress_pays(new, np.array(ctx) - new, attn.dims).tolist())
+                                      decompress_pays(new, np.array(ctx) - new, dims).tolist())
     return meta.model_state
 
 
@@ -68,7 +68,8 @@ class IndexerKeyCache(Attention):
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.k_cache = torch.zeros((num_blocks, block_size, 1, self.head_dim), dtype=dtype, device=device)
 
-    def store(self, k: torch.Tensor, v: None, meta: AttentionMetadata) -> None:
+    def store(self, k: torch.Tensor, v: torch.Tensor | None, meta: AttentionMetadata) -> None:
+        """k [tokens, 1, head_dim] into the cache (v: None, there are no values)."""
         if meta.slot_mapping is not None and self.k_cache.numel():
             self.backend.store_kvcache(k, None, self.k_cache, None, meta.slot_mapping)
 
@@ -139,12 +140,12 @@ class DeepseekV32Attention(DeepseekV2Attention):
         q = self.q_b_proj(q_latent).view(-1, self.num_heads, self.nope_dim + self.rope_dim)
         return self.o_proj(self.sparse_attention(positions, x, q, q_latent, meta))
 
-    def sparse_attention(self, positions: torch.Tensor | None, x: torch.Tensor, q: torch.Tensor, q_latent: torch.Tensor,
-                         meta: AttentionMetadata) -> torch.Tensor:
+    def sparse_attention(self, positions: torch.Tensor | None, x: torch.Tensor, q: torch.Tensor,
+                         q_latent: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [tokens, heads, qk dim] and its latent -> [tokens, heads * v_head_dim], each query over its selection."""
         q_nope, q_rope, k = self.project(positions, q, x)
         self.attn.store(k, None, meta)
-        step = sparse_step(meta, self)
+        step = sparse_step(meta, self.dims)
         if self.indexer is not None:
             step.selection = self.indexer(positions, x, q_latent, step, meta)
         out = q.new_empty(x.shape[0], self.num_heads * self.v_dim)
@@ -157,13 +158,14 @@ class DeepseekV32Attention(DeepseekV2Attention):
                 out[rows] = self.sparse(torch.cat([q_nope[rows], q_rope[rows]], -1), keys, v, mask)
             else:
                 latent = latent.unsqueeze(1)
-                o = self.sparse(self.absorbed_query(q_nope[rows], q_rope[rows]), latent, latent[..., :self.kv_lora_rank],
-                                mask)
+                o = self.sparse(self.absorbed_query(q_nope[rows], q_rope[rows]), latent,
+                                latent[..., :self.kv_lora_rank], mask)
                 out[rows] = self.kv_b_proj.up_project_output(o.view(n, self.num_heads, self.kv_lora_rank))
         return out
 
     def sparse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q [rows, heads, dim], k, v [keys, heads or 1, dim] -> [rows, heads * v dim], each row over its mask's keys."""
+        """q [rows, heads, dim], k, v [keys, heads or 1, dim] -> [rows, heads * v dim], each row over its mask's
+        keys."""
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         return attention(q, k, v, mask, False, self.attn.scale, None)[0].transpose(0, 1).flatten(1)
 
