@@ -39,6 +39,7 @@ class SparseStep:
 
 
 def sparse_step(meta: AttentionMetadata, dims: MLADims) -> SparseStep:
+    """The step's SparseStep, made by its first DSA layer and kept on `meta` for the others."""
     if meta.model_state is None:
         cu, ctx = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist()
         spans = [(cu[i], cu[i + 1] - cu[i], ctx[i]) for i in range(meta.num_seqs)]
@@ -50,6 +51,7 @@ def sparse_step(meta: AttentionMetadata, dims: MLADims) -> SparseStep:
 
 
 def _context_slots(meta: AttentionMetadata, seq: int, context: int) -> torch.Tensor:
+    """The cache slots of sequence `seq`'s first `context` tokens, in order (this step's rows are stored already)."""
     blocks = meta.block_tables[seq, :-(-context // meta.block_size)].long()
     offsets = torch.arange(meta.block_size, device=blocks.device)
     return (blocks.unsqueeze(1) * meta.block_size + offsets).flatten()[:context]
