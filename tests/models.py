@@ -272,10 +272,14 @@ EXTRA_KINDS += MAMBA1_KINDS
 # Kimi Linear (kimi-linear): KDA layers 0 and 2 (a decay per key channel, slow on some channels so that the state
 # carries across chunks) around an MLA layer 1 without rope (the low-rank q), layer 0's MLP dense, then V3's MoE
 # (2 of 8 experts in the best 2 of 4 groups, a random correction bias, renormalized, scaled) plus a shared expert.
+# MiniMax (minimax): lightning attention layers 0 and 2 (heads decaying from fast to slow, almost none on the last
+# layer) around a softmax attention layer 1, 2 of 8 experts on every layer, every residual factor away from
+# 1; transformers' lightning blocks (block_size) shorter than the prompts.
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
-                   "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid", "kimi-linear": "kimi_linear"}
+                   "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid", "kimi-linear": "kimi_linear",
+                   "minimax": "minimax"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
-NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear")  # tested as the other hybrids (test_ssm.py)
+NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "minimax")  # tested as the other hybrids (test_ssm.py)
 NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS if kind not in NEWEST_HYBRID_KINDS)  # as the MoEs (test_moe.py)
 EXTRA_KINDS += NEWEST_KINDS
 # DBRX: q/k/v clamped to +-DBRX_CLIP_QKV (a sixth of layer 0's are beyond it), GQA, 2 of 8 experts on every layer,
@@ -356,7 +360,8 @@ _SEEDS |= {"opt": 6579, "opt-350m": 7680, "gpt-neo": 8791, "codegen": 9802, "per
 _SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minimax-m2": 9818, "axk1": 1929,
            "nanochat": 2030, "cohere2-moe": 3141, "cohere2-moe-sigmoid": 4252}
 _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818, "kolibri1": 1929,
-           "lfm3": 2030, "olmo-hybrid": 3141, "kimi-linear": 4252}
+           "lfm3": 2030, "olmo-hybrid": 3141, "kimi-linear": 4252,
+           "minimax": 5363}
 
 
 def _token_ids():
@@ -1090,6 +1095,15 @@ def newest_family_config(kind: str, special: dict):
                                              linear_head_dim=16, linear_conv_kernel_dim=4, num_experts=8,
                                              num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
                                              moe_intermediate_size=32, routed_scaling_factor=2.5)
+    if kind == "minimax":
+        # No window: transformers' MiniMax decodes without it (its MiniMaxCache keeps every key), prefills with it.
+        return transformers.MiniMaxConfig(**{**common, "intermediate_size": 32},
+                                          layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                          num_local_experts=8, num_experts_per_tok=2, block_size=16,
+                                          full_attn_alpha_factor=1.8, full_attn_beta_factor=0.7,
+                                          linear_attn_alpha_factor=1.5, linear_attn_beta_factor=1.2,
+                                          mlp_alpha_factor=2.2, mlp_beta_factor=0.9,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     raise ValueError(f"unknown model kind {kind!r}; expected one of {NEWEST_KINDS}")
 
 
@@ -1547,7 +1561,9 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
     for prompt in prompts_token_ids:
         prompt = [int(t) for t in prompt]
         assert len(prompt) > 0, "empty prompt"
-        cache = DynamicCache(config=model.config) if cache_kw == "past_key_values" else None
+        # MiniMax's model builds its own cache class (and refuses a DynamicCache).
+        own_cache = cache_kw == "cache_params" or model.config.model_type == "minimax"
+        cache = None if own_cache else DynamicCache(config=model.config)
         input_ids = torch.tensor([prompt], dtype=torch.long, device=device)
         out = model(input_ids=input_ids, **{cache_kw: cache}, use_cache=True)
         cache = getattr(out, cache_kw)

@@ -1,6 +1,6 @@
 """The decoder of hybrid models whose layers mix tokens either by attention or by a recurrent mixer (Mamba2, LFM2's
-short convolution, Gated DeltaNet), by the config's layer types, each followed by an MLP: LFM2, Bamba, Granite 4.0-H;
-Qwen3-Next's layers too."""
+short convolution, Gated DeltaNet, KDA, lightning attention), by the config's layer types, each followed by an MLP:
+LFM2, Bamba, Granite 4.0-H, Kimi Linear, MiniMax; Qwen3-Next's layers too."""
 from collections.abc import Callable
 
 import torch
@@ -16,6 +16,13 @@ from nanoinfer.models.llama import LlamaForCausalLM
 # (config, layer index) -> that layer's token mixer: attention, forward(positions, x, meta), or a recurrent mixer,
 # forward(x, batch) (told apart by `is_attention_layer`); and its MLP.
 LayerFactory = Callable[[PretrainedConfig, int], nn.Module]
+
+
+def mixers_named_self_attn(config: PretrainedConfig) -> dict[str, str]:
+    """Weight-name substitutions for checkpoints that name every layer's mixer `self_attn` (Kimi Linear's, MiniMax's):
+    the linear-attention layers' to HybridDecoderLayer's `mixer`."""
+    return {f"^model.layers.{i}.self_attn.": f"model.layers.{i}.mixer."
+            for i, layer_type in enumerate(config.layer_types) if layer_type == "linear_attention"}
 
 
 class HybridDecoderLayer(nn.Module):
@@ -75,8 +82,8 @@ class HybridModel(nn.Module):
             x = x * self.embedding_multiplier
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta, batch)
-        x, _ = self.norm(x, residual)
-        return x
+        # residual None: layers that pass on no residual stream (MiniMax's).
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class HybridForCausalLM(nn.Module):

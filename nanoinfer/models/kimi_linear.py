@@ -18,7 +18,7 @@ from nanoinfer.layers.linear import (ColumnParallelLinear, ReplicatedLinear, Row
 from nanoinfer.layers.recurrent import RecurrentBatch, RowShardedWeight, load_rank_rows
 from nanoinfer.models.deepseek_v2 import DeepseekV2Attention, DeepseekV2ForCausalLM
 from nanoinfer.models.deepseek_v3 import mlp_by_layer_type
-from nanoinfer.models.hybrid import HybridDecoderLayer, HybridForCausalLM
+from nanoinfer.models.hybrid import HybridDecoderLayer, HybridForCausalLM, mixers_named_self_attn
 from nanoinfer.models.llama import AttentionOptions
 from nanoinfer.utils.dist import tp_size
 
@@ -95,8 +95,6 @@ class KimiLinearForCausalLM(HybridForCausalLM):
         # DeepSeek-V3's MoE reads its expert count under DeepSeek's name (the shared experts' is an alias already).
         config.n_routed_experts = config.num_experts
         super().__init__(config, config.rms_norm_eps)
-        # Checkpoints name both mixers `self_attn`; HybridDecoderLayer names the recurrent one `mixer`. The MoE is
-        # `block_sparse_moe`, its experts' gate/up/down `w1`/`w3`/`w2` (see fused_moe.expert_weight_target).
-        self.weight_name_substitutions = {".block_sparse_moe.": ".mlp.", **{
-            f"^model.layers.{i}.self_attn.": f"model.layers.{i}.mixer."
-            for i, layer_type in enumerate(config.layer_types) if layer_type == "linear_attention"}}
+        # Checkpoints name both mixers `self_attn`, the MLPs `block_sparse_moe`, the experts' gate/up/down
+        # `w1`/`w3`/`w2` (see fused_moe.expert_weight_target).
+        self.weight_name_substitutions = {".block_sparse_moe.": ".mlp.", **mixers_named_self_attn(config)}
