@@ -12,10 +12,31 @@ from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.recurrent import RecurrentBatch
 from nanoinfer.models.llama import LlamaForCausalLM
+from nanoinfer.utils.dist import tp_size
 
 # (config, layer index) -> that layer's token mixer: attention, forward(positions, x, meta), or a recurrent mixer,
 # forward(x, batch) (told apart by `is_attention_layer`); and its MLP.
 LayerFactory = Callable[[PretrainedConfig, int], nn.Module]
+
+
+LINEAR_ATTENTION_LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def check_layer_config(config: PretrainedConfig, heads: str | None = None, silu: bool = False,
+                       layer_types: tuple[str, ...] = LINEAR_ATTENTION_LAYER_TYPES) -> str:
+    """Refuses by name what a linear-attention hybrid cannot run rather than run it differently from transformers: a
+    layer type beyond `layer_types`, a `hidden_act` other than SiLU (silu: the layers apply it), a head count (the
+    config's attribute `heads`) that tensor parallelism cannot split. Returns where the config comes from."""
+    where = config.name_or_path or "the model config"
+    for i, layer_type in enumerate(config.layer_types):
+        if layer_type not in layer_types:
+            raise ValueError(f"layer_types[{i}]={layer_type!r} in {where}; expected one of {layer_types}")
+    if silu and config.hidden_act != "silu":
+        raise ValueError(f"hidden_act={config.hidden_act!r} in {where} is not supported; only 'silu' is implemented")
+    if heads is not None and getattr(config, heads) % tp_size():
+        raise ValueError(f"{heads}={getattr(config, heads)} in {where} does not split over "
+                         f"tensor_parallel_size={tp_size()}")
+    return where
 
 
 def mixers_named_self_attn(config: PretrainedConfig) -> dict[str, str]:

@@ -18,25 +18,10 @@ from nanoinfer.layers.linear import (ColumnParallelLinear, ReplicatedLinear, Row
 from nanoinfer.layers.recurrent import RecurrentBatch, RowShardedWeight, load_rank_rows
 from nanoinfer.models.deepseek_v2 import DeepseekV2Attention, DeepseekV2ForCausalLM
 from nanoinfer.models.deepseek_v3 import mlp_by_layer_type
-from nanoinfer.models.hybrid import HybridDecoderLayer, HybridForCausalLM, mixers_named_self_attn
+from nanoinfer.models.hybrid import (HybridDecoderLayer, HybridForCausalLM, check_layer_config,
+                                    mixers_named_self_attn)
 from nanoinfer.models.llama import AttentionOptions
 from nanoinfer.utils.dist import tp_size
-
-_LAYER_TYPES = ("linear_attention", "full_attention")
-
-
-def check_config(config: PretrainedConfig) -> None:
-    """What this implementation cannot do, refused by name rather than run differently from transformers."""
-    where = config.name_or_path or "the model config"
-    for i, layer_type in enumerate(config.layer_types):
-        if layer_type not in _LAYER_TYPES:
-            raise ValueError(f"layer_types[{i}]={layer_type!r} in {where}; expected one of {_LAYER_TYPES}")
-    if config.hidden_act != "silu":
-        raise ValueError(f"hidden_act={config.hidden_act!r} in {where} is not supported; only 'silu' is implemented")
-    if config.linear_num_heads % tp_size():
-        raise ValueError(f"linear_num_heads={config.linear_num_heads} in {where} does not split over "
-                         f"tensor_parallel_size={tp_size()}")
-
 
 class KimiDeltaAttention(nn.Module):
     """KDA: g = -e^A_log[h] * softplus(f_b(f_a(x)) + dt_bias) per key channel, beta = sigmoid(b_proj(x)), the delta
@@ -91,7 +76,7 @@ class KimiLinearForCausalLM(HybridForCausalLM):
                                   config.rms_norm_eps)
 
     def __init__(self, config: PretrainedConfig):
-        check_config(config)
+        check_layer_config(config, "linear_num_heads", silu=True)
         # DeepSeek-V3's MoE reads its expert count under DeepSeek's name (the shared experts' is an alias already).
         config.n_routed_experts = config.num_experts
         super().__init__(config, config.rms_norm_eps)

@@ -17,35 +17,22 @@ from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from nanoinfer.layers.linear import ColumnParallelLinear, RowParallelLinear
 from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer
-from nanoinfer.models.hybrid import HybridDecoderLayer, HybridForCausalLM, mixers_named_self_attn
+from nanoinfer.models.hybrid import (HybridDecoderLayer, HybridForCausalLM, check_layer_config,
+                                    mixers_named_self_attn)
 from nanoinfer.models.llama import AttentionOptions, LlamaAttention
 from nanoinfer.models.mixtral import MixtralForCausalLM
 from nanoinfer.models.olmo2 import Olmo2QKNorm
 from nanoinfer.utils.dist import tp_group, tp_rank, tp_size
 
-_LAYER_TYPES = ("linear_attention", "full_attention")
 # transformers' lightning-attention norm: RMSNorm's default epsilon, whatever rms_norm_eps says.
 LIGHTNING_NORM_EPS = 1e-6
-
-
-def check_config(config: PretrainedConfig) -> None:
-    """What this implementation cannot do, refused by name rather than run differently from transformers."""
-    where = config.name_or_path or "the model config"
-    for i, layer_type in enumerate(config.layer_types):
-        if layer_type not in _LAYER_TYPES:
-            raise ValueError(f"layer_types[{i}]={layer_type!r} in {where}; expected one of {_LAYER_TYPES}")
-    if config.hidden_act != "silu":
-        raise ValueError(f"hidden_act={config.hidden_act!r} in {where} is not supported; only 'silu' is implemented")
-    if config.num_attention_heads % tp_size():
-        raise ValueError(f"num_attention_heads={config.num_attention_heads} in {where} does not split over "
-                         f"tensor_parallel_size={tp_size()}")
 
 
 def decay_rates(num_heads: int, layer_idx: int, num_layers: int) -> torch.Tensor:
     """Each head's decay s per token (fp32), as transformers' MiniMaxLightningAttention.get_slope_rate."""
     base = 1 / (2 ** (8 / num_heads))
     factor = 1 - layer_idx / (num_layers - 1 + 1e-5) + 1e-5
-    return base ** (torch.arange(num_heads) + 1) * factor
+    return base ** (torch.arange(num_heads, dtype=torch.float32) + 1) * factor
 
 
 def _lightning_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, state: torch.Tensor
@@ -63,14 +50,16 @@ class MiniMaxLightningAttention(RecurrentLayer):
 
     def __init__(self, config: PretrainedConfig, layer_idx: int):
         heads, tp = config.num_attention_heads, tp_size()
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        self.num_heads = heads // tp
-        super().__init__(1, 0, (self.num_heads, self.head_dim, self.head_dim))
-        width = heads * self.head_dim
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        super().__init__(1, 0, (heads // tp, head_dim, head_dim))
+        self.num_heads, self.head_dim = heads // tp, head_dim
+        width = heads * head_dim
         # Rows grouped by head, [q, k, v] within each: a rank's share is its heads'.
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, 3 * width)
         self.output_gate = ColumnParallelLinear(config.hidden_size, width)
-        self.norm = Olmo2QKNorm(heads, self.head_dim, LIGHTNING_NORM_EPS)
+        # OLMo 2's norm of a whole projection, whose rank's share is its heads' (the weight applied in fp32 before the
+        # rounding, where transformers' MiniMaxRMSNorm rounds first: the same in fp32).
+        self.norm = Olmo2QKNorm(heads, head_dim, LIGHTNING_NORM_EPS)
         self.out_proj = RowParallelLinear(width, config.hidden_size)
         rank_heads = slice(tp_rank() * self.num_heads, (tp_rank() + 1) * self.num_heads)
         rates = decay_rates(heads, layer_idx, config.num_hidden_layers)[rank_heads]
@@ -126,7 +115,7 @@ class MiniMaxForCausalLM(HybridForCausalLM):
         return MiniMaxDecoderLayer(config, attention, True, mlp)
 
     def __init__(self, config: PretrainedConfig):
-        check_config(config)
+        check_layer_config(config, "num_attention_heads", silu=True)
         super().__init__(config, config.rms_norm_eps)
         self.weight_name_substitutions = {**MixtralForCausalLM.weight_name_substitutions,
                                           **mixers_named_self_attn(config)}
