@@ -107,6 +107,9 @@ def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_di
      "partial_rotary_factor=0.5"),
     # transformers' OLMo Hybrid pairs each value head with one key head (no repeat).
     ("olmo-hybrid", dict(linear_num_value_heads=4, linear_value_head_dim=8), "linear_num_value_heads=4"),
+    # KDA's conv and MiniMax's lightning attention apply hidden_act: only SiLU is implemented.
+    ("kimi-linear", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ("minimax", dict(hidden_act="gelu"), "hidden_act='gelu'"),
 ])
 def test_newest_families_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes,
                                                                              message):

@@ -120,10 +120,12 @@ class DeepseekV2Attention(nn.Module):
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, 1e-6)
         self.kv_b_proj = MLAUpProjection(config.kv_lora_rank, heads, self.nope_dim, self.v_dim)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias)
+        # Kimi Linear's MLA (options.rope False) keeps the shared key part, unrotated, and the plain scale.
         self.rotary_emb = get_rope(config, self.rope_dim, config.max_position_embeddings,
-                                   interleaved=options.rope_interleaved)
+                                   interleaved=options.rope_interleaved) if options.rope else None
+        scale = softmax_scale(config) if options.rope else qk_dim ** -0.5
         # The scale of the decompressed scores, which the absorbed ones equal.
-        self.attn = Attention(self.num_heads, self.kv_lora_rank + self.rope_dim, softmax_scale(config), 1,
+        self.attn = Attention(self.num_heads, self.kv_lora_rank + self.rope_dim, scale, 1,
                               value_prefix_dim=self.kv_lora_rank)
         self.dims = MLADims(self.num_heads, self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim)
 
@@ -143,7 +145,7 @@ class DeepseekV2Attention(nn.Module):
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], -1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
         k_rope = k_rope.unsqueeze(1)
-        if positions is not None:  # None: an encoder pass (see LLM.embed)
+        if positions is not None and self.rotary_emb is not None:  # None: an encoder pass (see LLM.embed)
             q_rope, k_rope = self.rotary_emb(positions, q_rope, k_rope)
         return q_nope, q_rope, torch.cat([self.kv_a_layernorm(latent).unsqueeze(1), k_rope], -1)
 

@@ -95,15 +95,17 @@ _MODELS = {
     "VaultGemmaForCausalLM": ("vaultgemma", "VaultGemmaForCausalLM"),
     "YoutuForCausalLM": ("youtu", "YoutuForCausalLM"),
 }
-# Hybrids of attention with recurrent layers (Mamba2, short convolutions; Zamba's and Zamba2's shared
-# attention blocks).
+# Hybrids of attention with recurrent layers (Mamba2, short convolutions, linear attention; Zamba's and Zamba2's
+# shared attention blocks).
 _MODELS |= {
     "BambaForCausalLM": ("bamba", "BambaForCausalLM"),
     "FalconH1ForCausalLM": ("falcon_h1", "FalconH1ForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
+    "KimiLinearForCausalLM": ("kimi_linear", "KimiLinearForCausalLM"),
     "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
     "Lfm2MoeForCausalLM": ("lfm2", "Lfm2MoeForCausalLM"),
     "Lfm3ForCausalLM": ("lfm3", "Lfm3ForCausalLM"),
+    "MiniMaxForCausalLM": ("minimax", "MiniMaxForCausalLM"),
     "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
     "OlmoHybridForCausalLM": ("olmo_hybrid", "OlmoHybridForCausalLM"),
     "ZambaForCausalLM": ("zamba", "ZambaForCausalLM"),
