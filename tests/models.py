@@ -269,8 +269,13 @@ EXTRA_KINDS += MAMBA1_KINDS
 # (proportional) rope over half of each head, sandwich norms, a sigmoid output gate per head, q/k/v/o biases.
 # OLMo Hybrid (olmo-hybrid): Gated DeltaNet layers 0 and 2 (q, k, v and their convs stored apart, beta doubled) around
 # OLMo 3's post-norm attention layer 1 (whole-projection q/k norms, q/k/v/o biases).
+# MiMo-V2-Flash (mimo-v2-flash): sliding layers 0 and 2 with two KV heads and sinks (GPT_OSS_SINK_STD), a full layer 1
+# with one, each type with its rope base and rotated share (the default 0.334, 0.5), values narrower than the keys
+# (16 against 24) scaled by 0.6, q/k/v biases; layer 0 dense, then 2 of 8 experts (sigmoid, a random correction bias,
+# 2 of 4 groups, renormalized, scaled), no shared expert.
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
-                   "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid"}
+                   "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid",
+                   "mimo-v2-flash": "mimo_v2_flash"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid")  # tested as the other hybrids (test_ssm.py)
 NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS if kind not in NEWEST_HYBRID_KINDS)  # as the MoEs (test_moe.py)
@@ -285,7 +290,7 @@ SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 1
                   "starcoder2": 13, "exaone4": 10, "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22,
                   "vaultgemma": 11, "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "gpt-neo": 11, "cwm": 12,
                   "cohere2-moe": 11, "cohere2-moe-sigmoid": 12, "afmoe": 10, "mellum": 12,
-                  "laguna": 11, "flint": 12, "kolibri1": 10}
+                  "laguna": 11, "flint": 12, "kolibri1": 10, "mimo-v2-flash": 11}
 # LFM3's window, apart from SLIDING_WINDOW (whose test takes prefix cache hits, which hybrids refuse).
 LFM3_SLIDING_WINDOW = 10
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
@@ -353,7 +358,7 @@ _SEEDS |= {"opt": 6579, "opt-350m": 7680, "gpt-neo": 8791, "codegen": 9802, "per
 _SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minimax-m2": 9818, "axk1": 1929,
            "nanochat": 2030, "cohere2-moe": 3141, "cohere2-moe-sigmoid": 4252}
 _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818, "kolibri1": 1929,
-           "lfm3": 2030, "olmo-hybrid": 3141}
+           "lfm3": 2030, "olmo-hybrid": 3141, "mimo-v2-flash": 4252}
 
 
 def _token_ids():
@@ -1077,6 +1082,19 @@ def newest_family_config(kind: str, special: dict):
                                              linear_value_head_dim=16, linear_conv_kernel_dim=4,
                                              linear_allow_neg_eigval=True,
                                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "mimo-v2-flash":
+        return transformers.MiMoV2FlashConfig(**{**common, "intermediate_size": 96, "head_dim": 24,
+                                                 "num_key_value_heads": 1}, v_head_dim=16, attention_value_scale=0.6,
+                                              attention_bias=True, sliding_window=SLIDING_WINDOW[kind],
+                                              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                              mlp_layer_types=["dense", "sparse", "sparse"], n_routed_experts=8,
+                                              num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2,
+                                              norm_topk_prob=True, routed_scaling_factor=2.5,
+                                              rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                                     "rope_theta": 10_000.0},
+                                                               "full_attention": {"rope_type": "default",
+                                                                                  "rope_theta": 500_000.0,
+                                                                                  "partial_rotary_factor": 0.5}})
     raise ValueError(f"unknown model kind {kind!r}; expected one of {NEWEST_KINDS}")
 
 
@@ -1402,7 +1420,7 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
     if kind in GEMMA4_KINDS:
         _randomize_gemma4_(model, _SEEDS[base_kind])
-    if kind in ("gpt-oss", "granite-swa", "granitemoe-swa", "flint"):
+    if kind in ("gpt-oss", "granite-swa", "granitemoe-swa", "flint", "mimo-v2-flash"):
         _sharpen_gpt_oss_(model, _SEEDS[base_kind])
     if kind in SSM_KINDS + MAMBA2_HYBRID_KINDS:
         _randomize_mamba_(model, _SEEDS[base_kind])

@@ -57,6 +57,7 @@ _MODELS = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     "MellumForCausalLM": ("mellum", "MellumForCausalLM"),
+    "MiMoV2FlashForCausalLM": ("mimo_v2_flash", "MiMoV2FlashForCausalLM"),
     "MiniMaxM2ForCausalLM": ("minimax_m2", "MiniMaxM2ForCausalLM"),
     "MinistralForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama's windows by layer_types (Qwen2's attention)
     "Ministral3ForCausalLM": ("ministral3", "Ministral3ForCausalLM"),
@@ -160,7 +161,8 @@ _VISION_LANGUAGE = {
 
 # Families whose attention adds a learned logit per head to every softmax (attention sinks), which flash-attn 2 lacks:
 # the attention backend is chosen with them in mind (selector.select_backend).
-_ATTENTION_SINKS = {"FlintForCausalLM", "GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM"}
+_ATTENTION_SINKS = {"FlintForCausalLM", "GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
+                    "MiMoV2FlashForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
