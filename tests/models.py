@@ -273,9 +273,12 @@ EXTRA_KINDS += MAMBA1_KINDS
 # with one, each type with its rope base and rotated share (the default 0.334, 0.5), values narrower than the keys
 # (16 against 24) scaled by 0.6, q/k/v biases; layer 0 dense, then 2 of 8 experts (sigmoid, a random correction bias,
 # 2 of 4 groups, renormalized, scaled), no shared expert.
+# LongCat-Flash (longcat-flash): 2 layers of two MLA sublayers each (low-rank q, V narrower than K: 16 against 16 + 8,
+# the queries and latents scaled by their LoRA ranks), each followed by a dense MLP, and a shortcut MoE per layer: 3 of
+# 8 real experts and 4 zero (identity) ones by softmax + a random correction bias, not renormalized, scaled.
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
                    "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid",
-                   "mimo-v2-flash": "mimo_v2_flash"}
+                   "mimo-v2-flash": "mimo_v2_flash", "longcat-flash": "longcat_flash"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid")  # tested as the other hybrids (test_ssm.py)
 NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS if kind not in NEWEST_HYBRID_KINDS)  # as the MoEs (test_moe.py)
@@ -321,6 +324,9 @@ GPT_OSS_GATE_UP_STD = 0.6
 # transformers' own fp32 logits sit 7e-3 from its fp64 ones; at half, 2e-5. (Zamba's at INIT_STD: ours 3.6e-4 away.)
 ZAMBA2_LAYER_WEIGHT_SCALE = 0.5
 SHARD_SIZE = "200KB"
+# LongCat-Flash's correction bias, added to softmax probabilities (~1/12 each here, not sigmoids near 1/2): at the others'
+# 0.3 it alone would choose the experts.
+LONGCAT_CORRECTION_BIAS_STD = 0.03
 
 _COMMON = dict(
     vocab_size=MODEL_VOCAB_SIZE,
@@ -358,7 +364,7 @@ _SEEDS |= {"opt": 6579, "opt-350m": 7680, "gpt-neo": 8791, "codegen": 9802, "per
 _SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minimax-m2": 9818, "axk1": 1929,
            "nanochat": 2030, "cohere2-moe": 3141, "cohere2-moe-sigmoid": 4252}
 _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818, "kolibri1": 1929,
-           "lfm3": 2030, "olmo-hybrid": 3141, "mimo-v2-flash": 4252}
+           "lfm3": 2030, "olmo-hybrid": 3141, "mimo-v2-flash": 4252, "longcat-flash": 5363}
 
 
 def _token_ids():
@@ -1095,6 +1101,12 @@ def newest_family_config(kind: str, special: dict):
                                                                "full_attention": {"rope_type": "default",
                                                                                   "rope_theta": 500_000.0,
                                                                                   "partial_rotary_factor": 0.5}})
+    if kind == "longcat-flash":  # num_layers decoder layers of two attention sublayers; MLA keys and values per head
+        return transformers.LongcatFlashConfig(**{k: v for k, v in common.items() if k not in (
+            "num_hidden_layers", "num_key_value_heads", "head_dim")}, num_layers=2, q_lora_rank=32, kv_lora_rank=16,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=16, n_routed_experts=8, zero_expert_num=4,
+            moe_topk=3, expert_ffn_hidden_size=32, routed_scaling_factor=2.5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     raise ValueError(f"unknown model kind {kind!r}; expected one of {NEWEST_KINDS}")
 
 
@@ -1441,9 +1453,10 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
         with torch.no_grad():
             model.get_input_embeddings().weight[config.pad_token_id] = 0.0
     g = torch.Generator().manual_seed(_SEEDS[base_kind] + 2)
+    bias_std = LONGCAT_CORRECTION_BIAS_STD if kind == "longcat-flash" else 0.3
     for name, buffer in model.named_buffers():  # a buffer, saved with the weights: V3's, LFM2-MoE's routing bias
         if name.endswith(("e_score_correction_bias", "expert_bias")):
-            buffer.copy_(0.3 * torch.randn(buffer.shape, generator=g))
+            buffer.copy_(bias_std * torch.randn(buffer.shape, generator=g))
     if config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     model.eval()

@@ -107,6 +107,9 @@ def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_di
      "partial_rotary_factor=0.5"),
     # transformers' OLMo Hybrid pairs each value head with one key head (no repeat).
     ("olmo-hybrid", dict(linear_num_value_heads=4, linear_value_head_dim=8), "linear_num_value_heads=4"),
+    # transformers' LongCat-Flash router holds a bias it never adds; its rope tables are head_dim wide.
+    ("longcat-flash", dict(router_bias=True), "router_bias=True"),
+    ("longcat-flash", dict(head_dim=16), "head_dim=16"),
 ])
 def test_newest_families_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes,
                                                                              message):

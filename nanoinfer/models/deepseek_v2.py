@@ -137,7 +137,7 @@ class DeepseekV2Attention(nn.Module):
         k_rope = k_rope.unsqueeze(1)
         if positions is not None:  # None: an encoder pass (see LLM.embed)
             q_rope, k_rope = self.rotary_emb(positions, q_rope, k_rope)
-        k = torch.cat([self.kv_a_layernorm(latent).unsqueeze(1), k_rope], -1)
+        k = torch.cat([self.normalize_latent(latent).unsqueeze(1), k_rope], -1)
         self.attn.store(k, None, meta)
         if meta.is_decode:  # the CUDA graphs' path: no split, no host read
             return self.o_proj(self.absorbed(q_nope, q_rope, k, meta))
@@ -151,6 +151,10 @@ class DeepseekV2Attention(nn.Module):
             o = o.new_empty(x.shape[0], o.shape[1]).index_copy_(0, split.decompressed_rows, o).index_copy_(
                 0, rows, absorbed)
         return self.o_proj(o)
+
+    def normalize_latent(self, latent: torch.Tensor) -> torch.Tensor:
+        """The latent as cached and up-projected: kv_a_layernorm's output (LongCat-Flash scales it)."""
+        return self.kv_a_layernorm(latent)
 
     def absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata
                  ) -> torch.Tensor:

@@ -228,8 +228,13 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.decoder_layer(config, attention_options(config, i), make_mlp(config, i))
-                                    for i in range(config.num_hidden_layers))
+                                    for i in range(self.num_layers(config)))
         self.norm = self.final_norm(config)
+
+    @staticmethod
+    def num_layers(config: PretrainedConfig) -> int:
+        """How many decoder layers (LongCat-Flash's hold two attention sublayers each)."""
+        return config.num_hidden_layers
 
     @staticmethod
     def final_norm(config: PretrainedConfig) -> nn.Module:
