@@ -276,12 +276,16 @@ EXTRA_KINDS += MAMBA1_KINDS
 # LongCat-Flash (longcat-flash): 2 layers of two MLA sublayers each (low-rank q, V narrower than K: 16 against 16 + 8,
 # the queries and latents scaled by their LoRA ranks), each followed by a dense MLP, and a shortcut MoE per layer: 3 of
 # 8 real experts and 4 zero (identity) ones by softmax + a random correction bias, not renormalized, scaled.
+# Doge: per-head q/k norms, the dynamic mask's key bias (A of std DOGE_A_STD, so that it varies by key), residual
+# scales near 1, q/k/v/o and MLP biases, one KV head per two query heads.
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
                    "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid",
-                   "mimo-v2-flash": "mimo_v2_flash", "longcat-flash": "longcat_flash"}
+                   "mimo-v2-flash": "mimo_v2_flash", "longcat-flash": "longcat_flash", "doge": "doge"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid")  # tested as the other hybrids (test_ssm.py)
-NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS if kind not in NEWEST_HYBRID_KINDS)  # as the MoEs (test_moe.py)
+NEWEST_DENSE_KINDS = ("doge",)  # tested as the dense families (test_families.py)
+NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS  # as the MoEs (test_moe.py)
+                         if kind not in NEWEST_HYBRID_KINDS + NEWEST_DENSE_KINDS)
 EXTRA_KINDS += NEWEST_KINDS
 # DBRX: q/k/v clamped to +-DBRX_CLIP_QKV (a sixth of layer 0's are beyond it), GQA, 2 of 8 experts on every layer,
 # their weights divided by their DBRX_NORM_P-norm (DBRX's own is 1, a plain renormalization: 2 tells them apart).
@@ -327,6 +331,8 @@ SHARD_SIZE = "200KB"
 # LongCat-Flash's correction bias, added to softmax probabilities (~1/12 each here, not sigmoids near 1/2): at the others'
 # 0.3 it alone would choose the experts.
 LONGCAT_CORRECTION_BIAS_STD = 0.03
+# Doge's dynamic-mask A: key biases exp(A * softplus(dt)) from ~0.2 to ~5 (at INIT_STD they would barely vary).
+DOGE_A_STD = 0.5
 
 _COMMON = dict(
     vocab_size=MODEL_VOCAB_SIZE,
@@ -364,7 +370,8 @@ _SEEDS |= {"opt": 6579, "opt-350m": 7680, "gpt-neo": 8791, "codegen": 9802, "per
 _SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minimax-m2": 9818, "axk1": 1929,
            "nanochat": 2030, "cohere2-moe": 3141, "cohere2-moe-sigmoid": 4252}
 _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818, "kolibri1": 1929,
-           "lfm3": 2030, "olmo-hybrid": 3141, "mimo-v2-flash": 4252, "longcat-flash": 5363}
+           "lfm3": 2030, "olmo-hybrid": 3141, "mimo-v2-flash": 4252, "longcat-flash": 5363,
+           "doge": 6474}
 
 
 def _token_ids():
@@ -1107,6 +1114,10 @@ def newest_family_config(kind: str, special: dict):
             qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=16, n_routed_experts=8, zero_expert_num=4,
             moe_topk=3, expert_ffn_hidden_size=32, routed_scaling_factor=2.5,
             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "doge":  # no head_dim: hidden / heads; keys within keep_window_size, so no top-k dynamic mask
+        return transformers.DogeConfig(**{k: v for k, v in common.items() if k != "head_dim"}, attention_bias=True,
+                                       mlp_bias=True, keep_window_size=512,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     raise ValueError(f"unknown model kind {kind!r}; expected one of {NEWEST_KINDS}")
 
 
@@ -1443,6 +1454,14 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
                     p.mul_(ZAMBA2_LAYER_WEIGHT_SCALE)
     if kind in MAMBA1_KINDS:
         _randomize_mamba1_(model, _SEEDS[base_kind])
+    if kind == "doge":  # the dynamic mask's A, and the residual scales near 1 (as the norms' weights)
+        g = torch.Generator().manual_seed(_SEEDS[base_kind] + 4)
+        with torch.no_grad():
+            for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+                if name.endswith(".self_attn.A"):
+                    p.copy_(DOGE_A_STD * torch.randn(p.shape, generator=g))
+                elif name.endswith("_residual"):
+                    p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
     if kind == "mpt":  # its norms (norm_1, norm_2, norm_f), which _randomize_ does not know by name, as the others'
         g = torch.Generator().manual_seed(_SEEDS[base_kind] + 4)
         with torch.no_grad():
