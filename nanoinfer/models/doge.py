@@ -37,9 +37,10 @@ def check_config(config: PretrainedConfig) -> None:
 
 class DogeAttention(LlamaAttention):
     """The score bias of key j, KV head h: b[j, h] = exp(A[h] * softplus(dt_proj(v_j)[h])), rides in the attention
-    as an extra key dimension against a query entry of 1 / scale (q . k * scale + b), values zero-padded alike and
-    each head's output cut back: every backend and the paged cache serve it as plain attention. dt_proj is
-    row-parallel (each rank holds its KV heads' value columns; the all-reduce gives every head's dt)."""
+    as an extra key entry b / scale against a query entry of 1 (q . k * scale + b; the 1 exact in every dtype),
+    values zero-padded alike and each head's output cut back: every backend and the paged cache serve it as plain
+    attention. dt_proj is row-parallel (each rank holds its KV heads' value columns; the all-reduce gives every
+    head's dt)."""
 
     def __init__(self, config: PretrainedConfig, options: AttentionOptions):
         super().__init__(config, options)
@@ -47,11 +48,10 @@ class DogeAttention(LlamaAttention):
         self.dt_proj = RowParallelLinear(total_kv_heads * self.head_dim, total_kv_heads, config.attention_bias)
         self.A = nn.Parameter(torch.empty(self.num_kv_heads), requires_grad=False)
         self.first_kv_head = tp_rank() * self.num_kv_heads
-        scale = self.head_dim ** -0.5
-        # The query's extra entries: 1 / scale against the bias, zeros against the padding.
-        self.register_buffer("query_pad", torch.zeros(KEY_BIAS_PAD).index_fill_(0, torch.tensor([0]), 1 / scale),
-                             persistent=False)
-        self.attn = Attention(self.num_heads, self.head_dim + KEY_BIAS_PAD, scale, self.num_kv_heads,
+        self.scale = self.head_dim ** -0.5
+        # The query's extra entries: 1 against the bias, zeros against the padding.
+        self.register_buffer("query_pad", torch.eye(1, KEY_BIAS_PAD)[0], persistent=False)
+        self.attn = Attention(self.num_heads, self.head_dim + KEY_BIAS_PAD, self.scale, self.num_kv_heads,
                               options.sliding_window)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -72,7 +72,7 @@ class DogeAttention(LlamaAttention):
             q, k = self.q_norm(q), self.k_norm(k)
         bias = self.key_bias(v)
         q = torch.cat([q, self.query_pad.to(q.dtype).expand(*q.shape[:2], -1)], -1)
-        k = torch.cat([k, F.pad(bias[..., None], (0, KEY_BIAS_PAD - 1))], -1)
+        k = torch.cat([k, F.pad((bias / self.scale).to(k.dtype)[..., None], (0, KEY_BIAS_PAD - 1))], -1)
         v = F.pad(v.view(-1, self.num_kv_heads, self.head_dim), (0, KEY_BIAS_PAD))
         o = self.attn(q, k, v, meta).view(-1, self.num_heads, self.head_dim + KEY_BIAS_PAD)
         return self.o_proj(o[..., :self.head_dim].flatten(1))
