@@ -33,11 +33,10 @@ class MiMoV2FlashForCausalLM(LlamaForCausalLM):
         params = rope_parameters(config, layer_type)
         factor = params.get("partial_rotary_factor",
                             DEFAULT_PARTIAL_ROTARY_FACTOR if params["rope_type"] == "default" else 1.0)
-        value_scale = config.attention_value_scale
         return replace(options, o_bias=False, sinks=sliding, rope_layer_type=layer_type,
                        rotary_dim=int(config.head_dim * factor), v_head_dim=config.v_head_dim,
                        num_kv_heads=config.num_key_value_heads * (2 if sliding else 1),
-                       value_scale=1.0 if value_scale is None else value_scale)
+                       value_scale=config.attention_value_scale)  # None: unscaled, as transformers'
 
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
