@@ -269,6 +269,11 @@ EXTRA_KINDS += MAMBA1_KINDS
 # (proportional) rope over half of each head, sandwich norms, a sigmoid output gate per head, q/k/v/o biases.
 # OLMo Hybrid (olmo-hybrid): Gated DeltaNet layers 0 and 2 (q, k, v and their convs stored apart, beta doubled) around
 # OLMo 3's post-norm attention layer 1 (whole-projection q/k norms, q/k/v/o biases).
+# DeepSeek-V3.2 (deepseek-v32): "axk1"'s MLA and MoE with DeepSeek sparse attention, an indexer of 16 heads keeping
+# each query's DSA_TOPK best keys (fewer than most test prompts hold); "deepseek-v32-wide" keeps DSA_WIDE_TOPK, more
+# than any test context (dense attention). GLM-MoE-DSA (glm-moe-dsa): its indexer ropes interleaved pairs, layer 1
+# reuses layer 0's selection. A.X-K2 (axk2): "deepseek-v32" with its output gate, gated norms and ungrouped routing.
+DSA_TOPK, DSA_WIDE_TOPK = 6, 512
 # MiMo-V2-Flash (mimo-v2-flash): sliding layers 0 and 2 with two KV heads and sinks (GPT_OSS_SINK_STD), a full layer 1
 # with one, each type with its rope base and rotated share (the default 0.334, 0.5), values narrower than the keys
 # (16 against 24) scaled by 0.6, q/k/v biases; layer 0 dense, then 2 of 8 experts (sigmoid, a random correction bias,
@@ -279,7 +284,8 @@ EXTRA_KINDS += MAMBA1_KINDS
 # Doge: per-head q/k norms, the dynamic mask's key bias (A of std DOGE_A_STD, so that it varies by key), residual
 # scales near 1, q/k/v/o and MLP biases, one KV head per two query heads.
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
-                   "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid",
+                   "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid", "deepseek-v32": "deepseek_v32",
+                   "deepseek-v32-wide": "deepseek_v32", "glm-moe-dsa": "glm_moe_dsa", "axk2": "axk2",
                    "mimo-v2-flash": "mimo_v2_flash", "longcat-flash": "longcat_flash", "doge": "doge"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid")  # tested as the other hybrids (test_ssm.py)
@@ -370,8 +376,8 @@ _SEEDS |= {"opt": 6579, "opt-350m": 7680, "gpt-neo": 8791, "codegen": 9802, "per
 _SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minimax-m2": 9818, "axk1": 1929,
            "nanochat": 2030, "cohere2-moe": 3141, "cohere2-moe-sigmoid": 4252}
 _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818, "kolibri1": 1929,
-           "lfm3": 2030, "olmo-hybrid": 3141, "mimo-v2-flash": 4252, "longcat-flash": 5363,
-           "doge": 6474}
+           "lfm3": 2030, "olmo-hybrid": 3141, "deepseek-v32": 4252, "deepseek-v32-wide": 4252, "glm-moe-dsa": 5363,
+           "axk2": 6474, "mimo-v2-flash": 4252, "longcat-flash": 5363, "doge": 6474}
 
 
 def _token_ids():
@@ -1085,6 +1091,8 @@ def newest_family_config(kind: str, special: dict):
                                                         "full_attention": {"rope_type": "proportional",
                                                                            "rope_theta": 1_000_000.0,
                                                                            "partial_rotary_factor": 0.5}})
+    if kind in ("deepseek-v32", "deepseek-v32-wide", "glm-moe-dsa", "axk2"):
+        return dsa_config(kind, special)
     if kind == "olmo-hybrid":
         # No head_dim: hidden / heads. Values as wide as keys: transformers' save_pretrained splits the fused conv
         # back into the Hub's q/k/v convs in three equal parts.
@@ -1317,6 +1325,23 @@ def deepseek_config(kind: str, special: dict):
                                              "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0})
 
 
+def dsa_config(kind: str, special: dict):
+    import transformers
+
+    dsa = dict(**_COMMON, **special, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32,
+               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, moe_intermediate_size=32,
+               n_shared_experts=1, mlp_layer_types=["dense", "sparse", "sparse"], n_group=4, topk_group=2,
+               norm_topk_prob=True, num_experts_per_tok=2, routed_scaling_factor=2.5, tie_word_embeddings=False,
+               index_n_heads=16, index_head_dim=16,
+               index_topk=DSA_WIDE_TOPK if kind == "deepseek-v32-wide" else DSA_TOPK,
+               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "glm-moe-dsa":
+        return transformers.GlmMoeDsaConfig(**dsa, indexer_types=["full", "shared", "full"])
+    if kind == "axk2":
+        return transformers.AXK2Config(**{**dsa, "n_group": None, "topk_group": None}, gated_norm_rank=8)
+    return transformers.DeepseekV32Config(**dsa)
+
+
 def gemma4_config(kind: str, gemma: dict):
     """Gemma 4 on Gemma 2/3's test settings, with four layers, six for "gemma4-e" (the last one must be full), full
     layers' heads twice as wide as the sliding ones' and one KV head there."""
@@ -1468,6 +1493,12 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
             for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
                 if ".norm_" in name:
                     p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
+    if kind == "axk2":  # its norms' gate MLPs, which _randomize_ took for norm weights (1 + noise), as linears
+        g = torch.Generator().manual_seed(_SEEDS[base_kind] + 4)
+        with torch.no_grad():
+            for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+                if "layernorm.mlp." in name:
+                    p.copy_(INIT_STD * torch.randn(p.shape, generator=g))
     if kind == "youtu":  # transformers' Youtu zeroes the pad token's embedding when it loads a checkpoint: saved so
         with torch.no_grad():
             model.get_input_embeddings().weight[config.pad_token_id] = 0.0

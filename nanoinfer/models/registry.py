@@ -10,6 +10,7 @@ _MODELS = {
     "ApertusForCausalLM": ("apertus", "ApertusForCausalLM"),
     "ArceeForCausalLM": ("arcee", "ArceeForCausalLM"),
     "AXK1ForCausalLM": ("axk1", "AXK1ForCausalLM"),
+    "AXK2ForCausalLM": ("axk2", "AXK2ForCausalLM"),
     "BloomForCausalLM": ("bloom", "BloomForCausalLM"),
     "CodeGenForCausalLM": ("codegen", "CodeGenForCausalLM"),
     "Cohere2ForCausalLM": ("cohere2", "Cohere2ForCausalLM"),
@@ -19,6 +20,7 @@ _MODELS = {
     "DbrxForCausalLM": ("dbrx", "DbrxForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     "DogeForCausalLM": ("doge", "DogeForCausalLM"),
     "Dots1ForCausalLM": ("dots1", "Dots1ForCausalLM"),
     "Ernie4_5_MoeForCausalLM": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
@@ -37,6 +39,7 @@ _MODELS = {
     "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
     "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeForCausalLM"),
     "Glm4MoeLiteForCausalLM": ("glm4_moe_lite", "Glm4MoeLiteForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("glm_moe_dsa", "GlmMoeDsaForCausalLM"),
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
     "GPTBigCodeForCausalLM": ("gpt_bigcode", "GPTBigCodeForCausalLM"),
     "GPTJForCausalLM": ("gptj", "GPTJForCausalLM"),
@@ -165,6 +168,8 @@ _VISION_LANGUAGE = {
 # the attention backend is chosen with them in mind (selector.select_backend).
 _ATTENTION_SINKS = {"FlintForCausalLM", "GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
                     "MiMoV2FlashForCausalLM"}
+# Families with DeepSeek sparse attention (deepseek_v32.py), which only the PyTorch backend runs.
+_SPARSE_ATTENTION = {"AXK2ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
@@ -186,6 +191,11 @@ def is_encoder(architectures: list[str] | None) -> bool:
 
 def has_attention_sinks(architectures: list[str] | None) -> bool:
     return bool(architectures) and architectures[0] in _ATTENTION_SINKS
+
+
+def sparse_attention_architecture(architectures: list[str] | None) -> str | None:
+    """The architecture's name where its attention is DeepSeek's sparse attention, else None."""
+    return architectures[0] if architectures and architectures[0] in _SPARSE_ATTENTION else None
 
 
 def get_model_class(config: PretrainedConfig) -> type[nn.Module]:
