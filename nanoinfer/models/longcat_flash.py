@@ -9,9 +9,9 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.attention import AttentionMetadata
-from nanoinfer.layers.fused_moe import FusedMoE
+from nanoinfer.layers.fused_moe import FusedMoE, Fp32Router
 from nanoinfer.layers.layernorm import RMSNorm
-from nanoinfer.models.deepseek_v2 import DeepseekRouter, DeepseekV2Attention, check_moe_config
+from nanoinfer.models.deepseek_v2 import DeepseekV2Attention, check_moe_config
 from nanoinfer.models.ernie4_5_moe import select_experts_softmax_biased
 from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM, LlamaMLP, LlamaModel
 
@@ -65,19 +65,31 @@ class ZeroExpertFusedMoE(FusedMoE):
         super().load_stacked(param, loaded)
 
 
+class LongcatFlashRouter(Fp32Router):
+    """fp32 logits of the weight in the model's dtype, and the correction bias in the model's dtype, as transformers
+    5.23 holds them (its `_keep_in_fp32_modules` names `classifier.weight`, which matches no module)."""
+
+    def __init__(self, config: PretrainedConfig):
+        num_experts = config.n_routed_experts + config.zero_expert_num
+        super().__init__(config.hidden_size, num_experts)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts), requires_grad=False)
+
+
 class LongcatFlashMoE(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         check_moe_config(config, grouped=False)
         self.top_k, self.scaling = config.moe_topk, config.routed_scaling_factor
-        # The router's weight kept in fp32, as transformers keeps `classifier.weight`; fp32 logits.
-        self.gate = DeepseekRouter(config, correction_bias=True,
-                                   num_experts=config.n_routed_experts + config.zero_expert_num, fp32_weight=True)
+        self.gate = LongcatFlashRouter(config)
         self.experts = ZeroExpertFusedMoE(config)
 
+    def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 weights and ids [tokens, top k], zero experts (ids from n_routed_experts on) among them."""
+        return select_experts_softmax_biased(self.gate(x), self.top_k, self.gate.e_score_correction_bias, None,
+                                             self.scaling, sorted_topk=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts_softmax_biased(self.gate(x), self.top_k, self.gate.e_score_correction_bias,
-                                                     None, self.scaling, sorted_topk=False)
+        weights, ids = self.select_experts(x)
         # A zero expert's share: its weight times the input. The real experts run with its slots sent to expert 0 at
         # weight 0 (fused_experts takes a fixed k per token).
         zero = ids >= self.experts.num_experts
