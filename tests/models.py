@@ -281,13 +281,25 @@ DSA_TOPK, DSA_WIDE_TOPK = 6, 512
 # MiniMax (minimax): lightning attention layers 0 and 2 (heads decaying from fast to slow, almost none on the last
 # layer) around a softmax attention layer 1, 2 of 8 experts on every layer, every residual factor away from
 # 1; transformers' lightning blocks (block_size) shorter than the prompts.
+# MiMo-V2-Flash (mimo-v2-flash): sliding layers 0 and 2 with two KV heads and sinks (GPT_OSS_SINK_STD), a full layer 1
+# with one, each type with its rope base and rotated share (the default 0.334, 0.5), values narrower than the keys
+# (16 against 24) scaled by 0.6, q/k/v biases; layer 0 dense, then 2 of 8 experts (sigmoid, a random correction bias,
+# 2 of 4 groups, renormalized, scaled), no shared expert.
+# LongCat-Flash (longcat-flash): 2 layers of two MLA sublayers each (low-rank q, V narrower than K: 16 against 16 + 8,
+# the queries and latents scaled by their LoRA ranks), each followed by a dense MLP, and a shortcut MoE per layer: 3 of
+# 8 real experts and 4 zero (identity) ones by softmax + a random correction bias, not renormalized, scaled.
+# Doge: per-head q/k norms, the dynamic mask's key bias (A of std DOGE_A_STD, so that it varies by key), residual
+# scales near 1, q/k/v/o and MLP biases, one KV head per two query heads.
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
                    "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid", "deepseek-v32": "deepseek_v32",
                    "deepseek-v32-wide": "deepseek_v32", "glm-moe-dsa": "glm_moe_dsa", "axk2": "axk2",
-                   "kimi-linear": "kimi_linear", "minimax": "minimax"}
+                   "kimi-linear": "kimi_linear", "minimax": "minimax", "mimo-v2-flash": "mimo_v2_flash",
+                   "longcat-flash": "longcat_flash", "doge": "doge"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "minimax")  # tested as the other hybrids (test_ssm.py)
-NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS if kind not in NEWEST_HYBRID_KINDS)  # as the MoEs (test_moe.py)
+NEWEST_DENSE_KINDS = ("doge",)  # tested as the dense families (test_families.py)
+NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS  # as the MoEs (test_moe.py)
+                         if kind not in NEWEST_HYBRID_KINDS + NEWEST_DENSE_KINDS)
 EXTRA_KINDS += NEWEST_KINDS
 # DBRX: q/k/v clamped to +-DBRX_CLIP_QKV (a sixth of layer 0's are beyond it), GQA, 2 of 8 experts on every layer,
 # their weights divided by their DBRX_NORM_P-norm (DBRX's own is 1, a plain renormalization: 2 tells them apart).
@@ -299,7 +311,7 @@ SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 1
                   "starcoder2": 13, "exaone4": 10, "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22,
                   "vaultgemma": 11, "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "gpt-neo": 11, "cwm": 12,
                   "cohere2-moe": 11, "cohere2-moe-sigmoid": 12, "afmoe": 10, "mellum": 12,
-                  "laguna": 11, "flint": 12, "kolibri1": 10}
+                  "laguna": 11, "flint": 12, "kolibri1": 10, "mimo-v2-flash": 11}
 LLAMA4_CHUNK = 12  # Llama 4's attention_chunk_size in the test model
 # LFM3's window, apart from SLIDING_WINDOW (whose test takes prefix cache hits, which hybrids refuse).
 LFM3_SLIDING_WINDOW = 10
@@ -331,6 +343,11 @@ GPT_OSS_GATE_UP_STD = 0.6
 # transformers' own fp32 logits sit 7e-3 from its fp64 ones; at half, 2e-5. (Zamba's at INIT_STD: ours 3.6e-4 away.)
 ZAMBA2_LAYER_WEIGHT_SCALE = 0.5
 SHARD_SIZE = "200KB"
+# LongCat-Flash's correction bias, added to softmax probabilities (~1/12 each here, not sigmoids near 1/2): at the others'
+# 0.3 it alone would choose the experts.
+LONGCAT_CORRECTION_BIAS_STD = 0.03
+# Doge's dynamic-mask A: key biases exp(A * softplus(dt)) from ~0.2 to ~5 (at INIT_STD they would barely vary).
+DOGE_A_STD = 0.5
 
 _COMMON = dict(
     vocab_size=MODEL_VOCAB_SIZE,
@@ -369,7 +386,8 @@ _SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minim
            "nanochat": 2030, "cohere2-moe": 3141, "cohere2-moe-sigmoid": 4252}
 _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818, "kolibri1": 1929,
            "lfm3": 2030, "olmo-hybrid": 3141, "deepseek-v32": 4252, "deepseek-v32-wide": 4252, "glm-moe-dsa": 5363,
-           "axk2": 6474, "kimi-linear": 7585, "minimax": 8696}
+           "axk2": 6474, "kimi-linear": 4252, "minimax": 5363, "mimo-v2-flash": 4252, "longcat-flash": 5363,
+           "doge": 6474}
 
 
 def _token_ids():
@@ -1114,6 +1132,29 @@ def newest_family_config(kind: str, special: dict):
                                           linear_attn_alpha_factor=1.5, linear_attn_beta_factor=1.2,
                                           mlp_alpha_factor=2.2, mlp_beta_factor=0.9,
                                           rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "mimo-v2-flash":
+        return transformers.MiMoV2FlashConfig(**{**common, "intermediate_size": 96, "head_dim": 24,
+                                                 "num_key_value_heads": 1}, v_head_dim=16, attention_value_scale=0.6,
+                                              attention_bias=True, sliding_window=SLIDING_WINDOW[kind],
+                                              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                              mlp_layer_types=["dense", "sparse", "sparse"], n_routed_experts=8,
+                                              num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2,
+                                              norm_topk_prob=True, routed_scaling_factor=2.5,
+                                              rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                                     "rope_theta": 10_000.0},
+                                                               "full_attention": {"rope_type": "default",
+                                                                                  "rope_theta": 500_000.0,
+                                                                                  "partial_rotary_factor": 0.5}})
+    if kind == "longcat-flash":  # num_layers decoder layers of two attention sublayers; MLA keys and values per head
+        return transformers.LongcatFlashConfig(**{k: v for k, v in common.items() if k not in (
+            "num_hidden_layers", "num_key_value_heads", "head_dim")}, num_layers=2, q_lora_rank=32, kv_lora_rank=16,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=16, n_routed_experts=8, zero_expert_num=4,
+            moe_topk=3, expert_ffn_hidden_size=32, routed_scaling_factor=2.5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "doge":  # no head_dim: hidden / heads; keys within keep_window_size, so no top-k dynamic mask
+        return transformers.DogeConfig(**{k: v for k, v in common.items() if k != "head_dim"}, attention_bias=True,
+                                       mlp_bias=True, keep_window_size=512,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     raise ValueError(f"unknown model kind {kind!r}; expected one of {NEWEST_KINDS}")
 
 
@@ -1468,7 +1509,7 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
     if kind in GEMMA4_KINDS:
         _randomize_gemma4_(model, _SEEDS[base_kind])
-    if kind in ("gpt-oss", "granite-swa", "granitemoe-swa", "flint"):
+    if kind in ("gpt-oss", "granite-swa", "granitemoe-swa", "flint", "mimo-v2-flash"):
         _sharpen_gpt_oss_(model, _SEEDS[base_kind])
     if kind in SSM_KINDS + MAMBA2_HYBRID_KINDS:
         _randomize_mamba_(model, _SEEDS[base_kind])
@@ -1481,6 +1522,14 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
         _randomize_mamba1_(model, _SEEDS[base_kind])
     if kind == "kimi-linear":
         _randomize_kda_(model, _SEEDS[base_kind])
+    if kind == "doge":  # the dynamic mask's A, and the residual scales near 1 (as the norms' weights)
+        g = torch.Generator().manual_seed(_SEEDS[base_kind] + 4)
+        with torch.no_grad():
+            for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+                if name.endswith(".self_attn.A"):
+                    p.copy_(DOGE_A_STD * torch.randn(p.shape, generator=g))
+                elif name.endswith("_residual"):
+                    p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
     if kind == "mpt":  # its norms (norm_1, norm_2, norm_f), which _randomize_ does not know by name, as the others'
         g = torch.Generator().manual_seed(_SEEDS[base_kind] + 4)
         with torch.no_grad():
@@ -1497,9 +1546,10 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
         with torch.no_grad():
             model.get_input_embeddings().weight[config.pad_token_id] = 0.0
     g = torch.Generator().manual_seed(_SEEDS[base_kind] + 2)
+    bias_std = LONGCAT_CORRECTION_BIAS_STD if kind == "longcat-flash" else 0.3
     for name, buffer in model.named_buffers():  # a buffer, saved with the weights: V3's, LFM2-MoE's routing bias
         if name.endswith(("e_score_correction_bias", "expert_bias")):
-            buffer.copy_(0.3 * torch.randn(buffer.shape, generator=g))
+            buffer.copy_(bias_std * torch.randn(buffer.shape, generator=g))
     if config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     model.eval()

@@ -30,6 +30,7 @@ from nanoinfer.models.hy_v3 import HYV3ForCausalLM
 from nanoinfer.models.kolibri1 import Kolibri1ForCausalLM
 from nanoinfer.models.laguna import LagunaMoE
 from nanoinfer.models.lfm2 import Lfm2MoeBlock
+from nanoinfer.models.longcat_flash import LongcatFlashMoE
 from nanoinfer.models.minimax_m2 import MiniMaxM2MoE
 from nanoinfer.models.nemotron_h import NemotronHMoE
 
@@ -327,6 +328,10 @@ _ROUTERS = {
     "nemotron-h": ("nemotron_h", "NemotronHTopkRouter", "NemotronHConfig", "NemotronHForCausalLM", NemotronHMoE,
                    {**_V3_GROUPS, "norm_topk_prob": True, "moe_shared_expert_intermediate_size": 32,
                     "mlp_hidden_act": "relu2"}),
+    # 6 real and 2 zero experts, 4 per token.
+    "longcat-flash": ("longcat_flash", "LongcatFlashTopkRouter", "LongcatFlashConfig", "LongcatFlashForCausalLM",
+                      LongcatFlashMoE, {"n_routed_experts": 6, "zero_expert_num": 2, "moe_topk": 4,
+                                        "expert_ffn_hidden_size": 32, "routed_scaling_factor": 2.5}),
 }
 # The routers given the correction bias by their MoE block, and its dtype there (AFMoE's stays fp32 in fp16 models
 # alone, LFM2-MoE's is an fp32 buffer, HY3's strictly kept in fp32, MiniMax-M2's a buffer of the model's dtype).
@@ -352,7 +357,8 @@ def _hf_router_in_bf16(family: str, checkpoint: dict[str, torch.Tensor]) -> tupl
     for name, tensor in [*hf.named_parameters(), *hf.named_buffers()]:
         if any(k in f"gate.{name}" for k in keep):
             tensor.data = tensor.data.float()
-        tensor.data.copy_(checkpoint[name.removeprefix("wg.").removeprefix("gate.")])  # Hunyuan's, AFMoE's names
+        # Hunyuan's, AFMoE's, LongCat-Flash's names
+        tensor.data.copy_(checkpoint[name.removeprefix("wg.").removeprefix("gate.").removeprefix("classifier.")])
     return hf, config
 
 
@@ -363,7 +369,8 @@ def test_router_in_bf16_is_transformers_own(family):
     `_keep_in_fp32_modules_strict`), Kolibri-1's (bf16 weight upcast, fp32 correction bias), AFMoE's and Laguna's
     (bf16 logits upcast, bf16 correction bias; Laguna's weights rounded to bf16), LFM2-MoE's (sigmoid, renormalized
     and scaled in bf16, an fp32 expert bias), HY3's, MiniMax-M2's, DeepSeek-V2's, V3's and NemotronH's (the top k
-    unsorted, the order the experts' fp32 sum follows). Bit for bit on the routing weights and the chosen experts, in
+    unsorted, the order the experts' fp32 sum follows), LongCat-Flash's (fp32 logits of a bf16 weight, a bf16
+    correction bias, zero experts among the chosen). Bit for bit on the routing weights and the chosen experts, in
     order (in another dtype, the weights differ and near-ties choose other experts)."""
     g = torch.Generator().manual_seed(0)
     checkpoint = {"weight": 0.3 * torch.randn(8, 64, generator=g),

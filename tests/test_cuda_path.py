@@ -619,7 +619,8 @@ def test_close_del_and_with_free_the_model_and_caches_without_the_garbage_collec
         gc.enable()
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen3-moe", "qwen3-next", "deepseek-v3", "llama4"])
+@pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen3-moe", "qwen3-next", "deepseek-v3", "llama4", "mimo-v2-flash",
+                                  "doge"])
 def test_model_is_built_on_the_target_device_in_its_dtype(kind, model_dir):
     """Built under the device (meta here, CUDA in use) and filled there: no parameter or buffer is ever made on
     the host, so loading on CUDA needs no host copy of the model. Qwen3-Next's (1 + weight) norms hold fp32 weights,

@@ -22,7 +22,7 @@ LOGIT_ATOL = 1e-4
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2", "gemma", "granite", "smollm3", "glm4", "glm",
                                   *LAYERNORM_KINDS, "nemotron", "gemma4", "gemma4-e", "ministral", "ministral3",
-                                  "vaultgemma", "granite-swa", "jais2", "nanochat", "gemma3n"])
+                                  "vaultgemma", "granite-swa", "jais2", "nanochat", "gemma3n", "doge"])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): each holds half the heads and MLP; windows, ropes and norms per rank."""
     d = model_dir(kind)
@@ -110,6 +110,12 @@ def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_di
     # KDA's conv and MiniMax's lightning attention apply hidden_act: only SiLU is implemented.
     ("kimi-linear", dict(hidden_act="gelu"), "hidden_act='gelu'"),
     ("minimax", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    # transformers' LongCat-Flash router holds a bias it never adds; its rope tables are head_dim wide.
+    ("longcat-flash", dict(router_bias=True), "router_bias=True"),
+    ("longcat-flash", dict(head_dim=16), "head_dim=16"),
+    # transformers' CDMoE mixes router logits across the batch's tokens; the top-k dynamic mask is not implemented.
+    ("doge", dict(is_moe=True), "is_moe=True"),
+    ("doge", dict(keep_window_size=64), "keep_window_size=64"),
 ])
 def test_newest_families_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes,
                                                                              message):
@@ -171,13 +177,13 @@ def test_mpt_sequences_are_bounded_by_max_seq_len(model_dir):
 
 
 @pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj", "gemma4", "gemma4-e", "bloom", "mpt", "opt-350m",
-                                  "gemma3n"])
+                                  "gemma3n", "doge"])
 def test_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, captured_logits, report_logit_diff):
     """7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once, twice: the
     parallel residual (Phi, GPT-NeoX, GPT-J), layers of two head sizes and values from the keys (Gemma 4), layers
     attending over other layers' keys and values, cached or of the step (Gemma 4 E2B/E4B, Gemma 3n), ALiBi's
     key-minus-query distances over cached prefixes and chunks (BLOOM, MPT), post-norm layers and OPT's offset
-    positions (OPT-350m)."""
+    positions (OPT-350m), Doge's key biases cached with the keys."""
     worst = chunked_prefix_preemption_logit_diff(model_dir(kind), captured_logits, MAX_TOKENS)
     report_logit_diff(f"{kind}, chunked prefill + prefix hits + preemption", worst)
     # Gemma 4 E amplifies fp32 rounding at one position (5e-5 between transformers' own cached and uncached

@@ -321,11 +321,12 @@ def test_chunked_prefill_prefix_cache_and_preemption_match_hf(kind, tp, model_di
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
-@pytest.mark.parametrize("kind", ("qwen3-moe",) + NEW_KINDS + ("ernie4.5-moe", "phimoe", "minimax-m2", "cohere2-moe"))
+@pytest.mark.parametrize("kind", ("qwen3-moe",) + NEW_KINDS + ("ernie4.5-moe", "phimoe", "minimax-m2", "cohere2-moe",
+                                                               "longcat-flash"))
 def test_transformers_stacked_expert_layout_matches_hf(kind, model_dir, tmp_path, captured_logits):
     """A checkpoint in transformers' own layout (`save_pretrained(save_original_format=False)`, which transformers
     loads back): stacked experts, Mixtral's MoE named `mlp` rather than `block_sparse_moe`, ERNIE's statics under
-    the router (`mlp.gate.moe_statics`)."""
+    the router (`mlp.gate.moe_statics`), LongCat-Flash's gate/up stack with rows for its zero experts too."""
     d = model_dir(kind)
     stacked = tmp_path / kind
     load_hf_model(d).save_pretrained(stacked, save_original_format=False)
@@ -333,7 +334,8 @@ def test_transformers_stacked_expert_layout_matches_hf(kind, model_dir, tmp_path
         if f.suffix != ".safetensors":
             (stacked / f.name).write_bytes(f.read_bytes())
     with safe_open(stacked / "model.safetensors", "pt") as f:
-        assert "model.layers.2.mlp.experts.gate_up_proj" in f.keys()  # every test model's layer 2 is sparse
+        # Every test model's last layer is sparse (layer 2; LongCat-Flash's layer 1, of two).
+        assert f"model.layers.{2 - (kind == 'longcat-flash')}.mlp.experts.gate_up_proj" in f.keys()
     with LLM(str(stacked), device="cpu", dtype="float32", max_model_len=128) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL

@@ -544,12 +544,14 @@ def chunked_then_cached_against_hf(kind: str, model_dir, captured_logits, graphs
     return twice_against_hf(llm, d, prompts, 16, captured_logits)
 
 
-@pytest.mark.parametrize("kind", ["qwen3-swa", "gemma3", "olmo3", "gemma2", "gpt-oss", "gemma4-e", "gemma3n"])
+@pytest.mark.parametrize("kind", ["qwen3-swa", "gemma3", "olmo3", "gemma2", "gpt-oss", "gemma4-e", "gemma3n",
+                                  "mimo-v2-flash"])
 def test_engine_sliding_window_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
-    """Windowed (qwen3-swa: 9, gemma3: 10, olmo3: 11, gemma2: 11, gpt-oss: 12, gemma4-e and gemma3n: 10) and full
-    layers (gemma3, olmo3: with their own rope; gemma3, gemma2: a score scale that is not head_dim ** -0.5; gemma2:
-    softcapped scores; gpt-oss: attention sinks; gemma4-e: full layers' heads twice as wide, layers over other
-    layers' caches; gemma3n: those layers inside AltUp's streams);
+    """Windowed (qwen3-swa: 9, gemma3: 10, olmo3: 11, gemma2: 11, gpt-oss: 12, gemma4-e and gemma3n: 10, mimo-v2-flash:
+    11) and full layers (gemma3, olmo3: with their own rope; gemma3, gemma2: a score scale that is not head_dim **
+    -0.5; gemma2: softcapped scores; gpt-oss: attention sinks; gemma4-e: full layers' heads twice as wide, layers over
+    other layers' caches; gemma3n: those layers inside AltUp's streams; mimo-v2-flash: sinks, values zero-padded to
+    the keys' width, KV heads by layer);
     contexts a few windows long, prefilled in chunks, then again with a cached prefix."""
     worst = chunked_then_cached_against_hf(kind, model_dir, captured_logits)
     report_logit_diff(f"{kind}, triton backend, sliding window", worst)
@@ -571,6 +573,14 @@ def test_engine_alibi_matches_hf(kind, model_dir, captured_logits, report_logit_
     stand-in (the slopes a buffer at a fixed address)."""
     worst = chunked_then_cached_against_hf(kind, model_dir, captured_logits, graphs=True)
     report_logit_diff(f"{kind}, triton backend, ALiBi", worst)
+    assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
+
+
+def test_engine_doge_key_biases_match_hf(model_dir, captured_logits, report_logit_diff):
+    """Doge's dynamic mask: each key's score bias one more key dimension (24-wide heads: 16 + 8), cached with the key,
+    in chunks, over a cached prefix, and in decode under the CUDA-graph runner stand-in."""
+    worst = chunked_then_cached_against_hf("doge", model_dir, captured_logits, graphs=True)
+    report_logit_diff("doge, triton backend, key biases", worst)
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
 

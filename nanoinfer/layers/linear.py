@@ -106,33 +106,37 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections in one matrix; each rank holds its query heads and their KV heads."""
+    """q, k and v projections in one matrix; each rank holds its query heads and their KV heads. The value heads are
+    `v_head_size` wide where that differs from the query and key heads' `head_size` (MiMo-V2-Flash's)."""
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int,
-                 bias: bool = False):
+                 bias: bool = False, v_head_size: int | None = None):
         tp = tp_size()
-        self.head_size = head_size
+        self.head_size, self.v_head_size = head_size, v_head_size or head_size
         self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
         self.num_heads = total_num_heads // tp
         self.num_kv_heads = max(1, total_num_kv_heads // tp)
-        output_size = (total_num_heads + 2 * self.num_kv_heads * tp) * head_size
+        output_size = total_num_heads * head_size + self.num_kv_heads * tp * (head_size + self.v_head_size)
         super().__init__(hidden_size, output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         """shard_id: "q", "k" or "v"; None: the three stacked in one tensor (Phi-3's qkv_proj)."""
         if shard_id is None:
-            q_rows, kv_rows = self.total_num_heads * self.head_size, self.total_num_kv_heads * self.head_size
-            load_stacked(self, param, loaded, [("q", q_rows), ("k", kv_rows), ("v", kv_rows)])
+            q_rows, kv_heads = self.total_num_heads * self.head_size, self.total_num_kv_heads
+            load_stacked(self, param, loaded, [("q", q_rows), ("k", kv_heads * self.head_size),
+                                               ("v", kv_heads * self.v_head_size)])
             return
         total_heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
-        if loaded.shape[0] != total_heads * self.head_size:
+        head_size = self.v_head_size if shard_id == "v" else self.head_size
+        if loaded.shape[0] != total_heads * head_size:
             raise ValueError(f"shape mismatch: checkpoint tensor has {loaded.shape[0]} rows, "
-                             f"expected {total_heads} heads x {self.head_size}")
-        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+                             f"expected {total_heads} heads x {head_size}")
+        q_size, k_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        offset, size = {"q": (0, q_size), "k": (q_size, k_size),
+                        "v": (q_size + k_size, self.num_kv_heads * self.v_head_size)}[shard_id]
         # With fewer KV heads than ranks, neighbouring ranks share (replicate) one KV head.
         head_start = self.tp_rank * total_heads // self.tp_size
-        loaded = loaded.narrow(0, head_start * self.head_size, size)
+        loaded = loaded.narrow(0, head_start * head_size, size)
         copy_weight(param.data.narrow(0, offset, size), loaded)
 
 
@@ -160,7 +164,9 @@ class KeyAsValueQKVParallelLinear(QKVParallelLinear):
     projection) so that the attention stays the ordinary q, k, v one."""
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int,
-                 bias: bool = False):
+                 bias: bool = False, v_head_size: int | None = None):
+        if v_head_size not in (None, head_size):
+            raise ValueError(f"values from the key projection are as wide as the keys ({head_size}), not {v_head_size}")
         super().__init__(hidden_size, head_size, total_num_heads, total_num_kv_heads, bias)
         for param in (self.weight, self.bias):
             if param is not None:

@@ -147,7 +147,11 @@ class DeepseekV2Attention(nn.Module):
         k_rope = k_rope.unsqueeze(1)
         if positions is not None and self.rotary_emb is not None:  # None: an encoder pass (see LLM.embed)
             q_rope, k_rope = self.rotary_emb(positions, q_rope, k_rope)
-        return q_nope, q_rope, torch.cat([self.kv_a_layernorm(latent).unsqueeze(1), k_rope], -1)
+        return q_nope, q_rope, torch.cat([self.normalize_latent(latent).unsqueeze(1), k_rope], -1)
+
+    def normalize_latent(self, latent: torch.Tensor) -> torch.Tensor:
+        """The latent as cached and up-projected: kv_a_layernorm's output (LongCat-Flash scales it)."""
+        return self.kv_a_layernorm(latent)
 
     def attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata
                ) -> torch.Tensor:

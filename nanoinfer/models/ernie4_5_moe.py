@@ -10,13 +10,17 @@ from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM, LlamaMLP
 
 
 def select_experts_softmax_biased(router_logits: torch.Tensor, top_k: int, correction_bias: torch.Tensor,
-                                  norm_min: float) -> tuple[torch.Tensor, torch.Tensor]:
+                                  norm_min: float | None, scaling: float = 1.0, sorted_topk: bool = True
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """ERNIE's router: fp32 softmax over all experts; the choice is the top k of probability + correction_bias, the
-    weights the chosen probabilities divided by their sum (at least norm_min)."""
+    weights the chosen probabilities divided by their sum (at least norm_min). LongCat-Flash's: not renormalized
+    (norm_min None), times `scaling`, the top k in torch.topk's unsorted order (as its router takes them)."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    ids = torch.topk(probs + correction_bias, top_k, dim=-1)[1]
+    ids = torch.topk(probs + correction_bias, top_k, dim=-1, sorted=sorted_topk)[1]
     weights = probs.gather(1, ids)
-    return weights / weights.sum(dim=-1, keepdim=True).clamp(min=norm_min), ids
+    if norm_min is not None:
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=norm_min)
+    return weights * scaling, ids
 
 
 class Ernie4_5_MoeStatics(nn.Module):

@@ -5,6 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -61,6 +62,10 @@ class AttentionOptions:
     head_dim: int | None = None
     value_norm: bool = False
     key_as_value: bool = False
+    # MiMo-V2-Flash: value heads narrower than the query and key heads (the cache holds them zero-padded to head_dim,
+    # and each head's output keeps its first v_head_dim entries), the values times value_scale.
+    v_head_dim: int | None = None
+    value_scale: float | None = None
 
 
 def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
@@ -97,11 +102,14 @@ class LlamaAttention(nn.Module):
         # With an output gate, each head's query and gate rows load as two consecutive "heads" of q.
         self.q_factor = 2 if options.output_gate else 1
         qkv_class = KeyAsValueQKVParallelLinear if options.key_as_value else self.qkv_class
+        self.v_head_dim = options.v_head_dim or self.head_dim
         self.qkv_proj = qkv_class(config.hidden_size, self.head_dim, num_heads * self.q_factor, num_kv_heads,
-                                       options.qkv_bias)
+                                  options.qkv_bias, v_head_size=self.v_head_dim)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // self.q_factor, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.o_proj = self.o_proj_class(num_heads * self.head_dim, config.hidden_size, options.o_bias)
+        self.v_size = self.num_kv_heads * self.v_head_dim
+        self.value_scale = options.value_scale
+        self.o_proj = self.o_proj_class(num_heads * self.v_head_dim, config.hidden_size, options.o_bias)
         self.gate_activation, self.gate_per_head = options.gate_activation, options.gate_per_head
         if self.gate_activation is not None:  # column-parallel over the heads, as q
             self.g_proj = ColumnParallelLinear(config.hidden_size, num_heads * (1 if self.gate_per_head else
@@ -127,7 +135,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.clip_qkv is not None:
             qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
-        q, k, v = qkv.split([self.q_size * self.q_factor, self.kv_size, self.kv_size], -1)
+        q, k, v = qkv.split([self.q_size * self.q_factor, self.kv_size, self.v_size], -1)
         q = q.view(-1, self.num_heads, self.head_dim * self.q_factor)
         if self.q_factor == 2:
             q, gate = q.chunk(2, -1)
@@ -142,12 +150,24 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.query_temperature is not None and positions is not None:
             q = scale_query(q, positions, *self.query_temperature)
+        if self.value_scale is not None:
+            v = v * self.value_scale
+        if self.v_head_dim != self.head_dim:
+            return self.o_proj(self.narrow_value_attention(q, k, v, meta))
         o = self.attn(q, k, v, meta)
         if self.q_factor == 2:
             o = o * torch.sigmoid(gate.flatten(1))
         if self.gate_activation is not None:
             o = self.gate_output(o, x)
         return self.o_proj(o)
+
+    def narrow_value_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+                               ) -> torch.Tensor:
+        """Attention with values narrower than the keys, through the backends' equal widths: each value zero-padded
+        to head_dim (the zeros average to zeros), each head's output cut back -> [tokens, heads * v_head_dim]."""
+        v = F.pad(v.view(-1, self.num_kv_heads, self.v_head_dim), (0, self.head_dim - self.v_head_dim))
+        o = self.attn(q, k, v, meta).view(-1, self.num_heads, self.head_dim)
+        return o[..., :self.v_head_dim].flatten(1)
 
     def gate_output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o [tokens, heads * head_dim] times the gate g_proj computes from the layer's input x."""
@@ -210,8 +230,13 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.decoder_layer(config, attention_options(config, i), make_mlp(config, i))
-                                    for i in range(config.num_hidden_layers))
+                                    for i in range(self.num_layers(config)))
         self.norm = self.final_norm(config)
+
+    @staticmethod
+    def num_layers(config: PretrainedConfig) -> int:
+        """How many decoder layers (LongCat-Flash's hold two attention sublayers each)."""
+        return config.num_hidden_layers
 
     @staticmethod
     def final_norm(config: PretrainedConfig) -> nn.Module:
