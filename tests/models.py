@@ -269,11 +269,21 @@ EXTRA_KINDS += MAMBA1_KINDS
 # (proportional) rope over half of each head, sandwich norms, a sigmoid output gate per head, q/k/v/o biases.
 # OLMo Hybrid (olmo-hybrid): Gated DeltaNet layers 0 and 2 (q, k, v and their convs stored apart, beta doubled) around
 # OLMo 3's post-norm attention layer 1 (whole-projection q/k norms, q/k/v/o biases).
+# Dense variants (NEWEST_DENSE_KINDS, tested with the dense families: test_correctness.py, test_families.py):
+# HyperCLOVAX (hyperclovax): Granite's multipliers (each away from 1) with a norm on each sublayer's output
+# (use_post_norm) and the logits multiplied by logits_scaling. BitNet: the unquantized layout, RMSNorms over the
+# attention output and the MLP's gated activations (attn_sub_norm, ffn_sub_norm), relu2. MiniCPM3: DeepSeek's MLA
+# (low-rank q, V narrower than K) with rotate-half rope, embeddings times scale_emb, sublayers times
+# scale_depth / sqrt(layers), logits over hidden_size / dim_model_base (2). DiffLlama: differential attention, 8 query
+# heads on 4 KV heads (two pairs of value heads, two query heads per KV head), lambda_init growing by layer.
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
-                   "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid"}
+                   "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid",
+                   "hyperclovax": "hyperclovax", "bitnet": "bitnet", "minicpm3": "minicpm3", "diffllama": "diffllama"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid")  # tested as the other hybrids (test_ssm.py)
-NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS if kind not in NEWEST_HYBRID_KINDS)  # as the MoEs (test_moe.py)
+NEWEST_DENSE_KINDS = ("hyperclovax", "bitnet", "minicpm3", "diffllama")
+NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS  # as the MoEs (test_moe.py)
+                         if kind not in NEWEST_HYBRID_KINDS + NEWEST_DENSE_KINDS)
 EXTRA_KINDS += NEWEST_KINDS
 # DBRX: q/k/v clamped to +-DBRX_CLIP_QKV (a sixth of layer 0's are beyond it), GQA, 2 of 8 experts on every layer,
 # their weights divided by their DBRX_NORM_P-norm (DBRX's own is 1, a plain renormalization: 2 tells them apart).
@@ -354,6 +364,7 @@ _SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minim
            "nanochat": 2030, "cohere2-moe": 3141, "cohere2-moe-sigmoid": 4252}
 _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818, "kolibri1": 1929,
            "lfm3": 2030, "olmo-hybrid": 3141}
+_SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7585}
 
 
 def _token_ids():
@@ -1077,6 +1088,22 @@ def newest_family_config(kind: str, special: dict):
                                              linear_value_head_dim=16, linear_conv_kernel_dim=4,
                                              linear_allow_neg_eigval=True,
                                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "hyperclovax":
+        return transformers.HyperCLOVAXConfig(**common, use_post_norm=True, embedding_multiplier=3.0,
+                                              attention_multiplier=0.4, residual_multiplier=0.6, logits_scaling=0.5,
+                                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "bitnet":
+        return transformers.BitNetConfig(**{k: v for k, v in common.items() if k not in ("hidden_act", "head_dim")},
+                                         hidden_act="relu2",
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "minicpm3":  # tied, as MiniCPM3-4B
+        return transformers.MiniCPM3Config(**{**common, "num_key_value_heads": 4, "tie_word_embeddings": True},
+                                           kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                           v_head_dim=16, scale_emb=3.0, scale_depth=1.4, dim_model_base=32,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "diffllama":
+        return transformers.DiffLlamaConfig(**{**common, "num_attention_heads": 8, "num_key_value_heads": 4},
+                                            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     raise ValueError(f"unknown model kind {kind!r}; expected one of {NEWEST_KINDS}")
 
 
@@ -1413,11 +1440,13 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
                     p.mul_(ZAMBA2_LAYER_WEIGHT_SCALE)
     if kind in MAMBA1_KINDS:
         _randomize_mamba1_(model, _SEEDS[base_kind])
-    if kind == "mpt":  # its norms (norm_1, norm_2, norm_f), which _randomize_ does not know by name, as the others'
+    # Norms that _randomize_ does not know by name, as the others': MPT's (norm_1, norm_2, norm_f), HyperCLOVAX's
+    # post_norm1 and post_norm2.
+    if kind in ("mpt", "hyperclovax"):
         g = torch.Generator().manual_seed(_SEEDS[base_kind] + 4)
         with torch.no_grad():
             for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-                if ".norm_" in name:
+                if ".norm_" in name or ".post_norm" in name:
                     p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
     if kind == "youtu":  # transformers' Youtu zeroes the pad token's embedding when it loads a checkpoint: saved so
         with torch.no_grad():

@@ -17,8 +17,10 @@ _MODELS = {
     "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
     "CwmForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama's windows by layer_types (Qwen2's attention), no biases
     "DbrxForCausalLM": ("dbrx", "DbrxForCausalLM"),
+    "BitNetForCausalLM": ("bitnet", "BitNetForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    "DiffLlamaForCausalLM": ("diffllama", "DiffLlamaForCausalLM"),
     "Dots1ForCausalLM": ("dots1", "Dots1ForCausalLM"),
     "Ernie4_5_MoeForCausalLM": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
     "Ernie4_5ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),
@@ -50,6 +52,7 @@ _MODELS = {
     "HeliumForCausalLM": ("helium", "HeliumForCausalLM"),
     "HunYuanDenseV1ForCausalLM": ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
     "HunYuanMoEV1ForCausalLM": ("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM"),
+    "HyperCLOVAXForCausalLM": ("hyperclovax", "HyperCLOVAXForCausalLM"),
     "HYV3ForCausalLM": ("hy_v3", "HYV3ForCausalLM"),
     "Jais2ForCausalLM": ("jais2", "Jais2ForCausalLM"),
     "Kolibri1ForCausalLM": ("kolibri1", "Kolibri1ForCausalLM"),
@@ -57,6 +60,7 @@ _MODELS = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     "MellumForCausalLM": ("mellum", "MellumForCausalLM"),
+    "MiniCPM3ForCausalLM": ("minicpm3", "MiniCPM3ForCausalLM"),
     "MiniMaxM2ForCausalLM": ("minimax_m2", "MiniMaxM2ForCausalLM"),
     "MinistralForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama's windows by layer_types (Qwen2's attention)
     "Ministral3ForCausalLM": ("ministral3", "Ministral3ForCausalLM"),
