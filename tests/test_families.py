@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-from models import (LAYERNORM_KINDS, cached_hf_greedy, check_against_hf, chunked_prefix_preemption_logit_diff,
-                    hf_reordering_noise, random_prompts, shared_prefix_prompts)
+from models import (LAYERNORM_KINDS, NEWEST_DENSE_KINDS, cached_hf_greedy, check_against_hf,
+                    chunked_prefix_preemption_logit_diff, hf_reordering_noise, random_prompts, shared_prefix_prompts)
 from nanoinfer import LLM, SamplingParams
 
 MAX_TOKENS = 16
@@ -22,7 +22,7 @@ LOGIT_ATOL = 1e-4
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2", "gemma", "granite", "smollm3", "glm4", "glm",
                                   *LAYERNORM_KINDS, "nemotron", "gemma4", "gemma4-e", "ministral", "ministral3",
-                                  "vaultgemma", "granite-swa", "jais2", "nanochat", "gemma3n"])
+                                  "vaultgemma", "granite-swa", "jais2", "nanochat", "gemma3n", *NEWEST_DENSE_KINDS])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): each holds half the heads and MLP; windows, ropes and norms per rank."""
     d = model_dir(kind)
@@ -107,6 +107,12 @@ def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_di
      "partial_rotary_factor=0.5"),
     # transformers' OLMo Hybrid pairs each value head with one key head (no repeat).
     ("olmo-hybrid", dict(linear_num_value_heads=4, linear_value_head_dim=8), "linear_num_value_heads=4"),
+    # BitNet's packed ternary checkpoints (microsoft/bitnet-b1.58-2B-4T's quantization_config).
+    ("bitnet", dict(quantization_config={"quant_method": "bitnet", "linear_class": "autobitlinear",
+                                         "quantization_mode": "offline"}), "quant_method='bitnet'"),
+    # Differential attention pairs the KV heads (transformers refuses an odd count too).
+    ("diffllama", dict(num_key_value_heads=1), "num_key_value_heads=1"),
+    ("diffllama", dict(attention_dropout=0.1), "attention_dropout=0.1"),
 ])
 def test_newest_families_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes,
                                                                              message):
@@ -168,13 +174,14 @@ def test_mpt_sequences_are_bounded_by_max_seq_len(model_dir):
 
 
 @pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj", "gemma4", "gemma4-e", "bloom", "mpt", "opt-350m",
-                                  "gemma3n"])
+                                  "gemma3n", *NEWEST_DENSE_KINDS])
 def test_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, captured_logits, report_logit_diff):
     """7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once, twice: the
     parallel residual (Phi, GPT-NeoX, GPT-J), layers of two head sizes and values from the keys (Gemma 4), layers
     attending over other layers' keys and values, cached or of the step (Gemma 4 E2B/E4B, Gemma 3n), ALiBi's
     key-minus-query distances over cached prefixes and chunks (BLOOM, MPT), post-norm layers and OPT's offset
-    positions (OPT-350m)."""
+    positions (OPT-350m), the dense variants of NEWEST_DENSE_KINDS (MiniCPM3's MLA over cached latents, DiffLlama's
+    padded keys and paired values in the cache)."""
     worst = chunked_prefix_preemption_logit_diff(model_dir(kind), captured_logits, MAX_TOKENS)
     report_logit_diff(f"{kind}, chunked prefill + prefix hits + preemption", worst)
     # Gemma 4 E amplifies fp32 rounding at one position (5e-5 between transformers' own cached and uncached
