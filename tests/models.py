@@ -278,10 +278,11 @@ EXTRA_KINDS += MAMBA1_KINDS
 # heads on 4 KV heads (two pairs of value heads, two query heads per KV head), lambda_init growing by layer.
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
                    "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid",
-                   "hyperclovax": "hyperclovax", "bitnet": "bitnet", "minicpm3": "minicpm3", "diffllama": "diffllama"}
+                   "hyperclovax": "hyperclovax", "bitnet": "bitnet", "minicpm3": "minicpm3", "diffllama": "diffllama",
+                   "hrm-text": "hrm_text"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid")  # tested as the other hybrids (test_ssm.py)
-NEWEST_DENSE_KINDS = ("hyperclovax", "bitnet", "minicpm3", "diffllama")
+NEWEST_DENSE_KINDS = ("hyperclovax", "bitnet", "minicpm3", "diffllama", "hrm-text")
 NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS  # as the MoEs (test_moe.py)
                          if kind not in NEWEST_HYBRID_KINDS + NEWEST_DENSE_KINDS)
 EXTRA_KINDS += NEWEST_KINDS
@@ -324,6 +325,8 @@ GPT_OSS_GATE_UP_STD = 0.6
 # Zamba's and Zamba2's layer matrices (shared blocks, adapters, linears, Mamba projections and convs): INIT_STD times
 # this. At INIT_STD Zamba2's 5 layers of fan-in 128 attention (scaled by (head_dim / 2) ** -0.5) are chaotic:
 # transformers' own fp32 logits sit 7e-3 from its fp64 ones; at half, 2e-5. (Zamba's at INIT_STD: ours 3.6e-4 away.)
+# HRM-Text's too: its 12 runs of a layer per token at INIT_STD put transformers' fp32 logits 2e-4 from its fp64 ones; at
+# half, 3e-6.
 ZAMBA2_LAYER_WEIGHT_SCALE = 0.5
 SHARD_SIZE = "200KB"
 
@@ -364,7 +367,7 @@ _SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minim
            "nanochat": 2030, "cohere2-moe": 3141, "cohere2-moe-sigmoid": 4252}
 _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818, "kolibri1": 1929,
            "lfm3": 2030, "olmo-hybrid": 3141}
-_SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7585}
+_SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7585, "hrm-text": 8696}
 
 
 def _token_ids():
@@ -1104,6 +1107,11 @@ def newest_family_config(kind: str, special: dict):
     if kind == "diffllama":
         return transformers.DiffLlamaConfig(**{**common, "num_attention_heads": 8, "num_key_value_heads": 4},
                                             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "hrm-text":  # 2 layers per stack, 2 high-level cycles of 2 low-level runs each: 12 runs of a layer
+        return transformers.HrmTextConfig(**{k: v for k, v in common.items() if k not in ("num_key_value_heads",
+                                                                                          "num_hidden_layers")},
+                                          num_hidden_layers=2, H_cycles=2, L_cycles=2, embedding_scale=3.0,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     raise ValueError(f"unknown model kind {kind!r}; expected one of {NEWEST_KINDS}")
 
 
@@ -1433,10 +1441,10 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
         _sharpen_gpt_oss_(model, _SEEDS[base_kind])
     if kind in SSM_KINDS + MAMBA2_HYBRID_KINDS:
         _randomize_mamba_(model, _SEEDS[base_kind])
-    if kind in ("zamba", "zamba2"):
+    if kind in ("zamba", "zamba2", "hrm-text"):
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if name.startswith("model.layers.") and p.dim() > 1:
+                if name.startswith(("model.layers.", "model.L_module.", "model.H_module.")) and p.dim() > 1:
                     p.mul_(ZAMBA2_LAYER_WEIGHT_SCALE)
     if kind in MAMBA1_KINDS:
         _randomize_mamba1_(model, _SEEDS[base_kind])

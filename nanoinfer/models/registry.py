@@ -50,6 +50,7 @@ _MODELS = {
     "GraniteMoeSWAForCausalLM": ("granitemoe", "GraniteMoeSWAForCausalLM"),
     "GraniteSWAForCausalLM": ("granite", "GraniteSWAForCausalLM"),
     "HeliumForCausalLM": ("helium", "HeliumForCausalLM"),
+    "HrmTextForCausalLM": ("hrm_text", "HrmTextForCausalLM"),
     "HunYuanDenseV1ForCausalLM": ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
     "HunYuanMoEV1ForCausalLM": ("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM"),
     "HyperCLOVAXForCausalLM": ("hyperclovax", "HyperCLOVAXForCausalLM"),
