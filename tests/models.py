@@ -265,6 +265,9 @@ EXTRA_KINDS += MAMBA1_KINDS
 # Kolibri-1 (kolibri1): EXAONE 4's attention (sliding layers 0 and 2 with rope, a full NoPE layer 1) in GLM-4's
 # four-norm layer, 2 of 8 experts on every layer (the top router logits plus a random correction bias, weighted by
 # their sigmoid, renormalized) plus a shared expert.
+# JetMoE (jetmoe): its mixture of attention heads (2 of 8 experts' query and output projections over 2 shared KV
+# heads, an output bias) and MoE MLP (2 of 8 experts, a bias) on every layer; rms_norm_eps 1e-5 for the final norm
+# (the layers' stay at 1e-6, as transformers').
 # LFM3: LFM2's short convolutions (layers 0 and 2) with a sliding attention layer 1 and a full one 3 with its own
 # (proportional) rope over half of each head, sandwich norms, a sigmoid output gate per head, q/k/v/o biases.
 # OLMo Hybrid (olmo-hybrid): Gated DeltaNet layers 0 and 2 (q, k, v and their convs stored apart, beta doubled) around
@@ -279,7 +282,7 @@ EXTRA_KINDS += MAMBA1_KINDS
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
                    "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid",
                    "hyperclovax": "hyperclovax", "bitnet": "bitnet", "minicpm3": "minicpm3", "diffllama": "diffllama",
-                   "hrm-text": "hrm_text"}
+                   "hrm-text": "hrm_text", "jetmoe": "jetmoe"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid")  # tested as the other hybrids (test_ssm.py)
 NEWEST_DENSE_KINDS = ("hyperclovax", "bitnet", "minicpm3", "diffllama", "hrm-text")
@@ -367,7 +370,8 @@ _SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minim
            "nanochat": 2030, "cohere2-moe": 3141, "cohere2-moe-sigmoid": 4252}
 _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818, "kolibri1": 1929,
            "lfm3": 2030, "olmo-hybrid": 3141}
-_SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7585, "hrm-text": 8696}
+_SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7585, "hrm-text": 8696,
+           "jetmoe": 9707}
 
 
 def _token_ids():
@@ -1112,6 +1116,12 @@ def newest_family_config(kind: str, special: dict):
                                                                                           "num_hidden_layers")},
                                           num_hidden_layers=2, H_cycles=2, L_cycles=2, embedding_scale=3.0,
                                           rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "jetmoe":
+        return transformers.JetMoeConfig(**{k: v for k, v in common.items() if k not in (
+            "num_attention_heads", "head_dim", "hidden_act", "intermediate_size", "rms_norm_eps")},
+                                         kv_channels=16, intermediate_size=32, num_local_experts=8,
+                                         num_experts_per_tok=2, rms_norm_eps=1e-5,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     raise ValueError(f"unknown model kind {kind!r}; expected one of {NEWEST_KINDS}")
 
 

@@ -113,6 +113,7 @@ def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_di
     # Differential attention pairs the KV heads (transformers refuses an odd count too).
     ("diffllama", dict(num_key_value_heads=1), "num_key_value_heads=1"),
     ("diffllama", dict(attention_dropout=0.1), "attention_dropout=0.1"),
+    ("jetmoe", dict(activation_function="gelu"), "activation_function='gelu'"),
 ])
 def test_newest_families_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes,
                                                                              message):

@@ -56,6 +56,7 @@ _MODELS = {
     "HyperCLOVAXForCausalLM": ("hyperclovax", "HyperCLOVAXForCausalLM"),
     "HYV3ForCausalLM": ("hy_v3", "HYV3ForCausalLM"),
     "Jais2ForCausalLM": ("jais2", "Jais2ForCausalLM"),
+    "JetMoeForCausalLM": ("jetmoe", "JetMoeForCausalLM"),
     "Kolibri1ForCausalLM": ("kolibri1", "Kolibri1ForCausalLM"),
     "LagunaForCausalLM": ("laguna", "LagunaForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
