@@ -123,6 +123,20 @@ def test_newest_families_settings_the_engine_cannot_run_are_refused_by_name(kind
     assert str(d) in str(refused.value)
 
 
+@pytest.mark.parametrize("kind", [*NEWEST_DENSE_KINDS, "jetmoe"])
+def test_attention_layers_hold_the_cache_heads_the_backend_was_chosen_for(kind, model_dir):
+    """Config picks and checks the attention backend for the cache's head size (cache_head_dim): the one the model's
+    attention layers hold, also where it is not the config's head_dim (DiffLlama's doubled heads, MiniCPM3's latent
+    rows, JetMoE's kv_channels)."""
+    from nanoinfer.config import cache_head_dim
+    from nanoinfer.layers.attention import Attention
+
+    with LLM(str(model_dir(kind)), device="cpu", dtype="float32", max_model_len=64) as llm:
+        hf_config = llm.llm_engine.config.hf_config
+        widths = {m.head_dim for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Attention)}
+    assert widths == {cache_head_dim(hf_config, getattr(hf_config, "kv_lora_rank", None))}
+
+
 def test_gpt_neo_unknown_attention_type_is_refused_by_name(model_dir, tmp_path):
     d = edited_model(model_dir("gpt-neo"), tmp_path / "m", attention_layers=["local", "global", "sparse"])
     with pytest.raises(ValueError, match=r"attention_layers=\['local', 'global', 'sparse'\]") as refused:

@@ -167,6 +167,9 @@ _VISION_LANGUAGE = {
 # Families whose attention adds a learned logit per head to every softmax (attention sinks), which flash-attn 2 lacks:
 # the attention backend is chosen with them in mind (selector.select_backend).
 _ATTENTION_SINKS = {"FlintForCausalLM", "GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM"}
+# Families whose KV cache holds heads wider than their config's head_dim, by this factor (DiffLlama's differential
+# attention runs over doubled heads: models/diffllama.py): the backend is chosen and checked for the cache's.
+_CACHE_HEAD_MULTIPLES = {"DiffLlamaForCausalLM": 2}
 
 
 def supported_architectures() -> list[str]:
@@ -188,6 +191,10 @@ def is_encoder(architectures: list[str] | None) -> bool:
 
 def has_attention_sinks(architectures: list[str] | None) -> bool:
     return bool(architectures) and architectures[0] in _ATTENTION_SINKS
+
+
+def cache_head_multiple(architectures: list[str] | None) -> int:
+    return _CACHE_HEAD_MULTIPLES.get(architectures[0], 1) if architectures else 1
 
 
 def get_model_class(config: PretrainedConfig) -> type[nn.Module]:
