@@ -521,6 +521,16 @@ def test_engine_alibi_matches_hf(kind, model_dir, captured_logits, report_logit_
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
 
+@pytest.mark.parametrize("kind", ["diffllama", "hrm-text"])
+def test_engine_reshaped_attention_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
+    """DiffLlama's doubled heads (keys zero-padded, values paired) and HRM-Text's layers with a cache per run, in
+    chunks, over a cached prefix, and in decode under the CUDA-graph runner stand-in (HRM-Text's runs replayed in
+    order)."""
+    worst = chunked_then_cached_against_hf(kind, model_dir, captured_logits, graphs=True)
+    report_logit_diff(f"{kind}, triton backend", worst)
+    assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
+
+
 def test_engine_mla_matches_hf(model_dir, captured_logits, report_logit_diff):
     """DeepSeek-V3's MLA over the latent cache (rows of 32 latents + 8 rope dims, the latents as values), prefilled
     in 7-token chunks, then again from the prefix cache, decode under the CUDA-graph runner stand-in."""
