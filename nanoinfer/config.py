@@ -11,7 +11,8 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from nanoinfer.layers.attention.selector import (DEFAULT_BLOCK_SIZE, check_backend_limits,
                                                   check_tensor_parallel_devices, resolve_device, select_backend)
 from nanoinfer.layers.rotary_embedding import rope_parameters
-from nanoinfer.models.registry import cache_head_multiple, has_attention_sinks, is_vision_language
+from nanoinfer.models.registry import (cache_head_multiple, has_attention_sinks, is_vision_language,
+                                       sparse_attention_architecture)
 from nanoinfer.models.vision_language import MEDIA_TOKEN_IDS
 from nanoinfer.sampling_params import check_seed
 from nanoinfer.spec_decode.config import SpeculativeConfig, parse_speculative_config
@@ -76,6 +77,8 @@ class Config:
         self.attention_backend = select_backend(self.attention_backend, self.torch_device,
                                                 latent_cache=latent_dim is not None,
                                                 attention_sinks=has_attention_sinks(self.hf_config.architectures),
+                                                sparse_attention=sparse_attention_architecture(
+                                                    self.hf_config.architectures),
                                                 head_dim=head_dim or 0)
         self.torch_dtype = self._resolve_dtype()
         if self.kvcache_block_size is None:

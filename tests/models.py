@@ -272,19 +272,33 @@ EXTRA_KINDS += MAMBA1_KINDS
 # (proportional) rope over half of each head, sandwich norms, a sigmoid output gate per head, q/k/v/o biases.
 # OLMo Hybrid (olmo-hybrid): Gated DeltaNet layers 0 and 2 (q, k, v and their convs stored apart, beta doubled) around
 # OLMo 3's post-norm attention layer 1 (whole-projection q/k norms, q/k/v/o biases).
+# DeepSeek-V3.2 (deepseek-v32): "axk1"'s MLA and MoE with DeepSeek sparse attention, an indexer of 16 heads keeping
+# each query's DSA_TOPK best keys (fewer than most test prompts hold); "deepseek-v32-wide" keeps DSA_WIDE_TOPK, more
+# than any test context (dense attention). GLM-MoE-DSA (glm-moe-dsa): its indexer ropes interleaved pairs, layer 1
+# reuses layer 0's selection. A.X-K2 (axk2): "deepseek-v32" with its output gate, gated norms and ungrouped routing.
+DSA_TOPK, DSA_WIDE_TOPK = 6, 512
+# Kimi Linear (kimi-linear): KDA layers 0 and 2 (a decay per key channel, slow on some channels so that the state
+# carries across chunks) around an MLA layer 1 without rope (the low-rank q), layer 0's MLP dense, then V3's MoE
+# (2 of 8 experts in the best 2 of 4 groups, a random correction bias, renormalized, scaled) plus a shared expert.
+# MiniMax (minimax): lightning attention layers 0 and 2 (heads decaying from fast to slow, almost none on the last
+# layer) around a softmax attention layer 1, 2 of 8 experts on every layer, every residual factor away from
+# 1; transformers' lightning blocks (block_size) shorter than the prompts.
 # Dense variants (NEWEST_DENSE_KINDS, tested with the dense families: test_correctness.py, test_families.py):
 # HyperCLOVAX (hyperclovax): Granite's multipliers (each away from 1) with a norm on each sublayer's output
 # (use_post_norm) and the logits multiplied by logits_scaling. BitNet: the unquantized layout, RMSNorms over the
 # attention output and the MLP's gated activations (attn_sub_norm, ffn_sub_norm), relu2. MiniCPM3: DeepSeek's MLA
 # (low-rank q, V narrower than K) with rotate-half rope, embeddings times scale_emb, sublayers times
 # scale_depth / sqrt(layers), logits over hidden_size / dim_model_base (2). DiffLlama: differential attention, 8 query
-# heads on 4 KV heads (two pairs of value heads, two query heads per KV head), lambda_init growing by layer.
+# heads on 4 KV heads (two pairs of value heads, two query heads per KV head), lambda_init growing by layer. HRM-Text
+# (hrm-text): two stacks of 2 gated-attention layers, 2 high-level cycles of 2 low-level runs each.
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
-                   "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid",
+                   "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid", "deepseek-v32": "deepseek_v32",
+                   "deepseek-v32-wide": "deepseek_v32", "glm-moe-dsa": "glm_moe_dsa", "axk2": "axk2",
+                   "kimi-linear": "kimi_linear", "minimax": "minimax",
                    "hyperclovax": "hyperclovax", "bitnet": "bitnet", "minicpm3": "minicpm3", "diffllama": "diffllama",
                    "hrm-text": "hrm_text", "jetmoe": "jetmoe"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
-NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid")  # tested as the other hybrids (test_ssm.py)
+NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "minimax")  # tested as the other hybrids (test_ssm.py)
 NEWEST_DENSE_KINDS = ("hyperclovax", "bitnet", "minicpm3", "diffllama", "hrm-text")
 NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS  # as the MoEs (test_moe.py)
                          if kind not in NEWEST_HYBRID_KINDS + NEWEST_DENSE_KINDS)
@@ -369,7 +383,8 @@ _SEEDS |= {"opt": 6579, "opt-350m": 7680, "gpt-neo": 8791, "codegen": 9802, "per
 _SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minimax-m2": 9818, "axk1": 1929,
            "nanochat": 2030, "cohere2-moe": 3141, "cohere2-moe-sigmoid": 4252}
 _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818, "kolibri1": 1929,
-           "lfm3": 2030, "olmo-hybrid": 3141}
+           "lfm3": 2030, "olmo-hybrid": 3141, "deepseek-v32": 4252, "deepseek-v32-wide": 4252, "glm-moe-dsa": 5363,
+           "axk2": 6474, "kimi-linear": 7585, "minimax": 8696}
 _SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7585, "hrm-text": 8696,
            "jetmoe": 9707}
 
@@ -1085,6 +1100,8 @@ def newest_family_config(kind: str, special: dict):
                                                         "full_attention": {"rope_type": "proportional",
                                                                            "rope_theta": 1_000_000.0,
                                                                            "partial_rotary_factor": 0.5}})
+    if kind in ("deepseek-v32", "deepseek-v32-wide", "glm-moe-dsa", "axk2"):
+        return dsa_config(kind, special)
     if kind == "olmo-hybrid":
         # No head_dim: hidden / heads. Values as wide as keys: transformers' save_pretrained splits the fused conv
         # back into the Hub's q/k/v convs in three equal parts.
@@ -1095,6 +1112,25 @@ def newest_family_config(kind: str, special: dict):
                                              linear_value_head_dim=16, linear_conv_kernel_dim=4,
                                              linear_allow_neg_eigval=True,
                                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "kimi-linear":  # MLA as DeepSeek's test kinds; no head_dim (transformers derives it)
+        return transformers.KimiLinearConfig(**{k: v for k, v in common.items()
+                                                if k not in ("head_dim", "num_key_value_heads")},
+                                             num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32,
+                                             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                             layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                             mlp_layer_types=["dense", "sparse", "sparse"], linear_num_heads=4,
+                                             linear_head_dim=16, linear_conv_kernel_dim=4, num_experts=8,
+                                             num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+                                             moe_intermediate_size=32, routed_scaling_factor=2.5)
+    if kind == "minimax":
+        # No window: transformers' MiniMax decodes without it (its MiniMaxCache keeps every key), prefills with it.
+        return transformers.MiniMaxConfig(**{**common, "intermediate_size": 32},
+                                          layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                          num_local_experts=8, num_experts_per_tok=2, block_size=16,
+                                          full_attn_alpha_factor=1.8, full_attn_beta_factor=0.7,
+                                          linear_attn_alpha_factor=1.5, linear_attn_beta_factor=1.2,
+                                          mlp_alpha_factor=2.2, mlp_beta_factor=0.9,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "hyperclovax":
         return transformers.HyperCLOVAXConfig(**common, use_post_norm=True, embedding_multiplier=3.0,
                                               attention_multiplier=0.4, residual_multiplier=0.6, logits_scaling=0.5,
@@ -1321,6 +1357,23 @@ def deepseek_config(kind: str, special: dict):
                                              "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0})
 
 
+def dsa_config(kind: str, special: dict):
+    import transformers
+
+    dsa = dict(**_COMMON, **special, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32,
+               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, moe_intermediate_size=32,
+               n_shared_experts=1, mlp_layer_types=["dense", "sparse", "sparse"], n_group=4, topk_group=2,
+               norm_topk_prob=True, num_experts_per_tok=2, routed_scaling_factor=2.5, tie_word_embeddings=False,
+               index_n_heads=16, index_head_dim=16,
+               index_topk=DSA_WIDE_TOPK if kind == "deepseek-v32-wide" else DSA_TOPK,
+               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "glm-moe-dsa":
+        return transformers.GlmMoeDsaConfig(**dsa, indexer_types=["full", "shared", "full"])
+    if kind == "axk2":
+        return transformers.AXK2Config(**{**dsa, "n_group": None, "topk_group": None}, gated_norm_rank=8)
+    return transformers.DeepseekV32Config(**dsa)
+
+
 def gemma4_config(kind: str, gemma: dict):
     """Gemma 4 on Gemma 2/3's test settings, with four layers, six for "gemma4-e" (the last one must be full), full
     layers' heads twice as wide as the sliding ones' and one KV head there."""
@@ -1402,6 +1455,18 @@ def _randomize_zero_centered_norms_(model, seed: int) -> None:
                 p.copy_(-2.0 + 0.5 * torch.randn(p.shape, generator=g))
 
 
+def _randomize_kda_(model, seed: int) -> None:
+    """Kimi Delta Attention's decays from almost none to fast: head rates e^A_log in [0.01, 1] times softplus of
+    channel biases near -2, so some channels carry the state far, across chunks."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith(".A_log"):
+                p.copy_(torch.linspace(0.01, 1.0, p.numel()).log().view(p.shape))
+            elif name.endswith(".dt_bias"):
+                p.copy_(-2.0 + 0.5 * torch.randn(p.shape, generator=g))
+
+
 def _sharpen_gpt_oss_(model, seed: int) -> None:
     """GPT-OSS's sinks and expert gate/up weights at the scales where a missing sink or clamp shows."""
     g = torch.Generator().manual_seed(seed + 3)
@@ -1458,6 +1523,8 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
                     p.mul_(ZAMBA2_LAYER_WEIGHT_SCALE)
     if kind in MAMBA1_KINDS:
         _randomize_mamba1_(model, _SEEDS[base_kind])
+    if kind == "kimi-linear":
+        _randomize_kda_(model, _SEEDS[base_kind])
     # Norms that _randomize_ does not know by name, as the others': MPT's (norm_1, norm_2, norm_f), HyperCLOVAX's
     # post_norm1 and post_norm2.
     if kind in ("mpt", "hyperclovax"):
@@ -1466,6 +1533,12 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
             for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
                 if ".norm_" in name or ".post_norm" in name:
                     p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
+    if kind == "axk2":  # its norms' gate MLPs, which _randomize_ took for norm weights (1 + noise), as linears
+        g = torch.Generator().manual_seed(_SEEDS[base_kind] + 4)
+        with torch.no_grad():
+            for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+                if "layernorm.mlp." in name:
+                    p.copy_(INIT_STD * torch.randn(p.shape, generator=g))
     if kind == "youtu":  # transformers' Youtu zeroes the pad token's embedding when it loads a checkpoint: saved so
         with torch.no_grad():
             model.get_input_embeddings().weight[config.pad_token_id] = 0.0
@@ -1567,7 +1640,9 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
     for prompt in prompts_token_ids:
         prompt = [int(t) for t in prompt]
         assert len(prompt) > 0, "empty prompt"
-        cache = DynamicCache(config=model.config) if cache_kw == "past_key_values" else None
+        # MiniMax's model builds its own cache class (and refuses a DynamicCache).
+        own_cache = cache_kw == "cache_params" or model.config.model_type == "minimax"
+        cache = None if own_cache else DynamicCache(config=model.config)
         input_ids = torch.tensor([prompt], dtype=torch.long, device=device)
         out = model(input_ids=input_ids, **{cache_kw: cache}, use_cache=True)
         cache = getattr(out, cache_kw)

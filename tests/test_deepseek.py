@@ -2,7 +2,7 @@
 preemption at TP 1 and 2: test_moe.py; the Triton backend: triton_attention_interpreted.py): the routers against
 transformers' own (GLM-4.5's too), the rope layouts, the MTP layers of V3's (and GLM-4.5's) checkpoints, the
 latent cache's size and backends, MLA's split of a step (prefill over decompressed K/V, decodes absorbed), and
-the settings refused by name."""
+the settings refused by name; DeepSeek sparse attention's backends, indexer key cache and refused settings."""
 import json
 from dataclasses import dataclass
 
@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import nanoinfer.layers.attention.mla as mla
 import nanoinfer.layers.fused_moe as fused_moe
-from models import DEEPSEEK_KINDS, cached_hf_greedy, check_against_hf, make_config, random_prompts
+from models import DEEPSEEK_KINDS, NEWEST_FAMILIES, cached_hf_greedy, check_against_hf, make_config, random_prompts
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
 from nanoinfer.layers.attention import AttentionMetadata, get_backend, selector
@@ -300,3 +300,75 @@ def test_prefix_hits_decompress_the_cached_prefix_and_match_hf(kind, model_dir, 
     worst = max(check_against_hf(first, refs[:1], captured_logits), check_against_hf(second, refs, captured_logits))
     report_logit_diff(f"{kind}, prefix hits over decompressed K/V", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+def dsa_kind(kind: str) -> str:
+    """kind, where the installed transformers has its family (5.17 lacks the DeepSeek sparse attention ones)."""
+    pytest.importorskip(f"transformers.models.{NEWEST_FAMILIES[kind]}", reason="the reference family is missing")
+    return kind
+
+
+def test_sparse_attention_runs_on_the_pytorch_backend_only(model_dir, monkeypatch, capsys):
+    """No other backend selects keys per query: on a CUDA machine (as far as Config looks, flash-attn installed)
+    'auto' takes the PyTorch backend for DeepSeek-V3.2, saying so in one INFO line; 'triton' and 'flash' are refused
+    by name."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(selector, "flash_attn_available", lambda: True)
+    d = model_dir(dsa_kind("deepseek-v32"))
+    capsys.readouterr()
+    assert Config(d).attention_backend == "cpu"
+    assert capsys.readouterr().err.strip().endswith(
+        "attention: DeepseekV32ForCausalLM's DeepSeek sparse attention runs on the PyTorch backend only; using it "
+        "(attention_backend='cpu')")
+    for backend in ("triton", "flash"):
+        with pytest.raises(ValueError, match=f"attention_backend='{backend}' cannot run DeepseekV32ForCausalLM: its "
+                                             f"DeepSeek sparse attention"):
+            Config(d, attention_backend=backend)
+
+
+@pytest.mark.parametrize("kind, indexers", [("deepseek-v32", 3), ("glm-moe-dsa", 2)])
+def test_indexer_keys_are_cached_in_the_kv_blocks(kind, indexers, model_dir, monkeypatch):
+    """Every layer with an indexer (GLM's shared layer has none) caches one index_head_dim key per token (16 here) in
+    the KV cache's blocks beside its latent rows (32 + 8): the blocks are sized by both, and the prompt's keys are
+    stored."""
+    import nanoinfer.engine.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_available_memory", lambda self: 4 << 20)
+    with LLM(str(model_dir(dsa_kind(kind))), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=64) as llm:
+        assert llm.generate([list(range(5, 25))], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        runner = llm.llm_engine.model_runner
+        caches = [layer.self_attn.indexer.cache for layer in runner.model.model.layers
+                  if layer.self_attn.indexer is not None]
+        num_blocks = runner.num_kvcache_blocks
+        values_per_block = 16 * (3 * (32 + 8) + indexers * 16)
+        assert len(caches) == indexers
+        assert num_blocks == int((4 << 20) * model_runner.KV_CACHE_MEMORY_FRACTION) // (values_per_block * 4)
+        for cache in caches:
+            assert cache.k_cache.shape == (num_blocks, 16, 1, 16) and cache.k_cache.abs().max().item() > 0
+
+
+@pytest.mark.parametrize("kind, changes, message", [
+    ("deepseek-v32", {"q_lora_rank": 0}, r"q_lora_rank=0 in the model config: DeepSeek sparse attention's "
+                                         r"indexer reads the query's low-rank latent"),
+    ("deepseek-v32", {"index_head_dim": 4}, r"index_head_dim=4 in the model config: the indexer ropes its first "
+                                            r"qk_rope_head_dim=8 dims"),
+    ("deepseek-v32", {"index_topk": 0}, r"index_topk=0 in the model config; expected a positive int"),
+    ("glm-moe-dsa", {"indexer_types": ["shared", "full", "full"]}, r"indexer_types\[0\]='shared' in the model config"),
+    ("glm-moe-dsa", {"indexer_types": ["full", "sparse", "full"]}, r"indexer_types\[1\]='sparse' in the model config"),
+    ("axk2", {"n_group": 4, "topk_group": 2}, r"n_group=4 in the model config: A.X-K2's grouped routing is not "
+                                              r"supported"),
+])
+def test_sparse_attention_settings_the_engine_cannot_run_are_refused_by_name(kind, changes, message):
+    from nanoinfer.models.axk2 import AXK2ForCausalLM
+    from nanoinfer.models.deepseek_v32 import DeepseekV32ForCausalLM
+    from nanoinfer.models.glm_moe_dsa import GlmMoeDsaForCausalLM
+
+    config = make_config(dsa_kind(kind))
+    for key, value in changes.items():
+        setattr(config, key, value)
+    model_class = {"deepseek-v32": DeepseekV32ForCausalLM, "glm-moe-dsa": GlmMoeDsaForCausalLM,
+                   "axk2": AXK2ForCausalLM}[kind]
+    with pytest.raises(ValueError, match=message):
+        model_class(config)

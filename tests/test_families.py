@@ -107,6 +107,9 @@ def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_di
      "partial_rotary_factor=0.5"),
     # transformers' OLMo Hybrid pairs each value head with one key head (no repeat).
     ("olmo-hybrid", dict(linear_num_value_heads=4, linear_value_head_dim=8), "linear_num_value_heads=4"),
+    # KDA's conv and MiniMax's lightning attention apply hidden_act: only SiLU is implemented.
+    ("kimi-linear", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ("minimax", dict(hidden_act="gelu"), "hidden_act='gelu'"),
     # BitNet's packed ternary checkpoints (microsoft/bitnet-b1.58-2B-4T's quantization_config).
     ("bitnet", dict(quantization_config={"quant_method": "bitnet", "linear_class": "autobitlinear",
                                          "quantization_mode": "offline"}), "quant_method='bitnet'"),
@@ -201,9 +204,11 @@ def test_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, ca
     report_logit_diff(f"{kind}, chunked prefill + prefix hits + preemption", worst)
     # Gemma 4 E amplifies fp32 rounding at one position (5e-5 between transformers' own cached and uncached
     # logits): there the engine's 7-token chunks differ by 1e-4 with SDPA's math kernel and by 2e-4 with torch
-    # 2.11's CPU flash kernel, while a real error shows at 1e-2 or more.
-    noise = hf_reordering_noise(model_dir(kind), shared_prefix_prompts(), MAX_TOKENS)
-    assert worst < max(LOGIT_ATOL, 8 * noise), f"max |logit diff| {worst:.2e} (transformers' own {noise:.2e})"
+    # 2.11's CPU flash kernel, while a real error shows at 1e-2 or more. (Measured only when needed: it reloads
+    # the transformers model.)
+    if worst >= LOGIT_ATOL:
+        noise = hf_reordering_noise(model_dir(kind), shared_prefix_prompts(), MAX_TOKENS)
+        assert worst < 8 * noise, f"max |logit diff| {worst:.2e} (transformers' own {noise:.2e})"
 
 
 def save_with_mask_buffers_and_check(d, weights: dict[str, torch.Tensor], attentions: list[str], captured_logits

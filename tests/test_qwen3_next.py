@@ -156,34 +156,50 @@ def test_no_prefix_cache_reuse(next_dir, captured_logits):
         assert check_against_hf(outputs, reference(next_dir, prompts), captured_logits) < LOGIT_ATOL
 
 
-def _delta_rule_inputs(n: int, heads: int = 3, dk: int = 8, dv: int = 5, seed: int = 0):
+# The recurrence's forms: Gated DeltaNet's (a decay per head), Kimi Delta Attention's (a decay per key channel) and
+# MiniMax's lightning attention (a decay per head, no delta rule: beta None).
+FORMS = ("per-head", "per-channel", "no-delta")
+
+
+def _delta_rule_inputs(n: int, heads: int = 3, dk: int = 8, dv: int = 5, seed: int = 0, form: str = "per-head"):
     g = torch.Generator().manual_seed(seed)
     q = l2norm(torch.randn(n, heads, dk, generator=g, dtype=torch.float64)) * dk ** -0.5
     k = l2norm(torch.randn(n, heads, dk, generator=g, dtype=torch.float64))
     v = torch.randn(n, heads, dv, generator=g, dtype=torch.float64)
-    # Per-head decay rates from almost none to strong, as A_log and dt_bias give.
-    decay = -torch.rand(n, heads, generator=g, dtype=torch.float64) * torch.tensor([0.01, 0.3, 2.0])
+    # Decay rates from almost none to strong, as A_log and dt_bias give: per head, or per key channel as well.
+    rates = torch.tensor([0.01, 0.3, 2.0], dtype=torch.float64)
+    if form == "per-channel":
+        decay = -torch.rand(n, heads, dk, generator=g, dtype=torch.float64) * rates[:, None] * torch.linspace(
+            0.1, 1.0, dk, dtype=torch.float64)
+    else:
+        decay = -torch.rand(n, heads, generator=g, dtype=torch.float64) * rates
     beta = torch.rand(n, heads, generator=g, dtype=torch.float64)
     state = torch.randn(heads, dk, dv, generator=g, dtype=torch.float64)
-    return q, k, v, decay, beta, state
+    return q, k, v, decay, None if form == "no-delta" else beta, state
+
+
+def _rows(x: torch.Tensor | None, s) -> torch.Tensor | None:
+    return None if x is None else x[s]
 
 
 def _recurrent(q, k, v, decay, beta, state):
     state, out = state.clone().unsqueeze(0), []
     for t in range(q.shape[0]):
-        out.append(recurrent_gated_delta_rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], decay[t:t + 1], beta[t:t + 1], state))
+        s = slice(t, t + 1)
+        out.append(recurrent_gated_delta_rule(q[s], k[s], v[s], decay[s], _rows(beta, s), state))
     return torch.cat(out), state[0]
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("pieces", [[150], [1, 63, 64, 22], [7] * 21 + [3], [64, 64, 22]])
-def test_chunked_form_matches_recurrent_form(pieces):
+def test_chunked_form_matches_recurrent_form(pieces, form):
     """The chunked form (prefill), over a prompt split anywhere, equals the recurrent form (decode) token by token."""
-    q, k, v, decay, beta, state = _delta_rule_inputs(sum(pieces))
+    q, k, v, decay, beta, state = _delta_rule_inputs(sum(pieces), form=form)
     expected_out, expected_state = _recurrent(q, k, v, decay, beta, state)
     out, start = [], 0
     for n in pieces:
         s = slice(start, start + n)
-        o, state = chunk_gated_delta_rule(q[s], k[s], v[s], decay[s], beta[s], state)
+        o, state = chunk_gated_delta_rule(q[s], k[s], v[s], decay[s], _rows(beta, s), state)
         out.append(o)
         start += n
     torch.testing.assert_close(torch.cat(out), expected_out, rtol=0, atol=1e-10)

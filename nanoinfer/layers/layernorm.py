@@ -1,5 +1,8 @@
 """RMSNorm, optionally fused with the residual add that precedes it, or without a weight, or over a width split across
-the tensor-parallel ranks; Gemma's (1 + weight) RMSNorm; the SiLU-gated RMSNorm of Gated DeltaNet; LayerNorm (with the same residual add) and StableLM's per-head LayerNorm."""
+the tensor-parallel ranks; Gemma's (1 + weight) RMSNorm; the gated RMSNorm of Gated DeltaNet and KDA; LayerNorm (with
+the same residual add) and StableLM's per-head LayerNorm."""
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -134,10 +137,16 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class GatedRMSNorm(RMSNorm):
-    """RMSNorm(x) * silu(gate), over the last dimension (one head)."""
+    """RMSNorm(x) * activation(gate), over the last dimension (one head): SiLU (Gated DeltaNet's) or sigmoid (Kimi
+    Delta Attention's), taken in fp32."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6,
+                 activation: Callable[[torch.Tensor], torch.Tensor] = F.silu):
+        super().__init__(hidden_size, eps)
+        self.activation = activation
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return (self._norm(x) * F.silu(gate.float())).to(x.dtype)
+        return (self._norm(x) * self.activation(gate.float())).to(x.dtype)
 
 
 class LayerNorm(nn.Module):

@@ -128,13 +128,18 @@ class RecurrentLayer(nn.Module):
              sequence: Callable[..., tuple[torch.Tensor, torch.Tensor]], *inputs: torch.Tensor) -> torch.Tensor:
         """A recurrence over each sequence's tokens carried on from its ssm_state (updated). inputs [tokens, ...];
         step(*their rows, state [S, ...]) -> outputs, for the sequences computing one token, all at once, the state
-        updated in place; sequence(*its rows, state) -> (outputs, the new state), for each other one."""
-        out = torch.empty_like(inputs[0])
+        updated in place; sequence(*its rows, state) -> (outputs, the new state), for each other one. Returns the
+        outputs [tokens, ...] (a delta rule's as wide as its values, which its queries need not be)."""
+        results: list[tuple[torch.Tensor | slice, torch.Tensor]] = []
         if batch.single_rows.numel():
             rows, slots = batch.single_rows, batch.single_slots
             state = self.ssm_state[slots]
-            out[rows] = step(*(t[rows] for t in inputs), state)
+            results.append((rows, step(*(t[rows] for t in inputs), state)))
             self.ssm_state[slots] = state
         for start, end, slot in batch.spans:
-            out[start:end], self.ssm_state[slot] = sequence(*(t[start:end] for t in inputs), self.ssm_state[slot])
+            y, self.ssm_state[slot] = sequence(*(t[start:end] for t in inputs), self.ssm_state[slot])
+            results.append((slice(start, end), y))
+        out = results[0][1].new_empty(inputs[0].shape[0], *results[0][1].shape[1:])
+        for rows, y in results:
+            out[rows] = y
         return out

@@ -120,10 +120,12 @@ class DeepseekV2Attention(nn.Module):
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, 1e-6)
         self.kv_b_proj = MLAUpProjection(config.kv_lora_rank, heads, self.nope_dim, self.v_dim)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias)
+        # Kimi Linear's MLA (options.rope False) keeps the shared key part, unrotated, and the plain scale.
         self.rotary_emb = get_rope(config, self.rope_dim, config.max_position_embeddings,
-                                   interleaved=options.rope_interleaved)
+                                   interleaved=options.rope_interleaved) if options.rope else None
+        scale = softmax_scale(config) if options.rope else qk_dim ** -0.5
         # The scale of the decompressed scores, which the absorbed ones equal.
-        self.attn = Attention(self.num_heads, self.kv_lora_rank + self.rope_dim, softmax_scale(config), 1,
+        self.attn = Attention(self.num_heads, self.kv_lora_rank + self.rope_dim, scale, 1,
                               value_prefix_dim=self.kv_lora_rank)
         self.dims = MLADims(self.num_heads, self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim)
 
@@ -132,31 +134,53 @@ class DeepseekV2Attention(nn.Module):
         return q.view(-1, self.num_heads, self.nope_dim + self.rope_dim)
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q_nope, q_rope = self.query(x).split([self.nope_dim, self.rope_dim], -1)
+        q_nope, q_rope, k = self.project(positions, self.query(x), x)
+        self.attn.store(k, None, meta)
+        return self.o_proj(self.attend(q_nope, q_rope, k, meta))
+
+    def project(self, positions: torch.Tensor | None, q: torch.Tensor, x: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [tokens, heads, qk dim] and the layer's input -> q_nope, roped q_pe, and the latent rows to cache
+        ([tokens, 1, kv_lora_rank + rope dim]: the normalized c_kv and the roped k_pe)."""
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], -1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
         k_rope = k_rope.unsqueeze(1)
-        if positions is not None:  # None: an encoder pass (see LLM.embed)
+        if positions is not None and self.rotary_emb is not None:  # None: an encoder pass (see LLM.embed)
             q_rope, k_rope = self.rotary_emb(positions, q_rope, k_rope)
-        k = torch.cat([self.kv_a_layernorm(latent).unsqueeze(1), k_rope], -1)
-        self.attn.store(k, None, meta)
+        return q_nope, q_rope, torch.cat([self.kv_a_layernorm(latent).unsqueeze(1), k_rope], -1)
+
+    def attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata
+               ) -> torch.Tensor:
+        """Attention over the latent cache (this step's rows stored already), split as mla_split says
+        -> [tokens, heads * v_head_dim]."""
         if meta.is_decode:  # the CUDA graphs' path: no split, no host read
-            return self.o_proj(self.absorbed(q_nope, q_rope, k, meta))
+            return self.absorbed(q_nope, q_rope, k, meta)
         split = mla_split(meta, self.dims, k.element_size(), self.attn.backend)
         if split.decompressed is None:
-            return self.o_proj(self.absorbed(q_nope, q_rope, k, meta))
+            return self.absorbed(q_nope, q_rope, k, meta)
         o = self.decompressed(q_nope, q_rope, k, split)
         if split.absorbed is not None:
             rows = split.absorbed_rows
             absorbed = self.absorbed(q_nope[rows], q_rope[rows], k[rows], split.absorbed)
-            o = o.new_empty(x.shape[0], o.shape[1]).index_copy_(0, split.decompressed_rows, o).index_copy_(
+            o = o.new_empty(q_nope.shape[0], o.shape[1]).index_copy_(0, split.decompressed_rows, o).index_copy_(
                 0, rows, absorbed)
-        return self.o_proj(o)
+        return o
+
+    def absorbed_query(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
+        """[tokens, heads, kv_lora_rank + rope dim]: q_nope taken into the latent space, then q_pe."""
+        return torch.cat([self.kv_b_proj.absorb_query(q_nope), q_rope], -1)
+
+    def decompress(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent rows [keys, kv_lora_rank + rope dim] -> per-head keys [keys, heads, qk_nope + rope dim] ([k_nope,
+        k_pe], the rope key shared by the heads) and values [keys, heads, v_head_dim]."""
+        k_nope, v = self.kv_b_proj.decompress(latent[:, :self.kv_lora_rank])
+        k_pe = latent[:, None, self.kv_lora_rank:].expand(-1, self.num_heads, -1)
+        return torch.cat([k_nope, k_pe], -1), v
 
     def absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata
                  ) -> torch.Tensor:
         """Attention over the latent cache, queries absorbed into the latent space -> [tokens, heads * v_head_dim]."""
-        q = torch.cat([self.kv_b_proj.absorb_query(q_nope), q_rope], -1)
-        o = self.attn.attend(q, k, None, meta)
+        o = self.attn.attend(self.absorbed_query(q_nope, q_rope), k, None, meta)
         return self.kv_b_proj.up_project_output(o.view(-1, self.num_heads, self.kv_lora_rank))
 
     def decompressed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, k: torch.Tensor, split: MLASplit
@@ -171,11 +195,9 @@ class DeepseekV2Attention(nn.Module):
             q_nope, q_rope, k = q_nope[rows], q_rope[rows], k[rows]
         latent = k[:, 0] if split.context_slots is None else self.attn.k_cache.view(-1, k.shape[-1])[
             split.context_slots]
-        k_nope, v = self.kv_b_proj.decompress(latent[:, :self.kv_lora_rank])
-        k_pe = latent[:, None, self.kv_lora_rank:].expand(-1, self.num_heads, -1)
-        q, keys = torch.cat([q_nope, q_rope], -1), torch.cat([k_nope, k_pe], -1)
-        return self.attn.backend.forward(q, keys, v, self.attn.k_cache, self.attn.v_cache, split.decompressed,
-                                         self.attn.scale)
+        keys, v = self.decompress(latent)
+        return self.attn.backend.forward(torch.cat([q_nope, q_rope], -1), keys, v, self.attn.k_cache,
+                                         self.attn.v_cache, split.decompressed, self.attn.scale)
 
 
 class DeepseekRouter(Fp32Router):

@@ -1,6 +1,6 @@
 """The decoder of hybrid models whose layers mix tokens either by attention or by a recurrent mixer (Mamba2, LFM2's
-short convolution, Gated DeltaNet), by the config's layer types, each followed by an MLP: LFM2, Bamba, Granite 4.0-H;
-Qwen3-Next's layers too."""
+short convolution, Gated DeltaNet, KDA, lightning attention), by the config's layer types, each followed by an MLP:
+LFM2, Bamba, Granite 4.0-H, Kimi Linear, MiniMax; Qwen3-Next's layers too."""
 from collections.abc import Callable
 
 import torch
@@ -12,10 +12,38 @@ from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.recurrent import RecurrentBatch
 from nanoinfer.models.llama import LlamaForCausalLM
+from nanoinfer.utils.dist import tp_size
 
 # (config, layer index) -> that layer's token mixer: attention, forward(positions, x, meta), or a recurrent mixer,
 # forward(x, batch) (told apart by `is_attention_layer`); and its MLP.
 LayerFactory = Callable[[PretrainedConfig, int], nn.Module]
+
+
+LINEAR_ATTENTION_LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def check_layer_config(config: PretrainedConfig, heads: str | None = None, silu: bool = False,
+                       layer_types: tuple[str, ...] = LINEAR_ATTENTION_LAYER_TYPES) -> str:
+    """Refuses by name what a linear-attention hybrid cannot run rather than run it differently from transformers: a
+    layer type beyond `layer_types`, a `hidden_act` other than SiLU (silu: the layers apply it), a head count (the
+    config's attribute `heads`) that tensor parallelism cannot split. Returns where the config comes from."""
+    where = config.name_or_path or "the model config"
+    for i, layer_type in enumerate(config.layer_types):
+        if layer_type not in layer_types:
+            raise ValueError(f"layer_types[{i}]={layer_type!r} in {where}; expected one of {layer_types}")
+    if silu and config.hidden_act != "silu":
+        raise ValueError(f"hidden_act={config.hidden_act!r} in {where} is not supported; only 'silu' is implemented")
+    if heads is not None and getattr(config, heads) % tp_size():
+        raise ValueError(f"{heads}={getattr(config, heads)} in {where} does not split over "
+                         f"tensor_parallel_size={tp_size()}")
+    return where
+
+
+def mixers_named_self_attn(config: PretrainedConfig) -> dict[str, str]:
+    """Weight-name substitutions for checkpoints that name every layer's mixer `self_attn` (Kimi Linear's, MiniMax's):
+    the linear-attention layers' to HybridDecoderLayer's `mixer`."""
+    return {f"^model.layers.{i}.self_attn.": f"model.layers.{i}.mixer."
+            for i, layer_type in enumerate(config.layer_types) if layer_type == "linear_attention"}
 
 
 class HybridDecoderLayer(nn.Module):
@@ -75,8 +103,8 @@ class HybridModel(nn.Module):
             x = x * self.embedding_multiplier
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta, batch)
-        x, _ = self.norm(x, residual)
-        return x
+        # residual None: layers that pass on no residual stream (MiniMax's).
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class HybridForCausalLM(nn.Module):

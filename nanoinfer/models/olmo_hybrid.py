@@ -10,22 +10,18 @@ from transformers import PretrainedConfig
 from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.layernorm import GatedRMSNorm, OlmoRMSNorm, RMSNorm
 from nanoinfer.layers.recurrent import RecurrentBatch
-from nanoinfer.models.hybrid import HybridDecoderLayer, HybridForCausalLM
+from nanoinfer.models.hybrid import HybridDecoderLayer, HybridForCausalLM, check_layer_config
 from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM, LlamaMLP
 from nanoinfer.models.olmo2 import Olmo2DecoderLayer
 from nanoinfer.models.qwen3_5 import Qwen3_5GatedDeltaNet
 
-_LAYER_TYPES = ("linear_attention", "full_attention")
 # transformers' OLMo Hybrid gated norm: FLA's default epsilon, whatever rms_norm_eps says.
 GATED_NORM_EPS = 1e-5
 
 
 def check_config(config: PretrainedConfig) -> None:
     """What this implementation cannot do, refused by name rather than run differently from transformers."""
-    where = config.name_or_path or "the model config"
-    for i, layer_type in enumerate(config.layer_types):
-        if layer_type not in _LAYER_TYPES:
-            raise ValueError(f"layer_types[{i}]={layer_type!r} in {where}; expected one of {_LAYER_TYPES}")
+    where = check_layer_config(config)
     if config.linear_num_value_heads != config.linear_num_key_heads:
         raise ValueError(f"linear_num_value_heads={config.linear_num_value_heads} != linear_num_key_heads="
                          f"{config.linear_num_key_heads} in {where} is not supported: transformers' OLMo Hybrid "

@@ -10,6 +10,7 @@ _MODELS = {
     "ApertusForCausalLM": ("apertus", "ApertusForCausalLM"),
     "ArceeForCausalLM": ("arcee", "ArceeForCausalLM"),
     "AXK1ForCausalLM": ("axk1", "AXK1ForCausalLM"),
+    "AXK2ForCausalLM": ("axk2", "AXK2ForCausalLM"),
     "BloomForCausalLM": ("bloom", "BloomForCausalLM"),
     "CodeGenForCausalLM": ("codegen", "CodeGenForCausalLM"),
     "Cohere2ForCausalLM": ("cohere2", "Cohere2ForCausalLM"),
@@ -20,6 +21,7 @@ _MODELS = {
     "BitNetForCausalLM": ("bitnet", "BitNetForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     "DiffLlamaForCausalLM": ("diffllama", "DiffLlamaForCausalLM"),
     "Dots1ForCausalLM": ("dots1", "Dots1ForCausalLM"),
     "Ernie4_5_MoeForCausalLM": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
@@ -38,6 +40,7 @@ _MODELS = {
     "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
     "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeForCausalLM"),
     "Glm4MoeLiteForCausalLM": ("glm4_moe_lite", "Glm4MoeLiteForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("glm_moe_dsa", "GlmMoeDsaForCausalLM"),
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
     "GPTBigCodeForCausalLM": ("gpt_bigcode", "GPTBigCodeForCausalLM"),
     "GPTJForCausalLM": ("gptj", "GPTJForCausalLM"),
@@ -98,15 +101,17 @@ _MODELS = {
     "VaultGemmaForCausalLM": ("vaultgemma", "VaultGemmaForCausalLM"),
     "YoutuForCausalLM": ("youtu", "YoutuForCausalLM"),
 }
-# Hybrids of attention with recurrent layers (Mamba2, short convolutions; Zamba's and Zamba2's shared
-# attention blocks).
+# Hybrids of attention with recurrent layers (Mamba2, short convolutions, linear attention; Zamba's and Zamba2's
+# shared attention blocks).
 _MODELS |= {
     "BambaForCausalLM": ("bamba", "BambaForCausalLM"),
     "FalconH1ForCausalLM": ("falcon_h1", "FalconH1ForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
+    "KimiLinearForCausalLM": ("kimi_linear", "KimiLinearForCausalLM"),
     "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
     "Lfm2MoeForCausalLM": ("lfm2", "Lfm2MoeForCausalLM"),
     "Lfm3ForCausalLM": ("lfm3", "Lfm3ForCausalLM"),
+    "MiniMaxForCausalLM": ("minimax", "MiniMaxForCausalLM"),
     "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
     "OlmoHybridForCausalLM": ("olmo_hybrid", "OlmoHybridForCausalLM"),
     "ZambaForCausalLM": ("zamba", "ZambaForCausalLM"),
@@ -167,6 +172,8 @@ _VISION_LANGUAGE = {
 # Families whose attention adds a learned logit per head to every softmax (attention sinks), which flash-attn 2 lacks:
 # the attention backend is chosen with them in mind (selector.select_backend).
 _ATTENTION_SINKS = {"FlintForCausalLM", "GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM"}
+# Families with DeepSeek sparse attention (deepseek_v32.py), which only the PyTorch backend runs.
+_SPARSE_ATTENTION = {"AXK2ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"}
 # Families whose KV cache holds heads wider than their config's head_dim, by this factor (DiffLlama's differential
 # attention runs over doubled heads: models/diffllama.py): the backend is chosen and checked for the cache's.
 _CACHE_HEAD_MULTIPLES = {"DiffLlamaForCausalLM": 2}
@@ -191,6 +198,11 @@ def is_encoder(architectures: list[str] | None) -> bool:
 
 def has_attention_sinks(architectures: list[str] | None) -> bool:
     return bool(architectures) and architectures[0] in _ATTENTION_SINKS
+
+
+def sparse_attention_architecture(architectures: list[str] | None) -> str | None:
+    """The architecture's name where its attention is DeepSeek's sparse attention, else None."""
+    return architectures[0] if architectures and architectures[0] in _SPARSE_ATTENTION else None
 
 
 def cache_head_multiple(architectures: list[str] | None) -> int:

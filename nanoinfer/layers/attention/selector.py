@@ -76,16 +76,20 @@ def triton_available() -> bool:
 
 
 def select_backend(requested: str, device: torch.device, *, latent_cache: bool = False,
-                   attention_sinks: bool = False, head_dim: int = 0) -> str:
+                   attention_sinks: bool = False, head_dim: int = 0, sparse_attention: str | None = None) -> str:
     """'flash' on CUDA with flash-attn installed, else 'triton' (paged Triton kernels; triton ships with CUDA
     builds of torch); 'cpu', the PyTorch backend, on the CPU or when asked for. 'triton' on a CPU device runs
     in Triton's interpreter, which only TRITON_INTERPRET=1 turns on (tests prove the kernels' logic that way).
     'auto' never picks flash for a latent cache (MLA; see check_backend_limits) nor for attention sinks (GPT-OSS),
     which flash-attn 2 lacks: asking for 'flash' with sinks is an error. head_dim: the widest layer's (not MLA's);
     'auto' takes the PyTorch backend where it is wider than flash and Triton take (Gemma 4's full layers: 512),
-    an explicit 'flash' or 'triton' is refused for it by check_backend_limits."""
+    an explicit 'flash' or 'triton' is refused for it by check_backend_limits. sparse_attention: the architecture
+    where it is DeepSeek's sparse attention (models/deepseek_v32.py), which the PyTorch backend alone runs: 'auto'
+    takes it (saying so on CUDA), 'flash' and 'triton' are refused."""
     if requested not in BACKEND_CHOICES:
         raise ValueError(f"unknown attention_backend {requested!r}; use one of {list(BACKEND_CHOICES)}")
+    if sparse_attention is not None:
+        return _sparse_attention_backend(requested, device, sparse_attention)
     if requested == "flash" and attention_sinks:
         raise ValueError("attention_backend='flash' cannot run this model: its attention has sinks (a learned logit "
                          "per head in every softmax), which flash-attn 2 lacks; use 'triton' (its default on CUDA) "
@@ -110,6 +114,17 @@ def select_backend(requested: str, device: torch.device, *, latent_cache: bool =
         return "cpu"
     _check_triton(device)
     return "triton"
+
+
+def _sparse_attention_backend(requested: str, device: torch.device, architecture: str) -> str:
+    if requested in ("flash", "triton"):
+        raise ValueError(f"attention_backend={requested!r} cannot run {architecture}: its DeepSeek sparse attention "
+                         "(each query attends to the keys its indexer selects) runs on the PyTorch backend only; use "
+                         "attention_backend='cpu' (what 'auto' takes for it)")
+    if device.type == "cuda" and requested == "auto":
+        logger.info("attention: %s's DeepSeek sparse attention runs on the PyTorch backend only; using it "
+                    "(attention_backend='cpu')", architecture)
+    return "cpu"
 
 
 def _check_triton(device: torch.device) -> None:
