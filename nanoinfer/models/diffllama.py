@@ -75,7 +75,8 @@ class DifferentialAttention(Attention):
         return ((1 - self.lambda_init) * rms_normalize(o, self.eps)).flatten(1)
 
     def differential_lambda(self, dtype: torch.dtype) -> torch.Tensor:
-        """exp(q1 . k1) - exp(q2 . k2) + lambda_init, each exponential rounded to the model's dtype (as transformers)."""
+        """exp(q1 . k1) - exp(q2 . k2) + lambda_init, each exponential rounded to the model's dtype, as transformers
+        rounds them."""
         def term(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             return torch.exp(torch.sum(a * b, dim=-1, dtype=torch.float32)).to(dtype)
         return term(self.lambda_q1, self.lambda_k1) - term(self.lambda_q2, self.lambda_k2) + self.lambda_init

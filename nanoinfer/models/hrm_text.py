@@ -1,12 +1,12 @@
 """HRM-Text (`HrmTextForCausalLM`, Sapient's Hierarchical Reasoning Model for text): two stacks of Llama layers
 (weightless RMSNorms, multi-head attention gated per element by the sigmoid of its own projection, fused with q, k
-and v in the Hub's `gqkv_proj`) run in cycles. Per high-level cycle (`H_cycles`), the low-level stack runs `L_cycles` times on its state plus the high-level
-one, then the high-level stack once on its state plus the low-level one; each run of a stack ends in a weightless
-norm. The high-level state starts as the embeddings times `embedding_scale`, the low-level one as the learned
-`z_L_init`; the last high-level state is the model's output. Every run of a layer attends over keys and values of its
-own: each layer keeps one KV cache per run (InvocationAttention). `prefix_lm`'s bidirectional block over instruction
-tokens, which transformers applies only where it is given `token_type_ids`, does not apply: prompts attend causally,
-as transformers' do without them."""
+and v in the Hub's `gqkv_proj`) run in cycles. Per high-level cycle (`H_cycles`), the low-level stack runs `L_cycles`
+times on its state plus the high-level one, then the high-level stack once on its state plus the low-level one; each
+run of a stack ends in a weightless norm. The high-level state starts as the embeddings times `embedding_scale`, the
+low-level one as the learned `z_L_init`; the last high-level state is the model's output. Every run of a layer
+attends over keys and values of its own: each layer keeps one KV cache per run (InvocationAttention). `prefix_lm`'s
+bidirectional block over instruction tokens, which transformers applies only where it is given `token_type_ids`, does
+not apply: prompts attend causally, as transformers' do without them."""
 import copy
 
 import torch
