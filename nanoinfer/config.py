@@ -11,8 +11,8 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from nanoinfer.layers.attention.selector import (DEFAULT_BLOCK_SIZE, check_backend_limits,
                                                   check_tensor_parallel_devices, resolve_device, select_backend)
 from nanoinfer.layers.rotary_embedding import rope_parameters
-from nanoinfer.models.registry import (cache_head_multiple, has_attention_sinks, is_vision_language,
-                                       sparse_attention_architecture)
+from nanoinfer.models.registry import (cache_head_multiple, chunked_attention_size, has_attention_sinks,
+                                       is_vision_language, sparse_attention_architecture)
 from nanoinfer.models.vision_language import MEDIA_TOKEN_IDS
 from nanoinfer.sampling_params import check_seed
 from nanoinfer.spec_decode.config import SpeculativeConfig, parse_speculative_config
@@ -77,6 +77,7 @@ class Config:
         self.attention_backend = select_backend(self.attention_backend, self.torch_device,
                                                 latent_cache=latent_dim is not None,
                                                 attention_sinks=has_attention_sinks(self.hf_config.architectures),
+                                                chunked_attention=chunked_attention_size(self.hf_config) is not None,
                                                 sparse_attention=sparse_attention_architecture(
                                                     self.hf_config.architectures),
                                                 head_dim=head_dim or 0)
@@ -90,7 +91,6 @@ class Config:
         if limit is not None and self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the {limit} positions of the model's "
                              f"config ({position_field(self.hf_config)} in {self.model_path})")
-        self._check_attention_chunk()
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_model_len)
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
@@ -131,7 +131,7 @@ class Config:
         # before any is loaded.
         check_quantization(cfg, source)
         sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                 "max_position_embeddings", "num_key_value_heads", "head_dim")
+                 "max_position_embeddings", "num_key_value_heads", "head_dim", "attention_chunk_size")
         for layer, name in itertools.product(layer_configs(cfg), sizes):
             value = getattr(layer, name, None)
             # Gemma 3n's intermediate_size: a list, one per layer.
@@ -143,15 +143,6 @@ class Config:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value) or value <= 0):
                 raise ValueError(f"{name}={value!r} in {source} must be a finite number > 0")
-
-    def _check_attention_chunk(self) -> None:
-        """Chunked local attention (Llama 4's rope layers: a query sees only the keys of its own `attention_chunk_size`
-        chunk) equals causal attention while a sequence fits in one chunk, which is all the backends do."""
-        chunk = getattr(self.hf_config, "attention_chunk_size", None)
-        if chunk is not None and self.max_model_len > chunk:
-            source = self.gguf_path or self.model_path / "config.json"
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds attention_chunk_size={chunk} of {source}: "
-                             f"chunked local attention is not implemented, so max_model_len must be <= {chunk}")
 
     def _check_shardable(self) -> None:
         """Each rank holds whole heads and an equal share of the MLP; fewer KV heads than ranks are replicated."""

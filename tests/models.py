@@ -156,7 +156,8 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # Llama 4 (llama4): interleaved llama3 rope with a weightless q/k norm after it on layers 0-2, layer 3 NoPE with
 # attention temperature tuning (floor_scale 4, so the queries' scale grows over the test lengths), layers 1 and 3
 # 2 of 8 experts by sigmoid of the top router logits (applied to the experts' input) plus a shared expert, layers 0
-# and 2 dense and wider; attention_chunk_size 512, beyond every test's max_model_len.
+# and 2 dense and wider; layers 0-2's attention chunked in LLAMA4_CHUNK tokens (chunk boundaries inside 16-token
+# blocks and at their edges).
 # Solar Open (solar-open): GLM-4.5's layout without q/k norms, experts on every layer (2 of 4 groups). MiniMax-M2
 # (minimax-m2): OLMoE's whole-projection q/k norms, half of each head rotated, 2 of 8 experts by sigmoid + a random
 # correction bias, renormalized. Cohere 2 MoE (cohere2-moe): Cohere 2's layer with a wider dense layer 0 (full and
@@ -314,6 +315,7 @@ SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 1
                   "vaultgemma": 11, "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "gpt-neo": 11, "cwm": 12,
                   "cohere2-moe": 11, "cohere2-moe-sigmoid": 12, "afmoe": 10, "mellum": 12,
                   "laguna": 11, "flint": 12, "kolibri1": 10}
+LLAMA4_CHUNK = 12  # Llama 4's attention_chunk_size in the test model
 # LFM3's window, apart from SLIDING_WINDOW (whose test takes prefix cache hits, which hybrids refuse).
 LFM3_SLIDING_WINDOW = 10
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
@@ -912,7 +914,7 @@ def make_config(kind: str):
             attn_temperature_tuning=True,
             floor_scale=4,
             attn_scale=0.1,
-            attention_chunk_size=512,
+            attention_chunk_size=LLAMA4_CHUNK,
             num_local_experts=8,
             num_experts_per_tok=2,
             interleave_moe_layer_step=2,

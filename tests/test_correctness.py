@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from models import EXTRA_KINDS, MODEL_KINDS, SLIDING_WINDOW, cached_hf_greedy, check_against_hf, random_prompts
+from models import (EXTRA_KINDS, LLAMA4_CHUNK, MODEL_KINDS, SLIDING_WINDOW, cached_hf_greedy, check_against_hf,
+                    random_prompts)
 from nanoinfer import LLM, SamplingParams
 
 MAX_TOKENS = 24
@@ -98,16 +99,21 @@ def test_sliding_window_chunked_prefill_and_prefix_cache_match_hf(kind, model_di
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
-def test_sliding_window_is_what_makes_the_match(model_dir, captured_logits):
-    """The same weights attending to the whole context diverge from transformers: the window tests can fail."""
+@pytest.mark.parametrize("kind, limit, per_layer", [
+    ("qwen2-swa", "sliding_window", [None, SLIDING_WINDOW["qwen2-swa"], SLIDING_WINDOW["qwen2-swa"]]),
+    ("llama4", "attention_chunk_size", [LLAMA4_CHUNK] * 3 + [None]),  # its rope layers, not the NoPE one
+])
+def test_window_or_chunks_are_what_makes_the_match(kind, limit, per_layer, model_dir, captured_logits):
+    """The same weights attending to the whole context diverge from transformers: the window tests, and Llama 4's
+    (chunked local attention, the prompts here crossing several chunks), can fail."""
     from nanoinfer.layers.attention import Attention
 
-    d = model_dir("qwen2-swa")
+    d = model_dir(kind)
     llm = LLM(str(d), device="cpu", dtype="float32", max_model_len=256)
     layers = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Attention)]
-    assert [a.sliding_window for a in layers] == [None, SLIDING_WINDOW["qwen2-swa"], SLIDING_WINDOW["qwen2-swa"]]
+    assert [getattr(a, limit) for a in layers] == per_layer
     for a in layers:
-        a.sliding_window = None
+        setattr(a, limit, None)
     outputs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     refs = reference(d)
     ours = torch.stack(captured_logits[outputs[0].request_id])

@@ -184,6 +184,19 @@ def test_gemma4_with_the_hubs_512_wide_full_layers_on_cuda(fake_cuda, model_dir,
         Config(gemma4, attention_backend="flash")
 
 
+def test_llama4_chunked_attention_never_takes_flash(fake_cuda, model_dir):
+    """flash-attn 2 has no chunked local attention: 'auto' runs Llama 4 on the Triton backend even with flash-attn
+    installed, and asking for flash is refused by name, on CUDA as on the CPU."""
+    d = model_dir("llama4")
+    c = Config(d)
+    assert (c.attention_backend, c.kvcache_block_size) == ("triton", 16)
+    for device in ("auto", "cpu"):
+        with pytest.raises(ValueError, match="attention_backend='flash' cannot run this model: its attention is "
+                                             "chunked"):
+            Config(d, device=device, attention_backend="flash")
+    assert Config(model_dir("llama")).attention_backend == "flash"
+
+
 def test_flash_limits():
     selector.check_backend_limits("flash", 256, torch.bfloat16, 128)
     selector.check_backend_limits("flash", 512, torch.float16, 256)
@@ -621,14 +634,14 @@ def test_model_is_built_on_the_target_device_in_its_dtype(kind, model_dir):
 
 
 def test_sliding_window_decode_stays_on_the_inputs_device():
-    """The PyTorch backend's decode (on CUDA: no C kernel) with a window, on meta tensors: a tensor it made on
-    the CPU would fail to combine with them."""
+    """The PyTorch backend's decode (on CUDA: no C kernel) with a window and chunks, on meta tensors: a tensor it
+    made on the CPU would fail to combine with them."""
     device = torch.device("meta")
     backend = CPUAttentionBackend(torch.float32, device)
     meta = _decode_meta([5, 9], [[0, 1, -1], [2, 3, 4]], [4, 8]).to(device)
     backend.prepare(meta)
     cache, q = torch.zeros(5, 4, 2, 8, device=device), torch.zeros(2, 4, 8, device=device)
-    out = backend.forward(q, q, q, cache, cache, meta, 0.3, window=3)
+    out = backend.forward(q, q, q, cache, cache, meta, 0.3, window=3, chunk=4)
     assert out.shape == (2, 32) and out.device == device
 
 

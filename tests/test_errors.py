@@ -384,19 +384,16 @@ def test_bad_model_config_value_names_it_and_the_file(qwen3_dir, tmp_path, key, 
     assert str(d / "config.json") in str(e.value)
 
 
-def test_max_model_len_beyond_attention_chunk_size_is_refused(model_dir, tmp_path):
-    """Llama 4's chunked local attention is causal attention only while a sequence fits in one chunk: a longer
-    max_model_len (given, or the default) is refused, naming the setting, its value and the file; one chunk runs."""
+def test_bad_attention_chunk_size_names_it_and_the_file(model_dir, tmp_path):
+    """Llama 4's chunk size, like the model's other sizes, must be a positive int; chunks shorter than max_model_len
+    run (chunked local attention: tests/test_correctness.py)."""
     d = copy_model(model_dir("llama4"), tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["attention_chunk_size"] = 64
-    (d / "config.json").write_text(json.dumps(cfg))
-    for max_model_len, match in ((65, "max_model_len=65"), (None, "max_model_len=512")):
-        with pytest.raises(ValueError, match=f"{match} exceeds attention_chunk_size=64") as e:
-            LLM(str(d), device="cpu", dtype="float32", max_model_len=max_model_len)
+    for value in (0, -8):
+        (d / "config.json").write_text(json.dumps({**cfg, "attention_chunk_size": value}))
+        with pytest.raises(ValueError, match=f"attention_chunk_size={value} in .* must be a positive int") as e:
+            LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
         assert str(d / "config.json") in str(e.value)
-    with LLM(str(d), device="cpu", dtype="float32", max_model_len=64) as llm:
-        assert len(llm.generate([list(range(5, 61))], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
 
 
 def test_quantized_checkpoint_is_refused_by_name(qwen3_dir, tmp_path):

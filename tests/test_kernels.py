@@ -118,19 +118,39 @@ def reference_probs(scores: torch.Tensor, soft_cap: float | None, sinks: torch.T
 
 def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                      scale: float, soft_cap: float | None, window: int | None, sinks: torch.Tensor | None = None,
-                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                     alibi_slopes: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """float64 decode, sequence by sequence, the scores as reference_probs takes them; with ALiBi, the key at t
-    scores slope * (t - (n - 1)) more, the query at the context's last position n - 1."""
+    scores slope * (t - (n - 1)) more, the query at the context's last position n - 1; with a chunk, the keys from
+    (n - 1) // chunk * chunk on alone."""
     outs = []
     for i, n in enumerate(meta.context_lens.tolist()):
         blocks = meta.block_tables[i, :-(-n // meta.block_size)].long()
         first = 0 if window is None else max(0, n - window)
+        if chunk is not None:
+            first = max(first, (n - 1) // chunk * chunk)
         k, v = (c[blocks].flatten(0, 1)[first:n].double() for c in (k_cache, v_cache))
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
         bias = None if alibi_slopes is None else alibi_bias(alibi_slopes, torch.arange(first, n) - (n - 1))
         probs = reference_probs(torch.einsum("hd,lhd->hl", q[i].double(), k) * scale, soft_cap, sinks, bias=bias)
         outs.append(torch.einsum("hl,lhd->hd", probs, v).flatten())
     return torch.stack(outs)
+
+
+def decode_against_float64(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           decode_kernel: bool, window: int | None, **option) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch backend's decode step of q over the caches as `meta` describes it, through the C kernel or the
+    gather + SDPA path, with `option` (soft_cap, sinks, alibi_slopes or chunk), checked against decode_reference:
+    (its output, the output without the option)."""
+    scale = q.shape[-1] ** -0.5
+    backend = CPUAttentionBackend(torch.float32)
+    backend.decode_kernel = decode_kernel
+    backend.prepare(meta)
+    unused = torch.empty(0)  # this step's k, v: only prefill reads them, decode reads the cache
+    ours = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window, **option)
+    ref = decode_reference(q, k_cache, v_cache, meta, scale, window=window, **{"soft_cap": None, **option})
+    err = (ours.double() - ref).abs().max().item()
+    assert err < 1e-5, f"max |ours - float64| = {err:.2e}"
+    return ours, backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window)
 
 
 @pytest.mark.skipif(not available(), reason="the C kernel did not build here")
@@ -146,16 +166,7 @@ def test_decode_with_softcap_matches_float64(heads, kv_heads, head_dim, block_si
     """Attention-logit softcapping (Gemma 2) in the C kernel and in the PyTorch path that SDPA leaves it to; a cap
     of 2 bends most scores here (their std is ~2), so a missing or misplaced tanh shows."""
     meta, q, k_cache, v_cache = random_case(heads, kv_heads, head_dim, block_size, context_lens)
-    scale, soft_cap = head_dim ** -0.5, 2.0
-    backend = CPUAttentionBackend(torch.float32)
-    backend.decode_kernel = decode_kernel
-    backend.prepare(meta)
-    unused = torch.empty(0)
-    ours = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window, soft_cap)
-    ref = decode_reference(q, k_cache, v_cache, meta, scale, soft_cap, window)
-    err = (ours.double() - ref).abs().max().item()
-    assert err < 1e-5, f"max |ours - float64| = {err:.2e}"
-    uncapped = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window)
+    ours, uncapped = decode_against_float64(meta, q, k_cache, v_cache, decode_kernel, window, soft_cap=2.0)
     assert (uncapped - ours).abs().max().item() > 1e-2
 
 
@@ -181,16 +192,8 @@ def test_decode_with_alibi_matches_float64(heads, kv_heads, head_dim, block_size
     """ALiBi (BLOOM's slopes) in the C kernel and in the PyTorch path's float mask: the query at position
     context - 1, each key t positions before it scoring slope * -t more."""
     meta, q, k_cache, v_cache = random_case(heads, kv_heads, head_dim, block_size, context_lens)
-    scale, slopes = head_dim ** -0.5, bloom_alibi_slopes(heads)
-    backend = CPUAttentionBackend(torch.float32)
-    backend.decode_kernel = decode_kernel
-    backend.prepare(meta)
-    unused = torch.empty(0)
-    ours = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window, alibi_slopes=slopes)
-    ref = decode_reference(q, k_cache, v_cache, meta, scale, None, window, alibi_slopes=slopes)
-    err = (ours.double() - ref).abs().max().item()
-    assert err < 1e-5, f"max |ours - float64| = {err:.2e}"
-    without = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window)
+    ours, without = decode_against_float64(meta, q, k_cache, v_cache, decode_kernel, window,
+                                           alibi_slopes=bloom_alibi_slopes(heads))
     assert (without - ours).abs().max().item() > 1e-2
 
 
@@ -226,19 +229,81 @@ def test_prefill_with_alibi_over_a_cached_prefix_matches_float64(q_lens, heads, 
     backend.prepare(meta)
     assert (backend_rows := meta.backend_state.row_context_lens is not None) == (max(q_lens) <= 8)
     ours = backend.forward(q, k, v, k_cache, v_cache, meta, scale, window, alibi_slopes=slopes)
+    ref = prefill_reference(q, k_cache, v_cache, meta, q_lens, scale, window, slopes=slopes)
+    err = (ours.double() - ref).abs().max().item()
+    assert err < 1e-5, f"max |ours - float64| = {err:.2e} ({'rows as decodes' if backend_rows else 'SDPA'})"
+
+
+def prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                      q_lens: list[int], scale: float, window: int | None, chunk: int | None = None,
+                      slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 causal attention of a prefill step over the paged caches: query j of sequence i's q_lens[i] new
+    tokens sits at c - q_lens[i] + j (c its context) and sees the keys at positions up to its own p, with a window
+    those above p - window, with a chunk those from p // chunk * chunk on; with ALiBi slopes, scores gain
+    -slope * (p - key position)."""
     refs, start = [], 0
-    for i, (n, m) in enumerate(zip(contexts, q_lens)):
-        blocks = meta.block_tables[i, :-(-n // 16)].long()
-        keys, values = (c[blocks].flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, 1)
+    for i, (n, m) in enumerate(zip(meta.context_lens.tolist(), q_lens)):
+        blocks = meta.block_tables[i, :-(-n // meta.block_size)].long()
+        keys, values = (c[blocks].flatten(0, 1)[:n].double().repeat_interleave(q.shape[1] // c.shape[2], 1)
                         for c in (k_cache, v_cache))
         q_pos, k_pos = torch.arange(n - m, n).unsqueeze(1), torch.arange(n)
         visible = (k_pos <= q_pos) & (k_pos > q_pos - (window or n))
+        if chunk is not None:
+            visible &= k_pos >= q_pos // chunk * chunk
         scores = torch.einsum("nhd,lhd->hnl", q[start:start + m].double(), keys) * scale
-        probs = reference_probs(scores, None, None, visible, alibi_bias(slopes, k_pos - q_pos))
+        probs = reference_probs(scores, None, None, visible, None if slopes is None else
+                                alibi_bias(slopes, k_pos - q_pos))
         refs.append(torch.einsum("hnl,lhd->nhd", probs, values).flatten(1))
         start += m
-    err = (ours.double() - torch.cat(refs)).abs().max().item()
-    assert err < 1e-5, f"max |ours - float64| = {err:.2e} ({'rows as decodes' if backend_rows else 'SDPA'})"
+    return torch.cat(refs)
+
+
+# (query heads, KV heads, head dim, KV block size, contexts): contexts ending just before, at and just after chunk
+# boundaries (chunks of 12 and 16: inside 16-token blocks and at their edges), a one-token one, a long one.
+CHUNK_DECODE_CASES = [(16, 8, 64, 16, [1, 11, 12, 13, 16, 17, 24, 25, 33, 250]),
+                      (12, 3, 40, 8, [9, 23, 48, 49, 100]),  # 4 query heads per KV head
+                      (6, 1, 128, 1, [5, 12, 13, 31])]  # block size 1, a single KV head
+
+
+@pytest.mark.skipif(not available(), reason="the C kernel did not build here")
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size, context_lens", CHUNK_DECODE_CASES)
+@pytest.mark.parametrize("chunk", [12, 16])
+@pytest.mark.parametrize("window", [None, 5, 20])
+@pytest.mark.parametrize("decode_kernel", [True, False], ids=["kernel", "torch"])
+def test_decode_with_chunks_matches_float64(heads, kv_heads, head_dim, block_size, context_lens, chunk, window,
+                                            decode_kernel):
+    """Chunked local attention (Llama 4) in the C kernel and the PyTorch path: the query at position n - 1 sees the
+    keys of its own chunk alone; with a window too, the later of the two starts (5: the window binds after a chunk's
+    first 5 tokens; 20: the chunk always binds)."""
+    meta, q, k_cache, v_cache = random_case(heads, kv_heads, head_dim, block_size, context_lens)
+    ours, unchunked = decode_against_float64(meta, q, k_cache, v_cache, decode_kernel, window, chunk=chunk)
+    # The chunk changed the output exactly where it starts later than the window (or the context).
+    n = meta.context_lens
+    binds = (n - 1) // chunk * chunk > (n - (window or n)).clamp_min(0)
+    assert torch.equal(binds, (unchunked - ours).abs().amax(1) > 1e-3)
+
+
+@pytest.mark.skipif(not available(), reason="the C kernel did not build here")
+@pytest.mark.parametrize("contexts, q_lens", [([40, 17, 40, 29], [9, 1, 30, 29]), ([40, 17, 40, 29], [3, 1, 8, 5]),
+                                              ([5, 29, 40], [5, 29, 40])], ids=["sdpa", "rows-as-decodes", "fresh"])
+@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (5, 5)])
+@pytest.mark.parametrize("chunk", [12, 16])
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_with_chunks_matches_float64(contexts, q_lens, heads, kv_heads, chunk, window):
+    """Chunked local attention in a prefill step: chunks after a cached prefix crossing chunk boundaries (several:
+    30 new tokens), a decode row, whole prompts; through SDPA a chunk's queries at a time, through the C kernel a
+    row at a time (steps of at most 8 tokens per sequence), and without a cached prefix over this step's k, v."""
+    meta, q, k, v, k_cache, v_cache = prefill_case(heads, kv_heads, 32, contexts, q_lens, seed=heads + chunk)
+    meta = replace(meta, has_cached_prefix=contexts != q_lens)
+    scale = 32 ** -0.5
+    backend = CPUAttentionBackend(torch.float32)
+    backend.prepare(meta)
+    assert (meta.backend_state.row_context_lens is not None) == (max(q_lens) <= 8)
+    ours = backend.forward(q, k, v, k_cache, v_cache, meta, scale, window, chunk=chunk)
+    err = (ours.double() - prefill_reference(q, k_cache, v_cache, meta, q_lens, scale, window, chunk)).abs().max()
+    assert err.item() < 1e-5, f"max |ours - float64| = {err.item():.2e}"
+    unchunked = backend.forward(q, k, v, k_cache, v_cache, meta, scale, window)
+    assert (unchunked - ours).abs().max().item() > 1e-2
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -282,15 +347,8 @@ def test_decode_with_sinks_matches_float64(heads, kv_heads, head_dim, block_size
     """Attention sinks (GPT-OSS) in the C kernel and in the PyTorch path that SDPA leaves them to: each head's sink
     logit (std 3 against scores of std ~2 here) joins its softmax's denominator."""
     meta, q, k_cache, v_cache = random_case(heads, kv_heads, head_dim, block_size, context_lens)
-    scale, sinks = head_dim ** -0.5, SINKS[:heads].clone()
-    backend = CPUAttentionBackend(torch.float32)
-    backend.decode_kernel = decode_kernel
-    backend.prepare(meta)
-    unused = torch.empty(0)
-    ours = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window, sinks=sinks)
-    err = (ours.double() - decode_reference(q, k_cache, v_cache, meta, scale, None, window, sinks)).abs().max().item()
-    assert err < 1e-5, f"max |ours - float64| = {err:.2e}"
-    without = backend.forward(q, unused, unused, k_cache, v_cache, meta, scale, window)
+    ours, without = decode_against_float64(meta, q, k_cache, v_cache, decode_kernel, window,
+                                           sinks=SINKS[:heads].clone())
     assert (without - ours).abs().max().item() > 1e-2
 
 

@@ -44,11 +44,12 @@ def compile_attention(dtype: str, group: int, head_dim: int, config: ta.TileConf
     types = {name: "*i32" for name in POINTERS[7:]}
     types.update({name: f"*{dtype}" for name in POINTERS[:4]})
     types.update({name: "*fp32" if split else f"*{dtype}" for name in POINTERS[4:7]})
-    types.update({name: "i32" for name in ("window", "num_seqs", "num_heads", "num_segments", "stride_bt")})
+    types.update({name: "i32" for name in ("window", "chunk", "num_seqs", "num_heads", "num_segments", "stride_bt")})
     types.update({name: "i32" for name in STRIDES}, qk_scale="fp32", cap_scale="fp32")
     flags.setdefault("SOFTCAP", False)
     flags.setdefault("HAS_SINKS", False)
     flags.setdefault("ALIBI", False)
+    flags.setdefault("HAS_CHUNK", False)
     types["sinks_ptr"] = f"*{dtype}" if flags["HAS_SINKS"] else "*i32"  # without sinks: context_lens, never read
     types["alibi_ptr"] = "*fp32" if flags["ALIBI"] else "*i32"  # the slopes, fp32 whatever the model's dtype
     constants = dict(GROUP=group, KV_SPLIT=kv_split, HEAD_DIM=head_dim, BLOCK_D=ta._block_d(head_dim),
@@ -104,6 +105,12 @@ CASES = [  # (dtype, group, head_dim, config, flags): Qwen3-0.6B's shapes first,
      dict(DECODE=False, PAGED=True, CAUSAL=True, HAS_WINDOW=False, SPLIT=False, ALIBI=True)),
     ("bf16", 1, 128, ta.prefill_config(1, 128, 2, 1024),
      dict(DECODE=False, PAGED=False, CAUSAL=True, HAS_WINDOW=False, SPLIT=False, ALIBI=True)),
+    # Llama 4 Scout's chunked rope layers (40 query heads of 128 over 8 KV heads: 5 per KV head).
+    ("bf16", 5, 128, ta.decode_config(5, 128, 2), dict(DECODE, HAS_WINDOW=False, SPLIT=True, HAS_CHUNK=True)),
+    ("bf16", 5, 128, ta.prefill_config(5, 128, 2, 1024),
+     dict(DECODE=False, PAGED=True, CAUSAL=True, HAS_WINDOW=False, SPLIT=False, HAS_CHUNK=True)),
+    ("bf16", 5, 128, ta.prefill_config(5, 128, 2, 1024),
+     dict(DECODE=False, PAGED=False, CAUSAL=True, HAS_WINDOW=False, SPLIT=False, HAS_CHUNK=True)),
     # ModernBERT-base's local layers: the encoder pass, non-causal with a window on both sides (12 heads of 64).
     ("bf16", 1, 64, ta.prefill_config(1, 64, 2, 1024),
      dict(DECODE=False, PAGED=False, CAUSAL=False, HAS_WINDOW=True, SPLIT=False)),
@@ -114,7 +121,8 @@ CASES = [  # (dtype, group, head_dim, config, flags): Qwen3-0.6B's shapes first,
 @pytest.mark.parametrize("dtype, group, head_dim, config, flags", CASES,
                          ids=[f"{c[0]}-group{c[1]}-d{c[2]}-{'decode' if c[4]['DECODE'] else 'prefill'}"
                               f"{'-softcap' * c[4].get('SOFTCAP', False)}{'-sinks' * c[4].get('HAS_SINKS', False)}"
-                              f"{'-alibi' * c[4].get('ALIBI', False)}{'-paged' * c[4]['PAGED']}" for c in CASES])
+                              f"{'-alibi' * c[4].get('ALIBI', False)}{'-chunk' * c[4].get('HAS_CHUNK', False)}"
+                              f"{'-paged' * c[4]['PAGED']}" for c in CASES])
 def test_attention_kernel_compiles_for_sm90(dtype, group, head_dim, config, flags):
     kernel = compile_attention(dtype, group, head_dim, config, **flags)
     assert "cp.async" in kernel.asm["ptx"]  # K/V tiles are loaded asynchronously, num_stages deep

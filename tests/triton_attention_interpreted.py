@@ -45,13 +45,15 @@ def _error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], q_lens: list[int],
               scale: float, causal: bool = True, window: int | None = None, soft_cap: float | None = None,
-              sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+              sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+              chunk: int | None = None) -> torch.Tensor:
     """float64 attention, sequence by sequence: q [tokens, heads, dim], keys[i]/values[i] [ctx_i, kv_heads, dim]
     -> [tokens, heads * dim]; query j of n new tokens sits at ctx - n + j; a row seeing no key gives 0; non-causal
     with a window, each query sees the keys within window - 1 positions of its own on either side. With soft_cap,
     scores s become soft_cap * tanh(s / soft_cap) before the mask. With sinks [heads], each head's softmax takes its
     sink as one more logit, whose column is dropped after it (transformers' GPT-OSS). With alibi_slopes [heads], each
-    head's scores gain -slope * |query position - key position| after the cap."""
+    head's scores gain -slope * |query position - key position| after the cap. With a chunk (causal), a query at p
+    sees no key before p // chunk * chunk."""
     out, start = [], 0
     for k, v, n in zip(keys, values, q_lens):
         ctx, group = k.shape[0], q.shape[1] // k.shape[1]
@@ -66,6 +68,8 @@ def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tens
             visible = k_pos <= q_pos
             if window is not None:
                 visible &= k_pos > q_pos - window
+            if chunk is not None:
+                visible &= k_pos >= q_pos // chunk * chunk
             scores = scores.masked_fill(~visible, float("-inf"))
         elif window is not None:
             scores = scores.masked_fill((k_pos - q_pos).abs() >= window, float("-inf"))
@@ -169,6 +173,46 @@ def test_decode_kernel_split_kv(dtype, heads, kv_heads, head_dim):
         assert torch.equal(ours[0], torch.zeros_like(ours[0]))
         err = _error(ours, reference(q, keys, values, [1] * len(contexts), 0.2, window=window))
         assert err < TOLERANCE[dtype], f"window {window}, {segments} segments: max error {err:.2e}"
+
+
+# (context, new tokens): a one-token prompt, decode rows just before, at and past chunk boundaries (12: inside
+# 16-token blocks; 16: at their edges), a chunk after a cached prefix crossing boundaries, a fresh prompt of several
+# chunks, a sequence with no new token.
+CHUNK_CONTEXTS, CHUNK_Q_LENS = [1, 12, 13, 17, 33, 40, 50, 16], [1, 1, 1, 1, 1, 27, 50, 0]
+
+
+@pytest.mark.parametrize("dtype, chunk, window", [(torch.float32, 12, None), (torch.float32, 16, 20),
+                                                  (torch.bfloat16, 12, 5)], ids=str)
+def test_kernels_with_chunks(dtype, chunk, window):
+    """Chunked local attention (Llama 4) in the prefill kernel over the paged cache (GQA: 6 query heads, 2 KV
+    heads), over this step's k, v, and in split-KV decode (1 and 3 segments): against float64, and different from
+    attention without the chunks."""
+    heads, kv_heads, head_dim = 6, 2, 32
+    g = torch.Generator().manual_seed(chunk)
+    contexts, q_lens = CHUNK_CONTEXTS, CHUNK_Q_LENS
+    k_cache, v_cache, tables, keys, values = paged_cache(contexts, kv_heads, head_dim, 16, dtype, g)
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)
+    context_lens, scale = torch.tensor(contexts, dtype=torch.int32), head_dim ** -0.5
+    paged = prefill_attention(q, k_cache, v_cache, tables, context_lens, _cu(q_lens), _cu(contexts), max(q_lens),
+                              scale, window=window, config=SMALL, chunk=chunk)
+    ref = reference(q, keys, values, q_lens, scale, window=window, chunk=chunk)
+    assert _error(paged, ref) < TOLERANCE[dtype]
+    assert _error(paged, reference(q, keys, values, q_lens, scale, window=window)) > 1e-2
+    fresh = [i for i, (c, n) in enumerate(zip(contexts, q_lens)) if c == n]  # this step's k, v: whole prompts
+    starts = _cu(q_lens).tolist()
+    rows = [r for i in fresh for r in range(starts[i], starts[i + 1])]
+    lens = _cu([contexts[i] for i in fresh])
+    step = prefill_attention(q[rows], torch.cat([keys[i] for i in fresh]), torch.cat([values[i] for i in fresh]),
+                             tables[fresh], context_lens[fresh], lens, lens, max(contexts[i] for i in fresh), scale,
+                             window=window, config=SMALL, chunk=chunk)
+    assert _error(step, ref[rows]) < TOLERANCE[dtype]
+    decode_q = torch.randn(len(contexts), heads, head_dim, generator=g).to(dtype)
+    decode_ref = reference(decode_q, keys, values, [1] * len(contexts), scale, window=window, chunk=chunk)
+    for segments in (1, 3):
+        partials = DecodePartials.allocate(len(contexts) * segments, heads, head_dim, q.device)
+        ours = decode_attention(decode_q, k_cache, v_cache, tables, context_lens, scale, window, segments, partials,
+                                config=SMALL, chunk=chunk)
+        assert _error(ours, decode_ref) < TOLERANCE[dtype], f"{segments} segments"
 
 
 @triton.jit
@@ -509,6 +553,15 @@ def test_engine_sliding_window_matches_hf(kind, model_dir, captured_logits, repo
     contexts a few windows long, prefilled in chunks, then again with a cached prefix."""
     worst = chunked_then_cached_against_hf(kind, model_dir, captured_logits)
     report_logit_diff(f"{kind}, triton backend, sliding window", worst)
+    assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
+
+
+def test_engine_chunked_attention_matches_hf(model_dir, captured_logits, report_logit_diff):
+    """Llama 4's chunked local attention (chunks of 12 on layers 0-2) over contexts of several chunks, in 7-token
+    chunks of prefill, then from the prefix cache, decode under the CUDA-graph runner stand-in (each row's chunk
+    found from its context length alone)."""
+    worst = chunked_then_cached_against_hf("llama4", model_dir, captured_logits, graphs=True)
+    report_logit_diff("llama4, triton backend, chunked local attention", worst)
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
 

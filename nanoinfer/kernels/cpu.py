@@ -22,7 +22,7 @@ _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention_cpu.c",
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "paged_decode_attention": [_P] * 6 + [_I] * 8 + [_F, _F, _P, _P],
+    "paged_decode_attention": [_P] * 6 + [_I] * 9 + [_F, _F, _P, _P],
     "rms_norm": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _F, _I],
     "rotary_neox": [_P, _I, _P, _P, _P, _P, _P, _F, _I, _I, _I, _I, _I],
     "silu_and_mul": [_P, _P, _I, _I, _I],
@@ -109,10 +109,11 @@ def _per_token(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            window: int | None = None, soft_cap: float | None = None,
-                           sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None
-                           ) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+                           chunk: int | None = None) -> torch.Tensor:
     """q [seqs, heads, dim] fp32, one token per sequence (at position context - 1); caches [blocks, block_size,
-    kv_heads, dim]; with a window, each query sees only the last `window` positions of its context; with soft_cap,
+    kv_heads, dim]; with a window, each query sees only the last `window` positions of its context; with a chunk,
+    only the positions of its own chunk (from (context - 1) // chunk * chunk on); with soft_cap,
     each scaled score s becomes soft_cap * tanh(s / soft_cap); sinks [heads] fp32: a logit per head that joins each
     softmax's denominator (a key whose value is 0); alibi_slopes [heads] fp32: each head's score of the key at
     position t gains slope * (t - (context - 1))."""
@@ -123,8 +124,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     _run("paged_decode_attention", q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
          context_lens.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2],
-         k_cache.shape[1], block_tables.shape[1], window or 0, torch.get_num_threads(), scale, soft_cap or 0.0,
-         *(None if x is None else x.data_ptr() for x in (sinks, alibi_slopes)))
+         k_cache.shape[1], block_tables.shape[1], window or 0, chunk or 0, torch.get_num_threads(), scale,
+         soft_cap or 0.0, *(None if x is None else x.data_ptr() for x in (sinks, alibi_slopes)))
     return out
 
 

@@ -83,7 +83,7 @@ typedef struct {
     const float *sinks; /* per query head, or NULL */
     const float *alibi_slopes; /* per query head, or NULL */
     float *out;
-    int64_t num_heads, num_kv_heads, block_size, max_blocks, window;
+    int64_t num_heads, num_kv_heads, block_size, max_blocks, window, chunk;
     float scale, soft_cap;
 } Args;
 
@@ -96,7 +96,9 @@ INLINE void attend(const Args *a, int64_t seq, int64_t j0, int64_t j1, int64_t d
     const int64_t g = a->num_heads / a->num_kv_heads, nkv = j1 - j0, nh = nkv * g, row = a->num_kv_heads * dim;
     const int64_t hp = (nh + W - 1) / W * W, vec_dim = dim / W * W;
     const int64_t len = a->context_lens[seq];
-    const int64_t first = a->window > 0 && len > a->window ? len - a->window : 0;
+    int64_t first = a->window > 0 && len > a->window ? len - a->window : 0;
+    /* Chunked local attention: the query (at len - 1) sees only its own chunk's keys. */
+    if (a->chunk > 0 && len > 0 && (len - 1) / a->chunk * a->chunk > first) first = (len - 1) / a->chunk * a->chunk;
     const int32_t *table = a->block_tables + seq * a->max_blocks;
     const float *q = a->q + (seq * a->num_heads + j0 * g) * dim;
     float *acc = scratch, *s = acc + nh * dim, *m = s + CHUNK * hp, *l = m + hp, *slope = l + hp;
@@ -190,7 +192,9 @@ static void attend_dispatch(const Args *a, int64_t seq, int64_t j0, int64_t j1, 
 }
 
 /* q, out: [seqs, heads, dim]; caches: [blocks, block_size, kv_heads, dim]; tables: [seqs, max_blocks].
- * window > 0 attends only to each sequence's last `window` tokens (sliding-window attention); soft_cap > 0 caps
+ * window > 0 attends only to each sequence's last `window` tokens (sliding-window attention); chunk > 0 only to
+ * the tokens of the query's own `chunk`-token chunk, from (len - 1) / chunk * chunk on (Llama 4's chunked local
+ * attention; with a window too, the later of the two starts); soft_cap > 0 caps
  * each scaled score s to soft_cap * tanh(s / soft_cap) (Gemma 2's attention-logit softcapping); sinks, if not
  * NULL, holds a logit per query head that joins each softmax's denominator (GPT-OSS's attention sinks);
  * alibi_slopes, if not NULL, a slope per query head: a key t positions before the query scores slope * -t more
@@ -200,10 +204,11 @@ static void attend_dispatch(const Args *a, int64_t seq, int64_t j0, int64_t j1, 
 void paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                             const int32_t *block_tables, const int32_t *context_lens, float *out,
                             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
-                            int64_t block_size, int64_t max_blocks, int64_t window, int64_t num_threads,
+                            int64_t block_size, int64_t max_blocks, int64_t window, int64_t chunk,
+                            int64_t num_threads,
                             float scale, float soft_cap, const float *sinks, const float *alibi_slopes) {
     const Args a = {q, k_cache, v_cache, block_tables, context_lens, sinks, alibi_slopes, out, num_heads, num_kv_heads,
-                    block_size, max_blocks, window, scale, soft_cap};
+                    block_size, max_blocks, window, chunk, scale, soft_cap};
     int64_t slices = (4 * num_threads + num_seqs - 1) / num_seqs;
     slices = slices < 1 ? 1 : slices > num_kv_heads ? num_kv_heads : slices;
     const int64_t items = num_seqs * slices;

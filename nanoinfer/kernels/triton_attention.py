@@ -9,7 +9,8 @@ may be soft-capped (Gemma 2): cap * tanh(score / cap), in natural units, before 
 the keys (DeepSeek's latent cache): q and k are then wider than v, their extra dims read by the scores alone, and
 the one KV head's many query heads are split over programs. A head's sink logit (GPT-OSS) is a key of value 0 that
 every query sees: the online softmax starts from it. ALiBi (BLOOM, MPT) adds -slope * |query position - key position|
-to each head's scores, after the cap."""
+to each head's scores, after the cap. Chunked local attention (Llama 4) limits a causal query at position p to the keys
+from p // chunk * chunk on: its own chunk's."""
 import functools
 from dataclasses import dataclass
 
@@ -52,14 +53,16 @@ def _tanh(x):
 
 @triton.jit(do_not_specialize=["num_seqs"])  # a loop bound in _find_seq: must stay a tensor, even when 1
 def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, block_tables_ptr,
-                      context_lens_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, qk_scale, cap_scale, window, num_seqs,
+                      context_lens_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, qk_scale, cap_scale, window, chunk,
+                      num_seqs,
                       num_heads, num_segments, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                       stride_bt, sinks_ptr, alibi_ptr,
                       GROUP: tl.constexpr, KV_SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                       TAIL_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
                       DECODE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                      SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, ALIBI: tl.constexpr,
+                      HAS_CHUNK: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+                      ALIBI: tl.constexpr,
                       UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Grid (query tiles, KV heads x KV_SPLIT, segments). A tile: BLOCK_Q tokens of one sequence x GROUP query heads
     of one KV head, the whole group or, split over KV_SPLIT programs, a part of it (a group larger than the tile's
@@ -70,7 +73,9 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, 
     HEAD_DIM is the values' (and the output's) width; q and k rows hold TAIL_DIM more, which only the scores read
     (MLA: the rope part after the latent, which is also the value). With HAS_SINKS, segment 0 starts its softmax
     from the head's sink (max = sink, sum = 1), so that split or not, the sink joins the denominator once. With ALIBI,
-    each row's score of the key at position t gains its head's -slope * |its position - t|, in base 2."""
+    each row's score of the key at position t gains its head's -slope * |its position - t|, in base 2. With HAS_CHUNK
+    (causal), a row at position p sees no key before p // chunk * chunk, and the tile's keys start at its first
+    row's chunk."""
     tile = tl.program_id(0)
     program = tl.program_id(1)
     kv_head = program // KV_SPLIT
@@ -118,6 +123,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, 
         hi = tl.minimum(end_q - 1 + window, ctx)
     if HAS_WINDOW:
         lo = tl.maximum(ctx - q_len + first_q - window + 1, 0)
+    if HAS_CHUNK:  # a CUDA graph's padding row sits at -1: the max keeps lo >= 0 whichever way // rounds
+        lo = tl.maximum(lo, (ctx - q_len + first_q) // chunk * chunk)
     # Segments of whole tiles, sized from this context: one CUDA graph serves every context length.
     seg_len = tl.cdiv(tl.cdiv(hi - lo, num_segments), BLOCK_N) * BLOCK_N
     lo = lo + segment * seg_len
@@ -159,6 +166,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, 
             visible &= key_pos[None, :] < q_pos[:, None] + window
         if HAS_WINDOW:
             visible &= key_pos[None, :] > q_pos[:, None] - window
+        if HAS_CHUNK:
+            visible &= key_pos[None, :] >= (q_pos // chunk * chunk)[:, None]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no visible key yet keeps max -inf: subtract 0 instead, so exp2 gives 0, not NaN.
@@ -287,7 +296,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_t
                       context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                       max_seqlen_q: int, scale: float, causal: bool = True, window: int | None = None,
                       config: TileConfig | None = None, soft_cap: float | None = None,
-                      sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                      sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+                      chunk: int | None = None) -> torch.Tensor:
     """q [tokens, heads, dim] -> [tokens, heads * v dim]. k, v: the paged caches [blocks, block_size, kv_heads,
     dim] (keys through block_tables), or this step's [tokens, kv_heads, dim] when each context is just this step's
     tokens (rows from cu_seqlens_k); v narrower than q and k: K's prefix (a view of it). Causal: query j of a
@@ -295,26 +305,27 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_t
     own - window with a window); non-causal, every key (with a window, those within window - 1 positions of its
     own on either side: an encoder's local attention). With soft_cap, each scaled score s becomes soft_cap *
     tanh(s / soft_cap). sinks [heads]: each head's sink logit joins the denominator of its softmax. alibi_slopes [heads]
-    fp32: each head's score of a key gains -slope * |query position - key position| (causal: key - query)."""
+    fp32: each head's score of a key gains -slope * |query position - key position| (causal: key - query). chunk
+    (causal only): a query at p sees no key before p // chunk * chunk (chunked local attention)."""
     group = q.shape[1] // k.shape[-2]
     config = config or prefill_config(group, v.shape[-1], q.element_size(), max_seqlen_q)
     return _attention(q, k, v, block_tables, context_lens, cu_seqlens_q, cu_seqlens_k, scale, soft_cap, causal,
-                      window, config, decode=False, sinks=sinks, alibi_slopes=alibi_slopes)
+                      window, config, decode=False, sinks=sinks, alibi_slopes=alibi_slopes, chunk=chunk)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, window: int | None = None, num_segments: int = 1,
                      partials: DecodePartials | None = None, config: TileConfig | None = None,
                      soft_cap: float | None = None, sinks: torch.Tensor | None = None,
-                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                     alibi_slopes: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """One query token per sequence: q [seqs, heads, dim] over the paged caches -> [seqs, heads * v dim]; a context
     length 0 gives zeros. With num_segments > 1 each context is split into that many segments computed in
     parallel into `partials` (capacity >= seqs * num_segments), then merged by a reduce kernel. soft_cap, sinks,
-    alibi_slopes and a v narrower than k: as in prefill_attention."""
+    alibi_slopes, chunk and a v narrower than k: as in prefill_attention."""
     config = config or decode_config(q.shape[1] // k_cache.shape[2], v_cache.shape[-1], q.element_size())
     return _attention(q, k_cache, v_cache, block_tables, context_lens, None, None, scale, soft_cap, True, window,
                       config, decode=True, num_segments=num_segments, partials=partials, sinks=sinks,
-                      alibi_slopes=alibi_slopes)
+                      alibi_slopes=alibi_slopes, chunk=chunk)
 
 
 def _score_scales(scale: float, soft_cap: float | None) -> tuple[float, float]:
@@ -328,7 +339,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: 
                context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
                scale: float, soft_cap: float | None, causal: bool, window: int | None, config: TileConfig,
                decode: bool, num_segments: int = 1, partials: DecodePartials | None = None,
-               sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+               chunk: int | None = None) -> torch.Tensor:
     num_tokens, num_heads, qk_dim = q.shape
     head_dim, num_kv_heads = v.shape[-1], k.shape[-2]  # head_dim: the values' and the output's
     paged = k.dim() == 4
@@ -336,7 +348,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: 
     # Unit last strides; paged slots address rows as block * size + offset.
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and (
         not paged or k.is_contiguous() and v.stride(0) == v.shape[1] * v.stride(1))
-    assert 1 <= num_segments <= MAX_SEGMENTS and all(
+    assert 1 <= num_segments <= MAX_SEGMENTS and (causal or chunk is None) and all(
         x is None or x.shape == (num_heads,) and x.is_contiguous() for x in (sinks, alibi_slopes))
     out = q.new_empty(num_tokens, num_heads * head_dim)
     if num_tokens == 0:
@@ -356,12 +368,12 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: 
     cu_k = context_lens if cu_seqlens_k is None else cu_seqlens_k
     _attention_kernel[(num_tiles, num_kv_heads * kv_split, num_segments)](
         q, k, v, out, *bufs, block_tables, context_lens, cu_q, cu_k, *_score_scales(scale, soft_cap), window or 0,
-        context_lens.shape[0], num_heads, num_segments, q.stride(0), q.stride(1), k.stride(-3), k.stride(-2),
-        v.stride(-3), v.stride(-2), block_tables.stride(0), GROUP=group, KV_SPLIT=kv_split, HEAD_DIM=head_dim,
-        BLOCK_D=block_d, TAIL_DIM=tail, BLOCK_T=_block_d(tail), BLOCK_M=config.block_m, BLOCK_Q=config.block_m // group,
-        BLOCK_N=config.block_n, KV_BLOCK_SIZE=k.shape[1] if paged else 1, DECODE=decode, PAGED=paged, CAUSAL=causal,
-        HAS_WINDOW=window is not None, SPLIT=split, SOFTCAP=soft_cap is not None, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        chunk or 0, context_lens.shape[0], num_heads, num_segments, q.stride(0), q.stride(1), k.stride(-3),
+        k.stride(-2), v.stride(-3), v.stride(-2), block_tables.stride(0), GROUP=group, KV_SPLIT=kv_split,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, TAIL_DIM=tail, BLOCK_T=_block_d(tail), BLOCK_M=config.block_m,
+        BLOCK_Q=config.block_m // group, BLOCK_N=config.block_n, KV_BLOCK_SIZE=k.shape[1] if paged else 1,
+        DECODE=decode, PAGED=paged, CAUSAL=causal, HAS_WINDOW=window is not None, HAS_CHUNK=chunk is not None,
+        SPLIT=split, SOFTCAP=soft_cap is not None, num_warps=config.num_warps, num_stages=config.num_stages,
         # Without sinks (ALiBi) the pointer is never read: any tensor will do.
         sinks_ptr=context_lens if sinks is None else sinks, HAS_SINKS=sinks is not None,
         alibi_ptr=context_lens if alibi_slopes is None else alibi_slopes, ALIBI=alibi_slopes is not None,

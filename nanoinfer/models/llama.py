@@ -24,6 +24,7 @@ class AttentionOptions:
     qk_norm: bool = False
     qk_norm_after_rope: bool = False  # HunYuan: the q/k norms take the rotated q and k
     sliding_window: int | None = None  # attend to the last this-many positions (the query's own included)
+    attention_chunk_size: int | None = None  # Llama 4's chunked local attention: keys of the query's own chunk alone
     # Qwen3-Next: q_proj also yields a per-head output gate (attention output * sigmoid(gate) before o_proj).
     output_gate: bool = False
     # AFMoE, Laguna: a projection of its own (g_proj) gates the attention output before o_proj, through this
@@ -113,7 +114,8 @@ class LlamaAttention(nn.Module):
         scale = self.head_dim ** -0.5 if options.scale is None else options.scale
         self.attn = self.attn_class(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window,
                                     options.logits_soft_cap, sinks=options.sinks, encoder_only=options.encoder_only,
-                                    alibi_slopes=options.alibi_slopes)
+                                    alibi_slopes=options.alibi_slopes,
+                                    attention_chunk_size=options.attention_chunk_size)
         if options.qk_norm:
             norm_class = options.qk_norm_class or RMSNorm
             self.q_norm, self.k_norm = (norm_class(self.head_dim, config.rms_norm_eps) for _ in range(2))

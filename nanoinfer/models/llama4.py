@@ -1,9 +1,7 @@
 """Llama 4 (Scout, Maverick) as text: the Llama decoder with interleaved rope and a weightless q/k norm after it on
 most layers, NoPE layers (`no_rope_layers` 0) whose queries are scaled by a position-dependent temperature instead,
-and, on `moe_layers`, routed experts plus a shared expert (dense layers: `intermediate_size_mlp` wide).
-
-Chunked local attention (`attention_chunk_size`, on the rope layers) is plain causal attention while a sequence
-fits in one chunk; config.py refuses a longer max_model_len rather than run it differently from transformers."""
+and, on `moe_layers`, routed experts plus a shared expert (dense layers: `intermediate_size_mlp` wide). The rope
+layers' attention is chunked (`attention_chunk_size`): a query sees only the keys of its own chunk."""
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -12,6 +10,7 @@ from nanoinfer.layers.fused_moe import FusedMoE, select_experts_sigmoid_topk
 from nanoinfer.layers.layernorm import WeightlessRMSNorm
 from nanoinfer.layers.linear import ReplicatedLinear
 from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM, LlamaMLP
+from nanoinfer.models.registry import chunked_attention_size
 
 
 class Llama4MoE(nn.Module):
@@ -51,7 +50,8 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         temperature = (config.floor_scale, config.attn_scale, 1.0) if tuned else None
         return AttentionOptions(qkv_bias=bias, o_bias=bias, rope=rope, rope_interleaved=True,
                                 qk_norm=config.use_qk_norm and rope, qk_norm_after_rope=True,
-                                qk_norm_class=WeightlessRMSNorm, query_temperature=temperature)
+                                qk_norm_class=WeightlessRMSNorm, query_temperature=temperature,
+                                attention_chunk_size=chunked_attention_size(config, layer_idx))
 
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:

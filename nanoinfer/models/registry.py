@@ -200,6 +200,15 @@ def has_attention_sinks(architectures: list[str] | None) -> bool:
     return bool(architectures) and architectures[0] in _ATTENTION_SINKS
 
 
+def chunked_attention_size(config: PretrainedConfig, layer_idx: int | None = None) -> int | None:
+    """Llama 4's chunked local attention: `attention_chunk_size` on the layers `layer_types` marks
+    "chunked_attention" (transformers' rule; its default marks the rope layers), on layer_idx or, None, on any."""
+    chunked = [t == "chunked_attention" for t in getattr(config, "layer_types", None) or ()]
+    if not (any(chunked) if layer_idx is None else layer_idx < len(chunked) and chunked[layer_idx]):
+        return None
+    return getattr(config, "attention_chunk_size", None)
+
+
 def sparse_attention_architecture(architectures: list[str] | None) -> str | None:
     """The architecture's name where its attention is DeepSeek's sparse attention, else None."""
     return architectures[0] if architectures and architectures[0] in _SPARSE_ATTENTION else None

@@ -24,32 +24,36 @@ def get_backend(name: str, dtype: torch.dtype, device: torch.device = torch.devi
 
 class Attention(nn.Module):
     """Stores this step's K/V into the paged cache, then attends over each sequence's whole context, or over the
-    last `sliding_window` positions of it (the query's own included). A non-causal pass (LLM.embed's encoder pass)
-    drops a decoder's window, but keeps an `encoder_only` layer's on both sides: keys within sliding_window - 1
-    positions of the query (ModernBERT's local layers; vLLM's encoder-only attention). With `logits_soft_cap`
-    (Gemma 2), each scaled score s becomes logits_soft_cap * tanh(s / logits_soft_cap) before masking and softmax. With
-    `value_prefix_dim` (DeepSeek's latent cache, MLA), each value is its key's first value_prefix_dim entries: the
-    layer takes no v, only K is cached, and the output per head is value_prefix_dim wide. With `sinks` (GPT-OSS), a
-    learned logit per head, the parameter `sinks` [num_heads], joins each softmax's denominator as a key whose value
-    is 0. With `alibi_slopes` [the model's heads] (BLOOM, MPT), each head adds -slope * |query position - key
-    position| to its scaled scores (after a soft cap; causally, slope * (key - query position)); this rank keeps its
-    own heads' slopes, fp32, in the buffer of that name.
+    last `sliding_window` positions of it (the query's own included). With `attention_chunk_size` (Llama 4's chunked
+    local attention), a query at position p sees only its own chunk's keys, from p // attention_chunk_size *
+    attention_chunk_size on (and within its window, where it has both). A non-causal pass (LLM.embed's encoder pass)
+    drops a decoder's window and chunks, but keeps an `encoder_only` layer's window on both sides: keys within
+    sliding_window - 1 positions of the query (ModernBERT's local layers; vLLM's encoder-only attention). With
+    `logits_soft_cap` (Gemma 2), each scaled score s becomes logits_soft_cap * tanh(s / logits_soft_cap) before masking
+    and softmax. With `value_prefix_dim` (DeepSeek's latent cache, MLA), each value is its key's first value_prefix_dim
+    entries: the layer takes no v, only K is cached, and the output per head is value_prefix_dim wide. With `sinks`
+    (GPT-OSS), a learned logit per head, the parameter `sinks` [num_heads], joins each softmax's denominator as a key
+    whose value is 0. With `alibi_slopes` [the model's heads] (BLOOM, MPT), each head adds -slope * |query position -
+    key position| to its scaled scores (after a soft cap; causally, slope * (key - query position)); this rank keeps
+    its own heads' slopes, fp32, in the buffer of that name.
     num_heads, num_kv_heads: this tensor-parallel rank's."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
                  value_prefix_dim: int | None = None, sinks: bool = False, encoder_only: bool = False,
-                 alibi_slopes: torch.Tensor | None = None):
+                 alibi_slopes: torch.Tensor | None = None, attention_chunk_size: int | None = None):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        if attention_chunk_size is not None and attention_chunk_size < 1:
+            raise ValueError(f"attention_chunk_size must be >= 1 or None, got {attention_chunk_size}")
         if logits_soft_cap is not None and not logits_soft_cap > 0:
             raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
         if value_prefix_dim is not None and not 0 < value_prefix_dim < head_dim:
             raise ValueError(f"value_prefix_dim must be in (0, head_dim={head_dim}) or None, got {value_prefix_dim}")
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
-        self.encoder_only = encoder_only
+        self.encoder_only, self.attention_chunk_size = encoder_only, attention_chunk_size
         self.value_prefix_dim = value_prefix_dim
         self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None
         self.first_head, self.total_heads = tp_rank() * num_heads, tp_size() * num_heads  # this rank's in the model's
@@ -104,7 +108,8 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = k[..., :self.value_prefix_dim] if self.value_prefix_dim else v.view(-1, self.num_kv_heads, self.head_dim)
         window = self.sliding_window if meta.causal or self.encoder_only else None
+        chunk = self.attention_chunk_size if meta.causal else None
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, window,
-                                    self.logits_soft_cap, self.sinks, self.alibi_slopes)
+                                    self.logits_soft_cap, self.sinks, self.alibi_slopes, chunk)
 
 __all__ = ["Attention", "AttentionMetadata", "get_backend"]

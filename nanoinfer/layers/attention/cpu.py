@@ -3,6 +3,7 @@ reading K/V in place on CPU fp32 (else one batched SDPA over gathered blocks). P
 for steps of a few tokens per sequence (speculative verification), every query row through the decode kernel.
 SDPA cannot soft-cap scores nor add attention sinks: such layers compute the scores explicitly instead. ALiBi's
 biases go into SDPA as a float mask (alibi.py)."""
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -122,11 +123,12 @@ class CPUAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
                 soft_cap: float | None = None, sinks: torch.Tensor | None = None,
-                alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                alibi_slopes: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
         """q [tokens, heads, dim] and this step's k, v [tokens, kv_heads, dim], already stored in the cache
         -> [tokens, heads * v dim]; without a cached prefix k, v may hold longer contexts, sequence i's from row
         cu_seqlens_k[i] (MLA's decompressed K/V, never stored). With a window, a query at position p sees keys at
-        p - window < position <= p, or, in a non-causal pass, at p - window < position < p + window. With soft_cap,
+        p - window < position <= p, or, in a non-causal pass, at p - window < position < p + window. With a chunk
+        (causal only), it sees only keys from p // chunk * chunk on, its own chunk's. With soft_cap,
         each scaled score s becomes soft_cap * tanh(s / soft_cap) before the mask. With sinks [heads], each head's
         sink logit joins the denominator of its softmax. With alibi_slopes [heads] fp32, each head adds -slope *
         |query position - key position| to its scores. A V cache narrower than the K cache is K's prefix (a view of
@@ -134,17 +136,19 @@ class CPUAttentionBackend:
         state: CPUState = meta.backend_state
         if state is not None and state.row_context_lens is not None:
             return _kernel_decode(q, k_cache, v_cache, state.row_block_tables, state.row_context_lens, scale, window,
-                                  soft_cap, sinks, alibi_slopes)
+                                  soft_cap, sinks, alibi_slopes, chunk)
         if not meta.is_decode:
-            return self._prefill(q, k, v, k_cache, v_cache, meta, scale, window, soft_cap, sinks, alibi_slopes)
+            return self._prefill(q, k, v, k_cache, v_cache, meta, scale, window, soft_cap, sinks, alibi_slopes, chunk)
         if self.decode_kernel:
             return _kernel_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window, soft_cap,
-                                  sinks, alibi_slopes)
+                                  sinks, alibi_slopes, chunk)
         b, slots = meta.num_seqs, state.mask.shape[-1]
         mask = state.mask
         slot = torch.arange(slots, device=mask.device)
         if window is not None:
             mask = mask & (slot >= (meta.context_lens - window).view(-1, 1, 1, 1))
+        if chunk is not None:  # the query sits at context - 1 (>= 0: padding rows see no key anyway)
+            mask = mask & (slot >= ((meta.context_lens - 1).clamp_min(0) // chunk * chunk).view(-1, 1, 1, 1))
         if alibi_slopes is not None:  # the query sits at context - 1
             mask = alibi_mask(alibi_slopes, (slot - (meta.context_lens.view(-1, 1) - 1)).unsqueeze(1), mask[:, 0],
                               q.dtype)
@@ -161,19 +165,21 @@ class CPUAttentionBackend:
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None,
-                 soft_cap: float | None, sinks: torch.Tensor | None, alibi_slopes: torch.Tensor | None
-                 ) -> torch.Tensor:
+                 soft_cap: float | None, sinks: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
+                 chunk: int | None) -> torch.Tensor:
         # This step's v may be None where every sequence attends over the cache alone.
         out = q.new_empty(q.shape[0], q.shape[1] * (v_cache if v is None else v).shape[-1])
-        for i, (start, end, ctx, k_start) in enumerate(meta.backend_state.spans):
+        for i, (start, end, ctx, k_start) in _split_at_chunks(meta.backend_state.spans, chunk):
             n = end - start
             # Query j sits at position ctx - n + j; the earliest key any of them sees is first (a non-causal pass
-            # has no cached prefix: ctx == n, first 0).
+            # has no cached prefix: ctx == n, first 0). With chunks, all of them sit in one chunk.
             first = 0 if window is None else max(0, ctx - n - window + 1)
+            if chunk is not None:
+                first = max(first, (ctx - n) // chunk * chunk)
             if not meta.has_cached_prefix:  # k, v hold every context (MLA's decompressed ones may exceed the step's)
                 ks, vs = k[k_start + first:k_start + ctx], v[k_start + first:k_start + ctx]
-            elif ctx == n:  # no cached prefix: this step's keys are the whole context
-                ks, vs = k[start:end], v[start:end]
+            elif first >= ctx - n:  # every key seen is this step's: its rows from the first query's on
+                ks, vs = k[start + first - (ctx - n):end], v[start + first - (ctx - n):end]
             else:
                 blocks = meta.block_tables[i, first // meta.block_size:-(-ctx // meta.block_size)]
                 skip = first % meta.block_size
@@ -181,7 +187,8 @@ class CPUAttentionBackend:
                 vs = (ks[..., :v_cache.shape[-1]] if v_cache.shape[-1] < k_cache.shape[-1]  # V is K's prefix
                       else self._gather("v", v_cache, blocks).flatten(0, 1)[skip:skip + ctx - first])
             mask = None
-            if ctx != n or (window is not None and window < n) or alibi_slopes is not None:
+            # Without a mask, SDPA's causal mask is square: right where the keys are exactly the queries' positions.
+            if ctx - first != n or (window is not None and window < n) or alibi_slopes is not None:
                 q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
                 k_pos = torch.arange(first, ctx, device=q.device)
                 mask = _visible(q_pos, k_pos, meta.causal, window)
@@ -202,6 +209,22 @@ class CPUAttentionBackend:
         return torch.index_select(cache, 0, block_index, out=buf[:numel].view(shape))
 
 
+def _split_at_chunks(spans: list[tuple[int, int, int, int]], chunk: int | None
+                     ) -> Iterator[tuple[int, tuple[int, int, int, int]]]:
+    """(sequence, span) for each span (start row, end row, context, first k row) cut where its queries cross into a
+    new chunk: each piece's queries see the keys of one chunk alone, so they attend as a span of their own whose
+    context ends at its last query (+ 1)."""
+    for i, (start, end, ctx, k_start) in enumerate(spans):
+        if chunk is None:
+            yield i, (start, end, ctx, k_start)
+            continue
+        first_pos = ctx - (end - start)  # the position of row `start`
+        while start < end:
+            piece_end = min(end, start + chunk - first_pos % chunk)
+            yield i, (start, piece_end, first_pos + piece_end - start, k_start)
+            first_pos, start = first_pos + piece_end - start, piece_end
+
+
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor | None:
     """Which keys each query sees (q_pos [n, 1], k_pos [keys]): causally those up to its own position, else all of
     them; with a window only the last `window` of those (non-causal: within window - 1 on either side). None: all."""
@@ -218,15 +241,16 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int
 
 def _kernel_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                    context_lens: torch.Tensor, scale: float, window: int | None, soft_cap: float | None,
-                   sinks: torch.Tensor | None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                   sinks: torch.Tensor | None, alibi_slopes: torch.Tensor | None = None, chunk: int | None = None
+                   ) -> torch.Tensor:
     """The C decode kernel -> [seqs, heads * v dim]. With V as K's prefix, the kernel (whose V rows are laid out
     as K's) reads the whole K rows as values and each head's output keeps the prefix: the rest (MLA's rope part,
     64 of 576 for DeepSeek-V3) is ~10% more accumulation for no new kernel."""
     if v_cache.shape[-1] == k_cache.shape[-1]:
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window, soft_cap,
-                                      sinks, alibi_slopes).flatten(1)
+                                      sinks, alibi_slopes, chunk).flatten(1)
     out = paged_decode_attention(q, k_cache, k_cache, block_tables, context_lens, scale, window, soft_cap, sinks,
-                                 alibi_slopes)
+                                 alibi_slopes, chunk)
     return out[..., :v_cache.shape[-1]].flatten(1)
 
 

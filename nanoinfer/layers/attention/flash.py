@@ -25,16 +25,20 @@ class FlashAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
                 soft_cap: float | None = None, sinks: torch.Tensor | None = None,
-                alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                alibi_slopes: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
         """q [tokens, heads, dim], this step's k, v [tokens, kv_heads, dim] (already stored) -> [tokens, heads*dim].
         With a window, a query at position p sees keys at p - window < position <= p (flash-attn: left window-1),
         or, in a non-causal pass, at p - window < position < p + window (window-1 on both sides).
         With soft_cap, scores are capped to soft_cap * tanh(score / soft_cap) (flash-attn: softcap, 0 for none).
         With alibi_slopes [heads] fp32, flash-attn adds -slope * |query position - key position| to each score, as the
         other backends do, positions aligned to the bottom right as above.
-        flash-attn 2 has no attention sinks: select_backend never picks this backend for a model with them."""
+        flash-attn 2 has no attention sinks nor chunked local attention: select_backend never picks this backend for
+        a model with either."""
         if sinks is not None:
             raise ValueError("the flash backend cannot run attention sinks (flash-attn 2 has none): use 'triton'")
+        if chunk is not None:
+            raise ValueError("the flash backend cannot run chunked local attention (flash-attn 2 has none): use "
+                             "'triton'")
         window_size = (-1, -1) if window is None else (window - 1, 0 if meta.causal else window - 1)
         softcap = soft_cap or 0.0
         if meta.is_decode:

@@ -76,16 +76,17 @@ def triton_available() -> bool:
 
 
 def select_backend(requested: str, device: torch.device, *, latent_cache: bool = False,
-                   attention_sinks: bool = False, head_dim: int = 0, sparse_attention: str | None = None) -> str:
+                   attention_sinks: bool = False, chunked_attention: bool = False, head_dim: int = 0,
+                   sparse_attention: str | None = None) -> str:
     """'flash' on CUDA with flash-attn installed, else 'triton' (paged Triton kernels; triton ships with CUDA
     builds of torch); 'cpu', the PyTorch backend, on the CPU or when asked for. 'triton' on a CPU device runs
     in Triton's interpreter, which only TRITON_INTERPRET=1 turns on (tests prove the kernels' logic that way).
-    'auto' never picks flash for a latent cache (MLA; see check_backend_limits) nor for attention sinks (GPT-OSS),
-    which flash-attn 2 lacks: asking for 'flash' with sinks is an error. head_dim: the widest layer's (not MLA's);
-    'auto' takes the PyTorch backend where it is wider than flash and Triton take (Gemma 4's full layers: 512),
-    an explicit 'flash' or 'triton' is refused for it by check_backend_limits. sparse_attention: the architecture
-    where it is DeepSeek's sparse attention (models/deepseek_v32.py), which the PyTorch backend alone runs: 'auto'
-    takes it (saying so on CUDA), 'flash' and 'triton' are refused."""
+    'auto' never picks flash for a latent cache (MLA; see check_backend_limits) nor for attention sinks (GPT-OSS) or
+    chunked local attention (Llama 4), which flash-attn 2 lacks: asking for 'flash' with either is an error.
+    head_dim: the widest layer's (not MLA's); 'auto' takes the PyTorch backend where it is wider than flash and Triton
+    take (Gemma 4's full layers: 512), an explicit 'flash' or 'triton' is refused for it by check_backend_limits.
+    sparse_attention: the architecture where it is DeepSeek's sparse attention (models/deepseek_v32.py), which the
+    PyTorch backend alone runs: 'auto' takes it (saying so on CUDA), 'flash' and 'triton' are refused."""
     if requested not in BACKEND_CHOICES:
         raise ValueError(f"unknown attention_backend {requested!r}; use one of {list(BACKEND_CHOICES)}")
     if sparse_attention is not None:
@@ -94,6 +95,10 @@ def select_backend(requested: str, device: torch.device, *, latent_cache: bool =
         raise ValueError("attention_backend='flash' cannot run this model: its attention has sinks (a learned logit "
                          "per head in every softmax), which flash-attn 2 lacks; use 'triton' (its default on CUDA) "
                          "or 'cpu'")
+    if requested == "flash" and chunked_attention:
+        raise ValueError("attention_backend='flash' cannot run this model: its attention is chunked (a query sees only "
+                         "the keys of its own attention_chunk_size chunk), which flash-attn 2 lacks; use 'triton' (its "
+                         "default on CUDA) or 'cpu'")
     if requested == "triton":
         _check_triton(device)
         return "triton"
@@ -104,7 +109,8 @@ def select_backend(requested: str, device: torch.device, *, latent_cache: bool =
     if requested == "cpu":
         return "cpu"
     wide = not latent_cache and head_dim > FLASH_MAX_HEAD_DIM
-    if flash_attn_available() and (requested == "flash" or not (latent_cache or attention_sinks or wide)):
+    if flash_attn_available() and (requested == "flash"
+                                   or not (latent_cache or attention_sinks or chunked_attention or wide)):
         return "flash"
     if requested == "flash":
         raise ValueError("attention_backend='flash' needs flash-attn and triton: pip install 'nanoinfer[cuda]'")

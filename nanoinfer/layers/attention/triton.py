@@ -30,22 +30,23 @@ class TritonAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
                 soft_cap: float | None = None, sinks: torch.Tensor | None = None,
-                alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                alibi_slopes: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
         """q [tokens, heads, dim], this step's k, v [tokens, kv_heads, dim] (already stored) -> [tokens, heads * v
         dim]; without a cached prefix k, v may hold longer contexts, sequence i's from row cu_seqlens_k[i] (MLA's
         decompressed K/V). With a window, a query at position p sees keys at p - window < position <= p, or, in a
-        non-causal pass, at p - window < position < p + window. With soft_cap, each scaled score s becomes soft_cap *
+        non-causal pass, at p - window < position < p + window. With a chunk (causal only), it sees only the keys from
+        p // chunk * chunk on (Llama 4's chunked local attention). With soft_cap, each scaled score s becomes soft_cap *
         tanh(s / soft_cap) before the mask. With sinks [heads], each head's sink logit joins the denominator of its
         softmax. With alibi_slopes [heads] fp32, each head adds -slope * |query position - key position| to its
         scores. A v narrower than k is read as its own (the latent cache's is K's prefix, MLA's decompressed one a
         tensor of its own)."""
         if meta.is_decode:
-            return self._decode(q, k_cache, v_cache, meta, scale, window, soft_cap, sinks, alibi_slopes)
+            return self._decode(q, k_cache, v_cache, meta, scale, window, soft_cap, sinks, alibi_slopes, chunk)
         if meta.has_cached_prefix:  # keys come from the cache: the prefix was computed in earlier steps
             k, v = k_cache, v_cache
         return self.kernels.prefill_attention(q, k, v, meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
                                               meta.cu_seqlens_k, meta.max_seqlen_q, scale, meta.causal, window,
-                                              soft_cap=soft_cap, sinks=sinks, alibi_slopes=alibi_slopes)
+                                              soft_cap=soft_cap, sinks=sinks, alibi_slopes=alibi_slopes, chunk=chunk)
 
     def num_segments(self, num_seqs: int, programs_per_seq: int) -> int:
         """Segments per context: enough (sequence, KV head or tile of heads, segment) programs to fill the GPU. A
@@ -57,7 +58,7 @@ class TritonAttentionBackend:
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, window: int | None, soft_cap: float | None, sinks: torch.Tensor | None,
-                alibi_slopes: torch.Tensor | None) -> torch.Tensor:
+                alibi_slopes: torch.Tensor | None, chunk: int | None) -> torch.Tensor:
         num_seqs, num_heads, head_dim = *q.shape[:2], v_cache.shape[-1]
         programs = self.kernels.decode_programs(num_heads, k_cache.shape[2], head_dim, q.element_size())
         segments = self.num_segments(num_seqs, programs)
@@ -72,4 +73,4 @@ class TritonAttentionBackend:
                     -(-2 * self.split_target // programs), num_heads, head_dim, q.device)
         return self.kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, window,
                                              segments, partials, soft_cap=soft_cap, sinks=sinks,
-                                             alibi_slopes=alibi_slopes)
+                                             alibi_slopes=alibi_slopes, chunk=chunk)
