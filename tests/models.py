@@ -266,6 +266,9 @@ EXTRA_KINDS += MAMBA1_KINDS
 # Kolibri-1 (kolibri1): EXAONE 4's attention (sliding layers 0 and 2 with rope, a full NoPE layer 1) in GLM-4's
 # four-norm layer, 2 of 8 experts on every layer (the top router logits plus a random correction bias, weighted by
 # their sigmoid, renormalized) plus a shared expert.
+# JetMoE (jetmoe): its mixture of attention heads (2 of 8 experts' query and output projections over 2 shared KV
+# heads, an output bias) and MoE MLP (2 of 8 experts, a bias) on every layer; rms_norm_eps 1e-5 for the final norm
+# (the layers' stay at 1e-6, as transformers').
 # LFM3: LFM2's short convolutions (layers 0 and 2) with a sliding attention layer 1 and a full one 3 with its own
 # (proportional) rope over half of each head, sandwich norms, a sigmoid output gate per head, q/k/v/o biases.
 # OLMo Hybrid (olmo-hybrid): Gated DeltaNet layers 0 and 2 (q, k, v and their convs stored apart, beta doubled) around
@@ -290,14 +293,23 @@ DSA_TOPK, DSA_WIDE_TOPK = 6, 512
 # 8 real experts and 4 zero (identity) ones by softmax + a random correction bias, not renormalized, scaled.
 # Doge: per-head q/k norms, the dynamic mask's key bias (A of std DOGE_A_STD, so that it varies by key), residual
 # scales near 1, q/k/v/o and MLP biases, one KV head per two query heads.
+# Dense variants (NEWEST_DENSE_KINDS, tested with the dense families: test_correctness.py, test_families.py):
+# HyperCLOVAX (hyperclovax): Granite's multipliers (each away from 1) with a norm on each sublayer's output
+# (use_post_norm) and the logits multiplied by logits_scaling. BitNet: the unquantized layout, RMSNorms over the
+# attention output and the MLP's gated activations (attn_sub_norm, ffn_sub_norm), relu2. MiniCPM3: DeepSeek's MLA
+# (low-rank q, V narrower than K) with rotate-half rope, embeddings times scale_emb, sublayers times
+# scale_depth / sqrt(layers), logits over hidden_size / dim_model_base (2). DiffLlama: differential attention, 8 query
+# heads on 4 KV heads (two pairs of value heads, two query heads per KV head), lambda_init growing by layer. HRM-Text
+# (hrm-text): two stacks of 2 gated-attention layers, 2 high-level cycles of 2 low-level runs each.
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
                    "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid", "deepseek-v32": "deepseek_v32",
                    "deepseek-v32-wide": "deepseek_v32", "glm-moe-dsa": "glm_moe_dsa", "axk2": "axk2",
                    "kimi-linear": "kimi_linear", "minimax": "minimax", "mimo-v2-flash": "mimo_v2_flash",
-                   "longcat-flash": "longcat_flash", "doge": "doge"}
+                   "longcat-flash": "longcat_flash", "doge": "doge", "hyperclovax": "hyperclovax", "bitnet": "bitnet",
+                   "minicpm3": "minicpm3", "diffllama": "diffllama", "hrm-text": "hrm_text", "jetmoe": "jetmoe"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "minimax")  # tested as the other hybrids (test_ssm.py)
-NEWEST_DENSE_KINDS = ("doge",)  # tested as the dense families (test_families.py)
+NEWEST_DENSE_KINDS = ("doge", "hyperclovax", "bitnet", "minicpm3", "diffllama", "hrm-text")
 NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS  # as the MoEs (test_moe.py)
                          if kind not in NEWEST_HYBRID_KINDS + NEWEST_DENSE_KINDS)
 EXTRA_KINDS += NEWEST_KINDS
@@ -341,6 +353,8 @@ GPT_OSS_GATE_UP_STD = 0.6
 # Zamba's and Zamba2's layer matrices (shared blocks, adapters, linears, Mamba projections and convs): INIT_STD times
 # this. At INIT_STD Zamba2's 5 layers of fan-in 128 attention (scaled by (head_dim / 2) ** -0.5) are chaotic:
 # transformers' own fp32 logits sit 7e-3 from its fp64 ones; at half, 2e-5. (Zamba's at INIT_STD: ours 3.6e-4 away.)
+# HRM-Text's too: its 12 runs of a layer per token at INIT_STD put transformers' fp32 logits 2e-4 from its fp64 ones; at
+# half, 3e-6.
 ZAMBA2_LAYER_WEIGHT_SCALE = 0.5
 SHARD_SIZE = "200KB"
 # LongCat-Flash's correction bias, added to softmax probabilities (~1/12 each here, not sigmoids near 1/2): at the others'
@@ -388,6 +402,8 @@ _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint"
            "lfm3": 2030, "olmo-hybrid": 3141, "deepseek-v32": 4252, "deepseek-v32-wide": 4252, "glm-moe-dsa": 5363,
            "axk2": 6474, "kimi-linear": 4252, "minimax": 5363, "mimo-v2-flash": 4252, "longcat-flash": 5363,
            "doge": 6474}
+_SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7585, "hrm-text": 8696,
+           "jetmoe": 9707}
 
 
 def _token_ids():
@@ -1155,6 +1171,33 @@ def newest_family_config(kind: str, special: dict):
         return transformers.DogeConfig(**{k: v for k, v in common.items() if k != "head_dim"}, attention_bias=True,
                                        mlp_bias=True, keep_window_size=512,
                                        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "hyperclovax":
+        return transformers.HyperCLOVAXConfig(**common, use_post_norm=True, embedding_multiplier=3.0,
+                                              attention_multiplier=0.4, residual_multiplier=0.6, logits_scaling=0.5,
+                                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "bitnet":
+        return transformers.BitNetConfig(**{k: v for k, v in common.items() if k not in ("hidden_act", "head_dim")},
+                                         hidden_act="relu2",
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "minicpm3":  # tied, as MiniCPM3-4B
+        return transformers.MiniCPM3Config(**{**common, "num_key_value_heads": 4, "tie_word_embeddings": True},
+                                           kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                           v_head_dim=16, scale_emb=3.0, scale_depth=1.4, dim_model_base=32,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "diffllama":
+        return transformers.DiffLlamaConfig(**{**common, "num_attention_heads": 8, "num_key_value_heads": 4},
+                                            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "hrm-text":  # 2 layers per stack, 2 high-level cycles of 2 low-level runs each: 12 runs of a layer
+        return transformers.HrmTextConfig(**{k: v for k, v in common.items() if k not in ("num_key_value_heads",
+                                                                                          "num_hidden_layers")},
+                                          num_hidden_layers=2, H_cycles=2, L_cycles=2, embedding_scale=3.0,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "jetmoe":
+        return transformers.JetMoeConfig(**{k: v for k, v in common.items() if k not in (
+            "num_attention_heads", "head_dim", "hidden_act", "intermediate_size", "rms_norm_eps")},
+                                         kv_channels=16, intermediate_size=32, num_local_experts=8,
+                                         num_experts_per_tok=2, rms_norm_eps=1e-5,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     raise ValueError(f"unknown model kind {kind!r}; expected one of {NEWEST_KINDS}")
 
 
@@ -1513,10 +1556,10 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
         _sharpen_gpt_oss_(model, _SEEDS[base_kind])
     if kind in SSM_KINDS + MAMBA2_HYBRID_KINDS:
         _randomize_mamba_(model, _SEEDS[base_kind])
-    if kind in ("zamba", "zamba2"):
+    if kind in ("zamba", "zamba2", "hrm-text"):
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if name.startswith("model.layers.") and p.dim() > 1:
+                if name.startswith(("model.layers.", "model.L_module.", "model.H_module.")) and p.dim() > 1:
                     p.mul_(ZAMBA2_LAYER_WEIGHT_SCALE)
     if kind in MAMBA1_KINDS:
         _randomize_mamba1_(model, _SEEDS[base_kind])
@@ -1530,11 +1573,13 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
                     p.copy_(DOGE_A_STD * torch.randn(p.shape, generator=g))
                 elif name.endswith("_residual"):
                     p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
-    if kind == "mpt":  # its norms (norm_1, norm_2, norm_f), which _randomize_ does not know by name, as the others'
+    # Norms that _randomize_ does not know by name, as the others': MPT's (norm_1, norm_2, norm_f), HyperCLOVAX's
+    # post_norm1 and post_norm2.
+    if kind in ("mpt", "hyperclovax"):
         g = torch.Generator().manual_seed(_SEEDS[base_kind] + 4)
         with torch.no_grad():
             for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-                if ".norm_" in name:
+                if ".norm_" in name or ".post_norm" in name:
                     p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
     if kind == "axk2":  # its norms' gate MLPs, which _randomize_ took for norm weights (1 + noise), as linears
         g = torch.Generator().manual_seed(_SEEDS[base_kind] + 4)

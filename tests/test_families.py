@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-from models import (LAYERNORM_KINDS, cached_hf_greedy, check_against_hf, chunked_prefix_preemption_logit_diff,
-                    hf_reordering_noise, random_prompts, shared_prefix_prompts)
+from models import (LAYERNORM_KINDS, NEWEST_DENSE_KINDS, cached_hf_greedy, check_against_hf,
+                    chunked_prefix_preemption_logit_diff, hf_reordering_noise, random_prompts, shared_prefix_prompts)
 from nanoinfer import LLM, SamplingParams
 
 MAX_TOKENS = 16
@@ -22,7 +22,7 @@ LOGIT_ATOL = 1e-4
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2", "gemma", "granite", "smollm3", "glm4", "glm",
                                   *LAYERNORM_KINDS, "nemotron", "gemma4", "gemma4-e", "ministral", "ministral3",
-                                  "vaultgemma", "granite-swa", "jais2", "nanochat", "gemma3n", "doge"])
+                                  "vaultgemma", "granite-swa", "jais2", "nanochat", "gemma3n", *NEWEST_DENSE_KINDS])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): each holds half the heads and MLP; windows, ropes and norms per rank."""
     d = model_dir(kind)
@@ -116,6 +116,13 @@ def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_di
     # transformers' CDMoE mixes router logits across the batch's tokens; the top-k dynamic mask is not implemented.
     ("doge", dict(is_moe=True), "is_moe=True"),
     ("doge", dict(keep_window_size=64), "keep_window_size=64"),
+    # BitNet's packed ternary checkpoints (microsoft/bitnet-b1.58-2B-4T's quantization_config).
+    ("bitnet", dict(quantization_config={"quant_method": "bitnet", "linear_class": "autobitlinear",
+                                         "quantization_mode": "offline"}), "quant_method='bitnet'"),
+    # Differential attention pairs the KV heads (transformers refuses an odd count too).
+    ("diffllama", dict(num_key_value_heads=1), "num_key_value_heads=1"),
+    ("diffllama", dict(attention_dropout=0.1), "attention_dropout=0.1"),
+    ("jetmoe", dict(activation_function="gelu"), "activation_function='gelu'"),
 ])
 def test_newest_families_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes,
                                                                              message):
@@ -123,6 +130,20 @@ def test_newest_families_settings_the_engine_cannot_run_are_refused_by_name(kind
     with pytest.raises(ValueError, match=message) as refused:
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
     assert str(d) in str(refused.value)
+
+
+@pytest.mark.parametrize("kind", [*NEWEST_DENSE_KINDS, "jetmoe"])
+def test_attention_layers_hold_the_cache_heads_the_backend_was_chosen_for(kind, model_dir):
+    """Config picks and checks the attention backend for the cache's head size (cache_head_dim): the one the model's
+    attention layers hold, also where it is not the config's head_dim (DiffLlama's doubled heads, MiniCPM3's latent
+    rows, JetMoE's kv_channels)."""
+    from nanoinfer.config import cache_head_dim
+    from nanoinfer.layers.attention import Attention
+
+    with LLM(str(model_dir(kind)), device="cpu", dtype="float32", max_model_len=64) as llm:
+        hf_config = llm.llm_engine.config.hf_config
+        widths = {m.head_dim for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Attention)}
+    assert widths == {cache_head_dim(hf_config, getattr(hf_config, "kv_lora_rank", None))}
 
 
 def test_gpt_neo_unknown_attention_type_is_refused_by_name(model_dir, tmp_path):
@@ -177,13 +198,14 @@ def test_mpt_sequences_are_bounded_by_max_seq_len(model_dir):
 
 
 @pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj", "gemma4", "gemma4-e", "bloom", "mpt", "opt-350m",
-                                  "gemma3n", "doge"])
+                                  "gemma3n", *NEWEST_DENSE_KINDS])
 def test_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, captured_logits, report_logit_diff):
     """7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once, twice: the
     parallel residual (Phi, GPT-NeoX, GPT-J), layers of two head sizes and values from the keys (Gemma 4), layers
     attending over other layers' keys and values, cached or of the step (Gemma 4 E2B/E4B, Gemma 3n), ALiBi's
     key-minus-query distances over cached prefixes and chunks (BLOOM, MPT), post-norm layers and OPT's offset
-    positions (OPT-350m), Doge's key biases cached with the keys."""
+    positions (OPT-350m), Doge's key biases cached with the keys, the other dense variants of NEWEST_DENSE_KINDS
+    (MiniCPM3's MLA over cached latents, DiffLlama's padded keys and paired values in the cache)."""
     worst = chunked_prefix_preemption_logit_diff(model_dir(kind), captured_logits, MAX_TOKENS)
     report_logit_diff(f"{kind}, chunked prefill + prefix hits + preemption", worst)
     # Gemma 4 E amplifies fp32 rounding at one position (5e-5 between transformers' own cached and uncached

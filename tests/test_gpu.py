@@ -7,8 +7,8 @@ import gc
 import pytest
 import torch
 
-from models import (DENSE_KINDS, EXTRA_KINDS, LAYERNORM_KINDS, MODEL_KINDS, check_against_hf, check_bf16_outputs,
-                    hf_attention, hf_greedy, random_prompts)
+from models import (DENSE_KINDS, EXTRA_KINDS, LAYERNORM_KINDS, MODEL_KINDS, NEWEST_DENSE_KINDS, check_against_hf,
+                    check_bf16_outputs, hf_attention, hf_greedy, random_prompts)
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
 from nanoinfer.layers.attention import Attention
@@ -99,7 +99,7 @@ BF16_RECURRENT_DENSE_KINDS = ("mamba", "falcon-mamba", "lfm2", "bamba", "granite
 
 @pytest.mark.parametrize("kind", MODEL_KINDS + ("mistral", "gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3",
                                                 "olmo2", "olmo3", "glm4", "glm", "gemma4", "gemma3n") + LAYERNORM_KINDS
-                         + DENSE_KINDS + BF16_RECURRENT_DENSE_KINDS)
+                         + DENSE_KINDS + NEWEST_DENSE_KINDS + BF16_RECURRENT_DENSE_KINDS)
 def test_bf16_matches_transformers_up_to_bf16_rounding(kind, backend, model_dir, captured_logits,
                                                        report_logit_diff):
     """Dense families (mixture-of-experts routing can flip between near-equal experts in bf16, which is not a

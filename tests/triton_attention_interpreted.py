@@ -581,6 +581,15 @@ def test_engine_doge_key_biases_match_hf(model_dir, captured_logits, report_logi
     in chunks, over a cached prefix, and in decode under the CUDA-graph runner stand-in."""
     worst = chunked_then_cached_against_hf("doge", model_dir, captured_logits, graphs=True)
     report_logit_diff("doge, triton backend, key biases", worst)
+
+
+@pytest.mark.parametrize("kind", ["diffllama", "hrm-text"])
+def test_engine_reshaped_attention_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
+    """DiffLlama's doubled heads (keys zero-padded, values paired) and HRM-Text's layers with a cache per run, in
+    chunks, over a cached prefix, and in decode under the CUDA-graph runner stand-in (HRM-Text's runs replayed in
+    order)."""
+    worst = chunked_then_cached_against_hf(kind, model_dir, captured_logits, graphs=True)
+    report_logit_diff(f"{kind}, triton backend", worst)
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
 

@@ -22,30 +22,6 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
-class GeluAndMul(nn.Module):
-    """GeLU, exact (transformers' "gelu": Zamba2's MLP) or with the tanh approximation ("gelu_pytorch_tanh": Gemma's
-    MLP); torch's own kernel on every device."""
-
-    def __init__(self, approximate: str = "none"):
-        super().__init__()
-        self.approximate = approximate
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, -1)
-        return F.gelu(gate, approximate=self.approximate) * up
-
-
-_ACT_AND_MUL = {"silu": SiluAndMul, "gelu": GeluAndMul,
-                "gelu_pytorch_tanh": functools.partial(GeluAndMul, approximate="tanh")}
-
-
-def get_act_and_mul(name: str) -> nn.Module:
-    """The gated activation a config's `hidden_act` (or Gemma's `hidden_activation`) names."""
-    if name not in _ACT_AND_MUL:
-        raise ValueError(f"unsupported hidden activation {name!r}; implemented: {sorted(_ACT_AND_MUL)}")
-    return _ACT_AND_MUL[name]()
-
-
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
     """transformers' "gelu_new" (Phi's, GPT-2's): the tanh approximation written out, op for op as its
     NewGELUActivation, which rounds differently from torch's fused kernel ("gelu_pytorch_tanh")."""
@@ -79,6 +55,29 @@ _ACT = {
     "relu2": relu_squared,
     "silu": F.silu,
 }
+
+
+class ActAndMul(nn.Module):
+    """act(gate) * up for a plain activation (exact GeLU: Zamba2's MLP; the tanh GeLU: Gemma's; relu2: BitNet's), with
+    torch's own ops on every device."""
+
+    def __init__(self, act: Callable[[torch.Tensor], torch.Tensor]):
+        super().__init__()
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, -1)
+        return self.act(gate) * up
+
+
+_GATED = ("silu", "gelu", "gelu_pytorch_tanh", "relu2")  # the activations of gated MLPs here
+
+
+def get_act_and_mul(name: str) -> nn.Module:
+    """The gated activation a config's `hidden_act` (or Gemma's `hidden_activation`) names."""
+    if name not in _GATED:
+        raise ValueError(f"unsupported hidden activation {name!r}; implemented: {sorted(_GATED)}")
+    return SiluAndMul() if name == "silu" else ActAndMul(_ACT[name])
 
 
 class XIELU(nn.Module):

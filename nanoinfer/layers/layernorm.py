@@ -1,15 +1,17 @@
-"""RMSNorm, optionally fused with the residual add that precedes it, or without a weight; Gemma's (1 + weight) RMSNorm;
-the gated RMSNorm of Gated DeltaNet and KDA; LayerNorm (with the same residual add) and StableLM's per-head LayerNorm."""
+"""RMSNorm, optionally fused with the residual add that precedes it, or without a weight, or over a width split across
+the tensor-parallel ranks; Gemma's (1 + weight) RMSNorm; the gated RMSNorm of Gated DeltaNet and KDA; LayerNorm (with
+the same residual add) and StableLM's per-head LayerNorm."""
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.kernels import cpu as cpu_kernels
 from nanoinfer.kernels.cuda import triton_layers
 from nanoinfer.layers.linear import copy_weight
-from nanoinfer.utils.dist import tp_rank, tp_size
+from nanoinfer.utils.dist import tp_group, tp_rank, tp_size
 
 
 class RMSNorm(nn.Module):
@@ -38,6 +40,33 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+
+class ShardedRMSNorm(RMSNorm):
+    """An RMSNorm over a width split evenly across the tensor-parallel ranks, as a RowParallelLinear's input is
+    (BitNet's norms of the attention output and of the MLP's activations): each rank holds its slice of the weight,
+    and the mean square is the whole row's, the ranks' equal-width means averaged by one all-reduce."""
+
+    def __init__(self, full_size: int, eps: float):
+        if full_size % tp_size():
+            raise ValueError(f"tensor_parallel_size={tp_size()} does not divide the normalized width {full_size}")
+        super().__init__(full_size // tp_size(), eps)
+        self.full_size, self.tp_size, self.tp_group = full_size, tp_size(), tp_group()
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if tuple(loaded.shape) != (self.full_size,):
+            raise ValueError(f"shape mismatch: checkpoint norm weight {tuple(loaded.shape)}, expected "
+                             f"({self.full_size},)")
+        width = self.weight.numel()
+        copy_weight(param, loaded.narrow(0, tp_rank() * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super().forward(x)
+        xf = x.float()
+        mean_square = xf.pow(2).mean(-1, keepdim=True)
+        dist.all_reduce(mean_square, group=self.tp_group)
+        return self.weight * (xf * torch.rsqrt(mean_square / self.tp_size + self.eps)).to(x.dtype)
 
 
 class WeightlessRMSNorm(RMSNorm):

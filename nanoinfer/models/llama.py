@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 from nanoinfer.layers.activation import get_act_and_mul
 from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanoinfer.layers.layernorm import RMSNorm, rms_normalize
+from nanoinfer.layers.layernorm import RMSNorm, ShardedRMSNorm, rms_normalize
 from nanoinfer.layers.linear import (ColumnParallelLinear, KeyAsValueQKVParallelLinear, MergedColumnParallelLinear,
                                      QKVParallelLinear, RowParallelLinear)
 from nanoinfer.layers.rotary_embedding import get_rope
@@ -66,6 +66,7 @@ class AttentionOptions:
     # and each head's output keeps its first v_head_dim entries), the values times value_scale.
     v_head_dim: int | None = None
     value_scale: float | None = None
+    output_norm: bool = False  # BitNet: an RMSNorm over all heads' outputs before o_proj (its attn_sub_norm)
 
 
 def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
@@ -130,6 +131,8 @@ class LlamaAttention(nn.Module):
         self.clip_qkv = options.clip_qkv
         self.query_temperature = options.query_temperature
         self.value_norm_eps = config.rms_norm_eps if options.value_norm else None
+        self.attn_sub_norm = (ShardedRMSNorm(num_heads * self.head_dim, config.rms_norm_eps) if options.output_norm
+                              else None)
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -159,6 +162,8 @@ class LlamaAttention(nn.Module):
             o = o * torch.sigmoid(gate.flatten(1))
         if self.gate_activation is not None:
             o = self.gate_output(o, x)
+        if self.attn_sub_norm is not None:
+            o = self.attn_sub_norm(o)
         return self.o_proj(o)
 
     def narrow_value_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata

@@ -18,9 +18,11 @@ _MODELS = {
     "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
     "CwmForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama's windows by layer_types (Qwen2's attention), no biases
     "DbrxForCausalLM": ("dbrx", "DbrxForCausalLM"),
+    "BitNetForCausalLM": ("bitnet", "BitNetForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
     "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
+    "DiffLlamaForCausalLM": ("diffllama", "DiffLlamaForCausalLM"),
     "DogeForCausalLM": ("doge", "DogeForCausalLM"),
     "Dots1ForCausalLM": ("dots1", "Dots1ForCausalLM"),
     "Ernie4_5_MoeForCausalLM": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
@@ -52,10 +54,13 @@ _MODELS = {
     "GraniteMoeSWAForCausalLM": ("granitemoe", "GraniteMoeSWAForCausalLM"),
     "GraniteSWAForCausalLM": ("granite", "GraniteSWAForCausalLM"),
     "HeliumForCausalLM": ("helium", "HeliumForCausalLM"),
+    "HrmTextForCausalLM": ("hrm_text", "HrmTextForCausalLM"),
     "HunYuanDenseV1ForCausalLM": ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
     "HunYuanMoEV1ForCausalLM": ("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM"),
+    "HyperCLOVAXForCausalLM": ("hyperclovax", "HyperCLOVAXForCausalLM"),
     "HYV3ForCausalLM": ("hy_v3", "HYV3ForCausalLM"),
     "Jais2ForCausalLM": ("jais2", "Jais2ForCausalLM"),
+    "JetMoeForCausalLM": ("jetmoe", "JetMoeForCausalLM"),
     "Kolibri1ForCausalLM": ("kolibri1", "Kolibri1ForCausalLM"),
     "LagunaForCausalLM": ("laguna", "LagunaForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
@@ -63,6 +68,7 @@ _MODELS = {
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     "MellumForCausalLM": ("mellum", "MellumForCausalLM"),
     "MiMoV2FlashForCausalLM": ("mimo_v2_flash", "MiMoV2FlashForCausalLM"),
+    "MiniCPM3ForCausalLM": ("minicpm3", "MiniCPM3ForCausalLM"),
     "MiniMaxM2ForCausalLM": ("minimax_m2", "MiniMaxM2ForCausalLM"),
     "MinistralForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama's windows by layer_types (Qwen2's attention)
     "Ministral3ForCausalLM": ("ministral3", "Ministral3ForCausalLM"),
@@ -172,6 +178,9 @@ _ATTENTION_SINKS = {"FlintForCausalLM", "GptOssForCausalLM", "GraniteSWAForCausa
                     "MiMoV2FlashForCausalLM"}
 # Families with DeepSeek sparse attention (deepseek_v32.py), which only the PyTorch backend runs.
 _SPARSE_ATTENTION = {"AXK2ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"}
+# Families whose KV cache holds heads wider than their config's head_dim, by this factor (DiffLlama's differential
+# attention runs over doubled heads: models/diffllama.py): the backend is chosen and checked for the cache's.
+_CACHE_HEAD_MULTIPLES = {"DiffLlamaForCausalLM": 2}
 
 
 def supported_architectures() -> list[str]:
@@ -207,6 +216,10 @@ def chunked_attention_size(config: PretrainedConfig, layer_idx: int | None = Non
 def sparse_attention_architecture(architectures: list[str] | None) -> str | None:
     """The architecture's name where its attention is DeepSeek's sparse attention, else None."""
     return architectures[0] if architectures and architectures[0] in _SPARSE_ATTENTION else None
+
+
+def cache_head_multiple(architectures: list[str] | None) -> int:
+    return _CACHE_HEAD_MULTIPLES.get(architectures[0], 1) if architectures else 1
 
 
 def get_model_class(config: PretrainedConfig) -> type[nn.Module]:
