@@ -11,7 +11,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from nanoinfer.layers.attention.selector import (DEFAULT_BLOCK_SIZE, check_backend_limits,
                                                   check_tensor_parallel_devices, resolve_device, select_backend)
 from nanoinfer.layers.rotary_embedding import rope_parameters
-from nanoinfer.models.registry import (cache_head_multiple, chunked_attention_size, has_attention_sinks,
+from nanoinfer.models.registry import (cache_head_size, chunked_attention_size, has_attention_sinks,
                                        is_vision_language, sparse_attention_architecture)
 from nanoinfer.models.vision_language import MEDIA_TOKEN_IDS
 from nanoinfer.sampling_params import check_seed
@@ -211,15 +211,15 @@ def hidden_states_width(config: PretrainedConfig) -> int:
 
 
 def cache_head_dim(config: PretrainedConfig, latent_dim: int | None) -> int | None:
-    """The KV cache's head size, the widest layer's (DiffLlama's cache holds heads twice as wide as its model's); MLA's
-    latent plus its rope key; None for attention-free models (Mamba)."""
+    """The KV cache's head size, the widest layer's (DiffLlama's cache holds heads twice as wide as its model's, Doge's
+    8 wider); MLA's latent plus its rope key; None for attention-free models (Mamba)."""
     if getattr(config, "num_attention_heads", None) is None:
         return None
     if latent_dim is not None:  # head_dim is the rope part there
         return latent_dim + config.qk_rope_head_dim
     widest = max(getattr(layer, "head_dim", None) or config.hidden_size // config.num_attention_heads
                  for layer in layer_configs(config))
-    return widest * cache_head_multiple(config.architectures)
+    return cache_head_size(config.architectures, widest)
 
 
 def language_model_config(config: PretrainedConfig, model_dir: Path) -> PretrainedConfig:

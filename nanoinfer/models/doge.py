@@ -15,7 +15,7 @@ from nanoinfer.models.llama import (AttentionOptions, LlamaAttention, LlamaDecod
 from nanoinfer.utils.dist import tp_rank, tp_size
 
 # Key widths gained by the attention's cache: one for the score bias, the rest zeros keeping widths multiples of 8.
-KEY_BIAS_PAD = 8
+KEY_BIAS_PAD = 8  # the registry's cache head pad for Doge
 
 
 def check_config(config: PretrainedConfig) -> None:

@@ -180,7 +180,8 @@ _ATTENTION_SINKS = {"FlintForCausalLM", "GptOssForCausalLM", "GraniteSWAForCausa
 _SPARSE_ATTENTION = {"AXK2ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"}
 # Families whose KV cache holds heads wider than their config's head_dim, by this factor (DiffLlama's differential
 # attention runs over doubled heads: models/diffllama.py): the backend is chosen and checked for the cache's.
-_CACHE_HEAD_MULTIPLES = {"DiffLlamaForCausalLM": 2}
+_CACHE_HEAD_MULTIPLES = {"DiffLlamaForCausalLM": 2}  # differential attention: paired value heads side by side
+_CACHE_HEAD_PADS = {"DogeForCausalLM": 8}  # Doge's key bias as key entries (models/doge.py, KEY_BIAS_PAD)
 
 
 def supported_architectures() -> list[str]:
@@ -218,8 +219,10 @@ def sparse_attention_architecture(architectures: list[str] | None) -> str | None
     return architectures[0] if architectures and architectures[0] in _SPARSE_ATTENTION else None
 
 
-def cache_head_multiple(architectures: list[str] | None) -> int:
-    return _CACHE_HEAD_MULTIPLES.get(architectures[0], 1) if architectures else 1
+def cache_head_size(architectures: list[str] | None, head_dim: int) -> int:
+    """The head size of the KV cache of a model whose attention heads are head_dim wide."""
+    arch = architectures[0] if architectures else None
+    return head_dim * _CACHE_HEAD_MULTIPLES.get(arch, 1) + _CACHE_HEAD_PADS.get(arch, 0)
 
 
 def get_model_class(config: PretrainedConfig) -> type[nn.Module]:
