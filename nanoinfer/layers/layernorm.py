@@ -1,5 +1,6 @@
 """RMSNorm, optionally fused with the residual add that precedes it, or without a weight; Gemma's (1 + weight) RMSNorm;
-the gated RMSNorm of Gated DeltaNet and KDA; LayerNorm (with the same residual add) and StableLM's per-head LayerNorm."""
+the gated RMSNorm of Gated DeltaNet and KDA; LayerNorm (with the same residual add) and StableLM's per-head
+LayerNorm."""
 from collections.abc import Callable
 
 import torch
