@@ -6,6 +6,7 @@ import torch
 
 from models import QWEN3_NEXT_KINDS, cached_hf_greedy, check_against_hf, random_prompts
 from nanoinfer import LLM, SamplingParams
+from nanoinfer.layers import gated_delta_rule
 from nanoinfer.layers.gated_delta_rule import (GatedDeltaRule, chunk_gated_delta_rule, l2norm,
                                                recurrent_gated_delta_rule)
 from nanoinfer.layers.recurrent import causal_conv1d
@@ -205,6 +206,22 @@ def test_chunked_form_matches_recurrent_form(pieces, form):
     torch.testing.assert_close(torch.cat(out), expected_out, rtol=0, atol=1e-10)
     torch.testing.assert_close(state, expected_state, rtol=0, atol=1e-10)
     assert expected_state.abs().max() > 0.1 and expected_out.abs().max() > 0.1
+
+
+@pytest.mark.parametrize("form, chunk", [("per-head", 64), ("per-channel", 8), ("no-delta", 64)])
+def test_chunk_size_follows_the_decay(form, chunk, monkeypatch):
+    """A decay per key channel makes each chunk's products [H, C, C, dk] elementwise, C^2 per chunk: its chunks are
+    8 tokens (64, a decay per head's, took 10-28x as long on 2k-token prompts)."""
+    sizes, products = [], gated_delta_rule._decayed_products
+
+    def recording(a: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        sizes.append(a.shape[-2])
+        return products(a, *rest)
+
+    monkeypatch.setattr(gated_delta_rule, "_decayed_products", recording)
+    q, k, v, decay, beta, state = _delta_rule_inputs(150, form=form)
+    chunk_gated_delta_rule(q, k, v, decay, beta, state)
+    assert set(sizes) == {chunk}
 
 
 def test_recurrent_form_batched_over_sequences():

@@ -23,6 +23,7 @@ from nanoinfer.models.hybrid import (HybridDecoderLayer, HybridForCausalLM, chec
 from nanoinfer.models.llama import AttentionOptions
 from nanoinfer.utils.dist import tp_size
 
+
 class KimiDeltaAttention(nn.Module):
     """KDA: g = -e^A_log[h] * softplus(f_b(f_a(x)) + dt_bias) per key channel, beta = sigmoid(b_proj(x)), the delta
     rule over the convolved, l2-normed q and k, then RMSNorm(out) * sigmoid(g_b(g_a(x))) per head and o_proj.
