@@ -11,6 +11,7 @@ _MODELS = {
     "ArceeForCausalLM": ("arcee", "ArceeForCausalLM"),
     "AXK1ForCausalLM": ("axk1", "AXK1ForCausalLM"),
     "AXK2ForCausalLM": ("axk2", "AXK2ForCausalLM"),
+    "BioGptForCausalLM": ("biogpt", "BioGptForCausalLM"),
     "BloomForCausalLM": ("bloom", "BloomForCausalLM"),
     "CodeGenForCausalLM": ("codegen", "CodeGenForCausalLM"),
     "Cohere2ForCausalLM": ("cohere2", "Cohere2ForCausalLM"),
@@ -22,6 +23,7 @@ _MODELS = {
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
     "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     "Dots1ForCausalLM": ("dots1", "Dots1ForCausalLM"),
+    "Emu3ForCausalLM": ("llama", "LlamaForCausalLM"),  # Emu3's text model: Llama's layers, no biases
     "Ernie4_5_MoeForCausalLM": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
     "Ernie4_5ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),
     "Exaone4ForCausalLM": ("exaone4", "Exaone4ForCausalLM"),
@@ -65,6 +67,7 @@ _MODELS = {
     "Ministral3ForCausalLM": ("ministral3", "Ministral3ForCausalLM"),
     "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "MllamaForCausalLM": ("mllama", "MllamaForCausalLM"),
     "MPTForCausalLM": ("mpt", "MptForCausalLM"),  # MosaicML's own remote-code name, as on the Hub
     "MptForCausalLM": ("mpt", "MptForCausalLM"),
     "NanoChatForCausalLM": ("nanochat", "NanoChatForCausalLM"),
@@ -93,6 +96,7 @@ _MODELS = {
     "StableLmForCausalLM": ("stablelm", "StableLmForCausalLM"),
     "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
     "VaultGemmaForCausalLM": ("vaultgemma", "VaultGemmaForCausalLM"),
+    "XGLMForCausalLM": ("xglm", "XGLMForCausalLM"),
     "YoutuForCausalLM": ("youtu", "YoutuForCausalLM"),
 }
 # Hybrids of attention with recurrent layers (Mamba2, short convolutions, linear attention; Zamba's and Zamba2's
@@ -151,6 +155,7 @@ _VISION_LANGUAGE = {
     "Llama4ForConditionalGeneration": {"llama4_text": _MODELS["Llama4ForCausalLM"]},
     "Mistral3ForConditionalGeneration": {"mistral": _MODELS["MistralForCausalLM"],
                                          "ministral3": _MODELS["Ministral3ForCausalLM"]},
+    "MllamaForConditionalGeneration": {"mllama_text_model": _MODELS["MllamaForCausalLM"]},
     "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": _MODELS["Qwen2ForCausalLM"]},
     "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": _MODELS["Qwen2ForCausalLM"]},
     "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": _MODELS["Qwen3ForCausalLM"]},
