@@ -192,9 +192,11 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # Persimmon: GPT-NeoX's per-head query_key_value, q/k LayerNorms shared by the heads, half of each head rotated, relu^2.
 # BioGPT: OPT's pre-norm layers, embeddings scaled by sqrt(hidden), a config epsilon (LAYER_NORM_EPS) its LayerNorms
 # ignore, GeLU, tied. XGLM: the same on fixed sinusoidal positions whose row pad_token_id (2: position 0's) is zeroed.
+# GPT-NeoX-Japanese (gpt-neox-japanese): GPT-NeoX's per-head query_key_value without biases, a quarter of each head
+# rotated, sequential LayerNorms, a bias-free MLP 3x wide, the last layer's output-projection bias, tied.
 LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2", "falcon", "falcon-mqa", "gptj",
                    "gpt-bigcode", "cohere2", "bloom", "mpt", "opt", "opt-350m", "gpt-neo", "codegen", "persimmon",
-                   "biogpt", "xglm")
+                   "biogpt", "xglm", "gpt-neox-japanese")
 LAYER_NORM_EPS = 1e-3
 # GLM-4.7-Flash (glm4-moe-lite): V3's model with layer 0 dense by mlp_layer_types, a shared expert.
 DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3", "glm4-moe-lite")
@@ -375,7 +377,7 @@ _SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minim
 _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818, "kolibri1": 1929,
            "lfm3": 2030, "olmo-hybrid": 3141, "deepseek-v32": 4252, "deepseek-v32-wide": 4252, "glm-moe-dsa": 5363,
            "axk2": 6474, "kimi-linear": 7585, "minimax": 8696}
-_SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030}
+_SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
 
 
 def _token_ids():
@@ -385,15 +387,16 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (ApertusConfig, ArceeConfig, BioGptConfig, BloomConfig, CodeGenConfig, Cohere2Config, Cohere2MoeConfig,
-                              CohereConfig, DbrxConfig, Dots1Config, Ernie4_5_MoeConfig, Ernie4_5Config,
-                              Emu3TextConfig, Exaone4Config, ExaoneMoeConfig, FalconConfig, FlexOlmoConfig, Gemma2Config,
-                              Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig, GlmConfig, GPT2Config,
-                              GPTBigCodeConfig, GPTJConfig, GPTNeoConfig, GPTNeoXConfig, GraniteConfig,
-                              GraniteMoeConfig, GraniteMoeSharedConfig, GraniteMoeSWAConfig, GraniteSWAConfig,
-                              HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config, LlamaConfig, Ministral3Config,
-                              MinistralConfig, MistralConfig, MixtralConfig, MllamaTextConfig, MptConfig, NemotronConfig, Olmo2Config,
-                              Olmo3Config, OlmoConfig, OlmoeConfig, OPTConfig, PersimmonConfig, Phi3Config, PhiConfig,
+    from transformers import (ApertusConfig, ArceeConfig, BioGptConfig, BloomConfig, CodeGenConfig, Cohere2Config,
+                              Cohere2MoeConfig, CohereConfig, DbrxConfig, Dots1Config, Ernie4_5_MoeConfig,
+                              Ernie4_5Config, Emu3TextConfig, Exaone4Config, ExaoneMoeConfig, FalconConfig,
+                              FlexOlmoConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig,
+                              GlmConfig, GPT2Config, GPTBigCodeConfig, GPTJConfig, GPTNeoConfig, GPTNeoXConfig,
+                              GPTNeoXJapaneseConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
+                              GraniteMoeSWAConfig, GraniteSWAConfig, HeliumConfig, HunYuanDenseV1Config,
+                              HunYuanMoEV1Config, LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig,
+                              MixtralConfig, MllamaTextConfig, MptConfig, NemotronConfig, Olmo2Config, Olmo3Config,
+                              OlmoConfig, OlmoeConfig, OPTConfig, PersimmonConfig, Phi3Config, PhiConfig,
                               PhimoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
                               SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config, VaultGemmaConfig,
                               XGLMConfig)
@@ -1025,6 +1028,11 @@ def make_config(kind: str):
     if kind == "xglm":  # XGLMConfig's names: d_model, num_layers, attention_heads, ffn_dim, activation_function
         return XGLMConfig(vocab_size=MODEL_VOCAB_SIZE, d_model=64, num_layers=3, attention_heads=4, ffn_dim=128,
                           max_position_embeddings=512, activation_function="gelu", init_std=INIT_STD, **special)
+    if kind == "gpt-neox-japanese":  # rotary_pct, rotary_emb_base: the config's names for partial rope
+        return GPTNeoXJapaneseConfig(vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_hidden_layers=3,
+                                     num_attention_heads=4, intermediate_multiple_size=3, hidden_act="gelu",
+                                     rotary_pct=0.25, rotary_emb_base=10_000, max_position_embeddings=512,
+                                     layer_norm_eps=LAYER_NORM_EPS, initializer_range=INIT_STD, **special)
     if kind == "gpt-neo":  # GPTNeoConfig's names: num_layers, num_heads; attention_types [[types, repeats], ...]
         return GPTNeoConfig(vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_layers=3, num_heads=4,
                             intermediate_size=128, max_position_embeddings=512, window_size=SLIDING_WINDOW[kind],

@@ -46,6 +46,7 @@ _MODELS = {
     "GPTJForCausalLM": ("gptj", "GPTJForCausalLM"),
     "GPTNeoForCausalLM": ("gpt_neo", "GPTNeoForCausalLM"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
+    "GPTNeoXJapaneseForCausalLM": ("gpt_neox_japanese", "GPTNeoXJapaneseForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "GraniteMoeForCausalLM": ("granitemoe", "GraniteMoeForCausalLM"),
