@@ -22,7 +22,7 @@ LOGIT_ATOL = 1e-4
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2", "gemma", "granite", "smollm3", "glm4", "glm",
                                   *LAYERNORM_KINDS, "nemotron", "gemma4", "gemma4-e", "ministral", "ministral3",
-                                  "vaultgemma", "granite-swa", "jais2", "nanochat", "gemma3n"])
+                                  "vaultgemma", "granite-swa", "jais2", "nanochat", "gemma3n", "mllama"])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): each holds half the heads and MLP; windows, ropes and norms per rank."""
     d = model_dir(kind)
@@ -171,13 +171,14 @@ def test_mpt_sequences_are_bounded_by_max_seq_len(model_dir):
 
 
 @pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj", "gemma4", "gemma4-e", "bloom", "mpt", "opt-350m",
-                                  "gemma3n"])
+                                  "gemma3n", "xglm", "mllama"])
 def test_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, captured_logits, report_logit_diff):
     """7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once, twice: the
     parallel residual (Phi, GPT-NeoX, GPT-J), layers of two head sizes and values from the keys (Gemma 4), layers
     attending over other layers' keys and values, cached or of the step (Gemma 4 E2B/E4B, Gemma 3n), ALiBi's
     key-minus-query distances over cached prefixes and chunks (BLOOM, MPT), post-norm layers and OPT's offset
-    positions (OPT-350m)."""
+    positions (OPT-350m), sinusoidal positions by each token's place in its sequence (XGLM), and the KV cache of a
+    model whose cross-attention layers are skipped (Mllama)."""
     worst = chunked_prefix_preemption_logit_diff(model_dir(kind), captured_logits, MAX_TOKENS)
     report_logit_diff(f"{kind}, chunked prefill + prefix hits + preemption", worst)
     # Gemma 4 E amplifies fp32 rounding at one position (5e-5 between transformers' own cached and uncached
