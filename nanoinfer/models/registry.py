@@ -150,6 +150,7 @@ _ENCODERS = {
 # where transformers' wrapper takes any text model (AutoModel.from_config), i.e. every causal LM here.
 _ANY_TEXT_FAMILY = None
 _VISION_LANGUAGE = {
+    "Emu3ForConditionalGeneration": {"emu3_text_model": _MODELS["Emu3ForCausalLM"]},
     "Gemma3ForConditionalGeneration": {"gemma3_text": _MODELS["Gemma3ForCausalLM"]},
     "Gemma3nForConditionalGeneration": {"gemma3n_text": _MODELS["Gemma3nForCausalLM"]},
     "Gemma4ForConditionalGeneration": {"gemma4_text": _MODELS["Gemma4ForCausalLM"]},
