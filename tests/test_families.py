@@ -1,8 +1,8 @@
 """Dense families beyond the shared correctness tests (tests/test_correctness.py) without a file of their own (OLMo:
 test_olmo.py; MoE: test_moe.py): tensor parallelism against transformers, Gemma 3's, GPT-NeoX's and GPT-2's Hub
-layouts, the Gemma, GPT-2, Laguna, Mellum and OLMo Hybrid config settings the engine refuses by name, the parallel
-residual (Phi, GPT-NeoX) and GPT-2's absolute positions under chunked prefill, prefix-cache hits and preemption, and
-the interleaved rope layout (Cohere, GLM)."""
+layouts, the Gemma, GPT-2, XGLM, Laguna, Mellum and OLMo Hybrid config settings the engine refuses by name, the
+parallel residual (Phi, GPT-NeoX) and GPT-2's absolute positions under chunked prefill, prefix-cache hits and
+preemption, and the interleaved rope layout (Cohere, GLM)."""
 import json
 import shutil
 
@@ -298,12 +298,14 @@ def test_opt_projected_hidden_states_through_the_cuda_graph_runner_match_hf(mode
     assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
 
 
-@pytest.mark.parametrize("setting", ["scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
-                                     "add_cross_attention"])
-def test_gpt2_settings_the_engine_cannot_run_are_refused_by_name(setting, model_dir, tmp_path):
-    d = edited_model(model_dir("gpt2"), tmp_path / "m", **{setting: True})
-    with pytest.raises(ValueError, match=f"{setting}=True"):
+@pytest.mark.parametrize("kind, setting", [("gpt2", "scale_attn_by_inverse_layer_idx"),
+                                           ("gpt2", "reorder_and_upcast_attn"), ("gpt2", "add_cross_attention"),
+                                           ("xglm", "add_cross_attention")])
+def test_gpt2_and_xglm_settings_the_engine_cannot_run_are_refused_by_name(kind, setting, model_dir, tmp_path):
+    d = edited_model(model_dir(kind), tmp_path / "m", **{setting: True})
+    with pytest.raises(ValueError, match=f"{setting}=True") as refused:
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
+    assert str(d) in str(refused.value)
 
 
 @pytest.mark.parametrize("head", ["embed_out", "lm_head"])
