@@ -1,7 +1,7 @@
-"""XGLM: BioGPT's decoder (biogpt.py: OPT's pre-norm layers, scaled token embeddings, positions offset by 2) on fairseq's
-fixed sinusoidal positions (sines then cosines of position / 10000 ** (i / (d/2 - 1))), whose row pad_token_id is
-zeroed as transformers' table is (so with pad_token_id >= 2, position pad_token_id - 2 adds nothing); MLP width
-`ffn_dim`, activation `activation_function`. Cross-attention (`add_cross_attention`) is refused."""
+"""XGLM: BioGPT's decoder (biogpt.py: OPT's pre-norm layers, scaled token embeddings, positions offset by 2) on
+fairseq's fixed sinusoidal positions (sines then cosines of position / 10000 ** (i / (d/2 - 1))), whose row
+pad_token_id is zeroed as transformers' table is (so with pad_token_id >= 2, position pad_token_id - 2 adds
+nothing); MLP width `ffn_dim`, activation `activation_function`. Cross-attention (`add_cross_attention`) is refused."""
 import math
 
 import torch
