@@ -192,8 +192,9 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # Persimmon: GPT-NeoX's per-head query_key_value, q/k LayerNorms shared by the heads, half of each head rotated, relu^2.
 # BioGPT: OPT's pre-norm layers, embeddings scaled by sqrt(hidden), a config epsilon (LAYER_NORM_EPS) its LayerNorms
 # ignore, GeLU, tied. XGLM: the same on fixed sinusoidal positions whose row pad_token_id (2: position 0's) is zeroed.
-# GPT-NeoX-Japanese (gpt-neox-japanese): GPT-NeoX's per-head query_key_value without biases, a quarter of each head
-# rotated, sequential LayerNorms, a bias-free MLP 3x wide, the last layer's output-projection bias, tied.
+# GPT-NeoX-Japanese (gpt-neox-japanese): GPT-NeoX's per-head query_key_value without biases, rope over the whole head
+# (as the released checkpoint: transformers 5.17's own partial rope fails), sequential LayerNorms, a bias-free MLP 3x
+# wide, the last layer's output-projection bias, tied.
 LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2", "falcon", "falcon-mqa", "gptj",
                    "gpt-bigcode", "cohere2", "bloom", "mpt", "opt", "opt-350m", "gpt-neo", "codegen", "persimmon",
                    "biogpt", "xglm", "gpt-neox-japanese")
@@ -1028,10 +1029,10 @@ def make_config(kind: str):
     if kind == "xglm":  # XGLMConfig's names: d_model, num_layers, attention_heads, ffn_dim, activation_function
         return XGLMConfig(vocab_size=MODEL_VOCAB_SIZE, d_model=64, num_layers=3, attention_heads=4, ffn_dim=128,
                           max_position_embeddings=512, activation_function="gelu", init_std=INIT_STD, **special)
-    if kind == "gpt-neox-japanese":  # rotary_pct, rotary_emb_base: the config's names for partial rope
+    if kind == "gpt-neox-japanese":  # rotary_pct, rotary_emb_base: the config's (Hub) names for the rope
         return GPTNeoXJapaneseConfig(vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_hidden_layers=3,
                                      num_attention_heads=4, intermediate_multiple_size=3, hidden_act="gelu",
-                                     rotary_pct=0.25, rotary_emb_base=10_000, max_position_embeddings=512,
+                                     rotary_pct=1.0, rotary_emb_base=10_000, max_position_embeddings=512,
                                      layer_norm_eps=LAYER_NORM_EPS, initializer_range=INIT_STD, **special)
     if kind == "gpt-neo":  # GPTNeoConfig's names: num_layers, num_heads; attention_types [[types, repeats], ...]
         return GPTNeoConfig(vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_layers=3, num_heads=4,
