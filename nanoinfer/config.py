@@ -228,9 +228,9 @@ def language_model_config(config: PretrainedConfig, model_dir: Path) -> Pretrain
     text = config.text_config
     text.architectures = config.architectures
     # transformers 5 ties the LM head as the outer config says (Qwen2-VL's text config has no such field; Mistral 3's
-    # outer one defaults to True), but not where the checkpoint holds a head of its own.
+    # outer one defaults to True; Mllama's has none: untied), but not where the checkpoint holds a head of its own.
     heads = {"lm_head.weight", "language_model.lm_head.weight"}
-    text.tie_word_embeddings = config.tie_word_embeddings and not any(
+    text.tie_word_embeddings = getattr(config, "tie_word_embeddings", False) and not any(
         name in heads for name, _ in iter_safetensors(model_dir))
     for name in ("dtype", "quantization_config", "eos_token_id", *MEDIA_TOKEN_IDS):  # where the outer config has them
         if getattr(config, name, None) is not None:

@@ -190,8 +190,14 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # CodeGen: GPT-J's layer with the fused qkv_proj in its 4-group layout (8 heads: 2 per group, so the order within a
 # group shows), interleaved rope over half of each head.
 # Persimmon: GPT-NeoX's per-head query_key_value, q/k LayerNorms shared by the heads, half of each head rotated, relu^2.
+# BioGPT: OPT's pre-norm layers, embeddings scaled by sqrt(hidden), a config epsilon (LAYER_NORM_EPS) its LayerNorms
+# ignore, GeLU, tied. XGLM: the same on fixed sinusoidal positions whose row pad_token_id (2: position 0's) is zeroed.
+# GPT-NeoX-Japanese (gpt-neox-japanese): GPT-NeoX's per-head query_key_value without biases, rope over the whole head
+# (as the released checkpoint: transformers 5.17's own partial rope fails), sequential LayerNorms, a bias-free MLP 3x
+# wide, the last layer's output-projection bias, tied.
 LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2", "falcon", "falcon-mqa", "gptj",
-                   "gpt-bigcode", "cohere2", "bloom", "mpt", "opt", "opt-350m", "gpt-neo", "codegen", "persimmon")
+                   "gpt-bigcode", "cohere2", "bloom", "mpt", "opt", "opt-350m", "gpt-neo", "codegen", "persimmon",
+                   "biogpt", "xglm", "gpt-neox-japanese")
 LAYER_NORM_EPS = 1e-3
 # GLM-4.7-Flash (glm4-moe-lite): V3's model with layer 0 dense by mlp_layer_types, a shared expert.
 DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3", "glm4-moe-lite")
@@ -205,9 +211,11 @@ MLA_KINDS = ("youtu", "axk1")
 # ERNIE 4.5: interleaved rope, biases on q/k/v/o and the MLP. Hunyuan: per-head q/k norms after rope, NTK-alpha rope.
 # Apertus: per-head q/k norms, a non-gated MLP with xIELU (learned parameters per layer), q/k/v/o biases.
 # CWM: Llama with windows on the layers layer_types marks, llama3 rope. Jais 2: Nemotron's layer with plain LayerNorms
-# (biases), the relu^2 MLP with biases, q/k/v/o biases, rope over the whole head.
+# (biases), the relu^2 MLP with biases, q/k/v/o biases, rope over the whole head. Mllama's text model (mllama): llama3
+# rope, GQA, a cross-attention layer 1 (in the checkpoint, skipped without images), 8 embedding rows past the
+# vocabulary, untied. Emu3's text model (emu3): Llama's layers.
 DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "ernie4_5", "hunyuan", "apertus", "cwm",
-               "jais2", "nanochat")
+               "jais2", "nanochat", "mllama", "emu3")
 # Hybrids of attention with recurrent layers (see ssm_config): LFM2 (short convolutions), Bamba and Granite 4.0-H
 # (Mamba2; Granite's MoE with a shared MLP and rope, or its dense MLP without position encoding).
 # LFM2-MoE: LFM2's layers, layer 0's MLP dense, then 2 of 8 experts (sigmoid, a random expert_bias, renormalized,
@@ -404,6 +412,7 @@ _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint"
            "doge": 6474}
 _SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7585, "hrm-text": 8696,
            "jetmoe": 9707}
+_SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
 
 
 def _token_ids():
@@ -413,17 +422,19 @@ def _token_ids():
 
 def make_config(kind: str):
     """The transformers config object for `kind` (without building weights)."""
-    from transformers import (ApertusConfig, ArceeConfig, BloomConfig, CodeGenConfig, Cohere2Config, Cohere2MoeConfig,
-                              CohereConfig, DbrxConfig, Dots1Config, Ernie4_5_MoeConfig, Ernie4_5Config,
-                              Exaone4Config, ExaoneMoeConfig, FalconConfig, FlexOlmoConfig, Gemma2Config,
-                              Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig, GlmConfig, GPT2Config,
-                              GPTBigCodeConfig, GPTJConfig, GPTNeoConfig, GPTNeoXConfig, GraniteConfig,
-                              GraniteMoeConfig, GraniteMoeSharedConfig, GraniteMoeSWAConfig, GraniteSWAConfig,
-                              HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config, LlamaConfig, Ministral3Config,
-                              MinistralConfig, MistralConfig, MixtralConfig, MptConfig, NemotronConfig, Olmo2Config,
-                              Olmo3Config, OlmoConfig, OlmoeConfig, OPTConfig, PersimmonConfig, Phi3Config, PhiConfig,
+    from transformers import (ApertusConfig, ArceeConfig, BioGptConfig, BloomConfig, CodeGenConfig, Cohere2Config,
+                              Cohere2MoeConfig, CohereConfig, DbrxConfig, Dots1Config, Ernie4_5_MoeConfig,
+                              Ernie4_5Config, Emu3TextConfig, Exaone4Config, ExaoneMoeConfig, FalconConfig,
+                              FlexOlmoConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig,
+                              GlmConfig, GPT2Config, GPTBigCodeConfig, GPTJConfig, GPTNeoConfig, GPTNeoXConfig,
+                              GPTNeoXJapaneseConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
+                              GraniteMoeSWAConfig, GraniteSWAConfig, HeliumConfig, HunYuanDenseV1Config,
+                              HunYuanMoEV1Config, LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig,
+                              MixtralConfig, MllamaTextConfig, MptConfig, NemotronConfig, Olmo2Config, Olmo3Config,
+                              OlmoConfig, OlmoeConfig, OPTConfig, PersimmonConfig, Phi3Config, PhiConfig,
                               PhimoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
-                              SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config, VaultGemmaConfig)
+                              SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config, VaultGemmaConfig,
+                              XGLMConfig)
 
     ids = _token_ids()
     special = dict(
@@ -714,6 +725,14 @@ def make_config(kind: str):
                            **special, hidden_act="relu2", layer_norm_eps=LAYER_NORM_EPS, num_attention_heads=4,
                            num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True, mlp_bias=True,
                            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "mllama":  # 4 layers, layer 1 cross-attention; llama3 rope with a short original context
+        llama3 = dict(rope_type="llama3", rope_theta=500_000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=64)
+        return MllamaTextConfig(**{**_COMMON, "num_hidden_layers": 4}, num_attention_heads=4, num_key_value_heads=2,
+                                cross_attention_layers=[1], rope_parameters=llama3, **special)
+    if kind == "emu3":
+        return Emu3TextConfig(**_COMMON, num_attention_heads=4, num_key_value_heads=2, **special,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "nanochat":  # attention biases, which NanoChat's checkpoints lack, tested all the same
         from transformers import NanoChatConfig
 
@@ -1037,6 +1056,18 @@ def make_config(kind: str):
                          ffn_dim=128, max_position_embeddings=512, do_layer_norm_before=pre_norm,
                          word_embed_proj_dim=64 if pre_norm else 32, enable_bias=pre_norm,
                          activation_function="relu", init_std=INIT_STD, **special)
+    if kind == "biogpt":
+        return BioGptConfig(vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                            intermediate_size=128, max_position_embeddings=512, hidden_act="gelu",
+                            layer_norm_eps=LAYER_NORM_EPS, initializer_range=INIT_STD, **special)
+    if kind == "xglm":  # XGLMConfig's names: d_model, num_layers, attention_heads, ffn_dim, activation_function
+        return XGLMConfig(vocab_size=MODEL_VOCAB_SIZE, d_model=64, num_layers=3, attention_heads=4, ffn_dim=128,
+                          max_position_embeddings=512, activation_function="gelu", init_std=INIT_STD, **special)
+    if kind == "gpt-neox-japanese":  # rotary_pct, rotary_emb_base: the config's (Hub) names for the rope
+        return GPTNeoXJapaneseConfig(vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_hidden_layers=3,
+                                     num_attention_heads=4, intermediate_multiple_size=3, hidden_act="gelu",
+                                     rotary_pct=1.0, rotary_emb_base=10_000, max_position_embeddings=512,
+                                     layer_norm_eps=LAYER_NORM_EPS, initializer_range=INIT_STD, **special)
     if kind == "gpt-neo":  # GPTNeoConfig's names: num_layers, num_heads; attention_types [[types, repeats], ...]
         return GPTNeoConfig(vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_layers=3, num_heads=4,
                             intermediate_size=128, max_position_embeddings=512, window_size=SLIDING_WINDOW[kind],
@@ -1531,6 +1562,18 @@ def _randomize_(model, seed: int) -> None:
                 p.copy_(INIT_STD * torch.randn(p.shape, generator=g))
 
 
+# Text configs that AutoModelForCausalLM does not take (it maps their multimodal wrappers' configs): their class.
+_CAUSAL_LM_CLASSES = {"mllama_text_model": "MllamaForCausalLM", "emu3_text_model": "Emu3ForCausalLM"}
+
+
+def causal_lm_class(model_type: str) -> type:
+    """transformers' causal-LM class for a config's model_type: AutoModelForCausalLM, or the class it does not map."""
+    import transformers
+
+    name = _CAUSAL_LM_CLASSES.get(model_type)
+    return transformers.AutoModelForCausalLM if name is None else getattr(transformers, name)
+
+
 def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.Path:
     """Build a tiny random fp32 model of `kind` in `dir` (weights, config, tokenizer,
     generation_config.json). Deterministic. "qwen3-sharded" has the exact same weights as
@@ -1546,7 +1589,8 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
 
     config = make_config(kind)
     torch.manual_seed(_SEEDS[base_kind])
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    cls = causal_lm_class(config.model_type)
+    model = (cls.from_config if cls is AutoModelForCausalLM else cls._from_config)(config, dtype=torch.float32)
     _randomize_(model, _SEEDS[base_kind])
     if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2", "gemma", "vaultgemma"):
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
@@ -1596,7 +1640,7 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
         if name.endswith(("e_score_correction_bias", "expert_bias")):
             buffer.copy_(bias_std * torch.randn(buffer.shape, generator=g))
     if config.tie_word_embeddings:
-        assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+        assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     model.eval()
     model.save_pretrained(str(dir), max_shard_size=SHARD_SIZE if save_sharded else "50GB")
 
@@ -1638,7 +1682,7 @@ def hf_attention(model_dir) -> dict:
 def load_hf_model(model_dir, dtype: torch.dtype = torch.float32):
     """Load (and cache per process) the transformers model for `model_dir` on the CPU in `dtype` (fp32 unless told):
     a vision-language checkpoint as transformers' conditional-generation model (see test_vlm_text.py)."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText
 
     from nanoinfer.models.registry import is_vision_language
 
@@ -1646,9 +1690,9 @@ def load_hf_model(model_dir, dtype: torch.dtype = torch.float32):
     path = str(pathlib.Path(model_dir).resolve())
     key = (path, dtype)
     if key not in _HF_CACHE:
-        vision_language = is_vision_language(json.loads((pathlib.Path(path) / "config.json").read_text()).get(
-            "architectures"))
-        auto = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
+        config = json.loads((pathlib.Path(path) / "config.json").read_text())
+        vision_language = is_vision_language(config.get("architectures"))
+        auto = AutoModelForImageTextToText if vision_language else causal_lm_class(config["model_type"])
         m = auto.from_pretrained(path, dtype=dtype, **hf_attention(path))
         m.eval()
         _HF_CACHE[key] = m

@@ -1,8 +1,8 @@
 """Dense families beyond the shared correctness tests (tests/test_correctness.py) without a file of their own (OLMo:
 test_olmo.py; MoE: test_moe.py): tensor parallelism against transformers, Gemma 3's, GPT-NeoX's and GPT-2's Hub
-layouts, the Gemma, GPT-2, Laguna, Mellum and OLMo Hybrid config settings the engine refuses by name, the parallel
-residual (Phi, GPT-NeoX) and GPT-2's absolute positions under chunked prefill, prefix-cache hits and preemption, and
-the interleaved rope layout (Cohere, GLM)."""
+layouts, the Gemma, GPT-2, XGLM, Laguna, Mellum and OLMo Hybrid config settings the engine refuses by name, the
+parallel residual (Phi, GPT-NeoX) and GPT-2's absolute positions under chunked prefill, prefix-cache hits and
+preemption, and the interleaved rope layout (Cohere, GLM)."""
 import json
 import shutil
 
@@ -22,7 +22,8 @@ LOGIT_ATOL = 1e-4
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2", "gemma", "granite", "smollm3", "glm4", "glm",
                                   *LAYERNORM_KINDS, "nemotron", "gemma4", "gemma4-e", "ministral", "ministral3",
-                                  "vaultgemma", "granite-swa", "jais2", "nanochat", "gemma3n", *NEWEST_DENSE_KINDS])
+                                  "vaultgemma", "granite-swa", "jais2", "nanochat", "gemma3n", *NEWEST_DENSE_KINDS,
+                                  "mllama"])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): each holds half the heads and MLP; windows, ropes and norms per rank."""
     d = model_dir(kind)
@@ -198,14 +199,16 @@ def test_mpt_sequences_are_bounded_by_max_seq_len(model_dir):
 
 
 @pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj", "gemma4", "gemma4-e", "bloom", "mpt", "opt-350m",
-                                  "gemma3n", *NEWEST_DENSE_KINDS])
+                                  "gemma3n", *NEWEST_DENSE_KINDS, "xglm", "mllama"])
 def test_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, captured_logits, report_logit_diff):
     """7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once, twice: the
     parallel residual (Phi, GPT-NeoX, GPT-J), layers of two head sizes and values from the keys (Gemma 4), layers
     attending over other layers' keys and values, cached or of the step (Gemma 4 E2B/E4B, Gemma 3n), ALiBi's
     key-minus-query distances over cached prefixes and chunks (BLOOM, MPT), post-norm layers and OPT's offset
     positions (OPT-350m), Doge's key biases cached with the keys, the other dense variants of NEWEST_DENSE_KINDS
-    (MiniCPM3's MLA over cached latents, DiffLlama's padded keys and paired values in the cache)."""
+    (MiniCPM3's MLA over cached latents, DiffLlama's padded keys and paired values in the cache), sinusoidal
+    positions by each token's place in its sequence (XGLM), and the KV cache of a model whose cross-attention layers
+    are skipped (Mllama)."""
     worst = chunked_prefix_preemption_logit_diff(model_dir(kind), captured_logits, MAX_TOKENS)
     report_logit_diff(f"{kind}, chunked prefill + prefix hits + preemption", worst)
     # Gemma 4 E amplifies fp32 rounding at one position (5e-5 between transformers' own cached and uncached
@@ -325,12 +328,14 @@ def test_opt_projected_hidden_states_through_the_cuda_graph_runner_match_hf(mode
     assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
 
 
-@pytest.mark.parametrize("setting", ["scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
-                                     "add_cross_attention"])
-def test_gpt2_settings_the_engine_cannot_run_are_refused_by_name(setting, model_dir, tmp_path):
-    d = edited_model(model_dir("gpt2"), tmp_path / "m", **{setting: True})
-    with pytest.raises(ValueError, match=f"{setting}=True"):
+@pytest.mark.parametrize("kind, setting", [("gpt2", "scale_attn_by_inverse_layer_idx"),
+                                           ("gpt2", "reorder_and_upcast_attn"), ("gpt2", "add_cross_attention"),
+                                           ("xglm", "add_cross_attention")])
+def test_gpt2_and_xglm_settings_the_engine_cannot_run_are_refused_by_name(kind, setting, model_dir, tmp_path):
+    d = edited_model(model_dir(kind), tmp_path / "m", **{setting: True})
+    with pytest.raises(ValueError, match=f"{setting}=True") as refused:
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
+    assert str(d) in str(refused.value)
 
 
 @pytest.mark.parametrize("head", ["embed_out", "lm_head"])

@@ -3,12 +3,14 @@ genuine bf16 near-ties, prefix-cache hits, chunked prefill and preemption, the K
 and GPU memory given back on close. Each test runs with every attention backend this build offers (skipped where
 one cannot run). All are marked `cuda`: skipped, with the reason, where no CUDA device is visible."""
 import gc
+import json
+import pathlib
 
 import pytest
 import torch
 
-from models import (DENSE_KINDS, EXTRA_KINDS, LAYERNORM_KINDS, MODEL_KINDS, NEWEST_DENSE_KINDS, check_against_hf,
-                    check_bf16_outputs, hf_attention, hf_greedy, random_prompts)
+from models import (DENSE_KINDS, EXTRA_KINDS, LAYERNORM_KINDS, MODEL_KINDS, NEWEST_DENSE_KINDS, causal_lm_class,
+                    check_against_hf, check_bf16_outputs, hf_attention, hf_greedy, random_prompts)
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
 from nanoinfer.layers.attention import Attention
@@ -63,12 +65,11 @@ _REFERENCES: dict[tuple, list[dict]] = {}
 
 def hf_model(model_dir, dtype: torch.dtype) -> torch.nn.Module:
     """transformers' model on the GPU in `dtype` (loaded once per session)."""
-    from transformers import AutoModelForCausalLM
-
     key = (str(model_dir), dtype)
     if key not in _HF_MODELS:
-        _HF_MODELS[key] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
-                                                               **hf_attention(model_dir)).to("cuda").eval()
+        model_type = json.loads((pathlib.Path(model_dir) / "config.json").read_text())["model_type"]
+        _HF_MODELS[key] = causal_lm_class(model_type).from_pretrained(model_dir, dtype=dtype,
+                                                                      **hf_attention(model_dir)).to("cuda").eval()
     return _HF_MODELS[key]
 
 

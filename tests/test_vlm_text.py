@@ -20,7 +20,7 @@ IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 502, 503, 504, 505
 PROMPTS = random_prompts(3, 5, 440, 2, 40, seed=21) + [[7, VISION_START, IMAGE_TOKEN, IMAGE_TOKEN, VISION_END, 9]]
 KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe",
          "qwen3.5", "qwen3.5-moe", "llava-qwen2", "llava-next", "llava-onevision", "internvl", "smolvlm", "idefics3",
-         "aya-vision", "llama4", "gemma4", "mistral3-ministral3", "gemma3n")
+         "aya-vision", "llama4", "gemma4", "mistral3-ministral3", "gemma3n", "mllama", "emu3")
 # Gemma 4's wrapper kind keeps the seed it was checked with: at the next one (7118) transformers' own fp32 logits
 # stray 3.9e-4 from its fp64 ones along the greedy path, over this file's 1e-4 bar (ours were 2.2e-4 from its fp32).
 SEEDS = {kind: 7100 + i for i, kind in enumerate(KINDS)} | {"gemma4": 7117}
@@ -85,6 +85,17 @@ def make_vlm_config(kind: str):
                       patch_size=14, vision_output_dim=16, projector_input_dim=16, projector_output_dim=16)
         return t.Llama4Config(text_config=make_config("llama4"), vision_config=vision, boi_token_index=VISION_START,
                               eoi_token_index=VISION_END, image_token_index=IMAGE_TOKEN)
+    if kind == "mllama":  # Llama 3.2 Vision: a cross-attention layer 1, skipped on text; saved in the Hub's
+        # layout (`language_model.model.*`, `language_model.lm_head`, `vision_model.*`), no tie_word_embeddings
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_global_layers=1,
+                      attention_heads=2, image_size=28, patch_size=14, max_num_tiles=1, intermediate_layers_indices=[0],
+                      vision_output_dim=32, supported_aspect_ratios=[[1, 1]])
+        return t.MllamaConfig(text_config=make_config("mllama"), vision_config=vision,
+                              image_token_index=models.MODEL_VOCAB_SIZE)
+    if kind == "emu3":  # images as tokens of the vocabulary, from a tiny VQ-VAE; `text_model.*`, `vqmodel.*`
+        vq = dict(codebook_size=16, embed_dim=4, latent_channels=4, base_channels=32, channel_multiplier=[1, 1],
+                  num_res_blocks=1, attn_resolutions=[], hidden_size=32, num_attention_heads=1)
+        return t.Emu3Config(text_config=make_config("emu3"), vq_config=vq, vocabulary_map={"<image>": IMAGE_TOKEN})
     if kind == "aya-vision":  # over Cohere 2 with logit_scale 0.5, which the wrapper never applies
         return t.AyaVisionConfig(text_config=make_config("cohere2"), vision_config=_SIGLIP, downsample_factor=2,
                                  image_token_index=IMAGE_TOKEN)
@@ -233,10 +244,10 @@ def test_tensor_parallel_2_matches_hf(kind, vlm_dir, captured_logits, report_log
 def test_unsupported_language_model_is_refused(vlm_dir, tmp_path):
     """A known wrapper over a language model no family here implements is named, not run as another family."""
     config = json.loads((vlm_dir("llava") / "config.json").read_text())
-    config["text_config"]["model_type"] = "xglm"
+    config["text_config"]["model_type"] = "reformer"
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "model.safetensors").write_bytes((vlm_dir("llava") / "model.safetensors").read_bytes())
-    with pytest.raises(ValueError, match=r"LlavaForConditionalGeneration with a 'xglm' language model"):
+    with pytest.raises(ValueError, match=r"LlavaForConditionalGeneration with a 'reformer' language model"):
         LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=64)
 
 

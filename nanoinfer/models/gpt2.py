@@ -54,9 +54,14 @@ class GPT2Model(LayerNormModel):
 
     def __init__(self, config: PretrainedConfig, attention_options: OptionsFactory, make_mlp: MLPFactory):
         super().__init__(config, attention_options, make_mlp)
-        # Replicated on every rank: small (GPT-2's 1024 positions), and no all-reduce of its own.
-        self.wpe = nn.Embedding(config.max_position_embeddings + self.position_offset, config.hidden_size)
-        self.wpe.weight.requires_grad_(False)
+        self.wpe = self.position_embedding(config)
+
+    def position_embedding(self, config: PretrainedConfig) -> nn.Module:
+        """The table of position embeddings, indexed by position + position_offset: learned (XGLM's: fixed).
+        Replicated on every rank: small (GPT-2's 1024 positions), and no all-reduce of its own."""
+        wpe = nn.Embedding(config.max_position_embeddings + self.position_offset, config.hidden_size)
+        wpe.weight.requires_grad_(False)
+        return wpe
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         """positions: each token's position in its sequence (so a cached prefix or an earlier chunk counts); None,

@@ -234,9 +234,14 @@ class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, attention_options: OptionsFactory, make_mlp: MLPFactory):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(self.decoder_layer(config, attention_options(config, i), make_mlp(config, i))
+        self.layers = nn.ModuleList(self.make_layer(config, i, attention_options, make_mlp)
                                     for i in range(self.num_layers(config)))
         self.norm = self.final_norm(config)
+
+    def make_layer(self, config: PretrainedConfig, layer_idx: int, attention_options: OptionsFactory,
+                   make_mlp: MLPFactory) -> nn.Module:
+        """Layer layer_idx, called as the layers are (positions, x, residual, meta) -> (x, residual)."""
+        return self.decoder_layer(config, attention_options(config, layer_idx), make_mlp(config, layer_idx))
 
     @staticmethod
     def num_layers(config: PretrainedConfig) -> int:

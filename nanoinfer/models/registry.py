@@ -11,6 +11,7 @@ _MODELS = {
     "ArceeForCausalLM": ("arcee", "ArceeForCausalLM"),
     "AXK1ForCausalLM": ("axk1", "AXK1ForCausalLM"),
     "AXK2ForCausalLM": ("axk2", "AXK2ForCausalLM"),
+    "BioGptForCausalLM": ("biogpt", "BioGptForCausalLM"),
     "BloomForCausalLM": ("bloom", "BloomForCausalLM"),
     "CodeGenForCausalLM": ("codegen", "CodeGenForCausalLM"),
     "Cohere2ForCausalLM": ("cohere2", "Cohere2ForCausalLM"),
@@ -25,6 +26,7 @@ _MODELS = {
     "DiffLlamaForCausalLM": ("diffllama", "DiffLlamaForCausalLM"),
     "DogeForCausalLM": ("doge", "DogeForCausalLM"),
     "Dots1ForCausalLM": ("dots1", "Dots1ForCausalLM"),
+    "Emu3ForCausalLM": ("llama", "LlamaForCausalLM"),  # Emu3's text model: Llama's layers, no biases
     "Ernie4_5_MoeForCausalLM": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
     "Ernie4_5ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),
     "Exaone4ForCausalLM": ("exaone4", "Exaone4ForCausalLM"),
@@ -47,6 +49,7 @@ _MODELS = {
     "GPTJForCausalLM": ("gptj", "GPTJForCausalLM"),
     "GPTNeoForCausalLM": ("gpt_neo", "GPTNeoForCausalLM"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
+    "GPTNeoXJapaneseForCausalLM": ("gpt_neox_japanese", "GPTNeoXJapaneseForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "GraniteMoeForCausalLM": ("granitemoe", "GraniteMoeForCausalLM"),
@@ -74,6 +77,7 @@ _MODELS = {
     "Ministral3ForCausalLM": ("ministral3", "Ministral3ForCausalLM"),
     "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "MllamaForCausalLM": ("mllama", "MllamaForCausalLM"),
     "MPTForCausalLM": ("mpt", "MptForCausalLM"),  # MosaicML's own remote-code name, as on the Hub
     "MptForCausalLM": ("mpt", "MptForCausalLM"),
     "NanoChatForCausalLM": ("nanochat", "NanoChatForCausalLM"),
@@ -102,6 +106,7 @@ _MODELS = {
     "StableLmForCausalLM": ("stablelm", "StableLmForCausalLM"),
     "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
     "VaultGemmaForCausalLM": ("vaultgemma", "VaultGemmaForCausalLM"),
+    "XGLMForCausalLM": ("xglm", "XGLMForCausalLM"),
     "YoutuForCausalLM": ("youtu", "YoutuForCausalLM"),
 }
 # Hybrids of attention with recurrent layers (Mamba2, short convolutions, linear attention; Zamba's and Zamba2's
@@ -154,12 +159,14 @@ _ENCODERS = {
 # where transformers' wrapper takes any text model (AutoModel.from_config), i.e. every causal LM here.
 _ANY_TEXT_FAMILY = None
 _VISION_LANGUAGE = {
+    "Emu3ForConditionalGeneration": {"emu3_text_model": _MODELS["Emu3ForCausalLM"]},
     "Gemma3ForConditionalGeneration": {"gemma3_text": _MODELS["Gemma3ForCausalLM"]},
     "Gemma3nForConditionalGeneration": {"gemma3n_text": _MODELS["Gemma3nForCausalLM"]},
     "Gemma4ForConditionalGeneration": {"gemma4_text": _MODELS["Gemma4ForCausalLM"]},
     "Llama4ForConditionalGeneration": {"llama4_text": _MODELS["Llama4ForCausalLM"]},
     "Mistral3ForConditionalGeneration": {"mistral": _MODELS["MistralForCausalLM"],
                                          "ministral3": _MODELS["Ministral3ForCausalLM"]},
+    "MllamaForConditionalGeneration": {"mllama_text_model": _MODELS["MllamaForCausalLM"]},
     "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": _MODELS["Qwen2ForCausalLM"]},
     "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": _MODELS["Qwen2ForCausalLM"]},
     "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": _MODELS["Qwen3ForCausalLM"]},

@@ -12,16 +12,19 @@ from transformers import PretrainedConfig
 # Where the checkpoints keep the language model. The Hub's Gemma 3, Mistral 3, Llava(-NeXT, -OneVision), InternVL,
 # Aya Vision and Llama 4 files (and what transformers 5's save_pretrained writes for them): `language_model.model.*` and
 # `language_model.lm_head`; Qwen2-VL/2.5-VL's: `model.*` and `lm_head` already; Qwen3-VL/3-VL-MoE/3.5's:
-# `model.language_model.*` and `lm_head`; Idefics3's and SmolVLM's: `model.text_model.*` and `lm_head`.
+# `model.language_model.*` and `lm_head`; Idefics3's and SmolVLM's: `model.text_model.*` and `lm_head`; Emu3's:
+# `text_model.model.*` and `text_model.lm_head`.
 LANGUAGE_MODEL_NAMES = {"^model.language_model.": "model.", "^language_model.model.": "model.",
-                        "^language_model.lm_head.": "lm_head.", "^model.text_model.": "model."}
+                        "^language_model.lm_head.": "lm_head.", "^model.text_model.": "model.",
+                        "^text_model.model.": "model.", "^text_model.lm_head.": "lm_head."}
 # The image side, in the same layouts (transformers' own in-memory names too): Llava-NeXT's and OneVision's
 # `image_newline`, Idefics3's and SmolVLM's `vision_model` and `connector`, Llama 4's `vision_model` at the top, Gemma
-# 4's audio tower and the projections of both towers into the text (`embed_vision`, `embed_audio`).
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_newline", "vision_model.",
+# 4's audio tower and the projections of both towers into the text (`embed_vision`, `embed_audio`), Emu3's image
+# tokenizer (`vqmodel`).
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_newline", "vision_model.", "vqmodel.",
                    "model.vision_tower.", "model.multi_modal_projector.", "model.visual.", "model.image_newline",
                    "model.vision_model.", "model.connector.", "model.audio_tower.", "model.embed_vision.",
-                   "model.embed_audio.")
+                   "model.embed_audio.", "model.vqmodel.")
 
 # The outer config's placeholder ids, copied to the language model's config: Gemma 4's wrapper embeds them as the pad
 # token when no media come with them (see gemma4.py).
