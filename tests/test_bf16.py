@@ -384,8 +384,8 @@ def test_router_in_bf16_is_transformers_own(family):
     if family in _BIAS_FROM_BLOCK:
         bias = checkpoint["e_score_correction_bias"].to(_BIAS_FROM_BLOCK[family])
         _, hf_weights, hf_ids = hf(x[None] if family == "afmoe" else x, bias)  # AFMoE's takes [batch, tokens, hidden]
-    else:
-        _, hf_weights, hf_ids = hf(x)
+    else:  # transformers 5.17's LongCat-Flash router returns no logits
+        *_, hf_weights, hf_ids = hf(x)
     if family == "hunyuan-moe":  # a SparseMoeBlock: FusedMoE routes the router's logits
         weights, ids = select_experts(ours.gate(x), ours.experts.top_k, ours.experts.renormalize,
                                       ours.experts.fp32_weights)

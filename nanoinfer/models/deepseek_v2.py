@@ -30,11 +30,12 @@ def check_attention_config(config: PretrainedConfig) -> None:
                          f"({config.num_attention_heads})")
 
 
-def check_moe_config(config: PretrainedConfig, grouped: bool) -> None:
-    """grouped: whether the routing limits each token to its `topk_group` best of `n_group` expert groups."""
-    if config.moe_intermediate_size % tp_size():
-        raise ValueError(f"tensor_parallel_size={tp_size()} does not divide the model's moe_intermediate_size "
-                         f"({config.moe_intermediate_size})")
+def check_moe_config(config: PretrainedConfig, grouped: bool, width_field: str = "moe_intermediate_size") -> None:
+    """grouped: whether the routing limits each token to its `topk_group` best of `n_group` expert groups;
+    width_field: the config's name of an expert's intermediate size."""
+    width = getattr(config, width_field)
+    if width % tp_size():
+        raise ValueError(f"tensor_parallel_size={tp_size()} does not divide the model's {width_field} ({width})")
     if not grouped:
         return
     n_group, topk_group = config.n_group, config.topk_group

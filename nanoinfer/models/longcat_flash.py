@@ -78,7 +78,7 @@ class LongcatFlashRouter(Fp32Router):
 class LongcatFlashMoE(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        check_moe_config(config, grouped=False)
+        check_moe_config(config, grouped=False, width_field="expert_ffn_hidden_size")  # no alias before 5.23
         self.top_k, self.scaling = config.moe_topk, config.routed_scaling_factor
         self.gate = LongcatFlashRouter(config)
         self.experts = ZeroExpertFusedMoE(config)
