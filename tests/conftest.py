@@ -53,6 +53,8 @@ def model_dir(tmp_path_factory):
         family = models.NEWEST_FAMILIES.get(kind)
         if family is not None and importlib.util.find_spec(f"transformers.models.{family}") is None:
             pytest.skip(f"transformers {transformers.__version__} has no {family!r} family (the reference)")
+        if (reason := models.unusable_reference(kind)) is not None:
+            pytest.skip(reason)
         if kind not in built:
             built[kind] = models.build_model(kind, root / kind)
         return built[kind]

@@ -1566,6 +1566,17 @@ def _randomize_(model, seed: int) -> None:
 _CAUSAL_LM_CLASSES = {"mllama_text_model": "MllamaForCausalLM", "emu3_text_model": "Emu3ForCausalLM"}
 
 
+def unusable_reference(kind: str) -> str | None:
+    """Why the installed transformers cannot be the reference for `kind`, or None. transformers 5.17's Doge lets SDPA
+    skip the causal mask and then adds its dynamic mask onto none: its prefill sees later tokens (5.23 keeps the mask)."""
+    import transformers
+    if kind == "doge":
+        from transformers.models.doge import modeling_doge
+        if "allow_is_causal_skip" not in inspect.getsource(modeling_doge.DogeModel.forward):
+            return f"transformers {transformers.__version__}'s Doge attends to later tokens in a prefill (the reference)"
+    return None
+
+
 def causal_lm_class(model_type: str) -> type:
     """transformers' causal-LM class for a config's model_type: AutoModelForCausalLM, or the class it does not map."""
     import transformers
