@@ -26,6 +26,9 @@ def test_triton_kernels_under_the_interpreter(report_logit_diff):
     summary = r.stdout[-4000:] + r.stderr[-2000:]
     assert r.returncode == 0, summary
     counts = re.search(r"(\d+) passed", r.stdout)
-    assert counts and int(counts.group(1)) >= 87 and "skipped" not in r.stdout.splitlines()[-1], summary
+    assert counts and int(counts.group(1)) >= 87, summary
+    # A case may skip only where the installed transformers cannot be its reference (conftest.py's model_dir).
+    skips = re.findall(r"^SKIPPED \[\d+\] (.*)$", r.stdout, re.M)
+    assert all(reason.endswith("(the reference)") for reason in skips), summary
     for name, value in re.findall(r"^(.*(?:flash|triton) backend.*): ([0-9.e+-]+)$", r.stdout, re.M):
         report_logit_diff(name, float(value))
