@@ -353,3 +353,22 @@ def test_cohere2_moe_settings_the_engine_cannot_run_are_refused_by_name(model_di
     with pytest.raises(ValueError, match=message) as refused:
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
     assert str(d) in str(refused.value)
+
+
+def test_longcat_zero_experts_skip_the_real_experts():
+    """A slot routed to a zero expert adds its weight times the input and runs no real expert: with expert 0 (where
+    such slots once went, at weight 0) never chosen and all NaN, the output is the one with expert 0 finite."""
+    from nanoinfer.models.longcat_flash import LongcatFlashMoE
+
+    torch.manual_seed(0)
+    moe = LongcatFlashMoE(make_config("longcat-flash"))
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+        moe.gate.e_score_correction_bias[0] = -10.0  # expert 0 never chosen; the zero experts (8 on) often are
+        x = torch.randn(40, moe.experts.w2_weight.shape[1])
+        ids = moe.select_experts(x)[1]
+        assert not (ids == 0).any() and (ids >= moe.experts.num_experts).any()
+        finite = moe(x)
+        moe.experts.w13_weight[0] = moe.experts.w2_weight[0] = float("nan")
+        assert torch.equal(moe(x), finite)
