@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig
 
 import nanoinfer.layers.fused_moe as fused_moe
@@ -372,3 +373,48 @@ def test_longcat_zero_experts_skip_the_real_experts():
         finite = moe(x)
         moe.experts.w13_weight[0] = moe.experts.w2_weight[0] = float("nan")
         assert torch.equal(moe(x), finite)
+
+
+class _QueriesAsOutput(torch.nn.Module):
+    """Stands in for an Attention: each head's output is its query."""
+
+    def forward(self, q, k, v, meta):
+        return q
+
+
+class _WidestPerToken(TorchDispatchMode):
+    """The most elements per token of any tensor an op makes with a leading dimension of `rows` (tokens, or
+    token-expert pairs) rows."""
+
+    def __init__(self, tokens: int, rows: tuple[int, ...]):
+        super().__init__()
+        self.tokens, self.rows, self.widest = tokens, rows, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.dim() >= 2 and out.shape[0] in self.rows:
+            self.widest = max(self.widest, out.numel() // self.tokens)
+        return out
+
+
+def test_jetmoe_attention_projects_each_token_through_its_chosen_experts_alone():
+    """JetMoE's mixture of attention heads runs each token's k chosen experts' query and output projections, not all
+    num_local_experts' (the 8 test experts' queries per token would be 8 x 32 wide): no tensor holds more per token
+    than k queries or k hidden states."""
+    from nanoinfer.models.jetmoe import JetMoeAttention
+    from nanoinfer.models.llama import AttentionOptions
+
+    config = make_config("jetmoe")
+    torch.manual_seed(0)
+    attn = JetMoeAttention(config, AttentionOptions())
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0, 0.3)
+    attn.attn = _QueriesAsOutput()
+    tokens, k = 50, config.num_experts_per_tok
+    x = torch.randn(tokens, config.hidden_size)
+    with _WidestPerToken(tokens, (tokens, tokens * k)) as widths:
+        attn(None, x, None)
+    query_width = config.num_key_value_heads * config.kv_channels
+    assert config.num_local_experts * query_width > k * max(query_width, config.hidden_size)
+    assert widths.widest <= k * max(query_width, config.hidden_size)
