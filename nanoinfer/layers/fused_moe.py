@@ -2,7 +2,8 @@
 sigmoid of the top k, PhiMoE's sparsemixer), then every expert at once as two grouped matmuls over the token-expert
 pairs sorted by expert (FusedMoE; SparseMoeBlock puts the router in front), optionally with biases and GPT-OSS's
 clamped SwiGLU, or without a gate (NemotronH's relu^2), the routing weights scaling the experts' outputs or (Llama 4)
-their inputs. Each rank holds a slice of every expert's intermediate dimension."""
+their inputs, optionally skipping slots routed past the experts (LongCat-Flash's zero experts). Each rank holds a
+slice of every expert's intermediate dimension. ExpertGroups, the sorting, serves JetMoE's attention experts too."""
 import re
 from collections.abc import Callable
 
