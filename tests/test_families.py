@@ -3,6 +3,7 @@ test_olmo.py; MoE: test_moe.py): tensor parallelism against transformers, Gemma 
 layouts, the Gemma, GPT-2, XGLM, Laguna, Mellum and OLMo Hybrid config settings the engine refuses by name, the
 parallel residual (Phi, GPT-NeoX) and GPT-2's absolute positions under chunked prefill, prefix-cache hits and
 preemption, and the interleaved rope layout (Cohere, GLM)."""
+import importlib
 import json
 import shutil
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from models import (LAYERNORM_KINDS, NEWEST_DENSE_KINDS, cached_hf_greedy, check_against_hf,
-                    chunked_prefix_preemption_logit_diff, hf_reordering_noise, random_prompts, shared_prefix_prompts)
+                    chunked_prefix_preemption_logit_diff, hf_reordering_noise, make_config, random_prompts,
+                    shared_prefix_prompts)
 from nanoinfer import LLM, SamplingParams
 
 MAX_TOKENS = 16
@@ -439,3 +441,28 @@ def test_interleaved_rope_is_transformers_cohere_and_glm4():
         ours_q, ours_k = RotaryEmbedding(head_dim, 100, inv_freq, interleaved=True)(positions, q, k)
         assert torch.allclose(ours_q, hf_q[0].transpose(0, 1), atol=1e-6), rotary_dim
         assert torch.allclose(ours_k, hf_k[0].transpose(0, 1), atol=1e-6), rotary_dim
+
+
+@pytest.mark.parametrize("kind, module, rows, width", [
+    ("mllama", "mllama.MllamaForCausalLM", lambda c: c.vocab_size + 8, lambda c: c.hidden_size),
+    ("opt-350m", "opt.OPTForCausalLM", lambda c: c.vocab_size, lambda c: c.word_embed_proj_dim)])
+def test_token_embeddings_other_than_vocab_by_hidden_are_built_once(kind, module, rows, width, monkeypatch):
+    """Mllama's embeddings (8 rows past the vocabulary) and OPT-350m's (narrower than its layers) are the one table
+    built: none of the vocabulary by the hidden size first, to be replaced (memory twice the table's, briefly)."""
+    from nanoinfer.layers.embed_head import VocabParallelEmbedding
+
+    config = make_config(kind)
+    module_name, class_name = module.split(".")
+    model_class = getattr(importlib.import_module(f"nanoinfer.models.{module_name}"), class_name)
+    built = []
+    init = VocabParallelEmbedding.__init__
+
+    def recording_init(self, num_embeddings, embedding_dim, *args, **kwargs):
+        if type(self) is VocabParallelEmbedding:
+            built.append((num_embeddings, embedding_dim))
+        init(self, num_embeddings, embedding_dim, *args, **kwargs)
+
+    monkeypatch.setattr(VocabParallelEmbedding, "__init__", recording_init)
+    model = model_class(config)
+    assert built == [(rows(config), width(config))]
+    assert tuple(model.model.embed_tokens.weight.shape) == built[0]

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig
 
 import nanoinfer.layers.fused_moe as fused_moe
@@ -353,3 +354,71 @@ def test_cohere2_moe_settings_the_engine_cannot_run_are_refused_by_name(model_di
     with pytest.raises(ValueError, match=message) as refused:
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
     assert str(d) in str(refused.value)
+
+
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.float32),
+                                           pytest.param("cuda", torch.bfloat16, marks=pytest.mark.cuda)])
+def test_longcat_zero_experts_skip_the_real_experts(device, dtype):
+    """A slot routed to a zero expert adds its weight times the input and runs no real expert: with expert 0 (where
+    such slots once went, at weight 0) never chosen and all NaN, the output is the one with expert 0 finite. On CUDA
+    in bf16 too, where grouped_mm leaves the skipped slots' rows (past the experts' groups) unwritten."""
+    from nanoinfer.models.longcat_flash import LongcatFlashMoE
+
+    torch.manual_seed(0)
+    moe = LongcatFlashMoE(make_config("longcat-flash"))
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+        moe.gate.e_score_correction_bias[0] = -10.0  # expert 0 never chosen; the zero experts (8 on) often are
+        moe.to(device, dtype)
+        x = torch.randn(40, moe.experts.w2_weight.shape[1], device=device, dtype=dtype)
+        ids = moe.select_experts(x)[1]
+        assert not (ids == 0).any() and (ids >= moe.experts.num_experts).any()
+        finite = moe(x)
+        moe.experts.w13_weight[0] = moe.experts.w2_weight[0] = float("nan")
+        assert torch.equal(moe(x), finite)
+
+
+class _QueriesAsOutput(torch.nn.Module):
+    """Stands in for an Attention: each head's output is its query."""
+
+    def forward(self, q, k, v, meta):
+        return q
+
+
+class _WidestPerToken(TorchDispatchMode):
+    """The most elements per token of any tensor an op makes with a leading dimension of `rows` (tokens, or
+    token-expert pairs) rows."""
+
+    def __init__(self, tokens: int, rows: tuple[int, ...]):
+        super().__init__()
+        self.tokens, self.rows, self.widest = tokens, rows, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.dim() >= 2 and out.shape[0] in self.rows:
+            self.widest = max(self.widest, out.numel() // self.tokens)
+        return out
+
+
+def test_jetmoe_attention_projects_each_token_through_its_chosen_experts_alone():
+    """JetMoE's mixture of attention heads runs each token's k chosen experts' query and output projections, not all
+    num_local_experts' (the 8 test experts' queries per token would be 8 x 32 wide): no tensor holds more per token
+    than k queries or k hidden states."""
+    from nanoinfer.models.jetmoe import JetMoeAttention
+    from nanoinfer.models.llama import AttentionOptions
+
+    config = make_config("jetmoe")
+    torch.manual_seed(0)
+    attn = JetMoeAttention(config, AttentionOptions())
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0, 0.3)
+    attn.attn = _QueriesAsOutput()
+    tokens, k = 50, config.num_experts_per_tok
+    x = torch.randn(tokens, config.hidden_size)
+    with _WidestPerToken(tokens, (tokens, tokens * k)) as widths:
+        attn(None, x, None)
+    query_width = config.num_key_value_heads * config.kv_channels
+    assert config.num_local_experts * query_width > k * max(query_width, config.hidden_size)
+    assert widths.widest <= k * max(query_width, config.hidden_size)

@@ -581,6 +581,7 @@ def test_engine_doge_key_biases_match_hf(model_dir, captured_logits, report_logi
     in chunks, over a cached prefix, and in decode under the CUDA-graph runner stand-in."""
     worst = chunked_then_cached_against_hf("doge", model_dir, captured_logits, graphs=True)
     report_logit_diff("doge, triton backend, key biases", worst)
+    assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
 
 @pytest.mark.parametrize("kind", ["diffllama", "hrm-text"])

@@ -2,7 +2,8 @@
 sigmoid of the top k, PhiMoE's sparsemixer), then every expert at once as two grouped matmuls over the token-expert
 pairs sorted by expert (FusedMoE; SparseMoeBlock puts the router in front), optionally with biases and GPT-OSS's
 clamped SwiGLU, or without a gate (NemotronH's relu^2), the routing weights scaling the experts' outputs or (Llama 4)
-their inputs. Each rank holds a slice of every expert's intermediate dimension."""
+their inputs, optionally skipping slots routed past the experts (LongCat-Flash's zero experts). Each rank holds a
+slice of every expert's intermediate dimension. ExpertGroups, the sorting, serves JetMoE's attention experts too."""
 import re
 from collections.abc import Callable
 
@@ -179,36 +180,69 @@ def clamped_swiglu(alpha: float, limit: float) -> GatedActivation:
     return activation
 
 
+class ExpertGroups:
+    """A routing's (token, slot) pairs grouped by expert for torch._grouped_mm: `order` lists them (indices into
+    topk_ids.flatten()) so that each expert's pairs form one contiguous segment, ending at its entry of `offsets`.
+    A slot whose id is num_experts or more (a LongCat-Flash zero expert) sorts after every segment: grouped_mm
+    leaves its rows unwritten, and scatter gives them as zeros."""
+
+    def __init__(self, topk_ids: torch.Tensor, num_experts: int):
+        self.flat, self.top_k, self.num_experts = topk_ids.flatten(), topk_ids.shape[1], num_experts
+        self.order = self.flat.argsort(stable=True)
+        counts = torch.bincount(self.flat, minlength=num_experts)[:num_experts]
+        self.offsets = counts.cumsum(0).to(torch.int32)
+
+    def expert_ids(self) -> torch.Tensor:
+        """Each sorted pair's expert."""
+        return self.flat[self.order]
+
+    def token_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [tokens, ...] -> each sorted pair's token's row."""
+        return x[self.order // self.top_k]
+
+    def pair_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """values [tokens, k, ...] -> each sorted pair's."""
+        return values.flatten(0, 1)[self.order]
+
+    def linear(self, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Sorted rows [pairs, in] through their experts' weight [experts, out, in] -> [pairs, out]."""
+        return torch._grouped_mm(rows, weight.transpose(1, 2), offs=self.offsets)
+
+    def scatter(self, y: torch.Tensor, skipped: bool = False) -> torch.Tensor:
+        """Sorted pairs' rows -> [tokens, k, ...] in (token, slot) order (a sum over slots needs no atomics); with
+        `skipped`, the rows of slots beyond the experts (left unwritten by grouped_mm) as zeros."""
+        if skipped:
+            y = torch.where((self.expert_ids() < self.num_experts)[:, None], y, 0)
+        return torch.empty_like(y).index_copy_(0, self.order, y).view(-1, self.top_k, *y.shape[1:])
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                  activation: GatedActivation = silu_and_mul, apply_router_weight_on_input: bool = False
-                  ) -> torch.Tensor:
+                  activation: GatedActivation = silu_and_mul, apply_router_weight_on_input: bool = False,
+                  skipped: bool = False) -> torch.Tensor:
     """x [tokens, hidden]; w13 [experts, 2 * inter, hidden] (gate rows, then up rows; or, non-gated, up rows alone:
     [experts, inter, hidden]); w2 [experts, hidden, inter];
     topk_* [tokens, k] -> sum over each token's k experts of weight * down(activation(gate(x), up(x))), or, with
     apply_router_weight_on_input, of down(activation(gate(weight * x), up(weight * x))); the optional biases
-    [experts, 2 * inter] and [experts, hidden] added after each projection. In 16-bit models as transformers'
-    experts (its grouped_mm path) do: each output times its weight in the wider of the two dtypes (fp32 where the
-    router's weights are fp32), each token's k products summed in its top-k order accumulating in fp32, rounded once
-    to x's dtype."""
-    k = topk_ids.shape[1]
-    flat = topk_ids.flatten()
-    order = flat.argsort(stable=True)  # pairs grouped by expert: each expert's rows are one contiguous segment
-    token = order // k
-    weights = topk_weights.flatten()[order].unsqueeze(1)
-    offsets = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
-    rows = x[token] * weights if apply_router_weight_on_input else x[token]
-    gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)
+    [experts, 2 * inter] and [experts, hidden] added after each projection. With `skipped`, slots whose id is the
+    number of experts or more add nothing and cost nothing (LongCat-Flash's zero experts; no biases then). In 16-bit
+    models as transformers' experts (its grouped_mm path) do: each output times its weight in the wider of the two
+    dtypes (fp32 where the router's weights are fp32), each token's k products summed in its top-k order
+    accumulating in fp32, rounded once to x's dtype."""
+    groups = ExpertGroups(topk_ids, w13.shape[0])
+    weights = groups.pair_rows(topk_weights).unsqueeze(1)
+    rows = groups.token_rows(x)
+    if apply_router_weight_on_input:
+        rows = rows * weights
+    gate_up = groups.linear(rows, w13)
     if w13_bias is not None:
-        gate_up += w13_bias[flat[order]]
-    y = torch._grouped_mm(activation(*gate_up.chunk(w13.shape[1] // w2.shape[2], dim=-1)), w2.transpose(1, 2),
-                          offs=offsets)
+        gate_up += w13_bias[groups.expert_ids()]
+    y = groups.linear(activation(*gate_up.chunk(w13.shape[1] // w2.shape[2], dim=-1)), w2)
     if w2_bias is not None:
-        y += w2_bias[flat[order]]
+        y += w2_bias[groups.expert_ids()]
     if not apply_router_weight_on_input:
         y = y.to(torch.promote_types(y.dtype, weights.dtype)).mul_(weights)
-    per_token = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, k) order: a sum without atomics
-    return per_token.view(-1, k, y.shape[1]).sum(dim=1).to(x.dtype)
+    return groups.scatter(y, skipped).sum(dim=1).to(x.dtype)
 
 
 class FusedMoE(nn.Module):
@@ -221,6 +255,7 @@ class FusedMoE(nn.Module):
     stacked_transposed: the family's stacked checkpoint tensors are always [experts, in, out] (Llama 4), also where
     hidden = 2 * inter makes the gate/up tensor's shape read either way.
     fp32_weights: forward's routing weights left in fp32 in 16-bit models (see select_experts)."""
+    skips_zero_experts = False  # routed ids from num_experts on add nothing (see fused_experts: LongCat-Flash's)
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  reduce_results: bool = True, bias: bool = False, activation: GatedActivation = silu_and_mul,
@@ -327,7 +362,7 @@ class FusedMoE(nn.Module):
         # The down projection's bias once in the sum over ranks.
         w2_bias = self.w2_bias if self.tp_rank == 0 else None
         y = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.w13_bias, w2_bias,
-                          self.activation, self.apply_router_weight_on_input)
+                          self.activation, self.apply_router_weight_on_input, self.skips_zero_experts)
         if self.reduce_results and self.tp_size > 1:
             dist.all_reduce(y, group=self.tp_group)
         return y

@@ -5,19 +5,17 @@ expert projects the token's queries for all those heads, attention runs with k x
 expert's query head h on KV head h), and each expert's own output projection takes its heads back to the hidden size,
 weighted by its routing weight; a bias over the sum. The MoE MLP: GraniteMoE's stacked experts plus a bias.
 
-The MoA projects the token's queries with every expert and keeps its k (a batched gather would copy a weight per
-token), and gives every expert's output projection a zero input where the token did not choose it: num_local_experts
-/ k times the needed FLOPs of those two projections, in plain matmuls that CUDA graphs capture. Under tensor
-parallelism the experts' query and output projections, kv_proj and the MoE shard over the KV heads and the
-intermediate size; routers and biases are replicated."""
+The MoA's query and output projections run as the MoE's experts do (fused_moe.ExpertGroups: grouped matmuls over the
+token-expert pairs sorted by expert), each token's chosen experts' alone. Under tensor parallelism the experts' query
+and output projections, kv_proj and the MoE shard over the KV heads and the intermediate size; routers and biases are
+replicated."""
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.attention import Attention, AttentionMetadata
-from nanoinfer.layers.fused_moe import FusedMoE, select_experts_topk_softmax
+from nanoinfer.layers.fused_moe import ExpertGroups, FusedMoE, select_experts_topk_softmax
 from nanoinfer.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, copy_weight
 from nanoinfer.layers.rotary_embedding import get_rope
 from nanoinfer.models.llama import AttentionOptions, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
@@ -73,17 +71,15 @@ class JetMoeMoA(nn.Module):
                              f"dim {dim}")
         copy_weight(param, loaded.narrow(dim, self.start, self.local_width))
 
-    def queries(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def queries(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """x [tokens, hidden] -> each token's chosen experts' queries [tokens, k, this rank's query width]."""
-        every = F.linear(x, self.input_linear.flatten(0, 1)).view(x.shape[0], -1, self.local_width)
-        return every.gather(1, ids[..., None].expand(-1, -1, self.local_width))
+        return groups.scatter(groups.linear(groups.token_rows(x), self.input_linear))
 
-    def reduce(self, o: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def reduce(self, o: torch.Tensor, weights: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         """o [tokens, k, this rank's query width] -> the weighted sum of the chosen experts' output projections plus
         the bias, [tokens, hidden] (all-reduced over the ranks' heads)."""
-        spread = o.new_zeros(o.shape[0], self.input_linear.shape[0], self.local_width)
-        spread.scatter_(1, ids[..., None].expand_as(o), o * weights[..., None].to(o.dtype))
-        y = torch.einsum("tew,ehw->th", spread, self.output_linear)
+        y = groups.linear(groups.pair_rows(o), self.output_linear) * groups.pair_rows(weights).to(o.dtype)[:, None]
+        y = groups.scatter(y).sum(1)
         if self.tp_size > 1:
             dist.all_reduce(y, group=self.tp_group)
         return y + self.bias
@@ -104,13 +100,14 @@ class JetMoeAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         weights, ids = self.experts.router(x)
-        q = self.experts.queries(x, ids).view(-1, self.top_k * self.num_kv_heads, self.head_dim)
+        groups = ExpertGroups(ids, self.experts.input_linear.shape[0])
+        q = self.experts.queries(x, groups).view(-1, self.top_k * self.num_kv_heads, self.head_dim)
         k, v = self.kv_proj(x).view(-1, 2, self.num_kv_heads, self.head_dim).unbind(1)
         if positions is not None:  # None: an encoder pass (see LLM.embed)
             q, k = self.rotary_emb(positions, q, k)
         q = q.view(-1, self.top_k, self.num_kv_heads, self.head_dim).transpose(1, 2)
         o = self.attn(q.flatten(1, 2), k, v, meta).view(-1, self.num_kv_heads, self.top_k, self.head_dim)
-        return self.experts.reduce(o.transpose(1, 2).flatten(2), weights, ids)
+        return self.experts.reduce(o.transpose(1, 2).flatten(2), weights, groups)
 
 
 class JetMoeMoE(nn.Module):

@@ -233,7 +233,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: PretrainedConfig, attention_options: OptionsFactory, make_mlp: MLPFactory):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = self.token_embedding(config)
         self.layers = nn.ModuleList(self.make_layer(config, i, attention_options, make_mlp)
                                     for i in range(self.num_layers(config)))
         self.norm = self.final_norm(config)
@@ -242,6 +242,11 @@ class LlamaModel(nn.Module):
                    make_mlp: MLPFactory) -> nn.Module:
         """Layer layer_idx, called as the layers are (positions, x, residual, meta) -> (x, residual)."""
         return self.decoder_layer(config, attention_options(config, layer_idx), make_mlp(config, layer_idx))
+
+    @staticmethod
+    def token_embedding(config: PretrainedConfig) -> nn.Module:
+        """The token embeddings (Mllama's hold rows past the vocabulary, OPT-350m's are narrower than the layers)."""
+        return VocabParallelEmbedding(config.vocab_size, config.hidden_size)
 
     @staticmethod
     def num_layers(config: PretrainedConfig) -> int:

@@ -51,8 +51,9 @@ def zero_expert_suffixes(config: PretrainedConfig) -> tuple[str, ...]:
 
 
 class ZeroExpertFusedMoE(FusedMoE):
-    """The real experts; from transformers' stacked layout, the gate/up stack's first n_routed_experts (see
-    zero_expert_suffixes)."""
+    """The real experts, which skip the slots routed to zero experts; from transformers' stacked layout, the gate/up
+    stack's first n_routed_experts (see zero_expert_suffixes)."""
+    skips_zero_experts = True
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config.n_routed_experts, config.moe_topk, config.hidden_size, config.expert_ffn_hidden_size,
@@ -90,11 +91,8 @@ class LongcatFlashMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.select_experts(x)
-        # A zero expert's share: its weight times the input. The real experts run with its slots sent to expert 0 at
-        # weight 0 (fused_experts takes a fixed k per token).
-        zero = ids >= self.experts.num_experts
-        y = self.experts.run_experts(x, weights.masked_fill(zero, 0.0), ids.masked_fill(zero, 0))
-        identity = weights.masked_fill(~zero, 0.0).sum(-1, keepdim=True)
+        y = self.experts.run_experts(x, weights, ids)  # the real experts' share
+        identity = weights.masked_fill(ids < self.experts.num_experts, 0.0).sum(-1, keepdim=True)  # a zero expert's
         return y + (x * identity).to(x.dtype)
 
 

@@ -23,9 +23,9 @@ class SkippedCrossAttentionLayer(nn.Module):
 
 
 class MllamaTextModel(LlamaModel):
-    def __init__(self, config: PretrainedConfig, attention_options: OptionsFactory, make_mlp: MLPFactory):
-        super().__init__(config, attention_options, make_mlp)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size + EXTRA_EMBEDDING_ROWS, config.hidden_size)
+    @staticmethod
+    def token_embedding(config: PretrainedConfig) -> nn.Module:
+        return VocabParallelEmbedding(config.vocab_size + EXTRA_EMBEDDING_ROWS, config.hidden_size)
 
     def make_layer(self, config: PretrainedConfig, layer_idx: int, attention_options: OptionsFactory,
                    make_mlp: MLPFactory) -> nn.Module:

@@ -43,10 +43,12 @@ class OPTModel(GPT2Model):
 
     def __init__(self, config: PretrainedConfig, attention_options: OptionsFactory, make_mlp: MLPFactory):
         super().__init__(config, attention_options, make_mlp)
-        if config.word_embed_proj_dim != config.hidden_size:
-            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.word_embed_proj_dim)
         self.project_in = projection(config, config.word_embed_proj_dim, config.hidden_size)
         self.project_out = projection(config, config.hidden_size, config.word_embed_proj_dim)
+
+    @staticmethod
+    def token_embedding(config: PretrainedConfig) -> nn.Module:
+        return VocabParallelEmbedding(config.vocab_size, config.word_embed_proj_dim)
 
     @staticmethod
     def final_norm(config: PretrainedConfig) -> nn.Module:
