@@ -238,12 +238,13 @@ class InklingMoE(nn.Module):
                                 config.moe_intermediate_size, renormalize=False, reduce_results=False)
         self.shared_experts = InklingSharedExperts(config.n_shared_experts, config.hidden_size,
                                                    config.moe_intermediate_size)
+        self.tp_size, self.tp_group = tp_size(), tp_group()  # the scope is the model's construction
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids, shared_weights = self.gate(x)
         y = self.experts.run_experts(x, weights, ids) + self.shared_experts(x, shared_weights)
-        if tp_size() > 1:  # the routed and the shared experts' partial sums, reduced once
-            dist.all_reduce(y, group=tp_group())
+        if self.tp_size > 1:  # the routed and the shared experts' partial sums, reduced once
+            dist.all_reduce(y, group=self.tp_group)
         return y
 
 
