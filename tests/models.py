@@ -1530,6 +1530,15 @@ def _randomize_gemma4_(model, seed: int) -> None:
                 t.copy_(1.0 + NORM_NOISE * torch.randn(t.shape, generator=g))
 
 
+def randomize_global_scales_(model, seed: int) -> None:
+    """Inkling's MLP and router `global_scale` (ones in transformers), as the norms' weights: 1 + noise."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith("global_scale"):
+                p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
+
+
 def _randomize_zero_centered_norms_(model, seed: int) -> None:
     """Qwen3-Next and Gemma 3 RMSNorms (all but Qwen3-Next's gated one) scale by 1 + weight, so their weights become
     NORM_NOISE * N(0,1); slow decays on some linear-attention heads (e^g near 1) carry the state far, across chunks."""
@@ -1660,12 +1669,8 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
             for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
                 if "layernorm.mlp." in name:
                     p.copy_(INIT_STD * torch.randn(p.shape, generator=g))
-    if kind == "inkling":  # the MLPs' and routers' global_scale (ones in transformers), as the norms' weights
-        g = torch.Generator().manual_seed(_SEEDS[base_kind] + 4)
-        with torch.no_grad():
-            for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-                if name.endswith("global_scale"):
-                    p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
+    if kind == "inkling":
+        randomize_global_scales_(model, _SEEDS[base_kind] + 4)
     if kind == "youtu":  # transformers' Youtu zeroes the pad token's embedding when it loads a checkpoint: saved so
         with torch.no_grad():
             model.get_input_embeddings().weight[config.pad_token_id] = 0.0

@@ -13,6 +13,7 @@ No paged kernel takes such a bias (flash-attn's, the Triton ones, the C decode k
 distance): the layers attend on the PyTorch backend alone (registry.pytorch_only_attention), one SDPA per sequence
 over its context read back from the cache, the bias (and the causal window) its float mask."""
 import math
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,26 @@ from nanoinfer.utils.dist import tp_group, tp_rank, tp_size
 
 LAYER_TYPES = ("hybrid", "hybrid_sliding")
 MLP_LAYER_TYPES = ("dense", "sparse")
+# The Hub's layout of Inkling checkpoints (`model.llm.*`, `attn.wq_du`, ..., what transformers' save_pretrained writes
+# for InklingForConditionalGeneration), renamed as transformers' conversion_mapping ("inkling_mm_model") reads it; the
+# sconv weights, nn.Conv1d's [channels, 1, K] in either layout, as `conv_weight` (InklingConv).
+HUB_NAMES = {"^model.llm.embed_norm.": "model.embed_tokens.embed_norm.", "^model.llm.embed.": "model.embed_tokens.",
+             "^model.llm.unembed.": "lm_head.", "^model.llm.": "model.", ".attn.wq_du.": ".self_attn.q_proj.",
+             ".attn.wk_dv.": ".self_attn.k_proj.", ".attn.wv_dv.": ".self_attn.v_proj.",
+             ".attn.wr_du.": ".self_attn.r_proj.", ".attn.wo_ud.": ".self_attn.o_proj.",
+             ".attn.q_norm.": ".self_attn.q_norm.", ".attn.k_norm.": ".self_attn.k_norm.",
+             ".attn.rel_logits_proj.": ".self_attn.rel_logits_proj.", ".attn.k_sconv.": ".self_attn.k_sconv.",
+             ".attn.v_sconv.": ".self_attn.v_sconv.", "sconv.weight": "sconv.conv_weight",
+             ".conv1d.weight": ".conv_weight", ".attn_norm.": ".input_layernorm.",
+             ".mlp_norm.": ".post_attention_layernorm.", ".mlp.w2_md.": ".mlp.down_proj.",
+             ".mlp.experts.w2_weight": ".mlp.experts.down_proj", ".mlp.gate.bias": ".mlp.gate.e_score_correction_bias",
+             ".mlp.shared_experts.shared_w2_weight": ".mlp.shared_experts.down_proj"}
+# The Hub's gate/up tensors, whose rows (along dim) alternate a gate row and an up row: (dim, the gate's and the up's
+# names in transformers' layout, or one name for both stacked, gate rows first).
+HUB_GATE_UP = {".mlp.w13_dn.weight": (0, (".mlp.gate_proj.weight", ".mlp.up_proj.weight")),
+               ".mlp.experts.w13_weight": (1, (".mlp.experts.gate_up_proj",)),
+               ".mlp.shared_experts.shared_w13_weight": (1, (".mlp.shared_experts.gate_proj",
+                                                             ".mlp.shared_experts.up_proj"))}
 
 
 class InklingConv(RecurrentLayer):
@@ -279,6 +300,19 @@ class NormedEmbedding(VocabParallelEmbedding):
         return self.embed_norm(super().forward(x))
 
 
+def split_gate_up(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """A Hub gate/up tensor (see HUB_GATE_UP) as transformers' gate and up ones, or as its stacked one."""
+    suffix = next(s for s in HUB_GATE_UP if name.endswith(s))
+    dim, targets = HUB_GATE_UP[suffix]
+    pairs = tensor[...].unflatten(dim, (-1, 2))
+    gate, up = pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)
+    stem = name[:-len(suffix)]
+    if len(targets) == 1:
+        yield stem + targets[0], torch.cat([gate, up], dim)
+    else:
+        yield from ((stem + target, t.contiguous()) for target, t in zip(targets, (gate, up)))
+
+
 def check_inkling_config(config: PretrainedConfig) -> None:
     """Refuses by name what the layers cannot run as transformers does."""
     where = config.name_or_path or "the model config"
@@ -299,7 +333,7 @@ def check_inkling_config(config: PretrainedConfig) -> None:
 
 
 class InklingForCausalLM(HybridForCausalLM):
-    weight_name_substitutions = {".conv1d.weight": ".conv_weight"}
+    weight_name_substitutions = HUB_NAMES
     ignored_weight_prefixes = ("model.mtp.",)  # the multi-token-prediction layers, which transformers skips too
     wrapper_scales_logits = True  # InklingForConditionalGeneration divides by the multiplier too
 
@@ -314,6 +348,15 @@ class InklingForCausalLM(HybridForCausalLM):
         config.tie_word_embeddings = False  # `embed` and `unembed` are apart in the checkpoints: transformers never ties
         super().__init__(config, config.rms_norm_eps, logits_scaling=config.logits_mup_width_multiplier)
         self.unpadded_vocab_size = config.unpadded_vocab_size
+
+    @staticmethod
+    def convert_checkpoint(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors, the Hub's gate/up ones split (the rest renamed by HUB_NAMES)."""
+        for name, tensor in weights:
+            if name.endswith(tuple(HUB_GATE_UP)):
+                yield from split_gate_up(name, tensor)
+            else:
+                yield name, tensor
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """The hidden states over the muP multiplier (here the logits, the same up to rounding); the head's rows past
