@@ -124,6 +124,12 @@ def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_di
     ("diffllama", dict(num_key_value_heads=1), "num_key_value_heads=1"),
     ("diffllama", dict(attention_dropout=0.1), "attention_dropout=0.1"),
     ("jetmoe", dict(activation_function="gelu"), "activation_function='gelu'"),
+    # Inkling's layers are "hybrid" (full) or "hybrid_sliding"; its router takes the shared experts' logits off the
+    # end of its weight.
+    ("inkling", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ("inkling", dict(layer_types=["hybrid_sliding", "full_attention", "hybrid_sliding"]),
+     r"layer_types\[1\]='full_attention'"),
+    ("inkling", dict(n_shared_experts=0), "n_shared_experts=0"),
 ])
 def test_newest_families_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes,
                                                                              message):

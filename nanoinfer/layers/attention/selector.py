@@ -125,10 +125,10 @@ def select_backend(requested: str, device: torch.device, *, latent_cache: bool =
 
 def _pytorch_only_backend(requested: str, device: torch.device, architecture: str, name: str, what: str) -> str:
     if requested in ("flash", "triton"):
-        raise ValueError(f"attention_backend={requested!r} cannot run {architecture}: its {name} ({what}) runs on the "
-                         "PyTorch backend only; use attention_backend='cpu' (what 'auto' takes for it)")
+        raise ValueError(f"attention_backend={requested!r} cannot run {architecture}: only the PyTorch backend runs "
+                         f"its {name} ({what}); use attention_backend='cpu' (what 'auto' takes for it)")
     if device.type == "cuda" and requested == "auto":
-        logger.info("attention: %s's %s runs on the PyTorch backend only; using it (attention_backend='cpu')",
+        logger.info("attention: only the PyTorch backend runs %s's %s; using it (attention_backend='cpu')",
                     architecture, name)
     return "cpu"
 
