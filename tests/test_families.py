@@ -445,3 +445,18 @@ def test_interleaved_rope_is_transformers_cohere_and_glm4():
         ours_q, ours_k = RotaryEmbedding(head_dim, 100, inv_freq, interleaved=True)(positions, q, k)
         assert torch.allclose(ours_q, hf_q[0].transpose(0, 1), atol=1e-6), rotary_dim
         assert torch.allclose(ours_k, hf_k[0].transpose(0, 1), atol=1e-6), rotary_dim
+
+
+def test_inkling_padding_rows_of_the_head_are_never_sampled(model_dir, tmp_path, captured_logits):
+    """Inkling's unpadded_vocab_size below vocab_size: the LM head's later rows are padding, which transformers drops
+    from its logits; here they are -inf (never sampled, no probability), the others transformers' own. 64 padding
+    rows of random weights hold the unrestricted argmax at some steps."""
+    unpadded = 448
+    d = edited_model(model_dir("inkling"), tmp_path / "m", unpadded_vocab_size=unpadded)
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for out in outputs:
+        assert torch.stack(captured_logits[out.request_id])[:, unpadded:].eq(float("-inf")).all()
+        captured_logits[out.request_id] = [row[:unpadded] for row in captured_logits[out.request_id]]
+    worst = check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"

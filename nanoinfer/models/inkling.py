@@ -58,13 +58,20 @@ HUB_GATE_UP = {".mlp.w13_dn.weight": (0, (".mlp.gate_proj.weight", ".mlp.up_proj
 
 class InklingConv(RecurrentLayer):
     """A depthwise causal conv without bias, plus its input, in fp32 (checkpoint: `<name>.conv1d.weight` [channels, 1,
-    K], loaded as `<name>.conv_weight`). sharded: the channels are this rank's KV heads' (keys, values), else all of
-    the hidden size (the sublayer outputs, whole on every rank)."""
+    K], loaded as `<name>.conv_weight`): its weight and its state fp32 in every model dtype, as transformers keeps
+    them. sharded: the channels are this rank's KV heads' (keys, values), else all of the hidden size (the sublayer
+    outputs, whole on every rank)."""
 
     def __init__(self, channels: int, kernel_size: int, sharded: bool):
         super().__init__(kernel_size, channels)
         self.sharded = sharded
-        self.conv_weight = nn.Parameter(torch.empty(channels, kernel_size), requires_grad=False)
+        self.conv_weight = nn.Parameter(torch.empty(channels, kernel_size, dtype=torch.float32), requires_grad=False)
+
+    def slot_bytes(self, dtype: torch.dtype) -> int:
+        return super().slot_bytes(self.ssm_dtype(dtype))
+
+    def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().allocate_state(num_slots, self.ssm_dtype(dtype), device)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         loaded = loaded[...]
@@ -77,7 +84,7 @@ class InklingConv(RecurrentLayer):
     def forward(self, x: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
         self.reset_fresh_slots(batch)
         xf = x.float()
-        return (self.causal_conv(xf, self.conv_weight.float(), batch, silu=False) + xf).to(x.dtype)
+        return (self.causal_conv(xf, self.conv_weight, batch, silu=False) + xf).to(x.dtype)
 
 
 class RelativeLogits(nn.Module):
@@ -104,13 +111,6 @@ def sequence_spans(meta: AttentionMetadata) -> list[tuple[int, int, int]]:
         cu, ctx = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist()
         meta.model_state = [(cu[i], cu[i + 1] - cu[i], ctx[i]) for i in range(meta.num_seqs)]
     return meta.model_state
-
-
-def context_slots(meta: AttentionMetadata, seq: int, first: int, context: int) -> torch.Tensor:
-    """The cache slots of sequence `seq`'s tokens first..context - 1, in order."""
-    blocks = meta.block_tables[seq, :-(-context // meta.block_size)].long()
-    offsets = torch.arange(meta.block_size, device=blocks.device)
-    return (blocks.unsqueeze(1) * meta.block_size + offsets).flatten()[first:context]
 
 
 def relative_bias_mask(rel: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None
@@ -175,7 +175,7 @@ class InklingAttention(nn.Module):
             if ctx == n:  # the whole context is this step's (also in the warm-up, before the cache exists)
                 ks, vs = k[start + first:start + n], v[start + first:start + n]
             else:
-                slots = context_slots(meta, i, first, ctx)
+                slots = meta.context_slots(i, ctx)[first:]
                 ks = self.attn.k_cache.view(-1, self.num_kv_heads, self.head_dim)[slots]
                 vs = self.attn.v_cache.view(-1, self.num_kv_heads, self.head_dim)[slots]
             k_pos = torch.arange(first, ctx, device=q.device)
