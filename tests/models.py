@@ -287,8 +287,8 @@ EXTRA_KINDS += MAMBA1_KINDS
 # reuses layer 0's selection. A.X-K2 (axk2): "deepseek-v32" with its output gate, gated norms and ungrouped routing.
 DSA_TOPK, DSA_WIDE_TOPK = 6, 512
 # Inkling (inkling): relative logits (a bias per query and backward distance) on sliding layers 0 and 2 (6 heads of 8
-# on 2 KV heads, biased over their whole window) and a full layer 1 (4 heads of 16, biased up to INKLING_REL_EXTENT back,
-# queries and biases scaled by log(position) from 8 on), short convs on keys, values and both sublayers' outputs, a
+# on 2 KV heads, biased over their whole window) and a full layer 1 (4 heads of 16, biased up to INKLING_REL_EXTENT
+# back, queries and biases scaled by log(position) from 8 on), short convs on keys, values and both sublayers' outputs, a
 # normed embedding; layer 0's MLP dense, then 2 of 8 experts (sigmoid, a random correction bias) and 2 shared experts
 # weighted by one softmax over their log-sigmoids; every global_scale away from 1; the logits over a muP multiplier.
 INKLING_SLIDING_WINDOW, INKLING_REL_EXTENT = 10, 12
@@ -1159,8 +1159,9 @@ def newest_family_config(kind: str, special: dict):
     if kind in ("deepseek-v32", "deepseek-v32-wide", "glm-moe-dsa", "axk2"):
         return dsa_config(kind, special)
     if kind == "inkling":
-        return transformers.InklingTextConfig(**{**common, "intermediate_size": 96}, architectures=["InklingForCausalLM"],
-                                              swa_num_attention_heads=6, swa_num_key_value_heads=2, swa_head_dim=8,
+        return transformers.InklingTextConfig(**{**common, "intermediate_size": 96},
+                                              architectures=["InklingForCausalLM"], swa_num_attention_heads=6,
+                                              swa_num_key_value_heads=2, swa_head_dim=8,
                                               sliding_window_size=INKLING_SLIDING_WINDOW, d_rel=4,
                                               rel_extent=INKLING_REL_EXTENT, log_scaling_n_floor=8,
                                               log_scaling_alpha=0.5,

@@ -345,7 +345,7 @@ class InklingForCausalLM(HybridForCausalLM):
 
     def __init__(self, config: PretrainedConfig):
         check_inkling_config(config)
-        config.tie_word_embeddings = False  # `embed` and `unembed` are apart in the checkpoints: transformers never ties
+        config.tie_word_embeddings = False  # `embed` and `unembed` apart in the checkpoints: transformers never ties
         super().__init__(config, config.rms_norm_eps, logits_scaling=config.logits_mup_width_multiplier)
         self.unpadded_vocab_size = config.unpadded_vocab_size
 
