@@ -12,7 +12,7 @@ from nanoinfer.layers.attention.selector import (DEFAULT_BLOCK_SIZE, check_backe
                                                   check_tensor_parallel_devices, resolve_device, select_backend)
 from nanoinfer.layers.rotary_embedding import rope_parameters
 from nanoinfer.models.registry import (cache_head_size, chunked_attention_size, has_attention_sinks,
-                                       is_vision_language, sparse_attention_architecture)
+                                       is_vision_language, pytorch_only_attention)
 from nanoinfer.models.vision_language import MEDIA_TOKEN_IDS
 from nanoinfer.sampling_params import check_seed
 from nanoinfer.spec_decode.config import SpeculativeConfig, parse_speculative_config
@@ -78,8 +78,7 @@ class Config:
                                                 latent_cache=latent_dim is not None,
                                                 attention_sinks=has_attention_sinks(self.hf_config.architectures),
                                                 chunked_attention=chunked_attention_size(self.hf_config) is not None,
-                                                sparse_attention=sparse_attention_architecture(
-                                                    self.hf_config.architectures),
+                                                pytorch_only=pytorch_only_attention(self.hf_config.architectures),
                                                 head_dim=head_dim or 0)
         self.torch_dtype = self._resolve_dtype()
         if self.kvcache_block_size is None:

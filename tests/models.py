@@ -286,6 +286,12 @@ EXTRA_KINDS += MAMBA1_KINDS
 # than any test context (dense attention). GLM-MoE-DSA (glm-moe-dsa): its indexer ropes interleaved pairs, layer 1
 # reuses layer 0's selection. A.X-K2 (axk2): "deepseek-v32" with its output gate, gated norms and ungrouped routing.
 DSA_TOPK, DSA_WIDE_TOPK = 6, 512
+# Inkling (inkling): relative logits (a bias per query and backward distance) on sliding layers 0 and 2 (6 heads of 8
+# on 2 KV heads, biased over their whole window) and a full layer 1 (4 heads of 16, biased up to INKLING_REL_EXTENT
+# back, queries and biases scaled by log(position) from 8 on), short convs on keys, values and both sublayers' outputs, a
+# normed embedding; layer 0's MLP dense, then 2 of 8 experts (sigmoid, a random correction bias) and 2 shared experts
+# weighted by one softmax over their log-sigmoids; every global_scale away from 1; the logits over a muP multiplier.
+INKLING_SLIDING_WINDOW, INKLING_REL_EXTENT = 10, 12
 # Kimi Linear (kimi-linear): KDA layers 0 and 2 (a decay per key channel, slow on some channels so that the state
 # carries across chunks) around an MLA layer 1 without rope (the low-rank q), layer 0's MLP dense, then V3's MoE
 # (2 of 8 experts in the best 2 of 4 groups, a random correction bias, renormalized, scaled) plus a shared expert.
@@ -314,9 +320,11 @@ NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "lagu
                    "deepseek-v32-wide": "deepseek_v32", "glm-moe-dsa": "glm_moe_dsa", "axk2": "axk2",
                    "kimi-linear": "kimi_linear", "minimax": "minimax", "mimo-v2-flash": "mimo_v2_flash",
                    "longcat-flash": "longcat_flash", "doge": "doge", "hyperclovax": "hyperclovax", "bitnet": "bitnet",
-                   "minicpm3": "minicpm3", "diffllama": "diffllama", "hrm-text": "hrm_text", "jetmoe": "jetmoe"}
+                   "minicpm3": "minicpm3", "diffllama": "diffllama", "hrm-text": "hrm_text", "jetmoe": "jetmoe",
+                   "inkling": "inkling"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
-NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "minimax")  # tested as the other hybrids (test_ssm.py)
+NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "minimax",  # tested as the other hybrids (test_ssm.py)
+                       "inkling")
 NEWEST_DENSE_KINDS = ("doge", "hyperclovax", "bitnet", "minicpm3", "diffllama", "hrm-text")
 NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS  # as the MoEs (test_moe.py)
                          if kind not in NEWEST_HYBRID_KINDS + NEWEST_DENSE_KINDS)
@@ -411,7 +419,7 @@ _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint"
            "axk2": 6474, "kimi-linear": 4252, "minimax": 5363, "mimo-v2-flash": 4252, "longcat-flash": 5363,
            "doge": 6474}
 _SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7585, "hrm-text": 8696,
-           "jetmoe": 9707}
+           "jetmoe": 9707, "inkling": 1818}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
 
 
@@ -1150,6 +1158,17 @@ def newest_family_config(kind: str, special: dict):
                                                                            "partial_rotary_factor": 0.5}})
     if kind in ("deepseek-v32", "deepseek-v32-wide", "glm-moe-dsa", "axk2"):
         return dsa_config(kind, special)
+    if kind == "inkling":
+        return transformers.InklingTextConfig(**{**common, "intermediate_size": 96},
+                                              architectures=["InklingForCausalLM"], swa_num_attention_heads=6,
+                                              swa_num_key_value_heads=2, swa_head_dim=8,
+                                              sliding_window_size=INKLING_SLIDING_WINDOW, d_rel=4,
+                                              rel_extent=INKLING_REL_EXTENT, log_scaling_n_floor=8,
+                                              log_scaling_alpha=0.5,
+                                              layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
+                                              mlp_layer_types=["dense", "sparse", "sparse"], conv_kernel_size=4,
+                                              moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                                              n_shared_experts=2, route_scale=2.5, logits_mup_width_multiplier=2.0)
     if kind == "olmo-hybrid":
         # No head_dim: hidden / heads. Values as wide as keys: transformers' save_pretrained splits the fused conv
         # back into the Hub's q/k/v convs in three equal parts.
@@ -1514,6 +1533,15 @@ def _randomize_gemma4_(model, seed: int) -> None:
                 t.copy_(1.0 + NORM_NOISE * torch.randn(t.shape, generator=g))
 
 
+def randomize_global_scales_(model, seed: int) -> None:
+    """Inkling's MLP and router `global_scale` (ones in transformers), as the norms' weights: 1 + noise."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith("global_scale"):
+                p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
+
+
 def _randomize_zero_centered_norms_(model, seed: int) -> None:
     """Qwen3-Next and Gemma 3 RMSNorms (all but Qwen3-Next's gated one) scale by 1 + weight, so their weights become
     NORM_NOISE * N(0,1); slow decays on some linear-attention heads (e^g near 1) carry the state far, across chunks."""
@@ -1644,6 +1672,8 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
             for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
                 if "layernorm.mlp." in name:
                     p.copy_(INIT_STD * torch.randn(p.shape, generator=g))
+    if kind == "inkling":
+        randomize_global_scales_(model, _SEEDS[base_kind] + 4)
     if kind == "youtu":  # transformers' Youtu zeroes the pad token's embedding when it loads a checkpoint: saved so
         with torch.no_grad():
             model.get_input_embeddings().weight[config.pad_token_id] = 0.0

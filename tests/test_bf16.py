@@ -39,8 +39,9 @@ from nanoinfer.models.nemotron_h import NemotronHMoE
 # swaps: the logits move by several times the rounding error without a near-tie of the tokens (the reason test_gpu.py
 # compares only dense families in bf16). Their layers run here in granitemoehybrid-dense and qwen3.5-moe.
 ROUTER_NEAR_TIE_KINDS = ("granitemoehybrid", "qwen3-next")
+# Inkling: its convs' fp32 weights and state (transformers keeps them in fp32).
 BF16_RECURRENT_KINDS = tuple(k for k in MAMBA1_KINDS + SSM_KINDS + MAMBA2_HYBRID_KINDS + QWEN3_NEXT_KINDS
-                             if k not in ROUTER_NEAR_TIE_KINDS)
+                             + ("inkling",) if k not in ROUTER_NEAR_TIE_KINDS)
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # Batched together: prompt chunks across 16-token scan chunks beside one-token decode steps.

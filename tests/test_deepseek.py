@@ -303,28 +303,32 @@ def test_prefix_hits_decompress_the_cached_prefix_and_match_hf(kind, model_dir, 
 
 
 def dsa_kind(kind: str) -> str:
-    """kind, where the installed transformers has its family (5.17 lacks the DeepSeek sparse attention ones)."""
+    """kind, where the installed transformers has its family (5.17 lacks the DeepSeek sparse attention ones and
+    Inkling)."""
     pytest.importorskip(f"transformers.models.{NEWEST_FAMILIES[kind]}", reason="the reference family is missing")
     return kind
 
 
-def test_sparse_attention_runs_on_the_pytorch_backend_only(model_dir, monkeypatch, capsys):
-    """No other backend selects keys per query: on a CUDA machine (as far as Config looks, flash-attn installed)
-    'auto' takes the PyTorch backend for DeepSeek-V3.2, saying so in one INFO line; 'triton' and 'flash' are refused
-    by name."""
+@pytest.mark.parametrize("kind, architecture, attention", [
+    ("deepseek-v32", "DeepseekV32ForCausalLM", "DeepSeek sparse attention"),
+    ("inkling", "InklingForCausalLM", "relative logits")])
+def test_sparse_attention_runs_on_the_pytorch_backend_only(kind, architecture, attention, model_dir, monkeypatch,
+                                                           capsys):
+    """No other backend selects keys per query (DeepSeek-V3.2) or adds a bias per query and distance (Inkling): on a
+    CUDA machine (as far as Config looks, flash-attn installed) 'auto' takes the PyTorch backend, saying so in one INFO
+    line; 'triton' and 'flash' are refused by name."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     monkeypatch.setattr(selector, "flash_attn_available", lambda: True)
-    d = model_dir(dsa_kind("deepseek-v32"))
+    d = model_dir(dsa_kind(kind))
     capsys.readouterr()
     assert Config(d).attention_backend == "cpu"
     assert capsys.readouterr().err.strip().endswith(
-        "attention: DeepseekV32ForCausalLM's DeepSeek sparse attention runs on the PyTorch backend only; using it "
-        "(attention_backend='cpu')")
+        f"attention: only the PyTorch backend runs {architecture}'s {attention}; using it (attention_backend='cpu')")
     for backend in ("triton", "flash"):
-        with pytest.raises(ValueError, match=f"attention_backend='{backend}' cannot run DeepseekV32ForCausalLM: its "
-                                             f"DeepSeek sparse attention"):
+        with pytest.raises(ValueError, match=f"attention_backend='{backend}' cannot run {architecture}: only the "
+                                             f"PyTorch backend runs its {attention}"):
             Config(d, attention_backend=backend)
 
 

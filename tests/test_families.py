@@ -126,6 +126,12 @@ def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_di
     ("diffllama", dict(num_key_value_heads=1), "num_key_value_heads=1"),
     ("diffllama", dict(attention_dropout=0.1), "attention_dropout=0.1"),
     ("jetmoe", dict(activation_function="gelu"), "activation_function='gelu'"),
+    # Inkling's layers are "hybrid" (full) or "hybrid_sliding"; its router takes the shared experts' logits off the
+    # end of its weight.
+    ("inkling", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ("inkling", dict(layer_types=["hybrid_sliding", "full_attention", "hybrid_sliding"]),
+     r"layer_types\[1\]='full_attention'"),
+    ("inkling", dict(n_shared_experts=0), "n_shared_experts=0"),
 ])
 def test_newest_families_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes,
                                                                              message):
@@ -466,3 +472,18 @@ def test_token_embeddings_other_than_vocab_by_hidden_are_built_once(kind, module
     model = model_class(config)
     assert built == [(rows(config), width(config))]
     assert tuple(model.model.embed_tokens.weight.shape) == built[0]
+
+
+def test_inkling_padding_rows_of_the_head_are_never_sampled(model_dir, tmp_path, captured_logits):
+    """Inkling's unpadded_vocab_size below vocab_size: the LM head's later rows are padding, which transformers drops
+    from its logits; here they are -inf (never sampled, no probability), the others transformers' own. 64 padding
+    rows of random weights hold the unrestricted argmax at some steps."""
+    unpadded = 448
+    d = edited_model(model_dir("inkling"), tmp_path / "m", unpadded_vocab_size=unpadded)
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for out in outputs:
+        assert torch.stack(captured_logits[out.request_id])[:, unpadded:].eq(float("-inf")).all()
+        captured_logits[out.request_id] = [row[:unpadded] for row in captured_logits[out.request_id]]
+    worst = check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"

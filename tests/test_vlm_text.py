@@ -20,7 +20,7 @@ IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 502, 503, 504, 505
 PROMPTS = random_prompts(3, 5, 440, 2, 40, seed=21) + [[7, VISION_START, IMAGE_TOKEN, IMAGE_TOKEN, VISION_END, 9]]
 KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe",
          "qwen3.5", "qwen3.5-moe", "llava-qwen2", "llava-next", "llava-onevision", "internvl", "smolvlm", "idefics3",
-         "aya-vision", "llama4", "gemma4", "mistral3-ministral3", "gemma3n", "mllama", "emu3")
+         "aya-vision", "llama4", "gemma4", "mistral3-ministral3", "gemma3n", "mllama", "emu3", "inkling")
 # Gemma 4's wrapper kind keeps the seed it was checked with: at the next one (7118) transformers' own fp32 logits
 # stray 3.9e-4 from its fp64 ones along the greedy path, over this file's 1e-4 bar (ours were 2.2e-4 from its fp32).
 SEEDS = {kind: 7100 + i for i, kind in enumerate(KINDS)} | {"gemma4": 7117}
@@ -96,6 +96,15 @@ def make_vlm_config(kind: str):
         vq = dict(codebook_size=16, embed_dim=4, latent_channels=4, base_channels=32, channel_multiplier=[1, 1],
                   num_res_blocks=1, attn_resolutions=[], hidden_size=32, num_attention_heads=1)
         return t.Emu3Config(text_config=make_config("emu3"), vq_config=vq, vocabulary_map={"<image>": IMAGE_TOKEN})
+    if kind == "inkling":  # its wrapper's muP division of the logits; a vision tower and audio embeddings to skip
+        pytest.importorskip("transformers.models.inkling", reason="the reference family is missing (transformers 5.17)")
+        return t.InklingConfig(text_config=make_config("inkling"),
+                               # a layer per scale of its patches (2 x 2, 2 frames): fewer would need scipy
+                               vision_config=dict(hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
+                                                  patch_size=2),
+                               audio_config=dict(n_mel_bins=4, mel_vocab_size=8), image_token_id=IMAGE_TOKEN,
+                               audio_token_id=VIDEO_TOKEN, image_bos_token_id=VISION_START,
+                               audio_bos_token_id=VISION_END)
     if kind == "aya-vision":  # over Cohere 2 with logit_scale 0.5, which the wrapper never applies
         return t.AyaVisionConfig(text_config=make_config("cohere2"), vision_config=_SIGLIP, downsample_factor=2,
                                  image_token_index=IMAGE_TOKEN)
@@ -185,6 +194,8 @@ def build_vlm(kind: str, model_dir):
         models._randomize_zero_centered_norms_(model, SEEDS[kind])
     if kind == "gemma4":
         models._randomize_gemma4_(model, SEEDS[kind])
+    if kind == "inkling":
+        models.randomize_global_scales_(model, SEEDS[kind])
     model.save_pretrained(str(model_dir))
     to_hub_layout(model_dir, kind)
     return model_dir

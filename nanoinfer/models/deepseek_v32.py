@@ -44,17 +44,10 @@ def sparse_step(meta: AttentionMetadata, dims: MLADims) -> SparseStep:
         cu, ctx = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist()
         spans = [(cu[i], cu[i + 1] - cu[i], ctx[i]) for i in range(meta.num_seqs)]
         new = np.array([n for _, n, _ in spans])
-        meta.model_state = SparseStep(spans, [None if n == c else _context_slots(meta, i, c)
+        meta.model_state = SparseStep(spans, [None if n == c else meta.context_slots(i, c)
                                               for i, (_, n, c) in enumerate(spans)],
                                       decompress_pays(new, np.array(ctx) - new, dims).tolist())
     return meta.model_state
-
-
-def _context_slots(meta: AttentionMetadata, seq: int, context: int) -> torch.Tensor:
-    """The cache slots of sequence `seq`'s first `context` tokens, in order (this step's rows are stored already)."""
-    blocks = meta.block_tables[seq, :-(-context // meta.block_size)].long()
-    offsets = torch.arange(meta.block_size, device=blocks.device)
-    return (blocks.unsqueeze(1) * meta.block_size + offsets).flatten()[:context]
 
 
 class IndexerKeyCache(Attention):

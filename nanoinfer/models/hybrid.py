@@ -89,9 +89,10 @@ class HybridDecoderLayer(nn.Module):
 
 class HybridModel(nn.Module):
     def __init__(self, config: PretrainedConfig, make_layer: LayerFactory, norm: RMSNorm,
-                 embedding_multiplier: float | None = None):
+                 embedding_multiplier: float | None = None, embed_tokens: nn.Module | None = None):
+        """embed_tokens: the input embedding where it is not a plain VocabParallelEmbedding (Inkling's normed one)."""
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embed_tokens or VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = norm
         self.embedding_multiplier = embedding_multiplier
@@ -118,10 +119,15 @@ class HybridForCausalLM(nn.Module):
         """The norm after the last layer, rounding as the family's transformers model does."""
         return RMSNorm(config.hidden_size, eps)
 
+    def make_embedding(self, config: PretrainedConfig) -> nn.Module | None:
+        """The input embedding where it is not HybridModel's plain one, else None."""
+        return None
+
     def __init__(self, config: PretrainedConfig, eps: float, embedding_multiplier: float | None = None,
                  logits_scaling: float | None = None):
         super().__init__()
-        self.model = HybridModel(config, self.make_layer, self.make_final_norm(config, eps), embedding_multiplier)
+        self.model = HybridModel(config, self.make_layer, self.make_final_norm(config, eps), embedding_multiplier,
+                                 self.make_embedding(config))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

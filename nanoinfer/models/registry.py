@@ -61,6 +61,7 @@ _MODELS = {
     "HunYuanDenseV1ForCausalLM": ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
     "HunYuanMoEV1ForCausalLM": ("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM"),
     "HyperCLOVAXForCausalLM": ("hyperclovax", "HyperCLOVAXForCausalLM"),
+    "InklingForCausalLM": ("inkling", "InklingForCausalLM"),
     "HYV3ForCausalLM": ("hy_v3", "HYV3ForCausalLM"),
     "Jais2ForCausalLM": ("jais2", "Jais2ForCausalLM"),
     "JetMoeForCausalLM": ("jetmoe", "JetMoeForCausalLM"),
@@ -163,6 +164,7 @@ _VISION_LANGUAGE = {
     "Gemma3ForConditionalGeneration": {"gemma3_text": _MODELS["Gemma3ForCausalLM"]},
     "Gemma3nForConditionalGeneration": {"gemma3n_text": _MODELS["Gemma3nForCausalLM"]},
     "Gemma4ForConditionalGeneration": {"gemma4_text": _MODELS["Gemma4ForCausalLM"]},
+    "InklingForConditionalGeneration": {"inkling_text": _MODELS["InklingForCausalLM"]},
     "Llama4ForConditionalGeneration": {"llama4_text": _MODELS["Llama4ForCausalLM"]},
     "Mistral3ForConditionalGeneration": {"mistral": _MODELS["MistralForCausalLM"],
                                          "ministral3": _MODELS["Ministral3ForCausalLM"]},
@@ -183,8 +185,12 @@ _VISION_LANGUAGE = {
 # the attention backend is chosen with them in mind (selector.select_backend).
 _ATTENTION_SINKS = {"FlintForCausalLM", "GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
                     "MiMoV2FlashForCausalLM"}
-# Families with DeepSeek sparse attention (deepseek_v32.py), which only the PyTorch backend runs.
-_SPARSE_ATTENTION = {"AXK2ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"}
+# Families whose attention only the PyTorch backend runs, with what it is: DeepSeek sparse attention (deepseek_v32.py),
+# Inkling's relative logits (inkling.py).
+_DSA = ("DeepSeek sparse attention", "each query attends to the keys its indexer selects")
+_RELATIVE_LOGITS = ("relative logits", "a bias per query and backward distance, mixed from the query's own state")
+_PYTORCH_ONLY_ATTENTION = {"AXK2ForCausalLM": _DSA, "DeepseekV32ForCausalLM": _DSA, "GlmMoeDsaForCausalLM": _DSA,
+                           "InklingForCausalLM": _RELATIVE_LOGITS, "InklingForConditionalGeneration": _RELATIVE_LOGITS}
 # Families whose KV cache holds heads wider than their config's head_dim, by this factor (DiffLlama's differential
 # attention runs over doubled heads: models/diffllama.py): the backend is chosen and checked for the cache's.
 _CACHE_HEAD_MULTIPLES = {"DiffLlamaForCausalLM": 2}  # differential attention: paired value heads side by side
@@ -221,9 +227,12 @@ def chunked_attention_size(config: PretrainedConfig, layer_idx: int | None = Non
     return getattr(config, "attention_chunk_size", None)
 
 
-def sparse_attention_architecture(architectures: list[str] | None) -> str | None:
-    """The architecture's name where its attention is DeepSeek's sparse attention, else None."""
-    return architectures[0] if architectures and architectures[0] in _SPARSE_ATTENTION else None
+def pytorch_only_attention(architectures: list[str] | None) -> tuple[str, str, str] | None:
+    """(architecture, its attention's name, what it does) where only the PyTorch backend runs that attention, else
+    None."""
+    if not architectures or architectures[0] not in _PYTORCH_ONLY_ATTENTION:
+        return None
+    return (architectures[0], *_PYTORCH_ONLY_ATTENTION[architectures[0]])
 
 
 def cache_head_size(architectures: list[str] | None, head_dim: int) -> int:

@@ -71,7 +71,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | L
     ignored_suffixes = _IGNORED_SUFFIXES + getattr(model, "ignored_weight_suffixes", ())
     # Checkpoint names that differ from the model's own, e.g. Mixtral's `.block_sparse_moe.` for `.mlp.`.
     substitutions: dict[str, str] = getattr(model, "weight_name_substitutions", {})
-    for name, tensor in weights:
+    # A family whose checkpoints hold tensors no renaming maps (one to split in two: Inkling's Hub layout) converts
+    # the stream first.
+    convert = getattr(model, "convert_checkpoint", None)
+    for name, tensor in weights if convert is None else convert(weights):
         if name.endswith(ignored_suffixes) or name.startswith(ignored_prefixes):
             continue
         target, shard = checkpoint_target(name, packed, substitutions)

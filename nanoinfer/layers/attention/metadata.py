@@ -32,6 +32,13 @@ class AttentionMetadata:
     def is_decode(self) -> bool:
         return self.max_seqlen_q == 1 and self.causal
 
+    def context_slots(self, seq: int, context: int) -> torch.Tensor:
+        """The cache slots of sequence `seq`'s first `context` tokens, in order (for layers that read a context back
+        from the cache themselves: DeepSeek's sparse attention, Inkling's relative logits)."""
+        blocks = self.block_tables[seq, :-(-context // self.block_size)].long()
+        offsets = torch.arange(self.block_size, device=blocks.device)
+        return (blocks.unsqueeze(1) * self.block_size + offsets).flatten()[:context]
+
     def to(self, device: torch.device) -> "AttentionMetadata":
         """The same metadata with its tensors on `device` (built on the CPU, then copied once per step)."""
         if self.context_lens.device == device:

@@ -77,7 +77,7 @@ def triton_available() -> bool:
 
 def select_backend(requested: str, device: torch.device, *, latent_cache: bool = False,
                    attention_sinks: bool = False, chunked_attention: bool = False, head_dim: int = 0,
-                   sparse_attention: str | None = None) -> str:
+                   pytorch_only: tuple[str, str, str] | None = None) -> str:
     """'flash' on CUDA with flash-attn installed, else 'triton' (paged Triton kernels; triton ships with CUDA
     builds of torch); 'cpu', the PyTorch backend, on the CPU or when asked for. 'triton' on a CPU device runs
     in Triton's interpreter, which only TRITON_INTERPRET=1 turns on (tests prove the kernels' logic that way).
@@ -85,12 +85,13 @@ def select_backend(requested: str, device: torch.device, *, latent_cache: bool =
     chunked local attention (Llama 4), which flash-attn 2 lacks: asking for 'flash' with either is an error.
     head_dim: the widest layer's (not MLA's); 'auto' takes the PyTorch backend where it is wider than flash and Triton
     take (Gemma 4's full layers: 512), an explicit 'flash' or 'triton' is refused for it by check_backend_limits.
-    sparse_attention: the architecture where it is DeepSeek's sparse attention (models/deepseek_v32.py), which the
-    PyTorch backend alone runs: 'auto' takes it (saying so on CUDA), 'flash' and 'triton' are refused."""
+    pytorch_only: (architecture, its attention's name, what it does) where the PyTorch backend alone runs that
+    attention (DeepSeek's sparse attention, Inkling's relative logits: registry.pytorch_only_attention): 'auto' takes
+    it (saying so on CUDA), 'flash' and 'triton' are refused."""
     if requested not in BACKEND_CHOICES:
         raise ValueError(f"unknown attention_backend {requested!r}; use one of {list(BACKEND_CHOICES)}")
-    if sparse_attention is not None:
-        return _sparse_attention_backend(requested, device, sparse_attention)
+    if pytorch_only is not None:
+        return _pytorch_only_backend(requested, device, *pytorch_only)
     if requested == "flash" and attention_sinks:
         raise ValueError("attention_backend='flash' cannot run this model: its attention has sinks (a learned logit "
                          "per head in every softmax), which flash-attn 2 lacks; use 'triton' (its default on CUDA) "
@@ -122,14 +123,13 @@ def select_backend(requested: str, device: torch.device, *, latent_cache: bool =
     return "triton"
 
 
-def _sparse_attention_backend(requested: str, device: torch.device, architecture: str) -> str:
+def _pytorch_only_backend(requested: str, device: torch.device, architecture: str, name: str, what: str) -> str:
     if requested in ("flash", "triton"):
-        raise ValueError(f"attention_backend={requested!r} cannot run {architecture}: its DeepSeek sparse attention "
-                         "(each query attends to the keys its indexer selects) runs on the PyTorch backend only; use "
-                         "attention_backend='cpu' (what 'auto' takes for it)")
+        raise ValueError(f"attention_backend={requested!r} cannot run {architecture}: only the PyTorch backend runs "
+                         f"its {name} ({what}); use attention_backend='cpu' (what 'auto' takes for it)")
     if device.type == "cuda" and requested == "auto":
-        logger.info("attention: %s's DeepSeek sparse attention runs on the PyTorch backend only; using it "
-                    "(attention_backend='cpu')", architecture)
+        logger.info("attention: only the PyTorch backend runs %s's %s; using it (attention_backend='cpu')",
+                    architecture, name)
     return "cpu"
 
 
