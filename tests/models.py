@@ -285,6 +285,11 @@ EXTRA_KINDS += MAMBA1_KINDS
 # each query's DSA_TOPK best keys (fewer than most test prompts hold); "deepseek-v32-wide" keeps DSA_WIDE_TOPK, more
 # than any test context (dense attention). GLM-MoE-DSA (glm-moe-dsa): its indexer ropes interleaved pairs, layer 1
 # reuses layer 0's selection. A.X-K2 (axk2): "deepseek-v32" with its output gate, gated norms and ungrouped routing.
+# dots3 note's text model (dots3-note): indexed layers 0 and 2 as "glm-moe-dsa"'s, a sliding layer 1 (DOTS3_WINDOW) of its
+# own MLA widths (2 heads of 24 + 8 over a latent of 24, values 8 wide), each layer type its rope base; every MLA with
+# LoRA scales, a normed rope key and a sigmoid gate per head; layer 0 dense, then V3's MoE (2 of 8 experts in the best 2
+# of 4 groups) plus a shared expert 24 wide.
+DOTS3_WINDOW = 10
 DSA_TOPK, DSA_WIDE_TOPK = 6, 512
 # Kimi Linear (kimi-linear): KDA layers 0 and 2 (a decay per key channel, slow on some channels so that the state
 # carries across chunks) around an MLA layer 1 without rope (the low-rank q), layer 0's MLP dense, then V3's MoE
@@ -312,6 +317,7 @@ DSA_TOPK, DSA_WIDE_TOPK = 6, 512
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
                    "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid", "deepseek-v32": "deepseek_v32",
                    "deepseek-v32-wide": "deepseek_v32", "glm-moe-dsa": "glm_moe_dsa", "axk2": "axk2",
+                   "dots3-note": "dots3_note",
                    "kimi-linear": "kimi_linear", "minimax": "minimax", "mimo-v2-flash": "mimo_v2_flash",
                    "longcat-flash": "longcat_flash", "doge": "doge", "hyperclovax": "hyperclovax", "bitnet": "bitnet",
                    "minicpm3": "minicpm3", "diffllama": "diffllama", "hrm-text": "hrm_text", "jetmoe": "jetmoe"}
@@ -409,7 +415,7 @@ _SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minim
 _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818, "kolibri1": 1929,
            "lfm3": 2030, "olmo-hybrid": 3141, "deepseek-v32": 4252, "deepseek-v32-wide": 4252, "glm-moe-dsa": 5363,
            "axk2": 6474, "kimi-linear": 4252, "minimax": 5363, "mimo-v2-flash": 4252, "longcat-flash": 5363,
-           "doge": 6474}
+           "doge": 6474, "dots3-note": 7585}
 _SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7585, "hrm-text": 8696,
            "jetmoe": 9707}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
@@ -1148,7 +1154,7 @@ def newest_family_config(kind: str, special: dict):
                                                         "full_attention": {"rope_type": "proportional",
                                                                            "rope_theta": 1_000_000.0,
                                                                            "partial_rotary_factor": 0.5}})
-    if kind in ("deepseek-v32", "deepseek-v32-wide", "glm-moe-dsa", "axk2"):
+    if kind in ("deepseek-v32", "deepseek-v32-wide", "glm-moe-dsa", "axk2", "dots3-note"):
         return dsa_config(kind, special)
     if kind == "olmo-hybrid":
         # No head_dim: hidden / heads. Values as wide as keys: transformers' save_pretrained splits the fused conv
@@ -1442,6 +1448,13 @@ def dsa_config(kind: str, special: dict):
         return transformers.GlmMoeDsaConfig(**dsa, indexer_types=["full", "shared", "full"])
     if kind == "axk2":
         return transformers.AXK2Config(**{**dsa, "n_group": None, "topk_group": None}, gated_norm_rank=8)
+    if kind == "dots3-note":
+        rope = dsa.pop("rope_parameters")
+        return transformers.Dots3NoteTextConfig(
+            **dsa, head_dim=24, shared_experts_intermediate_size=24, sliding_window=DOTS3_WINDOW,
+            layer_types=["indexed_attention", "sliding_attention", "indexed_attention"], rope_theta=rope["rope_theta"],
+            swa_rope_theta=1_000.0, swa_num_attention_heads=2, swa_num_key_value_heads=2, swa_q_lora_rank=24,
+            swa_kv_lora_rank=24, swa_head_dim=32, swa_qk_nope_head_dim=24, swa_v_head_dim=8)
     return transformers.DeepseekV32Config(**dsa)
 
 
