@@ -328,11 +328,13 @@ def test_sparse_attention_runs_on_the_pytorch_backend_only(model_dir, monkeypatc
             Config(d, attention_backend=backend)
 
 
-@pytest.mark.parametrize("kind, indexers", [("deepseek-v32", 3), ("glm-moe-dsa", 2)])
-def test_indexer_keys_are_cached_in_the_kv_blocks(kind, indexers, model_dir, monkeypatch):
-    """Every layer with an indexer (GLM's shared layer has none) caches one index_head_dim key per token (16 here) in
-    the KV cache's blocks beside its latent rows (32 + 8): the blocks are sized by both, and the prompt's keys are
-    stored."""
+@pytest.mark.parametrize("kind, latent_rows, indexers", [("deepseek-v32", 3 * (32 + 8), 3),
+                                                         ("glm-moe-dsa", 3 * (32 + 8), 2),
+                                                         ("dots3-note", 2 * (32 + 8) + 24 + 8, 2)])
+def test_indexer_keys_are_cached_in_the_kv_blocks(kind, latent_rows, indexers, model_dir, monkeypatch):
+    """Every layer with an indexer (GLM's shared layer and dots3 note's sliding one have none) caches one
+    index_head_dim key per token (16 here) in the KV cache's blocks beside its latent rows (32 + 8; 24 + 8 on dots3
+    note's sliding layer): the blocks are sized by both, and the prompt's keys are stored."""
     import nanoinfer.engine.model_runner as model_runner
 
     monkeypatch.setattr(model_runner.ModelRunner, "_available_memory", lambda self: 4 << 20)
@@ -342,7 +344,7 @@ def test_indexer_keys_are_cached_in_the_kv_blocks(kind, indexers, model_dir, mon
         caches = [layer.self_attn.indexer.cache for layer in runner.model.model.layers
                   if layer.self_attn.indexer is not None]
         num_blocks = runner.num_kvcache_blocks
-        values_per_block = 16 * (3 * (32 + 8) + indexers * 16)
+        values_per_block = 16 * (latent_rows + indexers * 16)
         assert len(caches) == indexers
         assert num_blocks == int((4 << 20) * model_runner.KV_CACHE_MEMORY_FRACTION) // (values_per_block * 4)
         for cache in caches:
@@ -359,16 +361,23 @@ def test_indexer_keys_are_cached_in_the_kv_blocks(kind, indexers, model_dir, mon
     ("glm-moe-dsa", {"indexer_types": ["full", "sparse", "full"]}, r"indexer_types\[1\]='sparse' in the model config"),
     ("axk2", {"n_group": 4, "topk_group": 2}, r"n_group=4 in the model config: A.X-K2's grouped routing is not "
                                               r"supported"),
+    ("dots3-note", {"layer_types": ["indexed_attention", "full_attention", "indexed_attention"]},
+     r"layer_types\[1\]='full_attention' in the model config is not supported"),
+    ("dots3-note", {"rope_parameters": {"indexed_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                        "sliding_attention": {"rope_type": "linear", "rope_theta": 1e3, "factor": 2.0}}},
+     r"rope_type='linear' of the sliding_attention layers in the model config is not supported"),
+    ("dots3-note", {"mlp_bias": True}, r"mlp_bias=True in the model config is not supported"),
 ])
 def test_sparse_attention_settings_the_engine_cannot_run_are_refused_by_name(kind, changes, message):
     from nanoinfer.models.axk2 import AXK2ForCausalLM
     from nanoinfer.models.deepseek_v32 import DeepseekV32ForCausalLM
+    from nanoinfer.models.dots3_note import Dots3NoteForCausalLM
     from nanoinfer.models.glm_moe_dsa import GlmMoeDsaForCausalLM
 
     config = make_config(dsa_kind(kind))
     for key, value in changes.items():
         setattr(config, key, value)
     model_class = {"deepseek-v32": DeepseekV32ForCausalLM, "glm-moe-dsa": GlmMoeDsaForCausalLM,
-                   "axk2": AXK2ForCausalLM}[kind]
+                   "axk2": AXK2ForCausalLM, "dots3-note": Dots3NoteForCausalLM}[kind]
     with pytest.raises(ValueError, match=message):
         model_class(config)
