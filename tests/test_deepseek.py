@@ -320,11 +320,11 @@ def test_sparse_attention_runs_on_the_pytorch_backend_only(model_dir, monkeypatc
     capsys.readouterr()
     assert Config(d).attention_backend == "cpu"
     assert capsys.readouterr().err.strip().endswith(
-        "attention: DeepseekV32ForCausalLM's DeepSeek sparse attention runs on the PyTorch backend only; using it "
+        "attention: DeepseekV32ForCausalLM's sparse attention runs on the PyTorch backend only; using it "
         "(attention_backend='cpu')")
     for backend in ("triton", "flash"):
         with pytest.raises(ValueError, match=f"attention_backend='{backend}' cannot run DeepseekV32ForCausalLM: its "
-                                             f"DeepSeek sparse attention"):
+                                             f"sparse attention"):
             Config(d, attention_backend=backend)
 
 

@@ -30,23 +30,26 @@ class DSAOptions(AttentionOptions):
 
 @dataclass
 class SparseStep:
-    """What every DSA layer of a step needs of its sequences, derived once (one host read) and kept on the metadata."""
+    """What every sparse layer of a step needs of its sequences, derived once (one host read) and kept on the metadata
+    (MiniMax-M3's block-sparse layers use it too: minimax_m3.py)."""
     spans: list[tuple[int, int, int]]  # per sequence: its first row in the step, its rows, its context length
     # Per sequence: the cache slots of its whole context, None where this step's rows are the whole context.
     context_slots: list[torch.Tensor | None]
     decompress: list[bool]  # per sequence: attended over decompressed K/V (else absorbed; see mla.decompress_pays)
-    selection: list[torch.Tensor] | None = None  # the last indexer's: per sequence [rows, context] bool, True: attended
+    # The last indexer's: per sequence [rows, context] bool (MiniMax-M3's: [KV heads, rows, context]), True: attended.
+    selection: list[torch.Tensor] | None = None
 
 
-def sparse_step(meta: AttentionMetadata, dims: MLADims) -> SparseStep:
-    """The step's SparseStep, made by its first DSA layer and kept on `meta` for the others."""
+def sparse_step(meta: AttentionMetadata, dims: MLADims | None = None) -> SparseStep:
+    """The step's SparseStep, made by its first sparse layer and kept on `meta` for the others; dims: MLA's widths,
+    which `decompress` weighs (None: no MLA, nothing decompressed)."""
     if meta.model_state is None:
         cu, ctx = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist()
         spans = [(cu[i], cu[i + 1] - cu[i], ctx[i]) for i in range(meta.num_seqs)]
         new = np.array([n for _, n, _ in spans])
+        decompress = decompress_pays(new, np.array(ctx) - new, dims).tolist() if dims else [False] * len(spans)
         meta.model_state = SparseStep(spans, [None if n == c else _context_slots(meta, i, c)
-                                              for i, (_, n, c) in enumerate(spans)],
-                                      decompress_pays(new, np.array(ctx) - new, dims).tolist())
+                                              for i, (_, n, c) in enumerate(spans)], decompress)
     return meta.model_state
 
 
@@ -156,11 +159,11 @@ class DeepseekV32Attention(DeepseekV2Attention):
             latent = k[rows, 0] if slots is None else self.attn.k_cache.view(-1, k.shape[-1])[slots]
             if decompress:
                 keys, v = self.decompress(latent)
-                out[rows] = self.sparse(torch.cat([q_nope[rows], q_rope[rows]], -1), keys, v, mask)
+                out[rows] = sparse_rows(torch.cat([q_nope[rows], q_rope[rows]], -1), keys, v, mask, self.attn.scale)
             else:
                 latent = latent.unsqueeze(1)
-                o = self.sparse(self.absorbed_query(q_nope[rows], q_rope[rows]), latent,
-                                latent[..., :self.kv_lora_rank], mask)
+                o = sparse_rows(self.absorbed_query(q_nope[rows], q_rope[rows]), latent,
+                                latent[..., :self.kv_lora_rank], mask, self.attn.scale)
                 out[rows] = self.kv_b_proj.up_project_output(o.view(n, self.num_heads, self.kv_lora_rank))
         return out
 
@@ -175,11 +178,13 @@ class DeepseekV32Attention(DeepseekV2Attention):
                     for _, n, context in step.spans]
         return step.selection
 
-    def sparse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q [rows, heads, dim], k, v [keys, heads or 1, dim] -> [rows, heads * v dim], each row over its mask's
-        keys."""
-        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        return attention(q, k, v, mask, False, self.attn.scale, None)[0].transpose(0, 1).flatten(1)
+
+
+def sparse_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [rows, heads, dim], k, v [keys, KV heads, dim] -> [rows, heads * v dim], each row over its mask's keys (mask
+    [rows, keys], or [heads, rows, keys] for each head its own)."""
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    return attention(q, k, v, mask, False, scale, None)[0].transpose(0, 1).flatten(1)
 
 
 def window_mask(rows: int, context: int, window: int | None, device: torch.device) -> torch.Tensor:

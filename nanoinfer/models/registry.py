@@ -74,6 +74,7 @@ _MODELS = {
     "MiMoV2FlashForCausalLM": ("mimo_v2_flash", "MiMoV2FlashForCausalLM"),
     "MiniCPM3ForCausalLM": ("minicpm3", "MiniCPM3ForCausalLM"),
     "MiniMaxM2ForCausalLM": ("minimax_m2", "MiniMaxM2ForCausalLM"),
+    "MiniMaxM3VLForCausalLM": ("minimax_m3", "MiniMaxM3VLForCausalLM"),
     "MinistralForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama's windows by layer_types (Qwen2's attention)
     "Ministral3ForCausalLM": ("ministral3", "Ministral3ForCausalLM"),
     "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
@@ -169,6 +170,7 @@ _VISION_LANGUAGE = {
     "Mistral3ForConditionalGeneration": {"mistral": _MODELS["MistralForCausalLM"],
                                          "ministral3": _MODELS["Ministral3ForCausalLM"]},
     "MllamaForConditionalGeneration": {"mllama_text_model": _MODELS["MllamaForCausalLM"]},
+    "MiniMaxM3SparseForConditionalGeneration": {"minimax_m3_vl_text": _MODELS["MiniMaxM3VLForCausalLM"]},
     "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": _MODELS["Qwen2ForCausalLM"]},
     "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": _MODELS["Qwen2ForCausalLM"]},
     "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": _MODELS["Qwen3ForCausalLM"]},
@@ -185,9 +187,11 @@ _VISION_LANGUAGE = {
 # the attention backend is chosen with them in mind (selector.select_backend).
 _ATTENTION_SINKS = {"FlintForCausalLM", "GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
                     "MiMoV2FlashForCausalLM"}
-# Families with DeepSeek sparse attention (deepseek_v32.py), which only the PyTorch backend runs.
+# Families with sparse attention, DeepSeek's (deepseek_v32.py) or MiniMax-M3's block-sparse one (minimax_m3.py), which
+# only the PyTorch backend runs.
 _SPARSE_ATTENTION = {"AXK2ForCausalLM", "DeepseekV32ForCausalLM", "Dots3NoteForCausalLM",
-                      "Dots3NoteForConditionalGeneration", "GlmMoeDsaForCausalLM"}
+                     "Dots3NoteForConditionalGeneration", "GlmMoeDsaForCausalLM", "MiniMaxM3VLForCausalLM",
+                     "MiniMaxM3SparseForConditionalGeneration"}
 # Families whose KV cache holds heads wider than their config's head_dim, by this factor (DiffLlama's differential
 # attention runs over doubled heads: models/diffllama.py): the backend is chosen and checked for the cache's.
 _CACHE_HEAD_MULTIPLES = {"DiffLlamaForCausalLM": 2}  # differential attention: paired value heads side by side
@@ -225,7 +229,7 @@ def chunked_attention_size(config: PretrainedConfig, layer_idx: int | None = Non
 
 
 def sparse_attention_architecture(architectures: list[str] | None) -> str | None:
-    """The architecture's name where its attention is DeepSeek's sparse attention, else None."""
+    """The architecture's name where its attention is sparse (DeepSeek's, MiniMax-M3's), else None."""
     return architectures[0] if architectures and architectures[0] in _SPARSE_ATTENTION else None
 
 

@@ -85,8 +85,8 @@ def select_backend(requested: str, device: torch.device, *, latent_cache: bool =
     chunked local attention (Llama 4), which flash-attn 2 lacks: asking for 'flash' with either is an error.
     head_dim: the widest layer's (not MLA's); 'auto' takes the PyTorch backend where it is wider than flash and Triton
     take (Gemma 4's full layers: 512), an explicit 'flash' or 'triton' is refused for it by check_backend_limits.
-    sparse_attention: the architecture where it is DeepSeek's sparse attention (models/deepseek_v32.py), which the
-    PyTorch backend alone runs: 'auto' takes it (saying so on CUDA), 'flash' and 'triton' are refused."""
+    sparse_attention: the architecture where its attention is sparse (DeepSeek's: models/deepseek_v32.py; MiniMax-M3's
+    block-sparse: models/minimax_m3.py), which the PyTorch backend alone runs: 'auto' takes it (saying so on CUDA), 'flash' and 'triton' are refused."""
     if requested not in BACKEND_CHOICES:
         raise ValueError(f"unknown attention_backend {requested!r}; use one of {list(BACKEND_CHOICES)}")
     if sparse_attention is not None:
@@ -124,11 +124,11 @@ def select_backend(requested: str, device: torch.device, *, latent_cache: bool =
 
 def _sparse_attention_backend(requested: str, device: torch.device, architecture: str) -> str:
     if requested in ("flash", "triton"):
-        raise ValueError(f"attention_backend={requested!r} cannot run {architecture}: its DeepSeek sparse attention "
-                         "(each query attends to the keys its indexer selects) runs on the PyTorch backend only; use "
+        raise ValueError(f"attention_backend={requested!r} cannot run {architecture}: its sparse attention (each "
+                         "query attends to the keys its indexer selects) runs on the PyTorch backend only; use "
                          "attention_backend='cpu' (what 'auto' takes for it)")
     if device.type == "cuda" and requested == "auto":
-        logger.info("attention: %s's DeepSeek sparse attention runs on the PyTorch backend only; using it "
+        logger.info("attention: %s's sparse attention runs on the PyTorch backend only; using it "
                     "(attention_backend='cpu')", architecture)
     return "cpu"
 
