@@ -84,6 +84,10 @@ class BlockSparseAttention(Attention):
     """Attention of each sequence over its context (this step's K/V, or its cache slots) with the layer's indexer
     selection as the mask: this rank's KV heads' selections, each serving its group of query heads."""
 
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, total_kv_heads: int):
+        super().__init__(num_heads, head_dim, scale, num_kv_heads)
+        self.first_kv_head = tp_rank() * total_kv_heads // tp_size()  # as QKVParallelLinear shards them
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, meta: AttentionMetadata
                ) -> torch.Tensor:
         step = sparse_step(meta)
@@ -94,7 +98,7 @@ class BlockSparseAttention(Attention):
             rows = slice(start, start + n)
             keys, values = (k[rows], v[rows]) if slots is None else (
                 cache.view(-1, self.num_kv_heads, self.head_dim)[slots] for cache in (self.k_cache, self.v_cache))
-            mask = mask.narrow(0, tp_rank() * mask.shape[0] // tp_size(), self.num_kv_heads)
+            mask = mask.narrow(0, self.first_kv_head, self.num_kv_heads)
             out[rows] = sparse_rows(q[rows], keys, values, mask.repeat_interleave(self.num_heads // self.num_kv_heads,
                                                                                   0), self.scale)
         return out
@@ -105,7 +109,8 @@ class MiniMaxM3Attention(LlamaAttention):
         super().__init__(config, options)
         self.indexer = BlockIndexer(config) if options.indexer else None
         if self.indexer is not None:
-            self.attn = BlockSparseAttention(self.num_heads, self.head_dim, self.attn.scale, self.num_kv_heads)
+            self.attn = BlockSparseAttention(self.num_heads, self.head_dim, self.attn.scale, self.num_kv_heads,
+                                             config.num_key_value_heads)
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.indexer is not None:  # read by this layer's attention
