@@ -2,7 +2,8 @@
 preemption at TP 1 and 2: test_moe.py; the Triton backend: triton_attention_interpreted.py): the routers against
 transformers' own (GLM-4.5's too), the rope layouts, the MTP layers of V3's (and GLM-4.5's) checkpoints, the
 latent cache's size and backends, MLA's split of a step (prefill over decompressed K/V, decodes absorbed), and
-the settings refused by name; DeepSeek sparse attention's backends, indexer key cache and refused settings."""
+the settings refused by name; DeepSeek sparse attention's backends, indexer key cache and refused settings (dots3
+note's and MiniMax-M3's sparse attention too)."""
 import json
 from dataclasses import dataclass
 
@@ -328,13 +329,15 @@ def test_sparse_attention_runs_on_the_pytorch_backend_only(model_dir, monkeypatc
             Config(d, attention_backend=backend)
 
 
-@pytest.mark.parametrize("kind, latent_rows, indexers", [("deepseek-v32", 3 * (32 + 8), 3),
-                                                         ("glm-moe-dsa", 3 * (32 + 8), 2),
-                                                         ("dots3-note", 2 * (32 + 8) + 24 + 8, 2)])
-def test_indexer_keys_are_cached_in_the_kv_blocks(kind, latent_rows, indexers, model_dir, monkeypatch):
-    """Every layer with an indexer (GLM's shared layer and dots3 note's sliding one have none) caches one
-    index_head_dim key per token (16 here) in the KV cache's blocks beside its latent rows (32 + 8; 24 + 8 on dots3
-    note's sliding layer): the blocks are sized by both, and the prompt's keys are stored."""
+@pytest.mark.parametrize("kind, kv_values, indexers", [("deepseek-v32", 3 * (32 + 8), 3),
+                                                       ("glm-moe-dsa", 3 * (32 + 8), 2),
+                                                       ("dots3-note", 2 * (32 + 8) + 24 + 8, 2),
+                                                       ("minimax-m3", 3 * 2 * (2 * 16), 2)])
+def test_indexer_keys_are_cached_in_the_kv_blocks(kind, kv_values, indexers, model_dir, monkeypatch):
+    """Every layer with an indexer (GLM's shared layer, dots3 note's sliding one and MiniMax-M3's full one have none)
+    caches one index_head_dim key per token (16 here) in the KV cache's blocks beside its attention's (MLA's latent
+    rows, 32 + 8, 24 + 8 on dots3 note's sliding layer; MiniMax-M3's K and V of 2 heads of 16): the blocks are sized
+    by both, and the prompt's keys are stored."""
     import nanoinfer.engine.model_runner as model_runner
 
     monkeypatch.setattr(model_runner.ModelRunner, "_available_memory", lambda self: 4 << 20)
@@ -344,7 +347,7 @@ def test_indexer_keys_are_cached_in_the_kv_blocks(kind, latent_rows, indexers, m
         caches = [layer.self_attn.indexer.cache for layer in runner.model.model.layers
                   if layer.self_attn.indexer is not None]
         num_blocks = runner.num_kvcache_blocks
-        values_per_block = 16 * (latent_rows + indexers * 16)
+        values_per_block = 16 * (kv_values + indexers * 16)
         assert len(caches) == indexers
         assert num_blocks == int((4 << 20) * model_runner.KV_CACHE_MEMORY_FRACTION) // (values_per_block * 4)
         for cache in caches:
@@ -367,17 +370,25 @@ def test_indexer_keys_are_cached_in_the_kv_blocks(kind, latent_rows, indexers, m
                                         "sliding_attention": {"rope_type": "linear", "rope_theta": 1e3, "factor": 2.0}}},
      r"rope_type='linear' of the sliding_attention layers in the model config is not supported"),
     ("dots3-note", {"mlp_bias": True}, r"mlp_bias=True in the model config is not supported"),
+    ("minimax-m3", {"layer_types": ["full_attention", "sliding_attention", "minimax_m3_sparse"]},
+     r"layer_types\[1\]='sliding_attention' in the model config is not supported"),
+    ("minimax-m3", {"index_n_heads": 4}, r"index_n_heads=4 in the model config must equal num_key_value_heads=2"),
+    ("minimax-m3", {"index_head_dim": 4}, r"index_head_dim=4 in the model config is narrower than the rope's 8 dims"),
+    ("minimax-m3", {"index_local_blocks": 4}, r"index_local_blocks=4 in the model config must be between 0 and "
+                                              r"index_topk_blocks=3"),
 ])
 def test_sparse_attention_settings_the_engine_cannot_run_are_refused_by_name(kind, changes, message):
     from nanoinfer.models.axk2 import AXK2ForCausalLM
     from nanoinfer.models.deepseek_v32 import DeepseekV32ForCausalLM
     from nanoinfer.models.dots3_note import Dots3NoteForCausalLM
     from nanoinfer.models.glm_moe_dsa import GlmMoeDsaForCausalLM
+    from nanoinfer.models.minimax_m3 import MiniMaxM3VLForCausalLM
 
     config = make_config(dsa_kind(kind))
     for key, value in changes.items():
         setattr(config, key, value)
     model_class = {"deepseek-v32": DeepseekV32ForCausalLM, "glm-moe-dsa": GlmMoeDsaForCausalLM,
-                   "axk2": AXK2ForCausalLM, "dots3-note": Dots3NoteForCausalLM}[kind]
+                   "axk2": AXK2ForCausalLM, "dots3-note": Dots3NoteForCausalLM,
+                   "minimax-m3": MiniMaxM3VLForCausalLM}[kind]
     with pytest.raises(ValueError, match=message):
         model_class(config)
