@@ -285,10 +285,10 @@ EXTRA_KINDS += MAMBA1_KINDS
 # each query's DSA_TOPK best keys (fewer than most test prompts hold); "deepseek-v32-wide" keeps DSA_WIDE_TOPK, more
 # than any test context (dense attention). GLM-MoE-DSA (glm-moe-dsa): its indexer ropes interleaved pairs, layer 1
 # reuses layer 0's selection. A.X-K2 (axk2): "deepseek-v32" with its output gate, gated norms and ungrouped routing.
-# dots3 note's text model (dots3-note): indexed layers 0 and 2 as "glm-moe-dsa"'s, a sliding layer 1 (DOTS3_WINDOW) of its
-# own MLA widths (2 heads of 24 + 8 over a latent of 24, values 8 wide), each layer type its rope base; every MLA with
-# LoRA scales, a normed rope key and a sigmoid gate per head; layer 0 dense, then V3's MoE (2 of 8 experts in the best 2
-# of 4 groups) plus a shared expert 24 wide.
+# dots3 note's text model (dots3-note): indexed layers 0 and 2 as "glm-moe-dsa"'s, a sliding layer 1 (DOTS3_WINDOW) of
+# its own MLA widths (2 heads of 24 + 8 over a latent of 24, values 8 wide), each layer type its rope base; every MLA
+# with LoRA scales, a normed rope key and a sigmoid gate per head; layer 0 dense, then V3's MoE (2 of 8 experts in the
+# best 2 of 4 groups) plus a shared expert 24 wide.
 DOTS3_WINDOW = 10
 # MiniMax-M3's text model (minimax-m3): a full layer 0 and block-sparse layers 1 and 2 (an indexer head per KV head, 2;
 # blocks of MINIMAX_M3_BLOCK positions, each query keeping 3 of them, its own and the one before always), Gemma norms

@@ -179,7 +179,6 @@ class DeepseekV32Attention(DeepseekV2Attention):
         return step.selection
 
 
-
 def sparse_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q [rows, heads, dim], k, v [keys, KV heads, dim] -> [rows, heads * v dim], each row over its mask's keys (mask
     [rows, keys], or [heads, rows, keys] for each head its own)."""

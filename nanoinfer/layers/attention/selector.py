@@ -86,7 +86,8 @@ def select_backend(requested: str, device: torch.device, *, latent_cache: bool =
     head_dim: the widest layer's (not MLA's); 'auto' takes the PyTorch backend where it is wider than flash and Triton
     take (Gemma 4's full layers: 512), an explicit 'flash' or 'triton' is refused for it by check_backend_limits.
     sparse_attention: the architecture where its attention is sparse (DeepSeek's: models/deepseek_v32.py; MiniMax-M3's
-    block-sparse: models/minimax_m3.py), which the PyTorch backend alone runs: 'auto' takes it (saying so on CUDA), 'flash' and 'triton' are refused."""
+    block-sparse: models/minimax_m3.py), which the PyTorch backend alone runs: 'auto' takes it (saying so on CUDA),
+    'flash' and 'triton' are refused."""
     if requested not in BACKEND_CHOICES:
         raise ValueError(f"unknown attention_backend {requested!r}; use one of {list(BACKEND_CHOICES)}")
     if sparse_attention is not None:
