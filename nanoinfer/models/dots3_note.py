@@ -69,10 +69,10 @@ def check_config(config: PretrainedConfig) -> None:
         if rope_type != "default":  # transformers scales no softmax for it, as nanoinfer's MLA would
             raise ValueError(f"rope_type={rope_type!r} of the {layer_type} layers in {where} is not supported; only "
                              f"'default' is")
+        if layer_type == "indexed_attention":  # (transformers refuses a sliding layer without q_lora_rank)
+            check_dsa_config(config.per_layer_config[i])
     if config.mlp_bias:  # transformers' text MLPs have no biases
         raise ValueError(f"mlp_bias={config.mlp_bias!r} in {where} is not supported")
-    for i in range(config.num_hidden_layers):
-        check_dsa_config(config.per_layer_config[i])
 
 
 class Dots3NoteForCausalLM(DeepseekV32ForCausalLM):
