@@ -71,8 +71,9 @@ class Config:
             raise ValueError(f"{str(path)!r} holds neither a config.json nor a .gguf file")
         self._check_model_config(self.gguf_path or path / "config.json")
         self.torch_device = resolve_device(self.device)
-        # DeepSeek's MLA caches its latent (kv_lora_rank) and rope key as one head, the latent doubling as the values.
-        latent_dim = getattr(self.hf_config, "kv_lora_rank", None) or None
+        # DeepSeek's MLA caches its latent (kv_lora_rank) and rope key as one head, the latent doubling as the values;
+        # the widest layer's (dots3 note's sliding layers have their own).
+        latent_dim = max(getattr(layer, "kv_lora_rank", None) or 0 for layer in layer_configs(self.hf_config)) or None
         head_dim = cache_head_dim(self.hf_config, latent_dim)
         self.attention_backend = select_backend(self.attention_backend, self.torch_device,
                                                 latent_cache=latent_dim is not None,
@@ -146,18 +147,20 @@ class Config:
     def _check_shardable(self) -> None:
         """Each rank holds whole heads and an equal share of the MLP; fewer KV heads than ranks are replicated."""
         tp, cfg = self.tensor_parallel_size, self.hf_config
-        heads = getattr(cfg, "num_attention_heads", None) or tp  # attention-free models (Mamba): no heads to split
+        # Attention-free models (Mamba): no heads to split. dots3 note's differ by layer.
+        heads = [getattr(layer, "num_attention_heads", None) or tp for layer in layer_configs(cfg)]
         # GPT-2's config names the MLP's width n_inner (None: 4 x hidden), OPT's ffn_dim.
         mlp_size = (getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None)
                     or getattr(cfg, "ffn_dim", None) or 4 * cfg.hidden_size)
         mlp_sizes = mlp_size if isinstance(mlp_size, list) else [mlp_size]  # Gemma 3n's: one per layer
         per_layer_heads = getattr(cfg, "num_attention_heads_per_layer", None) or ()  # Laguna's
-        for name, value in (("num_attention_heads", heads), *(("intermediate_size", size) for size in mlp_sizes),
+        for name, value in (*(("num_attention_heads", h) for h in heads),
+                            *(("intermediate_size", size) for size in mlp_sizes),
                             *((f"num_attention_heads_per_layer[{i}]", h) for i, h in enumerate(per_layer_heads))):
             if value % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name} ({value})")
-        for layer in layer_configs(cfg):
-            kv_heads = getattr(layer, "num_key_value_heads", None) or heads
+        for layer, layer_heads in zip(layer_configs(cfg), heads):
+            kv_heads = getattr(layer, "num_key_value_heads", None) or layer_heads
             if kv_heads % tp and tp % kv_heads:
                 raise ValueError(f"tensor_parallel_size={tp} and the model's num_key_value_heads ({kv_heads}): "
                                  "one must divide the other")
@@ -212,11 +215,11 @@ def hidden_states_width(config: PretrainedConfig) -> int:
 def cache_head_dim(config: PretrainedConfig, latent_dim: int | None) -> int | None:
     """The KV cache's head size, the widest layer's (DiffLlama's cache holds heads twice as wide as its model's, Doge's
     8 wider); MLA's latent plus its rope key; None for attention-free models (Mamba)."""
-    if getattr(config, "num_attention_heads", None) is None:
+    if getattr(layer_configs(config)[0], "num_attention_heads", None) is None:
         return None
     if latent_dim is not None:  # head_dim is the rope part there
         return latent_dim + config.qk_rope_head_dim
-    widest = max(getattr(layer, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    widest = max(getattr(layer, "head_dim", None) or config.hidden_size // layer.num_attention_heads
                  for layer in layer_configs(config))
     return cache_head_size(config.architectures, widest)
 

@@ -285,6 +285,16 @@ EXTRA_KINDS += MAMBA1_KINDS
 # each query's DSA_TOPK best keys (fewer than most test prompts hold); "deepseek-v32-wide" keeps DSA_WIDE_TOPK, more
 # than any test context (dense attention). GLM-MoE-DSA (glm-moe-dsa): its indexer ropes interleaved pairs, layer 1
 # reuses layer 0's selection. A.X-K2 (axk2): "deepseek-v32" with its output gate, gated norms and ungrouped routing.
+# dots3 note's text model (dots3-note): indexed layers 0 and 2 as "glm-moe-dsa"'s, a sliding layer 1 (DOTS3_WINDOW) of
+# its own MLA widths (2 heads of 24 + 8 over a latent of 24, values 8 wide), each layer type its rope base; every MLA
+# with LoRA scales, a normed rope key and a sigmoid gate per head; layer 0 dense, then V3's MoE (2 of 8 experts in the
+# best 2 of 4 groups) plus a shared expert 24 wide.
+DOTS3_WINDOW = 10
+# MiniMax-M3's text model (minimax-m3): a full layer 0 and block-sparse layers 1 and 2 (an indexer head per KV head, 2;
+# blocks of MINIMAX_M3_BLOCK positions, each query keeping 3 of them, its own and the one before always), Gemma norms
+# (per-head q/k ones too, the indexer's), rope over half of each head; layer 0's MLP dense, then 2 of 8 experts
+# (sigmoid + a random correction bias, renormalized, scaled) plus a shared expert, all with GPT-OSS's clamped SwiGLU.
+MINIMAX_M3_BLOCK = 4
 DSA_TOPK, DSA_WIDE_TOPK = 6, 512
 # Inkling (inkling): relative logits (a bias per query and backward distance) on sliding layers 0 and 2 (6 heads of 8
 # on 2 KV heads, biased over their whole window) and a full layer 1 (4 heads of 16, biased up to INKLING_REL_EXTENT
@@ -318,6 +328,7 @@ INKLING_SLIDING_WINDOW, INKLING_REL_EXTENT = 10, 12
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
                    "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid", "deepseek-v32": "deepseek_v32",
                    "deepseek-v32-wide": "deepseek_v32", "glm-moe-dsa": "glm_moe_dsa", "axk2": "axk2",
+                   "dots3-note": "dots3_note", "minimax-m3": "minimax_m3_vl",
                    "kimi-linear": "kimi_linear", "minimax": "minimax", "mimo-v2-flash": "mimo_v2_flash",
                    "longcat-flash": "longcat_flash", "doge": "doge", "hyperclovax": "hyperclovax", "bitnet": "bitnet",
                    "minicpm3": "minicpm3", "diffllama": "diffllama", "hrm-text": "hrm_text", "jetmoe": "jetmoe",
@@ -417,7 +428,7 @@ _SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minim
 _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818, "kolibri1": 1929,
            "lfm3": 2030, "olmo-hybrid": 3141, "deepseek-v32": 4252, "deepseek-v32-wide": 4252, "glm-moe-dsa": 5363,
            "axk2": 6474, "kimi-linear": 4252, "minimax": 5363, "mimo-v2-flash": 4252, "longcat-flash": 5363,
-           "doge": 6474}
+           "doge": 6474, "dots3-note": 7585, "minimax-m3": 8696}
 _SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7585, "hrm-text": 8696,
            "jetmoe": 9707, "inkling": 1818}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
@@ -1156,7 +1167,7 @@ def newest_family_config(kind: str, special: dict):
                                                         "full_attention": {"rope_type": "proportional",
                                                                            "rope_theta": 1_000_000.0,
                                                                            "partial_rotary_factor": 0.5}})
-    if kind in ("deepseek-v32", "deepseek-v32-wide", "glm-moe-dsa", "axk2"):
+    if kind in ("deepseek-v32", "deepseek-v32-wide", "glm-moe-dsa", "axk2", "dots3-note"):
         return dsa_config(kind, special)
     if kind == "inkling":
         return transformers.InklingTextConfig(**{**common, "intermediate_size": 96},
@@ -1169,6 +1180,14 @@ def newest_family_config(kind: str, special: dict):
                                               mlp_layer_types=["dense", "sparse", "sparse"], conv_kernel_size=4,
                                               moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
                                               n_shared_experts=2, route_scale=2.5, logits_mup_width_multiplier=2.0)
+    if kind == "minimax-m3":
+        return transformers.MiniMaxM3VLTextConfig(
+            **common, dense_intermediate_size=96, shared_intermediate_size=32, num_local_experts=8,
+            num_experts_per_tok=2, index_n_heads=2, index_head_dim=16, index_block_size=MINIMAX_M3_BLOCK,
+            index_topk_blocks=3, index_local_blocks=2, layer_types=["full_attention", "minimax_m3_sparse",
+                                                                    "minimax_m3_sparse"],
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5})
     if kind == "olmo-hybrid":
         # No head_dim: hidden / heads. Values as wide as keys: transformers' save_pretrained splits the fused conv
         # back into the Hub's q/k/v convs in three equal parts.
@@ -1463,6 +1482,13 @@ def dsa_config(kind: str, special: dict):
         return transformers.GlmMoeDsaConfig(**dsa, indexer_types=["full", "shared", "full"])
     if kind == "axk2":
         return transformers.AXK2Config(**{**dsa, "n_group": None, "topk_group": None}, gated_norm_rank=8)
+    if kind == "dots3-note":
+        rope = dsa.pop("rope_parameters")
+        return transformers.Dots3NoteTextConfig(
+            **dsa, head_dim=24, shared_experts_intermediate_size=24, sliding_window=DOTS3_WINDOW,
+            layer_types=["indexed_attention", "sliding_attention", "indexed_attention"], rope_theta=rope["rope_theta"],
+            swa_rope_theta=1_000.0, swa_num_attention_heads=2, swa_num_key_value_heads=2, swa_q_lora_rank=24,
+            swa_kv_lora_rank=24, swa_head_dim=32, swa_qk_nope_head_dim=24, swa_v_head_dim=8)
     return transformers.DeepseekV32Config(**dsa)
 
 
@@ -1633,7 +1659,7 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
     cls = causal_lm_class(config.model_type)
     model = (cls.from_config if cls is AutoModelForCausalLM else cls._from_config)(config, dtype=torch.float32)
     _randomize_(model, _SEEDS[base_kind])
-    if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2", "gemma", "vaultgemma"):
+    if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2", "gemma", "vaultgemma", "minimax-m3"):
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
     if kind in GEMMA4_KINDS:
         _randomize_gemma4_(model, _SEEDS[base_kind])

@@ -2,7 +2,8 @@
 preemption at TP 1 and 2: test_moe.py; the Triton backend: triton_attention_interpreted.py): the routers against
 transformers' own (GLM-4.5's too), the rope layouts, the MTP layers of V3's (and GLM-4.5's) checkpoints, the
 latent cache's size and backends, MLA's split of a step (prefill over decompressed K/V, decodes absorbed), and
-the settings refused by name; DeepSeek sparse attention's backends, indexer key cache and refused settings."""
+the settings refused by name; DeepSeek sparse attention's backends, indexer key cache and refused settings (dots3
+note's and MiniMax-M3's sparse attention too)."""
 import json
 from dataclasses import dataclass
 
@@ -311,12 +312,13 @@ def dsa_kind(kind: str) -> str:
 
 @pytest.mark.parametrize("kind, architecture, attention", [
     ("deepseek-v32", "DeepseekV32ForCausalLM", "DeepSeek sparse attention"),
+    ("minimax-m3", "MiniMaxM3VLForCausalLM", "block-sparse attention"),
     ("inkling", "InklingForCausalLM", "relative logits")])
 def test_sparse_attention_runs_on_the_pytorch_backend_only(kind, architecture, attention, model_dir, monkeypatch,
                                                            capsys):
-    """No other backend selects keys per query (DeepSeek-V3.2) or adds a bias per query and distance (Inkling): on a
-    CUDA machine (as far as Config looks, flash-attn installed) 'auto' takes the PyTorch backend, saying so in one INFO
-    line; 'triton' and 'flash' are refused by name."""
+    """No other backend selects keys per query (DeepSeek-V3.2, MiniMax-M3) or adds a bias per query and distance
+    (Inkling): on a CUDA machine (as far as Config looks, flash-attn installed) 'auto' takes the PyTorch backend, saying
+    so in one INFO line; 'triton' and 'flash' are refused by name."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
@@ -332,11 +334,15 @@ def test_sparse_attention_runs_on_the_pytorch_backend_only(kind, architecture, a
             Config(d, attention_backend=backend)
 
 
-@pytest.mark.parametrize("kind, indexers", [("deepseek-v32", 3), ("glm-moe-dsa", 2)])
-def test_indexer_keys_are_cached_in_the_kv_blocks(kind, indexers, model_dir, monkeypatch):
-    """Every layer with an indexer (GLM's shared layer has none) caches one index_head_dim key per token (16 here) in
-    the KV cache's blocks beside its latent rows (32 + 8): the blocks are sized by both, and the prompt's keys are
-    stored."""
+@pytest.mark.parametrize("kind, kv_values, indexers", [("deepseek-v32", 3 * (32 + 8), 3),
+                                                       ("glm-moe-dsa", 3 * (32 + 8), 2),
+                                                       ("dots3-note", 2 * (32 + 8) + 24 + 8, 2),
+                                                       ("minimax-m3", 3 * 2 * (2 * 16), 2)])
+def test_indexer_keys_are_cached_in_the_kv_blocks(kind, kv_values, indexers, model_dir, monkeypatch):
+    """Every layer with an indexer (GLM's shared layer, dots3 note's sliding one and MiniMax-M3's full one have none)
+    caches one index_head_dim key per token (16 here) in the KV cache's blocks beside its attention's (MLA's latent
+    rows, 32 + 8, 24 + 8 on dots3 note's sliding layer; MiniMax-M3's K and V of 2 heads of 16): the blocks are sized
+    by both, and the prompt's keys are stored."""
     import nanoinfer.engine.model_runner as model_runner
 
     monkeypatch.setattr(model_runner.ModelRunner, "_available_memory", lambda self: 4 << 20)
@@ -346,7 +352,7 @@ def test_indexer_keys_are_cached_in_the_kv_blocks(kind, indexers, model_dir, mon
         caches = [layer.self_attn.indexer.cache for layer in runner.model.model.layers
                   if layer.self_attn.indexer is not None]
         num_blocks = runner.num_kvcache_blocks
-        values_per_block = 16 * (3 * (32 + 8) + indexers * 16)
+        values_per_block = 16 * (kv_values + indexers * 16)
         assert len(caches) == indexers
         assert num_blocks == int((4 << 20) * model_runner.KV_CACHE_MEMORY_FRACTION) // (values_per_block * 4)
         for cache in caches:
@@ -363,16 +369,32 @@ def test_indexer_keys_are_cached_in_the_kv_blocks(kind, indexers, model_dir, mon
     ("glm-moe-dsa", {"indexer_types": ["full", "sparse", "full"]}, r"indexer_types\[1\]='sparse' in the model config"),
     ("axk2", {"n_group": 4, "topk_group": 2}, r"n_group=4 in the model config: A.X-K2's grouped routing is not "
                                               r"supported"),
+    ("dots3-note", {"layer_types": ["indexed_attention", "full_attention", "indexed_attention"]},
+     r"layer_types\[1\]='full_attention' in the model config is not supported"),
+    ("dots3-note", {"rope_parameters": {"indexed_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                        "sliding_attention": {"rope_type": "linear", "rope_theta": 1e3,
+                                                              "factor": 2.0}}},
+     r"rope_type='linear' of the sliding_attention layers in the model config is not supported"),
+    ("dots3-note", {"mlp_bias": True}, r"mlp_bias=True in the model config is not supported"),
+    ("minimax-m3", {"layer_types": ["full_attention", "sliding_attention", "minimax_m3_sparse"]},
+     r"layer_types\[1\]='sliding_attention' in the model config is not supported"),
+    ("minimax-m3", {"index_n_heads": 4}, r"index_n_heads=4 in the model config must equal num_key_value_heads=2"),
+    ("minimax-m3", {"index_head_dim": 4}, r"index_head_dim=4 in the model config is narrower than the rope's 8 dims"),
+    ("minimax-m3", {"index_local_blocks": 4}, r"index_local_blocks=4 in the model config must be between 0 and "
+                                              r"index_topk_blocks=3"),
 ])
 def test_sparse_attention_settings_the_engine_cannot_run_are_refused_by_name(kind, changes, message):
     from nanoinfer.models.axk2 import AXK2ForCausalLM
     from nanoinfer.models.deepseek_v32 import DeepseekV32ForCausalLM
+    from nanoinfer.models.dots3_note import Dots3NoteForCausalLM
     from nanoinfer.models.glm_moe_dsa import GlmMoeDsaForCausalLM
+    from nanoinfer.models.minimax_m3 import MiniMaxM3VLForCausalLM
 
     config = make_config(dsa_kind(kind))
     for key, value in changes.items():
         setattr(config, key, value)
     model_class = {"deepseek-v32": DeepseekV32ForCausalLM, "glm-moe-dsa": GlmMoeDsaForCausalLM,
-                   "axk2": AXK2ForCausalLM}[kind]
+                   "axk2": AXK2ForCausalLM, "dots3-note": Dots3NoteForCausalLM,
+                   "minimax-m3": MiniMaxM3VLForCausalLM}[kind]
     with pytest.raises(ValueError, match=message):
         model_class(config)

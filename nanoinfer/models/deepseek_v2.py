@@ -122,8 +122,9 @@ class DeepseekV2Attention(nn.Module):
         self.kv_b_proj = MLAUpProjection(config.kv_lora_rank, heads, self.nope_dim, self.v_dim)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias)
         # Kimi Linear's MLA (options.rope False) keeps the shared key part, unrotated, and the plain scale.
-        self.rotary_emb = get_rope(config, self.rope_dim, config.max_position_embeddings,
-                                   interleaved=options.rope_interleaved) if options.rope else None
+        # Dots3's rope settings are by layer type, their partial_rotary_factor that of its head_dim: options.rotary_dim.
+        self.rotary_emb = get_rope(config, self.rope_dim, config.max_position_embeddings, options.rope_layer_type,
+                                   options.rope_interleaved, options.rotary_dim) if options.rope else None
         scale = softmax_scale(config) if options.rope else qk_dim ** -0.5
         # The scale of the decompressed scores, which the absorbed ones equal.
         self.attn = Attention(self.num_heads, self.kv_lora_rank + self.rope_dim, scale, 1,
@@ -145,10 +146,14 @@ class DeepseekV2Attention(nn.Module):
         ([tokens, 1, kv_lora_rank + rope dim]: the normalized c_kv and the roped k_pe)."""
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], -1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
-        k_rope = k_rope.unsqueeze(1)
+        k_rope = self.rope_key(k_rope.unsqueeze(1))
         if positions is not None and self.rotary_emb is not None:  # None: an encoder pass (see LLM.embed)
             q_rope, k_rope = self.rotary_emb(positions, q_rope, k_rope)
         return q_nope, q_rope, torch.cat([self.normalize_latent(latent).unsqueeze(1), k_rope], -1)
+
+    def rope_key(self, k_rope: torch.Tensor) -> torch.Tensor:
+        """The shared rope key [tokens, 1, rope dim] before its rotation (Dots3 normalizes it)."""
+        return k_rope
 
     def normalize_latent(self, latent: torch.Tensor) -> torch.Tensor:
         """The latent as cached and up-projected: kv_a_layernorm's output (LongCat-Flash scales it)."""

@@ -30,23 +30,26 @@ class DSAOptions(AttentionOptions):
 
 @dataclass
 class SparseStep:
-    """What every DSA layer of a step needs of its sequences, derived once (one host read) and kept on the metadata."""
+    """What every sparse layer of a step needs of its sequences, derived once (one host read) and kept on the metadata
+    (MiniMax-M3's block-sparse layers use it too: minimax_m3.py)."""
     spans: list[tuple[int, int, int]]  # per sequence: its first row in the step, its rows, its context length
     # Per sequence: the cache slots of its whole context, None where this step's rows are the whole context.
     context_slots: list[torch.Tensor | None]
     decompress: list[bool]  # per sequence: attended over decompressed K/V (else absorbed; see mla.decompress_pays)
-    selection: list[torch.Tensor] | None = None  # the last indexer's: per sequence [rows, context] bool, True: attended
+    # The last indexer's: per sequence [rows, context] bool (MiniMax-M3's: [KV heads, rows, context]), True: attended.
+    selection: list[torch.Tensor] | None = None
 
 
-def sparse_step(meta: AttentionMetadata, dims: MLADims) -> SparseStep:
-    """The step's SparseStep, made by its first DSA layer and kept on `meta` for the others."""
+def sparse_step(meta: AttentionMetadata, dims: MLADims | None = None) -> SparseStep:
+    """The step's SparseStep, made by its first sparse layer and kept on `meta` for the others; dims: MLA's widths,
+    which `decompress` weighs (None: no MLA, nothing decompressed)."""
     if meta.model_state is None:
         cu, ctx = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist()
         spans = [(cu[i], cu[i + 1] - cu[i], ctx[i]) for i in range(meta.num_seqs)]
         new = np.array([n for _, n, _ in spans])
+        decompress = decompress_pays(new, np.array(ctx) - new, dims).tolist() if dims else [False] * len(spans)
         meta.model_state = SparseStep(spans, [None if n == c else meta.context_slots(i, c)
-                                              for i, (_, n, c) in enumerate(spans)],
-                                      decompress_pays(new, np.array(ctx) - new, dims).tolist())
+                                              for i, (_, n, c) in enumerate(spans)], decompress)
     return meta.model_state
 
 
@@ -86,8 +89,8 @@ class Indexer(nn.Module):
         self.wk = ReplicatedLinear(config.hidden_size, self.head_dim)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = ReplicatedLinear(config.hidden_size, self.num_heads)
-        self.rotary_emb = get_rope(config, self.head_dim, config.max_position_embeddings,
-                                   interleaved=options.indexer_rope_interleaved, rotary_dim=config.qk_rope_head_dim)
+        self.rotary_emb = get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type,
+                                   options.indexer_rope_interleaved, config.qk_rope_head_dim)
         self.cache = IndexerKeyCache(self.head_dim)
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, q_latent: torch.Tensor, step: SparseStep,
@@ -122,13 +125,14 @@ class Indexer(nn.Module):
 
 class DeepseekV32Attention(DeepseekV2Attention):
     """MLA (always with the low-rank q, whose latent the indexer reads) attending, per query, to the keys its layer's
-    indexer selects (or, with `indexer` False, the last indexer's). Each sequence attends over its context read back
-    from the latent cache, absorbed or decompressed as MLA's split weighs it (mla.decompress_pays), the selection as
-    SDPA's mask."""
+    indexer selects (or, with `indexer` False, the last indexer's; with a sliding window instead, those of its window:
+    Dots3's sliding layers). Each sequence attends over its context read back from the latent cache, absorbed or
+    decompressed as MLA's split weighs it (mla.decompress_pays), the selection as SDPA's mask."""
 
     def __init__(self, config: PretrainedConfig, options: DSAOptions):
         super().__init__(config, options)
         self.indexer = Indexer(config, options) if options.indexer else None
+        self.sliding_window = options.sliding_window
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q_latent = self.q_a_layernorm(self.q_a_proj(x))
@@ -141,28 +145,45 @@ class DeepseekV32Attention(DeepseekV2Attention):
         q_nope, q_rope, k = self.project(positions, q, x)
         self.attn.store(k, None, meta)
         step = sparse_step(meta, self.dims)
-        if self.indexer is not None:
-            step.selection = self.indexer(positions, x, q_latent, step, meta)
         out = q.new_empty(x.shape[0], self.num_heads * self.v_dim)
         for (start, n, _), slots, decompress, mask in zip(step.spans, step.context_slots, step.decompress,
-                                                          step.selection):
+                                                          self.selection(positions, x, q_latent, step, meta)):
             rows = slice(start, start + n)
             latent = k[rows, 0] if slots is None else self.attn.k_cache.view(-1, k.shape[-1])[slots]
             if decompress:
                 keys, v = self.decompress(latent)
-                out[rows] = self.sparse(torch.cat([q_nope[rows], q_rope[rows]], -1), keys, v, mask)
+                out[rows] = sparse_rows(torch.cat([q_nope[rows], q_rope[rows]], -1), keys, v, mask, self.attn.scale)
             else:
                 latent = latent.unsqueeze(1)
-                o = self.sparse(self.absorbed_query(q_nope[rows], q_rope[rows]), latent,
-                                latent[..., :self.kv_lora_rank], mask)
+                o = sparse_rows(self.absorbed_query(q_nope[rows], q_rope[rows]), latent,
+                                latent[..., :self.kv_lora_rank], mask, self.attn.scale)
                 out[rows] = self.kv_b_proj.up_project_output(o.view(n, self.num_heads, self.kv_lora_rank))
         return out
 
-    def sparse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q [rows, heads, dim], k, v [keys, heads or 1, dim] -> [rows, heads * v dim], each row over its mask's
-        keys."""
-        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        return attention(q, k, v, mask, False, self.attn.scale, None)[0].transpose(0, 1).flatten(1)
+    def selection(self, positions: torch.Tensor | None, x: torch.Tensor, q_latent: torch.Tensor, step: SparseStep,
+                  meta: AttentionMetadata) -> list[torch.Tensor]:
+        """Each sequence's mask [rows, context] (True: attended): its indexer's choice (kept on the step for the
+        layers that share it), its sliding window's keys, or the last indexer's choice."""
+        if self.indexer is not None:
+            step.selection = self.indexer(positions, x, q_latent, step, meta)
+        elif self.sliding_window is not None:
+            return [window_mask(n, context, self.sliding_window if meta.causal else None, x.device)
+                    for _, n, context in step.spans]
+        return step.selection
+
+
+def sparse_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [rows, heads, dim], k, v [keys, KV heads, dim] -> [rows, heads * v dim], each row over its mask's keys (mask
+    [rows, keys], or [heads, rows, keys] for each head its own)."""
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    return attention(q, k, v, mask, False, scale, None)[0].transpose(0, 1).flatten(1)
+
+
+def window_mask(rows: int, context: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[rows, context] bool: the context's last `rows` queries each see the last `window` positions up to their own
+    (None: every key; a non-causal pass)."""
+    mask = torch.ones(rows, context, dtype=torch.bool, device=device)
+    return mask if window is None else mask.tril(context - rows).triu(context - rows - window + 1)
 
 
 class DeepseekV32DecoderLayer(DeepseekV2DecoderLayer):
@@ -192,6 +213,8 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     def attention_options(config: PretrainedConfig, layer_idx: int) -> DSAOptions:
         return DSAOptions(rope_interleaved=True)  # transformers' V3.2 MLA always interleaves (its config has no field)
 
+    check_config = staticmethod(check_dsa_config)  # what the family cannot run, refused by name
+
     def __init__(self, config: PretrainedConfig):
-        check_dsa_config(config)
+        self.check_config(config)
         super().__init__(config)

@@ -26,6 +26,7 @@ _MODELS = {
     "DiffLlamaForCausalLM": ("diffllama", "DiffLlamaForCausalLM"),
     "DogeForCausalLM": ("doge", "DogeForCausalLM"),
     "Dots1ForCausalLM": ("dots1", "Dots1ForCausalLM"),
+    "Dots3NoteForCausalLM": ("dots3_note", "Dots3NoteForCausalLM"),
     "Emu3ForCausalLM": ("llama", "LlamaForCausalLM"),  # Emu3's text model: Llama's layers, no biases
     "Ernie4_5_MoeForCausalLM": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
     "Ernie4_5ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),
@@ -74,6 +75,7 @@ _MODELS = {
     "MiMoV2FlashForCausalLM": ("mimo_v2_flash", "MiMoV2FlashForCausalLM"),
     "MiniCPM3ForCausalLM": ("minicpm3", "MiniCPM3ForCausalLM"),
     "MiniMaxM2ForCausalLM": ("minimax_m2", "MiniMaxM2ForCausalLM"),
+    "MiniMaxM3VLForCausalLM": ("minimax_m3", "MiniMaxM3VLForCausalLM"),
     "MinistralForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama's windows by layer_types (Qwen2's attention)
     "Ministral3ForCausalLM": ("ministral3", "Ministral3ForCausalLM"),
     "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
@@ -160,6 +162,7 @@ _ENCODERS = {
 # where transformers' wrapper takes any text model (AutoModel.from_config), i.e. every causal LM here.
 _ANY_TEXT_FAMILY = None
 _VISION_LANGUAGE = {
+    "Dots3NoteForConditionalGeneration": {"dots3_note_text": _MODELS["Dots3NoteForCausalLM"]},
     "Emu3ForConditionalGeneration": {"emu3_text_model": _MODELS["Emu3ForCausalLM"]},
     "Gemma3ForConditionalGeneration": {"gemma3_text": _MODELS["Gemma3ForCausalLM"]},
     "Gemma3nForConditionalGeneration": {"gemma3n_text": _MODELS["Gemma3nForCausalLM"]},
@@ -169,6 +172,7 @@ _VISION_LANGUAGE = {
     "Mistral3ForConditionalGeneration": {"mistral": _MODELS["MistralForCausalLM"],
                                          "ministral3": _MODELS["Ministral3ForCausalLM"]},
     "MllamaForConditionalGeneration": {"mllama_text_model": _MODELS["MllamaForCausalLM"]},
+    "MiniMaxM3SparseForConditionalGeneration": {"minimax_m3_vl_text": _MODELS["MiniMaxM3VLForCausalLM"]},
     "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": _MODELS["Qwen2ForCausalLM"]},
     "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": _MODELS["Qwen2ForCausalLM"]},
     "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": _MODELS["Qwen3ForCausalLM"]},
@@ -185,12 +189,17 @@ _VISION_LANGUAGE = {
 # the attention backend is chosen with them in mind (selector.select_backend).
 _ATTENTION_SINKS = {"FlintForCausalLM", "GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
                     "MiMoV2FlashForCausalLM"}
-# Families whose attention only the PyTorch backend runs, with what it is: DeepSeek sparse attention (deepseek_v32.py),
-# Inkling's relative logits (inkling.py).
+# Families whose attention only the PyTorch backend runs, with what it is: DeepSeek sparse attention (deepseek_v32.py;
+# dots3 note's indexed layers), MiniMax-M3's block-sparse attention (minimax_m3.py), Inkling's relative logits
+# (inkling.py).
 _DSA = ("DeepSeek sparse attention", "each query attends to the keys its indexer selects")
+_BLOCK_SPARSE = ("block-sparse attention", "each KV head's queries attend to the key blocks its indexer selects")
 _RELATIVE_LOGITS = ("relative logits", "a bias per query and backward distance, mixed from the query's own state")
-_PYTORCH_ONLY_ATTENTION = {"AXK2ForCausalLM": _DSA, "DeepseekV32ForCausalLM": _DSA, "GlmMoeDsaForCausalLM": _DSA,
-                           "InklingForCausalLM": _RELATIVE_LOGITS, "InklingForConditionalGeneration": _RELATIVE_LOGITS}
+_PYTORCH_ONLY_ATTENTION = {
+    "AXK2ForCausalLM": _DSA, "DeepseekV32ForCausalLM": _DSA, "Dots3NoteForCausalLM": _DSA,
+    "Dots3NoteForConditionalGeneration": _DSA, "GlmMoeDsaForCausalLM": _DSA, "InklingForCausalLM": _RELATIVE_LOGITS,
+    "InklingForConditionalGeneration": _RELATIVE_LOGITS, "MiniMaxM3VLForCausalLM": _BLOCK_SPARSE,
+    "MiniMaxM3SparseForConditionalGeneration": _BLOCK_SPARSE}
 # Families whose KV cache holds heads wider than their config's head_dim, by this factor (DiffLlama's differential
 # attention runs over doubled heads: models/diffllama.py): the backend is chosen and checked for the cache's.
 _CACHE_HEAD_MULTIPLES = {"DiffLlamaForCausalLM": 2}  # differential attention: paired value heads side by side

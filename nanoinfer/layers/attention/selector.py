@@ -86,8 +86,8 @@ def select_backend(requested: str, device: torch.device, *, latent_cache: bool =
     head_dim: the widest layer's (not MLA's); 'auto' takes the PyTorch backend where it is wider than flash and Triton
     take (Gemma 4's full layers: 512), an explicit 'flash' or 'triton' is refused for it by check_backend_limits.
     pytorch_only: (architecture, its attention's name, what it does) where the PyTorch backend alone runs that
-    attention (DeepSeek's sparse attention, Inkling's relative logits: registry.pytorch_only_attention): 'auto' takes
-    it (saying so on CUDA), 'flash' and 'triton' are refused."""
+    attention (DeepSeek's and MiniMax-M3's sparse attention, Inkling's relative logits:
+    registry.pytorch_only_attention): 'auto' takes it (saying so on CUDA), 'flash' and 'triton' are refused."""
     if requested not in BACKEND_CHOICES:
         raise ValueError(f"unknown attention_backend {requested!r}; use one of {list(BACKEND_CHOICES)}")
     if pytorch_only is not None:
