@@ -289,6 +289,10 @@ DSA_TOPK, DSA_WIDE_TOPK = 6, 512
 # Kimi Linear (kimi-linear): KDA layers 0 and 2 (a decay per key channel, slow on some channels so that the state
 # carries across chunks) around an MLA layer 1 without rope (the low-rank q), layer 0's MLP dense, then V3's MoE
 # (2 of 8 experts in the best 2 of 4 groups, a random correction bias, renormalized, scaled) plus a shared expert.
+# Ling's hybrid (bailing-hybrid): Kimi Linear's layout with Ling's KDA (full-rank gates, the bounded decay: head rates
+# e^A_log from 1 to 16, so that some channels barely decay and some decay fast) and MLA (q at full rank, interleaved
+# rope, a sigmoid gate per head on the output), V3's MoE (2 of 8 experts in the best 2 of 4 groups, a random
+# correction bias, renormalized, scaled) plus a shared expert after a dense layer 0.
 # MiniMax (minimax): lightning attention layers 0 and 2 (heads decaying from fast to slow, almost none on the last
 # layer) around a softmax attention layer 1, 2 of 8 experts on every layer, every residual factor away from
 # 1; transformers' lightning blocks (block_size) shorter than the prompts.
@@ -312,11 +316,11 @@ DSA_TOPK, DSA_WIDE_TOPK = 6, 512
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
                    "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid", "deepseek-v32": "deepseek_v32",
                    "deepseek-v32-wide": "deepseek_v32", "glm-moe-dsa": "glm_moe_dsa", "axk2": "axk2",
-                   "kimi-linear": "kimi_linear", "minimax": "minimax", "mimo-v2-flash": "mimo_v2_flash",
+                   "kimi-linear": "kimi_linear", "bailing-hybrid": "bailing_hybrid", "minimax": "minimax", "mimo-v2-flash": "mimo_v2_flash",
                    "longcat-flash": "longcat_flash", "doge": "doge", "hyperclovax": "hyperclovax", "bitnet": "bitnet",
                    "minicpm3": "minicpm3", "diffllama": "diffllama", "hrm-text": "hrm_text", "jetmoe": "jetmoe"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
-NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "minimax")  # tested as the other hybrids (test_ssm.py)
+NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "bailing-hybrid", "minimax")  # tested as the other hybrids (test_ssm.py)
 NEWEST_DENSE_KINDS = ("doge", "hyperclovax", "bitnet", "minicpm3", "diffllama", "hrm-text")
 NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS  # as the MoEs (test_moe.py)
                          if kind not in NEWEST_HYBRID_KINDS + NEWEST_DENSE_KINDS)
@@ -409,7 +413,7 @@ _SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minim
 _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818, "kolibri1": 1929,
            "lfm3": 2030, "olmo-hybrid": 3141, "deepseek-v32": 4252, "deepseek-v32-wide": 4252, "glm-moe-dsa": 5363,
            "axk2": 6474, "kimi-linear": 4252, "minimax": 5363, "mimo-v2-flash": 4252, "longcat-flash": 5363,
-           "doge": 6474}
+           "doge": 6474, "bailing-hybrid": 7585}
 _SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7585, "hrm-text": 8696,
            "jetmoe": 9707}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
@@ -1170,6 +1174,14 @@ def newest_family_config(kind: str, special: dict):
                                              linear_head_dim=16, linear_conv_kernel_dim=4, num_experts=8,
                                              num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
                                              moe_intermediate_size=32, routed_scaling_factor=2.5)
+    if kind == "bailing-hybrid":  # head_dim: the KDA heads' (transformers' config sets it to qk_rope_head_dim after)
+        return transformers.BailingHybridConfig(**{**common, "num_key_value_heads": 4}, kv_lora_rank=32,
+                                                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                                layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                                mlp_layer_types=["dense", "sparse", "sparse"], short_conv_kernel_size=4,
+                                                num_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                                                n_shared_experts=1, moe_intermediate_size=32, routed_scaling_factor=2.5,
+                                                rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "minimax":
         # No window: transformers' MiniMax decodes without it (its MiniMaxCache keeps every key), prefills with it.
         return transformers.MiniMaxConfig(**{**common, "intermediate_size": 32},
@@ -1526,14 +1538,15 @@ def _randomize_zero_centered_norms_(model, seed: int) -> None:
                 p.copy_(-2.0 + 0.5 * torch.randn(p.shape, generator=g))
 
 
-def _randomize_kda_(model, seed: int) -> None:
-    """Kimi Delta Attention's decays from almost none to fast: head rates e^A_log in [0.01, 1] times softplus of
-    channel biases near -2, so some channels carry the state far, across chunks."""
+def _randomize_kda_(model, seed: int, rates: tuple[float, float] = (0.01, 1.0)) -> None:
+    """Kimi Delta Attention's decays from almost none to fast: head rates e^A_log spread over `rates` (Kimi's: times
+    softplus of channel biases near -2; Ling's bounded gate: in a sigmoid of the rate times the biased input), so
+    some channels carry the state far, across chunks."""
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             if name.endswith(".A_log"):
-                p.copy_(torch.linspace(0.01, 1.0, p.numel()).log().view(p.shape))
+                p.copy_(torch.linspace(*rates, p.numel()).log().view(p.shape))
             elif name.endswith(".dt_bias"):
                 p.copy_(-2.0 + 0.5 * torch.randn(p.shape, generator=g))
 
@@ -1620,6 +1633,8 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
         _randomize_mamba1_(model, _SEEDS[base_kind])
     if kind == "kimi-linear":
         _randomize_kda_(model, _SEEDS[base_kind])
+    if kind == "bailing-hybrid":
+        _randomize_kda_(model, _SEEDS[base_kind], rates=(1.0, 16.0))
     if kind == "doge":  # the dynamic mask's A, and the residual scales near 1 (as the norms' weights)
         g = torch.Generator().manual_seed(_SEEDS[base_kind] + 4)
         with torch.no_grad():

@@ -357,3 +357,36 @@ def check_config_refused(model: pathlib.Path, tmp_path: pathlib.Path, change: di
     with pytest.raises(ValueError, match=re.escape(option)) as e:
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
     assert str(d) in str(e.value)
+
+
+def test_bailing_hybrid_hub_config_and_unbounded_gate_match_hf(model_dir, tmp_path, captured_logits,
+                                                               report_logit_diff):
+    """Ling's hybrid with a config in the Hub's form (layer and MLP types derived from layer_group_size and
+    first_k_dense_replace, as transformers derives them), KDA's unbounded forget gate (kda_safe_gate false: Kimi's
+    softplus decay), and a checkpoint that also holds its multi-token-prediction layer (numbered after the last
+    decoder layer), which both ignore."""
+    from safetensors.torch import load_file, save_file
+
+    src = model_dir("bailing-hybrid")
+    d = shutil.copytree(src, tmp_path / "bailing-hub")
+    config = json.loads((d / "config.json").read_text())
+    assert config["layer_types"] == ["linear_attention", "full_attention", "linear_attention"]
+    assert config["mlp_layer_types"] == ["dense", "sparse", "sparse"]
+    del config["layer_types"], config["mlp_layer_types"]
+    config |= {"layer_group_size": 2, "first_k_dense_replace": 1, "kda_safe_gate": False, "num_nextn_predict_layers": 1}
+    (d / "config.json").write_text(json.dumps(config))
+    weights = load_file(d / "model.safetensors")
+    mtp = {name.replace("model.layers.2.", "model.layers.3."): w.clone() for name, w in weights.items()
+           if name.startswith("model.layers.2.")}
+    save_file(weights | mtp, d / "model.safetensors", metadata={"format": "pt"})
+    llm, _, worst = run(d, captured_logits, prompts=PROMPTS[:4])
+    report_logit_diff("bailing-hybrid, Hub config, unbounded gate", worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+@pytest.mark.parametrize("change, option", [({"tie_word_embeddings": True}, "tie_word_embeddings=True"),
+                                            ({"hidden_act": "gelu"}, "hidden_act='gelu'")])
+def test_bailing_hybrid_unsupported_config_is_refused(model_dir, tmp_path, change, option):
+    """transformers' Ling hybrid never ties lm_head to the embedding (its checkpoints hold both); KDA's conv applies
+    hidden_act, and only SiLU is implemented."""
+    check_config_refused(model_dir("bailing-hybrid"), tmp_path, change, option)

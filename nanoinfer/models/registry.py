@@ -112,6 +112,7 @@ _MODELS = {
 # Hybrids of attention with recurrent layers (Mamba2, short convolutions, linear attention; Zamba's and Zamba2's
 # shared attention blocks).
 _MODELS |= {
+    "BailingHybridForCausalLM": ("bailing_hybrid", "BailingHybridForCausalLM"),
     "BambaForCausalLM": ("bamba", "BambaForCausalLM"),
     "FalconH1ForCausalLM": ("falcon_h1", "FalconH1ForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
