@@ -390,3 +390,12 @@ def test_bailing_hybrid_unsupported_config_is_refused(model_dir, tmp_path, chang
     """transformers' Ling hybrid never ties lm_head to the embedding (its checkpoints hold both); KDA's conv applies
     hidden_act, and only SiLU is implemented."""
     check_config_refused(model_dir("bailing-hybrid"), tmp_path, change, option)
+
+
+@pytest.mark.parametrize("change, option", [({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+                                            ({"layer_types": ["hybrid", "full_attention", "hybrid"]},
+                                             "layer_types[1]='full_attention'")])
+def test_zaya_unsupported_config_is_refused(model_dir, tmp_path, change, option):
+    """ZAYA's experts are SwiGLU MLPs (transformers' apply hidden_act); its layers are CCA attention, full or
+    sliding."""
+    check_config_refused(model_dir("zaya"), tmp_path, change, option)
