@@ -305,6 +305,14 @@ INKLING_SLIDING_WINDOW, INKLING_REL_EXTENT = 10, 12
 # Kimi Linear (kimi-linear): KDA layers 0 and 2 (a decay per key channel, slow on some channels so that the state
 # carries across chunks) around an MLA layer 1 without rope (the low-rank q), layer 0's MLP dense, then V3's MoE
 # (2 of 8 experts in the best 2 of 4 groups, a random correction bias, renormalized, scaled) plus a shared expert.
+# Ling's hybrid (bailing-hybrid): Kimi Linear's layout with Ling's KDA (full-rank gates, the bounded decay: head rates
+# e^A_log from 1 to 16, so that some channels barely decay and some decay fast) and MLA (q at full rank, interleaved
+# rope, a sigmoid gate per head on the output), V3's MoE (2 of 8 experts in the best 2 of 4 groups, a random
+# correction bias, renormalized, scaled) plus a shared expert after a dense layer 0.
+# ZAYA (zaya): CCA attention (q/k convs of 2 and 3 taps, values half from the token before), full layers 0 and 2 with
+# one rope and a sliding layer 1 with another (half of each head rotated), q/k/v/o biases, key temperatures and
+# residual scales near 1; its router over 4 experts and the skip class (chosen for a few tokens: see
+# ZAYA_SKIP_LOGIT_SCALE), an lm_head bias, tied embeddings.
 # MiniMax (minimax): lightning attention layers 0 and 2 (heads decaying from fast to slow, almost none on the last
 # layer) around a softmax attention layer 1, 2 of 8 experts on every layer, every residual factor away from
 # 1; transformers' lightning blocks (block_size) shorter than the prompts.
@@ -328,14 +336,14 @@ INKLING_SLIDING_WINDOW, INKLING_REL_EXTENT = 10, 12
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
                    "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid", "deepseek-v32": "deepseek_v32",
                    "deepseek-v32-wide": "deepseek_v32", "glm-moe-dsa": "glm_moe_dsa", "axk2": "axk2",
-                   "dots3-note": "dots3_note", "minimax-m3": "minimax_m3_vl",
-                   "kimi-linear": "kimi_linear", "minimax": "minimax", "mimo-v2-flash": "mimo_v2_flash",
+                   "dots3-note": "dots3_note", "minimax-m3": "minimax_m3_vl", "kimi-linear": "kimi_linear",
+                   "bailing-hybrid": "bailing_hybrid", "zaya": "zaya", "minimax": "minimax", "mimo-v2-flash": "mimo_v2_flash",
                    "longcat-flash": "longcat_flash", "doge": "doge", "hyperclovax": "hyperclovax", "bitnet": "bitnet",
                    "minicpm3": "minicpm3", "diffllama": "diffllama", "hrm-text": "hrm_text", "jetmoe": "jetmoe",
                    "inkling": "inkling"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
-NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "minimax",  # tested as the other hybrids (test_ssm.py)
-                       "inkling")
+NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "bailing-hybrid", "zaya", "minimax",  # as the other
+                       "inkling")  # hybrids (test_ssm.py)
 NEWEST_DENSE_KINDS = ("doge", "hyperclovax", "bitnet", "minicpm3", "diffllama", "hrm-text")
 NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS  # as the MoEs (test_moe.py)
                          if kind not in NEWEST_HYBRID_KINDS + NEWEST_DENSE_KINDS)
@@ -352,8 +360,9 @@ SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 1
                   "cohere2-moe": 11, "cohere2-moe-sigmoid": 12, "afmoe": 10, "mellum": 12,
                   "laguna": 11, "flint": 12, "kolibri1": 10, "mimo-v2-flash": 11}
 LLAMA4_CHUNK = 12  # Llama 4's attention_chunk_size in the test model
-# LFM3's window, apart from SLIDING_WINDOW (whose test takes prefix cache hits, which hybrids refuse).
+# LFM3's and ZAYA's windows, apart from SLIDING_WINDOW (whose test takes prefix cache hits, which hybrids refuse).
 LFM3_SLIDING_WINDOW = 10
+ZAYA_SLIDING_WINDOW = 10
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -387,6 +396,11 @@ SHARD_SIZE = "200KB"
 # LongCat-Flash's correction bias, added to softmax probabilities (~1/12 each here, not sigmoids near 1/2): at the others'
 # 0.3 it alone would choose the experts.
 LONGCAT_CORRECTION_BIAS_STD = 0.03
+# ZAYA's router: the experts' balancing biases, added to probabilities of ~1/5, shift the choice among them without
+# deciding it; below zero, and the skip class's logits scaled up, the skip (whose bias transformers sets to -1) wins
+# for a few tokens (its probability above ~0.7).
+ZAYA_BALANCING_BIAS_MEAN, ZAYA_BALANCING_BIAS_STD = -0.3, 0.05
+ZAYA_SKIP_LOGIT_SCALE = 16.0
 # Doge's dynamic-mask A: key biases exp(A * softplus(dt)) from ~0.2 to ~5 (at INIT_STD they would barely vary).
 DOGE_A_STD = 0.5
 
@@ -428,7 +442,7 @@ _SEEDS |= {"cwm": 5474, "jais2": 6585, "solar-open": 7696, "youtu": 8707, "minim
 _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint": 9818, "kolibri1": 1929,
            "lfm3": 2030, "olmo-hybrid": 3141, "deepseek-v32": 4252, "deepseek-v32-wide": 4252, "glm-moe-dsa": 5363,
            "axk2": 6474, "kimi-linear": 4252, "minimax": 5363, "mimo-v2-flash": 4252, "longcat-flash": 5363,
-           "doge": 6474, "dots3-note": 7585, "minimax-m3": 8696}
+           "doge": 6474, "dots3-note": 7585, "minimax-m3": 8696, "bailing-hybrid": 7585, "zaya": 8696}
 _SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7585, "hrm-text": 8696,
            "jetmoe": 9707, "inkling": 1818}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
@@ -1208,6 +1222,25 @@ def newest_family_config(kind: str, special: dict):
                                              linear_head_dim=16, linear_conv_kernel_dim=4, num_experts=8,
                                              num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
                                              moe_intermediate_size=32, routed_scaling_factor=2.5)
+    if kind == "bailing-hybrid":  # head_dim: the KDA heads' (transformers' config sets it to qk_rope_head_dim after)
+        return transformers.BailingHybridConfig(**{**common, "num_key_value_heads": 4}, kv_lora_rank=32,
+                                                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                                layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                                mlp_layer_types=["dense", "sparse", "sparse"], short_conv_kernel_size=4,
+                                                num_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                                                n_shared_experts=1, moe_intermediate_size=32, routed_scaling_factor=2.5,
+                                                rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "zaya":
+        zaya = {k: v for k, v in common.items() if k != "intermediate_size"} | {"tie_word_embeddings": True}
+        return transformers.ZayaConfig(**zaya, attention_bias=True, lm_head_bias=True,
+                                       layer_types=["hybrid", "hybrid_sliding", "hybrid"],
+                                       sliding_window=ZAYA_SLIDING_WINDOW, num_experts=4, num_experts_per_tok=1,
+                                       moe_intermediate_size=32, router_hidden_size=16, cca_time0=2, cca_time1=3,
+                                       rope_parameters={"hybrid": {"rope_type": "default", "rope_theta": 500_000.0,
+                                                                   "partial_rotary_factor": 0.5},
+                                                        "hybrid_sliding": {"rope_type": "default",
+                                                                           "rope_theta": 10_000.0,
+                                                                           "partial_rotary_factor": 0.5}})
     if kind == "minimax":
         # No window: transformers' MiniMax decodes without it (its MiniMaxCache keeps every key), prefills with it.
         return transformers.MiniMaxConfig(**{**common, "intermediate_size": 32},
@@ -1582,14 +1615,15 @@ def _randomize_zero_centered_norms_(model, seed: int) -> None:
                 p.copy_(-2.0 + 0.5 * torch.randn(p.shape, generator=g))
 
 
-def _randomize_kda_(model, seed: int) -> None:
-    """Kimi Delta Attention's decays from almost none to fast: head rates e^A_log in [0.01, 1] times softplus of
-    channel biases near -2, so some channels carry the state far, across chunks."""
+def _randomize_kda_(model, seed: int, rates: tuple[float, float] = (0.01, 1.0)) -> None:
+    """Kimi Delta Attention's decays from almost none to fast: head rates e^A_log spread over `rates` (Kimi's: times
+    softplus of channel biases near -2; Ling's bounded gate: in a sigmoid of the rate times the biased input), so
+    some channels carry the state far, across chunks."""
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             if name.endswith(".A_log"):
-                p.copy_(torch.linspace(0.01, 1.0, p.numel()).log().view(p.shape))
+                p.copy_(torch.linspace(*rates, p.numel()).log().view(p.shape))
             elif name.endswith(".dt_bias"):
                 p.copy_(-2.0 + 0.5 * torch.randn(p.shape, generator=g))
 
@@ -1676,6 +1710,22 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
         _randomize_mamba1_(model, _SEEDS[base_kind])
     if kind == "kimi-linear":
         _randomize_kda_(model, _SEEDS[base_kind])
+    if kind == "bailing-hybrid":
+        _randomize_kda_(model, _SEEDS[base_kind], rates=(1.0, 16.0))
+    if kind == "zaya":  # its scales and key temperatures near 1, as the norms' weights; the router's skip logits and
+        # the experts' balancing biases (the skip's stays at -1: transformers sets it so after loading, whatever the
+        # checkpoint holds)
+        g = torch.Generator().manual_seed(_SEEDS[base_kind] + 4)
+        with torch.no_grad():
+            for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+                if name.endswith(("_scale", ".temp")):
+                    p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
+                elif name.endswith("router_mlp.out_proj.weight"):
+                    p[-1] *= ZAYA_SKIP_LOGIT_SCALE
+            for name, buffer in sorted(model.named_buffers()):
+                if name.endswith("balancing_biases"):
+                    buffer[:-1] = ZAYA_BALANCING_BIAS_MEAN + ZAYA_BALANCING_BIAS_STD * torch.randn(
+                        buffer.shape[0] - 1, generator=g)
     if kind == "doge":  # the dynamic mask's A, and the residual scales near 1 (as the norms' weights)
         g = torch.Generator().manual_seed(_SEEDS[base_kind] + 4)
         with torch.no_grad():

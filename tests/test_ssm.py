@@ -1,8 +1,9 @@
-"""LFM2, LFM2-MoE, Bamba, Granite 4.0-H, NemotronH, Falcon-H1 and Zamba2 (short-conv and Mamba2 hybrids) and Mamba2 vs
-transformers under chunked prefill, preemption and two tensor-parallel ranks, prefix caching and LLM.embed refused; the
-Mamba2 scan's chunked and one-step forms against each other, and the mixers against transformers' over prompt chunks,
-decode steps and several sequences at once, whole and sharded over two ranks; Zamba2's shared blocks and its refused
-options."""
+"""LFM2, LFM2-MoE, Bamba, Granite 4.0-H, NemotronH, Falcon-H1 and Zamba2 (short-conv and Mamba2 hybrids), Mamba2 and
+the newest hybrids (NEWEST_HYBRID_KINDS) vs transformers under chunked prefill, preemption and two tensor-parallel
+ranks, prefix caching and LLM.embed refused; the Mamba2 scan's chunked and one-step forms against each other, and the
+mixers against transformers' over prompt chunks, decode steps and several sequences at once, whole and sharded over two
+ranks; Zamba2's shared blocks, Ling's hybrid from a Hub-form config, and the options Zamba2, Ling's hybrid and ZAYA
+refuse."""
 import inspect
 import json
 import pathlib
@@ -357,3 +358,65 @@ def check_config_refused(model: pathlib.Path, tmp_path: pathlib.Path, change: di
     with pytest.raises(ValueError, match=re.escape(option)) as e:
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
     assert str(d) in str(e.value)
+
+
+def test_bailing_hybrid_hub_config_and_unbounded_gate_match_hf(model_dir, tmp_path, captured_logits,
+                                                               report_logit_diff):
+    """Ling's hybrid with a config in the Hub's form (layer and MLP types derived from layer_group_size and
+    first_k_dense_replace, as transformers derives them), KDA's unbounded forget gate (kda_safe_gate false: Kimi's
+    softplus decay), and a checkpoint that also holds its multi-token-prediction layer (numbered after the last
+    decoder layer), which both ignore."""
+    from safetensors.torch import load_file, save_file
+
+    src = model_dir("bailing-hybrid")
+    d = shutil.copytree(src, tmp_path / "bailing-hub")
+    config = json.loads((d / "config.json").read_text())
+    assert config["layer_types"] == ["linear_attention", "full_attention", "linear_attention"]
+    assert config["mlp_layer_types"] == ["dense", "sparse", "sparse"]
+    del config["layer_types"], config["mlp_layer_types"]
+    config |= {"layer_group_size": 2, "first_k_dense_replace": 1, "kda_safe_gate": False, "num_nextn_predict_layers": 1}
+    (d / "config.json").write_text(json.dumps(config))
+    weights = load_file(d / "model.safetensors")
+    mtp = {name.replace("model.layers.2.", "model.layers.3."): w.clone() for name, w in weights.items()
+           if name.startswith("model.layers.2.")}
+    save_file(weights | mtp, d / "model.safetensors", metadata={"format": "pt"})
+    llm, _, worst = run(d, captured_logits, prompts=PROMPTS[:4])
+    report_logit_diff("bailing-hybrid, Hub config, unbounded gate", worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+@pytest.mark.parametrize("change, option", [({"tie_word_embeddings": True}, "tie_word_embeddings=True"),
+                                            ({"hidden_act": "gelu"}, "hidden_act='gelu'")])
+def test_bailing_hybrid_unsupported_config_is_refused(model_dir, tmp_path, change, option):
+    """transformers' Ling hybrid never ties lm_head to the embedding (its checkpoints hold both); KDA's conv applies
+    hidden_act, and only SiLU is implemented."""
+    check_config_refused(model_dir("bailing-hybrid"), tmp_path, change, option)
+
+
+@pytest.mark.parametrize("change, option", [({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+                                            ({"layer_types": ["hybrid", "full_attention", "hybrid"]},
+                                             "layer_types[1]='full_attention'")])
+def test_zaya_unsupported_config_is_refused(model_dir, tmp_path, change, option):
+    """ZAYA's experts are SwiGLU MLPs (transformers' apply hidden_act); its layers are CCA attention, full or
+    sliding."""
+    check_config_refused(model_dir("zaya"), tmp_path, change, option)
+
+
+def test_zaya_skip_bias_is_transformers_minus_one_whatever_the_checkpoint_holds(model_dir, tmp_path, captured_logits,
+                                                                                report_logit_diff):
+    """transformers' ZAYA sets the skip class's balancing bias to -1 after loading (its _init_weights), whatever the
+    checkpoint holds: a checkpoint whose skip biases are +1 (every token skipping, if they were honoured) gives
+    transformers' tokens."""
+    from safetensors.torch import load_file, save_file
+
+    d = shutil.copytree(model_dir("zaya"), tmp_path / "zaya-skip")
+    weights = load_file(d / "model.safetensors")
+    biases = [name for name in weights if name.endswith("balancing_biases")]
+    assert biases
+    for name in biases:
+        weights[name][-1] = 1.0
+    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    llm, _, worst = run(d, captured_logits, prompts=PROMPTS[:4])
+    llm.close()
+    report_logit_diff("zaya, skip biases of +1 in the checkpoint", worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"

@@ -23,13 +23,20 @@ def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bi
     them (zeros at a sequence's start), weight [C, K] -> (output [..., n, C], the new state). In 16-bit dtypes the
     products, their sum and the bias are taken in fp32 and rounded once before the SiLU, as F.conv1d (transformers'
     conv) does; in fp32 and fp64 the casts are no-ops."""
-    full = torch.cat((state, x), -2)
+    windows, state = causal_windows(x, state)
     acc = torch.promote_types(x.dtype, torch.float32)
-    out = (full.unfold(-2, weight.shape[1], 1).to(acc) * weight.to(acc)).sum(-1)  # windows [..., n, C, K] . weight
+    out = (windows.to(acc) * weight.to(acc)).sum(-1)
     if bias is not None:
         out = out + bias.to(acc)
     out = out.to(x.dtype)
-    return F.silu(out) if silu else out, full[..., full.shape[-2] - state.shape[-2]:, :]
+    return F.silu(out) if silu else out, state
+
+
+def causal_windows(x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., n, C] new inputs, state [..., K-1, C] the inputs just before them -> (each input's window [..., n, C,
+    K]: the K-1 inputs before it, then itself; the new state)."""
+    full = torch.cat((state, x), -2)
+    return full.unfold(-2, state.shape[-2] + 1, 1), full[..., full.shape[-2] - state.shape[-2]:, :]
 
 
 @dataclass
@@ -113,15 +120,30 @@ class RecurrentLayer(nn.Module):
     def causal_conv(self, x: torch.Tensor, weight: torch.Tensor, batch: RecurrentBatch,
                     bias: torch.Tensor | None = None, silu: bool = True) -> torch.Tensor:
         """x [tokens, conv_dim] -> the conv over each sequence's inputs, carried on from its state (updated)."""
-        out = torch.empty_like(x)
+        return self.carry_conv_state(x, batch, lambda xs, state: causal_conv1d(xs, state, weight, bias, silu))
+
+    def causal_windows(self, x: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
+        """x [tokens, conv_dim] -> each token's window [tokens, conv_dim, K]: the K-1 inputs of its sequence before
+        it (from the state, updated; zeros before a sequence's start), then its own; for convs a layer runs itself
+        (ZAYA's)."""
+        return self.carry_conv_state(x, batch, causal_windows)
+
+    def carry_conv_state(self, x: torch.Tensor, batch: RecurrentBatch,
+                         fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """fn(new inputs [..., n, C], the inputs just before them [..., K-1, C]) -> (outputs [..., n, ...], the new
+        state), over the sequences computing one token all at once and over each other one; returns the outputs
+        [tokens, ...]."""
+        out: torch.Tensor | None = None
         if batch.single_rows.numel():
             rows, slots = batch.single_rows, batch.single_slots
-            y, self.conv_state[slots] = causal_conv1d(x[rows].unsqueeze(1), self.conv_state[slots], weight, bias,
-                                                      silu)
+            y, self.conv_state[slots] = fn(x[rows].unsqueeze(1), self.conv_state[slots])
+            out = y.new_empty(x.shape[0], *y.shape[2:])
             out[rows] = y.squeeze(1)
         for start, end, slot in batch.spans:
-            out[start:end], self.conv_state[slot] = causal_conv1d(x[start:end], self.conv_state[slot], weight, bias,
-                                                                  silu)
+            y, self.conv_state[slot] = fn(x[start:end], self.conv_state[slot])
+            if out is None:
+                out = y.new_empty(x.shape[0], *y.shape[1:])
+            out[start:end] = y
         return out
 
     def scan(self, batch: RecurrentBatch, step: Callable[..., torch.Tensor],

@@ -14,7 +14,8 @@ from nanoinfer.layers.fused_moe import FusedMoE, Fp32Router, select_experts_soft
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from nanoinfer.layers.rotary_embedding import get_rope, rope_parameters
-from nanoinfer.models.llama import AttentionOptions, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from nanoinfer.models.llama import (AttentionOptions, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
+                                   LlamaModel)
 from nanoinfer.utils.dist import tp_size
 
 _TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -111,7 +112,7 @@ class DeepseekV2Attention(nn.Module):
         self.kv_lora_rank, qk_dim = config.kv_lora_rank, config.qk_nope_head_dim + config.qk_rope_head_dim
         heads = config.num_attention_heads
         self.num_heads = heads // tp_size()
-        if config.q_lora_rank is None:
+        if getattr(config, "q_lora_rank", None) is None:  # Ling's (bailing_hybrid.py) config has no such field
             self.q_proj = ColumnParallelLinear(hidden, heads * qk_dim)
         else:
             self.q_a_proj = ReplicatedLinear(hidden, config.q_lora_rank, bias)
@@ -121,6 +122,9 @@ class DeepseekV2Attention(nn.Module):
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, 1e-6)
         self.kv_b_proj = MLAUpProjection(config.kv_lora_rank, heads, self.nope_dim, self.v_dim)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias)
+        self.gate_activation, self.gate_per_head = options.gate_activation, options.gate_per_head
+        if self.gate_activation is not None:  # Ling's output gate (see AttentionOptions), column-parallel as q
+            self.g_proj = ColumnParallelLinear(hidden, heads * (1 if self.gate_per_head else self.v_dim))
         # Kimi Linear's MLA (options.rope False) keeps the shared key part, unrotated, and the plain scale.
         # Dots3's rope settings are by layer type, their partial_rotary_factor that of its head_dim: options.rotary_dim.
         self.rotary_emb = get_rope(config, self.rope_dim, config.max_position_embeddings, options.rope_layer_type,
@@ -138,7 +142,10 @@ class DeepseekV2Attention(nn.Module):
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q_nope, q_rope, k = self.project(positions, self.query(x), x)
         self.attn.store(k, None, meta)
-        return self.o_proj(self.attend(q_nope, q_rope, k, meta))
+        o = self.attend(q_nope, q_rope, k, meta)
+        return self.o_proj(o if self.gate_activation is None else self.gate_output(o, x))
+
+    gate_output = LlamaAttention.gate_output
 
     def project(self, positions: torch.Tensor | None, q: torch.Tensor, x: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

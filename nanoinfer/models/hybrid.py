@@ -1,6 +1,6 @@
 """The decoder of hybrid models whose layers mix tokens either by attention or by a recurrent mixer (Mamba2, LFM2's
 short convolution, Gated DeltaNet, KDA, lightning attention), by the config's layer types, each followed by an MLP:
-LFM2, Bamba, Granite 4.0-H, Kimi Linear, MiniMax; Qwen3-Next's layers too."""
+LFM2, Bamba, Granite 4.0-H, Kimi Linear, Ling's hybrid, MiniMax; Qwen3-Next's layers too."""
 from collections.abc import Callable
 
 import torch
@@ -39,10 +39,10 @@ def check_layer_config(config: PretrainedConfig, heads: str | None = None, silu:
     return where
 
 
-def mixers_named_self_attn(config: PretrainedConfig) -> dict[str, str]:
-    """Weight-name substitutions for checkpoints that name every layer's mixer `self_attn` (Kimi Linear's, MiniMax's):
-    the linear-attention layers' to HybridDecoderLayer's `mixer`."""
-    return {f"^model.layers.{i}.self_attn.": f"model.layers.{i}.mixer."
+def mixers_named_self_attn(config: PretrainedConfig, name: str = "self_attn") -> dict[str, str]:
+    """Weight-name substitutions for checkpoints that give every layer's mixer one name (Kimi Linear's and MiniMax's
+    `self_attn`, Ling's `attention`): the linear-attention layers' to HybridDecoderLayer's `mixer`."""
+    return {f"^model.layers.{i}.{name}.": f"model.layers.{i}.mixer."
             for i, layer_type in enumerate(config.layer_types) if layer_type == "linear_attention"}
 
 

@@ -27,7 +27,8 @@ from nanoinfer.utils.dist import tp_size
 class KimiDeltaAttention(nn.Module):
     """KDA: g = -e^A_log[h] * softplus(f_b(f_a(x)) + dt_bias) per key channel, beta = sigmoid(b_proj(x)), the delta
     rule over the convolved, l2-normed q and k, then RMSNorm(out) * sigmoid(g_b(g_a(x))) per head and o_proj.
-    num_heads is this rank's."""
+    num_heads is this rank's. Ling's (bailing_hybrid.py) differs in its gates alone: init_gates, forget_input,
+    output_gate and decay."""
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
@@ -36,16 +37,30 @@ class KimiDeltaAttention(nn.Module):
         width, kernel = heads * head_dim, config.linear_conv_kernel_dim
         self.in_proj_qkv = SegmentedColumnParallelLinear(hidden, [(width, True)] * 3)  # q_proj | k_proj | v_proj
         self.conv1d = RowShardedWeight([(width, True)] * 3, (1, kernel), bias=False)  # q_conv1d | k_conv1d | v_conv1d
-        self.f_a_proj = ReplicatedLinear(hidden, head_dim)
-        self.f_b_proj = ColumnParallelLinear(head_dim, width)
+        self.init_gates(hidden, head_dim, width)
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads * head_dim), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.b_proj = ColumnParallelLinear(hidden, heads)
-        self.g_a_proj = ReplicatedLinear(hidden, head_dim)
-        self.g_b_proj = ColumnParallelLinear(head_dim, width)
         self.o_norm = GatedRMSNorm(head_dim, config.rms_norm_eps, torch.sigmoid)
         self.o_proj = RowParallelLinear(width, hidden)
         self.delta_rule = GatedDeltaRule(self.num_heads, self.num_heads, head_dim, head_dim, kernel)
+
+    def init_gates(self, hidden: int, head_dim: int, width: int) -> None:
+        """The projections of the forget gate's and the output gate's inputs: low-rank, through head_dim."""
+        self.f_a_proj = ReplicatedLinear(hidden, head_dim)
+        self.f_b_proj = ColumnParallelLinear(head_dim, width)
+        self.g_a_proj = ReplicatedLinear(hidden, head_dim)
+        self.g_b_proj = ColumnParallelLinear(head_dim, width)
+
+    def forget_input(self, x: torch.Tensor) -> torch.Tensor:
+        return self.f_b_proj(self.f_a_proj(x))
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.g_b_proj(self.g_a_proj(x))
+
+    def decay(self, f: torch.Tensor) -> torch.Tensor:
+        """The log-decay per key channel of f = forget_input + dt_bias [tokens, heads, head_dim] (fp32)."""
+        return -self.A_log.float().exp().unsqueeze(-1) * F.softplus(f)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """A_log (stored [1, 1, heads, 1]) and dt_bias: this rank's heads."""
@@ -53,11 +68,10 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
         heads = (x.shape[0], self.num_heads, self.head_dim)
-        forget = F.softplus((self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(heads))
-        g = -self.A_log.float().exp().unsqueeze(-1) * forget
+        g = self.decay((self.forget_input(x).float() + self.dt_bias.float()).view(heads))
         beta = self.b_proj(x).float().sigmoid()
         out = self.delta_rule(self.in_proj_qkv(x), self.conv1d.weight.squeeze(1), g, beta, batch).to(x.dtype)
-        return self.o_proj(self.o_norm(out, self.g_b_proj(self.g_a_proj(x)).view(heads)).flatten(1))
+        return self.o_proj(self.o_norm(out, self.output_gate(x).view(heads)).flatten(1))
 
 
 class KimiLinearForCausalLM(HybridForCausalLM):

@@ -28,8 +28,8 @@ class AttentionOptions:
     attention_chunk_size: int | None = None  # Llama 4's chunked local attention: keys of the query's own chunk alone
     # Qwen3-Next: q_proj also yields a per-head output gate (attention output * sigmoid(gate) before o_proj).
     output_gate: bool = False
-    # AFMoE, Laguna: a projection of its own (g_proj) gates the attention output before o_proj, through this
-    # activation (taken in fp32), one gate per element or (gate_per_head) one per head.
+    # AFMoE, Laguna, Ling's MLA: a projection of its own (g_proj) gates the attention output before o_proj, through
+    # this activation (taken in fp32), one gate per element or (gate_per_head) one per head.
     gate_activation: Callable[[torch.Tensor], torch.Tensor] | None = None
     gate_per_head: bool = False
     num_heads: int | None = None  # Laguna: this layer's query heads, where they differ by layer
@@ -175,10 +175,11 @@ class LlamaAttention(nn.Module):
         return o[..., :self.v_head_dim].flatten(1)
 
     def gate_output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """o [tokens, heads * head_dim] times the gate g_proj computes from the layer's input x."""
+        """o [tokens, heads * head size] times the gate g_proj computes from the layer's input x (also MLA's,
+        deepseek_v2.py, whose heads' outputs are v_head_dim wide)."""
         gate = self.gate_activation(self.g_proj(x).float()).to(o.dtype)
         if self.gate_per_head:
-            return (o.view(-1, self.num_heads, self.head_dim) * gate[..., None]).flatten(1)
+            return (o.view(*gate.shape, -1) * gate[..., None]).flatten(1)
         return o * gate
 
 

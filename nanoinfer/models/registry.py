@@ -113,8 +113,9 @@ _MODELS = {
     "YoutuForCausalLM": ("youtu", "YoutuForCausalLM"),
 }
 # Hybrids of attention with recurrent layers (Mamba2, short convolutions, linear attention; Zamba's and Zamba2's
-# shared attention blocks).
+# shared attention blocks; ZAYA's attention, whose q/k convs and delayed values keep recurrent state).
 _MODELS |= {
+    "BailingHybridForCausalLM": ("bailing_hybrid", "BailingHybridForCausalLM"),
     "BambaForCausalLM": ("bamba", "BambaForCausalLM"),
     "FalconH1ForCausalLM": ("falcon_h1", "FalconH1ForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
@@ -127,6 +128,7 @@ _MODELS |= {
     "OlmoHybridForCausalLM": ("olmo_hybrid", "OlmoHybridForCausalLM"),
     "ZambaForCausalLM": ("zamba", "ZambaForCausalLM"),
     "Zamba2ForCausalLM": ("zamba2", "Zamba2ForCausalLM"),
+    "ZayaForCausalLM": ("zaya", "ZayaForCausalLM"),
 }
 # State-space models: on the Mamba-1 mixer, alone or with attention; on the Mamba2 mixer alone.
 _MODELS |= {
