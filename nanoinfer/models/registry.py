@@ -17,6 +17,7 @@ _MODELS = {
     "CodeGenForCausalLM": ("codegen", "CodeGenForCausalLM"),
     "Cohere2ForCausalLM": ("cohere2", "Cohere2ForCausalLM"),
     "Cohere2MoeForCausalLM": ("cohere2_moe", "Cohere2MoeForCausalLM"),
+    "CohereCompassForCausalLM": ("cohere_compass", "CohereCompassForCausalLM"),
     "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
     "CwmForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama's windows by layer_types (Qwen2's attention), no biases
     "DbrxForCausalLM": ("dbrx", "DbrxForCausalLM"),
@@ -161,6 +162,7 @@ _ENCODERS = {
 _ANY_TEXT_FAMILY = None
 _VISION_LANGUAGE = {
     "AriaForConditionalGeneration": {"aria_text": _MODELS["AriaTextForCausalLM"]},
+    "CohereCompassForConditionalGeneration": {"cohere_compass_text": _MODELS["CohereCompassForCausalLM"]},
     "Emu3ForConditionalGeneration": {"emu3_text_model": _MODELS["Emu3ForCausalLM"]},
     "Gemma3ForConditionalGeneration": {"gemma3_text": _MODELS["Gemma3ForCausalLM"]},
     "Gemma3nForConditionalGeneration": {"gemma3n_text": _MODELS["Gemma3nForCausalLM"]},
