@@ -12,6 +12,7 @@ _MODELS = {
     "ArceeForCausalLM": ("arcee", "ArceeForCausalLM"),
     "AXK1ForCausalLM": ("axk1", "AXK1ForCausalLM"),
     "AXK2ForCausalLM": ("axk2", "AXK2ForCausalLM"),
+    "BeamForCausalLM": ("beam", "BeamForCausalLM"),
     "BioGptForCausalLM": ("biogpt", "BioGptForCausalLM"),
     "BloomForCausalLM": ("bloom", "BloomForCausalLM"),
     "CodeGenForCausalLM": ("codegen", "CodeGenForCausalLM"),
@@ -80,6 +81,7 @@ _MODELS = {
     "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "MllamaForCausalLM": ("mllama", "MllamaForCausalLM"),
+    "ModernBertDecoderForCausalLM": ("modernbert", "ModernBertDecoderForCausalLM"),
     "MPTForCausalLM": ("mpt", "MptForCausalLM"),  # MosaicML's own remote-code name, as on the Hub
     "MptForCausalLM": ("mpt", "MptForCausalLM"),
     "NanoChatForCausalLM": ("nanochat", "NanoChatForCausalLM"),
