@@ -20,7 +20,7 @@ IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 502, 503, 504, 505
 PROMPTS = random_prompts(3, 5, 440, 2, 40, seed=21) + [[7, VISION_START, IMAGE_TOKEN, IMAGE_TOKEN, VISION_END, 9]]
 KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe",
          "qwen3.5", "qwen3.5-moe", "llava-qwen2", "llava-next", "llava-onevision", "internvl", "smolvlm", "idefics3",
-         "aya-vision", "llama4", "gemma4", "mistral3-ministral3", "gemma3n", "mllama", "emu3")
+         "aya-vision", "llama4", "gemma4", "mistral3-ministral3", "gemma3n", "mllama", "emu3", "aria", "cohere-compass")
 # Gemma 4's wrapper kind keeps the seed it was checked with: at the next one (7118) transformers' own fp32 logits
 # stray 3.9e-4 from its fp64 ones along the greedy path, over this file's 1e-4 bar (ours were 2.2e-4 from its fp32).
 SEEDS = {kind: 7100 + i for i, kind in enumerate(KINDS)} | {"gemma4": 7117}
@@ -99,6 +99,13 @@ def make_vlm_config(kind: str):
     if kind == "aya-vision":  # over Cohere 2 with logit_scale 0.5, which the wrapper never applies
         return t.AyaVisionConfig(text_config=make_config("cohere2"), vision_config=_SIGLIP, downsample_factor=2,
                                  image_token_index=IMAGE_TOKEN)
+    if kind == "aria":  # an Idefics3 vision tower and Aria's cross-attention projector, skipped
+        vision = dict(_SIGLIP, model_type="idefics3_vision")
+        return t.AriaConfig(text_config=make_config("aria-text"), vision_config=vision,
+                            projector_patch_to_query_dict={4: 2}, image_token_index=IMAGE_TOKEN)
+    if kind == "cohere-compass":  # Qwen3-VL's vision tower, the text model's logit_scale, which this wrapper applies
+        return t.CohereCompassConfig(text_config=make_config("cohere-compass"),
+                                     vision_config=dict(_QWEN3_VISION, deepstack_visual_indexes=[0]), **_QWEN_TOKENS)
     # Qwen: multimodal rope over 8 (16 for Qwen3-VL) frequency pairs, in sections or interleaved.
     if kind == "qwen2-vl":  # layers 1 and 2 windowed, untied
         text = qwen_text_config(t.Qwen2VLTextConfig, {"mrope_section": [2, 3, 3]}, use_sliding_window=True,
