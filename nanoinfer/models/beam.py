@@ -15,8 +15,9 @@ from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.layernorm import OlmoRMSNorm
 from nanoinfer.models.deepseek_v3 import DeepseekV3MoE, mlp_layer_type
 from nanoinfer.models.gemma2 import Gemma2DecoderLayer, Gemma2ForCausalLM, check_layer_types
-from nanoinfer.models.llama import (AttentionOptions, LlamaForCausalLM, LlamaMLP, LlamaModel, MLPFactory,
-                                    OptionsFactory, layer_sliding_window)
+from nanoinfer.models.llama import (AttentionOptions, LlamaForCausalLM, LlamaMLP, MLPFactory, OptionsFactory,
+                                    layer_sliding_window)
+from nanoinfer.models.olmo2 import Olmo2Model
 
 
 def scalable_softmax_scale(positions: torch.Tensor) -> torch.Tensor:
@@ -58,14 +59,10 @@ def depth_scaled_terms(out: torch.Tensor, residual: torch.Tensor, n: int) -> tup
     return out * (1.0 / math.sqrt(n)), residual * math.sqrt((n - 1) / n)
 
 
-class BeamModel(LlamaModel):
+class BeamModel(Olmo2Model):  # OLMo's final norm
     def make_layer(self, config: PretrainedConfig, layer_idx: int, attention_options: OptionsFactory,
                    make_mlp: MLPFactory) -> nn.Module:
         return BeamDecoderLayer(config, attention_options(config, layer_idx), make_mlp(config, layer_idx), layer_idx)
-
-    @staticmethod
-    def final_norm(config: PretrainedConfig) -> nn.Module:
-        return OlmoRMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class BeamForCausalLM(LlamaForCausalLM):
