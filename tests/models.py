@@ -315,8 +315,11 @@ DSA_TOPK, DSA_WIDE_TOPK = 6, 512
 # interleaved one) on the sliding layers 0 and 2, a full NoPE layer 1, q/k/v/o biases, logit_scale.
 # Beam: Qwen3-MoE's attention with per-head q/k norms, an output gate per element with a bias per head, q/k/v/o
 # biases, sliding layers 0 and 2 with rope and a full NoPE layer 1 (queries scaled by position), four norms per layer
-# and depth-scaled residual adds; layer 0 dense, then 2 of 8 experts (sigmoid, a random correction bias, 2 of 4
-# groups, renormalized, scaled), no shared expert; final-logit softcapping below the logits.
+# and depth-scaled residual adds (see BEAM_RMS_NORM_EPS); layer 0 dense, then 2 of 8 experts (sigmoid, a random
+# correction bias, 2 of 4 groups, renormalized, scaled), no shared expert; final-logit softcapping below the logits.
+# Beam's epsilon: the n-th depth-scaled add leaves the stream 1/sqrt(n) times the plain sum, which the pre-norms undo
+# but for their epsilon; at 1e-2 (against mean squares of ~0.01-1) a missing scale shows.
+BEAM_RMS_NORM_EPS = 1e-2
 # ModernBERT's decoder (modernbert-decoder): ModernBERT's layers (norm biases, the first attention norm an identity,
 # the embeddings' norm, a GeGLU MLP), causal, with a window of local_attention // 2 on its sliding layers 1 and 2 and
 # its own rope base per layer type, every bias on, the prediction head (dense, GeLU, LayerNorm) before the tied decoder
@@ -1250,8 +1253,9 @@ def newest_family_config(kind: str, special: dict):
         return transformers.AriaTextConfig(**{**common, "intermediate_size": 32}, attention_bias=True, mlp_bias=True,
                                            moe_num_experts=8, moe_topk=2, moe_num_shared_experts=2,
                                            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
-    if kind == "beam":
-        return transformers.BeamConfig(**{**common, "intermediate_size": 96}, attention_bias=True,
+    if kind == "beam":  # depth-scaled adds rescale the whole residual stream, which only the norms' epsilon sees
+        return transformers.BeamConfig(**{**common, "intermediate_size": 96, "rms_norm_eps": BEAM_RMS_NORM_EPS},
+                                       attention_bias=True,
                                        sliding_window=SLIDING_WINDOW[kind],
                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                                        mlp_layer_types=["dense", "sparse", "sparse"], num_experts=8,
@@ -1616,8 +1620,14 @@ _CAUSAL_LM_CLASSES = {"mllama_text_model": "MllamaForCausalLM", "emu3_text_model
 
 def unusable_reference(kind: str) -> str | None:
     """Why the installed transformers cannot be the reference for `kind`, or None. transformers 5.17's Doge lets SDPA
-    skip the causal mask and then adds its dynamic mask onto none: its prefill sees later tokens (5.23 keeps the mask)."""
+    skip the causal mask and then adds its dynamic mask onto none: its prefill sees later tokens (5.23 keeps the mask).
+    Its Cohere Compass reorders the leading rope frequencies: the same checkpoint rotates otherwise than under 5.23."""
     import transformers
+    if kind == "cohere-compass":
+        from transformers.models.cohere_compass import modeling_cohere_compass
+        if "inv_freq_3d" in inspect.getsource(modeling_cohere_compass.CohereCompassRotaryEmbedding):
+            return (f"transformers {transformers.__version__}'s Cohere Compass permutes its rope frequencies "
+                    f"(pre-rotated for its multimodal rope; 5.23's, the reference here, does not)")
     if kind == "doge":
         from transformers.models.doge import modeling_doge
         if "allow_is_causal_skip" not in inspect.getsource(modeling_doge.DogeModel.forward):
