@@ -333,6 +333,21 @@ INKLING_SLIDING_WINDOW, INKLING_REL_EXTENT = 10, 12
 # scale_depth / sqrt(layers), logits over hidden_size / dim_model_base (2). DiffLlama: differential attention, 8 query
 # heads on 4 KV heads (two pairs of value heads, two query heads per KV head), lambda_init growing by layer. HRM-Text
 # (hrm-text): two stacks of 2 gated-attention layers, 2 high-level cycles of 2 low-level runs each.
+# Aria's language model (aria-text): Llama's attention (q/k/v/o biases), every MLP 2 of 8 SiLU experts stacked [in,
+# out] (a softmax over the chosen logits) plus two shared experts as one MLP twice as wide (biases, mlp_bias).
+# Cohere Compass's text model (cohere-compass): Cohere 2's parallel layer with rope in the neox layout (not Cohere's
+# interleaved one) on the sliding layers 0 and 2, a full NoPE layer 1, q/k/v/o biases, logit_scale.
+# Beam: Qwen3-MoE's attention with per-head q/k norms, an output gate per element with a bias per head, q/k/v/o
+# biases, sliding layers 0 and 2 with rope and a full NoPE layer 1 (queries scaled by position), four norms per layer
+# and depth-scaled residual adds (see BEAM_RMS_NORM_EPS); layer 0 dense, then 2 of 8 experts (sigmoid, a random
+# correction bias, 2 of 4 groups, renormalized, scaled), no shared expert; final-logit softcapping below the logits.
+# Beam's epsilon: the n-th depth-scaled add leaves the stream 1/sqrt(n) times the plain sum, which the pre-norms undo
+# but for their epsilon; at 1e-2 (against mean squares of ~0.01-1) a missing scale shows.
+BEAM_RMS_NORM_EPS = 1e-2
+# ModernBERT's decoder (modernbert-decoder): ModernBERT's layers (norm biases, the first attention norm an identity,
+# the embeddings' norm, a GeGLU MLP), causal, with a window of local_attention // 2 on its sliding layers 1 and 2 and
+# its own rope base per layer type, every bias on, the prediction head (dense, GeLU, LayerNorm) before the tied decoder
+# with its bias.
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
                    "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid", "deepseek-v32": "deepseek_v32",
                    "deepseek-v32-wide": "deepseek_v32", "glm-moe-dsa": "glm_moe_dsa", "axk2": "axk2",
@@ -340,11 +355,13 @@ NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "lagu
                    "bailing-hybrid": "bailing_hybrid", "zaya": "zaya", "minimax": "minimax", "mimo-v2-flash": "mimo_v2_flash",
                    "longcat-flash": "longcat_flash", "doge": "doge", "hyperclovax": "hyperclovax", "bitnet": "bitnet",
                    "minicpm3": "minicpm3", "diffllama": "diffllama", "hrm-text": "hrm_text", "jetmoe": "jetmoe",
-                   "inkling": "inkling"}
+                   "inkling": "inkling", "aria-text": "aria", "beam": "beam", "cohere-compass": "cohere_compass",
+                   "modernbert-decoder": "modernbert_decoder"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "bailing-hybrid", "zaya", "minimax",  # as the other
                        "inkling")  # hybrids (test_ssm.py)
-NEWEST_DENSE_KINDS = ("doge", "hyperclovax", "bitnet", "minicpm3", "diffllama", "hrm-text")
+NEWEST_DENSE_KINDS = ("doge", "hyperclovax", "bitnet", "minicpm3", "diffllama", "hrm-text", "cohere-compass",
+                      "modernbert-decoder")
 NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS  # as the MoEs (test_moe.py)
                          if kind not in NEWEST_HYBRID_KINDS + NEWEST_DENSE_KINDS)
 EXTRA_KINDS += NEWEST_KINDS
@@ -358,7 +375,8 @@ SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 1
                   "starcoder2": 13, "exaone4": 10, "cohere2": 12, "dots1": 12, "gpt-oss": 12, "phimoe": 22,
                   "vaultgemma": 11, "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "gpt-neo": 11, "cwm": 12,
                   "cohere2-moe": 11, "cohere2-moe-sigmoid": 12, "afmoe": 10, "mellum": 12,
-                  "laguna": 11, "flint": 12, "kolibri1": 10, "mimo-v2-flash": 11}
+                  "laguna": 11, "flint": 12, "kolibri1": 10, "mimo-v2-flash": 11, "cohere-compass": 11,
+                  "beam": 10, "modernbert-decoder": 10}
 LLAMA4_CHUNK = 12  # Llama 4's attention_chunk_size in the test model
 # LFM3's and ZAYA's windows, apart from SLIDING_WINDOW (whose test takes prefix cache hits, which hybrids refuse).
 LFM3_SLIDING_WINDOW = 10
@@ -445,6 +463,7 @@ _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint"
            "doge": 6474, "dots3-note": 7585, "minimax-m3": 8696, "bailing-hybrid": 7585, "zaya": 8696}
 _SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7585, "hrm-text": 8696,
            "jetmoe": 9707, "inkling": 1818}
+_SEEDS |= {"aria-text": 1357, "beam": 4680, "cohere-compass": 2468, "modernbert-decoder": 3579}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
 
 
@@ -1302,6 +1321,38 @@ def newest_family_config(kind: str, special: dict):
                                          kv_channels=16, intermediate_size=32, num_local_experts=8,
                                          num_experts_per_tok=2, rms_norm_eps=1e-5,
                                          rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "aria-text":
+        return transformers.AriaTextConfig(**{**common, "intermediate_size": 32}, attention_bias=True, mlp_bias=True,
+                                           moe_num_experts=8, moe_topk=2, moe_num_shared_experts=2,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "beam":  # depth-scaled adds rescale the whole residual stream, which only the norms' epsilon sees
+        return transformers.BeamConfig(**{**common, "intermediate_size": 96, "rms_norm_eps": BEAM_RMS_NORM_EPS},
+                                       attention_bias=True,
+                                       sliding_window=SLIDING_WINDOW[kind],
+                                       layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                       mlp_layer_types=["dense", "sparse", "sparse"], num_experts=8,
+                                       num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2,
+                                       norm_topk_prob=True, routed_scaling_factor=2.5, final_logit_softcapping=5.0,
+                                       rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                              "rope_theta": 10_000.0},
+                                                        "full_attention": None})
+    if kind == "cohere-compass":  # no head_dim (hidden / heads), LayerNorms without bias
+        return transformers.CohereCompassTextConfig(
+            **{k: v for k, v in common.items() if k not in ("head_dim", "rms_norm_eps")}, layer_norm_eps=LAYER_NORM_EPS,
+            attention_bias=True, logit_scale=0.5, sliding_window=SLIDING_WINDOW[kind],
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                             "full_attention": None})
+    if kind == "modernbert-decoder":  # its own names for the sizes, no KV heads, no head_dim
+        return transformers.ModernBertDecoderConfig(
+            **{k: v for k, v in common.items() if k not in ("head_dim", "rms_norm_eps", "hidden_act",
+                                                            "num_key_value_heads", "tie_word_embeddings")},
+            hidden_activation="gelu", classifier_activation="gelu", norm_eps=LAYER_NORM_EPS, norm_bias=True,
+            attention_bias=True, mlp_bias=True, classifier_bias=True, decoder_bias=True, tie_word_embeddings=True,
+            local_attention=2 * SLIDING_WINDOW[kind], layer_types=["full_attention", "sliding_attention",
+                                                                  "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 160_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
     raise ValueError(f"unknown model kind {kind!r}; expected one of {NEWEST_KINDS}")
 
 
@@ -1658,8 +1709,14 @@ _CAUSAL_LM_CLASSES = {"mllama_text_model": "MllamaForCausalLM", "emu3_text_model
 
 def unusable_reference(kind: str) -> str | None:
     """Why the installed transformers cannot be the reference for `kind`, or None. transformers 5.17's Doge lets SDPA
-    skip the causal mask and then adds its dynamic mask onto none: its prefill sees later tokens (5.23 keeps the mask)."""
+    skip the causal mask and then adds its dynamic mask onto none: its prefill sees later tokens (5.23 keeps the mask).
+    Its Cohere Compass reorders the leading rope frequencies: the same checkpoint rotates otherwise than under 5.23."""
     import transformers
+    if kind == "cohere-compass":
+        from transformers.models.cohere_compass import modeling_cohere_compass
+        if "inv_freq_3d" in inspect.getsource(modeling_cohere_compass.CohereCompassRotaryEmbedding):
+            return (f"transformers {transformers.__version__}'s Cohere Compass permutes its rope frequencies "
+                    f"(pre-rotated for its multimodal rope; 5.23's, the reference here, does not)")
     if kind == "doge":
         from transformers.models.doge import modeling_doge
         if "allow_is_causal_skip" not in inspect.getsource(modeling_doge.DogeModel.forward):

@@ -22,6 +22,7 @@ from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, relu2, select_e
 from nanoinfer.layers.layernorm import Fp32ResidualRMSNorm, GemmaRMSNorm, OlmoRMSNorm, RMSNorm
 from nanoinfer.layers.recurrent import causal_conv1d
 from nanoinfer.models.afmoe import AfmoeForCausalLM
+from nanoinfer.models.beam import BeamMoE
 from nanoinfer.models.deepseek_v2 import DeepseekV2MoE
 from nanoinfer.models.deepseek_v3 import DeepseekV3MoE
 from nanoinfer.models.flint import FlintForCausalLM
@@ -329,6 +330,9 @@ _ROUTERS = {
     "nemotron-h": ("nemotron_h", "NemotronHTopkRouter", "NemotronHConfig", "NemotronHForCausalLM", NemotronHMoE,
                    {**_V3_GROUPS, "norm_topk_prob": True, "moe_shared_expert_intermediate_size": 32,
                     "mlp_hidden_act": "relu2"}),
+    # 4 per token (sorted); transformers' Beam router leaves the scaling to its MoE block's output: 1 here.
+    "beam": ("beam", "BeamTopKRouter", "BeamConfig", "BeamForCausalLM", BeamMoE,
+             {**_V3_GROUPS, "num_experts": 8, "norm_topk_prob": True, "routed_scaling_factor": 1.0}),
     # 6 real and 2 zero experts, 4 per token.
     "longcat-flash": ("longcat_flash", "LongcatFlashTopkRouter", "LongcatFlashConfig", "LongcatFlashForCausalLM",
                       LongcatFlashMoE, {"n_routed_experts": 6, "zero_expert_num": 2, "moe_topk": 4,
@@ -351,12 +355,12 @@ def _hf_router_in_bf16(family: str, checkpoint: dict[str, torch.Tensor]) -> tupl
 
     module_name, router_name, config_name, model_name, _, routing = _ROUTERS[family]
     module = pytest.importorskip(f"transformers.models.{module_name}.modeling_{module_name}",
-                                 reason=f"this transformers has no {family} (5.17 has no Flint or Kolibri-1)")
+                                 reason=f"this transformers has no {family} (5.17 has no Flint, Kolibri-1 or Beam)")
     config = getattr(transformers, config_name)(hidden_size=64, **routing)
     hf = built_in_bf16(lambda: getattr(module, router_name)(config))
     keep = getattr(module, model_name)._keep_in_fp32_modules_strict or []
     for name, tensor in [*hf.named_parameters(), *hf.named_buffers()]:
-        if any(k in f"gate.{name}" for k in keep):
+        if any(k in f"mlp.gate.{name}" for k in keep):
             tensor.data = tensor.data.float()
         # Hunyuan's, AFMoE's, LongCat-Flash's names
         tensor.data.copy_(checkpoint[name.removeprefix("wg.").removeprefix("gate.").removeprefix("classifier.")])
@@ -370,9 +374,10 @@ def test_router_in_bf16_is_transformers_own(family):
     `_keep_in_fp32_modules_strict`), Kolibri-1's (bf16 weight upcast, fp32 correction bias), AFMoE's and Laguna's
     (bf16 logits upcast, bf16 correction bias; Laguna's weights rounded to bf16), LFM2-MoE's (sigmoid, renormalized
     and scaled in bf16, an fp32 expert bias), HY3's, MiniMax-M2's, DeepSeek-V2's, V3's and NemotronH's (the top k
-    unsorted, the order the experts' fp32 sum follows), LongCat-Flash's (fp32 logits of a bf16 weight, a bf16
-    correction bias, zero experts among the chosen). Bit for bit on the routing weights and the chosen experts, in
-    order (in another dtype, the weights differ and near-ties choose other experts)."""
+    unsorted, the order the experts' fp32 sum follows), Beam's (its weight kept in fp32, the top k sorted),
+    LongCat-Flash's (fp32 logits of a bf16 weight, a bf16 correction bias, zero experts among the chosen). Bit for
+    bit on the routing weights and the chosen experts, in order (in another dtype, the weights differ and near-ties
+    choose other experts)."""
     g = torch.Generator().manual_seed(0)
     checkpoint = {"weight": 0.3 * torch.randn(8, 64, generator=g),
                   "e_score_correction_bias": 0.05 * torch.randn(8, generator=g)}

@@ -132,6 +132,8 @@ def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_di
     ("inkling", dict(layer_types=["hybrid_sliding", "full_attention", "hybrid_sliding"]),
      r"layer_types\[1\]='full_attention'"),
     ("inkling", dict(n_shared_experts=0), "n_shared_experts=0"),
+    ("modernbert-decoder", dict(local_attention=None), "local_attention=None"),
+    ("beam", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
 ])
 def test_newest_families_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes,
                                                                              message):

@@ -123,6 +123,7 @@ class DeepseekV2Attention(nn.Module):
         self.kv_b_proj = MLAUpProjection(config.kv_lora_rank, heads, self.nope_dim, self.v_dim)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias)
         self.gate_activation, self.gate_per_head = options.gate_activation, options.gate_per_head
+        self.gate_bias = None  # no family's MLA gate has a bias
         if self.gate_activation is not None:  # Ling's output gate (see AttentionOptions), column-parallel as q
             self.g_proj = ColumnParallelLinear(hidden, heads * (1 if self.gate_per_head else self.v_dim))
         # Kimi Linear's MLA (options.rope False) keeps the shared key part, unrotated, and the plain scale.

@@ -17,6 +17,7 @@ def mtp_layer_prefixes(config: PretrainedConfig) -> tuple[str, ...]:
 
 class DeepseekV3MoE(DeepseekV2MoE):
     correction_bias = True
+    sorted_topk = False  # see select_experts_sigmoid_biased (AFMoE's, Laguna's, Flint's and Beam's sorted)
 
     def configure_routing(self, config: PretrainedConfig) -> None:
         # transformers' V3 router always routes this way, whatever `topk_method` says.
@@ -26,7 +27,8 @@ class DeepseekV3MoE(DeepseekV2MoE):
 
     def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return select_experts_sigmoid_biased(self.gate(x), self.top_k, self.gate.e_score_correction_bias,
-                                             self.num_groups, self.topk_group, self.renormalize, self.scaling)
+                                             self.num_groups, self.topk_group, self.renormalize, self.scaling,
+                                             self.sorted_topk)
 
 
 class UngroupedSigmoidMoE(DeepseekV3MoE):
@@ -35,7 +37,7 @@ class UngroupedSigmoidMoE(DeepseekV3MoE):
     (`norm_topk_prob`), times the family's `scaling` (Laguna's scales the routed output instead); the router logits
     first softcapped to cap * tanh(logit / cap) where logit_softcap > 0 (Laguna)."""
 
-    sorted_topk = True  # see select_experts_sigmoid_biased (HY3's unsorted)
+    sorted_topk = True  # HY3's unsorted
 
     def __init__(self, config: PretrainedConfig, num_experts: int, shared_intermediate_size: int,
                  scaling: float = 1.0, logit_softcap: float = 0.0, renormalize: bool = True):

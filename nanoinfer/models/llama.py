@@ -15,6 +15,7 @@ from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.layers.layernorm import RMSNorm, ShardedRMSNorm, rms_normalize
 from nanoinfer.layers.linear import (ColumnParallelLinear, KeyAsValueQKVParallelLinear, MergedColumnParallelLinear,
                                      QKVParallelLinear, RowParallelLinear)
+from nanoinfer.layers.recurrent import load_rank_rows
 from nanoinfer.layers.rotary_embedding import get_rope
 
 
@@ -28,10 +29,12 @@ class AttentionOptions:
     attention_chunk_size: int | None = None  # Llama 4's chunked local attention: keys of the query's own chunk alone
     # Qwen3-Next: q_proj also yields a per-head output gate (attention output * sigmoid(gate) before o_proj).
     output_gate: bool = False
-    # AFMoE, Laguna, Ling's MLA: a projection of its own (g_proj) gates the attention output before o_proj, through
-    # this activation (taken in fp32), one gate per element or (gate_per_head) one per head.
+    # AFMoE, Laguna, Beam, Ling's MLA: a projection of its own (g_proj) gates the attention output before o_proj,
+    # through this activation (taken in fp32), one gate per element or (gate_per_head) one per head; with gate_bias
+    # (Beam's), a learned bias per head added to its gates first.
     gate_activation: Callable[[torch.Tensor], torch.Tensor] | None = None
     gate_per_head: bool = False
+    gate_bias: bool = False
     num_heads: int | None = None  # Laguna: this layer's query heads, where they differ by layer
     # The q/k norms' class where not RMSNorm: Gemma 3's and Qwen3-Next's GemmaRMSNorm (1 + weight, in fp32), Gemma 4's
     # OlmoRMSNorm (its rounding), Llama 4's WeightlessRMSNorm (x / rms(x) alone, no checkpoint weight). Gemma 3 also:
@@ -51,10 +54,9 @@ class AttentionOptions:
     sinks: bool = False  # GPT-OSS: a learned logit per head joins each softmax's denominator
     # BLOOM, MPT: ALiBi, the model's slope per head (layers/attention/alibi.py); such layers take rope=False
     alibi_slopes: torch.Tensor | None = None
-    # Llama 4's NoPE layers (attention temperature tuning) and Ministral 3: (floor_scale, attn_scale, offset), the
-    # query at position p scaled by 1 + attn_scale * log(1 + floor((p + offset) / floor_scale)); offset 1 (Llama 4)
-    # or 0 (Ministral 3).
-    query_temperature: tuple[float, float, float] | None = None
+    # Llama 4's NoPE layers (attention temperature tuning, see llama4_query_scale), Ministral 3 and Beam's NoPE layers:
+    # positions -> an fp32 factor per token that scales its query after rope.
+    query_scale: Callable[[torch.Tensor], torch.Tensor] | None = None
     # ModernBERT's local layers: the window holds in the (non-causal) encoder pass, on both sides (see Attention)
     encoder_only: bool = False
     # Gemma 4: the layer's own head size (its full layers' heads are wider than the config's `head_dim`), values
@@ -80,12 +82,19 @@ def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None
     return window
 
 
-def scale_query(q: torch.Tensor, positions: torch.Tensor, floor_scale: float, attn_scale: float, offset: float
-                ) -> torch.Tensor:
-    """q [tokens, heads, head_dim] times its position's temperature (AttentionOptions.query_temperature), computed
-    in fp32 and the product rounded to q's dtype, as transformers' Llama4TextAttention does (its Ministral 3 rounds
-    the factor first: the same in fp32)."""
-    scale = torch.log1p(torch.floor((positions.float() + offset) / floor_scale)) * attn_scale + 1.0
+def llama4_query_scale(floor_scale: float, attn_scale: float, offset: float
+                       ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Llama 4's attention temperature (AttentionOptions.query_scale): the query at position p scaled by
+    1 + attn_scale * log(1 + floor((p + offset) / floor_scale)); offset 1 (Llama 4) or 0 (Ministral 3)."""
+    def scale(positions: torch.Tensor) -> torch.Tensor:
+        return torch.log1p(torch.floor((positions.float() + offset) / floor_scale)) * attn_scale + 1.0
+    return scale
+
+
+def scale_query(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q [tokens, heads, head_dim] times its token's fp32 factor (AttentionOptions.query_scale), the product rounded
+    to q's dtype, as transformers' Llama4TextAttention does (its Ministral 3 rounds the factor first: the same in
+    fp32; Beam's the same as Llama 4)."""
     return (q * scale[:, None, None]).to(q.dtype)
 
 
@@ -115,6 +124,8 @@ class LlamaAttention(nn.Module):
         if self.gate_activation is not None:  # column-parallel over the heads, as q
             self.g_proj = ColumnParallelLinear(config.hidden_size, num_heads * (1 if self.gate_per_head else
                                                                                   self.head_dim))
+        self.gate_bias = (nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if options.gate_bias
+                          else None)
         self.rotary_emb = (get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type,
                                     options.rope_interleaved, options.rotary_dim, options.rope_theta,
                                     options.rope_reversed)
@@ -129,7 +140,7 @@ class LlamaAttention(nn.Module):
             self.q_norm, self.k_norm = (norm_class(self.head_dim, config.rms_norm_eps) for _ in range(2))
         self.qk_norm, self.qk_norm_after_rope = options.qk_norm, options.qk_norm_after_rope
         self.clip_qkv = options.clip_qkv
-        self.query_temperature = options.query_temperature
+        self.query_scale = options.query_scale
         self.value_norm_eps = config.rms_norm_eps if options.value_norm else None
         self.attn_sub_norm = (ShardedRMSNorm(num_heads * self.head_dim, config.rms_norm_eps) if options.output_norm
                               else None)
@@ -151,8 +162,8 @@ class LlamaAttention(nn.Module):
             q, k = self.rotary_emb(positions, q, k, *((self.q_norm, self.k_norm) if norms_in_rotation else ()))
         if self.qk_norm and not norms_in_rotation:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.query_temperature is not None and positions is not None:
-            q = scale_query(q, positions, *self.query_temperature)
+        if self.query_scale is not None and positions is not None:
+            q = scale_query(q, self.query_scale(positions))
         if self.value_scale is not None:
             v = v * self.value_scale
         if self.v_head_dim != self.head_dim:
@@ -174,10 +185,17 @@ class LlamaAttention(nn.Module):
         o = self.attn(q, k, v, meta).view(-1, self.num_heads, self.head_dim)
         return o[..., :self.v_head_dim].flatten(1)
 
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """The gate's bias per head (its only parameter of its own): this rank's heads'."""
+        load_rank_rows(param, loaded)
+
     def gate_output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o [tokens, heads * head size] times the gate g_proj computes from the layer's input x (also MLA's,
         deepseek_v2.py, whose heads' outputs are v_head_dim wide)."""
-        gate = self.gate_activation(self.g_proj(x).float()).to(o.dtype)
+        gate = self.g_proj(x)
+        if self.gate_bias is not None:
+            gate = (gate.unflatten(1, (self.num_heads, -1)) + self.gate_bias[:, None]).flatten(1)
+        gate = self.gate_activation(gate.float()).to(o.dtype)
         if self.gate_per_head:
             return (o.view(*gate.shape, -1) * gate[..., None]).flatten(1)
         return o * gate

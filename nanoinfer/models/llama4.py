@@ -9,7 +9,7 @@ from transformers import PretrainedConfig
 from nanoinfer.layers.fused_moe import FusedMoE, select_experts_sigmoid_topk
 from nanoinfer.layers.layernorm import WeightlessRMSNorm
 from nanoinfer.layers.linear import ReplicatedLinear
-from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM, LlamaMLP
+from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM, LlamaMLP, llama4_query_scale
 from nanoinfer.models.registry import chunked_attention_size
 
 
@@ -47,10 +47,10 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         bias = config.attention_bias
         # HF checkpoints keep Meta's q/k layout: rope rotates the pairs (x0, x1), (x2, x3), ... (complex numbers).
         tuned = config.attn_temperature_tuning and not rope
-        temperature = (config.floor_scale, config.attn_scale, 1.0) if tuned else None
+        temperature = llama4_query_scale(config.floor_scale, config.attn_scale, 1.0) if tuned else None
         return AttentionOptions(qkv_bias=bias, o_bias=bias, rope=rope, rope_interleaved=True,
                                 qk_norm=config.use_qk_norm and rope, qk_norm_after_rope=True,
-                                qk_norm_class=WeightlessRMSNorm, query_temperature=temperature,
+                                qk_norm_class=WeightlessRMSNorm, query_scale=temperature,
                                 attention_chunk_size=chunked_attention_size(config, layer_idx))
 
     @staticmethod

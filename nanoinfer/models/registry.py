@@ -8,14 +8,17 @@ from transformers import PretrainedConfig
 _MODELS = {
     "AfmoeForCausalLM": ("afmoe", "AfmoeForCausalLM"),
     "ApertusForCausalLM": ("apertus", "ApertusForCausalLM"),
+    "AriaTextForCausalLM": ("aria", "AriaTextForCausalLM"),
     "ArceeForCausalLM": ("arcee", "ArceeForCausalLM"),
     "AXK1ForCausalLM": ("axk1", "AXK1ForCausalLM"),
     "AXK2ForCausalLM": ("axk2", "AXK2ForCausalLM"),
+    "BeamForCausalLM": ("beam", "BeamForCausalLM"),
     "BioGptForCausalLM": ("biogpt", "BioGptForCausalLM"),
     "BloomForCausalLM": ("bloom", "BloomForCausalLM"),
     "CodeGenForCausalLM": ("codegen", "CodeGenForCausalLM"),
     "Cohere2ForCausalLM": ("cohere2", "Cohere2ForCausalLM"),
     "Cohere2MoeForCausalLM": ("cohere2_moe", "Cohere2MoeForCausalLM"),
+    "CohereCompassForCausalLM": ("cohere_compass", "CohereCompassForCausalLM"),
     "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
     "CwmForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama's windows by layer_types (Qwen2's attention), no biases
     "DbrxForCausalLM": ("dbrx", "DbrxForCausalLM"),
@@ -81,6 +84,7 @@ _MODELS = {
     "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "MllamaForCausalLM": ("mllama", "MllamaForCausalLM"),
+    "ModernBertDecoderForCausalLM": ("modernbert", "ModernBertDecoderForCausalLM"),
     "MPTForCausalLM": ("mpt", "MptForCausalLM"),  # MosaicML's own remote-code name, as on the Hub
     "MptForCausalLM": ("mpt", "MptForCausalLM"),
     "NanoChatForCausalLM": ("nanochat", "NanoChatForCausalLM"),
@@ -164,6 +168,8 @@ _ENCODERS = {
 # where transformers' wrapper takes any text model (AutoModel.from_config), i.e. every causal LM here.
 _ANY_TEXT_FAMILY = None
 _VISION_LANGUAGE = {
+    "AriaForConditionalGeneration": {"aria_text": _MODELS["AriaTextForCausalLM"]},
+    "CohereCompassForConditionalGeneration": {"cohere_compass_text": _MODELS["CohereCompassForCausalLM"]},
     "Dots3NoteForConditionalGeneration": {"dots3_note_text": _MODELS["Dots3NoteForCausalLM"]},
     "Emu3ForConditionalGeneration": {"emu3_text_model": _MODELS["Emu3ForCausalLM"]},
     "Gemma3ForConditionalGeneration": {"gemma3_text": _MODELS["Gemma3ForCausalLM"]},
