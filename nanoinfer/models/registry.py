@@ -67,6 +67,7 @@ _MODELS = {
     "HyperCLOVAXForCausalLM": ("hyperclovax", "HyperCLOVAXForCausalLM"),
     "InklingForCausalLM": ("inkling", "InklingForCausalLM"),
     "HYV3ForCausalLM": ("hy_v3", "HYV3ForCausalLM"),
+    "HYV4ForCausalLM": ("hy_v4", "HYV4ForCausalLM"),
     "Jais2ForCausalLM": ("jais2", "Jais2ForCausalLM"),
     "JetMoeForCausalLM": ("jetmoe", "JetMoeForCausalLM"),
     "Kolibri1ForCausalLM": ("kolibri1", "Kolibri1ForCausalLM"),
@@ -205,7 +206,8 @@ _BLOCK_SPARSE = ("block-sparse attention", "each KV head's queries attend to the
 _RELATIVE_LOGITS = ("relative logits", "a bias per query and backward distance, mixed from the query's own state")
 _PYTORCH_ONLY_ATTENTION = {
     "AXK2ForCausalLM": _DSA, "DeepseekV32ForCausalLM": _DSA, "Dots3NoteForCausalLM": _DSA,
-    "Dots3NoteForConditionalGeneration": _DSA, "GlmMoeDsaForCausalLM": _DSA, "InklingForCausalLM": _RELATIVE_LOGITS,
+    "Dots3NoteForConditionalGeneration": _DSA, "GlmMoeDsaForCausalLM": _DSA, "HYV4ForCausalLM": _DSA,
+    "InklingForCausalLM": _RELATIVE_LOGITS,
     "InklingForConditionalGeneration": _RELATIVE_LOGITS, "MiniMaxM3VLForCausalLM": _BLOCK_SPARSE,
     "MiniMaxM3SparseForConditionalGeneration": _BLOCK_SPARSE}
 # Families whose KV cache holds heads wider than their config's head_dim, by this factor (DiffLlama's differential
