@@ -1,11 +1,10 @@
 """HY-V4 (`HYV4ForCausalLM`, Tencent Hunyuan V4): GLM-MoE-DSA (glm_moe_dsa.py: MLA with DeepSeek sparse attention,
 layers that reuse the last "full" indexer's selection) with rotate-half rope, an indexer that ropes the last
 qk_rope_head_dim dims of its heads (its key's LayerNorm at the config's rms_norm_eps), attention sinks, and a sigmoid
-output gate per element (the checkpoints' `self_attn.gate_proj`); GLM-4.7-Flash's MoE (one expert group) whose routed
-experts clamp their SwiGLU at `swiglu_limit`; and hyper-connections: each token carries hc_mult residual streams, each
-sublayer reads a sigmoid-weighted sum of them and adds its output to every stream with a weight of its own
-(HyperConnection), and a last weighted sum (HyperHead) goes to the final norm. The streams are per token, so the KV
-cache is GLM-MoE-DSA's."""
+output gate per element (the Hub's `self_attn.linear_gate`); GLM-4.7-Flash's MoE whose routed experts clamp their
+SwiGLU at `swiglu_limit`; and hyper-connections: each token carries hc_mult residual streams, each sublayer reads a
+sigmoid-weighted sum of them and adds its output to every stream with a weight of its own (HyperConnection), and a
+last weighted sum (HyperHead) goes to the final norm. The streams are per token, so the KV cache is GLM-MoE-DSA's."""
 from dataclasses import replace
 
 import torch
@@ -18,7 +17,7 @@ from nanoinfer.layers.fused_moe import clamped_silu_and_mul
 from nanoinfer.models.deepseek_v3 import DeepseekV3MoE, mlp_layer_type
 from nanoinfer.models.deepseek_v32 import DeepseekV32DecoderLayer, DeepseekV32Model, DSAOptions, check_dsa_config
 from nanoinfer.models.glm_moe_dsa import GlmMoeDsaForCausalLM
-from nanoinfer.models.llama import LlamaMLP
+from nanoinfer.models.llama import LlamaMLP, MLPFactory, OptionsFactory
 
 
 def stream_mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
@@ -94,8 +93,8 @@ class HYV4DecoderLayer(DeepseekV32DecoderLayer):
 class HYV4Model(DeepseekV32Model):
     decoder_layer = HYV4DecoderLayer
 
-    def __init__(self, config: PretrainedConfig, *args):
-        super().__init__(config, *args)
+    def __init__(self, config: PretrainedConfig, attention_options: OptionsFactory, make_mlp: MLPFactory):
+        super().__init__(config, attention_options, make_mlp)
         self.hc_mult = config.hc_mult
         self.hc_head = HyperHead(config)
 

@@ -199,7 +199,7 @@ _VISION_LANGUAGE = {
 _ATTENTION_SINKS = {"FlintForCausalLM", "GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
                     "MiMoV2FlashForCausalLM"}
 # Families whose attention only the PyTorch backend runs, with what it is: DeepSeek sparse attention (deepseek_v32.py;
-# dots3 note's indexed layers), MiniMax-M3's block-sparse attention (minimax_m3.py), Inkling's relative logits
+# dots3 note's indexed layers, HY-V4's), MiniMax-M3's block-sparse attention (minimax_m3.py), Inkling's relative logits
 # (inkling.py).
 _DSA = ("DeepSeek sparse attention", "each query attends to the keys its indexer selects")
 _BLOCK_SPARSE = ("block-sparse attention", "each KV head's queries attend to the key blocks its indexer selects")
