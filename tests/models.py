@@ -296,6 +296,10 @@ DOTS3_WINDOW = 10
 # (sigmoid + a random correction bias, renormalized, scaled) plus a shared expert, all with GPT-OSS's clamped SwiGLU.
 MINIMAX_M3_BLOCK = 4
 DSA_TOPK, DSA_WIDE_TOPK = 6, 512
+# HY-V4 (hy-v4): "glm-moe-dsa"'s layout with rotate-half rope, the indexer's rope over the last 8 of its 16 dims,
+# GPT-OSS's sinks (GPT_OSS_SINK_STD), a sigmoid output gate per element, 3 hyper-connection streams (their weights
+# random, hc_magnitude 1.5), routed experts' gate/up at GPT-OSS's scale so that the clamps at HY_V4_SWIGLU_LIMIT bind.
+HY_V4_SWIGLU_LIMIT = 4.0
 # Inkling (inkling): relative logits (a bias per query and backward distance) on sliding layers 0 and 2 (6 heads of 8
 # on 2 KV heads, biased over their whole window) and a full layer 1 (4 heads of 16, biased up to INKLING_REL_EXTENT
 # back, queries and biases scaled by log(position) from 8 on), short convs on keys, values and both sublayers' outputs, a
@@ -356,7 +360,7 @@ NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "lagu
                    "longcat-flash": "longcat_flash", "doge": "doge", "hyperclovax": "hyperclovax", "bitnet": "bitnet",
                    "minicpm3": "minicpm3", "diffllama": "diffllama", "hrm-text": "hrm_text", "jetmoe": "jetmoe",
                    "inkling": "inkling", "aria-text": "aria", "beam": "beam", "cohere-compass": "cohere_compass",
-                   "modernbert-decoder": "modernbert_decoder"}
+                   "modernbert-decoder": "modernbert_decoder", "hy-v4": "hy_v4"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "bailing-hybrid", "zaya", "minimax",  # as the other
                        "inkling")  # hybrids (test_ssm.py)
@@ -464,6 +468,7 @@ _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint"
 _SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7585, "hrm-text": 8696,
            "jetmoe": 9707, "inkling": 1818}
 _SEEDS |= {"aria-text": 1357, "beam": 4680, "cohere-compass": 2468, "modernbert-decoder": 3579}
+_SEEDS |= {"hy-v4": 4680}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
 
 
@@ -1200,7 +1205,7 @@ def newest_family_config(kind: str, special: dict):
                                                         "full_attention": {"rope_type": "proportional",
                                                                            "rope_theta": 1_000_000.0,
                                                                            "partial_rotary_factor": 0.5}})
-    if kind in ("deepseek-v32", "deepseek-v32-wide", "glm-moe-dsa", "axk2", "dots3-note"):
+    if kind in ("deepseek-v32", "deepseek-v32-wide", "glm-moe-dsa", "axk2", "dots3-note", "hy-v4"):
         return dsa_config(kind, special)
     if kind == "inkling":
         return transformers.InklingTextConfig(**{**common, "intermediate_size": 96},
@@ -1564,6 +1569,9 @@ def dsa_config(kind: str, special: dict):
                rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "glm-moe-dsa":
         return transformers.GlmMoeDsaConfig(**dsa, indexer_types=["full", "shared", "full"])
+    if kind == "hy-v4":
+        return transformers.HYV4Config(**dsa, indexer_types=["full", "shared", "full"], hc_mult=3, hc_magnitude=1.5,
+                                       hc_eps=1e-3, swiglu_limit=HY_V4_SWIGLU_LIMIT)
     if kind == "axk2":
         return transformers.AXK2Config(**{**dsa, "n_group": None, "topk_group": None}, gated_norm_rank=8)
     if kind == "dots3-note":
@@ -1754,7 +1762,7 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
     if kind in GEMMA4_KINDS:
         _randomize_gemma4_(model, _SEEDS[base_kind])
-    if kind in ("gpt-oss", "granite-swa", "granitemoe-swa", "flint", "mimo-v2-flash"):
+    if kind in ("gpt-oss", "granite-swa", "granitemoe-swa", "flint", "mimo-v2-flash", "hy-v4"):
         _sharpen_gpt_oss_(model, _SEEDS[base_kind])
     if kind in SSM_KINDS + MAMBA2_HYBRID_KINDS:
         _randomize_mamba_(model, _SEEDS[base_kind])

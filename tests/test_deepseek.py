@@ -3,7 +3,7 @@ preemption at TP 1 and 2: test_moe.py; the Triton backend: triton_attention_inte
 transformers' own (GLM-4.5's too), the rope layouts, the MTP layers of V3's (and GLM-4.5's) checkpoints, the
 latent cache's size and backends, MLA's split of a step (prefill over decompressed K/V, decodes absorbed), and
 the settings refused by name; DeepSeek sparse attention's backends, indexer key cache and refused settings (dots3
-note's and MiniMax-M3's sparse attention too)."""
+note's, MiniMax-M3's and HY-V4's sparse attention too)."""
 import json
 from dataclasses import dataclass
 
@@ -312,6 +312,7 @@ def dsa_kind(kind: str) -> str:
 
 @pytest.mark.parametrize("kind, architecture, attention", [
     ("deepseek-v32", "DeepseekV32ForCausalLM", "DeepSeek sparse attention"),
+    ("hy-v4", "HYV4ForCausalLM", "DeepSeek sparse attention"),
     ("minimax-m3", "MiniMaxM3VLForCausalLM", "block-sparse attention"),
     ("inkling", "InklingForCausalLM", "relative logits")])
 def test_sparse_attention_runs_on_the_pytorch_backend_only(kind, architecture, attention, model_dir, monkeypatch,
@@ -336,6 +337,7 @@ def test_sparse_attention_runs_on_the_pytorch_backend_only(kind, architecture, a
 
 @pytest.mark.parametrize("kind, kv_values, indexers", [("deepseek-v32", 3 * (32 + 8), 3),
                                                        ("glm-moe-dsa", 3 * (32 + 8), 2),
+                                                       ("hy-v4", 3 * (32 + 8), 2),
                                                        ("dots3-note", 2 * (32 + 8) + 24 + 8, 2),
                                                        ("minimax-m3", 3 * 2 * (2 * 16), 2)])
 def test_indexer_keys_are_cached_in_the_kv_blocks(kind, kv_values, indexers, model_dir, monkeypatch):
@@ -376,6 +378,10 @@ def test_indexer_keys_are_cached_in_the_kv_blocks(kind, kv_values, indexers, mod
                                                               "factor": 2.0}}},
      r"rope_type='linear' of the sliding_attention layers in the model config is not supported"),
     ("dots3-note", {"mlp_bias": True}, r"mlp_bias=True in the model config is not supported"),
+    ("hy-v4", {"swiglu_limit": 0.0}, r"swiglu_limit=0.0 in the model config is not supported; expected > 0"),
+    ("hy-v4", {"layer_types": ["indexed_attention", "full_attention", "indexed_attention"]},
+     r"layer_types\[1\]='full_attention' in the model config is not supported; only 'indexed_attention' is"),
+    ("hy-v4", {"indexer_types": ["shared", "full", "full"]}, r"indexer_types\[0\]='shared' in the model config"),
     ("minimax-m3", {"layer_types": ["full_attention", "sliding_attention", "minimax_m3_sparse"]},
      r"layer_types\[1\]='sliding_attention' in the model config is not supported"),
     ("minimax-m3", {"index_n_heads": 4}, r"index_n_heads=4 in the model config must equal num_key_value_heads=2"),
@@ -388,13 +394,14 @@ def test_sparse_attention_settings_the_engine_cannot_run_are_refused_by_name(kin
     from nanoinfer.models.deepseek_v32 import DeepseekV32ForCausalLM
     from nanoinfer.models.dots3_note import Dots3NoteForCausalLM
     from nanoinfer.models.glm_moe_dsa import GlmMoeDsaForCausalLM
+    from nanoinfer.models.hy_v4 import HYV4ForCausalLM
     from nanoinfer.models.minimax_m3 import MiniMaxM3VLForCausalLM
 
     config = make_config(dsa_kind(kind))
     for key, value in changes.items():
         setattr(config, key, value)
     model_class = {"deepseek-v32": DeepseekV32ForCausalLM, "glm-moe-dsa": GlmMoeDsaForCausalLM,
-                   "axk2": AXK2ForCausalLM, "dots3-note": Dots3NoteForCausalLM,
+                   "axk2": AXK2ForCausalLM, "dots3-note": Dots3NoteForCausalLM, "hy-v4": HYV4ForCausalLM,
                    "minimax-m3": MiniMaxM3VLForCausalLM}[kind]
     with pytest.raises(ValueError, match=message):
         model_class(config)

@@ -180,6 +180,14 @@ def clamped_swiglu(alpha: float, limit: float) -> GatedActivation:
     return activation
 
 
+def clamped_silu_and_mul(limit: float) -> GatedActivation:
+    """HY-V4's expert activation (transformers' HYV4Experts._apply_gate): silu_and_mul with the gate clamped from
+    above and the up projection on both sides to `limit`."""
+    def activation(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+    return activation
+
+
 class ExpertGroups:
     """A routing's (token, slot) pairs grouped by expert for torch._grouped_mm: `order` lists them (indices into
     topk_ids.flatten()) so that each expert's pairs form one contiguous segment, ending at its entry of `offsets`.

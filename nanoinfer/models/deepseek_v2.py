@@ -10,7 +10,8 @@ from transformers import PretrainedConfig
 
 from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.attention.mla import MLADims, MLASplit, mla_split
-from nanoinfer.layers.fused_moe import FusedMoE, Fp32Router, select_experts_softmax_grouped
+from nanoinfer.layers.fused_moe import (FusedMoE, Fp32Router, GatedActivation, select_experts_softmax_grouped,
+                                        silu_and_mul)
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from nanoinfer.layers.rotary_embedding import get_rope, rope_parameters
@@ -131,9 +132,10 @@ class DeepseekV2Attention(nn.Module):
         self.rotary_emb = get_rope(config, self.rope_dim, config.max_position_embeddings, options.rope_layer_type,
                                    options.rope_interleaved, options.rotary_dim) if options.rope else None
         scale = softmax_scale(config) if options.rope else qk_dim ** -0.5
-        # The scale of the decompressed scores, which the absorbed ones equal.
+        # The scale of the decompressed scores, which the absorbed ones equal; sinks (HY-V4's), per head as the
+        # queries, join the scores alike absorbed or not.
         self.attn = Attention(self.num_heads, self.kv_lora_rank + self.rope_dim, scale, 1,
-                              value_prefix_dim=self.kv_lora_rank)
+                              value_prefix_dim=self.kv_lora_rank, sinks=options.sinks)
         self.dims = MLADims(self.num_heads, self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim)
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
@@ -245,9 +247,10 @@ class DeepseekV2MoE(nn.Module):
     router_in_model_dtype = False  # see DeepseekRouter
 
     def __init__(self, config: PretrainedConfig, num_experts: int | None = None,
-                 shared_intermediate_size: int | None = None):
+                 shared_intermediate_size: int | None = None, activation: GatedActivation = silu_and_mul):
         """num_experts, shared_intermediate_size (0: no shared experts): where the config does not say them as
-        DeepSeek's does (`n_routed_experts`; `n_shared_experts` x `moe_intermediate_size`)."""
+        DeepSeek's does (`n_routed_experts`; `n_shared_experts` x `moe_intermediate_size`); activation: the routed
+        experts' (HY-V4's clamps), the shared experts' stays SiLU."""
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
@@ -258,7 +261,7 @@ class DeepseekV2MoE(nn.Module):
         self.configure_routing(config)
         # renormalize=False: FusedMoE.forward's softmax routing is not used, select_experts routes instead.
         self.experts = FusedMoE(num_experts, config.num_experts_per_tok, config.hidden_size,
-                                config.moe_intermediate_size, renormalize=False)
+                                config.moe_intermediate_size, renormalize=False, activation=activation)
         if shared_intermediate_size is None:
             shared_intermediate_size = config.moe_intermediate_size * (config.n_shared_experts or 0)
         self.shared_experts = LlamaMLP(config, shared_intermediate_size) if shared_intermediate_size else None

@@ -26,6 +26,8 @@ from nanoinfer.models.llama import AttentionOptions
 class DSAOptions(AttentionOptions):
     indexer: bool = True  # False: the layer reuses the selection of the last layer that has an indexer (GLM-MoE-DSA)
     indexer_rope_interleaved: bool = False  # the indexer's rope layout (V3.2: halves; GLM-MoE-DSA: pairs)
+    indexer_rope_last: bool = False  # the indexer ropes its last qk_rope_head_dim dims, not its first (HY-V4)
+    indexer_norm_eps: float = 1e-6  # its key's LayerNorm's (HY-V4: the config's rms_norm_eps)
 
 
 @dataclass
@@ -79,18 +81,20 @@ class IndexerKeyCache(Attention):
 class Indexer(nn.Module):
     """transformers' DeepseekV32Indexer: per query, score(key) = sum over heads h of w_h * relu(q_h . key * d^-1/2),
     with q from the query's low-rank latent (wq_b), the key a LayerNorm of wk(x) (one per token, shared by the heads),
-    rope over their first qk_rope_head_dim dims, w = weights_proj(x) * heads^-1/2; scores in fp32, the keys cached in
-    the model's dtype. Replicated under tensor parallelism (every rank selects alike)."""
+    rope over their first qk_rope_head_dim dims (HY-V4's: their last), w = weights_proj(x) * heads^-1/2; scores in
+    fp32, the keys cached in the model's dtype. Replicated under tensor parallelism (every rank selects alike)."""
 
     def __init__(self, config: PretrainedConfig, options: DSAOptions):
         super().__init__()
         self.num_heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
         self.wq_b = ReplicatedLinear(config.q_lora_rank, self.num_heads * self.head_dim)
         self.wk = ReplicatedLinear(config.hidden_size, self.head_dim)
-        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=options.indexer_norm_eps)
         self.weights_proj = ReplicatedLinear(config.hidden_size, self.num_heads)
         self.rotary_emb = get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type,
                                    options.indexer_rope_interleaved, config.qk_rope_head_dim)
+        # The unrotated dims before the rotated ones: the rope, which turns leading dims, takes the rotated alone.
+        self.unrotated_dim = self.head_dim - config.qk_rope_head_dim if options.indexer_rope_last else 0
         self.cache = IndexerKeyCache(self.head_dim)
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, q_latent: torch.Tensor, step: SparseStep,
@@ -100,7 +104,7 @@ class Indexer(nn.Module):
         q = self.wq_b(q_latent).view(-1, self.num_heads, self.head_dim)
         k = self.k_norm(self.wk(x)).unsqueeze(1)
         if positions is not None:
-            q, k = self.rotary_emb(positions, q, k)
+            q, k = self.rope(positions, q, k)
         self.cache.store(k, None, meta)
         weights = self.weights_proj(x).float() * self.num_heads ** -0.5
         selection = []
@@ -110,6 +114,14 @@ class Indexer(nn.Module):
             selection.append(self.select(torch.matmul(weights[start:start + n].unsqueeze(1), scores).squeeze(1),
                                          meta.causal))
         return selection
+
+    def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.unrotated_dim:
+            return self.rotary_emb(positions, q, k)
+        (q_pass, q_rot), (k_pass, k_rot) = (t.split([self.unrotated_dim, t.shape[-1] - self.unrotated_dim], -1)
+                                            for t in (q, k))
+        q_rot, k_rot = self.rotary_emb(positions, q_rot.contiguous(), k_rot.contiguous())
+        return torch.cat([q_pass, q_rot], -1), torch.cat([k_pass, k_rot], -1)
 
     def select(self, scores: torch.Tensor, causal: bool) -> torch.Tensor:
         """scores [rows, context] of the context's last rows -> their top index_topk visible keys."""
@@ -137,7 +149,8 @@ class DeepseekV32Attention(DeepseekV2Attention):
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q_latent = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_latent).view(-1, self.num_heads, self.nope_dim + self.rope_dim)
-        return self.o_proj(self.sparse_attention(positions, x, q, q_latent, meta))
+        o = self.sparse_attention(positions, x, q, q_latent, meta)
+        return self.o_proj(o if self.gate_activation is None else self.gate_output(o, x))  # HY-V4's gate
 
     def sparse_attention(self, positions: torch.Tensor | None, x: torch.Tensor, q: torch.Tensor,
                          q_latent: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -152,11 +165,12 @@ class DeepseekV32Attention(DeepseekV2Attention):
             latent = k[rows, 0] if slots is None else self.attn.k_cache.view(-1, k.shape[-1])[slots]
             if decompress:
                 keys, v = self.decompress(latent)
-                out[rows] = sparse_rows(torch.cat([q_nope[rows], q_rope[rows]], -1), keys, v, mask, self.attn.scale)
+                out[rows] = sparse_rows(torch.cat([q_nope[rows], q_rope[rows]], -1), keys, v, mask, self.attn.scale,
+                                        self.attn.sinks)
             else:
                 latent = latent.unsqueeze(1)
                 o = sparse_rows(self.absorbed_query(q_nope[rows], q_rope[rows]), latent,
-                                latent[..., :self.kv_lora_rank], mask, self.attn.scale)
+                                latent[..., :self.kv_lora_rank], mask, self.attn.scale, self.attn.sinks)
                 out[rows] = self.kv_b_proj.up_project_output(o.view(n, self.num_heads, self.kv_lora_rank))
         return out
 
@@ -172,11 +186,12 @@ class DeepseekV32Attention(DeepseekV2Attention):
         return step.selection
 
 
-def sparse_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def sparse_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [rows, heads, dim], k, v [keys, KV heads, dim] -> [rows, heads * v dim], each row over its mask's keys (mask
-    [rows, keys], or [heads, rows, keys] for each head its own)."""
+    [rows, keys], or [heads, rows, keys] for each head its own); sinks [heads]: see attention()."""
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    return attention(q, k, v, mask, False, scale, None)[0].transpose(0, 1).flatten(1)
+    return attention(q, k, v, mask, False, scale, None, sinks)[0].transpose(0, 1).flatten(1)
 
 
 def window_mask(rows: int, context: int, window: int | None, device: torch.device) -> torch.Tensor:

@@ -67,6 +67,7 @@ _MODELS = {
     "HyperCLOVAXForCausalLM": ("hyperclovax", "HyperCLOVAXForCausalLM"),
     "InklingForCausalLM": ("inkling", "InklingForCausalLM"),
     "HYV3ForCausalLM": ("hy_v3", "HYV3ForCausalLM"),
+    "HYV4ForCausalLM": ("hy_v4", "HYV4ForCausalLM"),
     "Jais2ForCausalLM": ("jais2", "Jais2ForCausalLM"),
     "JetMoeForCausalLM": ("jetmoe", "JetMoeForCausalLM"),
     "Kolibri1ForCausalLM": ("kolibri1", "Kolibri1ForCausalLM"),
@@ -198,14 +199,15 @@ _VISION_LANGUAGE = {
 _ATTENTION_SINKS = {"FlintForCausalLM", "GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
                     "MiMoV2FlashForCausalLM"}
 # Families whose attention only the PyTorch backend runs, with what it is: DeepSeek sparse attention (deepseek_v32.py;
-# dots3 note's indexed layers), MiniMax-M3's block-sparse attention (minimax_m3.py), Inkling's relative logits
+# dots3 note's indexed layers, HY-V4's), MiniMax-M3's block-sparse attention (minimax_m3.py), Inkling's relative logits
 # (inkling.py).
 _DSA = ("DeepSeek sparse attention", "each query attends to the keys its indexer selects")
 _BLOCK_SPARSE = ("block-sparse attention", "each KV head's queries attend to the key blocks its indexer selects")
 _RELATIVE_LOGITS = ("relative logits", "a bias per query and backward distance, mixed from the query's own state")
 _PYTORCH_ONLY_ATTENTION = {
     "AXK2ForCausalLM": _DSA, "DeepseekV32ForCausalLM": _DSA, "Dots3NoteForCausalLM": _DSA,
-    "Dots3NoteForConditionalGeneration": _DSA, "GlmMoeDsaForCausalLM": _DSA, "InklingForCausalLM": _RELATIVE_LOGITS,
+    "Dots3NoteForConditionalGeneration": _DSA, "GlmMoeDsaForCausalLM": _DSA, "HYV4ForCausalLM": _DSA,
+    "InklingForCausalLM": _RELATIVE_LOGITS,
     "InklingForConditionalGeneration": _RELATIVE_LOGITS, "MiniMaxM3VLForCausalLM": _BLOCK_SPARSE,
     "MiniMaxM3SparseForConditionalGeneration": _BLOCK_SPARSE}
 # Families whose KV cache holds heads wider than their config's head_dim, by this factor (DiffLlama's differential
