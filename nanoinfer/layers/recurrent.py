@@ -20,12 +20,13 @@ def load_rank_rows(param: nn.Parameter, loaded: torch.Tensor) -> None:
 def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   silu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv (+ bias, + SiLU). x [..., n, C] new inputs, state [..., K-1, C] the inputs just before
-    them (zeros at a sequence's start), weight [C, K] -> (output [..., n, C], the new state). In 16-bit dtypes the
+    them (zeros at a sequence's start), weight [C, K] (the oldest input's tap first), or taps of each token's own
+    [..., n, C, K] -> (output [..., n, C], the new state). In 16-bit dtypes the
     products, their sum and the bias are taken in fp32 and rounded once before the SiLU, as F.conv1d (transformers'
     conv) does; in fp32 and fp64 the casts are no-ops."""
     full = torch.cat((state, x), -2)
     acc = torch.promote_types(x.dtype, torch.float32)
-    out = (full.unfold(-2, weight.shape[1], 1).to(acc) * weight.to(acc)).sum(-1)  # windows [..., n, C, K] . weight
+    out = (full.unfold(-2, weight.shape[-1], 1).to(acc) * weight.to(acc)).sum(-1)  # windows [..., n, C, K] . weight
     if bias is not None:
         out = out + bias.to(acc)
     out = out.to(x.dtype)
@@ -112,15 +113,18 @@ class RecurrentLayer(nn.Module):
 
     def causal_conv(self, x: torch.Tensor, weight: torch.Tensor, batch: RecurrentBatch,
                     bias: torch.Tensor | None = None, silu: bool = True) -> torch.Tensor:
-        """x [tokens, conv_dim] -> the conv over each sequence's inputs, carried on from its state (updated)."""
+        """x [tokens, conv_dim] -> the conv over each sequence's inputs, carried on from its state (updated). weight
+        [conv_dim, K], or [tokens, conv_dim, K]: each token's own taps (Inkling-2's dynamic convs)."""
+        per_token = weight.dim() == 3
         out = torch.empty_like(x)
         if batch.single_rows.numel():
             rows, slots = batch.single_rows, batch.single_slots
-            y, self.conv_state[slots] = causal_conv1d(x[rows].unsqueeze(1), self.conv_state[slots], weight, bias,
-                                                      silu)
+            taps = weight[rows].unsqueeze(1) if per_token else weight
+            y, self.conv_state[slots] = causal_conv1d(x[rows].unsqueeze(1), self.conv_state[slots], taps, bias, silu)
             out[rows] = y.squeeze(1)
         for start, end, slot in batch.spans:
-            out[start:end], self.conv_state[slot] = causal_conv1d(x[start:end], self.conv_state[slot], weight, bias,
+            taps = weight[start:end] if per_token else weight
+            out[start:end], self.conv_state[slot] = causal_conv1d(x[start:end], self.conv_state[slot], taps, bias,
                                                                   silu)
         return out
 
