@@ -1560,6 +1560,18 @@ def randomize_global_scales_(model, seed: int) -> None:
                 p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
 
 
+def randomize_inkling2_(model, seed: int) -> None:
+    """Inkling-2's clips' scales (ones in transformers) as the norms' weights, its depth-softmax queries (zeros) of
+    std 1: the softmaxes over depth far from uniform."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith("l2_clip.scale"):
+                p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
+            elif name.endswith(".query"):
+                p.copy_(torch.randn(p.shape, generator=g))
+
+
 def _randomize_zero_centered_norms_(model, seed: int) -> None:
     """Qwen3-Next and Gemma 3 RMSNorms (all but Qwen3-Next's gated one) scale by 1 + weight, so their weights become
     NORM_NOISE * N(0,1); slow decays on some linear-attention heads (e^g near 1) carry the state far, across chunks."""
@@ -1692,14 +1704,8 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
                     p.copy_(INIT_STD * torch.randn(p.shape, generator=g))
     if kind == "inkling":
         randomize_global_scales_(model, _SEEDS[base_kind] + 4)
-    if kind == "inkling2":  # the clips' scales as the norms' weights; the softmaxes over depth far from uniform
-        g = torch.Generator().manual_seed(_SEEDS[base_kind] + 4)
-        with torch.no_grad():
-            for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-                if name.endswith("l2_clip.scale"):
-                    p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
-                elif name.endswith(".query"):
-                    p.copy_(torch.randn(p.shape, generator=g))
+    if kind == "inkling2":
+        randomize_inkling2_(model, _SEEDS[base_kind] + 4)
     if kind == "youtu":  # transformers' Youtu zeroes the pad token's embedding when it loads a checkpoint: saved so
         with torch.no_grad():
             model.get_input_embeddings().weight[config.pad_token_id] = 0.0

@@ -20,7 +20,8 @@ IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 502, 503, 504, 505
 PROMPTS = random_prompts(3, 5, 440, 2, 40, seed=21) + [[7, VISION_START, IMAGE_TOKEN, IMAGE_TOKEN, VISION_END, 9]]
 KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe",
          "qwen3.5", "qwen3.5-moe", "llava-qwen2", "llava-next", "llava-onevision", "internvl", "smolvlm", "idefics3",
-         "aya-vision", "llama4", "gemma4", "mistral3-ministral3", "gemma3n", "mllama", "emu3", "inkling")
+         "aya-vision", "llama4", "gemma4", "mistral3-ministral3", "gemma3n", "mllama", "emu3", "inkling",
+         "inkling2")
 # Gemma 4's wrapper kind keeps the seed it was checked with: at the next one (7118) transformers' own fp32 logits
 # stray 3.9e-4 from its fp64 ones along the greedy path, over this file's 1e-4 bar (ours were 2.2e-4 from its fp32).
 SEEDS = {kind: 7100 + i for i, kind in enumerate(KINDS)} | {"gemma4": 7117}
@@ -105,6 +106,12 @@ def make_vlm_config(kind: str):
                                audio_config=dict(n_mel_bins=4, mel_vocab_size=8), image_token_id=IMAGE_TOKEN,
                                audio_token_id=VIDEO_TOKEN, image_bos_token_id=VISION_START,
                                audio_bos_token_id=VISION_END)
+    if kind == "inkling2":  # its wrapper's logit softcap; a vision tower to skip
+        pytest.importorskip("transformers.models.inkling2", reason="the reference family is missing (transformers 5.17)")
+        return t.Inkling2Config(text_config=make_config("inkling2"),
+                                vision_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                                   patch_size=2, projection_hidden_dim=16, text_hidden_size=64),
+                                image_token_id=IMAGE_TOKEN)
     if kind == "aya-vision":  # over Cohere 2 with logit_scale 0.5, which the wrapper never applies
         return t.AyaVisionConfig(text_config=make_config("cohere2"), vision_config=_SIGLIP, downsample_factor=2,
                                  image_token_index=IMAGE_TOKEN)
@@ -196,6 +203,8 @@ def build_vlm(kind: str, model_dir):
         models._randomize_gemma4_(model, SEEDS[kind])
     if kind == "inkling":
         models.randomize_global_scales_(model, SEEDS[kind])
+    if kind == "inkling2":
+        models.randomize_inkling2_(model, SEEDS[kind])
     model.save_pretrained(str(model_dir))
     to_hub_layout(model_dir, kind)
     return model_dir
