@@ -244,6 +244,13 @@ def check_inkling2_config(config: PretrainedConfig) -> None:
     for i, value in enumerate(config.layer_types):
         if value not in LAYER_TYPES:
             raise ValueError(f"layer_types[{i}]={value!r} in {where}; expected one of {LAYER_TYPES}")
+    # The Hub's checkpoints hold MXFP8 experts (e4m3, a ue8m0 scale per 32 values, as `w13_weight_scale`), which
+    # transformers' Inkling2Config adds to a config.json without one: quantization.py's FP8 scheme pairs other names.
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"quantization_config (quant_method={method!r}) in {where}: Inkling-2's quantized (MXFP8) "
+                         "experts are not supported; use a checkpoint saved unquantized (bf16/fp32)")
     if config.scoring_func != "sigmoid":
         raise ValueError(f"scoring_func={config.scoring_func!r} in {where} is not supported; only 'sigmoid' is "
                          "implemented")
