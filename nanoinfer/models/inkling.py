@@ -140,13 +140,17 @@ def relative_bias_mask(rel: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tens
     return bias.masked_fill(hidden, float("-inf"))
 
 
+def attention_shape(config: PretrainedConfig, layer_idx: int) -> tuple[bool, int, int, int]:
+    """Whether the layer is a sliding one, and its heads, KV heads and head size (the sliding layers' own)."""
+    if config.layer_types[layer_idx] == "hybrid_sliding":
+        return True, config.swa_num_attention_heads, config.swa_num_key_value_heads, config.swa_head_dim
+    return False, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+
+
 class InklingAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_idx: int):
         super().__init__()
-        sliding = config.layer_types[layer_idx] == "hybrid_sliding"
-        heads = config.swa_num_attention_heads if sliding else config.num_attention_heads
-        kv_heads = config.swa_num_key_value_heads if sliding else config.num_key_value_heads
-        self.head_dim = config.swa_head_dim if sliding else config.head_dim
+        sliding, heads, kv_heads, self.head_dim = attention_shape(config, layer_idx)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, heads, kv_heads)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

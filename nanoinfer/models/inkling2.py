@@ -26,7 +26,7 @@ from nanoinfer.layers.recurrent import RecurrentBatch, load_rank_rows
 from nanoinfer.models.deepseek_v2 import DeepseekRouter
 from nanoinfer.models.hybrid import HybridModel
 from nanoinfer.models.inkling import (HUB_NAMES, LAYER_TYPES, InklingConv, InklingForCausalLM, RelativeLogits,
-                                      ResidualConv, log_scale, relative_attention)
+                                      ResidualConv, attention_shape, log_scale, relative_attention)
 from nanoinfer.utils.dist import tp_rank, tp_size
 
 # The Hub's layout (what transformers' save_pretrained writes): Inkling's names (less its static conv weights', see
@@ -99,10 +99,7 @@ class DynamicConv(ResidualConv):
 class Inkling2Attention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_idx: int):
         super().__init__()
-        sliding = config.layer_types[layer_idx] == "hybrid_sliding"
-        heads = config.swa_num_attention_heads if sliding else config.num_attention_heads
-        kv_heads = config.swa_num_key_value_heads if sliding else config.num_key_value_heads
-        self.head_dim = config.swa_head_dim if sliding else config.head_dim
+        sliding, heads, kv_heads, self.head_dim = attention_shape(config, layer_idx)
         # Apart, not one QKVParallelLinear: a full layer's queries, keys and values each have an input of their own.
         self.q_proj = ColumnParallelLinear(config.hidden_size, heads * self.head_dim)
         self.k_proj, self.v_proj = (ColumnParallelLinear(config.hidden_size, kv_heads * self.head_dim)
