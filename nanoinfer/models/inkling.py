@@ -335,23 +335,32 @@ def split_gate_up(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.
         yield from ((stem + target, t.contiguous()) for target, t in zip(targets, (gate, up)))
 
 
-def check_inkling_config(config: PretrainedConfig) -> None:
-    """Refuses by name what the layers cannot run as transformers does."""
+def check_attention_config(config: PretrainedConfig) -> str:
+    """Refuses by name a layer type beyond Inkling's and KV heads that the ranks cannot share (Inkling's and
+    Inkling-2's); returns where the config comes from."""
     where = config.name_or_path or "the model config"
-    for field, allowed in (("layer_types", LAYER_TYPES), ("mlp_layer_types", MLP_LAYER_TYPES)):
-        for i, value in enumerate(getattr(config, field)):
-            if value not in allowed:
-                raise ValueError(f"{field}[{i}]={value!r} in {where}; expected one of {allowed}")
-    if config.hidden_act != "silu":
-        raise ValueError(f"hidden_act={config.hidden_act!r} in {where} is not supported; only 'silu' is implemented")
-    # transformers' router takes the shared experts' logits off the end of its weight: it needs one at least.
-    if "sparse" in config.mlp_layer_types and config.n_shared_experts < 1:
-        raise ValueError(f"n_shared_experts={config.n_shared_experts} in {where}; Inkling's router needs one at least")
+    for i, value in enumerate(config.layer_types):
+        if value not in LAYER_TYPES:
+            raise ValueError(f"layer_types[{i}]={value!r} in {where}; expected one of {LAYER_TYPES}")
     # The keys' and values' convs hold a rank's KV heads' channels: each rank needs heads of its own.
     for name in ("num_key_value_heads", "swa_num_key_value_heads"):
         if getattr(config, name) % tp_size():
             raise ValueError(f"{name}={getattr(config, name)} in {where} does not split over "
                              f"tensor_parallel_size={tp_size()}")
+    return where
+
+
+def check_inkling_config(config: PretrainedConfig) -> None:
+    """Refuses by name what the layers cannot run as transformers does."""
+    where = check_attention_config(config)
+    for i, value in enumerate(config.mlp_layer_types):
+        if value not in MLP_LAYER_TYPES:
+            raise ValueError(f"mlp_layer_types[{i}]={value!r} in {where}; expected one of {MLP_LAYER_TYPES}")
+    if config.hidden_act != "silu":
+        raise ValueError(f"hidden_act={config.hidden_act!r} in {where} is not supported; only 'silu' is implemented")
+    # transformers' router takes the shared experts' logits off the end of its weight: it needs one at least.
+    if "sparse" in config.mlp_layer_types and config.n_shared_experts < 1:
+        raise ValueError(f"n_shared_experts={config.n_shared_experts} in {where}; Inkling's router needs one at least")
 
 
 class InklingForCausalLM(HybridForCausalLM):

@@ -25,8 +25,8 @@ from nanoinfer.layers.linear import ColumnParallelLinear, RowParallelLinear, cop
 from nanoinfer.layers.recurrent import RecurrentBatch, load_rank_rows
 from nanoinfer.models.deepseek_v2 import DeepseekRouter
 from nanoinfer.models.hybrid import HybridModel
-from nanoinfer.models.inkling import (HUB_NAMES, LAYER_TYPES, InklingConv, InklingForCausalLM, RelativeLogits,
-                                      ResidualConv, attention_shape, log_scale, relative_attention)
+from nanoinfer.models.inkling import (HUB_NAMES, InklingConv, InklingForCausalLM, RelativeLogits, ResidualConv,
+                                      attention_shape, check_attention_config, log_scale, relative_attention)
 from nanoinfer.utils.dist import tp_rank, tp_size
 
 # The Hub's layout (what transformers' save_pretrained writes): Inkling's names (less its static conv weights', see
@@ -237,10 +237,7 @@ class Inkling2Model(HybridModel):
 
 def check_inkling2_config(config: PretrainedConfig) -> None:
     """Refuses by name what the layers cannot run as transformers does."""
-    where = config.name_or_path or "the model config"
-    for i, value in enumerate(config.layer_types):
-        if value not in LAYER_TYPES:
-            raise ValueError(f"layer_types[{i}]={value!r} in {where}; expected one of {LAYER_TYPES}")
+    where = check_attention_config(config)
     # The Hub's checkpoints hold MXFP8 experts (e4m3, a ue8m0 scale per 32 values, as `w13_weight_scale`), which
     # transformers' Inkling2Config adds to a config.json without one: quantization.py's FP8 scheme pairs other names.
     quantization = getattr(config, "quantization_config", None)
@@ -251,11 +248,6 @@ def check_inkling2_config(config: PretrainedConfig) -> None:
     if config.scoring_func != "sigmoid":
         raise ValueError(f"scoring_func={config.scoring_func!r} in {where} is not supported; only 'sigmoid' is "
                          "implemented")
-    # The keys' and values' convs hold a rank's KV heads' channels: each rank needs heads of its own.
-    for name in ("num_key_value_heads", "swa_num_key_value_heads"):
-        if getattr(config, name) % tp_size():
-            raise ValueError(f"{name}={getattr(config, name)} in {where} does not split over "
-                             f"tensor_parallel_size={tp_size()}")
 
 
 class Inkling2ForCausalLM(InklingForCausalLM):
