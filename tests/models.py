@@ -306,6 +306,12 @@ HY_V4_SWIGLU_LIMIT = 4.0
 # normed embedding; layer 0's MLP dense, then 2 of 8 experts (sigmoid, a random correction bias) and 2 shared experts
 # weighted by one softmax over their log-sigmoids; every global_scale away from 1; the logits over a muP multiplier.
 INKLING_SLIDING_WINDOW, INKLING_REL_EXTENT = 10, 12
+# Inkling-2 (inkling2): Inkling's layer pattern (sliding 0 and 2, full 1) with blocks of 2 layers (layers 0 and 2 close
+# one), so that every layer input but the first, every MLP input and the final one is a softmax over 2 or 3 depths
+# (their queries of std 1); a sink logit per query and head, an output gate; clip thresholds that some queries, keys
+# and relative states exceed (their scales 1 + noise); dynamic key/value convs on layer 1; 2 of 8 experts (a random
+# correction bias), softcaps low enough to bend their gate and up values and the logits.
+INKLING2_CLIPS = dict(qk_l2_clip_threshold=1.5, rel_l2_clip_threshold=0.3)
 # Kimi Linear (kimi-linear): KDA layers 0 and 2 (a decay per key channel, slow on some channels so that the state
 # carries across chunks) around an MLA layer 1 without rope (the low-rank q), layer 0's MLP dense, then V3's MoE
 # (2 of 8 experts in the best 2 of 4 groups, a random correction bias, renormalized, scaled) plus a shared expert.
@@ -360,10 +366,10 @@ NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "lagu
                    "longcat-flash": "longcat_flash", "doge": "doge", "hyperclovax": "hyperclovax", "bitnet": "bitnet",
                    "minicpm3": "minicpm3", "diffllama": "diffllama", "hrm-text": "hrm_text", "jetmoe": "jetmoe",
                    "inkling": "inkling", "aria-text": "aria", "beam": "beam", "cohere-compass": "cohere_compass",
-                   "modernbert-decoder": "modernbert_decoder", "hy-v4": "hy_v4"}
+                   "modernbert-decoder": "modernbert_decoder", "hy-v4": "hy_v4", "inkling2": "inkling2"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "bailing-hybrid", "zaya", "minimax",  # as the other
-                       "inkling")  # hybrids (test_ssm.py)
+                       "inkling", "inkling2")  # hybrids (test_ssm.py)
 NEWEST_DENSE_KINDS = ("doge", "hyperclovax", "bitnet", "minicpm3", "diffllama", "hrm-text", "cohere-compass",
                       "modernbert-decoder")
 NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS  # as the MoEs (test_moe.py)
@@ -466,7 +472,7 @@ _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint"
            "axk2": 6474, "kimi-linear": 4252, "minimax": 5363, "mimo-v2-flash": 4252, "longcat-flash": 5363,
            "doge": 6474, "dots3-note": 7585, "minimax-m3": 8696, "bailing-hybrid": 7585, "zaya": 8696}
 _SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7585, "hrm-text": 8696,
-           "jetmoe": 9707, "inkling": 1818}
+           "jetmoe": 9707, "inkling": 1818, "inkling2": 2929}
 _SEEDS |= {"aria-text": 1357, "beam": 4680, "cohere-compass": 2468, "modernbert-decoder": 3579}
 _SEEDS |= {"hy-v4": 4680}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
@@ -1226,6 +1232,18 @@ def newest_family_config(kind: str, special: dict):
                                                                     "minimax_m3_sparse"],
             mlp_layer_types=["dense", "sparse", "sparse"],
             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5})
+    if kind == "inkling2":
+        return transformers.Inkling2TextConfig(**{**common, "intermediate_size": 32},  # its experts'
+                                               architectures=["Inkling2ForCausalLM"],
+                                               swa_num_attention_heads=6, swa_num_key_value_heads=2, swa_head_dim=8,
+                                               sliding_window_size=INKLING_SLIDING_WINDOW, d_rel=4,
+                                               rel_extent=INKLING_REL_EXTENT, log_scaling_n_floor=8,
+                                               log_scaling_alpha=0.5, **INKLING2_CLIPS,
+                                               layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
+                                               n_layers_per_attn_res_block=2, conv_kernel_size=4,
+                                               n_routed_experts=8, num_experts_per_tok=2, route_scale=2.5,
+                                               mlp_gate_softcap=0.5, mlp_up_softcap=1.0,
+                                               final_logit_softcapping=3.0)
     if kind == "olmo-hybrid":
         # No head_dim: hidden / heads. Values as wide as keys: transformers' save_pretrained splits the fused conv
         # back into the Hub's q/k/v convs in three equal parts.
@@ -1660,6 +1678,18 @@ def randomize_global_scales_(model, seed: int) -> None:
                 p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
 
 
+def randomize_inkling2_(model, seed: int) -> None:
+    """Inkling-2's clips' scales (ones in transformers) as the norms' weights, its depth-softmax queries (zeros) of
+    std 1: the softmaxes over depth far from uniform."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith("l2_clip.scale"):
+                p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
+            elif name.endswith(".query"):
+                p.copy_(torch.randn(p.shape, generator=g))
+
+
 def _randomize_zero_centered_norms_(model, seed: int) -> None:
     """Qwen3-Next and Gemma 3 RMSNorms (all but Qwen3-Next's gated one) scale by 1 + weight, so their weights become
     NORM_NOISE * N(0,1); slow decays on some linear-attention heads (e^g near 1) carry the state far, across chunks."""
@@ -1815,6 +1845,8 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
                     p.copy_(INIT_STD * torch.randn(p.shape, generator=g))
     if kind == "inkling":
         randomize_global_scales_(model, _SEEDS[base_kind] + 4)
+    if kind == "inkling2":
+        randomize_inkling2_(model, _SEEDS[base_kind] + 4)
     if kind == "youtu":  # transformers' Youtu zeroes the pad token's embedding when it loads a checkpoint: saved so
         with torch.no_grad():
             model.get_input_embeddings().weight[config.pad_token_id] = 0.0

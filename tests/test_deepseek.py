@@ -314,7 +314,7 @@ def dsa_kind(kind: str) -> str:
     ("deepseek-v32", "DeepseekV32ForCausalLM", "DeepSeek sparse attention"),
     ("hy-v4", "HYV4ForCausalLM", "DeepSeek sparse attention"),
     ("minimax-m3", "MiniMaxM3VLForCausalLM", "block-sparse attention"),
-    ("inkling", "InklingForCausalLM", "relative logits")])
+    ("inkling", "InklingForCausalLM", "relative logits"), ("inkling2", "Inkling2ForCausalLM", "relative logits")])
 def test_sparse_attention_runs_on_the_pytorch_backend_only(kind, architecture, attention, model_dir, monkeypatch,
                                                            capsys):
     """No other backend selects keys per query (DeepSeek-V3.2, MiniMax-M3) or adds a bias per query and distance

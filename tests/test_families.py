@@ -134,6 +134,13 @@ def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_di
     ("inkling", dict(n_shared_experts=0), "n_shared_experts=0"),
     ("modernbert-decoder", dict(local_attention=None), "local_attention=None"),
     ("beam", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    # Inkling-2's router scores by sigmoid alone; its Hub checkpoints' MXFP8 experts (the quantization_config that
+    # transformers adds to their config.json) are not dequantized here.
+    ("inkling2", dict(scoring_func="softmax"), "scoring_func='softmax'"),
+    ("inkling2", dict(layer_types=["hybrid_sliding", "full_attention", "hybrid_sliding"]),
+     r"layer_types\[1\]='full_attention'"),
+    ("inkling2", dict(quantization_config={"quant_method": "fp8", "weight_block_size": [1, 32],
+                                           "scale_fmt": "ue8m0"}), r"quantization_config \(quant_method='fp8'\)"),
 ])
 def test_newest_families_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes,
                                                                              message):

@@ -22,13 +22,15 @@ PROMPTS = random_prompts(3, 5, 440, 2, 40, seed=21) + [[7, VISION_START, IMAGE_T
 KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe",
          "qwen3.5", "qwen3.5-moe", "llava-qwen2", "llava-next", "llava-onevision", "internvl", "smolvlm", "idefics3",
          "aya-vision", "llama4", "gemma4", "mistral3-ministral3", "gemma3n", "mllama", "emu3", "inkling", "dots3-note",
-         "minimax-m3", "aria", "cohere-compass")
+         "minimax-m3", "aria", "cohere-compass", "inkling2")
 # Kinds whose wrapper transformers 5.17 lacks: their transformers family.
-NEWEST_FAMILIES = {"inkling": "inkling", "dots3-note": "dots3_note", "minimax-m3": "minimax_m3_vl"}
+NEWEST_FAMILIES = {"inkling": "inkling", "inkling2": "inkling2", "dots3-note": "dots3_note",
+                   "minimax-m3": "minimax_m3_vl"}
 # Gemma 4's wrapper kind keeps the seed it was checked with: at the next one (7118) transformers' own fp32 logits
 # stray 3.9e-4 from its fp64 ones along the greedy path, over this file's 1e-4 bar (ours were 2.2e-4 from its fp32).
-# Aria's and Cohere Compass's keep theirs, from before three kinds came ahead of them.
-SEEDS = {kind: 7100 + i for i, kind in enumerate(KINDS)} | {"gemma4": 7117, "aria": 7123, "cohere-compass": 7124}
+# Aria's, Cohere Compass's and Inkling-2's keep theirs, from before other kinds came ahead of them.
+SEEDS = {kind: 7100 + i for i, kind in enumerate(KINDS)} | {"gemma4": 7117, "aria": 7123, "cohere-compass": 7124,
+                                                             "inkling2": 7124}
 
 # Tiny vision towers: one layer each; their weights are saved and must be skipped.
 _SIGLIP = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
@@ -119,6 +121,11 @@ def make_vlm_config(kind: str):
         vision = dict(_SIGLIP, patch_size=4, temporal_patch_size=1)
         return t.MiniMaxM3VLConfig(text_config=make_config(kind), vision_config=vision, projector_hidden_size=32,
                                    image_token_index=IMAGE_TOKEN, video_token_index=VIDEO_TOKEN)
+    if kind == "inkling2":  # its wrapper's logit softcap; a vision tower to skip
+        return t.Inkling2Config(text_config=make_config("inkling2"),
+                                vision_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                                   patch_size=2, projection_hidden_dim=16, text_hidden_size=64),
+                                image_token_id=IMAGE_TOKEN)
     if kind == "aya-vision":  # over Cohere 2 with logit_scale 0.5, which the wrapper never applies
         return t.AyaVisionConfig(text_config=make_config("cohere2"), vision_config=_SIGLIP, downsample_factor=2,
                                  image_token_index=IMAGE_TOKEN)
@@ -217,6 +224,8 @@ def build_vlm(kind: str, model_dir):
         models._randomize_gemma4_(model, SEEDS[kind])
     if kind == "inkling":
         models.randomize_global_scales_(model, SEEDS[kind])
+    if kind == "inkling2":
+        models.randomize_inkling2_(model, SEEDS[kind])
     model.save_pretrained(str(model_dir))
     to_hub_layout(model_dir, kind)
     return model_dir

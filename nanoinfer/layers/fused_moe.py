@@ -188,6 +188,16 @@ def clamped_silu_and_mul(limit: float) -> GatedActivation:
     return activation
 
 
+def softcapped_swiglu(gate_cap: float, up_cap: float) -> GatedActivation:
+    """Inkling-2's expert activation, in fp32 as transformers' Inkling2SoftcappedSwiGLU: the sigmoid sees the raw gate,
+    the softcaps (cap * tanh(x / cap)) bound the gate's linear factor and the up projection."""
+    def activation(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        g, u = gate.float(), up.float()
+        return (torch.tanh(g / gate_cap) * gate_cap * torch.sigmoid(g) * (torch.tanh(u / up_cap) * up_cap)
+                ).to(gate.dtype)
+    return activation
+
+
 class ExpertGroups:
     """A routing's (token, slot) pairs grouped by expert for torch._grouped_mm: `order` lists them (indices into
     topk_ids.flatten()) so that each expert's pairs form one contiguous segment, ending at its entry of `offsets`.

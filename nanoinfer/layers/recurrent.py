@@ -20,12 +20,13 @@ def load_rank_rows(param: nn.Parameter, loaded: torch.Tensor) -> None:
 def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   silu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv (+ bias, + SiLU). x [..., n, C] new inputs, state [..., K-1, C] the inputs just before
-    them (zeros at a sequence's start), weight [C, K] -> (output [..., n, C], the new state). In 16-bit dtypes the
+    them (zeros at a sequence's start), weight [C, K] (the oldest input's tap first), or taps of each token's own
+    [..., n, C, K] -> (output [..., n, C], the new state). In 16-bit dtypes the
     products, their sum and the bias are taken in fp32 and rounded once before the SiLU, as F.conv1d (transformers'
     conv) does; in fp32 and fp64 the casts are no-ops."""
     windows, state = causal_windows(x, state)
     acc = torch.promote_types(x.dtype, torch.float32)
-    out = (windows.to(acc) * weight.to(acc)).sum(-1)
+    out = (windows.to(acc) * weight.to(acc)).sum(-1)  # windows [..., n, C, K] . weight
     if bias is not None:
         out = out + bias.to(acc)
     out = out.to(x.dtype)
@@ -119,28 +120,33 @@ class RecurrentLayer(nn.Module):
 
     def causal_conv(self, x: torch.Tensor, weight: torch.Tensor, batch: RecurrentBatch,
                     bias: torch.Tensor | None = None, silu: bool = True) -> torch.Tensor:
-        """x [tokens, conv_dim] -> the conv over each sequence's inputs, carried on from its state (updated)."""
-        return self.carry_conv_state(x, batch, lambda xs, state: causal_conv1d(xs, state, weight, bias, silu))
+        """x [tokens, conv_dim] -> the conv over each sequence's inputs, carried on from its state (updated). weight
+        [conv_dim, K], or [tokens, conv_dim, K]: each token's own taps (Inkling-2's dynamic convs)."""
+        def conv(xs: torch.Tensor, state: torch.Tensor, rows: torch.Tensor | slice
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+            taps = weight if weight.dim() == 2 else weight[rows].view(*xs.shape, -1)  # the rows of xs, shaped as xs
+            return causal_conv1d(xs, state, taps, bias, silu)
+        return self.carry_conv_state(x, batch, conv)
 
     def causal_windows(self, x: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
         """x [tokens, conv_dim] -> each token's window [tokens, conv_dim, K]: the K-1 inputs of its sequence before
         it (from the state, updated; zeros before a sequence's start), then its own; for convs a layer runs itself
         (ZAYA's)."""
-        return self.carry_conv_state(x, batch, causal_windows)
+        return self.carry_conv_state(x, batch, lambda xs, state, rows: causal_windows(xs, state))
 
     def carry_conv_state(self, x: torch.Tensor, batch: RecurrentBatch,
-                         fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """fn(new inputs [..., n, C], the inputs just before them [..., K-1, C]) -> (outputs [..., n, ...], the new
-        state), over the sequences computing one token all at once and over each other one; returns the outputs
-        [tokens, ...]."""
+                         fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """fn(new inputs [..., n, C], the inputs just before them [..., K-1, C], the rows of x they are) -> (outputs
+        [..., n, ...], the new state), over the sequences computing one token all at once and over each other one;
+        returns the outputs [tokens, ...]."""
         out: torch.Tensor | None = None
         if batch.single_rows.numel():
             rows, slots = batch.single_rows, batch.single_slots
-            y, self.conv_state[slots] = fn(x[rows].unsqueeze(1), self.conv_state[slots])
+            y, self.conv_state[slots] = fn(x[rows].unsqueeze(1), self.conv_state[slots], rows)
             out = y.new_empty(x.shape[0], *y.shape[2:])
             out[rows] = y.squeeze(1)
         for start, end, slot in batch.spans:
-            y, self.conv_state[slot] = fn(x[start:end], self.conv_state[slot])
+            y, self.conv_state[slot] = fn(x[start:end], self.conv_state[slot], slice(start, end))
             if out is None:
                 out = y.new_empty(x.shape[0], *y.shape[1:])
             out[start:end] = y

@@ -109,8 +109,10 @@ class HybridModel(nn.Module):
 
 
 class HybridForCausalLM(nn.Module):
-    """A family sets make_layer and the checkpoint's names (packed_modules_mapping, weight_name_substitutions)."""
+    """A family sets make_layer and the checkpoint's names (packed_modules_mapping, weight_name_substitutions), and
+    model_class where its decoder loop is not HybridModel's (Inkling-2's block attention residuals)."""
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
+    model_class = HybridModel
 
     def make_layer(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
         raise NotImplementedError
@@ -124,17 +126,23 @@ class HybridForCausalLM(nn.Module):
         return None
 
     def __init__(self, config: PretrainedConfig, eps: float, embedding_multiplier: float | None = None,
-                 logits_scaling: float | None = None):
+                 logits_scaling: float | None = None, logit_softcap: float | None = None):
+        """logits_scaling: the logits' divisor (Granite's, Inkling's); logit_softcap: cap * tanh(logits / cap)
+        (Inkling-2's)."""
         super().__init__()
-        self.model = HybridModel(config, self.make_layer, self.make_final_norm(config, eps), embedding_multiplier,
-                                 self.make_embedding(config))
+        self.model = self.model_class(config, self.make_layer, self.make_final_norm(config, eps),
+                                      embedding_multiplier, self.make_embedding(config))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.logits_scaling = logits_scaling
+        self.logits_scaling, self.logit_softcap = logits_scaling, logit_softcap
 
     forward = LlamaForCausalLM.forward
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head(hidden_states)
-        return logits if logits is None or self.logits_scaling is None else logits / self.logits_scaling
+        if logits is None:
+            return None
+        if self.logits_scaling is not None:
+            logits = logits / self.logits_scaling
+        return logits if self.logit_softcap is None else torch.tanh(logits / self.logit_softcap) * self.logit_softcap

@@ -58,22 +58,36 @@ HUB_GATE_UP = {".mlp.w13_dn.weight": (0, (".mlp.gate_proj.weight", ".mlp.up_proj
                                                              ".mlp.shared_experts.up_proj"))}
 
 
-class InklingConv(RecurrentLayer):
-    """A depthwise causal conv without bias, plus its input, in fp32 (checkpoint: `<name>.conv1d.weight` [channels, 1,
-    K], loaded as `<name>.conv_weight`): its weight and its state fp32 in every model dtype, as transformers keeps
-    them. sharded: the channels are this rank's KV heads' (keys, values), else all of the hidden size (the sublayer
-    outputs, whole on every rank)."""
+class ResidualConv(RecurrentLayer):
+    """A depthwise causal conv without bias, plus its input, over `divisor` (Inkling-2's output scale; Inkling's 1), in
+    fp32: its taps and its state fp32 in every model dtype, as transformers keeps them."""
 
-    def __init__(self, channels: int, kernel_size: int, sharded: bool):
+    def __init__(self, channels: int, kernel_size: int, divisor: float = 1.0):
         super().__init__(kernel_size, channels)
-        self.sharded = sharded
-        self.conv_weight = nn.Parameter(torch.empty(channels, kernel_size, dtype=torch.float32), requires_grad=False)
+        self.divisor = divisor
 
     def slot_bytes(self, dtype: torch.dtype) -> int:
         return super().slot_bytes(self.ssm_dtype(dtype))
 
     def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         super().allocate_state(num_slots, self.ssm_dtype(dtype), device)
+
+    def convolve(self, x: torch.Tensor, taps: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
+        """taps [channels, K], or each token's [tokens, channels, K] (oldest input first)."""
+        self.reset_fresh_slots(batch)
+        xf = x.float()
+        return ((self.causal_conv(xf, taps, batch, silu=False) + xf) / self.divisor).to(x.dtype)
+
+
+class InklingConv(ResidualConv):
+    """The conv of static taps (checkpoint: `<name>.conv1d.weight` [channels, 1, K], loaded as `<name>.conv_weight`).
+    sharded: the channels are this rank's KV heads' (keys, values), else all of the hidden size (the sublayer outputs,
+    whole on every rank)."""
+
+    def __init__(self, channels: int, kernel_size: int, sharded: bool, divisor: float = 1.0):
+        super().__init__(channels, kernel_size, divisor)
+        self.sharded = sharded
+        self.conv_weight = nn.Parameter(torch.empty(channels, kernel_size, dtype=torch.float32), requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         loaded = loaded[...]
@@ -84,9 +98,7 @@ class InklingConv(RecurrentLayer):
             copy_weight(param, loaded)
 
     def forward(self, x: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
-        self.reset_fresh_slots(batch)
-        xf = x.float()
-        return (self.causal_conv(xf, self.conv_weight, batch, silu=False) + xf).to(x.dtype)
+        return self.convolve(x, self.conv_weight, batch)
 
 
 class RelativeLogits(nn.Module):
@@ -130,13 +142,17 @@ def relative_bias_mask(rel: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tens
     return bias.masked_fill(hidden, float("-inf"))
 
 
+def attention_shape(config: PretrainedConfig, layer_idx: int) -> tuple[bool, int, int, int]:
+    """Whether the layer is a sliding one, and its heads, KV heads and head size (the sliding layers' own)."""
+    if config.layer_types[layer_idx] == "hybrid_sliding":
+        return True, config.swa_num_attention_heads, config.swa_num_key_value_heads, config.swa_head_dim
+    return False, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+
+
 class InklingAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_idx: int):
         super().__init__()
-        sliding = config.layer_types[layer_idx] == "hybrid_sliding"
-        heads = config.swa_num_attention_heads if sliding else config.num_attention_heads
-        kv_heads = config.swa_num_key_value_heads if sliding else config.num_key_value_heads
-        self.head_dim = config.swa_head_dim if sliding else config.head_dim
+        sliding, heads, kv_heads, self.head_dim = attention_shape(config, layer_idx)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, heads, kv_heads)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -164,28 +180,34 @@ class InklingAttention(nn.Module):
             tau = log_scale(positions, *self.log_scaling)
             q, rel = (q.float() * tau).to(q.dtype), (rel.float() * tau).to(rel.dtype)
         self.attn.store(k, v, meta)
-        return self.o_proj(self.relative_attention(positions, q, k, v, rel, meta))
+        return self.o_proj(relative_attention(self.attn, positions, q, k, v, rel, meta))
 
-    def relative_attention(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           rel: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Each sequence's queries over the keys they may see (this step's rows, or its context read back from the
-        cache), the relative bias as SDPA's float mask -> [tokens, heads * head_dim]."""
-        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
-        for i, (start, n, ctx) in enumerate(sequence_spans(meta)):
-            rows = slice(start, start + n)
-            first = 0 if self.window is None else max(0, ctx - n - self.window + 1)
-            if ctx == n:  # the whole context is this step's (also in the warm-up, before the cache exists)
-                ks, vs = k[start + first:start + n], v[start + first:start + n]
-            else:
-                slots = meta.context_slots(i, ctx)[first:]
-                ks = self.attn.k_cache.view(-1, self.num_kv_heads, self.head_dim)[slots]
-                vs = self.attn.v_cache.view(-1, self.num_kv_heads, self.head_dim)[slots]
-            k_pos = torch.arange(first, ctx, device=q.device)
-            mask = relative_bias_mask(rel[rows], positions[rows].unsqueeze(1), k_pos, self.window).to(q.dtype)
-            qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q[rows], ks, vs))
-            out[rows] = attention(qs, ks, vs, mask.unsqueeze(0), False, self.attn.scale, None)[0].transpose(0, 1
-                                                                                                           ).flatten(1)
-        return out
+
+def relative_attention(attn: Attention, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       rel: torch.Tensor, meta: AttentionMetadata, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Each sequence's queries over the keys they may see (this step's rows, or its context read back from `attn`'s
+    cache), the relative bias as SDPA's float mask -> [tokens, heads * head_dim]. sinks [tokens, heads]: a logit per
+    query and head that takes its share of the softmax and adds nothing (Inkling-2's), as a zero key and value."""
+    heads, kv_heads, head_dim, window = attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.sliding_window
+    out = q.new_empty(q.shape[0], heads * head_dim)
+    for i, (start, n, ctx) in enumerate(sequence_spans(meta)):
+        rows = slice(start, start + n)
+        first = 0 if window is None else max(0, ctx - n - window + 1)
+        if ctx == n:  # the whole context is this step's (also in the warm-up, before the cache exists)
+            ks, vs = k[start + first:start + n], v[start + first:start + n]
+        else:
+            slots = meta.context_slots(i, ctx)[first:]
+            ks = attn.k_cache.view(-1, kv_heads, head_dim)[slots]
+            vs = attn.v_cache.view(-1, kv_heads, head_dim)[slots]
+        k_pos = torch.arange(first, ctx, device=q.device)
+        mask = relative_bias_mask(rel[rows], positions[rows].unsqueeze(1), k_pos, window).to(q.dtype)
+        if sinks is not None:
+            zero = ks.new_zeros(1, kv_heads, head_dim)
+            ks, vs = torch.cat([ks, zero]), torch.cat([vs, zero])
+            mask = torch.cat([mask, sinks[rows].t().unsqueeze(-1).to(mask.dtype)], -1)
+        qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q[rows], ks, vs))
+        out[rows] = attention(qs, ks, vs, mask.unsqueeze(0), False, attn.scale, None)[0].transpose(0, 1).flatten(1)
+    return out
 
 
 class InklingMLP(LlamaMLP):
@@ -315,23 +337,32 @@ def split_gate_up(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.
         yield from ((stem + target, t.contiguous()) for target, t in zip(targets, (gate, up)))
 
 
-def check_inkling_config(config: PretrainedConfig) -> None:
-    """Refuses by name what the layers cannot run as transformers does."""
+def check_attention_config(config: PretrainedConfig) -> str:
+    """Refuses by name a layer type beyond Inkling's and KV heads that the ranks cannot share (Inkling's and
+    Inkling-2's); returns where the config comes from."""
     where = config.name_or_path or "the model config"
-    for field, allowed in (("layer_types", LAYER_TYPES), ("mlp_layer_types", MLP_LAYER_TYPES)):
-        for i, value in enumerate(getattr(config, field)):
-            if value not in allowed:
-                raise ValueError(f"{field}[{i}]={value!r} in {where}; expected one of {allowed}")
-    if config.hidden_act != "silu":
-        raise ValueError(f"hidden_act={config.hidden_act!r} in {where} is not supported; only 'silu' is implemented")
-    # transformers' router takes the shared experts' logits off the end of its weight: it needs one at least.
-    if "sparse" in config.mlp_layer_types and config.n_shared_experts < 1:
-        raise ValueError(f"n_shared_experts={config.n_shared_experts} in {where}; Inkling's router needs one at least")
+    for i, value in enumerate(config.layer_types):
+        if value not in LAYER_TYPES:
+            raise ValueError(f"layer_types[{i}]={value!r} in {where}; expected one of {LAYER_TYPES}")
     # The keys' and values' convs hold a rank's KV heads' channels: each rank needs heads of its own.
     for name in ("num_key_value_heads", "swa_num_key_value_heads"):
         if getattr(config, name) % tp_size():
             raise ValueError(f"{name}={getattr(config, name)} in {where} does not split over "
                              f"tensor_parallel_size={tp_size()}")
+    return where
+
+
+def check_inkling_config(config: PretrainedConfig) -> None:
+    """Refuses by name what the layers cannot run as transformers does."""
+    where = check_attention_config(config)
+    for i, value in enumerate(config.mlp_layer_types):
+        if value not in MLP_LAYER_TYPES:
+            raise ValueError(f"mlp_layer_types[{i}]={value!r} in {where}; expected one of {MLP_LAYER_TYPES}")
+    if config.hidden_act != "silu":
+        raise ValueError(f"hidden_act={config.hidden_act!r} in {where} is not supported; only 'silu' is implemented")
+    # transformers' router takes the shared experts' logits off the end of its weight: it needs one at least.
+    if "sparse" in config.mlp_layer_types and config.n_shared_experts < 1:
+        raise ValueError(f"n_shared_experts={config.n_shared_experts} in {where}; Inkling's router needs one at least")
 
 
 class InklingForCausalLM(HybridForCausalLM):
@@ -345,10 +376,15 @@ class InklingForCausalLM(HybridForCausalLM):
     def make_embedding(self, config: PretrainedConfig) -> nn.Module:
         return NormedEmbedding(config.vocab_size, config.hidden_size, config.rms_norm_eps)
 
+    check_config = staticmethod(check_inkling_config)
+
     def __init__(self, config: PretrainedConfig):
-        check_inkling_config(config)
+        self.check_config(config)
         config.tie_word_embeddings = False  # `embed` and `unembed` apart in the checkpoints: transformers never ties
-        super().__init__(config, config.rms_norm_eps, logits_scaling=config.logits_mup_width_multiplier)
+        # Inkling's muP multiplier, Inkling-2's softcap (each family has only its own).
+        super().__init__(config, config.rms_norm_eps,
+                         logits_scaling=getattr(config, "logits_mup_width_multiplier", None),
+                         logit_softcap=getattr(config, "final_logit_softcapping", None))
         self.unpadded_vocab_size = config.unpadded_vocab_size
 
     @staticmethod

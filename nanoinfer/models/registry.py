@@ -66,6 +66,7 @@ _MODELS = {
     "HunYuanMoEV1ForCausalLM": ("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM"),
     "HyperCLOVAXForCausalLM": ("hyperclovax", "HyperCLOVAXForCausalLM"),
     "InklingForCausalLM": ("inkling", "InklingForCausalLM"),
+    "Inkling2ForCausalLM": ("inkling2", "Inkling2ForCausalLM"),
     "HYV3ForCausalLM": ("hy_v3", "HYV3ForCausalLM"),
     "HYV4ForCausalLM": ("hy_v4", "HYV4ForCausalLM"),
     "Jais2ForCausalLM": ("jais2", "Jais2ForCausalLM"),
@@ -177,6 +178,7 @@ _VISION_LANGUAGE = {
     "Gemma3nForConditionalGeneration": {"gemma3n_text": _MODELS["Gemma3nForCausalLM"]},
     "Gemma4ForConditionalGeneration": {"gemma4_text": _MODELS["Gemma4ForCausalLM"]},
     "InklingForConditionalGeneration": {"inkling_text": _MODELS["InklingForCausalLM"]},
+    "Inkling2ForConditionalGeneration": {"inkling2_text": _MODELS["Inkling2ForCausalLM"]},
     "Llama4ForConditionalGeneration": {"llama4_text": _MODELS["Llama4ForCausalLM"]},
     "Mistral3ForConditionalGeneration": {"mistral": _MODELS["MistralForCausalLM"],
                                          "ministral3": _MODELS["Ministral3ForCausalLM"]},
@@ -199,17 +201,17 @@ _VISION_LANGUAGE = {
 _ATTENTION_SINKS = {"FlintForCausalLM", "GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
                     "MiMoV2FlashForCausalLM"}
 # Families whose attention only the PyTorch backend runs, with what it is: DeepSeek sparse attention (deepseek_v32.py;
-# dots3 note's indexed layers, HY-V4's), MiniMax-M3's block-sparse attention (minimax_m3.py), Inkling's relative logits
-# (inkling.py).
+# dots3 note's indexed layers, HY-V4's), MiniMax-M3's block-sparse attention (minimax_m3.py), Inkling's and
+# Inkling-2's relative logits (inkling.py, inkling2.py).
 _DSA = ("DeepSeek sparse attention", "each query attends to the keys its indexer selects")
 _BLOCK_SPARSE = ("block-sparse attention", "each KV head's queries attend to the key blocks its indexer selects")
 _RELATIVE_LOGITS = ("relative logits", "a bias per query and backward distance, mixed from the query's own state")
 _PYTORCH_ONLY_ATTENTION = {
     "AXK2ForCausalLM": _DSA, "DeepseekV32ForCausalLM": _DSA, "Dots3NoteForCausalLM": _DSA,
     "Dots3NoteForConditionalGeneration": _DSA, "GlmMoeDsaForCausalLM": _DSA, "HYV4ForCausalLM": _DSA,
-    "InklingForCausalLM": _RELATIVE_LOGITS,
-    "InklingForConditionalGeneration": _RELATIVE_LOGITS, "MiniMaxM3VLForCausalLM": _BLOCK_SPARSE,
-    "MiniMaxM3SparseForConditionalGeneration": _BLOCK_SPARSE}
+    "MiniMaxM3VLForCausalLM": _BLOCK_SPARSE, "MiniMaxM3SparseForConditionalGeneration": _BLOCK_SPARSE,
+    **dict.fromkeys(("InklingForCausalLM", "InklingForConditionalGeneration", "Inkling2ForCausalLM",
+                     "Inkling2ForConditionalGeneration"), _RELATIVE_LOGITS)}
 # Families whose KV cache holds heads wider than their config's head_dim, by this factor (DiffLlama's differential
 # attention runs over doubled heads: models/diffllama.py): the backend is chosen and checked for the cache's.
 _CACHE_HEAD_MULTIPLES = {"DiffLlamaForCausalLM": 2}  # differential attention: paired value heads side by side
