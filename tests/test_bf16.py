@@ -1,14 +1,15 @@
-"""bf16 on the CPU against transformers in bf16 on the CPU (its torch path: no mamba_ssm, causal-conv1d or fla here,
-as on a GPU machine without them). Where transformers keeps a value in fp32 in 16-bit models, so does the engine, bit
+"""bf16 on the CPU against transformers in bf16 on the CPU (its torch path: no mamba_ssm, causal-conv1d or fla here, as
+on a GPU machine without them). Where transformers keeps a value in fp32 in 16-bit models, so does the engine, bit
 for bit against transformers' own modules: Gemma's, Qwen3-Next's and Qwen3.5's (1 + weight) norms and NemotronH's
 norms (weight applied in fp32), Mamba's fp32 residual stream (`residual_in_fp32`), the convs' fp32 accumulation
-(F.conv1d's), NemotronH's fp32 sum of the weighted experts; so do the MoE blocks of the attention families where a
-16-bit step is transformers' own (GLM-4.5's and DeepSeek-V3's fp32 correction bias and fp32-weighted sum, Mixtral's
-fp32 routing weights, GPT-OSS's and GraniteMoE's softmax over the top k logits, Hunyuan MoE's and Flint's fp32
-routers, AFMoE's, Laguna's and LFM2-MoE's bf16 ones, the V3-style routers' unsorted top k). Then the recurrent
-and hybrid families end to end, measured against transformers' own bf16 rounding error as test_gpu.py measures every
-family on a GPU (check_bf16_outputs)."""
+(F.conv1d's), Ling's hybrid's fp32 dt_bias and A_log (its KDA decay), NemotronH's fp32 sum of the weighted experts;
+so do the MoE blocks of the attention families where a 16-bit step is transformers' own (GLM-4.5's and DeepSeek-V3's
+fp32 correction bias and fp32-weighted sum, Mixtral's fp32 routing weights, GPT-OSS's and GraniteMoE's softmax over
+the top k logits, Hunyuan MoE's and Flint's fp32 routers, AFMoE's, Laguna's and LFM2-MoE's bf16 ones, the V3-style
+routers' unsorted top k). Then the recurrent and hybrid families end to end, measured against transformers' own bf16
+rounding error as test_gpu.py measures every family on a GPU (check_bf16_outputs)."""
 import inspect
+import math
 from collections.abc import Callable
 
 import pytest
@@ -148,6 +149,35 @@ def test_causal_conv_in_bf16_is_transformers_own():
     ours, state = causal_conv1d(x[0, :, :n].T, torch.zeros(kernel - 1, channels, dtype=torch.bfloat16), weight, bias)
     ours_step, _ = causal_conv1d(x[0, :, n:].T, state, weight, bias)
     assert torch.equal(ours, hf_prompt[0].T) and torch.equal(ours_step, hf_step[0].T)
+
+
+def test_bailing_hybrid_decay_in_bf16_is_transformers_own():
+    """Ling's bounded KDA decay in a bf16 model from its fp32 dt_bias and A_log (transformers'
+    `_keep_in_fp32_modules_strict`, as the conv's weight), against transformers' forget gate: the same up to its final
+    rounding to bf16. Held in bf16, dt_bias's rounding times the head rates (1 to 16) moves it by percents."""
+    module = pytest.importorskip("transformers.models.bailing_hybrid.modeling_bailing_hybrid",
+                                 reason="this transformers has no Ling hybrid (5.17)")
+    from models import make_config
+    from nanoinfer.models.bailing_hybrid import BailingHybridDeltaAttention
+
+    config = make_config("bailing-hybrid")
+    g = torch.Generator().manual_seed(0)
+    heads, head_dim = config.linear_num_heads, config.linear_head_dim
+    dt = torch.exp(torch.empty(heads * head_dim).uniform_(math.log(1e-3), math.log(1e-1), generator=g))
+    checkpoint = {"f_proj.weight": 0.3 * torch.randn(heads * head_dim, config.hidden_size, generator=g),
+                  "A_log": torch.empty(heads).uniform_(1.0, 16.0, generator=g).log(),
+                  "dt_bias": dt + torch.log(-torch.expm1(-dt))}  # transformers' initialisation
+    hf = built_in_bf16(lambda: module.BailingHybridForgetGate(config))
+    for name in ("A_log", "dt_bias"):  # as from_pretrained keeps them
+        getattr(hf, name).data = getattr(hf, name).data.float()
+    ours = built_in_bf16(lambda: BailingHybridDeltaAttention(config))
+    assert {p.dtype for p in (ours.A_log, ours.dt_bias, ours.conv1d.weight)} == {torch.float32}
+    for name, tensor in checkpoint.items():
+        hf.get_parameter(name).data.copy_(tensor)
+        ours.get_parameter(name).data.copy_(tensor)
+    x = torch.randn(1, 64, config.hidden_size, generator=g).bfloat16()
+    f = (ours.forget_input(x[0]).float() + ours.dt_bias.float()).view(64, heads, head_dim)
+    assert torch.equal(ours.decay(f).to(torch.bfloat16), hf(x)[0])
 
 
 def test_nemotron_h_experts_sum_in_fp32_as_transformers():

@@ -22,6 +22,14 @@ class BailingHybridDeltaAttention(KimiDeltaAttention):
     def __init__(self, config: PretrainedConfig):
         super().__init__(config)
         self.lower_bound = config.kda_lower_bound if config.kda_safe_gate else None  # None: Kimi's decay
+        self.keep_in_fp32()
+
+    def keep_in_fp32(self) -> None:
+        """The conv's weight, dt_bias and A_log in fp32 in every model dtype, as transformers keeps them
+        (`_keep_in_fp32_modules_strict`): in bf16, dt_bias's rounding (up to 0.016 near -5) times the head rate
+        e^A_log (transformers initialises it in [1, 16]) would move the bounded decay by several percent."""
+        for param in (self.conv1d.weight, self.dt_bias, self.A_log):
+            param.data = param.data.float()
 
     def init_gates(self, hidden: int, head_dim: int, width: int) -> None:
         self.f_proj = ColumnParallelLinear(hidden, width)
