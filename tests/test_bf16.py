@@ -21,6 +21,7 @@ from models import (MAMBA1_KINDS, MAMBA2_HYBRID_KINDS, QWEN3_NEXT_KINDS, SSM_KIN
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, relu2, select_experts, select_experts_topk_softmax
 from nanoinfer.layers.layernorm import Fp32ResidualRMSNorm, GemmaRMSNorm, OlmoRMSNorm, RMSNorm
+from nanoinfer.layers.linear import copy_weight
 from nanoinfer.layers.recurrent import causal_conv1d
 from nanoinfer.models.afmoe import AfmoeForCausalLM
 from nanoinfer.models.beam import BeamMoE
@@ -39,11 +40,16 @@ from nanoinfer.models.nemotron_h import NemotronHMoE
 # Granite 4.0-H's and Qwen3-Next's routers sit at bf16 near-ties on these prompts (Granite's: top-2 and 3rd expert
 # 0.002 apart at several tokens of every prompt; Qwen3-Next's: 0.1306 and 0.1288 at prompt 0, step 3), which rounding
 # swaps: the logits move by several times the rounding error without a near-tie of the tokens (the reason test_gpu.py
-# compares only dense families in bf16). Their layers run here in granitemoehybrid-dense and qwen3.5-moe.
-ROUTER_NEAR_TIE_KINDS = ("granitemoehybrid", "qwen3-next")
+# compares only dense families in bf16). Their layers run here in granitemoehybrid-dense and qwen3.5-moe. Inkling-2's
+# (all MLPs routed, 2 of 8 experts) at prompt 3's layer 1: token 36's 2nd and 3rd biased scores 0.82053 and 0.82044
+# in transformers' bf16 (0.00119 apart in fp32), token 1's 0.0029 apart where its own bf16 moves a score by 0.0034;
+# the engine's layer-1 MLP input is as close to fp32 as transformers' bf16 one (0.070 and 0.065 at most) and chooses
+# the other expert, and layer 2's input moves by 2.0; at prompt 1, step 1, layer 2's 2nd and 3rd are 0.011 apart where
+# transformers' bf16 moves a score by 0.017. Its norms: test_inkling2_norms_in_bf16_are_transformers_own.
+ROUTER_NEAR_TIE_KINDS = ("granitemoehybrid", "qwen3-next", "inkling2")
 # Inkling: its convs' fp32 weights and state (transformers keeps them in fp32).
 BF16_RECURRENT_KINDS = tuple(k for k in MAMBA1_KINDS + SSM_KINDS + MAMBA2_HYBRID_KINDS + QWEN3_NEXT_KINDS
-                             + ("inkling",) if k not in ROUTER_NEAR_TIE_KINDS)
+                             + ("inkling", "inkling2") if k not in ROUTER_NEAR_TIE_KINDS)
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # Batched together: prompt chunks across 16-token scan chunks beside one-token decode steps.
@@ -89,6 +95,27 @@ def test_norm_in_bf16_is_transformers_own(family, norm_class):
     assert torch.equal(ours(x), hf(x))
     out, new_residual = ours(x, residual)
     assert torch.equal(new_residual, x + residual) and torch.equal(out, hf(x + residual))
+
+
+def test_inkling2_norms_in_bf16_are_transformers_own():
+    """Inkling2RMSNorm applies its (bf16) weight in fp32 and rounds once, where Inkling's (and Llama's) round before
+    the weight: on the bf16 embedding and the first layer's bf16 input (the other norms' inputs are fp32 depth
+    softmaxes, where both agree), the engine's Inkling-2 norms give transformers' numbers bit for bit."""
+    module = pytest.importorskip("transformers.models.inkling2.modeling_inkling2",
+                                 reason="this transformers has no Inkling-2 (5.17)")
+    from models import make_config
+    from nanoinfer.models.inkling2 import Inkling2ForCausalLM
+
+    config = make_config("inkling2")
+    ours = built_in_bf16(lambda: Inkling2ForCausalLM(config)).model
+    g = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(2, 5, config.hidden_size, generator=g)).bfloat16()
+    for norm in (ours.embed_tokens.embed_norm, ours.layers[0].input_layernorm):
+        w = 1 + 0.3 * torch.randn(config.hidden_size, generator=g)  # the checkpoint's (fp32) weight
+        hf = module.Inkling2RMSNorm(config.hidden_size, config.rms_norm_eps).to(torch.bfloat16)
+        hf.weight.data.copy_(w)
+        getattr(norm, "weight_loader", copy_weight)(norm.weight, w)  # as the engine's loader routes it
+        assert torch.equal(norm(x), hf(x))
 
 
 def test_mamba_residual_stream_in_fp32_is_transformers_own():

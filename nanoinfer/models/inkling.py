@@ -314,11 +314,11 @@ class InklingDecoderLayer(nn.Module):
 
 
 class NormedEmbedding(VocabParallelEmbedding):
-    """The embedding, RMS-normed (`embed_norm`)."""
+    """The embedding, RMS-normed (`embed_norm`, of the family's norm class: Inkling-2's rounds as OlmoRMSNorm)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, eps: float):
+    def __init__(self, num_embeddings: int, embedding_dim: int, eps: float, norm: type[RMSNorm] = RMSNorm):
         super().__init__(num_embeddings, embedding_dim)
-        self.embed_norm = RMSNorm(embedding_dim, eps)
+        self.embed_norm = norm(embedding_dim, eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.embed_norm(super().forward(x))

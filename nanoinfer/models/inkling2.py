@@ -20,13 +20,14 @@ from transformers import PretrainedConfig
 
 from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.fused_moe import FusedMoE, select_experts_sigmoid_biased, softcapped_swiglu
-from nanoinfer.layers.layernorm import RMSNorm
+from nanoinfer.layers.layernorm import OlmoRMSNorm, RMSNorm
 from nanoinfer.layers.linear import ColumnParallelLinear, RowParallelLinear, copy_weight
 from nanoinfer.layers.recurrent import RecurrentBatch, load_rank_rows
 from nanoinfer.models.deepseek_v2 import DeepseekRouter
 from nanoinfer.models.hybrid import HybridModel
-from nanoinfer.models.inkling import (HUB_NAMES, InklingConv, InklingForCausalLM, RelativeLogits, ResidualConv,
-                                      attention_shape, check_attention_config, log_scale, relative_attention)
+from nanoinfer.models.inkling import (HUB_NAMES, InklingConv, InklingForCausalLM, NormedEmbedding, RelativeLogits,
+                                      ResidualConv, attention_shape, check_attention_config, log_scale,
+                                      relative_attention)
 from nanoinfer.utils.dist import tp_rank, tp_size
 
 # The Hub's layout (what transformers' save_pretrained writes): Inkling's names (less its static conv weights', see
@@ -190,11 +191,11 @@ class Inkling2DecoderLayer(nn.Module):
         self.self_attn = Inkling2Attention(config, layer_idx)
         self.mlp = Inkling2MoE(config)
         if self.full:  # the queries', keys' and values' inputs normed apart
-            self.q_input_layernorm, self.k_input_layernorm, self.v_input_layernorm = (RMSNorm(hidden, eps)
+            self.q_input_layernorm, self.k_input_layernorm, self.v_input_layernorm = (OlmoRMSNorm(hidden, eps)
                                                                                       for _ in range(3))
         else:
-            self.input_layernorm = RMSNorm(hidden, eps)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
+            self.input_layernorm = OlmoRMSNorm(hidden, eps)
+        self.post_attention_layernorm = OlmoRMSNorm(hidden, eps)
         divisor = math.sqrt(config.conv_kernel_size + 1)
         self.post_attention_convolution, self.post_mlp_convolution = (
             InklingConv(hidden, config.conv_kernel_size, False, divisor) for _ in range(2))
@@ -258,6 +259,15 @@ class Inkling2ForCausalLM(InklingForCausalLM):
 
     def make_layer(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
         return Inkling2DecoderLayer(config, layer_idx)
+
+    def make_final_norm(self, config: PretrainedConfig, eps: float) -> RMSNorm:
+        """OlmoRMSNorm, as all of Inkling-2's norms: transformers' Inkling2RMSNorm applies its weight in fp32 and
+        rounds once (Inkling's rounds before the weight); they differ on the bf16 embedding and the first layer's bf16
+        input (the other norms' inputs are fp32 depth softmaxes)."""
+        return OlmoRMSNorm(config.hidden_size, eps)
+
+    def make_embedding(self, config: PretrainedConfig) -> nn.Module:
+        return NormedEmbedding(config.vocab_size, config.hidden_size, config.rms_norm_eps, OlmoRMSNorm)
 
     @staticmethod
     def convert_checkpoint(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
