@@ -106,13 +106,17 @@ class HYV4Model(DeepseekV32Model):
         return self.norm(self.hc_head(streams))
 
 
+# Every layer's attention, as transformers 5.23 and 5.17 name it.
+LAYER_TYPES = ("indexed_attention", "deepseek_sparse_attention")
+
+
 def check_config(config: PretrainedConfig) -> None:
     """What this implementation cannot run, refused by name rather than run differently from transformers."""
     where = config.name_or_path or "the model config"
     for i, layer_type in enumerate(config.layer_types):
-        if layer_type != "indexed_attention":
+        if layer_type not in LAYER_TYPES:
             raise ValueError(f"layer_types[{i}]={layer_type!r} in {where} is not supported; only "
-                             f"'indexed_attention' is")
+                             f"{' or '.join(map(repr, LAYER_TYPES))} is")
     if not config.swiglu_limit > 0:  # transformers' docstring: no clamp; its code: clamped at it (to zero, ...)
         raise ValueError(f"swiglu_limit={config.swiglu_limit!r} in {where} is not supported; expected > 0")
     if not isinstance(config.hc_mult, int) or config.hc_mult < 1:
