@@ -36,8 +36,10 @@ LAYER_TYPES = ("hybrid", "hybrid_sliding")
 MLP_LAYER_TYPES = ("dense", "sparse")
 # The Hub's layout of Inkling checkpoints (`model.llm.*`, `attn.wq_du`, ..., what transformers' save_pretrained writes
 # for InklingForConditionalGeneration), renamed as transformers' conversion_mapping ("inkling_mm_model") reads it; the
-# sconv weights, nn.Conv1d's [channels, 1, K] in either layout, as `conv_weight` (InklingConv).
-HUB_NAMES = {"^model.llm.embed_norm.": "model.embed_tokens.embed_norm.", "^model.llm.embed.": "model.embed_tokens.",
+# sconv weights, nn.Conv1d's [channels, 1, K] in either layout, as `conv_weight` (InklingConv); transformers 5.17's
+# embedding norm, on the model rather than in its embedding (`model.embed_norm`).
+HUB_NAMES = {"^model.embed_norm.": "model.embed_tokens.embed_norm.",
+             "^model.llm.embed_norm.": "model.embed_tokens.embed_norm.", "^model.llm.embed.": "model.embed_tokens.",
              "^model.llm.unembed.": "lm_head.", "^model.llm.": "model.", ".attn.wq_du.": ".self_attn.q_proj.",
              ".attn.wk_dv.": ".self_attn.k_proj.", ".attn.wv_dv.": ".self_attn.v_proj.",
              ".attn.wr_du.": ".self_attn.r_proj.", ".attn.wo_ud.": ".self_attn.o_proj.",
