@@ -73,10 +73,9 @@ class BlockIndexer(nn.Module):
         own = torch.arange(context - n, context, device=scores.device) // self.block_size
         local = (own[:, None] - torch.arange(self.local, device=scores.device)).clamp(min=0)
         pooled.scatter_(-1, local.expand(heads, -1, -1), float("inf"))
-        best, chosen = pooled.topk(min(self.topk, blocks), -1)
-        # A chosen block with no visible key (its score -inf) is no choice: to a dropped column.
-        keep = torch.zeros(heads, n, blocks + 1, dtype=torch.bool, device=scores.device).scatter_(
-            -1, chosen.masked_fill(best == float("-inf"), blocks), True)[..., :blocks]
+        chosen = pooled.topk(min(self.topk, blocks), -1).indices
+        # A chosen block with no visible key (transformers' -1) adds none: `visible` drops its keys.
+        keep = torch.zeros_like(pooled, dtype=torch.bool).scatter_(-1, chosen, True)
         return keep.repeat_interleave(self.block_size, -1)[..., :context] & visible
 
 
