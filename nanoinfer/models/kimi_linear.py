@@ -82,7 +82,7 @@ class KimiDeltaAttention(nn.Module):
 class KimiLinearMoE(DeepseekV3MoE):
     """DeepSeek-V3's MoE with the correction bias in the model's dtype: transformers' Kimi Linear keeps nothing in
     fp32 (its router's bias is a buffer, rounded to bf16 in a bf16 model; at Kimi's bias sizes, ~0.3, that moves it
-    by up to 1e-3, which choose other experts at near-ties)."""
+    by up to 1e-3, enough to choose other experts at near-ties)."""
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config)
