@@ -2,10 +2,11 @@
 on a GPU machine without them). Where transformers keeps a value in fp32 in 16-bit models, so does the engine, bit
 for bit against transformers' own modules: Gemma's, Qwen3-Next's and Qwen3.5's (1 + weight) norms and NemotronH's
 norms (weight applied in fp32), Mamba's fp32 residual stream (`residual_in_fp32`), the convs' fp32 accumulation
-(F.conv1d's), Ling's hybrid's fp32 dt_bias and A_log (its KDA decay), NemotronH's fp32 sum of the weighted experts;
-so do the MoE blocks of the attention families where a 16-bit step is transformers' own (GLM-4.5's and DeepSeek-V3's
-fp32 correction bias and fp32-weighted sum, Mixtral's fp32 routing weights, GPT-OSS's and GraniteMoE's softmax over
-the top k logits, Hunyuan MoE's and Flint's fp32 routers, AFMoE's, Laguna's and LFM2-MoE's bf16 ones, the V3-style
+(F.conv1d's), Ling's hybrid's fp32 dt_bias and A_log (its KDA decay, rounded to bf16 after), KDA's gated norm
+(weight applied in fp32), NemotronH's fp32 sum of the weighted experts; so do the MoE blocks of the attention
+families where a 16-bit step is transformers' own (GLM-4.5's and DeepSeek-V3's fp32 correction bias and fp32-weighted
+sum, Mixtral's fp32 routing weights, GPT-OSS's and GraniteMoE's softmax over the top k logits, Hunyuan MoE's and
+Flint's fp32 routers, AFMoE's, Laguna's and LFM2-MoE's bf16 ones, Kimi Linear's bf16 correction bias, the V3-style
 routers' unsorted top k). Then the recurrent and hybrid families end to end, measured against transformers' own bf16
 rounding error as test_gpu.py measures every family on a GPU (check_bf16_outputs)."""
 import inspect
@@ -20,7 +21,7 @@ from models import (MAMBA1_KINDS, MAMBA2_HYBRID_KINDS, QWEN3_NEXT_KINDS, SSM_KIN
                     load_hf_model, random_prompts)
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, relu2, select_experts, select_experts_topk_softmax
-from nanoinfer.layers.layernorm import Fp32ResidualRMSNorm, GemmaRMSNorm, OlmoRMSNorm, RMSNorm
+from nanoinfer.layers.layernorm import Fp32ResidualRMSNorm, GatedRMSNorm, GemmaRMSNorm, OlmoRMSNorm, RMSNorm
 from nanoinfer.layers.linear import copy_weight
 from nanoinfer.layers.recurrent import causal_conv1d
 from nanoinfer.models.afmoe import AfmoeForCausalLM
@@ -30,6 +31,7 @@ from nanoinfer.models.deepseek_v3 import DeepseekV3MoE
 from nanoinfer.models.flint import FlintForCausalLM
 from nanoinfer.models.hunyuan_v1_moe import HunYuanMoEV1Moe
 from nanoinfer.models.hy_v3 import HYV3ForCausalLM
+from nanoinfer.models.kimi_linear import KimiLinearMoE
 from nanoinfer.models.kolibri1 import Kolibri1ForCausalLM
 from nanoinfer.models.laguna import LagunaMoE
 from nanoinfer.models.lfm2 import Lfm2MoeBlock
@@ -47,9 +49,11 @@ from nanoinfer.models.nemotron_h import NemotronHMoE
 # the other expert, and layer 2's input moves by 2.0; at prompt 1, step 1, layer 2's 2nd and 3rd are 0.011 apart where
 # transformers' bf16 moves a score by 0.017. Its norms: test_inkling2_norms_in_bf16_are_transformers_own.
 ROUTER_NEAR_TIE_KINDS = ("granitemoehybrid", "qwen3-next", "inkling2")
-# Inkling: its convs' fp32 weights and state (transformers keeps them in fp32).
+# Inkling: its convs' fp32 weights and state (transformers keeps them in fp32). Kimi Linear and Ling's hybrid: KDA's
+# bf16 beta, fp32 gated norm, Kimi's bf16 correction bias, Ling's bf16 decay.
 BF16_RECURRENT_KINDS = tuple(k for k in MAMBA1_KINDS + SSM_KINDS + MAMBA2_HYBRID_KINDS + QWEN3_NEXT_KINDS
-                             + ("inkling", "inkling2") if k not in ROUTER_NEAR_TIE_KINDS)
+                             + ("inkling", "inkling2", "kimi-linear", "bailing-hybrid")
+                             if k not in ROUTER_NEAR_TIE_KINDS)
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # Batched together: prompt chunks across 16-token scan chunks beside one-token decode steps.
@@ -118,6 +122,21 @@ def test_inkling2_norms_in_bf16_are_transformers_own():
         assert torch.equal(norm(x), hf(x))
 
 
+@pytest.mark.parametrize("family", ["kimi_linear", "bailing_hybrid"])
+def test_kda_gated_norm_in_bf16_is_transformers_own(family):
+    """KDA's output norm (KimiLinearRMSNormGated, BailingHybridRMSNormGated): x / rms(x) times its bf16 weight times
+    sigmoid(gate), all in fp32, rounded once; bit for bit (rounded before the weight, as Qwen3-Next's, it is not)."""
+    module = pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
+    hf = getattr(module, f"{''.join(p.title() for p in family.split('_'))}RMSNormGated")(64).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    w = 1 + 0.3 * torch.randn(64, generator=g)  # the checkpoint's (fp32) weight
+    hf.weight.data.copy_(w)
+    ours = built_in_bf16(lambda: GatedRMSNorm(64, 1e-6, torch.sigmoid, weight_in_fp32=True))
+    ours.weight.data.copy_(w)
+    x, gate = (3 * torch.randn(5, 4, 64, generator=g)).bfloat16(), torch.randn(5, 4, 64, generator=g).bfloat16()
+    assert torch.equal(ours(x, gate), hf(x, gate))
+
+
 def test_mamba_residual_stream_in_fp32_is_transformers_own():
     """transformers' MambaBlock with residual_in_fp32 over three layers, then norm_f and the LM head's cast: the
     embeddings (bf16) enter the stream, each layer normalizes the fp32 stream rounded to bf16 and adds its bf16 output
@@ -180,8 +199,9 @@ def test_causal_conv_in_bf16_is_transformers_own():
 
 def test_bailing_hybrid_decay_in_bf16_is_transformers_own():
     """Ling's bounded KDA decay in a bf16 model from its fp32 dt_bias and A_log (transformers'
-    `_keep_in_fp32_modules_strict`, as the conv's weight), against transformers' forget gate: the same up to its final
-    rounding to bf16. Held in bf16, dt_bias's rounding times the head rates (1 to 16) moves it by percents."""
+    `_keep_in_fp32_modules_strict`, as the conv's weight), against transformers' forget gate: bit for bit, rounded
+    to bf16 as transformers' gate returns it (the delta rule takes it in fp32 after). Held in bf16, dt_bias's rounding
+    times the head rates (1 to 16) moves it by percents."""
     module = pytest.importorskip("transformers.models.bailing_hybrid.modeling_bailing_hybrid",
                                  reason="this transformers has no Ling hybrid (5.17)")
     from models import make_config
@@ -204,7 +224,8 @@ def test_bailing_hybrid_decay_in_bf16_is_transformers_own():
         ours.get_parameter(name).data.copy_(tensor)
     x = torch.randn(1, 64, config.hidden_size, generator=g).bfloat16()
     f = (ours.forget_input(x[0]).float() + ours.dt_bias.float()).view(64, heads, head_dim)
-    assert torch.equal(ours.decay(f).to(torch.bfloat16), hf(x)[0])
+    decay = ours.decay(f)
+    assert decay.dtype == torch.bfloat16 and torch.equal(decay, hf(x)[0])
 
 
 def test_nemotron_h_experts_sum_in_fp32_as_transformers():
@@ -390,6 +411,9 @@ _ROUTERS = {
     # 4 per token (sorted); transformers' Beam router leaves the scaling to its MoE block's output: 1 here.
     "beam": ("beam", "BeamTopKRouter", "BeamConfig", "BeamForCausalLM", BeamMoE,
              {**_V3_GROUPS, "num_experts": 8, "norm_topk_prob": True, "routed_scaling_factor": 1.0}),
+    # Kimi Linear's: V3's with its correction bias in the model's dtype (transformers keeps nothing in fp32).
+    "kimi-linear": ("kimi_linear", "KimiLinearTopkRouter", "KimiLinearConfig", "KimiLinearForCausalLM",
+                    KimiLinearMoE, {**_V3_GROUPS, "num_experts": 8, "norm_topk_prob": True}),
     # 6 real and 2 zero experts, 4 per token.
     "longcat-flash": ("longcat_flash", "LongcatFlashTopkRouter", "LongcatFlashConfig", "LongcatFlashForCausalLM",
                       LongcatFlashMoE, {"n_routed_experts": 6, "zero_expert_num": 2, "moe_topk": 4,

@@ -138,12 +138,20 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 class GatedRMSNorm(RMSNorm):
     """RMSNorm(x) * activation(gate), over the last dimension (one head): SiLU (Gated DeltaNet's) or sigmoid (Kimi
-    Delta Attention's), taken in fp32."""
+    Delta Attention's), taken in fp32. weight_in_fp32: the weight (of the model's dtype) applied in fp32 too, rounding
+    once at the end, as transformers' KDA norm (KimiLinearRMSNormGated) does; otherwise RMSNorm's rounding before
+    the weight (Qwen3NextRMSNormGated's)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6,
-                 activation: Callable[[torch.Tensor], torch.Tensor] = F.silu):
+                 activation: Callable[[torch.Tensor], torch.Tensor] = F.silu, weight_in_fp32: bool = False):
         super().__init__(hidden_size, eps)
-        self.activation = activation
+        self.activation, self.weight_in_fp32 = activation, weight_in_fp32
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.weight_in_fp32:
+            return super()._norm(x)
+        xf = x.float()
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return (self._norm(x) * self.activation(gate.float())).to(x.dtype)

@@ -7,6 +7,7 @@ full rank and each head's output times sigmoid(g_proj(x)) before o_proj. Each ML
 `mlp_layer_types` says. Tensor parallelism and prefix caching (off: a cached prefix has K/V but no recurrent state)
 as Kimi Linear's."""
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -22,6 +23,7 @@ class BailingHybridDeltaAttention(KimiDeltaAttention):
     def __init__(self, config: PretrainedConfig):
         super().__init__(config)
         self.lower_bound = config.kda_lower_bound if config.kda_safe_gate else None  # None: Kimi's decay
+        self.model_dtype = torch.get_default_dtype()  # the one the engine builds the model under
         self.keep_in_fp32()
 
     def keep_in_fp32(self) -> None:
@@ -41,10 +43,14 @@ class BailingHybridDeltaAttention(KimiDeltaAttention):
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_proj(x)
 
+    softplus = staticmethod(F.softplus)  # transformers' BailingHybridForgetGate's, unlike Kimi's
+
     def decay(self, f: torch.Tensor) -> torch.Tensor:
-        if self.lower_bound is None:
-            return super().decay(f)
-        return self.lower_bound * torch.sigmoid(self.A_log.float().exp().unsqueeze(-1) * f)
+        """Rounded to the model's dtype, as transformers' forget gate returns it (the delta rule then takes it in
+        fp32)."""
+        g = (super().decay(f) if self.lower_bound is None
+             else self.lower_bound * torch.sigmoid(self.A_log.float().exp().unsqueeze(-1) * f))
+        return g.to(self.model_dtype)
 
 
 class BailingHybridForCausalLM(HybridForCausalLM):

@@ -74,9 +74,11 @@ def mlp_layer_type(config: PretrainedConfig, layer_idx: int) -> str:
     return mlp_type
 
 
-def mlp_by_layer_type(config: PretrainedConfig, layer_idx: int) -> nn.Module:
-    """GLM-4.7-Flash's and EXAONE-MoE's rule: each MLP dense or DeepSeek-V3's MoE as `mlp_layer_types` says."""
-    return DeepseekV3MoE(config) if mlp_layer_type(config, layer_idx) == "sparse" else LlamaMLP(config)
+def mlp_by_layer_type(config: PretrainedConfig, layer_idx: int,
+                      moe_class: type[DeepseekV3MoE] = DeepseekV3MoE) -> nn.Module:
+    """GLM-4.7-Flash's and EXAONE-MoE's rule: each MLP dense or DeepSeek-V3's MoE (`moe_class`) as `mlp_layer_types`
+    says."""
+    return moe_class(config) if mlp_layer_type(config, layer_idx) == "sparse" else LlamaMLP(config)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

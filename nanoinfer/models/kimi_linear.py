@@ -7,7 +7,6 @@ routing with the correction bias within the best groups, shared experts) as `mlp
 parallelism KDA shards by heads (their projection rows, conv channels, gates and state; o_proj's columns), MLA and the
 MoE as DeepSeek's. Prefix caching is off, as for the other hybrids (a cached prefix has K/V but no recurrent state)."""
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -17,7 +16,7 @@ from nanoinfer.layers.linear import (ColumnParallelLinear, ReplicatedLinear, Row
                                      SegmentedColumnParallelLinear)
 from nanoinfer.layers.recurrent import RecurrentBatch, RowShardedWeight, load_rank_rows
 from nanoinfer.models.deepseek_v2 import DeepseekV2Attention, DeepseekV2ForCausalLM
-from nanoinfer.models.deepseek_v3 import mlp_by_layer_type
+from nanoinfer.models.deepseek_v3 import DeepseekV3MoE, mlp_by_layer_type
 from nanoinfer.models.hybrid import (HybridDecoderLayer, HybridForCausalLM, check_layer_config,
                                     mixers_named_self_attn)
 from nanoinfer.models.llama import AttentionOptions
@@ -41,7 +40,7 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads * head_dim), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.b_proj = ColumnParallelLinear(hidden, heads)
-        self.o_norm = GatedRMSNorm(head_dim, config.rms_norm_eps, torch.sigmoid)
+        self.o_norm = GatedRMSNorm(head_dim, config.rms_norm_eps, torch.sigmoid, weight_in_fp32=True)
         self.o_proj = RowParallelLinear(width, hidden)
         self.delta_rule = GatedDeltaRule(self.num_heads, self.num_heads, head_dim, head_dim, kernel)
 
@@ -58,9 +57,15 @@ class KimiDeltaAttention(nn.Module):
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_b_proj(self.g_a_proj(x))
 
+    @staticmethod
+    def softplus(f: torch.Tensor) -> torch.Tensor:
+        # transformers' KimiLinearForgetGate takes log(1 + e^f), not F.softplus's log1p (which parts from it by up to
+        # fp32's spacing at 1).
+        return torch.where(f > 20.0, f, torch.log(1.0 + torch.exp(f)))
+
     def decay(self, f: torch.Tensor) -> torch.Tensor:
         """The log-decay per key channel of f = forget_input + dt_bias [tokens, heads, head_dim] (fp32)."""
-        return -self.A_log.float().exp().unsqueeze(-1) * F.softplus(f)
+        return -self.A_log.float().exp().unsqueeze(-1) * self.softplus(f)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """A_log (stored [1, 1, heads, 1]) and dt_bias: this rank's heads."""
@@ -69,9 +74,20 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
         heads = (x.shape[0], self.num_heads, self.head_dim)
         g = self.decay((self.forget_input(x).float() + self.dt_bias.float()).view(heads))
-        beta = self.b_proj(x).float().sigmoid()
+        beta = self.b_proj(x).sigmoid()  # in the model's dtype, as transformers' KDA takes it
         out = self.delta_rule(self.in_proj_qkv(x), self.conv1d.weight.squeeze(1), g, beta, batch).to(x.dtype)
         return self.o_proj(self.o_norm(out, self.output_gate(x).view(heads)).flatten(1))
+
+
+class KimiLinearMoE(DeepseekV3MoE):
+    """DeepSeek-V3's MoE with the correction bias in the model's dtype: transformers' Kimi Linear keeps nothing in
+    fp32 (its router's bias is a buffer, rounded to bf16 in a bf16 model; at Kimi's bias sizes, ~0.3, that moves it
+    by up to 1e-3, enough to choose other experts at near-ties)."""
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__(config)
+        bias = self.gate.e_score_correction_bias
+        bias.data = bias.data.to(torch.get_default_dtype())  # the one the engine builds the model under
 
 
 class KimiLinearForCausalLM(HybridForCausalLM):
@@ -84,7 +100,7 @@ class KimiLinearForCausalLM(HybridForCausalLM):
         **DeepseekV2ForCausalLM.packed_modules_mapping}
 
     def make_layer(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
-        mlp = mlp_by_layer_type(config, layer_idx)
+        mlp = mlp_by_layer_type(config, layer_idx, KimiLinearMoE)
         if config.layer_types[layer_idx] == "linear_attention":
             return HybridDecoderLayer(config, KimiDeltaAttention(config), False, mlp, config.rms_norm_eps)
         return HybridDecoderLayer(config, DeepseekV2Attention(config, AttentionOptions(rope=False)), True, mlp,
