@@ -380,8 +380,8 @@ def test_indexer_keys_are_cached_in_the_kv_blocks(kind, kv_values, indexers, mod
     ("dots3-note", {"mlp_bias": True}, r"mlp_bias=True in the model config is not supported"),
     ("hy-v4", {"swiglu_limit": 0.0}, r"swiglu_limit=0.0 in the model config is not supported; expected > 0"),
     ("hy-v4", {"layer_types": ["indexed_attention", "full_attention", "indexed_attention"]},
-     r"layer_types\[1\]='full_attention' in the model config is not supported; only 'indexed_attention' or "
-     "'deepseek_sparse_attention' is"),
+     r"layer_types\[1\]='full_attention' in the model config is not supported; expected one of "
+     r"\('indexed_attention', 'deepseek_sparse_attention'\)"),
     ("hy-v4", {"indexer_types": ["shared", "full", "full"]}, r"indexer_types\[0\]='shared' in the model config"),
     ("minimax-m3", {"layer_types": ["full_attention", "sliding_attention", "minimax_m3_sparse"]},
      r"layer_types\[1\]='sliding_attention' in the model config is not supported"),

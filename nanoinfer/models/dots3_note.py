@@ -14,6 +14,7 @@ from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import ColumnParallelLinear
 from nanoinfer.layers.rotary_embedding import rope_parameters
+from nanoinfer.models.config_checks import check_each_in
 from nanoinfer.models.deepseek_v3 import DeepseekV3MoE, mlp_layer_type
 from nanoinfer.models.deepseek_v32 import (DeepseekV32Attention, DeepseekV32DecoderLayer, DeepseekV32ForCausalLM,
                                            DeepseekV32Model, DSAOptions, check_dsa_config)
@@ -61,10 +62,8 @@ class Dots3NoteModel(DeepseekV32Model):
 def check_config(config: PretrainedConfig) -> None:
     """What this implementation cannot run, refused by name rather than run differently from transformers."""
     where = config.name_or_path or "the model config"
+    check_each_in(config, "layer_types", _LAYER_TYPES)  # not "full_attention": use_dsa=False, dense MLA
     for i, layer_type in enumerate(config.layer_types):
-        if layer_type not in _LAYER_TYPES:  # "full_attention": use_dsa=False, dense MLA
-            raise ValueError(f"layer_types[{i}]={layer_type!r} in {where} is not supported; expected one of "
-                             f"{_LAYER_TYPES}")
         rope_type = rope_parameters(config, layer_type)["rope_type"]
         if rope_type != "default":  # transformers scales no softmax for it, as nanoinfer's MLA would
             raise ValueError(f"rope_type={rope_type!r} of the {layer_type} layers in {where} is not supported; only "

@@ -8,6 +8,7 @@ from transformers import PretrainedConfig
 from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.layernorm import GemmaRMSNorm, RMSNorm
 from nanoinfer.models import gemma
+from nanoinfer.models.config_checks import check_each_in
 from nanoinfer.models.llama import AttentionOptions, LlamaDecoderLayer, LlamaMLP, layer_sliding_window
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -20,9 +21,7 @@ def check_config(config: PretrainedConfig) -> None:
 
 
 def check_layer_types(config: PretrainedConfig) -> None:
-    for i, layer_type in enumerate(config.layer_types):
-        if layer_type not in _LAYER_TYPES:
-            raise ValueError(f"layer_types[{i}]={layer_type!r} in the model config; expected one of {_LAYER_TYPES}")
+    check_each_in(config, "layer_types", _LAYER_TYPES)
 
 
 def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:

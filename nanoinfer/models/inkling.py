@@ -28,6 +28,7 @@ from nanoinfer.layers.fused_moe import FusedMoE
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, copy_weight
 from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer, load_rank_rows
+from nanoinfer.models.config_checks import check_each_in
 from nanoinfer.models.hybrid import HybridForCausalLM
 from nanoinfer.models.llama import LlamaMLP
 from nanoinfer.utils.dist import tp_group, tp_rank, tp_size
@@ -341,9 +342,7 @@ def check_attention_config(config: PretrainedConfig) -> str:
     """Refuses by name a layer type beyond Inkling's and KV heads that the ranks cannot share (Inkling's and
     Inkling-2's); returns where the config comes from."""
     where = config.name_or_path or "the model config"
-    for i, value in enumerate(config.layer_types):
-        if value not in LAYER_TYPES:
-            raise ValueError(f"layer_types[{i}]={value!r} in {where}; expected one of {LAYER_TYPES}")
+    check_each_in(config, "layer_types", LAYER_TYPES)
     # The keys' and values' convs hold a rank's KV heads' channels: each rank needs heads of its own.
     for name in ("num_key_value_heads", "swa_num_key_value_heads"):
         if getattr(config, name) % tp_size():
@@ -355,9 +354,7 @@ def check_attention_config(config: PretrainedConfig) -> str:
 def check_inkling_config(config: PretrainedConfig) -> None:
     """Refuses by name what the layers cannot run as transformers does."""
     where = check_attention_config(config)
-    for i, value in enumerate(config.mlp_layer_types):
-        if value not in MLP_LAYER_TYPES:
-            raise ValueError(f"mlp_layer_types[{i}]={value!r} in {where}; expected one of {MLP_LAYER_TYPES}")
+    check_each_in(config, "mlp_layer_types", MLP_LAYER_TYPES)
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act={config.hidden_act!r} in {where} is not supported; only 'silu' is implemented")
     # transformers' router takes the shared experts' logits off the end of its weight: it needs one at least.

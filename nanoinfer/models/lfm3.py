@@ -11,6 +11,7 @@ from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.recurrent import RecurrentBatch
 from nanoinfer.layers.short_conv import ShortConv
+from nanoinfer.models.config_checks import check_each_in
 from nanoinfer.models.hybrid import HybridDecoderLayer
 from nanoinfer.models.lfm2 import Lfm2ForCausalLM
 from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaMLP, layer_sliding_window
@@ -19,10 +20,7 @@ _LAYER_TYPES = ("conv", "sliding_attention", "full_attention")
 
 
 def check_layer_types(config: PretrainedConfig) -> None:
-    for i, layer_type in enumerate(config.layer_types):
-        if layer_type not in _LAYER_TYPES:
-            raise ValueError(f"layer_types[{i}]={layer_type!r} in {config.name_or_path or 'the model config'}; "
-                             f"expected one of {_LAYER_TYPES}")
+    check_each_in(config, "layer_types", _LAYER_TYPES)
 
 
 class Lfm3SandwichDecoderLayer(HybridDecoderLayer):

@@ -24,6 +24,7 @@ from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, copy_weight
 from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer, RowShardedWeight, load_rank_rows
 from nanoinfer.layers.rotary_embedding import get_rope
+from nanoinfer.models.config_checks import check_each_in
 from nanoinfer.models.llama import LlamaForCausalLM
 from nanoinfer.utils.dist import tp_rank, tp_size
 
@@ -33,9 +34,7 @@ _LAYER_TYPES = ("hybrid", "hybrid_sliding")
 def check_config(config: PretrainedConfig) -> None:
     """What this implementation cannot do, refused by name rather than run differently from transformers."""
     where = config.name_or_path or "the model config"
-    for i, layer_type in enumerate(config.layer_types):
-        if layer_type not in _LAYER_TYPES:
-            raise ValueError(f"layer_types[{i}]={layer_type!r} in {where}; expected one of {_LAYER_TYPES}")
+    check_each_in(config, "layer_types", _LAYER_TYPES)
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act={config.hidden_act!r} in {where} is not supported; only 'silu' is implemented")
     for name in ("num_attention_heads", "num_key_value_heads"):
