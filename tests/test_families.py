@@ -500,14 +500,16 @@ def test_inkling_padding_rows_of_the_head_are_never_sampled(model_dir, tmp_path,
 
 def test_inkling_embedding_norm_on_the_model_loads(model_dir, tmp_path, captured_logits):
     """transformers 5.17's Inkling (the GPU machine's) holds its embedding norm on the model (`model.embed_norm`),
-    5.23's inside the embedding (`model.embed_tokens.embed_norm`): a checkpoint in 5.17's names loads into the same
-    model, equal to transformers' greedy tokens and logits."""
+    5.23's inside the embedding (`model.embed_tokens.embed_norm`): a checkpoint in the other version's names than the
+    installed transformers wrote loads into the same model, equal to transformers' greedy tokens and logits."""
     from safetensors.torch import load_file, save_file
 
     d = tmp_path / "inkling"
     shutil.copytree(model_dir("inkling"), d)
     weights = load_file(d / "model.safetensors")
-    weights["model.embed_norm.weight"] = weights.pop("model.embed_tokens.embed_norm.weight")
+    names = ["model.embed_tokens.embed_norm.weight", "model.embed_norm.weight"]
+    written, other = names if names[0] in weights else names[::-1]
+    weights[other] = weights.pop(written)
     save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
     with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
