@@ -10,6 +10,7 @@ from transformers import PretrainedConfig
 from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.linear import RowParallelLinear
 from nanoinfer.layers.recurrent import load_rank_rows
+from nanoinfer.models.config_checks import config_source
 from nanoinfer.models.llama import (AttentionOptions, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM,
                                     LlamaModel, layer_sliding_window)
 from nanoinfer.utils.dist import tp_rank, tp_size
@@ -20,7 +21,7 @@ KEY_BIAS_PAD = 8  # the registry's cache head pad for Doge
 
 def check_config(config: PretrainedConfig) -> None:
     """What this implementation cannot do, refused by name rather than run differently from transformers."""
-    where = config.name_or_path or "the model config"
+    where = config_source(config)
     if config.is_moe:
         raise ValueError(f"is_moe={config.is_moe} in {where} is not supported: transformers' CDMoE routes each token "
                          "on router logits mixed across the batch's tokens (its own note), which no engine batch "

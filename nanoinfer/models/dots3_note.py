@@ -14,7 +14,7 @@ from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import ColumnParallelLinear
 from nanoinfer.layers.rotary_embedding import rope_parameters
-from nanoinfer.models.config_checks import check_each_in
+from nanoinfer.models.config_checks import check_each_in, config_source
 from nanoinfer.models.deepseek_v3 import DeepseekV3MoE, mlp_layer_type
 from nanoinfer.models.deepseek_v32 import (DeepseekV32Attention, DeepseekV32DecoderLayer, DeepseekV32ForCausalLM,
                                            DeepseekV32Model, DSAOptions, check_dsa_config)
@@ -61,7 +61,7 @@ class Dots3NoteModel(DeepseekV32Model):
 
 def check_config(config: PretrainedConfig) -> None:
     """What this implementation cannot run, refused by name rather than run differently from transformers."""
-    where = config.name_or_path or "the model config"
+    where = config_source(config)
     check_each_in(config, "layer_types", _LAYER_TYPES)  # not "full_attention": use_dsa=False, dense MLA
     for i, layer_type in enumerate(config.layer_types):
         rope_type = rope_parameters(config, layer_type)["rope_type"]

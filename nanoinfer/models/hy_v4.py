@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 
 from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.fused_moe import clamped_silu_and_mul
-from nanoinfer.models.config_checks import check_each_in
+from nanoinfer.models.config_checks import check_each_in, config_source
 from nanoinfer.models.deepseek_v3 import DeepseekV3MoE, mlp_layer_type
 from nanoinfer.models.deepseek_v32 import DeepseekV32DecoderLayer, DeepseekV32Model, DSAOptions, check_dsa_config
 from nanoinfer.models.glm_moe_dsa import GlmMoeDsaForCausalLM
@@ -113,7 +113,7 @@ LAYER_TYPES = ("indexed_attention", "deepseek_sparse_attention")
 
 def check_config(config: PretrainedConfig) -> None:
     """What this implementation cannot run, refused by name rather than run differently from transformers."""
-    where = config.name_or_path or "the model config"
+    where = config_source(config)
     check_each_in(config, "layer_types", LAYER_TYPES)
     if not config.swiglu_limit > 0:  # transformers' docstring: no clamp; its code: clamped at it (to zero, ...)
         raise ValueError(f"swiglu_limit={config.swiglu_limit!r} in {where} is not supported; expected > 0")

@@ -11,7 +11,7 @@ from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.recurrent import RecurrentBatch
-from nanoinfer.models.config_checks import check_each_in
+from nanoinfer.models.config_checks import check_each_in, config_source
 from nanoinfer.models.llama import LlamaForCausalLM
 from nanoinfer.utils.dist import tp_size
 
@@ -28,7 +28,7 @@ def check_layer_config(config: PretrainedConfig, heads: str | None = None, silu:
     """Refuses by name what a linear-attention hybrid cannot run rather than run it differently from transformers: a
     layer type beyond `layer_types`, a `hidden_act` other than SiLU (silu: the layers apply it), a head count (the
     config's attribute `heads`) that tensor parallelism cannot split. Returns where the config comes from."""
-    where = config.name_or_path or "the model config"
+    where = config_source(config)
     check_each_in(config, "layer_types", layer_types)
     if silu and config.hidden_act != "silu":
         raise ValueError(f"hidden_act={config.hidden_act!r} in {where} is not supported; only 'silu' is implemented")

@@ -28,7 +28,7 @@ from nanoinfer.layers.fused_moe import FusedMoE
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, copy_weight
 from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer, load_rank_rows
-from nanoinfer.models.config_checks import check_each_in
+from nanoinfer.models.config_checks import check_each_in, config_source
 from nanoinfer.models.hybrid import HybridForCausalLM
 from nanoinfer.models.llama import LlamaMLP
 from nanoinfer.utils.dist import tp_group, tp_rank, tp_size
@@ -341,7 +341,7 @@ def split_gate_up(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.
 def check_attention_config(config: PretrainedConfig) -> str:
     """Refuses by name a layer type beyond Inkling's and KV heads that the ranks cannot share (Inkling's and
     Inkling-2's); returns where the config comes from."""
-    where = config.name_or_path or "the model config"
+    where = config_source(config)
     check_each_in(config, "layer_types", LAYER_TYPES)
     # The keys' and values' convs hold a rank's KV heads' channels: each rank needs heads of its own.
     for name in ("num_key_value_heads", "swa_num_key_value_heads"):

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanoinfer.models.config_checks import config_source
 from nanoinfer.models.deepseek_v3 import UngroupedSigmoidMoE, mlp_layer_type
 from nanoinfer.models.gemma2 import check_layer_types
 from nanoinfer.models.gpt_oss import GptOssRMSNorm
@@ -19,7 +20,7 @@ _GATINGS = (True, "per-head", "per-element")
 
 def check_config(config: PretrainedConfig) -> None:
     """What this implementation cannot do, refused by name rather than run differently from transformers."""
-    where = config.name_or_path or "the model config"
+    where = config_source(config)
     if config.gating not in _GATINGS:
         raise ValueError(f"gating={config.gating!r} in {where} is not supported; expected one of {_GATINGS}")
     if config.moe_apply_router_weight_on_input:

@@ -11,6 +11,7 @@ from transformers import PretrainedConfig
 from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.fused_moe import FusedMoE, Fp32Router
 from nanoinfer.layers.layernorm import RMSNorm
+from nanoinfer.models.config_checks import config_source
 from nanoinfer.models.deepseek_v2 import DeepseekV2Attention, check_moe_config
 from nanoinfer.models.ernie4_5_moe import select_experts_softmax_biased
 from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM, LlamaMLP, LlamaModel
@@ -18,7 +19,7 @@ from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM, LlamaMLP,
 
 def check_config(config: PretrainedConfig) -> None:
     """What this implementation cannot do, refused by name rather than run differently from transformers."""
-    where = config.name_or_path or "the model config"
+    where = config_source(config)
     if config.head_dim != config.qk_rope_head_dim:  # transformers' rope tables are head_dim wide
         raise ValueError(f"head_dim={config.head_dim} in {where} is not supported: the rope rotates "
                          f"qk_rope_head_dim={config.qk_rope_head_dim} dimensions")

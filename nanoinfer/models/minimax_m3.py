@@ -19,7 +19,7 @@ from nanoinfer.layers.fused_moe import FusedMoE, clamped_swiglu, select_experts_
 from nanoinfer.layers.layernorm import GemmaRMSNorm
 from nanoinfer.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from nanoinfer.layers.rotary_embedding import get_rope, rope_parameters
-from nanoinfer.models.config_checks import check_each_in
+from nanoinfer.models.config_checks import check_each_in, config_source
 from nanoinfer.models.deepseek_v2 import DeepseekRouter
 from nanoinfer.models.deepseek_v32 import DSAOptions, IndexerKeyCache, SparseStep, sparse_rows, sparse_step
 from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
@@ -170,7 +170,7 @@ class MiniMaxM3Model(LlamaModel):
 
 def check_config(config: PretrainedConfig) -> None:
     """What this implementation cannot run, refused by name rather than run differently from transformers."""
-    where = config.name_or_path or "the model config"
+    where = config_source(config)
     check_each_in(config, "layer_types", _LAYER_TYPES)
     if "minimax_m3_sparse" not in config.layer_types:
         return

@@ -24,7 +24,7 @@ from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, copy_weight
 from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer, RowShardedWeight, load_rank_rows
 from nanoinfer.layers.rotary_embedding import get_rope
-from nanoinfer.models.config_checks import check_each_in
+from nanoinfer.models.config_checks import check_each_in, config_source
 from nanoinfer.models.llama import LlamaForCausalLM
 from nanoinfer.utils.dist import tp_rank, tp_size
 
@@ -33,7 +33,7 @@ _LAYER_TYPES = ("hybrid", "hybrid_sliding")
 
 def check_config(config: PretrainedConfig) -> None:
     """What this implementation cannot do, refused by name rather than run differently from transformers."""
-    where = config.name_or_path or "the model config"
+    where = config_source(config)
     check_each_in(config, "layer_types", _LAYER_TYPES)
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act={config.hidden_act!r} in {where} is not supported; only 'silu' is implemented")
