@@ -132,6 +132,7 @@ _MODELS |= {
     "MiniMaxForCausalLM": ("minimax", "MiniMaxForCausalLM"),
     "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
     "OlmoHybridForCausalLM": ("olmo_hybrid", "OlmoHybridForCausalLM"),
+    "RecurrentGemmaForCausalLM": ("recurrent_gemma", "RecurrentGemmaForCausalLM"),
     "ZambaForCausalLM": ("zamba", "ZambaForCausalLM"),
     "Zamba2ForCausalLM": ("zamba2", "Zamba2ForCausalLM"),
     "ZayaForCausalLM": ("zaya", "ZayaForCausalLM"),
