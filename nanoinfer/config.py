@@ -255,7 +255,10 @@ def position_field(config: PretrainedConfig) -> str:
 
 def position_limit(config: PretrainedConfig) -> int | None:
     """The longest sequence the model's positions cover: position_field's value (None: no positions, as Mamba's or
-    BLOOM's, no limit), less the first pad_token_id + 1 rows that RoBERTa's positions skip (models/bert.py)."""
+    BLOOM's, no limit), less the first pad_token_id + 1 rows that RoBERTa's positions skip (models/bert.py). RWKV's
+    context_length (its max_position_embeddings) bounds a single pass of transformers' CUDA kernel, not a sequence."""
+    if config.model_type == "rwkv":
+        return None
     limit = getattr(config, position_field(config), None)
     if limit is not None and config.model_type in ("roberta", "xlm-roberta"):
         limit -= (config.pad_token_id or 0) + 1

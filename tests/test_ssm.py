@@ -54,13 +54,13 @@ def test_chunked_prefill_and_preemption_match_hf(ssm_dir, captured_logits, repor
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lfm2", "granitemoehybrid", "nemotron-h", "falcon-h1-norm", "bamba", "zamba2",
-                                  "mamba2", "lfm2-moe", "recurrent-gemma", *NEWEST_HYBRID_KINDS])
+                                  "mamba2", "lfm2-moe", "recurrent-gemma", "rwkv", *NEWEST_HYBRID_KINDS])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): LFM2's short conv sharded by channels (LFM2-MoE's experts too), RecurrentGemma's
-    RG-LRU by heads (its one KV head replicated); Granite's, NemotronH's, Falcon-H1's, Bamba's and Zamba2's attention,
-    MLPs and experts sharded, their Mamba2 mixers (Mamba2's alone) by heads, each rank with its heads' state
-    (Falcon-H1's multipliers folded into each rank's rows; Bamba's one group of B and C whole on both ranks; Zamba2's
-    adapters' B rows split as the projections they add to)."""
+    RG-LRU by heads (its one KV head replicated), RWKV's time mix by channels and its channel mix as an MLP; Granite's,
+    NemotronH's, Falcon-H1's, Bamba's and Zamba2's attention, MLPs and experts sharded, their Mamba2 mixers (Mamba2's
+    alone) by heads, each rank with its heads' state (Falcon-H1's multipliers folded into each rank's rows; Bamba's one
+    group of B and C whole on both ranks; Zamba2's adapters' B rows split as the projections they add to)."""
     llm, _, worst = run(model_dir(kind), captured_logits, prompts=PROMPTS[:4], tensor_parallel_size=2)
     report_logit_diff(f"{kind}, tensor parallel 2", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
@@ -68,7 +68,7 @@ def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_l
     heads = next((getattr(config, name) for name in ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads", "num_heads")
                   if getattr(config, name, None)), None)
     mixers = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Mamba2Mixer)]
-    assert bool(mixers) == (kind not in ("lfm2", "lfm2-moe", "recurrent-gemma", *NEWEST_HYBRID_KINDS))
+    assert bool(mixers) == (kind not in ("lfm2", "lfm2-moe", "recurrent-gemma", "rwkv", *NEWEST_HYBRID_KINDS))
     assert all(m.ssm_state.shape[1] * 2 == heads for m in mixers)
 
 
