@@ -32,6 +32,12 @@ def check_config(config: PretrainedConfig) -> None:
                          f"tensor_parallel_size={tp_size()}")
 
 
+def block_types(config: PretrainedConfig) -> list[str]:
+    """Each layer's block type, `block_types` repeated (transformers 5.23's `layers_block_type` renames them, 5.17's
+    does not)."""
+    return [config.block_types[i % len(config.block_types)] for i in range(config.num_hidden_layers)]
+
+
 def rg_lru_step(a: torch.Tensor, x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """One token of each of S sequences: h = a h + x in fp32 (state [S, C], updated in place) -> h in x's dtype."""
     state.mul_(a.to(state.dtype)).add_(x.to(state.dtype))
@@ -103,7 +109,7 @@ class RecurrentGemmaDecoderLayer(HybridDecoderLayer):
 
 class RecurrentGemmaForCausalLM(HybridForCausalLM):
     def make_layer(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
-        is_attention = config.layers_block_type[layer_idx] == "sliding_attention"
+        is_attention = block_types(config)[layer_idx] == "attention"
         if is_attention:
             options = AttentionOptions(qkv_bias=config.attention_bias, o_bias=True,
                                        sliding_window=config.attention_window_size)
@@ -122,9 +128,9 @@ class RecurrentGemmaForCausalLM(HybridForCausalLM):
         normalizer = torch.tensor(config.hidden_size ** 0.5, dtype=torch.bfloat16).item()
         super().__init__(config, config.rms_norm_eps, embedding_multiplier=normalizer,
                          logit_softcap=config.logits_soft_cap)
-        mixers = {"sliding_attention": "self_attn", "linear_attention": "mixer"}  # HybridDecoderLayer's names
+        mixers = {"attention": "self_attn", "recurrent": "mixer"}  # HybridDecoderLayer's names
         self.weight_name_substitutions = {
-            **{f"^model.layers.{i}.temporal_block.": f"model.layers.{i}.{mixers[layer_type]}."
-               for i, layer_type in enumerate(config.layers_block_type)},
+            **{f"^model.layers.{i}.temporal_block.": f"model.layers.{i}.{mixers[block_type]}."
+               for i, block_type in enumerate(block_types(config))},
             ".rg_lru.": ".", ".temporal_pre_norm.": ".input_layernorm.", ".channel_pre_norm.": ".post_attention_layernorm.",
             ".mlp_block.": ".mlp.", "^model.final_norm.": "model.norm."}
