@@ -2005,7 +2005,7 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
             model._setup_cache(model.config, 1, device, model.dtype)
         input_ids = torch.tensor([prompt], dtype=torch.long, device=device)
         out = model(input_ids=input_ids, **{cache_kw: cache}, use_cache=True)
-        cache = getattr(out, cache_kw, cache)  # RecurrentGemma's output holds none: its DynamicCache is updated in place
+        cache = getattr(out, cache_kw, cache)  # RecurrentGemma's output holds none: it updates its DynamicCache
         step_logits = out.logits[0, -1].float().to("cpu", copy=True)
         prefill_logits = step_logits.clone()
         tokens: list[int] = []

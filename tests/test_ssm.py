@@ -1,9 +1,9 @@
 """LFM2, LFM2-MoE, Bamba, Granite 4.0-H, NemotronH, Falcon-H1 and Zamba2 (short-conv and Mamba2 hybrids), RecurrentGemma
-(RG-LRU), Mamba2 and the newest hybrids (NEWEST_HYBRID_KINDS) vs transformers under chunked prefill, preemption and two tensor-parallel
-ranks, prefix caching and LLM.embed refused; the Mamba2 scan's chunked and one-step forms against each other, and the
-mixers against transformers' over prompt chunks, decode steps and several sequences at once, whole and sharded over two
-ranks; Zamba2's shared blocks, Ling's hybrid from a Hub-form config, and the options Zamba2, Ling's hybrid, ZAYA and
-RecurrentGemma refuse."""
+(RG-LRU), RWKV, Mamba2 and the newest hybrids (NEWEST_HYBRID_KINDS) vs transformers under chunked prefill, preemption
+and two tensor-parallel ranks, prefix caching and LLM.embed refused; the Mamba2 scan's chunked and one-step forms
+against each other, and the mixers against transformers' over prompt chunks, decode steps and several sequences at
+once, whole and sharded over two ranks; Zamba2's shared blocks, Ling's hybrid from a Hub-form config, and the options
+Zamba2, Ling's hybrid, ZAYA and RecurrentGemma refuse."""
 import inspect
 import json
 import pathlib

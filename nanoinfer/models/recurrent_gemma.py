@@ -41,7 +41,7 @@ def block_types(config: PretrainedConfig) -> list[str]:
 def rg_lru_step(a: torch.Tensor, x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """One token of each of S sequences: h = a h + x in fp32 (state [S, C], updated in place) -> h in x's dtype."""
     state.mul_(a.to(state.dtype)).add_(x.to(state.dtype))
-    return state.to(x.dtype)
+    return state.to(x.dtype, copy=True)
 
 
 def rg_lru_sequence(a: torch.Tensor, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,5 +132,5 @@ class RecurrentGemmaForCausalLM(HybridForCausalLM):
         self.weight_name_substitutions = {
             **{f"^model.layers.{i}.temporal_block.": f"model.layers.{i}.{mixers[block_type]}."
                for i, block_type in enumerate(block_types(config))},
-            ".rg_lru.": ".", ".temporal_pre_norm.": ".input_layernorm.", ".channel_pre_norm.": ".post_attention_layernorm.",
-            ".mlp_block.": ".mlp.", "^model.final_norm.": "model.norm."}
+            ".rg_lru.": ".", ".temporal_pre_norm.": ".input_layernorm.",
+            ".channel_pre_norm.": ".post_attention_layernorm.", ".mlp_block.": ".mlp.", "^model.final_norm.": "model.norm."}
