@@ -91,6 +91,10 @@ class Config:
         if limit is not None and self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the {limit} positions of the model's "
                              f"config ({position_field(self.hf_config)} in {self.model_path})")
+        if not hasattr(self.hf_config, position_field(self.hf_config)):
+            # No position limit, but rope tables to build (RecurrentGemma's windowed attention turns by absolute
+            # position): they cover the longest sequence the engine runs.
+            setattr(self.hf_config, position_field(self.hf_config), self.max_model_len)
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_model_len)
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
@@ -251,7 +255,10 @@ def position_field(config: PretrainedConfig) -> str:
 
 def position_limit(config: PretrainedConfig) -> int | None:
     """The longest sequence the model's positions cover: position_field's value (None: no positions, as Mamba's or
-    BLOOM's, no limit), less the first pad_token_id + 1 rows that RoBERTa's positions skip (models/bert.py)."""
+    BLOOM's, no limit), less the first pad_token_id + 1 rows that RoBERTa's positions skip (models/bert.py). RWKV's
+    context_length (its max_position_embeddings) bounds a single pass of transformers' CUDA kernel, not a sequence."""
+    if config.model_type == "rwkv":
+        return None
     limit = getattr(config, position_field(config), None)
     if limit is not None and config.model_type in ("roberta", "xlm-roberta"):
         limit -= (config.pad_token_id or 0) + 1

@@ -220,7 +220,16 @@ DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "er
 # (Mamba2; Granite's MoE with a shared MLP and rope, or its dense MLP without position encoding).
 # LFM2-MoE: LFM2's layers, layer 0's MLP dense, then 2 of 8 experts (sigmoid, a random expert_bias, renormalized,
 # scaled).
-SSM_KINDS = ("lfm2", "bamba", "granitemoehybrid", "granitemoehybrid-dense", "lfm2-moe")
+# RecurrentGemma (recurrent-gemma): RG-LRU layers 0 and 1 (slow decays on some channels; lru_width = hidden_size, as
+# in the checkpoints: transformers sizes its conv state by hidden_size) and a local attention layer 2
+# (RECURRENT_GEMMA_WINDOW, one KV head, q/k/v biases), the logits soft-capped below their size.
+# RWKV-4 (rwkv): 4 blocks, rescale_every 2 (the stream halved after blocks 1 and 3), RWKV_LAYER_NORM_EPS, decays from
+# none to fast, attention-free.
+SSM_KINDS = ("lfm2", "bamba", "granitemoehybrid", "granitemoehybrid-dense", "lfm2-moe", "recurrent-gemma", "rwkv")
+RECURRENT_GEMMA_WINDOW = 10
+# RWKV's LayerNorm epsilon: near the stream's variance (~0.04 here), so that a missing halving (rescale_every), which a
+# LayerNorm would otherwise undo, shows.
+RWKV_LAYER_NORM_EPS = 1e-2
 # NemotronH (one block per layer: Mamba2, attention without rope, relu^2 MLP, relu^2 experts) and Falcon-H1 (attention
 # and Mamba2 side by side in every layer, every muP multiplier away from 1): see mamba2_hybrid_config.
 # Zamba2: Mamba2 layers and hybrid layers invoking 2 shared attention + MLP blocks in rotation (3 invocations: the
@@ -457,7 +466,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "gemma4-e": 4681, GEMMA3N_KIND: 5792}
 _SEEDS |= {"lfm2": 7791, "bamba": 8802, "granitemoehybrid": 9913, "granitemoehybrid-dense": 1124}
 _SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457, "zamba2": 5568, "mamba2": 5568}
-_SEEDS |= {"lfm2-moe": 2346}
+_SEEDS |= {"lfm2-moe": 2346, "recurrent-gemma": 3457, "rwkv": 4568}
 # Jamba's seed: on the test prompts its routers' 2nd and 3rd experts stay > 1e-4 apart (a near-tie flips the choice
 # on rounding, and that token's logits move by ~0.5).
 # FlexOLMo's seed: on the test prompts its routers' 2nd and 3rd experts stay >= 1e-5 apart, and every expert is used.
@@ -1417,6 +1426,19 @@ def ssm_config(kind: str, special: dict):
         return Lfm2Config(**common, intermediate_size=128, block_multiple_of=32, norm_eps=1e-5, conv_L_cache=3,
                           conv_bias=True, layer_types=["conv", "full_attention", "conv"], tie_word_embeddings=True,
                           rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    if kind == "recurrent-gemma":
+        from transformers import RecurrentGemmaConfig
+        # hidden_size 48: sqrt(48) is not a bf16 number (the embedding's normalizer rounds).
+        kept = {k: v for k, v in common.items() if k not in ("max_position_embeddings", "num_key_value_heads")}
+        return RecurrentGemmaConfig(**kept | {"hidden_size": 48}, intermediate_size=192, lru_width=48,
+                                    num_key_value_heads=1, attention_bias=True,
+                                    attention_window_size=RECURRENT_GEMMA_WINDOW, logits_soft_cap=4.0,
+                                    rms_norm_eps=1e-6, tie_word_embeddings=True)
+    if kind == "rwkv":
+        from transformers import RwkvConfig
+        return RwkvConfig(**special, vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_hidden_layers=4,
+                          intermediate_size=128, rescale_every=2, layer_norm_epsilon=RWKV_LAYER_NORM_EPS,
+                          tie_word_embeddings=False)
     if kind == "lfm2-moe":
         return Lfm2MoeConfig(**common, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
                              num_experts_per_tok=2, num_dense_layers=1, routed_scaling_factor=2.5, norm_eps=1e-5,
@@ -1484,6 +1506,22 @@ def mamba2_hybrid_config(kind: str, special: dict):
     # The gated norm, applied before the gate; attention biases.
     return FalconH1Config(**common, **falcon, mamba_rms_norm=True, mamba_norm_before_gate=True, attention_bias=True,
                           tie_word_embeddings=False)
+
+
+def _randomize_rwkv_(model, seed: int) -> None:
+    """RWKV's LayerNorm weights (ln1, ln2, pre_ln, ln_out) near 1, as the others'; per-channel decays exp(time_decay)
+    from 0.0025 (the state carries far) to 7 a token, bonuses time_first of either sign, lerp weights in [0, 1]."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith(("ln1.weight", "ln2.weight", "pre_ln.weight", "ln_out.weight")):
+                p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
+            elif name.endswith("time_decay"):
+                p.copy_(torch.linspace(-6.0, 2.0, p.numel()))
+            elif name.endswith("time_first"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif ".time_mix_" in name:
+                p.copy_(torch.rand(p.shape, generator=g))
 
 
 def _randomize_mamba_(model, seed: int) -> None:
@@ -1788,7 +1826,7 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
     cls = causal_lm_class(config.model_type)
     model = (cls.from_config if cls is AutoModelForCausalLM else cls._from_config)(config, dtype=torch.float32)
     _randomize_(model, _SEEDS[base_kind])
-    if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2", "gemma", "vaultgemma", "minimax-m3"):
+    if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2", "gemma", "vaultgemma", "minimax-m3", "recurrent-gemma"):
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
     if kind in GEMMA4_KINDS:
         _randomize_gemma4_(model, _SEEDS[base_kind])
@@ -1796,6 +1834,13 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
         _sharpen_gpt_oss_(model, _SEEDS[base_kind])
     if kind in SSM_KINDS + MAMBA2_HYBRID_KINDS:
         _randomize_mamba_(model, _SEEDS[base_kind])
+    if kind == "recurrent-gemma":  # decays from none (softplus of -9: a = e^(-8 r 1e-4)) to fast
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("rg_lru.recurrent_param"):
+                    p.copy_(torch.linspace(-9.0, 1.0, p.numel()))
+    if kind == "rwkv":
+        _randomize_rwkv_(model, _SEEDS[base_kind])
     if kind in ("zamba", "zamba2", "hrm-text"):
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -1943,18 +1988,24 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
     model = model_dir if isinstance(model_dir, torch.nn.Module) else load_hf_model(model_dir)
     device = model.device
     # Mamba's models (transformers' modeling_mamba.py, falcon_mamba) name their cache `cache_params` and build it
-    # themselves on the first call (a MambaCache in older transformers, which then needs cache_position).
-    cache_kw = "cache_params" if "cache_params" in inspect.signature(model.forward).parameters else "past_key_values"
+    # themselves on the first call (a MambaCache in older transformers, which then needs cache_position); RWKV's, a
+    # list it builds too, is `state`.
+    parameters = inspect.signature(model.forward).parameters
+    cache_kw = next((kw for kw in ("cache_params", "state") if kw in parameters), "past_key_values")
     results = []
     for prompt in prompts_token_ids:
         prompt = [int(t) for t in prompt]
         assert len(prompt) > 0, "empty prompt"
         # MiniMax's model builds its own cache class (and refuses a DynamicCache).
-        own_cache = cache_kw == "cache_params" or model.config.model_type == "minimax"
+        own_cache = cache_kw != "past_key_values" or model.config.model_type == "minimax"
         cache = None if own_cache else DynamicCache(config=model.config)
+        if hasattr(model, "_setup_cache"):
+            # RecurrentGemma keeps its recurrent state in its modules, zeroed only when it makes its cache itself: a
+            # one-token prompt would run on from the last prompt's conv state (longer ones overwrite it). Fresh.
+            model._setup_cache(model.config, 1, device, model.dtype)
         input_ids = torch.tensor([prompt], dtype=torch.long, device=device)
         out = model(input_ids=input_ids, **{cache_kw: cache}, use_cache=True)
-        cache = getattr(out, cache_kw)
+        cache = getattr(out, cache_kw, cache)  # RecurrentGemma's output holds none: it updates its DynamicCache
         step_logits = out.logits[0, -1].float().to("cpu", copy=True)
         prefill_logits = step_logits.clone()
         tokens: list[int] = []
@@ -1973,7 +2024,7 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
                 position_ids=torch.tensor([[pos]], dtype=torch.long, device=device),
                 cache_position=torch.tensor([pos], dtype=torch.long, device=device),
             )
-            cache = getattr(out, cache_kw)
+            cache = getattr(out, cache_kw, cache)
             step_logits = out.logits[0, -1].float().to("cpu", copy=True)
         logits = (
             torch.stack(all_logits)

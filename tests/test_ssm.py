@@ -1,9 +1,9 @@
-"""LFM2, LFM2-MoE, Bamba, Granite 4.0-H, NemotronH, Falcon-H1 and Zamba2 (short-conv and Mamba2 hybrids), Mamba2 and
-the newest hybrids (NEWEST_HYBRID_KINDS) vs transformers under chunked prefill, preemption and two tensor-parallel
-ranks, prefix caching and LLM.embed refused; the Mamba2 scan's chunked and one-step forms against each other, and the
-mixers against transformers' over prompt chunks, decode steps and several sequences at once, whole and sharded over two
-ranks; Zamba2's shared blocks, Ling's hybrid from a Hub-form config, and the options Zamba2, Ling's hybrid and ZAYA
-refuse."""
+"""LFM2, LFM2-MoE, Bamba, Granite 4.0-H, NemotronH, Falcon-H1 and Zamba2 (short-conv and Mamba2 hybrids), RecurrentGemma
+(RG-LRU), RWKV, Mamba2 and the newest hybrids (NEWEST_HYBRID_KINDS) vs transformers under chunked prefill, preemption
+and two tensor-parallel ranks, prefix caching and LLM.embed refused; the Mamba2 scan's chunked and one-step forms
+against each other, and the mixers against transformers' over prompt chunks, decode steps and several sequences at
+once, whole and sharded over two ranks; Zamba2's shared blocks, Ling's hybrid from a Hub-form config, and the options
+Zamba2, Ling's hybrid, ZAYA and RecurrentGemma refuse."""
 import inspect
 import json
 import pathlib
@@ -54,9 +54,10 @@ def test_chunked_prefill_and_preemption_match_hf(ssm_dir, captured_logits, repor
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lfm2", "granitemoehybrid", "nemotron-h", "falcon-h1-norm", "bamba", "zamba2",
-                                  "mamba2", "lfm2-moe", *NEWEST_HYBRID_KINDS])
+                                  "mamba2", "lfm2-moe", "recurrent-gemma", "rwkv", *NEWEST_HYBRID_KINDS])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
-    """Two ranks (a spawned worker): LFM2's short conv sharded by channels (LFM2-MoE's experts too); Granite's,
+    """Two ranks (a spawned worker): LFM2's short conv sharded by channels (LFM2-MoE's experts too), RecurrentGemma's
+    RG-LRU by heads (its one KV head replicated), RWKV's time mix by channels and its channel mix as an MLP; Granite's,
     NemotronH's, Falcon-H1's, Bamba's and Zamba2's attention, MLPs and experts sharded, their Mamba2 mixers (Mamba2's
     alone) by heads, each rank with its heads' state (Falcon-H1's multipliers folded into each rank's rows; Bamba's one
     group of B and C whole on both ranks; Zamba2's adapters' B rows split as the projections they add to)."""
@@ -67,7 +68,7 @@ def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_l
     heads = next((getattr(config, name) for name in ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads", "num_heads")
                   if getattr(config, name, None)), None)
     mixers = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Mamba2Mixer)]
-    assert bool(mixers) == (kind not in ("lfm2", "lfm2-moe", *NEWEST_HYBRID_KINDS))
+    assert bool(mixers) == (kind not in ("lfm2", "lfm2-moe", "recurrent-gemma", "rwkv", *NEWEST_HYBRID_KINDS))
     assert all(m.ssm_state.shape[1] * 2 == heads for m in mixers)
 
 
@@ -420,3 +421,11 @@ def test_zaya_skip_bias_is_transformers_minus_one_whatever_the_checkpoint_holds(
     llm.close()
     report_logit_diff("zaya, skip biases of +1 in the checkpoint", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+@pytest.mark.parametrize("change, option", [({"block_types": ["recurrent", "mlp"]}, "block_types[1]='mlp'"),
+                                            ({"lru_width": 66}, "lru_width=66")])
+def test_recurrent_gemma_unsupported_config_is_refused(model_dir, tmp_path, change, option):
+    """transformers runs a block type it does not know as attention; the RG-LRU's width splits into one block per
+    attention head."""
+    check_config_refused(model_dir("recurrent-gemma"), tmp_path, change, option)

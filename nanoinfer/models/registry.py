@@ -132,6 +132,7 @@ _MODELS |= {
     "MiniMaxForCausalLM": ("minimax", "MiniMaxForCausalLM"),
     "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
     "OlmoHybridForCausalLM": ("olmo_hybrid", "OlmoHybridForCausalLM"),
+    "RecurrentGemmaForCausalLM": ("recurrent_gemma", "RecurrentGemmaForCausalLM"),
     "ZambaForCausalLM": ("zamba", "ZambaForCausalLM"),
     "Zamba2ForCausalLM": ("zamba2", "Zamba2ForCausalLM"),
     "ZayaForCausalLM": ("zaya", "ZayaForCausalLM"),
@@ -142,6 +143,7 @@ _MODELS |= {
     "JambaForCausalLM": ("jamba", "JambaForCausalLM"),
     "MambaForCausalLM": ("mamba", "MambaForCausalLM"),
     "Mamba2ForCausalLM": ("mamba", "Mamba2ForCausalLM"),
+    "RwkvForCausalLM": ("rwkv", "RwkvForCausalLM"),  # RWKV-4: token shifts and a WKV state, no attention
 }
 
 # Sequence classification (see classification.py) over the decoder of the causal LM of the same family.
