@@ -192,12 +192,15 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # Persimmon: GPT-NeoX's per-head query_key_value, q/k LayerNorms shared by the heads, half of each head rotated, relu^2.
 # BioGPT: OPT's pre-norm layers, embeddings scaled by sqrt(hidden), a config epsilon (LAYER_NORM_EPS) its LayerNorms
 # ignore, GeLU, tied. XGLM: the same on fixed sinusoidal positions whose row pad_token_id (2: position 0's) is zeroed.
+# CTRL: sinusoidal positions added to embeddings scaled by sqrt(hidden), pre-norm layers whose LayerNorms take a fixed
+# 1e-6 (the config's epsilon, LAYER_NORM_EPS, the final norm's alone), ReLU, biases, the tied LM head's bias.
+# OpenAI GPT (openai-gpt): GPT-2's layout in post-norm layers without a final norm, its "gelu" (the tanh one).
 # GPT-NeoX-Japanese (gpt-neox-japanese): GPT-NeoX's per-head query_key_value without biases, rope over the whole head
 # (as the released checkpoint: transformers 5.17's own partial rope fails), sequential LayerNorms, a bias-free MLP 3x
 # wide, the last layer's output-projection bias, tied.
 LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2", "falcon", "falcon-mqa", "gptj",
                    "gpt-bigcode", "cohere2", "bloom", "mpt", "opt", "opt-350m", "gpt-neo", "codegen", "persimmon",
-                   "biogpt", "xglm", "gpt-neox-japanese")
+                   "biogpt", "xglm", "gpt-neox-japanese", "ctrl", "openai-gpt")
 LAYER_NORM_EPS = 1e-3
 # GLM-4.7-Flash (glm4-moe-lite): V3's model with layer 0 dense by mlp_layer_types, a shared expert.
 DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3", "glm4-moe-lite")
@@ -476,6 +479,7 @@ _SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7
 _SEEDS |= {"aria-text": 1357, "beam": 4680, "cohere-compass": 2468, "modernbert-decoder": 3579}
 _SEEDS |= {"hy-v4": 4680}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
+_SEEDS |= {"ctrl": 5252, "openai-gpt": 6363}
 
 
 def _token_ids():
@@ -497,7 +501,7 @@ def make_config(kind: str):
                               OlmoConfig, OlmoeConfig, OPTConfig, PersimmonConfig, Phi3Config, PhiConfig,
                               PhimoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
                               SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config, VaultGemmaConfig,
-                              XGLMConfig)
+                              XGLMConfig, CTRLConfig, OpenAIGPTConfig)
 
     ids = _token_ids()
     special = dict(
@@ -1140,6 +1144,14 @@ def make_config(kind: str):
         return CodeGenConfig(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=8, n_positions=512,
                              n_ctx=512, n_inner=128, rotary_dim=4, activation_function="gelu_new",
                              layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD, **special)
+    if kind == "ctrl":  # CTRLConfig's names: n_embd, n_layer, n_head, n_positions, dff
+        return CTRLConfig(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=4, n_positions=512, dff=128,
+                          layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD, tie_word_embeddings=True,
+                          **special)
+    if kind == "openai-gpt":  # OpenAIGPTConfig's names, as GPT-2's; the MLP 4x n_embd, its activation `afn`
+        return OpenAIGPTConfig(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=4, n_positions=512,
+                               afn="gelu", layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD,
+                               tie_word_embeddings=True, **special)
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND, OLMO2_MQA_KIND)}")
 
 
@@ -1830,12 +1842,13 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
                 elif name.endswith("_residual"):
                     p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
     # Norms that _randomize_ does not know by name, as the others': MPT's (norm_1, norm_2, norm_f), HyperCLOVAX's
-    # post_norm1 and post_norm2.
-    if kind in ("mpt", "hyperclovax"):
+    # post_norm1 and post_norm2, OpenAI GPT's ln_1 and ln_2 (after every sublayer: weights of INIT_STD would shrink
+    # the stream to nothing).
+    if kind in ("mpt", "hyperclovax", "openai-gpt"):
         g = torch.Generator().manual_seed(_SEEDS[base_kind] + 4)
         with torch.no_grad():
             for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-                if ".norm_" in name or ".post_norm" in name:
+                if ".norm_" in name or ".post_norm" in name or (".ln_" in name and name.endswith(".weight")):
                     p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
     if kind == "axk2":  # its norms' gate MLPs, which _randomize_ took for norm weights (1 + noise), as linears
         g = torch.Generator().manual_seed(_SEEDS[base_kind] + 4)
@@ -1941,6 +1954,8 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
     from transformers import DynamicCache
 
     model = model_dir if isinstance(model_dir, torch.nn.Module) else load_hf_model(model_dir)
+    if not {"past_key_values", "cache_params"} & inspect.signature(model.forward).parameters.keys():
+        return [hf_greedy_uncached(model, prompt, max_new_tokens) for prompt in prompts_token_ids]
     device = model.device
     # Mamba's models (transformers' modeling_mamba.py, falcon_mamba) name their cache `cache_params` and build it
     # themselves on the first call (a MambaCache in older transformers, which then needs cache_position).
@@ -1982,6 +1997,18 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
         )
         results.append({"token_ids": tokens, "logits": logits, "prefill_logits": prefill_logits})
     return results
+
+
+def hf_greedy_uncached(model, prompt: Sequence[int], max_new_tokens: int) -> dict:
+    """hf_greedy's result for one prompt, from a model without a KV cache (OpenAI GPT's): each step a forward over
+    the whole sequence so far."""
+    ids = [int(t) for t in prompt]
+    all_logits = []
+    for _ in range(max_new_tokens):
+        out = model(input_ids=torch.tensor([ids], dtype=torch.long, device=model.device))
+        all_logits.append(out.logits[0, -1].float().to("cpu", copy=True))
+        ids.append(int(torch.argmax(all_logits[-1])))
+    return {"token_ids": ids[len(prompt):], "logits": torch.stack(all_logits), "prefill_logits": all_logits[0].clone()}
 
 
 @torch.inference_mode()

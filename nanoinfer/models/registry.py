@@ -20,6 +20,7 @@ _MODELS = {
     "Cohere2MoeForCausalLM": ("cohere2_moe", "Cohere2MoeForCausalLM"),
     "CohereCompassForCausalLM": ("cohere_compass", "CohereCompassForCausalLM"),
     "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
+    "CTRLLMHeadModel": ("ctrl", "CTRLLMHeadModel"),
     "CwmForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama's windows by layer_types (Qwen2's attention), no biases
     "DbrxForCausalLM": ("dbrx", "DbrxForCausalLM"),
     "BitNetForCausalLM": ("bitnet", "BitNetForCausalLM"),
@@ -95,6 +96,7 @@ _MODELS = {
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
     "Olmo3ForCausalLM": ("olmo3", "Olmo3ForCausalLM"),
     "OlmoeForCausalLM": ("olmoe", "OlmoeForCausalLM"),
+    "OpenAIGPTLMHeadModel": ("openai_gpt", "OpenAIGPTLMHeadModel"),
     "OPTForCausalLM": ("opt", "OPTForCausalLM"),
     "PersimmonForCausalLM": ("persimmon", "PersimmonForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
