@@ -233,8 +233,10 @@ MAMBA2_HYBRID_KINDS = ("nemotron-h", "falcon-h1", "falcon-h1-norm", "zamba2", "m
 # Gemma 4 (see gemma4_config): sliding and full layers, the full ones with wider heads, one KV head and a rope turning
 # a quarter of their frequencies; "gemma4" with values from the key projection (attention_k_eq_v), "gemma4-moe" with
 # its own value projection and 2 of 4 experts beside the dense MLP in every layer, "gemma4-e" as E2B/E4B: per-layer
-# embeddings, and its last two layers (twice as wide MLPs) reusing the keys and values of layers 2 and 3.
-GEMMA4_KINDS = ("gemma4", "gemma4-moe", "gemma4-e")
+# embeddings, and its last two layers (twice as wide MLPs) reusing the keys and values of layers 2 and 3;
+# "gemma4-unified" (Gemma 4 unified's text model, a config without per-layer embeddings or experts) as "gemma4-e"
+# without per-layer embeddings, values from the key projection on its full layers.
+GEMMA4_KINDS = ("gemma4", "gemma4-moe", "gemma4-e", "gemma4-unified")
 # Gemma 3n (see gemma3n_config): Gemma 4 E-style attention and per-layer inputs (a table shorter than the vocabulary
 # where transformers maps the ids past it: prompt ids from 400 take its row 0) inside AltUp's 4 streams, LAuReL, activation sparsity on layers 0 and 1 (0.95,
 # 0.6), MLPs of two widths, and its last two layers reusing the keys and values of layers 2 and 3.
@@ -457,7 +459,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "hunyuan": 3246, "cohere2": 4357, "apertus": 5468, "bloom": 6579, "mpt": 7680,
           "qwen3.5": 9024, "qwen3.5-moe": 1135, "olmoe": 2246, "glm4-moe": 3357, "dots1": 4468, "ernie4.5-moe": 5579,
           "hunyuan-moe": 6680, "gpt-oss": 9024, "llama4": 7135, "gemma4": 2469, "gemma4-moe": 3570,
-          "gemma4-e": 4681, GEMMA3N_KIND: 5792}
+          "gemma4-e": 4681, GEMMA3N_KIND: 5792, "gemma4-unified": 5793}
 _SEEDS |= {"lfm2": 7791, "bamba": 8802, "granitemoehybrid": 9913, "granitemoehybrid-dense": 1124}
 _SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457, "zamba2": 5568, "mamba2": 5568}
 _SEEDS |= {"lfm2-moe": 2346}
@@ -1615,24 +1617,21 @@ def dsa_config(kind: str, special: dict):
 
 
 def gemma4_config(kind: str, gemma: dict):
-    """Gemma 4 on Gemma 2/3's test settings, with four layers, six for "gemma4-e" (the last one must be full), full
-    layers' heads twice as wide as the sliding ones' and one KV head there."""
+    """Gemma 4 on Gemma 2/3's test settings, with four layers, six for "gemma4-e" and "gemma4-unified" (the last one
+    must be full), full layers' heads twice as wide as the sliding ones' and one KV head there."""
     from transformers import Gemma4TextConfig
 
     moe, e = kind == "gemma4-moe", kind == "gemma4-e"
     settings = {k: v for k, v in gemma.items() if k not in ("num_hidden_layers", "layer_types", "sliding_window")}
+    if kind == "gemma4-unified":  # its config has no per-layer embedding or expert fields
+        from transformers import Gemma4UnifiedTextConfig
+        return Gemma4UnifiedTextConfig(**settings, **gemma4_layers(6), attention_k_eq_v=True, num_kv_shared_layers=2,
+                                       use_double_wide_mlp=True)
     num_layers = 6 if e else 4
     return Gemma4TextConfig(
         **settings,
-        num_hidden_layers=num_layers,
-        layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
-        sliding_window=SLIDING_WINDOW["gemma4"],
-        global_head_dim=64,
-        num_global_key_value_heads=1,
+        **gemma4_layers(num_layers),
         attention_k_eq_v=kind == "gemma4",
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                                            "rope_theta": 1_000_000.0}},
         hidden_size_per_layer_input=8 if e else 0,
         vocab_size_per_layer_input=MODEL_VOCAB_SIZE,
         num_kv_shared_layers=2 if e else 0,
@@ -1640,6 +1639,16 @@ def gemma4_config(kind: str, gemma: dict):
         enable_moe_block=moe,
         **(dict(num_experts=4, top_k_experts=2, moe_intermediate_size=32) if moe else {}),
     )
+
+
+def gemma4_layers(num_layers: int) -> dict:
+    """Gemma 4's layer settings: sliding and full layers in turn, the full ones' heads wider, with one KV head and a
+    rope turning a quarter of their frequencies."""
+    return dict(num_hidden_layers=num_layers, layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
+                sliding_window=SLIDING_WINDOW["gemma4"], global_head_dim=64, num_global_key_value_heads=1,
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                    "rope_theta": 1_000_000.0}})
 
 
 def _gemma3n_maps_per_layer_ids() -> bool:

@@ -23,9 +23,9 @@ LOGIT_ATOL = 1e-4
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2", "gemma", "granite", "smollm3", "glm4", "glm",
-                                  *LAYERNORM_KINDS, "nemotron", "gemma4", "gemma4-e", "ministral", "ministral3",
-                                  "vaultgemma", "granite-swa", "jais2", "nanochat", "gemma3n", *NEWEST_DENSE_KINDS,
-                                  "mllama"])
+                                  *LAYERNORM_KINDS, "nemotron", "gemma4", "gemma4-e", "gemma4-unified", "ministral",
+                                  "ministral3", "vaultgemma", "granite-swa", "jais2", "nanochat", "gemma3n",
+                                  *NEWEST_DENSE_KINDS, "mllama"])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): each holds half the heads and MLP; windows, ropes and norms per rank."""
     d = model_dir(kind)
@@ -222,12 +222,12 @@ def test_mpt_sequences_are_bounded_by_max_seq_len(model_dir):
         LLM(str(model_dir("mpt")), device="cpu", dtype="float32", max_model_len=513)
 
 
-@pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj", "gemma4", "gemma4-e", "bloom", "mpt", "opt-350m",
-                                  "gemma3n", *NEWEST_DENSE_KINDS, "xglm", "mllama", "ctrl", "openai-gpt"])
+@pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj", "gemma4", "gemma4-e", "gemma4-unified", "bloom", "mpt",
+                                  "opt-350m", "gemma3n", *NEWEST_DENSE_KINDS, "xglm", "mllama", "ctrl", "openai-gpt"])
 def test_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, captured_logits, report_logit_diff):
     """7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once, twice: the
     parallel residual (Phi, GPT-NeoX, GPT-J), layers of two head sizes and values from the keys (Gemma 4), layers
-    attending over other layers' keys and values, cached or of the step (Gemma 4 E2B/E4B, Gemma 3n), ALiBi's
+    attending over other layers' keys and values, cached or of the step (Gemma 4 E2B/E4B and unified, Gemma 3n), ALiBi's
     key-minus-query distances over cached prefixes and chunks (BLOOM, MPT), post-norm layers and OPT's offset
     positions (OPT-350m), Doge's key biases cached with the keys, the other dense variants of NEWEST_DENSE_KINDS
     (MiniCPM3's MLA over cached latents, DiffLlama's padded keys and paired values in the cache), sinusoidal
