@@ -261,6 +261,13 @@ EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_N
 # on 0 and 2).
 MAMBA1_KINDS = ("mamba", "falcon-mamba", "jamba", "zamba")
 EXTRA_KINDS += MAMBA1_KINDS
+# xLSTM: mLSTM blocks (a matrix memory per head, queries and keys half as wide as values, as xLSTM-7b's) and gated
+# MLPs, no attention; transformers' chunk_size above every test prompt, so that it takes its one-step form throughout
+# (its chunkwise kernel fails where query and value heads differ in size), gate and logit soft caps low enough to bend
+# them, forget gates biased towards remembering (XLSTM_FORGET_BIAS), as trained ones are, so the state carries far.
+XLSTM_KIND = "xlstm"
+XLSTM_FORGET_BIAS = 3.0
+EXTRA_KINDS += (XLSTM_KIND,)
 # The newest transformers families (see newest_family_config), each with transformers' module name: where the
 # installed transformers lacks it (5.17, the GPU machine's, lacks some), its tests skip (conftest's model_dir).
 # AFMoE (afmoe): per-head q/k norms, a sigmoid output gate, sliding layers 0 and 2 with rope and a full NoPE layer 1,
@@ -479,7 +486,7 @@ _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint"
 _SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7585, "hrm-text": 8696,
            "jetmoe": 9707, "inkling": 1818, "inkling2": 2929}
 _SEEDS |= {"aria-text": 1357, "beam": 4680, "cohere-compass": 2468, "modernbert-decoder": 3579}
-_SEEDS |= {"hy-v4": 4680}
+_SEEDS |= {"hy-v4": 4680, XLSTM_KIND: 5791}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
 _SEEDS |= {"ctrl": 5252, "openai-gpt": 6363}
 
@@ -503,7 +510,7 @@ def make_config(kind: str):
                               OlmoConfig, OlmoeConfig, OPTConfig, PersimmonConfig, Phi3Config, PhiConfig,
                               PhimoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
                               SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config, VaultGemmaConfig,
-                              XGLMConfig, CTRLConfig, OpenAIGPTConfig)
+                              XGLMConfig, CTRLConfig, OpenAIGPTConfig, xLSTMConfig)
 
     ids = _token_ids()
     special = dict(
@@ -1146,6 +1153,12 @@ def make_config(kind: str):
         return CodeGenConfig(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=8, n_positions=512,
                              n_ctx=512, n_inner=128, rotary_dim=4, activation_function="gelu_new",
                              layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD, **special)
+    if kind == XLSTM_KIND:  # xLSTMConfig's names: num_heads, norm_eps, the MLP's width by ffn_proj_factor
+        # hidden_size 128: transformers' cache sizes the query heads by qk_dim rounded up to a multiple of 64
+        return xLSTMConfig(vocab_size=MODEL_VOCAB_SIZE, hidden_size=128, num_hidden_layers=3, num_heads=4,
+                           qk_dim_factor=0.5, v_dim_factor=1.0, ffn_proj_factor=2.0, ffn_round_up_to_multiple_of=48,
+                           chunk_size=128, gate_soft_cap=3.0, output_logit_soft_cap=4.0, norm_eps=1e-5,
+                           initializer_range=INIT_STD, **special)
     if kind == "ctrl":  # CTRLConfig's names: n_embd, n_layer, n_head, n_positions, dff
         return CTRLConfig(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=4, n_positions=512, dff=128,
                           layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD, tie_word_embeddings=True,
@@ -1852,8 +1865,8 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
                     p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
     # Norms that _randomize_ does not know by name, as the others': MPT's (norm_1, norm_2, norm_f), HyperCLOVAX's
     # post_norm1 and post_norm2, OpenAI GPT's ln_1 and ln_2 (after every sublayer: weights of INIT_STD would shrink
-    # the stream to nothing).
-    if kind in ("mpt", "hyperclovax", "openai-gpt"):
+    # the stream to nothing), xLSTM's norm_mlstm and norm_ffn.
+    if kind in ("mpt", "hyperclovax", "openai-gpt", XLSTM_KIND):
         g = torch.Generator().manual_seed(_SEEDS[base_kind] + 4)
         with torch.no_grad():
             for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
@@ -1865,6 +1878,10 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
             for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
                 if "layernorm.mlp." in name:
                     p.copy_(INIT_STD * torch.randn(p.shape, generator=g))
+    if kind == XLSTM_KIND:
+        with torch.no_grad():
+            for block in model.backbone.blocks:
+                block.mlstm_layer.fgate_preact.bias.add_(XLSTM_FORGET_BIAS)
     if kind == "inkling":
         randomize_global_scales_(model, _SEEDS[base_kind] + 4)
     if kind == "inkling2":

@@ -139,12 +139,13 @@ _MODELS |= {
     "Zamba2ForCausalLM": ("zamba2", "Zamba2ForCausalLM"),
     "ZayaForCausalLM": ("zaya", "ZayaForCausalLM"),
 }
-# State-space models: on the Mamba-1 mixer, alone or with attention; on the Mamba2 mixer alone.
+# State-space models: on the Mamba-1 mixer, alone or with attention; on the Mamba2 mixer alone; xLSTM's mLSTM.
 _MODELS |= {
     "FalconMambaForCausalLM": ("falcon_mamba", "FalconMambaForCausalLM"),
     "JambaForCausalLM": ("jamba", "JambaForCausalLM"),
     "MambaForCausalLM": ("mamba", "MambaForCausalLM"),
     "Mamba2ForCausalLM": ("mamba", "Mamba2ForCausalLM"),
+    "xLSTMForCausalLM": ("xlstm", "xLSTMForCausalLM"),  # mLSTM blocks: a matrix memory per head, no attention
 }
 
 # Sequence classification (see classification.py) over the decoder of the causal LM of the same family.
