@@ -192,12 +192,15 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # Persimmon: GPT-NeoX's per-head query_key_value, q/k LayerNorms shared by the heads, half of each head rotated, relu^2.
 # BioGPT: OPT's pre-norm layers, embeddings scaled by sqrt(hidden), a config epsilon (LAYER_NORM_EPS) its LayerNorms
 # ignore, GeLU, tied. XGLM: the same on fixed sinusoidal positions whose row pad_token_id (2: position 0's) is zeroed.
+# CTRL: sinusoidal positions added to embeddings scaled by sqrt(hidden), pre-norm layers whose LayerNorms take a fixed
+# 1e-6 (the config's epsilon, LAYER_NORM_EPS, the final norm's alone), ReLU, biases, the tied LM head's bias.
+# OpenAI GPT (openai-gpt): GPT-2's layout in post-norm layers without a final norm, its "gelu" (the tanh one).
 # GPT-NeoX-Japanese (gpt-neox-japanese): GPT-NeoX's per-head query_key_value without biases, rope over the whole head
 # (as the released checkpoint: transformers 5.17's own partial rope fails), sequential LayerNorms, a bias-free MLP 3x
 # wide, the last layer's output-projection bias, tied.
 LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2", "falcon", "falcon-mqa", "gptj",
                    "gpt-bigcode", "cohere2", "bloom", "mpt", "opt", "opt-350m", "gpt-neo", "codegen", "persimmon",
-                   "biogpt", "xglm", "gpt-neox-japanese")
+                   "biogpt", "xglm", "gpt-neox-japanese", "ctrl", "openai-gpt")
 LAYER_NORM_EPS = 1e-3
 # GLM-4.7-Flash (glm4-moe-lite): V3's model with layer 0 dense by mlp_layer_types, a shared expert.
 DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3", "glm4-moe-lite")
@@ -239,8 +242,10 @@ MAMBA2_HYBRID_KINDS = ("nemotron-h", "falcon-h1", "falcon-h1-norm", "zamba2", "m
 # Gemma 4 (see gemma4_config): sliding and full layers, the full ones with wider heads, one KV head and a rope turning
 # a quarter of their frequencies; "gemma4" with values from the key projection (attention_k_eq_v), "gemma4-moe" with
 # its own value projection and 2 of 4 experts beside the dense MLP in every layer, "gemma4-e" as E2B/E4B: per-layer
-# embeddings, and its last two layers (twice as wide MLPs) reusing the keys and values of layers 2 and 3.
-GEMMA4_KINDS = ("gemma4", "gemma4-moe", "gemma4-e")
+# embeddings, and its last two layers (twice as wide MLPs) reusing the keys and values of layers 2 and 3;
+# "gemma4-unified" (Gemma 4 unified's text model, a config without per-layer embeddings or experts) as "gemma4-e"
+# without per-layer embeddings, values from the key projection on its full layers.
+GEMMA4_KINDS = ("gemma4", "gemma4-moe", "gemma4-e", "gemma4-unified")
 # Gemma 3n (see gemma3n_config): Gemma 4 E-style attention and per-layer inputs (a table shorter than the vocabulary
 # where transformers maps the ids past it: prompt ids from 400 take its row 0) inside AltUp's 4 streams, LAuReL, activation sparsity on layers 0 and 1 (0.95,
 # 0.6), MLPs of two widths, and its last two layers reusing the keys and values of layers 2 and 3.
@@ -265,6 +270,13 @@ EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_N
 # on 0 and 2).
 MAMBA1_KINDS = ("mamba", "falcon-mamba", "jamba", "zamba")
 EXTRA_KINDS += MAMBA1_KINDS
+# xLSTM: mLSTM blocks (a matrix memory per head, queries and keys half as wide as values, as xLSTM-7b's) and gated
+# MLPs, no attention; transformers' chunk_size above every test prompt, so that it takes its one-step form throughout
+# (its chunkwise kernel fails where query and value heads differ in size), gate and logit soft caps low enough to bend
+# them, forget gates biased towards remembering (XLSTM_FORGET_BIAS), as trained ones are, so the state carries far.
+XLSTM_KIND = "xlstm"
+XLSTM_FORGET_BIAS = 3.0
+EXTRA_KINDS += (XLSTM_KIND,)
 # The newest transformers families (see newest_family_config), each with transformers' module name: where the
 # installed transformers lacks it (5.17, the GPU machine's, lacks some), its tests skip (conftest's model_dir).
 # AFMoE (afmoe): per-head q/k norms, a sigmoid output gate, sliding layers 0 and 2 with rope and a full NoPE layer 1,
@@ -463,7 +475,7 @@ _SEEDS = {"qwen3": 1234, "qwen3-untied": 2345, "qwen2": 3456, "llama": 4567, "qw
           "hunyuan": 3246, "cohere2": 4357, "apertus": 5468, "bloom": 6579, "mpt": 7680,
           "qwen3.5": 9024, "qwen3.5-moe": 1135, "olmoe": 2246, "glm4-moe": 3357, "dots1": 4468, "ernie4.5-moe": 5579,
           "hunyuan-moe": 6680, "gpt-oss": 9024, "llama4": 7135, "gemma4": 2469, "gemma4-moe": 3570,
-          "gemma4-e": 4681, GEMMA3N_KIND: 5792}
+          "gemma4-e": 4681, GEMMA3N_KIND: 5792, "gemma4-unified": 5793}
 _SEEDS |= {"lfm2": 7791, "bamba": 8802, "granitemoehybrid": 9913, "granitemoehybrid-dense": 1124}
 _SEEDS |= {"nemotron-h": 2235, "falcon-h1": 3346, "falcon-h1-norm": 4457, "zamba2": 5568, "mamba2": 5568}
 _SEEDS |= {"lfm2-moe": 2346, "recurrent-gemma": 3457, "rwkv": 4568}
@@ -483,8 +495,9 @@ _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint"
 _SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7585, "hrm-text": 8696,
            "jetmoe": 9707, "inkling": 1818, "inkling2": 2929}
 _SEEDS |= {"aria-text": 1357, "beam": 4680, "cohere-compass": 2468, "modernbert-decoder": 3579}
-_SEEDS |= {"hy-v4": 4680}
+_SEEDS |= {"hy-v4": 4680, XLSTM_KIND: 5791}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
+_SEEDS |= {"ctrl": 5252, "openai-gpt": 6363}
 
 
 def _token_ids():
@@ -506,7 +519,7 @@ def make_config(kind: str):
                               OlmoConfig, OlmoeConfig, OPTConfig, PersimmonConfig, Phi3Config, PhiConfig,
                               PhimoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
                               SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config, VaultGemmaConfig,
-                              XGLMConfig)
+                              XGLMConfig, CTRLConfig, OpenAIGPTConfig, xLSTMConfig)
 
     ids = _token_ids()
     special = dict(
@@ -1149,6 +1162,20 @@ def make_config(kind: str):
         return CodeGenConfig(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=8, n_positions=512,
                              n_ctx=512, n_inner=128, rotary_dim=4, activation_function="gelu_new",
                              layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD, **special)
+    if kind == XLSTM_KIND:  # xLSTMConfig's names: num_heads, norm_eps, the MLP's width by ffn_proj_factor
+        # hidden_size 128: transformers' cache sizes the query heads by qk_dim rounded up to a multiple of 64
+        return xLSTMConfig(vocab_size=MODEL_VOCAB_SIZE, hidden_size=128, num_hidden_layers=3, num_heads=4,
+                           qk_dim_factor=0.5, v_dim_factor=1.0, ffn_proj_factor=2.0, ffn_round_up_to_multiple_of=48,
+                           chunk_size=128, gate_soft_cap=3.0, output_logit_soft_cap=4.0, norm_eps=1e-5,
+                           initializer_range=INIT_STD, **special)
+    if kind == "ctrl":  # CTRLConfig's names: n_embd, n_layer, n_head, n_positions, dff
+        return CTRLConfig(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=4, n_positions=512, dff=128,
+                          layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD, tie_word_embeddings=True,
+                          **special)
+    if kind == "openai-gpt":  # OpenAIGPTConfig's names, as GPT-2's; the MLP 4x n_embd, its activation `afn`
+        return OpenAIGPTConfig(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=4, n_positions=512,
+                               afn="gelu", layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD,
+                               tie_word_embeddings=True, **special)
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND, OLMO2_MQA_KIND)}")
 
 
@@ -1641,24 +1668,21 @@ def dsa_config(kind: str, special: dict):
 
 
 def gemma4_config(kind: str, gemma: dict):
-    """Gemma 4 on Gemma 2/3's test settings, with four layers, six for "gemma4-e" (the last one must be full), full
-    layers' heads twice as wide as the sliding ones' and one KV head there."""
+    """Gemma 4 on Gemma 2/3's test settings, with four layers, six for "gemma4-e" and "gemma4-unified" (the last one
+    must be full), full layers' heads twice as wide as the sliding ones' and one KV head there."""
     from transformers import Gemma4TextConfig
 
     moe, e = kind == "gemma4-moe", kind == "gemma4-e"
     settings = {k: v for k, v in gemma.items() if k not in ("num_hidden_layers", "layer_types", "sliding_window")}
+    if kind == "gemma4-unified":  # its config has no per-layer embedding or expert fields
+        from transformers import Gemma4UnifiedTextConfig
+        return Gemma4UnifiedTextConfig(**settings, **gemma4_layers(6), attention_k_eq_v=True, num_kv_shared_layers=2,
+                                       use_double_wide_mlp=True)
     num_layers = 6 if e else 4
     return Gemma4TextConfig(
         **settings,
-        num_hidden_layers=num_layers,
-        layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
-        sliding_window=SLIDING_WINDOW["gemma4"],
-        global_head_dim=64,
-        num_global_key_value_heads=1,
+        **gemma4_layers(num_layers),
         attention_k_eq_v=kind == "gemma4",
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                                            "rope_theta": 1_000_000.0}},
         hidden_size_per_layer_input=8 if e else 0,
         vocab_size_per_layer_input=MODEL_VOCAB_SIZE,
         num_kv_shared_layers=2 if e else 0,
@@ -1666,6 +1690,16 @@ def gemma4_config(kind: str, gemma: dict):
         enable_moe_block=moe,
         **(dict(num_experts=4, top_k_experts=2, moe_intermediate_size=32) if moe else {}),
     )
+
+
+def gemma4_layers(num_layers: int) -> dict:
+    """Gemma 4's layer settings: sliding and full layers in turn, the full ones' heads wider, with one KV head and a
+    rope turning a quarter of their frequencies."""
+    return dict(num_hidden_layers=num_layers, layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
+                sliding_window=SLIDING_WINDOW["gemma4"], global_head_dim=64, num_global_key_value_heads=1,
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                    "rope_theta": 1_000_000.0}})
 
 
 def _gemma3n_maps_per_layer_ids() -> bool:
@@ -1875,12 +1909,13 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
                 elif name.endswith("_residual"):
                     p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
     # Norms that _randomize_ does not know by name, as the others': MPT's (norm_1, norm_2, norm_f), HyperCLOVAX's
-    # post_norm1 and post_norm2.
-    if kind in ("mpt", "hyperclovax"):
+    # post_norm1 and post_norm2, OpenAI GPT's ln_1 and ln_2 (after every sublayer: weights of INIT_STD would shrink
+    # the stream to nothing), xLSTM's norm_mlstm and norm_ffn.
+    if kind in ("mpt", "hyperclovax", "openai-gpt", XLSTM_KIND):
         g = torch.Generator().manual_seed(_SEEDS[base_kind] + 4)
         with torch.no_grad():
             for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-                if ".norm_" in name or ".post_norm" in name:
+                if ".norm_" in name or ".post_norm" in name or (".ln_" in name and name.endswith(".weight")):
                     p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
     if kind == "axk2":  # its norms' gate MLPs, which _randomize_ took for norm weights (1 + noise), as linears
         g = torch.Generator().manual_seed(_SEEDS[base_kind] + 4)
@@ -1888,6 +1923,10 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
             for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
                 if "layernorm.mlp." in name:
                     p.copy_(INIT_STD * torch.randn(p.shape, generator=g))
+    if kind == XLSTM_KIND:
+        with torch.no_grad():
+            for block in model.backbone.blocks:
+                block.mlstm_layer.fgate_preact.bias.add_(XLSTM_FORGET_BIAS)
     if kind == "inkling":
         randomize_global_scales_(model, _SEEDS[base_kind] + 4)
     if kind == "inkling2":
@@ -1986,12 +2025,14 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
     from transformers import DynamicCache
 
     model = model_dir if isinstance(model_dir, torch.nn.Module) else load_hf_model(model_dir)
-    device = model.device
     # Mamba's models (transformers' modeling_mamba.py, falcon_mamba) name their cache `cache_params` and build it
     # themselves on the first call (a MambaCache in older transformers, which then needs cache_position); RWKV's, a
     # list it builds too, is `state`.
     parameters = inspect.signature(model.forward).parameters
-    cache_kw = next((kw for kw in ("cache_params", "state") if kw in parameters), "past_key_values")
+    cache_kw = next((kw for kw in ("cache_params", "state", "past_key_values") if kw in parameters), None)
+    if cache_kw is None:
+        return [hf_greedy_uncached(model, prompt, max_new_tokens) for prompt in prompts_token_ids]
+    device = model.device
     results = []
     for prompt in prompts_token_ids:
         prompt = [int(t) for t in prompt]
@@ -2033,6 +2074,18 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
         )
         results.append({"token_ids": tokens, "logits": logits, "prefill_logits": prefill_logits})
     return results
+
+
+def hf_greedy_uncached(model, prompt: Sequence[int], max_new_tokens: int) -> dict:
+    """hf_greedy's result for one prompt, from a model without a KV cache (OpenAI GPT's): each step a forward over
+    the whole sequence so far."""
+    ids = [int(t) for t in prompt]
+    all_logits = []
+    for _ in range(max_new_tokens):
+        out = model(input_ids=torch.tensor([ids], dtype=torch.long, device=model.device))
+        all_logits.append(out.logits[0, -1].float().to("cpu", copy=True))
+        ids.append(int(torch.argmax(all_logits[-1])))
+    return {"token_ids": ids[len(prompt):], "logits": torch.stack(all_logits), "prefill_logits": all_logits[0].clone()}
 
 
 @torch.inference_mode()

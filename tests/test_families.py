@@ -23,9 +23,9 @@ LOGIT_ATOL = 1e-4
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2", "gemma", "granite", "smollm3", "glm4", "glm",
-                                  *LAYERNORM_KINDS, "nemotron", "gemma4", "gemma4-e", "ministral", "ministral3",
-                                  "vaultgemma", "granite-swa", "jais2", "nanochat", "gemma3n", *NEWEST_DENSE_KINDS,
-                                  "mllama"])
+                                  *LAYERNORM_KINDS, "nemotron", "gemma4", "gemma4-e", "gemma4-unified", "ministral",
+                                  "ministral3", "vaultgemma", "granite-swa", "jais2", "nanochat", "gemma3n",
+                                  *NEWEST_DENSE_KINDS, "mllama"])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): each holds half the heads and MLP; windows, ropes and norms per rank."""
     d = model_dir(kind)
@@ -178,6 +178,13 @@ def test_codegen_head_count_off_its_qkv_layout_is_refused_by_name(model_dir, tmp
     assert str(d) in str(refused.value)
 
 
+def test_openai_gpt_unknown_activation_is_refused_by_name(model_dir, tmp_path):
+    d = edited_model(model_dir("openai-gpt"), tmp_path / "m", afn="gelu_fast")
+    with pytest.raises(ValueError, match="afn='gelu_fast'") as refused:
+        LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
+    assert str(d) in str(refused.value)
+
+
 def test_falcon_alibi_is_refused_by_name(model_dir, tmp_path):
     d = edited_model(model_dir("falcon"), tmp_path / "m", alibi=True)
     with pytest.raises(ValueError, match="alibi=True"):
@@ -215,17 +222,17 @@ def test_mpt_sequences_are_bounded_by_max_seq_len(model_dir):
         LLM(str(model_dir("mpt")), device="cpu", dtype="float32", max_model_len=513)
 
 
-@pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj", "gemma4", "gemma4-e", "bloom", "mpt", "opt-350m",
-                                  "gemma3n", *NEWEST_DENSE_KINDS, "xglm", "mllama"])
+@pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj", "gemma4", "gemma4-e", "gemma4-unified", "bloom", "mpt",
+                                  "opt-350m", "gemma3n", *NEWEST_DENSE_KINDS, "xglm", "mllama", "ctrl", "openai-gpt"])
 def test_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, captured_logits, report_logit_diff):
     """7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once, twice: the
     parallel residual (Phi, GPT-NeoX, GPT-J), layers of two head sizes and values from the keys (Gemma 4), layers
-    attending over other layers' keys and values, cached or of the step (Gemma 4 E2B/E4B, Gemma 3n), ALiBi's
+    attending over other layers' keys and values, cached or of the step (Gemma 4 E2B/E4B and unified, Gemma 3n), ALiBi's
     key-minus-query distances over cached prefixes and chunks (BLOOM, MPT), post-norm layers and OPT's offset
     positions (OPT-350m), Doge's key biases cached with the keys, the other dense variants of NEWEST_DENSE_KINDS
     (MiniCPM3's MLA over cached latents, DiffLlama's padded keys and paired values in the cache), sinusoidal
-    positions by each token's place in its sequence (XGLM), and the KV cache of a model whose cross-attention layers
-    are skipped (Mllama)."""
+    positions by each token's place in its sequence (XGLM, CTRL), the KV cache of a model whose cross-attention layers
+    are skipped (Mllama), and GPT-2's positions in post-norm layers (OpenAI GPT)."""
     worst = chunked_prefix_preemption_logit_diff(model_dir(kind), captured_logits, MAX_TOKENS)
     report_logit_diff(f"{kind}, chunked prefill + prefix hits + preemption", worst)
     # Gemma 4 E amplifies fp32 rounding at one position (5e-5 between transformers' own cached and uncached

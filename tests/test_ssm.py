@@ -1,9 +1,9 @@
 """LFM2, LFM2-MoE, Bamba, Granite 4.0-H, NemotronH, Falcon-H1 and Zamba2 (short-conv and Mamba2 hybrids), RecurrentGemma
-(RG-LRU), RWKV, Mamba2 and the newest hybrids (NEWEST_HYBRID_KINDS) vs transformers under chunked prefill, preemption
-and two tensor-parallel ranks, prefix caching and LLM.embed refused; the Mamba2 scan's chunked and one-step forms
-against each other, and the mixers against transformers' over prompt chunks, decode steps and several sequences at
-once, whole and sharded over two ranks; Zamba2's shared blocks, Ling's hybrid from a Hub-form config, and the options
-Zamba2, Ling's hybrid, ZAYA and RecurrentGemma refuse."""
+(RG-LRU), RWKV, Mamba2, xLSTM and the newest hybrids (NEWEST_HYBRID_KINDS) vs transformers under chunked prefill,
+preemption and two tensor-parallel ranks, prefix caching and LLM.embed refused; the Mamba2 scan's chunked and one-step
+forms against each other, and the mixers against transformers' over prompt chunks, decode steps and several sequences
+at once, whole and sharded over two ranks; Zamba2's shared blocks, Ling's hybrid from a Hub-form config, and the
+options Zamba2, Ling's hybrid, ZAYA, RecurrentGemma and xLSTM refuse."""
 import inspect
 import json
 import pathlib
@@ -15,13 +15,14 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from models import MAMBA2_HYBRID_KINDS, NEWEST_HYBRID_KINDS, SSM_KINDS
+from models import MAMBA2_HYBRID_KINDS, NEWEST_HYBRID_KINDS, SSM_KINDS, XLSTM_KIND
 from nanoinfer import LLM
 from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.mamba2 import Mamba2Mixer, Mamba2Settings, ssd_chunk_scan, ssd_step
 from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer
 from nanoinfer.models import falcon_h1, nemotron_h, zamba2
 from nanoinfer.models.bamba import mamba2_settings
+from nanoinfer.models.xlstm import MLSTMLayer
 from nanoinfer.utils.dist import tp_scope
 from nanoinfer.utils.loader import load_weights
 from test_qwen3_next import GREEDY, LOGIT_ATOL, PROMPTS, run
@@ -29,7 +30,7 @@ from test_qwen3_next import GREEDY, LOGIT_ATOL, PROMPTS, run
 from test_qwen3_next import test_embed_is_refused, test_no_prefix_cache_reuse  # noqa: F401
 
 
-@pytest.fixture(scope="module", params=SSM_KINDS + MAMBA2_HYBRID_KINDS + NEWEST_HYBRID_KINDS)
+@pytest.fixture(scope="module", params=SSM_KINDS + MAMBA2_HYBRID_KINDS + NEWEST_HYBRID_KINDS + (XLSTM_KIND,))
 def ssm_dir(request, model_dir):
     return model_dir(request.param)
 
@@ -54,20 +55,21 @@ def test_chunked_prefill_and_preemption_match_hf(ssm_dir, captured_logits, repor
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lfm2", "granitemoehybrid", "nemotron-h", "falcon-h1-norm", "bamba", "zamba2",
-                                  "mamba2", "lfm2-moe", "recurrent-gemma", "rwkv", *NEWEST_HYBRID_KINDS])
+                                  "mamba2", "lfm2-moe", "recurrent-gemma", "rwkv", *NEWEST_HYBRID_KINDS, XLSTM_KIND])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): LFM2's short conv sharded by channels (LFM2-MoE's experts too), RecurrentGemma's
     RG-LRU by heads (its one KV head replicated), RWKV's time mix by channels and its channel mix as an MLP; Granite's,
     NemotronH's, Falcon-H1's, Bamba's and Zamba2's attention, MLPs and experts sharded, their Mamba2 mixers (Mamba2's
     alone) by heads, each rank with its heads' state (Falcon-H1's multipliers folded into each rank's rows; Bamba's one
-    group of B and C whole on both ranks; Zamba2's adapters' B rows split as the projections they add to)."""
+    group of B and C whole on both ranks; Zamba2's adapters' B rows split as the projections they add to); xLSTM's
+    mLSTM layers by heads, each rank with its heads' matrix memories."""
     llm, _, worst = run(model_dir(kind), captured_logits, prompts=PROMPTS[:4], tensor_parallel_size=2)
     report_logit_diff(f"{kind}, tensor parallel 2", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
     config = llm.llm_engine.config.hf_config
     heads = next((getattr(config, name) for name in ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads", "num_heads")
                   if getattr(config, name, None)), None)
-    mixers = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Mamba2Mixer)]
+    mixers = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, (Mamba2Mixer, MLSTMLayer))]
     assert bool(mixers) == (kind not in ("lfm2", "lfm2-moe", "recurrent-gemma", "rwkv", *NEWEST_HYBRID_KINDS))
     assert all(m.ssm_state.shape[1] * 2 == heads for m in mixers)
 
@@ -429,3 +431,11 @@ def test_recurrent_gemma_unsupported_config_is_refused(model_dir, tmp_path, chan
     """transformers runs a block type it does not know as attention; the RG-LRU's width splits into one block per
     attention head."""
     check_config_refused(model_dir("recurrent-gemma"), tmp_path, change, option)
+
+
+@pytest.mark.parametrize("change, option", [({"weight_mode": "fused"}, "weight_mode='fused'"),
+                                            ({"use_bias": True}, "use_bias=True")])
+def test_xlstm_unsupported_config_is_refused(model_dir, tmp_path, change, option):
+    """xLSTM's fused projections (`qkv_opreact`, `ifgate_preact`, `proj_up_gate_z`) and biases, which no released
+    checkpoint has, are refused rather than loaded under other names."""
+    check_config_refused(model_dir(XLSTM_KIND), tmp_path, change, option)

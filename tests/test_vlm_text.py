@@ -23,7 +23,7 @@ PROMPTS = random_prompts(3, 5, 440, 2, 40, seed=21) + [[7, VISION_START, IMAGE_T
 KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe",
          "qwen3.5", "qwen3.5-moe", "llava-qwen2", "llava-next", "llava-onevision", "internvl", "smolvlm", "idefics3",
          "aya-vision", "llama4", "gemma4", "mistral3-ministral3", "gemma3n", "mllama", "emu3", "inkling", "dots3-note",
-         "minimax-m3", "aria", "cohere-compass", "inkling2")
+         "minimax-m3", "aria", "cohere-compass", "inkling2", "gemma4-unified")
 # Kinds whose wrapper transformers 5.17 lacks: their transformers family.
 NEWEST_FAMILIES = {"inkling": "inkling", "inkling2": "inkling2", "dots3-note": "dots3_note",
                    "minimax-m3": "minimax_m3_vl"}
@@ -62,6 +62,10 @@ def make_vlm_config(kind: str):
         vision = dict(_SIGLIP, num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=64)
         return t.Gemma4Config(text_config=text, vision_config=vision, audio_config=None, image_token_id=IMAGE_TOKEN,
                               video_token_id=VIDEO_TOKEN)
+    if kind == "gemma4-unified":  # Gemma 4's wrapper, encoder-free: a patch embedder (`model.embed_vision`), skipped
+        vision = dict(patch_size=2, pooling_kernel_size=2, mm_embed_dim=16, mm_posemb_size=8)
+        return t.Gemma4UnifiedConfig(text_config=make_config(kind), vision_config=vision, audio_config=None,
+                                     image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN)
     if kind == "gemma3n":  # its text config's final-logit softcap, which this wrapper applies; the ids from 496 on
         # have embeddings of the wrapper's (image ones to 503, audio ones from 504: the prompt's placeholders).
         return t.Gemma3nConfig(text_config=make_config("gemma3n"),
@@ -221,7 +225,7 @@ def build_vlm(kind: str, model_dir):
     models._randomize_(model, SEEDS[kind])
     if kind in ("gemma3", "qwen3.5", "qwen3.5-moe", "minimax-m3"):  # (1 + weight) norms
         models._randomize_zero_centered_norms_(model, SEEDS[kind])
-    if kind == "gemma4":
+    if kind in ("gemma4", "gemma4-unified"):
         models._randomize_gemma4_(model, SEEDS[kind])
     if kind == "inkling":
         models.randomize_global_scales_(model, SEEDS[kind])

@@ -2,14 +2,13 @@
 with biases, learned absolute positions offset by 2 rows) with token embeddings scaled by sqrt(hidden_size) where
 `scale_embedding`, every LayerNorm at nn.LayerNorm's default epsilon (the config's `layer_norm_eps` is not read), the
 LM head `output_projection`, tied. XGLM (xglm.py) is the same model on sinusoidal positions."""
-import torch
 from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.layernorm import LayerNorm
 from nanoinfer.models.gpt2 import GPT2Model
 from nanoinfer.models.layernorm_decoder import DenseMLP, LayerNormDecoderLayer
-from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM, MLPFactory, OptionsFactory
+from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM
 from nanoinfer.models.opt import LAYER_NORM_EPS, OPTForCausalLM
 
 
@@ -22,16 +21,13 @@ class BioGptModel(GPT2Model):
     decoder_layer = BioGptDecoderLayer
     position_offset = 2
 
-    def __init__(self, config: PretrainedConfig, attention_options: OptionsFactory, make_mlp: MLPFactory):
-        super().__init__(config, attention_options, make_mlp)
-        self.embed_scale = config.hidden_size ** 0.5 if config.scale_embedding else 1.0
+    @staticmethod
+    def embedding_scale(config: PretrainedConfig) -> float:
+        return config.hidden_size ** 0.5 if config.scale_embedding else 1.0
 
     @staticmethod
     def final_norm(config: PretrainedConfig) -> nn.Module:
         return LayerNorm(config.hidden_size, LAYER_NORM_EPS)
-
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        return self.add_positions(self.embed_tokens(input_ids) * self.embed_scale, positions)
 
 
 class BioGptForCausalLM(LlamaForCausalLM):

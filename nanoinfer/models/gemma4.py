@@ -8,7 +8,9 @@ by side, each with its own norms, the router reading the residual stream. E2B/E4
 token's own small vector for every layer, mixed with a projection of its embedding, gating a residual branch at the
 end of each layer) and, on their last `num_kv_shared_layers` layers, attention over the keys and values of the
 last earlier layer of the same type (those layers compute and cache none, and their MLPs may be twice as wide).
-Gemma 3n (gemma3n.py) is built on the E-models' pieces."""
+Gemma 4 unified (`gemma4_unified_text`: the language model of the encoder-free multimodal release) is this model
+without per-layer embeddings or experts, its config without their fields. Gemma 3n (gemma3n.py) is built on the
+E-models' pieces."""
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,17 +31,28 @@ from nanoinfer.models.llama import (AttentionOptions, LlamaAttention, LlamaMLP, 
 from nanoinfer.models.vision_language import MEDIA_TOKEN_IDS
 
 
+def per_layer_input_width(config: PretrainedConfig) -> int:
+    """The width of each layer's own input (E2B/E4B's per-layer embeddings), 0 for none: Gemma 4 unified's text
+    config drops the field."""
+    return getattr(config, "hidden_size_per_layer_input", 0)
+
+
+def has_moe_block(config: PretrainedConfig) -> bool:
+    """Whether every layer runs experts beside its MLP: Gemma 4 unified's text config drops the field."""
+    return getattr(config, "enable_moe_block", False)
+
+
 def check_config(config: PretrainedConfig) -> None:
     """What this implementation cannot do, refused by name rather than run differently from transformers."""
     gemma2.check_layer_types(config)
     # "vision": image tokens attend both ways among themselves; text alone is causal.
     if config.use_bidirectional_attention == "all":
         raise ValueError("use_bidirectional_attention='all' in the model config: only causal Gemma 4 is supported")
-    if config.hidden_size_per_layer_input and config.vocab_size_per_layer_input < config.vocab_size:
+    if per_layer_input_width(config) and config.vocab_size_per_layer_input < config.vocab_size:
         raise ValueError(f"vocab_size_per_layer_input={config.vocab_size_per_layer_input} in the model config is "
                          f"below vocab_size={config.vocab_size}: some tokens would have no per-layer embedding")
     check_kv_sharing(config)
-    if config.enable_moe_block and config.hidden_activation != "gelu_pytorch_tanh":
+    if has_moe_block(config) and config.hidden_activation != "gelu_pytorch_tanh":
         raise ValueError(f"hidden_activation={config.hidden_activation!r} in the model config: Gemma 4's experts are "
                          "implemented with 'gelu_pytorch_tanh' only")
 
@@ -213,7 +226,7 @@ class PerLayerInputDecoderLayer(gemma2.Gemma2DecoderLayer):
         self.attention_class = {"reuse": Gemma4ReusedKVAttention, "store": Gemma4KVSourceAttention}.get(
             options.kv_sharing, LlamaAttention)
         super().__init__(config, options, mlp)
-        self.per_layer_width = config.hidden_size_per_layer_input
+        self.per_layer_width = per_layer_input_width(config)
         if self.per_layer_width:
             self.per_layer_input_gate = ReplicatedLinear(config.hidden_size, self.per_layer_width)
             self.per_layer_projection = ReplicatedLinear(self.per_layer_width, config.hidden_size)
@@ -235,7 +248,7 @@ class Gemma4DecoderLayer(PerLayerInputDecoderLayer):
         super().__init__(config, options, mlp)
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
         self.router: Gemma4Router | None = None
-        if config.enable_moe_block:
+        if has_moe_block(config):
             self.router = Gemma4Router(config)
             self.experts = FusedMoE(config.num_experts, config.top_k_experts, config.hidden_size,
                                     config.moe_intermediate_size, renormalize=True, activation=gelu_tanh_and_mul)
@@ -268,7 +281,7 @@ class Gemma4Model(gemma.GemmaModel):
 
     def __init__(self, config: PretrainedConfig, attention_options: OptionsFactory, make_mlp: MLPFactory):
         super().__init__(config, attention_options, make_mlp)
-        self.per_layer_embeddings = PerLayerEmbeddings(config) if config.hidden_size_per_layer_input else None
+        self.per_layer_embeddings = PerLayerEmbeddings(config) if per_layer_input_width(config) else None
         for i, layer in enumerate(self.layers):
             if (source := kv_source(config, i)) is not None:
                 layer.self_attn.source = (self.layers[source].self_attn.attn,)

@@ -6,7 +6,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanoinfer.models.layernorm_decoder import DenseMLP, LayerNormDecoderLayer, LayerNormModel
+from nanoinfer.models.layernorm_decoder import DenseMLP, LayerNormDecoderLayer, LayerNormModel, Residual
 from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM, MLPFactory, OptionsFactory
 
 
@@ -44,8 +44,11 @@ class GPT2MLP(DenseMLP):
 
 
 class GPT2Block(LayerNormDecoderLayer):
+    residual: Residual = "sequential"  # OpenAI GPT's layers are post-norm
+
     def __init__(self, config: PretrainedConfig, options: AttentionOptions, mlp: nn.Module):
-        super().__init__(GPT2Attention(config, options), mlp, config.hidden_size, config.layer_norm_epsilon)
+        super().__init__(GPT2Attention(config, options), mlp, config.hidden_size, config.layer_norm_epsilon,
+                         self.residual)
 
 
 class GPT2Model(LayerNormModel):
@@ -55,6 +58,12 @@ class GPT2Model(LayerNormModel):
     def __init__(self, config: PretrainedConfig, attention_options: OptionsFactory, make_mlp: MLPFactory):
         super().__init__(config, attention_options, make_mlp)
         self.wpe = self.position_embedding(config)
+        self.embed_scale = self.embedding_scale(config)
+
+    @staticmethod
+    def embedding_scale(config: PretrainedConfig) -> float:
+        """The token embeddings' factor: 1 (none), sqrt(hidden_size) for BioGPT and CTRL."""
+        return 1.0
 
     def position_embedding(self, config: PretrainedConfig) -> nn.Module:
         """The table of position embeddings, indexed by position + position_offset: learned (XGLM's: fixed).
@@ -66,7 +75,8 @@ class GPT2Model(LayerNormModel):
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         """positions: each token's position in its sequence (so a cached prefix or an earlier chunk counts); None,
         in an encoder pass (see LLM.embed), adds no position embedding, as the rope families rotate nothing."""
-        return self.add_positions(self.embed_tokens(input_ids), positions)
+        x = self.embed_tokens(input_ids)
+        return self.add_positions(x if self.embed_scale == 1.0 else x * self.embed_scale, positions)
 
     def add_positions(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         return x if positions is None else x + self.wpe(positions + self.position_offset)

@@ -20,6 +20,7 @@ _MODELS = {
     "Cohere2MoeForCausalLM": ("cohere2_moe", "Cohere2MoeForCausalLM"),
     "CohereCompassForCausalLM": ("cohere_compass", "CohereCompassForCausalLM"),
     "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
+    "CTRLLMHeadModel": ("ctrl", "CTRLLMHeadModel"),
     "CwmForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama's windows by layer_types (Qwen2's attention), no biases
     "DbrxForCausalLM": ("dbrx", "DbrxForCausalLM"),
     "BitNetForCausalLM": ("bitnet", "BitNetForCausalLM"),
@@ -43,6 +44,7 @@ _MODELS = {
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "Gemma3nForCausalLM": ("gemma3n", "Gemma3nForCausalLM"),
     "Gemma4ForCausalLM": ("gemma4", "Gemma4ForCausalLM"),
+    "Gemma4UnifiedForCausalLM": ("gemma4", "Gemma4ForCausalLM"),  # Gemma 4 without per-layer inputs or experts
     "GlmForCausalLM": ("glm", "GlmForCausalLM"),
     "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
     "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeForCausalLM"),
@@ -95,6 +97,7 @@ _MODELS = {
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
     "Olmo3ForCausalLM": ("olmo3", "Olmo3ForCausalLM"),
     "OlmoeForCausalLM": ("olmoe", "OlmoeForCausalLM"),
+    "OpenAIGPTLMHeadModel": ("openai_gpt", "OpenAIGPTLMHeadModel"),
     "OPTForCausalLM": ("opt", "OPTForCausalLM"),
     "PersimmonForCausalLM": ("persimmon", "PersimmonForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
@@ -137,13 +140,14 @@ _MODELS |= {
     "Zamba2ForCausalLM": ("zamba2", "Zamba2ForCausalLM"),
     "ZayaForCausalLM": ("zaya", "ZayaForCausalLM"),
 }
-# State-space models: on the Mamba-1 mixer, alone or with attention; on the Mamba2 mixer alone.
+# State-space models: on the Mamba-1 mixer, alone or with attention; on the Mamba2 mixer alone; xLSTM's mLSTM.
 _MODELS |= {
     "FalconMambaForCausalLM": ("falcon_mamba", "FalconMambaForCausalLM"),
     "JambaForCausalLM": ("jamba", "JambaForCausalLM"),
     "MambaForCausalLM": ("mamba", "MambaForCausalLM"),
     "Mamba2ForCausalLM": ("mamba", "Mamba2ForCausalLM"),
     "RwkvForCausalLM": ("rwkv", "RwkvForCausalLM"),  # RWKV-4: token shifts and a WKV state, no attention
+    "xLSTMForCausalLM": ("xlstm", "xLSTMForCausalLM"),  # mLSTM blocks: a matrix memory per head, no attention
 }
 
 # Sequence classification (see classification.py) over the decoder of the causal LM of the same family.
@@ -179,6 +183,7 @@ _VISION_LANGUAGE = {
     "Gemma3ForConditionalGeneration": {"gemma3_text": _MODELS["Gemma3ForCausalLM"]},
     "Gemma3nForConditionalGeneration": {"gemma3n_text": _MODELS["Gemma3nForCausalLM"]},
     "Gemma4ForConditionalGeneration": {"gemma4_text": _MODELS["Gemma4ForCausalLM"]},
+    "Gemma4UnifiedForConditionalGeneration": {"gemma4_unified_text": _MODELS["Gemma4ForCausalLM"]},
     "InklingForConditionalGeneration": {"inkling_text": _MODELS["InklingForCausalLM"]},
     "Inkling2ForConditionalGeneration": {"inkling2_text": _MODELS["Inkling2ForCausalLM"]},
     "Llama4ForConditionalGeneration": {"llama4_text": _MODELS["Llama4ForCausalLM"]},

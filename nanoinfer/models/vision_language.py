@@ -19,15 +19,16 @@ LANGUAGE_MODEL_NAMES = {"^model.language_model.": "model.", "^language_model.mod
                         "^text_model.model.": "model.", "^text_model.lm_head.": "lm_head."}
 # The image side, in the same layouts (transformers' own in-memory names too): Llava-NeXT's and OneVision's
 # `image_newline`, Idefics3's and SmolVLM's `vision_model` and `connector`, Llama 4's `vision_model` at the top, Gemma
-# 4's audio tower and the projections of both towers into the text (`embed_vision`, `embed_audio`), Emu3's image
-# tokenizer (`vqmodel`), Inkling's audio embeddings in its Hub layout (`model.audio`); dots3 note's Hub layout (the
-# language model at `model.*`): `vision_encoder`, `audio_encoder` (its adapter within, or `audio_adapter` beside it);
-# MiniMax-M3's `patch_merge_mlp`.
+# 4's audio tower and the projections of both towers into the text (`embed_vision`, `embed_audio`; Gemma 4 unified's
+# patch embedder, which its files name `vision_embedder`), Emu3's image tokenizer (`vqmodel`), Inkling's audio
+# embeddings in its Hub layout (`model.audio`); dots3 note's Hub layout (the language model at `model.*`):
+# `vision_encoder`, `audio_encoder` (its adapter within, or `audio_adapter` beside it); MiniMax-M3's
+# `patch_merge_mlp`.
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_newline", "vision_model.", "vqmodel.",
                    "vision_encoder.", "audio_encoder.", "audio_adapter.", "patch_merge_mlp.",
                    "model.vision_tower.", "model.multi_modal_projector.", "model.visual.", "model.image_newline",
                    "model.vision_model.", "model.connector.", "model.audio_tower.", "model.embed_vision.",
-                   "model.embed_audio.", "model.vqmodel.", "model.audio.")
+                   "model.embed_audio.", "model.vision_embedder.", "model.vqmodel.", "model.audio.")
 
 # The outer config's placeholder ids, copied to the language model's config: Gemma 4's wrapper embeds them as the pad
 # token when no media come with them (see gemma4.py).
