@@ -35,8 +35,9 @@ from nanoinfer.layers.layernorm import GatedRMSNorm, GemmaRMSNorm
 from nanoinfer.layers.linear import ReplicatedLinear, copy_weight
 from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer, causal_windows
 from nanoinfer.layers.rotary_embedding import get_rope
-from nanoinfer.models.config_checks import check_each_in, config_source
+from nanoinfer.models.config_checks import config_source
 from nanoinfer.models.deepseek_v32 import DSAOptions, IndexerKeyCache, SparseStep
+from nanoinfer.models.hybrid import check_layer_config
 from nanoinfer.models.llama import LlamaForCausalLM
 from nanoinfer.models.minimax_m3 import MiniMaxM3Attention, rotary_dim
 from nanoinfer.models.qwen2_moe import Qwen2MoeSparseMoeBlock
@@ -353,8 +354,7 @@ def output_gate_type(config: PretrainedConfig) -> str:
 
 def check_config(config: PretrainedConfig) -> None:
     """What this implementation cannot run, refused by name rather than run differently from transformers."""
-    where = config_source(config)
-    check_each_in(config, "layer_types", LAYER_TYPES)
+    where = check_layer_config(config, silu=True, layer_types=LAYER_TYPES)  # the delta rule's conv, the experts
     for field in QSA_FIELDS:  # transformers' attention layers always build the indexer
         if not isinstance(getattr(config, field, None), int) or getattr(config, field) < 1:
             raise ValueError(f"{field}={getattr(config, field, None)!r} in {where}: Qwen4-Exp's attention needs its "
@@ -401,7 +401,7 @@ class Qwen4ExpForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig):
         check_config(config)
         super().__init__()
-        self.split_ngram_parts = getattr(config, "split_ngram_parts", 1)
+        self.split_ngram_parts, self.where = getattr(config, "split_ngram_parts", 1), config_source(config)
         self.model = Qwen4ExpModel(config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
@@ -425,15 +425,15 @@ class Qwen4ExpForCausalLM(nn.Module):
             else:
                 yield name, tensor
         if any(parts.values()):
-            raise ValueError(f"the checkpoint holds {sorted(len(t) for t in parts.values())} parts of n-gram tables "
-                             f"{sorted(parts)}; expected split_ngram_parts={self.split_ngram_parts}")
+            raise ValueError(f"split_ngram_parts={self.split_ngram_parts} in {self.where}, but the checkpoint holds "
+                             f"{sorted(len(t) for t in parts.values())} parts of n-gram tables {sorted(parts)}")
 
     def check_ngram_buffer(self, name: str, loaded: torch.Tensor) -> None:
         layer = re.search(r"layers\.(\d+)\.ple\.ple_embedding\.(\w+)$", name)
         ple = self.model.layers[int(layer[1])].ple if layer and int(layer[1]) < len(self.model.layers) else None
         if ple is None:
-            raise ValueError(f"checkpoint tensor {name!r} has no PLE layer in {type(self).__name__}")
+            raise ValueError(f"checkpoint tensor {name!r} in {self.where} has no PLE layer in {type(self).__name__}")
         derived = getattr(ple.ple_embedding, layer[2])
         if not torch.equal(loaded.to(derived), derived):
-            raise ValueError(f"checkpoint tensor {name!r} holds {loaded.tolist()}; the config's n-gram hash gives "
-                             f"{derived.tolist()}")
+            raise ValueError(f"checkpoint tensor {name!r} in {self.where} holds {loaded.tolist()}; the config's "
+                             f"n-gram hash gives {derived.tolist()}")
