@@ -1,6 +1,7 @@
-"""Qwen4-Exp's text model (`Qwen4ExpForCausalLM`; the language model of `Qwen4ExpForConditionalGeneration`): Qwen3.5-MoE's
-layers (qwen3_5.py: Gated DeltaNet, gated attention with Gemma q/k norms and partial rope, Qwen3-Next's routed experts
-plus a gated shared expert) inside hyper-connections, with sparse attention and hashed n-gram embeddings:
+"""Qwen4-Exp's text model (`Qwen4ExpForCausalLM`; the language model of `Qwen4ExpForConditionalGeneration`):
+Qwen3.5-MoE's layers (qwen3_5.py: Gated DeltaNet, gated attention with Gemma q/k norms and partial rope, Qwen3-Next's
+routed experts plus a gated shared expert) inside hyper-connections, with sparse attention and hashed n-gram
+embeddings:
 
 - Hyper-connections: each token carries `hc_count` residual streams. Before each sublayer a gated residual
   (GatedResidual) norms every stream, mixes them into the sublayer's input (per-element sigmoid weights from a low-rank
@@ -33,7 +34,7 @@ from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.layers.layernorm import GatedRMSNorm, GemmaRMSNorm
 from nanoinfer.layers.linear import ReplicatedLinear, copy_weight
-from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer, causal_windows
+from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer
 from nanoinfer.layers.rotary_embedding import get_rope
 from nanoinfer.models.config_checks import config_source
 from nanoinfer.models.deepseek_v32 import DSAOptions, IndexerKeyCache, SparseStep
@@ -65,7 +66,8 @@ class GroupedGemmaRMSNorm(GemmaRMSNorm):
 
 class GatedResidual(nn.Module):
     """transformers' Qwen4ExpTextGatedResidual: the streams [tokens, hc_count * hidden] -> a sublayer's input
-    [tokens, hidden] and its output's weight in each stream [tokens, hc_count] (None without `combine`: the last mix)."""
+    [tokens, hidden] and its output's weight in each stream [tokens, hc_count] (None without `combine`: the last
+    mix)."""
 
     def __init__(self, config: PretrainedConfig, combine: bool = True):
         super().__init__()
@@ -150,6 +152,7 @@ class QSAIndexer(nn.Module):
 
 
 class Qwen4ExpAttention(MiniMaxM3Attention):
+    """Qwen3.5's gated attention (Gemma q/k norms, partial rope) over the keys its QSA indexer selects."""
     indexer_class = QSAIndexer
 
 
@@ -194,7 +197,9 @@ def _splitmix64(value: int) -> int:
 
 
 def _is_prime(value: int) -> bool:
-    return value >= 2 and all(value % d for d in range(2, math.isqrt(value) + 1))
+    if value % 2 == 0:
+        return value == 2
+    return value > 2 and all(value % d for d in range(3, math.isqrt(value) + 1, 2))
 
 
 def _primes_after(start: int, count: int) -> list[int]:
@@ -396,7 +401,7 @@ _NGRAM_BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_o
 
 class Qwen4ExpForCausalLM(nn.Module):
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
-    ignored_weight_prefixes = ("mtp.",)  # multi-token-prediction weights some checkpoints carry
+    ignored_weight_prefixes = ("mtp.",)  # multi-token-prediction weights, which transformers skips too
 
     def __init__(self, config: PretrainedConfig):
         check_config(config)
