@@ -44,8 +44,9 @@ from nanoinfer.models.minimax_m3 import MiniMaxM3Attention, rotary_dim
 from nanoinfer.models.qwen2_moe import Qwen2MoeSparseMoeBlock
 from nanoinfer.models.qwen3_5 import Qwen3_5GatedDeltaNet
 
-# transformers' layer types; its config turns the Hub's "full_attention" into "indexed_attention".
-LAYER_TYPES = ("linear_attention", "indexed_attention", "full_attention")
+# transformers' layer types; its config turns the Hub's "full_attention" into "indexed_attention" (5.17:
+# "qwen_sparse_attention").
+LAYER_TYPES = ("linear_attention", "indexed_attention", "qwen_sparse_attention", "full_attention")
 OUTPUT_GATES = {"silu": F.silu, "sigmoid": torch.sigmoid}
 QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
 
