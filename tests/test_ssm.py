@@ -2,8 +2,9 @@
 (RG-LRU), RWKV, Mamba2, xLSTM and the newest hybrids (NEWEST_HYBRID_KINDS) vs transformers under chunked prefill,
 preemption and two tensor-parallel ranks, prefix caching and LLM.embed refused; the Mamba2 scan's chunked and one-step
 forms against each other, and the mixers against transformers' over prompt chunks, decode steps and several sequences
-at once, whole and sharded over two ranks; Zamba2's shared blocks, Ling's hybrid from a Hub-form config, and the
-options Zamba2, Ling's hybrid, ZAYA, RecurrentGemma and xLSTM refuse."""
+at once, whole and sharded over two ranks; Zamba2's shared blocks, Ling's hybrid from a Hub-form config, Qwen4-Exp's
+n-grams across EOS, and the options (and checkpoints) Zamba2, Ling's hybrid, ZAYA, RecurrentGemma, xLSTM and Qwen4-Exp
+refuse."""
 import inspect
 import json
 import pathlib
