@@ -379,6 +379,10 @@ BEAM_RMS_NORM_EPS = 1e-2
 # the embeddings' norm, a GeGLU MLP), causal, with a window of local_attention // 2 on its sliding layers 1 and 2 and
 # its own rope base per layer type, every bias on, the prediction head (dense, GeLU, LayerNorm) before the tied decoder
 # with its bias.
+# Qwen4-Exp (qwen4-exp): Qwen3.5-MoE's layers (linear, attention, linear; 2 of 8 experts plus the gated shared expert)
+# in 3 hyper-connection streams; QSA on the attention layer with blocks of 4 and a budget of 8 tokens (2 blocks: most
+# prompts have many more), its rope over a quarter of the heads; PLE on layers 1 and 3 (one-based) with 2- and 3-gram
+# tables of 2 heads each (primes from 53, saved in 2 parts), a sigmoid output gate on the delta rule.
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
                    "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid", "deepseek-v32": "deepseek_v32",
                    "deepseek-v32-wide": "deepseek_v32", "glm-moe-dsa": "glm_moe_dsa", "axk2": "axk2",
@@ -387,10 +391,11 @@ NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "lagu
                    "longcat-flash": "longcat_flash", "doge": "doge", "hyperclovax": "hyperclovax", "bitnet": "bitnet",
                    "minicpm3": "minicpm3", "diffllama": "diffllama", "hrm-text": "hrm_text", "jetmoe": "jetmoe",
                    "inkling": "inkling", "aria-text": "aria", "beam": "beam", "cohere-compass": "cohere_compass",
-                   "modernbert-decoder": "modernbert_decoder", "hy-v4": "hy_v4", "inkling2": "inkling2"}
+                   "modernbert-decoder": "modernbert_decoder", "hy-v4": "hy_v4", "inkling2": "inkling2",
+                   "qwen4-exp": "qwen4_exp"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "bailing-hybrid", "zaya", "minimax",  # as the other
-                       "inkling", "inkling2")  # hybrids (test_ssm.py)
+                       "inkling", "inkling2", "qwen4-exp")  # hybrids (test_ssm.py)
 NEWEST_DENSE_KINDS = ("doge", "hyperclovax", "bitnet", "minicpm3", "diffllama", "hrm-text", "cohere-compass",
                       "modernbert-decoder")
 NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS  # as the MoEs (test_moe.py)
@@ -495,7 +500,7 @@ _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint"
 _SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7585, "hrm-text": 8696,
            "jetmoe": 9707, "inkling": 1818, "inkling2": 2929}
 _SEEDS |= {"aria-text": 1357, "beam": 4680, "cohere-compass": 2468, "modernbert-decoder": 3579}
-_SEEDS |= {"hy-v4": 4680, XLSTM_KIND: 5791}
+_SEEDS |= {"hy-v4": 4680, XLSTM_KIND: 5791, "qwen4-exp": 5791}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
 _SEEDS |= {"ctrl": 5252, "openai-gpt": 6363}
 
@@ -1268,6 +1273,17 @@ def newest_family_config(kind: str, special: dict):
                                                                     "minimax_m3_sparse"],
             mlp_layer_types=["dense", "sparse", "sparse"],
             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5})
+    if kind == "qwen4-exp":
+        return transformers.Qwen4ExpTextConfig(
+            **{k: v for k, v in common.items() if k not in ("intermediate_size", "head_dim")}, head_dim=32,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25},
+            layer_types=["linear_attention", "full_attention", "linear_attention"], linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4,
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            hc_count=3, hc_lowrank=16, ple_layer_ids=[1, 3], ple_embed_dim=32, ngram_size=3, heads_per_ngram=2,
+            ngram_vocab_size_base=50, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=2, indexer_n_heads=2,
+            indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
+            output_gate_type="sigmoid")
     if kind == "inkling2":
         return transformers.Inkling2TextConfig(**{**common, "intermediate_size": 32},  # its experts'
                                                architectures=["Inkling2ForCausalLM"],
@@ -1860,7 +1876,8 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
     cls = causal_lm_class(config.model_type)
     model = (cls.from_config if cls is AutoModelForCausalLM else cls._from_config)(config, dtype=torch.float32)
     _randomize_(model, _SEEDS[base_kind])
-    if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2", "gemma", "vaultgemma", "minimax-m3", "recurrent-gemma"):
+    if kind in QWEN3_NEXT_KINDS + ("gemma3", "gemma2", "gemma", "vaultgemma", "minimax-m3", "recurrent-gemma",
+                                      "qwen4-exp"):
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
     if kind in GEMMA4_KINDS:
         _randomize_gemma4_(model, _SEEDS[base_kind])

@@ -33,7 +33,7 @@ def warm_up_before_the_cache(monkeypatch):
     return steps
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3-next", "zamba2"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3-next", "zamba2", "qwen4-exp"])
 def test_warm_up_with_a_one_token_budget(kind, model_dir, warm_up_before_the_cache):
     """max_num_batched_tokens=1: the largest step is one 1-token prompt, which every backend would take for a decode
     step reading the KV cache, which does not exist during the warm-up (an IndexError on the empty cache)."""

@@ -2,8 +2,9 @@
 (RG-LRU), RWKV, Mamba2, xLSTM and the newest hybrids (NEWEST_HYBRID_KINDS) vs transformers under chunked prefill,
 preemption and two tensor-parallel ranks, prefix caching and LLM.embed refused; the Mamba2 scan's chunked and one-step
 forms against each other, and the mixers against transformers' over prompt chunks, decode steps and several sequences
-at once, whole and sharded over two ranks; Zamba2's shared blocks, Ling's hybrid from a Hub-form config, and the
-options Zamba2, Ling's hybrid, ZAYA, RecurrentGemma and xLSTM refuse."""
+at once, whole and sharded over two ranks; Zamba2's shared blocks, Ling's hybrid from a Hub-form config, Qwen4-Exp's
+n-grams across EOS, and the options (and checkpoints) Zamba2, Ling's hybrid, ZAYA, RecurrentGemma, xLSTM and Qwen4-Exp
+refuse."""
 import inspect
 import json
 import pathlib
@@ -15,7 +16,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from models import MAMBA2_HYBRID_KINDS, NEWEST_HYBRID_KINDS, SSM_KINDS, XLSTM_KIND
+from models import MAMBA2_HYBRID_KINDS, NEWEST_HYBRID_KINDS, SSM_KINDS, XLSTM_KIND, make_config
 from nanoinfer import LLM
 from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.mamba2 import Mamba2Mixer, Mamba2Settings, ssd_chunk_scan, ssd_step
@@ -439,3 +440,39 @@ def test_xlstm_unsupported_config_is_refused(model_dir, tmp_path, change, option
     """xLSTM's fused projections (`qkv_opreact`, `ifgate_preact`, `proj_up_gate_z`) and biases, which no released
     checkpoint has, are refused rather than loaded under other names."""
     check_config_refused(model_dir(XLSTM_KIND), tmp_path, change, option)
+
+
+def test_qwen4_exp_ngrams_restart_after_eos(model_dir, captured_logits, report_logit_diff):
+    """Qwen4-Exp's n-gram contexts start over after an EOS (the tokens before it read as EOS): prompts holding EOS
+    first, last, twice in a row and one token apart, in 5-token chunks that end beside them."""
+    d = model_dir("qwen4-exp")  # first: it skips where transformers lacks the family (and its config)
+    eos = make_config("qwen4-exp").eos_token_id
+    prompts = [[eos, 5, 6, 7, eos, eos, 8, 9, 10, 11, eos, 12, eos, 13] * 3, [20, 21, 22, eos],
+               [30, eos, 31, 32, 33, 34, eos, 35, 36]]
+    llm, _, worst = run(d, captured_logits, prompts=prompts, max_num_batched_tokens=5)
+    report_logit_diff("qwen4-exp, EOS inside prompts", worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+@pytest.mark.parametrize("change, option", [(dict.fromkeys(("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim",
+                                                             "indexer_budget", "indexer_compress_ratio")),
+                                             "indexer_n_heads=None"),
+                                            ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+                                            ({"split_ngram_parts": 3}, "split_ngram_parts=3")])
+def test_qwen4_exp_unsupported_config_is_refused(model_dir, tmp_path, change, option):
+    """Qwen4-Exp without its QSA indexer (transformers' attention always builds one), with an activation other than
+    the delta rule's SiLU, or with n-gram tables in other parts than its config says."""
+    check_config_refused(model_dir("qwen4-exp"), tmp_path, change, option)
+
+
+def test_qwen4_exp_checkpoint_hashing_otherwise_is_refused(model_dir, tmp_path):
+    """The n-gram hash buffers transformers saves must be those the config derives (they are not loaded)."""
+    from safetensors.torch import load_file, save_file
+
+    d = shutil.copytree(model_dir("qwen4-exp"), tmp_path / "qwen4-hash")
+    weights = load_file(d / "model.safetensors")
+    name = "model.layers.2.ple.ple_embedding.layer_multipliers"
+    weights[name][1] += 2
+    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(name)):
+        LLM(str(d), device="cpu", dtype="float32", max_model_len=64)

@@ -23,10 +23,10 @@ PROMPTS = random_prompts(3, 5, 440, 2, 40, seed=21) + [[7, VISION_START, IMAGE_T
 KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe",
          "qwen3.5", "qwen3.5-moe", "llava-qwen2", "llava-next", "llava-onevision", "internvl", "smolvlm", "idefics3",
          "aya-vision", "llama4", "gemma4", "mistral3-ministral3", "gemma3n", "mllama", "emu3", "inkling", "dots3-note",
-         "minimax-m3", "aria", "cohere-compass", "inkling2", "gemma4-unified")
+         "minimax-m3", "aria", "cohere-compass", "inkling2", "gemma4-unified", "qwen4-exp")
 # Kinds whose wrapper transformers 5.17 lacks: their transformers family.
 NEWEST_FAMILIES = {"inkling": "inkling", "inkling2": "inkling2", "dots3-note": "dots3_note",
-                   "minimax-m3": "minimax_m3_vl"}
+                   "minimax-m3": "minimax_m3_vl", "qwen4-exp": "qwen4_exp"}
 # Gemma 4's wrapper kind keeps the seed it was checked with: at the next one (7118) transformers' own fp32 logits
 # stray 3.9e-4 from its fp64 ones along the greedy path, over this file's 1e-4 bar (ours were 2.2e-4 from its fp32).
 # Aria's, Cohere Compass's and Inkling-2's keep theirs, from before other kinds came ahead of them.
@@ -162,7 +162,8 @@ def make_vlm_config(kind: str):
         return t.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **_QWEN_TOKENS)
     text = make_config(kind)  # Qwen3.5's partial rope (8 of 32 dims) as its checkpoints give it: interleaved mrope
     text.rope_parameters.update(mrope_section=[2, 1, 1], mrope_interleaved=True)
-    config_class = t.Qwen3_5Config if kind == "qwen3.5" else t.Qwen3_5MoeConfig
+    # Qwen4-Exp's: Qwen3.5-MoE's wrapper (the hub layout, `model.language_model.*`), its n-gram tables in 2 parts.
+    config_class = {"qwen3.5": t.Qwen3_5Config, "qwen3.5-moe": t.Qwen3_5MoeConfig}.get(kind) or t.Qwen4ExpConfig
     return config_class(text_config=text, vision_config=_QWEN3_VISION, **_QWEN_TOKENS)
 
 
@@ -223,7 +224,7 @@ def build_vlm(kind: str, model_dir):
     with gemma3n_towers_stubbed():
         model = AutoModelForImageTextToText.from_config(make_vlm_config(kind), dtype=torch.float32)
     models._randomize_(model, SEEDS[kind])
-    if kind in ("gemma3", "qwen3.5", "qwen3.5-moe", "minimax-m3"):  # (1 + weight) norms
+    if kind in ("gemma3", "qwen3.5", "qwen3.5-moe", "minimax-m3", "qwen4-exp"):  # (1 + weight) norms
         models._randomize_zero_centered_norms_(model, SEEDS[kind])
     if kind in ("gemma4", "gemma4-unified"):
         models._randomize_gemma4_(model, SEEDS[kind])

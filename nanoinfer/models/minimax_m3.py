@@ -105,9 +105,12 @@ class BlockSparseAttention(Attention):
 
 
 class MiniMaxM3Attention(LlamaAttention):
+    """indexer_class: the module that selects, per KV head, the keys each query attends to (Qwen4-Exp's QSA)."""
+    indexer_class: type[nn.Module] = BlockIndexer
+
     def __init__(self, config: PretrainedConfig, options: DSAOptions):
         super().__init__(config, options)
-        self.indexer = BlockIndexer(config) if options.indexer else None
+        self.indexer = self.indexer_class(config) if options.indexer else None
         if self.indexer is not None:
             self.attn = BlockSparseAttention(self.num_heads, self.head_dim, self.attn.scale, self.num_kv_heads,
                                              config.num_key_value_heads)

@@ -110,6 +110,7 @@ _MODELS = {
     "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5ForCausalLM": ("qwen3_5", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("qwen3_5", "Qwen3_5MoeForCausalLM"),
+    "Qwen4ExpForCausalLM": ("qwen4_exp", "Qwen4ExpForCausalLM"),
     "SeedOssForCausalLM": ("seed_oss", "SeedOssForCausalLM"),
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
     # GLM-4.5's model without q/k norms, experts on every layer (the config has neither use_qk_norm nor
@@ -197,6 +198,7 @@ _VISION_LANGUAGE = {
     "Qwen3VLMoeForConditionalGeneration": {"qwen3_vl_moe_text": ("qwen3_moe", "Qwen3VLMoeLanguageModel")},
     "Qwen3_5ForConditionalGeneration": {"qwen3_5_text": _MODELS["Qwen3_5ForCausalLM"]},
     "Qwen3_5MoeForConditionalGeneration": {"qwen3_5_moe_text": _MODELS["Qwen3_5MoeForCausalLM"]},
+    "Qwen4ExpForConditionalGeneration": {"qwen4_exp_text": _MODELS["Qwen4ExpForCausalLM"]},
 } | dict.fromkeys(("AyaVisionForConditionalGeneration", "Idefics3ForConditionalGeneration",
                    "InternVLForConditionalGeneration", "LlavaForConditionalGeneration",
                    "LlavaNextForConditionalGeneration", "LlavaOnevisionForConditionalGeneration",
@@ -208,15 +210,17 @@ _VISION_LANGUAGE = {
 _ATTENTION_SINKS = {"FlintForCausalLM", "GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
                     "MiMoV2FlashForCausalLM"}
 # Families whose attention only the PyTorch backend runs, with what it is: DeepSeek sparse attention (deepseek_v32.py;
-# dots3 note's indexed layers, HY-V4's), MiniMax-M3's block-sparse attention (minimax_m3.py), Inkling's and
-# Inkling-2's relative logits (inkling.py, inkling2.py).
+# dots3 note's indexed layers, HY-V4's), MiniMax-M3's block-sparse attention (minimax_m3.py), Qwen4-Exp's QSA
+# (qwen4_exp.py), Inkling's and Inkling-2's relative logits (inkling.py, inkling2.py).
 _DSA = ("DeepSeek sparse attention", "each query attends to the keys its indexer selects")
 _BLOCK_SPARSE = ("block-sparse attention", "each KV head's queries attend to the key blocks its indexer selects")
+_QSA = ("QSA", "each query attends to the key blocks its indexer selects and to the tokens after the last whole block")
 _RELATIVE_LOGITS = ("relative logits", "a bias per query and backward distance, mixed from the query's own state")
 _PYTORCH_ONLY_ATTENTION = {
     "AXK2ForCausalLM": _DSA, "DeepseekV32ForCausalLM": _DSA, "Dots3NoteForCausalLM": _DSA,
     "Dots3NoteForConditionalGeneration": _DSA, "GlmMoeDsaForCausalLM": _DSA, "HYV4ForCausalLM": _DSA,
     "MiniMaxM3VLForCausalLM": _BLOCK_SPARSE, "MiniMaxM3SparseForConditionalGeneration": _BLOCK_SPARSE,
+    "Qwen4ExpForCausalLM": _QSA, "Qwen4ExpForConditionalGeneration": _QSA,
     **dict.fromkeys(("InklingForCausalLM", "InklingForConditionalGeneration", "Inkling2ForCausalLM",
                      "Inkling2ForConditionalGeneration"), _RELATIVE_LOGITS)}
 # Families whose KV cache holds heads wider than their config's head_dim, by this factor (DiffLlama's differential
