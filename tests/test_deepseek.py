@@ -313,12 +313,13 @@ def dsa_kind(kind: str) -> str:
 @pytest.mark.parametrize("kind, architecture, attention", [
     ("deepseek-v32", "DeepseekV32ForCausalLM", "DeepSeek sparse attention"),
     ("hy-v4", "HYV4ForCausalLM", "DeepSeek sparse attention"),
+    ("deepseek-v4", "DeepseekV4ForCausalLM", "compressed attention"),
     ("minimax-m3", "MiniMaxM3VLForCausalLM", "block-sparse attention"),
     ("inkling", "InklingForCausalLM", "relative logits"), ("inkling2", "Inkling2ForCausalLM", "relative logits")])
 def test_sparse_attention_runs_on_the_pytorch_backend_only(kind, architecture, attention, model_dir, monkeypatch,
                                                            capsys):
-    """No other backend selects keys per query (DeepSeek-V3.2, MiniMax-M3) or adds a bias per query and distance
-    (Inkling): on a CUDA machine (as far as Config looks, flash-attn installed) 'auto' takes the PyTorch backend, saying
+    """No other backend selects keys per query (DeepSeek-V3.2, MiniMax-M3), pools earlier windows into keys of their
+    own (DeepSeek-V4) or adds a bias per query and distance (Inkling): on a CUDA machine (as far as Config looks, flash-attn installed) 'auto' takes the PyTorch backend, saying
     so in one INFO line; 'triton' and 'flash' are refused by name."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -383,6 +384,14 @@ def test_indexer_keys_are_cached_in_the_kv_blocks(kind, kv_values, indexers, mod
      r"layer_types\[1\]='full_attention' in the model config is not supported; expected one of "
      r"\('indexed_attention', 'deepseek_sparse_attention'\)"),
     ("hy-v4", {"indexer_types": ["shared", "full", "full"]}, r"indexer_types\[0\]='shared' in the model config"),
+    ("deepseek-v4", {"mlp_layer_types": ["hash_moe", "dense", "moe"]},
+     r"mlp_layer_types\[1\]='dense' in the model config is not supported; expected one of \('hash_moe', 'moe'\)"),
+    ("deepseek-v4", {"scoring_func": "softmax"}, r"scoring_func='softmax' in the model config is not supported"),
+    ("deepseek-v4", {"swiglu_limit": -1.0}, r"swiglu_limit=-1.0 in the model config is not supported; expected > 0"),
+    ("deepseek-v4", {"mlp_bias": True}, r"mlp_bias=True in the model config is not supported"),
+    ("deepseek-v4", {"compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 0}},
+     r"compress_rates\['heavily_compressed_attention'\]=0 in the model config; expected a positive int"),
+    ("deepseek-v4", {"o_groups": 3}, r"o_groups=3 in the model config must divide num_attention_heads=4"),
     ("minimax-m3", {"layer_types": ["full_attention", "sliding_attention", "minimax_m3_sparse"]},
      r"layer_types\[1\]='sliding_attention' in the model config is not supported"),
     ("minimax-m3", {"index_n_heads": 4}, r"index_n_heads=4 in the model config must equal num_key_value_heads=2"),
@@ -393,6 +402,7 @@ def test_indexer_keys_are_cached_in_the_kv_blocks(kind, kv_values, indexers, mod
 def test_sparse_attention_settings_the_engine_cannot_run_are_refused_by_name(kind, changes, message):
     from nanoinfer.models.axk2 import AXK2ForCausalLM
     from nanoinfer.models.deepseek_v32 import DeepseekV32ForCausalLM
+    from nanoinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
     from nanoinfer.models.dots3_note import Dots3NoteForCausalLM
     from nanoinfer.models.glm_moe_dsa import GlmMoeDsaForCausalLM
     from nanoinfer.models.hy_v4 import HYV4ForCausalLM
@@ -403,6 +413,6 @@ def test_sparse_attention_settings_the_engine_cannot_run_are_refused_by_name(kin
         setattr(config, key, value)
     model_class = {"deepseek-v32": DeepseekV32ForCausalLM, "glm-moe-dsa": GlmMoeDsaForCausalLM,
                    "axk2": AXK2ForCausalLM, "dots3-note": Dots3NoteForCausalLM, "hy-v4": HYV4ForCausalLM,
-                   "minimax-m3": MiniMaxM3VLForCausalLM}[kind]
+                   "minimax-m3": MiniMaxM3VLForCausalLM, "deepseek-v4": DeepseekV4ForCausalLM}[kind]
     with pytest.raises(ValueError, match=message):
         model_class(config)

@@ -102,7 +102,8 @@ def select_experts_softmax_grouped(router_logits: torch.Tensor, top_k: int, num_
 
 def select_experts_sigmoid_biased(router_logits: torch.Tensor, top_k: int, correction_bias: torch.Tensor | None,
                                   num_groups: int, topk_group: int, renormalize: bool, scaling: float,
-                                  sorted_topk: bool = False, scoring: Callable[[torch.Tensor], torch.Tensor] = torch.sigmoid
+                                  sorted_topk: bool = False,
+                                  scoring: Callable[[torch.Tensor], torch.Tensor] = torch.sigmoid
                                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 ("noaux_tc"): fp32 sigmoid scores (or `scoring`'s: DeepSeek-V4's sqrt(softplus)); the choice, among
     the topk_group groups whose two best biased scores sum highest, is the top k of score + correction_bias (None: of

@@ -1,16 +1,16 @@
 """DeepSeek-V4 (`DeepseekV4ForCausalLM`), as transformers' deepseek_v4 runs it. Attention: a low-rank q (its latent
-RMS-normed, each head RMS-normed without a weight) over ONE shared key that is also the value (K = V, MQA), rope on
-the last qk_rope_head_dim dims of each head (interleaved pairs) and the output turned back by the query's angle, GPT-OSS's
+RMS-normed, each head RMS-normed without a weight) over ONE shared key that is also the value (K = V, MQA), rope on the
+last qk_rope_head_dim dims of each head (interleaved pairs) and the output turned back by the query's angle, GPT-OSS's
 sinks, and a grouped output projection (o_groups blocks of heads each to o_lora_rank, then one linear). Each query sees
-its sliding window of keys and, on compressed layers, the entries of earlier windows of the sequence: a compressor
-pools each closed window of `compress_rate` positions into one entry (a softmax over the window of learned gates plus a
+its sliding window of keys and, on compressed layers, the entries of earlier windows of the sequence: a compressor pools
+each closed window of `compress_rate` positions into one entry (a softmax over the window of learned gates plus a
 position bias, then RMSNorm and rope at the window's start) that a query sees once the window is complete.
 "heavily_compressed_attention" (HCA) sees every such entry; "compressed_sparse_attention" (CSA) pools overlapping
 windows (each entry mixes its window with the window before, two projections per token) and sees only the index_topk
-entries a lightning indexer (as DeepSeek-V3.2's, over the indexer's own compressed entries) scores best. The residual
-is HY-V4's hyper-connections (hy_v4.py) with a stream mix (a doubly stochastic hc_mult x hc_mult matrix, Sinkhorn);
-every MLP is a MoE (routed experts with clamped SwiGLU, sqrt(softplus) or sigmoid scores) plus a clamped shared
-expert, routed by top k of score + correction bias or, on "hash_moe" layers, by a fixed table of experts per token id.
+entries a lightning indexer (as DeepSeek-V3.2's, over the indexer's own compressed entries) scores best. The residual is
+HY-V4's hyper-connections (hy_v4.py) with a stream mix (a doubly stochastic hc_mult x hc_mult matrix, Sinkhorn); every
+MLP is a MoE (routed experts with clamped SwiGLU, sqrt(softplus) or sigmoid scores) plus a clamped shared expert, routed
+by top k of score + correction bias or, on "hash_moe" layers, by a fixed table of experts per token id.
 
 Nothing here is per-sequence state outside the KV cache: per token and layer the blocks hold the shared key and the
 compressors' projections (IndexerKeyCache rows), from which each step pools the entries its queries see. Prefix-cache
@@ -97,7 +97,8 @@ class Indexer(nn.Module):
     """transformers' DeepseekV4Indexer: DeepSeek-V3.2's lightning indexer over CSA's windows: its own overlapping
     compressor (index_head_dim) gives the keys, each query's score of entry w is sum over heads h of
     w_h * relu(q_h . entry) * index_head_dim^-1/2 (q from the query's latent, roped as the keys; w = weights_proj(x) *
-    heads^-1/2), in fp32; the query keeps its index_topk best complete entries. Replicated (every rank selects alike)."""
+    heads^-1/2), in fp32; the query keeps its index_topk best complete entries. Replicated (every rank selects
+    alike)."""
 
     def __init__(self, config: PretrainedConfig, rate: int, rope: RotaryEmbedding):
         super().__init__()
