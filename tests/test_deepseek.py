@@ -3,7 +3,7 @@ preemption at TP 1 and 2: test_moe.py; the Triton backend: triton_attention_inte
 transformers' own (GLM-4.5's too), the rope layouts, the MTP layers of V3's (and GLM-4.5's) checkpoints, the
 latent cache's size and backends, MLA's split of a step (prefill over decompressed K/V, decodes absorbed), and
 the settings refused by name; DeepSeek sparse attention's backends, indexer key cache and refused settings (dots3
-note's, MiniMax-M3's and HY-V4's sparse attention too)."""
+note's, MiniMax-M3's and HY-V4's sparse attention too; DeepSeek-V4's compressed attention)."""
 import json
 from dataclasses import dataclass
 
