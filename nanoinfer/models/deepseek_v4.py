@@ -32,8 +32,8 @@ from nanoinfer.models.config_checks import check_each_in, config_source
 from nanoinfer.models.deepseek_v2 import check_moe_config
 from nanoinfer.models.deepseek_v3 import DeepseekV3MoE
 from nanoinfer.models.deepseek_v32 import IndexerKeyCache, sparse_rows, sparse_step, window_mask
-from nanoinfer.models.hy_v4 import HyperHead, collapse, fp32_parameter, stream_mixes
-from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM, LlamaModel, MLPFactory, OptionsFactory
+from nanoinfer.models.hy_v4 import HyperConnectedModel, collapse, fp32_parameter, stream_mixes
+from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM
 from nanoinfer.models.minimax_m3 import MiniMaxM3MLP
 from nanoinfer.utils.dist import tp_size
 
@@ -289,27 +289,15 @@ class DeepseekV4DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor | None, streams: torch.Tensor, input_ids: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """streams [tokens, hc_mult, hidden] -> the same after the attention and the MLP."""
+        """Called by HyperConnectedModel; the token ids are the hash layers' routing."""
         x, post, comb = self.attn_hc(streams)
         streams = self.attn_hc.add_output(streams, post, comb, self.self_attn(positions, self.input_layernorm(x), meta))
         x, post, comb = self.ffn_hc(streams)
         return self.ffn_hc.add_output(streams, post, comb, self.mlp(self.post_attention_layernorm(x), input_ids))
 
 
-class DeepseekV4Model(LlamaModel):
+class DeepseekV4Model(HyperConnectedModel):
     decoder_layer = DeepseekV4DecoderLayer
-
-    def __init__(self, config: PretrainedConfig, attention_options: OptionsFactory, make_mlp: MLPFactory):
-        super().__init__(config, attention_options, make_mlp)
-        self.hc_mult = config.hc_mult
-        self.hc_head = HyperHead(config)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, meta: AttentionMetadata
-                ) -> torch.Tensor:
-        streams = self.embed(input_ids, positions).unsqueeze(1).expand(-1, self.hc_mult, -1)
-        for layer in self.layers:
-            streams = layer(positions, streams, input_ids, meta)
-        return self.norm(self.hc_head(streams))
 
 
 def check_config(config: PretrainedConfig) -> None:
