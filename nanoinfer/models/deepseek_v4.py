@@ -25,13 +25,13 @@ from transformers import PretrainedConfig
 
 from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.fused_moe import clamped_silu_and_mul, select_experts_sigmoid_biased
-from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from nanoinfer.layers.rotary_embedding import RotaryEmbedding, get_rope
 from nanoinfer.models.config_checks import check_each_in, config_source
 from nanoinfer.models.deepseek_v2 import check_moe_config
 from nanoinfer.models.deepseek_v3 import DeepseekV3MoE
 from nanoinfer.models.deepseek_v32 import IndexerKeyCache, sparse_rows, sparse_step, window_mask
+from nanoinfer.models.gpt_oss import GptOssRMSNorm
 from nanoinfer.models.hy_v4 import HyperConnectedModel, collapse, fp32_parameter, stream_mixes
 from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM
 from nanoinfer.models.minimax_m3 import MiniMaxM3MLP
@@ -67,8 +67,8 @@ class Compressor(nn.Module):
         width = head_dim * (2 if overlap else 1)
         self.wkv = ReplicatedLinear(config.hidden_size, width)
         self.wgate = ReplicatedLinear(config.hidden_size, width)
-        self.ape = nn.Parameter(torch.empty(rate, width), requires_grad=False)
-        self.norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.ape = fp32_parameter(rate, width)
+        self.norm = GptOssRMSNorm(head_dim, config.rms_norm_eps)
         self.cache = IndexerKeyCache(2 * width)
 
     def store(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -153,10 +153,10 @@ class DeepseekV4Attention(nn.Module):
         self.num_heads, self.head_dim = config.num_attention_heads // tp_size(), config.head_dim
         self.eps, self.window = config.rms_norm_eps, options.sliding_window
         self.wq_a = ReplicatedLinear(config.hidden_size, config.q_lora_rank)
-        self.q_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.q_norm = GptOssRMSNorm(config.q_lora_rank, config.rms_norm_eps)
         self.wq_b = ColumnParallelLinear(config.q_lora_rank, config.num_attention_heads * self.head_dim)
         self.wkv = ReplicatedLinear(config.hidden_size, self.head_dim)
-        self.norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.norm = GptOssRMSNorm(self.head_dim, config.rms_norm_eps)
         self.wo_a = GroupedLinear(config.num_attention_heads * self.head_dim, config.o_groups, config.o_lora_rank)
         self.wo_b = RowParallelLinear(config.o_groups * config.o_lora_rank, config.hidden_size)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, 1, value_prefix_dim=self.head_dim,
@@ -283,8 +283,8 @@ class DeepseekV4DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DeepseekV4Attention(config, options)
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn_hc, self.ffn_hc = MixingHyperConnection(config), MixingHyperConnection(config)
 
     def forward(self, positions: torch.Tensor | None, streams: torch.Tensor, input_ids: torch.Tensor,
@@ -298,6 +298,10 @@ class DeepseekV4DecoderLayer(nn.Module):
 
 class DeepseekV4Model(HyperConnectedModel):
     decoder_layer = DeepseekV4DecoderLayer
+
+    @staticmethod
+    def final_norm(config: PretrainedConfig) -> GptOssRMSNorm:
+        return GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 def check_config(config: PretrainedConfig) -> None:
