@@ -362,6 +362,24 @@ def test_indexer_keys_are_cached_in_the_kv_blocks(kind, kv_values, indexers, mod
             assert cache.k_cache.shape == (num_blocks, 16, 1, 16) and cache.k_cache.abs().max().item() > 0
 
 
+def test_deepseek_v4_compressor_rows_are_cached_in_the_kv_blocks(model_dir, monkeypatch):
+    """Per token, every DeepSeek-V4 layer caches its shared K = V row (32 values) and each compressor its values and
+    gates: the CSA layer's 2 x 2 x 32 and its indexer's 2 x 2 x 16, the HCA layer's 2 x 32. The blocks are sized by all
+    of them, and the prompt's rows are stored."""
+    import nanoinfer.engine.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_available_memory", lambda self: 4 << 20)
+    with LLM(str(model_dir(dsa_kind("deepseek-v4"))), device="cpu", dtype="float32", max_model_len=64) as llm:
+        assert llm.generate([list(range(5, 25))], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        runner = llm.llm_engine.model_runner
+        csa, hca = (layer.self_attn for layer in runner.model.model.layers[1:])
+        caches = [csa.compressor.cache, csa.indexer.compressor.cache, hca.compressor.cache]
+        num_blocks, values_per_block = runner.num_kvcache_blocks, 16 * (3 * 32 + 128 + 64 + 64)
+        assert num_blocks == int((4 << 20) * model_runner.KV_CACHE_MEMORY_FRACTION) // (values_per_block * 4)
+        for cache, width in zip(caches, (128, 64, 64)):
+            assert cache.k_cache.shape == (num_blocks, 16, 1, width) and cache.k_cache.abs().max().item() > 0
+
+
 @pytest.mark.parametrize("kind, changes, message", [
     ("deepseek-v32", {"q_lora_rank": 0}, r"q_lora_rank=0 in the model config: DeepSeek sparse attention's "
                                          r"indexer reads the query's low-rank latent"),
