@@ -321,6 +321,14 @@ DSA_TOPK, DSA_WIDE_TOPK = 6, 512
 # GPT-OSS's sinks (GPT_OSS_SINK_STD), a sigmoid output gate per element, 3 hyper-connection streams (their weights
 # random, hc_magnitude 1.5), routed experts' gate/up at GPT-OSS's scale so that the clamps at HY_V4_SWIGLU_LIMIT bind.
 HY_V4_SWIGLU_LIMIT = 4.0
+# DeepSeek-V4 (deepseek-v4): a sliding layer 0 (window DSV4_WINDOW), a CSA layer 1 (overlapping windows of 4, an indexer
+# of 8 heads keeping DSV4_INDEX_TOPK entries, fewer than most test contexts hold) and an HCA layer 2 (windows of 8);
+# 4 heads of 32 (the last 8 roped) on one shared K = V head, sinks (GPT_OSS_SINK_STD), outputs in 2 groups of 16; a
+# yarn-scaled rope on the compressed layers, the plain one on the sliding layer; 3 hyper-connection streams (20 Sinkhorn
+# iterations, hc_eps 1e-3); every MLP 2 of 8 experts plus a shared one, clamped at DSV4_SWIGLU_LIMIT (gate/up at
+# GPT-OSS's scale, so that the clamps bind), hash-routed on layer 0 (a random table), then by sqrt(softplus) + a random
+# correction bias.
+DSV4_WINDOW, DSV4_INDEX_TOPK, DSV4_SWIGLU_LIMIT = 10, 3, 4.0
 # Inkling (inkling): relative logits (a bias per query and backward distance) on sliding layers 0 and 2 (6 heads of 8
 # on 2 KV heads, biased over their whole window) and a full layer 1 (4 heads of 16, biased up to INKLING_REL_EXTENT
 # back, queries and biases scaled by log(position) from 8 on), short convs on keys, values and both sublayers' outputs, a
@@ -392,7 +400,7 @@ NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "lagu
                    "minicpm3": "minicpm3", "diffllama": "diffllama", "hrm-text": "hrm_text", "jetmoe": "jetmoe",
                    "inkling": "inkling", "aria-text": "aria", "beam": "beam", "cohere-compass": "cohere_compass",
                    "modernbert-decoder": "modernbert_decoder", "hy-v4": "hy_v4", "inkling2": "inkling2",
-                   "qwen4-exp": "qwen4_exp"}
+                   "qwen4-exp": "qwen4_exp", "deepseek-v4": "deepseek_v4"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "bailing-hybrid", "zaya", "minimax",  # as the other
                        "inkling", "inkling2", "qwen4-exp")  # hybrids (test_ssm.py)
@@ -500,7 +508,7 @@ _SEEDS |= {"afmoe": 5474, "mellum": 6585, "hy-v3": 7696, "laguna": 8707, "flint"
 _SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7585, "hrm-text": 8696,
            "jetmoe": 9707, "inkling": 1818, "inkling2": 2929}
 _SEEDS |= {"aria-text": 1357, "beam": 4680, "cohere-compass": 2468, "modernbert-decoder": 3579}
-_SEEDS |= {"hy-v4": 4680, XLSTM_KIND: 5791, "qwen4-exp": 5791}
+_SEEDS |= {"hy-v4": 4680, XLSTM_KIND: 5791, "qwen4-exp": 5791, "deepseek-v4": 5791}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
 _SEEDS |= {"ctrl": 5252, "openai-gpt": 6363}
 
@@ -1254,6 +1262,17 @@ def newest_family_config(kind: str, special: dict):
                                                                            "partial_rotary_factor": 0.5}})
     if kind in ("deepseek-v32", "deepseek-v32-wide", "glm-moe-dsa", "axk2", "dots3-note", "hy-v4"):
         return dsa_config(kind, special)
+    if kind == "deepseek-v4":  # one KV head, its own head_dim; no dense MLP
+        return transformers.DeepseekV4Config(
+            **{k: v for k, v in common.items() if k not in ("intermediate_size", "num_key_value_heads", "head_dim")},
+            head_dim=32, partial_rotary_factor=0.25, q_lora_rank=24, o_groups=2, o_lora_rank=16,
+            layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+            mlp_layer_types=["hash_moe", "moe", "moe"], sliding_window=DSV4_WINDOW,
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            index_n_heads=8, index_head_dim=16, index_topk=DSV4_INDEX_TOPK, n_routed_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, swiglu_limit=DSV4_SWIGLU_LIMIT, hc_mult=3, hc_eps=1e-3,
+            compress_rope_theta=1_000.0, rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32,
+                                                          "beta_slow": 1, "original_max_position_embeddings": 128})
     if kind == "inkling":
         return transformers.InklingTextConfig(**{**common, "intermediate_size": 96},
                                               architectures=["InklingForCausalLM"], swa_num_attention_heads=6,
@@ -1881,8 +1900,14 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
         _randomize_zero_centered_norms_(model, _SEEDS[base_kind])
     if kind in GEMMA4_KINDS:
         _randomize_gemma4_(model, _SEEDS[base_kind])
-    if kind in ("gpt-oss", "granite-swa", "granitemoe-swa", "flint", "mimo-v2-flash", "hy-v4"):
+    if kind in ("gpt-oss", "granite-swa", "granitemoe-swa", "flint", "mimo-v2-flash", "hy-v4", "deepseek-v4"):
         _sharpen_gpt_oss_(model, _SEEDS[base_kind])
+    if kind == "deepseek-v4":  # the hash layer's table: 2 distinct experts per token id
+        g = torch.Generator().manual_seed(_SEEDS[base_kind] + 5)
+        for name, buffer in model.named_buffers():
+            if name.endswith(".tid2eid"):
+                buffer.copy_(torch.stack([torch.randperm(config.n_routed_experts, generator=g)[:buffer.shape[1]]
+                                          for _ in range(buffer.shape[0])]))
     if kind in SSM_KINDS + MAMBA2_HYBRID_KINDS:
         _randomize_mamba_(model, _SEEDS[base_kind])
     if kind == "recurrent-gemma":  # decays from none (softplus of -9: a = e^(-8 r 1e-4)) to fast

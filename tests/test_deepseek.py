@@ -3,7 +3,7 @@ preemption at TP 1 and 2: test_moe.py; the Triton backend: triton_attention_inte
 transformers' own (GLM-4.5's too), the rope layouts, the MTP layers of V3's (and GLM-4.5's) checkpoints, the
 latent cache's size and backends, MLA's split of a step (prefill over decompressed K/V, decodes absorbed), and
 the settings refused by name; DeepSeek sparse attention's backends, indexer key cache and refused settings (dots3
-note's, MiniMax-M3's and HY-V4's sparse attention too)."""
+note's, MiniMax-M3's and HY-V4's sparse attention too; DeepSeek-V4's compressed attention)."""
 import json
 from dataclasses import dataclass
 
@@ -313,12 +313,13 @@ def dsa_kind(kind: str) -> str:
 @pytest.mark.parametrize("kind, architecture, attention", [
     ("deepseek-v32", "DeepseekV32ForCausalLM", "DeepSeek sparse attention"),
     ("hy-v4", "HYV4ForCausalLM", "DeepSeek sparse attention"),
+    ("deepseek-v4", "DeepseekV4ForCausalLM", "compressed attention"),
     ("minimax-m3", "MiniMaxM3VLForCausalLM", "block-sparse attention"),
     ("inkling", "InklingForCausalLM", "relative logits"), ("inkling2", "Inkling2ForCausalLM", "relative logits")])
 def test_sparse_attention_runs_on_the_pytorch_backend_only(kind, architecture, attention, model_dir, monkeypatch,
                                                            capsys):
-    """No other backend selects keys per query (DeepSeek-V3.2, MiniMax-M3) or adds a bias per query and distance
-    (Inkling): on a CUDA machine (as far as Config looks, flash-attn installed) 'auto' takes the PyTorch backend, saying
+    """No other backend selects keys per query (DeepSeek-V3.2, MiniMax-M3), pools earlier windows into keys of their
+    own (DeepSeek-V4) or adds a bias per query and distance (Inkling): on a CUDA machine (as far as Config looks, flash-attn installed) 'auto' takes the PyTorch backend, saying
     so in one INFO line; 'triton' and 'flash' are refused by name."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -361,6 +362,24 @@ def test_indexer_keys_are_cached_in_the_kv_blocks(kind, kv_values, indexers, mod
             assert cache.k_cache.shape == (num_blocks, 16, 1, 16) and cache.k_cache.abs().max().item() > 0
 
 
+def test_deepseek_v4_compressor_rows_are_cached_in_the_kv_blocks(model_dir, monkeypatch):
+    """Per token, every DeepSeek-V4 layer caches its shared K = V row (32 values) and each compressor its values and
+    gates: the CSA layer's 2 x 2 x 32 and its indexer's 2 x 2 x 16, the HCA layer's 2 x 32. The blocks are sized by all
+    of them, and the prompt's rows are stored."""
+    import nanoinfer.engine.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_available_memory", lambda self: 4 << 20)
+    with LLM(str(model_dir(dsa_kind("deepseek-v4"))), device="cpu", dtype="float32", max_model_len=64) as llm:
+        assert llm.generate([list(range(5, 25))], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        runner = llm.llm_engine.model_runner
+        csa, hca = (layer.self_attn for layer in runner.model.model.layers[1:])
+        caches = [csa.compressor.cache, csa.indexer.compressor.cache, hca.compressor.cache]
+        num_blocks, values_per_block = runner.num_kvcache_blocks, 16 * (3 * 32 + 128 + 64 + 64)
+        assert num_blocks == int((4 << 20) * model_runner.KV_CACHE_MEMORY_FRACTION) // (values_per_block * 4)
+        for cache, width in zip(caches, (128, 64, 64)):
+            assert cache.k_cache.shape == (num_blocks, 16, 1, width) and cache.k_cache.abs().max().item() > 0
+
+
 @pytest.mark.parametrize("kind, changes, message", [
     ("deepseek-v32", {"q_lora_rank": 0}, r"q_lora_rank=0 in the model config: DeepSeek sparse attention's "
                                          r"indexer reads the query's low-rank latent"),
@@ -383,6 +402,14 @@ def test_indexer_keys_are_cached_in_the_kv_blocks(kind, kv_values, indexers, mod
      r"layer_types\[1\]='full_attention' in the model config is not supported; expected one of "
      r"\('indexed_attention', 'deepseek_sparse_attention'\)"),
     ("hy-v4", {"indexer_types": ["shared", "full", "full"]}, r"indexer_types\[0\]='shared' in the model config"),
+    ("deepseek-v4", {"mlp_layer_types": ["hash_moe", "dense", "moe"]},
+     r"mlp_layer_types\[1\]='dense' in the model config is not supported; expected one of \('hash_moe', 'moe'\)"),
+    ("deepseek-v4", {"scoring_func": "softmax"}, r"scoring_func='softmax' in the model config is not supported"),
+    ("deepseek-v4", {"swiglu_limit": -1.0}, r"swiglu_limit=-1.0 in the model config is not supported; expected > 0"),
+    ("deepseek-v4", {"mlp_bias": True}, r"mlp_bias=True in the model config is not supported"),
+    ("deepseek-v4", {"compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 0}},
+     r"compress_rates\['heavily_compressed_attention'\]=0 in the model config; expected a positive int"),
+    ("deepseek-v4", {"o_groups": 3}, r"o_groups=3 in the model config must divide num_attention_heads=4"),
     ("minimax-m3", {"layer_types": ["full_attention", "sliding_attention", "minimax_m3_sparse"]},
      r"layer_types\[1\]='sliding_attention' in the model config is not supported"),
     ("minimax-m3", {"index_n_heads": 4}, r"index_n_heads=4 in the model config must equal num_key_value_heads=2"),
@@ -393,6 +420,7 @@ def test_indexer_keys_are_cached_in_the_kv_blocks(kind, kv_values, indexers, mod
 def test_sparse_attention_settings_the_engine_cannot_run_are_refused_by_name(kind, changes, message):
     from nanoinfer.models.axk2 import AXK2ForCausalLM
     from nanoinfer.models.deepseek_v32 import DeepseekV32ForCausalLM
+    from nanoinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
     from nanoinfer.models.dots3_note import Dots3NoteForCausalLM
     from nanoinfer.models.glm_moe_dsa import GlmMoeDsaForCausalLM
     from nanoinfer.models.hy_v4 import HYV4ForCausalLM
@@ -403,6 +431,6 @@ def test_sparse_attention_settings_the_engine_cannot_run_are_refused_by_name(kin
         setattr(config, key, value)
     model_class = {"deepseek-v32": DeepseekV32ForCausalLM, "glm-moe-dsa": GlmMoeDsaForCausalLM,
                    "axk2": AXK2ForCausalLM, "dots3-note": Dots3NoteForCausalLM, "hy-v4": HYV4ForCausalLM,
-                   "minimax-m3": MiniMaxM3VLForCausalLM}[kind]
+                   "minimax-m3": MiniMaxM3VLForCausalLM, "deepseek-v4": DeepseekV4ForCausalLM}[kind]
     with pytest.raises(ValueError, match=message):
         model_class(config)

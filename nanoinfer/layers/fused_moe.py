@@ -102,13 +102,16 @@ def select_experts_softmax_grouped(router_logits: torch.Tensor, top_k: int, num_
 
 def select_experts_sigmoid_biased(router_logits: torch.Tensor, top_k: int, correction_bias: torch.Tensor | None,
                                   num_groups: int, topk_group: int, renormalize: bool, scaling: float,
-                                  sorted_topk: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 ("noaux_tc"): fp32 sigmoid scores; the choice, among the topk_group groups whose two best biased
-    scores sum highest, is the top k of score + correction_bias (None: of the scores); the weights are the unbiased
-    scores (optionally rescaled to sum to 1, transformers' 1e-20 added to the sum), times `scaling`. The top k in
-    torch.topk's unsorted order, as transformers' V3-style routers take them (the experts' fp32 sum follows that
-    order, which for k > 2 rounds some rows otherwise), or sorted (sorted_topk: AFMoE's, Laguna's, Flint's)."""
-    scores = router_logits.float().sigmoid()
+                                  sorted_topk: bool = False,
+                                  scoring: Callable[[torch.Tensor], torch.Tensor] = torch.sigmoid
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 ("noaux_tc"): fp32 sigmoid scores (or `scoring`'s: DeepSeek-V4's sqrt(softplus)); the choice, among
+    the topk_group groups whose two best biased scores sum highest, is the top k of score + correction_bias (None: of
+    the scores); the weights are the unbiased scores (optionally rescaled to sum to 1, transformers' 1e-20 added to the
+    sum), times `scaling`. The top k in torch.topk's unsorted order, as transformers' V3-style routers take them (the
+    experts' fp32 sum follows that order, which for k > 2 rounds some rows otherwise), or sorted (sorted_topk: AFMoE's,
+    Laguna's, Flint's)."""
+    scores = scoring(router_logits.float())
     biased = scores if correction_bias is None else scores + correction_bias.float()
     group_scores = biased.view(scores.shape[0], num_groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
     ids = torch.topk(mask_to_top_groups(biased, group_scores, topk_group, float("-inf")), top_k, dim=-1,

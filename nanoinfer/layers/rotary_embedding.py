@@ -16,8 +16,11 @@ from nanoinfer.layers.layernorm import RMSNorm
 
 def rope_layer_type(config: PretrainedConfig, layer_type: str | None = None) -> str | None:
     """The key of the config's rope settings for `layer_type` (default: the first layer's) when transformers nests
-    them by layer type (Gemma 3: "sliding_attention" / "full_attention"); None when they are flat."""
+    them by layer type (Gemma 3: "sliding_attention" / "full_attention"), or by a rope label of their own that
+    layer_type names (DeepSeek-V4: "main" / "compress"); None when they are flat."""
     params = getattr(config, "rope_parameters", None) or {}
+    if isinstance(params.get(layer_type), dict):
+        return layer_type
     nested = [t for t in (getattr(config, "layer_types", None) or ()) if t in params]
     return (layer_type or nested[0]) if nested else None
 
@@ -103,8 +106,12 @@ class RotaryEmbedding(nn.Module):
         (Qwen3's q/k norm), if given, are applied first, in the same pass on the CPU path and on CUDA."""
         return self.rotate(positions, q, q_norm), self.rotate(positions, k, k_norm)
 
-    def rotate(self, positions: torch.Tensor, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
-        """One of forward's tensors (alone: Gemma 4's layers that reuse another layer's keys rotate their queries)."""
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor, norm: RMSNorm | None = None, inverse: bool = False
+               ) -> torch.Tensor:
+        """One of forward's tensors (alone: Gemma 4's layers that reuse another layer's keys rotate their queries);
+        inverse: turned back by the positions' angles (DeepSeek-V4 unrotates its attention output)."""
+        if inverse:
+            return self._rotate(x, self.cos[positions].unsqueeze(1), -self.sin[positions].unsqueeze(1))
         if norm is not None and norm.weight.dtype != x.dtype:
             # Gemma's fp32 (1 + weight) on 16-bit activations rounds its own way, not as the fused kernels do.
             x, norm = norm(x), None

@@ -57,7 +57,8 @@ def sparse_step(meta: AttentionMetadata, dims: MLADims | None = None) -> SparseS
 
 class IndexerKeyCache(Attention):
     """The indexer's key of every token (one head of index_head_dim, no values), cached in the KV cache's blocks at the
-    latent rows' slots: the model runner sizes and allocates it with the attention layers' caches."""
+    latent rows' slots: the model runner sizes and allocates it with the attention layers' caches. Any per-token row a
+    layer reads back is cached alike (DeepSeek-V4's compressors' projections: deepseek_v4.py)."""
 
     def __init__(self, head_dim: int):
         super().__init__(1, head_dim, 1.0, 1)

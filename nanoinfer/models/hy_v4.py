@@ -16,9 +16,9 @@ from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.fused_moe import clamped_silu_and_mul
 from nanoinfer.models.config_checks import check_each_in, config_source
 from nanoinfer.models.deepseek_v3 import DeepseekV3MoE, mlp_layer_type
-from nanoinfer.models.deepseek_v32 import DeepseekV32DecoderLayer, DeepseekV32Model, DSAOptions, check_dsa_config
+from nanoinfer.models.deepseek_v32 import DeepseekV32DecoderLayer, DSAOptions, check_dsa_config
 from nanoinfer.models.glm_moe_dsa import GlmMoeDsaForCausalLM
-from nanoinfer.models.llama import LlamaMLP, MLPFactory, OptionsFactory
+from nanoinfer.models.llama import LlamaMLP, LlamaModel, MLPFactory, OptionsFactory
 
 
 def stream_mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
@@ -76,23 +76,10 @@ class HyperHead(nn.Module):
         return collapse(streams, torch.sigmoid(mixes * self.hc_scale + self.hc_base) + self.hc_eps)
 
 
-class HYV4DecoderLayer(DeepseekV32DecoderLayer):
-    """Called as the other layers are, with the streams [tokens, hc_mult, hidden] as x and no residual of its own."""
-
-    def __init__(self, config: PretrainedConfig, options: DSAOptions, mlp: nn.Module):
-        super().__init__(config, options, mlp)
-        self.attn_hc, self.ffn_hc = HyperConnection(config), HyperConnection(config)
-
-    def forward(self, positions: torch.Tensor | None, streams: torch.Tensor, residual: None, meta: AttentionMetadata
-                ) -> tuple[torch.Tensor, None]:
-        x, post = self.attn_hc(streams)
-        streams = self.attn_hc.add_output(streams, post, self.self_attn(positions, self.input_layernorm(x), meta))
-        x, post = self.ffn_hc(streams)
-        return self.ffn_hc.add_output(streams, post, self.mlp(self.post_attention_layernorm(x))), None
-
-
-class HYV4Model(DeepseekV32Model):
-    decoder_layer = HYV4DecoderLayer
+class HyperConnectedModel(LlamaModel):
+    """A model whose tokens carry hc_mult residual streams (HY-V4's, DeepSeek-V4's): the embedding copied into each,
+    every layer called as (positions, streams [tokens, hc_mult, hidden], token ids, meta) -> streams, and HyperHead's
+    weighted sum to the final norm."""
 
     def __init__(self, config: PretrainedConfig, attention_options: OptionsFactory, make_mlp: MLPFactory):
         super().__init__(config, attention_options, make_mlp)
@@ -103,8 +90,27 @@ class HYV4Model(DeepseekV32Model):
                 ) -> torch.Tensor:
         streams = self.embed(input_ids, positions).unsqueeze(1).expand(-1, self.hc_mult, -1)
         for layer in self.layers:
-            streams, _ = layer(positions, streams, None, meta)
+            streams = layer(positions, streams, input_ids, meta)
         return self.norm(self.hc_head(streams))
+
+
+class HYV4DecoderLayer(DeepseekV32DecoderLayer):
+    """Called by HyperConnectedModel (the token ids unused here)."""
+
+    def __init__(self, config: PretrainedConfig, options: DSAOptions, mlp: nn.Module):
+        super().__init__(config, options, mlp)
+        self.attn_hc, self.ffn_hc = HyperConnection(config), HyperConnection(config)
+
+    def forward(self, positions: torch.Tensor | None, streams: torch.Tensor, input_ids: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x, post = self.attn_hc(streams)
+        streams = self.attn_hc.add_output(streams, post, self.self_attn(positions, self.input_layernorm(x), meta))
+        x, post = self.ffn_hc(streams)
+        return self.ffn_hc.add_output(streams, post, self.mlp(self.post_attention_layernorm(x)))
+
+
+class HYV4Model(HyperConnectedModel):
+    decoder_layer = HYV4DecoderLayer
 
 
 # Every layer's attention, as transformers 5.23 and 5.17 name it.

@@ -15,7 +15,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.attention import Attention, AttentionMetadata
-from nanoinfer.layers.fused_moe import FusedMoE, clamped_swiglu, select_experts_sigmoid_biased
+from nanoinfer.layers.fused_moe import FusedMoE, GatedActivation, clamped_swiglu, select_experts_sigmoid_biased
 from nanoinfer.layers.layernorm import GemmaRMSNorm
 from nanoinfer.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from nanoinfer.layers.rotary_embedding import get_rope, rope_parameters
@@ -123,13 +123,14 @@ class MiniMaxM3Attention(LlamaAttention):
 
 
 class MiniMaxM3MLP(nn.Module):
-    """A dense MLP or the MoE's shared expert: GPT-OSS's clamped SwiGLU over gate_up_proj's gate rows, then up rows."""
+    """A dense MLP or the MoE's shared expert: GPT-OSS's clamped SwiGLU over gate_up_proj's gate rows, then up rows
+    (or `activation`'s: DeepSeek-V4's shared expert clamps a plain SwiGLU)."""
 
-    def __init__(self, config: PretrainedConfig, intermediate_size: int):
+    def __init__(self, config: PretrainedConfig, intermediate_size: int, activation: GatedActivation | None = None):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [intermediate_size] * 2)
         self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size)
-        self.act_fn = clamped_swiglu(config.swiglu_alpha, config.swiglu_limit)
+        self.act_fn = activation or clamped_swiglu(config.swiglu_alpha, config.swiglu_limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(*self.gate_up_proj(x).chunk(2, -1)))

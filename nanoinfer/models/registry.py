@@ -27,6 +27,7 @@ _MODELS = {
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
     "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
+    "DeepseekV4ForCausalLM": ("deepseek_v4", "DeepseekV4ForCausalLM"),
     "DiffLlamaForCausalLM": ("diffllama", "DiffLlamaForCausalLM"),
     "DogeForCausalLM": ("doge", "DogeForCausalLM"),
     "Dots1ForCausalLM": ("dots1", "Dots1ForCausalLM"),
@@ -210,14 +211,18 @@ _VISION_LANGUAGE = {
 _ATTENTION_SINKS = {"FlintForCausalLM", "GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
                     "MiMoV2FlashForCausalLM"}
 # Families whose attention only the PyTorch backend runs, with what it is: DeepSeek sparse attention (deepseek_v32.py;
-# dots3 note's indexed layers, HY-V4's), MiniMax-M3's block-sparse attention (minimax_m3.py), Qwen4-Exp's QSA
-# (qwen4_exp.py), Inkling's and Inkling-2's relative logits (inkling.py, inkling2.py).
+# dots3 note's indexed layers, HY-V4's), DeepSeek-V4's compressed attention (deepseek_v4.py), MiniMax-M3's block-sparse
+# attention (minimax_m3.py), Qwen4-Exp's QSA (qwen4_exp.py), Inkling's and Inkling-2's relative logits (inkling.py,
+# inkling2.py).
 _DSA = ("DeepSeek sparse attention", "each query attends to the keys its indexer selects")
 _BLOCK_SPARSE = ("block-sparse attention", "each KV head's queries attend to the key blocks its indexer selects")
 _QSA = ("QSA", "each query attends to the key blocks its indexer selects and to the tokens after the last whole block")
 _RELATIVE_LOGITS = ("relative logits", "a bias per query and backward distance, mixed from the query's own state")
+_COMPRESSED = ("compressed attention", "each query attends to its window and to pooled entries of earlier windows "
+               "(on CSA layers those its indexer selects)")
 _PYTORCH_ONLY_ATTENTION = {
-    "AXK2ForCausalLM": _DSA, "DeepseekV32ForCausalLM": _DSA, "Dots3NoteForCausalLM": _DSA,
+    "AXK2ForCausalLM": _DSA, "DeepseekV32ForCausalLM": _DSA, "DeepseekV4ForCausalLM": _COMPRESSED,
+    "Dots3NoteForCausalLM": _DSA,
     "Dots3NoteForConditionalGeneration": _DSA, "GlmMoeDsaForCausalLM": _DSA, "HYV4ForCausalLM": _DSA,
     "MiniMaxM3VLForCausalLM": _BLOCK_SPARSE, "MiniMaxM3SparseForConditionalGeneration": _BLOCK_SPARSE,
     "Qwen4ExpForCausalLM": _QSA, "Qwen4ExpForConditionalGeneration": _QSA,

@@ -31,7 +31,8 @@ class Attention(nn.Module):
     sliding_window - 1 positions of the query (ModernBERT's local layers; vLLM's encoder-only attention). With
     `logits_soft_cap` (Gemma 2), each scaled score s becomes logits_soft_cap * tanh(s / logits_soft_cap) before masking
     and softmax. With `value_prefix_dim` (DeepSeek's latent cache, MLA), each value is its key's first value_prefix_dim
-    entries: the layer takes no v, only K is cached, and the output per head is value_prefix_dim wide. With `sinks`
+    entries (all of them: DeepSeek-V4's K = V): the layer takes no v, only K is cached, and the output per head is
+    value_prefix_dim wide. With `sinks`
     (GPT-OSS), a learned logit per head, the parameter `sinks` [num_heads], joins each softmax's denominator as a key
     whose value is 0. With `alibi_slopes` [the model's heads] (BLOOM, MPT), each head adds -slope * |query position -
     key position| to its scaled scores (after a soft cap; causally, slope * (key - query position)); this rank keeps
@@ -50,8 +51,8 @@ class Attention(nn.Module):
             raise ValueError(f"attention_chunk_size must be >= 1 or None, got {attention_chunk_size}")
         if logits_soft_cap is not None and not logits_soft_cap > 0:
             raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
-        if value_prefix_dim is not None and not 0 < value_prefix_dim < head_dim:
-            raise ValueError(f"value_prefix_dim must be in (0, head_dim={head_dim}) or None, got {value_prefix_dim}")
+        if value_prefix_dim is not None and not 0 < value_prefix_dim <= head_dim:
+            raise ValueError(f"value_prefix_dim must be in (0, head_dim={head_dim}] or None, got {value_prefix_dim}")
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
         self.encoder_only, self.attention_chunk_size = encoder_only, attention_chunk_size
         self.value_prefix_dim = value_prefix_dim
