@@ -132,7 +132,7 @@ class QSAIndexer(nn.Module):
         """The context's last rows' queries [rows, heads, head_dim] -> their selection [KV heads, rows, context]: the
         best `topk` of the complete blocks before each (all of them where there are no more), then every later
         token up to its own."""
-        n, blocks, first = q.shape[0], context // self.ratio, context - q.shape[0]
+        blocks, first = context // self.ratio, context - q.shape[0]
         device = q.device
         own = torch.arange(first, context, device=device)
         complete = (own + 1) // self.ratio  # the complete blocks each row sees
