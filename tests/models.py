@@ -298,8 +298,10 @@ MINIMAX_M3_BLOCK = 4
 DSA_TOPK, DSA_WIDE_TOPK = 6, 512
 # HY-V4 (hy-v4): "glm-moe-dsa"'s layout with rotate-half rope, the indexer's rope over the last 8 of its 16 dims,
 # GPT-OSS's sinks (GPT_OSS_SINK_STD), a sigmoid output gate per element, 3 hyper-connection streams (their weights
-# random, hc_magnitude 1.5), routed experts' gate/up at GPT-OSS's scale so that the clamps at HY_V4_SWIGLU_LIMIT bind.
-HY_V4_SWIGLU_LIMIT = 4.0
+# random, hc_magnitude 1.5), routed experts' gate/up at GPT-OSS's scale so that the clamps at HY_V4_SWIGLU_LIMIT bind;
+# rms_norm_eps at HY_V4_RMS_NORM_EPS, near the mean squares it is added to, so that a norm at another epsilon (the
+# indexer's key norm takes the config's, the latent norms transformers' default 1e-6) shows.
+HY_V4_SWIGLU_LIMIT, HY_V4_RMS_NORM_EPS = 4.0, 0.1
 # Inkling (inkling): relative logits (a bias per query and backward distance) on sliding layers 0 and 2 (6 heads of 8
 # on 2 KV heads, biased over their whole window) and a full layer 1 (4 heads of 16, biased up to INKLING_REL_EXTENT
 # back, queries and biases scaled by log(position) from 8 on), short convs on keys, values and both sublayers' outputs, a
@@ -1588,7 +1590,8 @@ def dsa_config(kind: str, special: dict):
     if kind == "glm-moe-dsa":
         return transformers.GlmMoeDsaConfig(**dsa, indexer_types=["full", "shared", "full"])
     if kind == "hy-v4":
-        return transformers.HYV4Config(**dsa, indexer_types=["full", "shared", "full"], hc_mult=3, hc_magnitude=1.5,
+        return transformers.HYV4Config(**{**dsa, "rms_norm_eps": HY_V4_RMS_NORM_EPS},
+                                       indexer_types=["full", "shared", "full"], hc_mult=3, hc_magnitude=1.5,
                                        hc_eps=1e-3, swiglu_limit=HY_V4_SWIGLU_LIMIT)
     if kind == "axk2":
         return transformers.AXK2Config(**{**dsa, "n_group": None, "topk_group": None}, gated_norm_rank=8)
