@@ -3,7 +3,8 @@ on a GPU machine without them). Where transformers keeps a value in fp32 in 16-b
 for bit against transformers' own modules: Gemma's, Qwen3-Next's and Qwen3.5's (1 + weight) norms and NemotronH's
 norms (weight applied in fp32), Mamba's fp32 residual stream (`residual_in_fp32`), the convs' fp32 accumulation
 (F.conv1d's), Ling's hybrid's fp32 dt_bias and A_log (its KDA decay, rounded to bf16 after), KDA's gated norm
-(weight applied in fp32), NemotronH's fp32 sum of the weighted experts; so do the MoE blocks of the attention
+(weight applied in fp32), NemotronH's fp32 sum of the weighted experts, HY-V4's fp32 parameters (its LM head and
+sinks among them); so do the MoE blocks of the attention
 families where a 16-bit step is transformers' own (GLM-4.5's and DeepSeek-V3's fp32 correction bias and fp32-weighted
 sum, Mixtral's fp32 routing weights, GPT-OSS's and GraniteMoE's softmax over the top k logits, Hunyuan MoE's and
 Flint's fp32 routers, AFMoE's, Laguna's and LFM2-MoE's bf16 ones, Kimi Linear's bf16 correction bias, the V3-style
