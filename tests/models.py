@@ -309,7 +309,8 @@ EXTRA_KINDS += (XLSTM_KIND,)
 # dots3 note's text model (dots3-note): indexed layers 0 and 2 as "glm-moe-dsa"'s, a sliding layer 1 (DOTS3_WINDOW) of
 # its own MLA widths (2 heads of 24 + 8 over a latent of 24, values 8 wide), each layer type its rope base; every MLA
 # with LoRA scales, a normed rope key and a sigmoid gate per head; layer 0 dense, then V3's MoE (2 of 8 experts in the
-# best 2 of 4 groups) plus a shared expert 24 wide.
+# best 2 of 4 groups) plus a shared expert 24 wide; its latent and rope-key norms at the config's epsilon
+# (DSA_RMS_NORM_EPS), its indexer's key norm at 1e-6.
 DOTS3_WINDOW = 10
 # MiniMax-M3's text model (minimax-m3): a full layer 0 and block-sparse layers 1 and 2 (an indexer head per KV head, 2;
 # blocks of MINIMAX_M3_BLOCK positions, each query keeping 3 of them, its own and the one before always), Gemma norms
@@ -317,9 +318,13 @@ DOTS3_WINDOW = 10
 # (sigmoid + a random correction bias, renormalized, scaled) plus a shared expert, all with GPT-OSS's clamped SwiGLU.
 MINIMAX_M3_BLOCK = 4
 DSA_TOPK, DSA_WIDE_TOPK = 6, 512
+# HY-V4's and dots3 note's rms_norm_eps, near the mean squares it is added to: their norms take the config's epsilon
+# or transformers' default 1e-6 each its own way, and one at the other's fails their tests.
+DSA_RMS_NORM_EPS = 0.1
 # HY-V4 (hy-v4): "glm-moe-dsa"'s layout with rotate-half rope, the indexer's rope over the last 8 of its 16 dims,
 # GPT-OSS's sinks (GPT_OSS_SINK_STD), a sigmoid output gate per element, 3 hyper-connection streams (their weights
-# random, hc_magnitude 1.5), routed experts' gate/up at GPT-OSS's scale so that the clamps at HY_V4_SWIGLU_LIMIT bind.
+# random, hc_magnitude 1.5), routed experts' gate/up at GPT-OSS's scale so that the clamps at HY_V4_SWIGLU_LIMIT bind;
+# its indexer's key norm at the config's epsilon (DSA_RMS_NORM_EPS), its latent norms at transformers' default 1e-6.
 HY_V4_SWIGLU_LIMIT = 4.0
 # DeepSeek-V4 (deepseek-v4): a sliding layer 0 (window DSV4_WINDOW), a CSA layer 1 (overlapping windows of 4, an indexer
 # of 8 heads keeping DSV4_INDEX_TOPK entries, fewer than most test contexts hold) and an HCA layer 2 (windows of 8);
@@ -1688,14 +1693,16 @@ def dsa_config(kind: str, special: dict):
     if kind == "glm-moe-dsa":
         return transformers.GlmMoeDsaConfig(**dsa, indexer_types=["full", "shared", "full"])
     if kind == "hy-v4":
-        return transformers.HYV4Config(**dsa, indexer_types=["full", "shared", "full"], hc_mult=3, hc_magnitude=1.5,
+        return transformers.HYV4Config(**{**dsa, "rms_norm_eps": DSA_RMS_NORM_EPS},
+                                       indexer_types=["full", "shared", "full"], hc_mult=3, hc_magnitude=1.5,
                                        hc_eps=1e-3, swiglu_limit=HY_V4_SWIGLU_LIMIT)
     if kind == "axk2":
         return transformers.AXK2Config(**{**dsa, "n_group": None, "topk_group": None}, gated_norm_rank=8)
     if kind == "dots3-note":
         rope = dsa.pop("rope_parameters")
         return transformers.Dots3NoteTextConfig(
-            **dsa, head_dim=24, shared_experts_intermediate_size=24, sliding_window=DOTS3_WINDOW,
+            **{**dsa, "rms_norm_eps": DSA_RMS_NORM_EPS}, head_dim=24, shared_experts_intermediate_size=24,
+            sliding_window=DOTS3_WINDOW,
             layer_types=["indexed_attention", "sliding_attention", "indexed_attention"], rope_theta=rope["rope_theta"],
             swa_rope_theta=1_000.0, swa_num_attention_heads=2, swa_num_key_value_heads=2, swa_q_lora_rank=24,
             swa_kv_lora_rank=24, swa_head_dim=32, swa_qk_nope_head_dim=24, swa_v_head_dim=8)

@@ -3,7 +3,8 @@ on a GPU machine without them). Where transformers keeps a value in fp32 in 16-b
 for bit against transformers' own modules: Gemma's, Qwen3-Next's and Qwen3.5's (1 + weight) norms and NemotronH's
 norms (weight applied in fp32), Mamba's fp32 residual stream (`residual_in_fp32`), the convs' fp32 accumulation
 (F.conv1d's), Ling's hybrid's fp32 dt_bias and A_log (its KDA decay, rounded to bf16 after), KDA's gated norm
-(weight applied in fp32), NemotronH's fp32 sum of the weighted experts; so do the MoE blocks of the attention
+(weight applied in fp32), NemotronH's fp32 sum of the weighted experts, HY-V4's fp32 parameters (its LM head and
+sinks among them); so do the MoE blocks of the attention
 families where a 16-bit step is transformers' own (GLM-4.5's and DeepSeek-V3's fp32 correction bias and fp32-weighted
 sum, Mixtral's fp32 routing weights, GPT-OSS's and GraniteMoE's softmax over the top k logits, Hunyuan MoE's and
 Flint's fp32 routers, AFMoE's, Laguna's and LFM2-MoE's bf16 ones, Kimi Linear's bf16 correction bias, the V3-style
@@ -11,6 +12,7 @@ routers' unsorted top k). Then the recurrent and hybrid families end to end, mea
 rounding error as test_gpu.py measures every family on a GPU (check_bf16_outputs)."""
 import inspect
 import math
+import types
 from collections.abc import Callable
 
 import pytest
@@ -20,6 +22,7 @@ from transformers import PretrainedConfig
 from models import (MAMBA1_KINDS, MAMBA2_HYBRID_KINDS, QWEN3_NEXT_KINDS, SSM_KINDS, check_bf16_outputs, hf_greedy,
                     load_hf_model, random_prompts)
 from nanoinfer import LLM, SamplingParams
+from nanoinfer.layers.attention.cpu import attention
 from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, relu2, select_experts, select_experts_topk_softmax
 from nanoinfer.layers.layernorm import Fp32ResidualRMSNorm, GatedRMSNorm, GemmaRMSNorm, OlmoRMSNorm, RMSNorm
 from nanoinfer.layers.linear import copy_weight
@@ -120,6 +123,36 @@ def test_inkling2_norms_in_bf16_are_transformers_own():
         hf.weight.data.copy_(w)
         getattr(norm, "weight_loader", copy_weight)(norm.weight, w)  # as the engine's loader routes it
         assert torch.equal(norm(x), hf(x))
+
+
+def test_hy_v4_keeps_transformers_fp32_modules_in_bf16(model_dir):
+    """transformers keeps HY-V4's LM head, sinks, the indexer's weights_proj and key norm and the hyper-connections in
+    fp32 in a bf16 model (`_keep_in_fp32_modules_strict`), the rest in bf16: so does the engine, parameter by
+    parameter; its LM head gives transformers' logits (up to fp32 rounding) and its attention with the fp32 sinks
+    transformers' eager attention's output bit for bit."""
+    module = pytest.importorskip("transformers.models.hy_v4.modeling_hy_v4")
+    d = model_dir("hy-v4")
+    hf = load_hf_model(d, torch.bfloat16)
+    with LLM(str(d), device="cpu", dtype="bfloat16", max_model_len=64) as llm:
+        ours = llm.llm_engine.model_runner.model
+        dtypes = {name: p.dtype for name, p in ours.named_parameters()}
+        hf_dtypes = {name.replace(".self_attn.sinks", ".self_attn.attn.sinks"): p.dtype
+                     for name, p in hf.named_parameters() if p.dtype == torch.float32}
+        assert {name: dtypes.get(name) for name in hf_dtypes} == hf_dtypes
+        assert {p.dtype for name, p in ours.named_parameters() if name not in hf_dtypes} >= {torch.bfloat16}
+        g = torch.Generator().manual_seed(0)
+        h = torch.randn(5, hf.config.hidden_size, generator=g).bfloat16()
+        # fp32 rounding apart (oneDNN's packed weight sums in its own order); from a bf16 head they move by ~1e-2
+        torch.testing.assert_close(ours.compute_logits(h), hf.lm_head(h.to(hf.lm_head.weight.dtype)).float(),
+                                   rtol=0, atol=1e-5)
+    heads, n = 4, 7
+    q, k, v = (torch.randn(1, heads, n, 24, generator=g).bfloat16() for _ in range(3))
+    sinks = 3 * torch.randn(heads, generator=g)
+    hf_attention = types.SimpleNamespace(num_key_value_groups=1, sinks=sinks, training=False)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    expected, _ = module.eager_attention_forward(hf_attention, q, k, v, torch.zeros(n, n).masked_fill(~mask, -math.inf)
+                                                 .bfloat16(), 24 ** -0.5)
+    assert torch.equal(attention(q, k, v, mask, False, 24 ** -0.5, None, sinks), expected.transpose(1, 2))
 
 
 @pytest.mark.parametrize("family", ["kimi_linear", "bailing_hybrid"])

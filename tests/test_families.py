@@ -141,6 +141,7 @@ def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_di
      r"layer_types\[1\]='full_attention'"),
     ("inkling2", dict(quantization_config={"quant_method": "fp8", "weight_block_size": [1, 32],
                                            "scale_fmt": "ue8m0"}), r"quantization_config \(quant_method='fp8'\)"),
+    ("inkling2", dict(n_layers_per_attn_res_block=0), "n_layers_per_attn_res_block=0"),
 ])
 def test_newest_families_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes,
                                                                              message):

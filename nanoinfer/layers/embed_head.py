@@ -10,14 +10,16 @@ from nanoinfer.utils.dist import tp_group, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int):
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None):
+        """dtype: the weight's, None: the model's."""
         super().__init__()
         self.tp_rank, self.tp_size, self.tp_group = tp_rank(), tp_size(), tp_group()
         self.num_embeddings = num_embeddings
         # Pad so every rank holds the same number of rows; padded rows are never real tokens.
         self.num_embeddings_per_rank = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.num_embeddings_per_rank
-        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_rank, embedding_dim), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_rank, embedding_dim, dtype=dtype),
+                                   requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.shape[0] != self.num_embeddings:
@@ -39,10 +41,11 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     packed_weight: torch.Tensor | None = None
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False):
-        """bias (Phi's): one per vocabulary entry, sliced and padded as the weight's rows (same weight_loader)."""
-        super().__init__(num_embeddings, embedding_dim)
-        self.bias = (nn.Parameter(torch.empty(self.num_embeddings_per_rank), requires_grad=False) if bias
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False, dtype: torch.dtype | None = None):
+        """bias (Phi's): one per vocabulary entry, sliced and padded as the weight's rows (same weight_loader). dtype:
+        the weight's and the bias's (HY-V4's fp32 head in every model dtype), the hidden states cast to it."""
+        super().__init__(num_embeddings, embedding_dim, dtype)
+        self.bias = (nn.Parameter(torch.empty(self.num_embeddings_per_rank, dtype=dtype), requires_grad=False) if bias
                      else None)
 
     def process_weights_after_loading(self, batch_size_hint: int) -> None:
@@ -52,7 +55,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits over the full vocabulary for the given hidden states (callers pass only rows they sample);
         None on ranks other than 0."""
-        logits = linear(x, self.weight, self.bias, self.packed_weight)
+        logits = linear(x.to(self.weight.dtype), self.weight, self.bias, self.packed_weight)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
             dist.gather(logits, parts, dst=0, group=self.tp_group)

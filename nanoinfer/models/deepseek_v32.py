@@ -103,11 +103,12 @@ class Indexer(nn.Module):
         """Each sequence's selection [rows, context] (True: attended), its causal mask alone where the context holds
         no more than index_topk keys."""
         q = self.wq_b(q_latent).view(-1, self.num_heads, self.head_dim)
-        k = self.k_norm(self.wk(x)).unsqueeze(1)
+        # In the norm's and weights_proj's dtype, as transformers' HY-V4 indexer casts (fp32 there, see hy_v4.py).
+        k = self.k_norm(self.wk(x).to(self.k_norm.weight.dtype)).to(x.dtype).unsqueeze(1)
         if positions is not None:
             q, k = self.rope(positions, q, k)
         self.cache.store(k, None, meta)
-        weights = self.weights_proj(x).float() * self.num_heads ** -0.5
+        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.num_heads ** -0.5
         selection = []
         for (start, n, context), slots in zip(step.spans, step.context_slots):
             keys = self.cache.keys(k[start:start + n], slots).float()

@@ -246,6 +246,9 @@ def check_inkling2_config(config: PretrainedConfig) -> None:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
         raise ValueError(f"quantization_config (quant_method={method!r}) in {where}: Inkling-2's quantized (MXFP8) "
                          "experts are not supported; use a checkpoint saved unquantized (bf16/fp32)")
+    blocks = config.n_layers_per_attn_res_block  # every layer index modulo it says whether the layer closes a block
+    if not isinstance(blocks, int) or blocks < 1:
+        raise ValueError(f"n_layers_per_attn_res_block={blocks!r} in {where}; expected a positive int")
     if config.scoring_func != "sigmoid":
         raise ValueError(f"scoring_func={config.scoring_func!r} in {where} is not supported; only 'sigmoid' is "
                          "implemented")

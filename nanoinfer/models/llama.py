@@ -293,6 +293,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     model_class: type[LlamaModel] = LlamaModel
     lm_head_bias = False  # Phi's LM head has one
+    lm_head_dtype: torch.dtype | None = None  # None: the model's (HY-V4's is fp32 in every dtype)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -313,7 +314,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         self.model = self.model_class(config, self.attention_options, self.make_mlp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.lm_head_bias)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.lm_head_bias, self.lm_head_dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
