@@ -55,7 +55,7 @@ ROUTER_NEAR_TIE_KINDS = ("granitemoehybrid", "qwen3-next", "inkling2")
 # Inkling: its convs' fp32 weights and state (transformers keeps them in fp32). Kimi Linear and Ling's hybrid: KDA's
 # bf16 beta, fp32 gated norm, Kimi's bf16 correction bias, Ling's bf16 decay.
 BF16_RECURRENT_KINDS = tuple(k for k in MAMBA1_KINDS + SSM_KINDS + MAMBA2_HYBRID_KINDS + QWEN3_NEXT_KINDS
-                             + ("inkling", "inkling2", "kimi-linear", "bailing-hybrid")
+                             + ("inkling", "inkling2", "kimi-linear", "bailing-hybrid", "qwen4-exp")
                              if k not in ROUTER_NEAR_TIE_KINDS)
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

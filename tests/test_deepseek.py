@@ -314,11 +314,11 @@ def dsa_kind(kind: str) -> str:
     ("deepseek-v32", "DeepseekV32ForCausalLM", "DeepSeek sparse attention"),
     ("hy-v4", "HYV4ForCausalLM", "DeepSeek sparse attention"),
     ("deepseek-v4", "DeepseekV4ForCausalLM", "compressed attention"),
-    ("minimax-m3", "MiniMaxM3VLForCausalLM", "block-sparse attention"),
+    ("minimax-m3", "MiniMaxM3VLForCausalLM", "block-sparse attention"), ("qwen4-exp", "Qwen4ExpForCausalLM", "QSA"),
     ("inkling", "InklingForCausalLM", "relative logits"), ("inkling2", "Inkling2ForCausalLM", "relative logits")])
 def test_sparse_attention_runs_on_the_pytorch_backend_only(kind, architecture, attention, model_dir, monkeypatch,
                                                            capsys):
-    """No other backend selects keys per query (DeepSeek-V3.2, MiniMax-M3), pools earlier windows into keys of their
+    """No other backend selects keys per query (DeepSeek-V3.2, MiniMax-M3, Qwen4-Exp), pools earlier windows into keys of their
     own (DeepSeek-V4) or adds a bias per query and distance (Inkling): on a CUDA machine (as far as Config looks, flash-attn installed) 'auto' takes the PyTorch backend, saying
     so in one INFO line; 'triton' and 'flash' are refused by name."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

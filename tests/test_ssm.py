@@ -63,7 +63,7 @@ def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_l
     NemotronH's, Falcon-H1's, Bamba's and Zamba2's attention, MLPs and experts sharded, their Mamba2 mixers (Mamba2's
     alone) by heads, each rank with its heads' state (Falcon-H1's multipliers folded into each rank's rows; Bamba's one
     group of B and C whole on both ranks; Zamba2's adapters' B rows split as the projections they add to); xLSTM's
-    mLSTM layers by heads, each rank with its heads' matrix memories."""
+    mLSTM layers by heads, each rank with its heads' matrix memories; Qwen4-Exp's n-gram tables by rows."""
     llm, _, worst = run(model_dir(kind), captured_logits, prompts=PROMPTS[:4], tensor_parallel_size=2)
     report_logit_diff(f"{kind}, tensor parallel 2", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
@@ -73,6 +73,9 @@ def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_l
     mixers = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, (Mamba2Mixer, MLSTMLayer))]
     assert bool(mixers) == (kind not in ("lfm2", "lfm2-moe", "recurrent-gemma", "rwkv", *NEWEST_HYBRID_KINDS))
     assert all(m.ssm_state.shape[1] * 2 == heads for m in mixers)
+    tables = [m.ngram_embedding for m in llm.llm_engine.model_runner.model.modules() if hasattr(m, "ngram_embedding")]
+    assert bool(tables) == (kind == "qwen4-exp")
+    assert all(t.weight.shape[0] * 2 == t.num_embeddings for t in tables)
 
 
 def _scan_inputs(n: int, heads: int = 4, groups: int = 2, head_dim: int = 3, state_size: int = 5, seed: int = 0):

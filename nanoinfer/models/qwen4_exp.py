@@ -19,8 +19,8 @@ embeddings:
   are recurrent state (slots, as the delta rule's), so chunked prefill and preemption stay exact; prefix caching is off
   for this family as for every model with recurrent state.
 
-Under tensor parallelism the delta rule, attention and experts shard as Qwen3.5-MoE's; the hyper-connections, the QSA
-indexer and PLE (its n-gram tables too) are replicated."""
+Under tensor parallelism the delta rule, attention and experts shard as Qwen3.5-MoE's, the n-gram tables by rows (as
+the token embedding); the hyper-connections, the QSA indexer and the rest of PLE are replicated."""
 import math
 import re
 from collections.abc import Iterable, Iterator
@@ -235,8 +235,8 @@ class NgramEmbedding(nn.Module):
         self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(sizes), persistent=False)
         self.register_buffer("ngram_heads_offsets", torch.tensor([0, *sizes[:-1]]).cumsum(0), persistent=False)
         rows = -(-sum(sizes) // config.make_ngram_vocab_size_divisible_by) * config.make_ngram_vocab_size_divisible_by
-        self.ngram_embedding = nn.Embedding(rows, config.ple_embed_dim // heads)
-        self.ngram_embedding.weight.requires_grad_(False)
+        # Vocabulary-parallel as the token embedding: real checkpoints' tables hold ~90 GiB in all.
+        self.ngram_embedding = VocabParallelEmbedding(rows, config.ple_embed_dim // heads)
 
     def history(self, windows: torch.Tensor) -> torch.Tensor:
         """windows [tokens, ngram_size] (oldest first) -> [tokens, ngram_size]: the token, then the one s back for
