@@ -23,6 +23,7 @@ WKV_MAX_START = -1e30
 
 
 def check_config(config: PretrainedConfig) -> None:
+    """The widths transformers' state and the ranks' shares need."""
     where = config_source(config)
     if config.attention_hidden_size != config.hidden_size:  # transformers' state is hidden_size wide
         raise ValueError(f"attention_hidden_size={config.attention_hidden_size} in {where} is not supported; "
@@ -33,27 +34,40 @@ def check_config(config: PretrainedConfig) -> None:
                              f"tensor_parallel_size={tp_size()}")
 
 
+def wkv_token(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, u: torch.Tensor, num: torch.Tensor,
+              den: torch.Tensor, top: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """transformers' loop body: k (fp32) and v [..., C], w (-exp(time_decay)) and u (time_first) [C] in fp32, the
+    state's numerator, denominator and max exponent [..., C] in fp32 -> (wkv in v's dtype, the next three)."""
+    current = k + u
+    out_top = torch.maximum(top, current)
+    e1, e2 = torch.exp(top - out_top), torch.exp(current - out_top)
+    out = ((e1 * num + e2 * v) / (e1 * den + e2)).to(v.dtype)
+    decayed = top + w
+    new_top = torch.maximum(decayed, k)
+    e1, e2 = torch.exp(decayed - new_top), torch.exp(k - new_top)
+    return out, e1 * num + e2 * v, e1 * den + e2, new_top
+
+
 def wkv_step(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, u: torch.Tensor, state: torch.Tensor
              ) -> torch.Tensor:
-    """One token of each of S sequences: k, v [S, C], w (-exp(time_decay)) and u (time_first) [C] in fp32, state
-    [S, 3, C] (numerator, denominator, max exponent; updated in place) -> wkv [S, C] in v's dtype."""
-    num, den, top = state.unbind(1)
-    k = k.float()
-    out_top = torch.maximum(top, k + u)
-    e1, e2 = torch.exp(top - out_top), torch.exp(k + u - out_top)
-    out = ((e1 * num + e2 * v) / (e1 * den + e2)).to(v.dtype)
-    new_top = torch.maximum(top + w, k)
-    e1, e2 = torch.exp(top + w - new_top), torch.exp(k - new_top)
-    state.copy_(torch.stack((e1 * num + e2 * v, e1 * den + e2, new_top), 1))
+    """One token of each of S sequences: k, v [S, C], state [S, 3, C] (updated in place) -> wkv [S, C]."""
+    out, *new = wkv_token(k.float(), v, w, u, *state.unbind(1))
+    state.copy_(torch.stack(new, 1))
     return out
 
 
 def wkv_sequence(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, u: torch.Tensor, state: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The n tokens of one sequence, k, v [n, C], state [3, C] -> (wkv [n, C], the state after the last), token by
-    token as transformers' loop."""
-    state = state[None].clone()
-    return torch.cat([wkv_step(k[t:t + 1], v[t:t + 1], w, u, state) for t in range(k.shape[0])]), state[0]
+    token as transformers' loop. A closed form over chunks of L tokens (each token's exponents against its chunk's,
+    the state carried from chunk to chunk) is exact too, but does L times the loop's arithmetic: on CPUs, at 768
+    channels, no faster than this loop for L from 4 to 32."""
+    num, den, top = state.unbind(0)
+    k = k.float()
+    out = torch.empty_like(v)
+    for t in range(k.shape[0]):
+        out[t], num, den, top = wkv_token(k[t], v[t], w, u, num, den, top)
+    return out, torch.stack((num, den, top))
 
 
 class TokenShiftLayer(RecurrentLayer):
