@@ -16,8 +16,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from models import MAMBA2_HYBRID_KINDS, NEWEST_HYBRID_KINDS, SSM_KINDS, XLSTM_KIND, make_config
-from nanoinfer import LLM
+from models import (MAMBA2_HYBRID_KINDS, NEWEST_HYBRID_KINDS, SSM_KINDS, XLSTM_KIND, hf_greedy, load_hf_model,
+                    make_config, random_prompts)
+from nanoinfer import LLM, SamplingParams
 from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.mamba2 import Mamba2Mixer, Mamba2Settings, ssd_chunk_scan, ssd_step
 from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer
@@ -479,3 +480,21 @@ def test_qwen4_exp_checkpoint_hashing_otherwise_is_refused(model_dir, tmp_path):
     save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=re.escape(name)):
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
+
+
+def test_rwkv_rescale_in_fp16_divides_the_weights(model_dir, tmp_path):
+    """rescale_every is for fp16: transformers divides block b's `output` and `value` weights by 2^(b // rescale_every),
+    so that their products stay finite. Block 3's channel-mix value scaled up until its product overflows fp16
+    undivided (~13 x 3000 x 2) but not divided by 2: the engine's fp16 greedy tokens are transformers' fp16 ones."""
+    from safetensors.torch import load_file, save_file
+
+    d = shutil.copytree(model_dir("rwkv"), tmp_path / "rwkv")
+    weights = load_file(d / "model.safetensors")
+    weights["rwkv.blocks.3.feed_forward.value.weight"] *= 3000.0
+    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    prompts = random_prompts(4, 5, 440, 2, 60, seed=11)
+    refs = hf_greedy(load_hf_model(d, torch.float16), prompts, 8)
+    assert all(torch.isfinite(ref["logits"]).all() for ref in refs)
+    with LLM(str(d), device="cpu", dtype="float16", max_model_len=128) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in outputs] == [ref["token_ids"] for ref in refs]
