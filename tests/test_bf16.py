@@ -17,8 +17,8 @@ import pytest
 import torch
 from transformers import PretrainedConfig
 
-from models import (MAMBA1_KINDS, MAMBA2_HYBRID_KINDS, QWEN3_NEXT_KINDS, SSM_KINDS, check_bf16_outputs, hf_greedy,
-                    load_hf_model, random_prompts)
+from models import (MAMBA1_KINDS, MAMBA2_HYBRID_KINDS, QWEN3_NEXT_KINDS, SSM_KINDS, XLSTM_KIND, check_bf16_outputs,
+                    hf_greedy, load_hf_model, random_prompts)
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, relu2, select_experts, select_experts_topk_softmax
 from nanoinfer.layers.layernorm import Fp32ResidualRMSNorm, GatedRMSNorm, GemmaRMSNorm, OlmoRMSNorm, RMSNorm
@@ -50,9 +50,10 @@ from nanoinfer.models.nemotron_h import NemotronHMoE
 # transformers' bf16 moves a score by 0.017. Its norms: test_inkling2_norms_in_bf16_are_transformers_own.
 ROUTER_NEAR_TIE_KINDS = ("granitemoehybrid", "qwen3-next", "inkling2")
 # Inkling: its convs' fp32 weights and state (transformers keeps them in fp32). Kimi Linear and Ling's hybrid: KDA's
-# bf16 beta, fp32 gated norm, Kimi's bf16 correction bias, Ling's bf16 decay.
+# bf16 beta, fp32 gated norm, Kimi's bf16 correction bias, Ling's bf16 decay. xLSTM: the whole mLSTM in fp32 (its state
+# dtype), where transformers keeps only the state in fp32 and multiplies in bf16 (1.3x its own bf16 error at worst).
 BF16_RECURRENT_KINDS = tuple(k for k in MAMBA1_KINDS + SSM_KINDS + MAMBA2_HYBRID_KINDS + QWEN3_NEXT_KINDS
-                             + ("inkling", "inkling2", "kimi-linear", "bailing-hybrid")
+                             + ("inkling", "inkling2", "kimi-linear", "bailing-hybrid", XLSTM_KIND)
                              if k not in ROUTER_NEAR_TIE_KINDS)
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
