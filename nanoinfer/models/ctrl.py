@@ -55,6 +55,7 @@ class CTRLLMHeadModel(LlamaForCausalLM):
         ".layernorm2.": ".post_attention_layernorm.",
         ".ffn.0.": ".mlp.fc1.",
         ".ffn.2.": ".mlp.fc2.",
+        "^classifier.": "score.",  # CTRLForSequenceClassification's head (classification.py's `score`)
     }
 
     attention_options = staticmethod(biased_attention)
