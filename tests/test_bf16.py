@@ -10,6 +10,7 @@ sum, Mixtral's fp32 routing weights, GPT-OSS's and GraniteMoE's softmax over the
 Flint's fp32 routers, AFMoE's, Laguna's and LFM2-MoE's bf16 ones, Kimi Linear's bf16 correction bias, the V3-style
 routers' unsorted top k). Then the recurrent and hybrid families end to end, measured against transformers' own bf16
 rounding error as test_gpu.py measures every family on a GPU (check_bf16_outputs)."""
+import dataclasses
 import inspect
 import math
 import types
@@ -18,9 +19,10 @@ from collections.abc import Callable
 import pytest
 import torch
 from transformers import PretrainedConfig
+from transformers.utils import ModelOutput
 
-from models import (MAMBA1_KINDS, MAMBA2_HYBRID_KINDS, QWEN3_NEXT_KINDS, SSM_KINDS, check_bf16_outputs, hf_greedy,
-                    load_hf_model, random_prompts)
+from models import (MAMBA1_KINDS, MAMBA2_HYBRID_KINDS, QWEN3_NEXT_KINDS, SSM_KINDS, XLSTM_KIND, check_bf16_outputs,
+                    hf_greedy, load_hf_model, random_prompts)
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.layers.attention.cpu import attention
 from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, relu2, select_experts, select_experts_topk_softmax
@@ -53,9 +55,10 @@ from nanoinfer.models.nemotron_h import NemotronHMoE
 # transformers' bf16 moves a score by 0.017. Its norms: test_inkling2_norms_in_bf16_are_transformers_own.
 ROUTER_NEAR_TIE_KINDS = ("granitemoehybrid", "qwen3-next", "inkling2")
 # Inkling: its convs' fp32 weights and state (transformers keeps them in fp32). Kimi Linear and Ling's hybrid: KDA's
-# bf16 beta, fp32 gated norm, Kimi's bf16 correction bias, Ling's bf16 decay.
+# bf16 beta, fp32 gated norm, Kimi's bf16 correction bias, Ling's bf16 decay. xLSTM: the whole mLSTM in fp32 (its state
+# dtype), where transformers keeps only the state in fp32 and multiplies in bf16 (1.3x its own bf16 error at worst).
 BF16_RECURRENT_KINDS = tuple(k for k in MAMBA1_KINDS + SSM_KINDS + MAMBA2_HYBRID_KINDS + QWEN3_NEXT_KINDS
-                             + ("inkling", "inkling2", "kimi-linear", "bailing-hybrid", "qwen4-exp")
+                             + ("inkling", "inkling2", "kimi-linear", "bailing-hybrid", "qwen4-exp", XLSTM_KIND)
                              if k not in ROUTER_NEAR_TIE_KINDS)
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -153,6 +156,45 @@ def test_hy_v4_keeps_transformers_fp32_modules_in_bf16(model_dir):
     expected, _ = module.eager_attention_forward(hf_attention, q, k, v, torch.zeros(n, n).masked_fill(~mask, -math.inf)
                                                  .bfloat16(), 24 ** -0.5)
     assert torch.equal(attention(q, k, v, mask, False, 24 ** -0.5, None, sinks), expected.transpose(1, 2))
+
+
+@dataclasses.dataclass
+class StandInOutput(ModelOutput):
+    """What a transformers decoder returns, as far as its causal LM's head reads it."""
+    last_hidden_state: torch.Tensor | None = None
+    past_key_values: object = None
+    cache_params: object = None
+    hidden_states: object = None
+    attentions: object = None
+    router_logits: object = None
+
+
+class StandInDecoder(torch.nn.Module):
+    """In place of a transformers causal LM's decoder: its output is the given hidden states, so that the LM's
+    forward runs its head alone."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, *args, **kwargs) -> StandInOutput:
+        return StandInOutput(last_hidden_state=self.hidden)
+
+
+@pytest.mark.parametrize("kind, decoder", [(XLSTM_KIND, "backbone"), ("inkling2", "model")])
+def test_logit_soft_cap_in_bf16_is_transformers_own(kind, decoder, model_dir):
+    """xLSTM's and Inkling-2's heads cast their bf16 logits to fp32 and soft-cap them there, as the engine's head does
+    (ParallelLMHead's fp32 logits): bit for bit (a bf16 rounding after the cap would be worth 0.06 near a cap of 30).
+    (RecurrentGemma's and Gemma 2's transformers heads cap in bf16; the engine's cap stays in fp32 there.)"""
+    d = model_dir(kind)
+    hf = load_hf_model(d, torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    hidden = (4 * torch.randn(1, 7, hf.config.get_text_config().hidden_size, generator=g)).bfloat16()
+    setattr(hf, decoder, StandInDecoder(hidden))
+    with LLM(str(d), device="cpu", dtype="bfloat16", max_model_len=64) as llm, torch.no_grad():
+        logits = llm.llm_engine.model_runner.model.compute_logits(hidden[0])
+        expected = hf(input_ids=torch.zeros(1, 7, dtype=torch.long)).logits[0]
+    assert torch.equal(logits[:, :expected.shape[-1]], expected)
 
 
 @pytest.mark.parametrize("family", ["kimi_linear", "bailing_hybrid"])

@@ -41,7 +41,8 @@ def classifier_dir(src: pathlib.Path, dst: pathlib.Path, num_labels: int) -> pat
     weights.pop("lm_head.bias", None)  # Phi's
     # GPT-2 names it n_embd; OPT-350m's score takes the projected-out width
     hidden = config.get("word_embed_proj_dim", config.get("hidden_size", config.get("n_embd")))
-    weights["score.weight"] = torch.randn(num_labels, hidden, generator=torch.Generator().manual_seed(num_labels))
+    head = "classifier.weight" if family == "CTRL" else "score.weight"  # CTRL names its head `classifier`
+    weights[head] = torch.randn(num_labels, hidden, generator=torch.Generator().manual_seed(num_labels))
     save_file(weights, dst / "model.safetensors")
     return dst
 
@@ -64,7 +65,7 @@ def classifiers(model_dir, tmp_path_factory):
                                   "gpt-neox", "stablelm", "starcoder2", "glm4", "gpt2", "deepseek-v3", "olmo",
                                   "falcon", "gptj", "gpt-bigcode", "exaone4", "seed-oss",
                                   "helium", "arcee", "nemotron", "hunyuan", "hunyuan-moe", "opt", "opt-350m", "gpt-neo",
-                                  "persimmon"])
+                                  "persimmon", "ctrl", "openai-gpt"])
 def test_classify_matches_transformers(kind, classifiers, report_logit_diff):
     d = classifiers(kind, 3)
     ref = hf_label_logits(d, PROMPTS)

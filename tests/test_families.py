@@ -283,13 +283,14 @@ def test_mask_buffers_in_hub_checkpoints_are_skipped(kind, buffers, model_dir, t
     save_with_mask_buffers_and_check(d, weights, [], captured_logits)
 
 
-def test_gpt2_hub_checkpoint_layout_matches_hf(model_dir, tmp_path, captured_logits):
-    """The Hub's original GPT-2 files: GPT2Model's tensor names (no `transformer.` prefix) with the attention's
-    causal-mask buffers (`attn.bias`, `attn.masked_bias`) beside them; and unscaled scores (scale_attn_weights
-    False)."""
+@pytest.mark.parametrize("kind, changes", [("gpt2", {"scale_attn_weights": False}), ("openai-gpt", {})])
+def test_gpt2_hub_checkpoint_layout_matches_hf(kind, changes, model_dir, tmp_path, captured_logits):
+    """The Hub's original GPT-2 and OpenAI GPT files: GPT2Model's and OpenAIGPTModel's tensor names (no `transformer.`
+    prefix; OpenAI GPT's `tokens_embed`, `positions_embed`) with the attention's causal-mask buffers (`attn.bias`,
+    `attn.masked_bias`) beside them; and GPT-2's unscaled scores (scale_attn_weights False)."""
     from safetensors.torch import load_file
 
-    d = edited_model(model_dir("gpt2"), tmp_path / "m", scale_attn_weights=False)
+    d = edited_model(model_dir(kind), tmp_path / "m", **changes)
     weights = {name.removeprefix("transformer."): w for name, w in load_file(d / "model.safetensors").items()}
     assert "h.0.attn.c_attn.weight" in weights and "lm_head.weight" not in weights  # tied: not saved
     layers = json.loads((d / "config.json").read_text())["n_layer"]

@@ -22,7 +22,7 @@ from nanoinfer import LLM, SamplingParams
 from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.mamba2 import Mamba2Mixer, Mamba2Settings, ssd_chunk_scan, ssd_step
 from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer
-from nanoinfer.models import falcon_h1, nemotron_h, zamba2
+from nanoinfer.models import falcon_h1, nemotron_h, xlstm, zamba2
 from nanoinfer.models.bamba import mamba2_settings
 from nanoinfer.models.xlstm import MLSTMLayer
 from nanoinfer.utils.dist import tp_scope
@@ -498,3 +498,39 @@ def test_rwkv_rescale_in_fp16_divides_the_weights(model_dir, tmp_path):
     with LLM(str(d), device="cpu", dtype="float16", max_model_len=128) as llm:
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outputs] == [ref["token_ids"] for ref in refs]
+
+
+def test_xlstm_block_form_is_transformers_recurrence():
+    """The mLSTM over a 300-token prompt in the engine's 64-token blocks (the last one partial), whole and as chunks
+    of 100 and 200 (a cut inside a block, the state carried), from a state 50 earlier tokens left, against
+    transformers' one-step recurrence (mlstm_recurrent_sequence_native) in fp64: outputs and the final C, n and m
+    agree to rounding. Gates as a trained model's: soft-capped, forget gates biased towards remembering, so that the
+    stabilizer m comes from the carried state and from tokens within a block alike."""
+    from transformers.models.xlstm import modeling_xlstm
+
+    g = torch.Generator().manual_seed(0)
+    tokens, heads, dk, dv = 350, 4, 8, 16
+    q, k = (torch.randn(tokens, heads, dk, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(tokens, heads, dv, generator=g, dtype=torch.float64)
+    i = xlstm.soft_cap(3 * torch.randn(tokens, heads, generator=g, dtype=torch.float64), 15.0)
+    f = xlstm.soft_cap(3 * torch.randn(tokens, heads, generator=g, dtype=torch.float64) + 3, 15.0)
+
+    def hf(start: int, end: int, state: tuple | None) -> tuple[torch.Tensor, tuple]:
+        rows = (t[start:end].transpose(0, 1)[None] for t in (q, k, v, i, f))
+        h, state = modeling_xlstm.mlstm_recurrent_sequence_native(*rows, *(state or (None,) * 3), eps=1e-6,
+                                                                  return_last_states=True, dtype_state=torch.float64)
+        return h[0].transpose(0, 1), state
+
+    _, before = hf(0, 50, None)
+    ref, (C, n, m) = hf(50, tokens, before)
+    state = torch.zeros(heads, dk + 1, dv + 1, dtype=torch.float64)
+    for view, part in zip(xlstm.state_views(state), before):
+        view.copy_(part[0].view(view.shape))
+    for cuts in ((50, tokens), (50, 150, tokens)):
+        h, carried = [], state
+        for start, end in zip(cuts, cuts[1:]):
+            out, carried = xlstm.mlstm_sequence(*(t[start:end] for t in (q, k, v, i, f)), carried, 1e-6)
+            h.append(out)
+        torch.testing.assert_close(torch.cat(h), ref, rtol=1e-10, atol=1e-10)
+        for ours, theirs in zip(xlstm.state_views(carried), (C, n, m)):
+            torch.testing.assert_close(ours, theirs[0].view(ours.shape), rtol=1e-10, atol=1e-10)

@@ -6,7 +6,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.layernorm import LayerNorm
-from nanoinfer.models.gpt2 import GPT2Model
+from nanoinfer.models.gpt2 import GPT2Model, biased_attention
 from nanoinfer.models.layernorm_decoder import DenseMLP, LayerNormDecoderLayer
 from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM
 from nanoinfer.models.opt import LAYER_NORM_EPS, OPTForCausalLM
@@ -37,9 +37,7 @@ class BioGptForCausalLM(LlamaForCausalLM):
                                  "^model.layer_norm.": "model.norm.",
                                  "^model.embed_positions.": "model.wpe.", **OPTForCausalLM.weight_name_substitutions}
 
-    @staticmethod
-    def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
-        return AttentionOptions(qkv_bias=True, o_bias=True, rope=False)
+    attention_options = staticmethod(biased_attention)
 
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:

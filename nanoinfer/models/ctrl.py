@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanoinfer.models.gpt2 import GPT2Model
+from nanoinfer.models.gpt2 import GPT2Model, biased_attention
 from nanoinfer.models.layernorm_decoder import DenseMLP, LayerNormDecoderLayer
 from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM
 from nanoinfer.models.xglm import SinusoidalPositions
@@ -55,11 +55,10 @@ class CTRLLMHeadModel(LlamaForCausalLM):
         ".layernorm2.": ".post_attention_layernorm.",
         ".ffn.0.": ".mlp.fc1.",
         ".ffn.2.": ".mlp.fc2.",
+        "^classifier.": "score.",  # CTRLForSequenceClassification's head (classification.py's `score`)
     }
 
-    @staticmethod
-    def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
-        return AttentionOptions(qkv_bias=True, o_bias=True, rope=False)
+    attention_options = staticmethod(biased_attention)
 
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:

@@ -51,6 +51,12 @@ class GPT2Block(LayerNormDecoderLayer):
                          self.residual)
 
 
+def biased_attention(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
+    """Attention with biases on every projection, no rope, the default 1/sqrt(head_dim) scale: the attention of
+    GPT-2's descendants that have no scale options (BioGPT, CTRL, OpenAI GPT)."""
+    return AttentionOptions(qkv_bias=True, o_bias=True, rope=False)
+
+
 class GPT2Model(LayerNormModel):
     decoder_layer = GPT2Block
     position_offset = 0  # OPT's table holds 2 rows before position 0's (its padding's, once)

@@ -5,9 +5,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.models.config_checks import config_source
-from nanoinfer.models.gpt2 import GPT2Block, GPT2LMHeadModel, GPT2MLP, GPT2Model
+from nanoinfer.models.gpt2 import GPT2Block, GPT2LMHeadModel, GPT2MLP, GPT2Model, biased_attention
 from nanoinfer.models.layernorm_decoder import ResidualSum
-from nanoinfer.models.llama import AttentionOptions
 
 # transformers' ACT_FNS of modeling_openai.py, by the names of nanoinfer's activations.
 ACTIVATIONS = {"relu": "relu", "silu": "silu", "swish": "silu", "gelu": "gelu_new"}
@@ -38,9 +37,7 @@ class OpenAIGPTLMHeadModel(GPT2LMHeadModel):
     weight_name_substitutions = {"^transformer.": "", "^tokens_embed.": "model.embed_tokens.",
                                  "^positions_embed.": "model.wpe.", **GPT2LMHeadModel.weight_name_substitutions}
 
-    @staticmethod
-    def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
-        return AttentionOptions(qkv_bias=True, o_bias=True, rope=False)
+    attention_options = staticmethod(biased_attention)
 
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:

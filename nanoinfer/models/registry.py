@@ -158,7 +158,9 @@ _CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM" for
     "GPTNeo", "GPTNeoX", "Helium", "HunYuanDenseV1", "HunYuanMoEV1", "Llama", "Mistral", "Mixtral", "Nemotron", "Olmo",
     "Olmo2", "Olmo3", "OPT", "Persimmon", "Phi", "Phi3", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe", "SeedOss", "SmolLM3",
     "StableLm", "Starcoder2")} | {
-    "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM", "GPT2ForSequenceClassification": "GPT2LMHeadModel"}
+    "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM", "GPT2ForSequenceClassification": "GPT2LMHeadModel",
+    "CTRLForSequenceClassification": "CTRLLMHeadModel",
+    "OpenAIGPTForSequenceClassification": "OpenAIGPTLMHeadModel"}
 
 # Encoder-only models (bert.py, modernbert.py): bidirectional, with absolute positions or rope; embedders (`*Model`:
 # LLM.embed) and classifiers on the first token or the mean (LLM.classify, LLM.score). They never generate.
