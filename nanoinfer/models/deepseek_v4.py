@@ -161,6 +161,7 @@ class DeepseekV4Attention(nn.Module):
         self.wo_b = RowParallelLinear(config.o_groups * config.o_lora_rank, config.hidden_size)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, 1, value_prefix_dim=self.head_dim,
                               sinks=True)
+        self.attn.sinks = fp32_parameter(self.num_heads)  # fp32 in 16-bit models, as transformers keeps them
         self.rope = get_rope(config, config.qk_rope_head_dim, config.max_position_embeddings, options.rope_layer_type,
                              True, config.qk_rope_head_dim)
         rate = options.compress_rate

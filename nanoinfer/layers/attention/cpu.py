@@ -80,7 +80,8 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     if sinks is None:
         probs = torch.softmax(scores, -1, dtype=torch.float32)
     else:
-        sink_column = sinks.to(scores.dtype).view(1, kv_heads, -1, 1, 1).expand(b, -1, -1, n, 1)
+        # Sinks wider than the scores (DeepSeek-V4's fp32 ones in a 16-bit model) join unrounded: cat promotes.
+        sink_column = sinks.view(1, kv_heads, -1, 1, 1).expand(b, -1, -1, n, 1)
         probs = torch.softmax(torch.cat([scores, sink_column], -1), -1, dtype=torch.float32)[..., :-1]
     return torch.matmul(probs.to(q.dtype), v.unsqueeze(2)).view(b, heads, n, v.shape[-1])
 
