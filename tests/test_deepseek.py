@@ -380,6 +380,18 @@ def test_deepseek_v4_compressor_rows_are_cached_in_the_kv_blocks(model_dir, monk
             assert cache.k_cache.shape == (num_blocks, 16, 1, width) and cache.k_cache.abs().max().item() > 0
 
 
+def test_deepseek_v4_needs_no_compress_rate_for_a_layer_type_it_lacks():
+    """transformers reads compress_rates only for the layer types the model has: one without CSA layers runs without
+    CSA's rate, as there."""
+    from nanoinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    config = make_config("deepseek-v4")
+    config.layer_types = ["sliding_attention", "heavily_compressed_attention", "heavily_compressed_attention"]
+    config.compress_rates = {"heavily_compressed_attention": 8}
+    model = DeepseekV4ForCausalLM(config)
+    assert [layer.self_attn.compressor.rate for layer in model.model.layers[1:]] == [8, 8]
+
+
 def test_deepseek_v4_sinks_join_16_bit_scores_in_fp32():
     """transformers keeps DeepSeek-V4's sinks in fp32 (`_keep_in_fp32_modules_strict`) and its eager attention joins
     them to the bf16 scores unrounded: a layer built in bf16 keeps them fp32, and its attention rows equal
