@@ -329,12 +329,12 @@ DSA_RMS_NORM_EPS = 0.1
 # its indexer's key norm at the config's epsilon (DSA_RMS_NORM_EPS), its latent norms at transformers' default 1e-6.
 HY_V4_SWIGLU_LIMIT = 4.0
 # DeepSeek-V4 (deepseek-v4): a sliding layer 0 (window DSV4_WINDOW), a CSA layer 1 (overlapping windows of 4, an indexer
-# of 8 heads keeping DSV4_INDEX_TOPK entries, fewer than most test contexts hold) and an HCA layer 2 (windows of 8);
-# 4 heads of 32 (the last 8 roped) on one shared K = V head, sinks (GPT_OSS_SINK_STD), outputs in 2 groups of 16; a
-# yarn-scaled rope on the compressed layers, the plain one on the sliding layer; 3 hyper-connection streams (20 Sinkhorn
-# iterations, hc_eps 1e-3); every MLP 2 of 8 experts plus a shared one, clamped at DSV4_SWIGLU_LIMIT (gate/up at
-# GPT-OSS's scale, so that the clamps bind), hash-routed on layer 0 (a random table), then by sqrt(softplus) + a random
-# correction bias.
+# of 8 heads keeping DSV4_INDEX_TOPK entries, fewer than most test contexts hold) and an HCA layer 2 (windows of 8); 4
+# heads of 32 (the last 8 roped) on one shared K = V head, sinks (GPT_OSS_SINK_STD), outputs in 2 groups of 16; a
+# yarn-scaled rope on the compressed layers, the plain one on the sliding layer; 3 hyper-connection streams (2 Sinkhorn
+# iterations, short of converging: their count shows; hc_eps 1e-3); every MLP 2 of 8 experts plus a shared one, clamped
+# at DSV4_SWIGLU_LIMIT (gate/up at GPT-OSS's scale, so that the clamps bind), hash-routed on layer 0 (a random table),
+# then by sqrt(softplus) + a random correction bias.
 DSV4_WINDOW, DSV4_INDEX_TOPK, DSV4_SWIGLU_LIMIT = 10, 3, 4.0
 # Inkling (inkling): relative logits (a bias per query and backward distance) on sliding layers 0 and 2 (6 heads of 8
 # on 2 KV heads, biased over their whole window) and a full layer 1 (4 heads of 16, biased up to INKLING_REL_EXTENT
@@ -1277,7 +1277,7 @@ def newest_family_config(kind: str, special: dict):
             mlp_layer_types=["hash_moe", "moe", "moe"], sliding_window=DSV4_WINDOW,
             compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
             index_n_heads=8, index_head_dim=16, index_topk=DSV4_INDEX_TOPK, n_routed_experts=8, num_experts_per_tok=2,
-            moe_intermediate_size=32, swiglu_limit=DSV4_SWIGLU_LIMIT, hc_mult=3, hc_eps=1e-3,
+            moe_intermediate_size=32, swiglu_limit=DSV4_SWIGLU_LIMIT, hc_mult=3, hc_sinkhorn_iters=2, hc_eps=1e-3,
             compress_rope_theta=1_000.0, rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32,
                                                           "beta_slow": 1, "original_max_position_embeddings": 128})
     if kind == "inkling":

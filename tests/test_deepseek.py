@@ -380,6 +380,50 @@ def test_deepseek_v4_compressor_rows_are_cached_in_the_kv_blocks(model_dir, monk
             assert cache.k_cache.shape == (num_blocks, 16, 1, width) and cache.k_cache.abs().max().item() > 0
 
 
+def test_deepseek_v4_needs_no_compress_rate_for_a_layer_type_it_lacks():
+    """transformers reads compress_rates only for the layer types the model has: one without CSA layers runs without
+    CSA's rate, as there."""
+    from nanoinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    config = make_config("deepseek-v4")
+    config.layer_types = ["sliding_attention", "heavily_compressed_attention", "heavily_compressed_attention"]
+    config.compress_rates = {"heavily_compressed_attention": 8}
+    model = DeepseekV4ForCausalLM(config)
+    assert [layer.self_attn.compressor.rate for layer in model.model.layers[1:]] == [8, 8]
+
+
+def test_deepseek_v4_sinks_join_16_bit_scores_in_fp32():
+    """transformers keeps DeepSeek-V4's sinks in fp32 (`_keep_in_fp32_modules_strict`) and its eager attention joins
+    them to the bf16 scores unrounded: a layer built in bf16 keeps them fp32, and its attention rows equal
+    transformers' exactly (with the sinks rounded to bf16 they differ by ~2e-3)."""
+    modeling = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4",
+                                   reason="the reference family is missing")
+    from nanoinfer.models.deepseek_v32 import sparse_rows
+    from nanoinfer.models.deepseek_v4 import DeepseekV4Attention, DeepseekV4ForCausalLM
+
+    config = make_config("deepseek-v4")
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layer = DeepseekV4Attention(config, DeepseekV4ForCausalLM.attention_options(config, 1))
+    finally:
+        torch.set_default_dtype(default)
+    g = torch.Generator().manual_seed(0)
+    heads, dim, n, keys = layer.num_heads, layer.head_dim, 6, 9
+    sinks = layer.attn.sinks
+    assert sinks.dtype == torch.float32
+    sinks.copy_(torch.randn(heads, generator=g) * 2)
+    q, k = torch.randn(n, heads, dim, generator=g).bfloat16(), torch.randn(keys, 1, dim, generator=g).bfloat16()
+    mask = torch.rand(n, keys, generator=g) < 0.7
+    mask[:, 0] = True
+    ours = sparse_rows(q, k, k, mask, layer.attn.scale, sinks).view(n, heads, dim)
+    module = type("Module", (), {"num_key_value_groups": heads, "sinks": sinks, "training": False})
+    bias = torch.zeros(n, keys, dtype=torch.bfloat16).masked_fill(~mask, float("-inf"))
+    kv = k.transpose(0, 1)[None]
+    theirs = modeling.eager_attention_forward(module, q.transpose(0, 1)[None], kv, kv, bias[None, None], layer.attn.scale)[0]
+    torch.testing.assert_close(ours, theirs[0], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("kind, changes, message", [
     ("deepseek-v32", {"q_lora_rank": 0}, r"q_lora_rank=0 in the model config: DeepSeek sparse attention's "
                                          r"indexer reads the query's low-rank latent"),

@@ -161,6 +161,7 @@ class DeepseekV4Attention(nn.Module):
         self.wo_b = RowParallelLinear(config.o_groups * config.o_lora_rank, config.hidden_size)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, 1, value_prefix_dim=self.head_dim,
                               sinks=True)
+        self.attn.sinks = fp32_parameter(self.num_heads)  # fp32 in 16-bit models, as transformers keeps them
         self.rope = get_rope(config, config.qk_rope_head_dim, config.max_position_embeddings, options.rope_layer_type,
                              True, config.qk_rope_head_dim)
         rate = options.compress_rate
@@ -317,7 +318,8 @@ def check_config(config: PretrainedConfig) -> None:
     if config.mlp_bias:
         raise ValueError(f"mlp_bias={config.mlp_bias!r} in {where} is not supported (the shared expert's biases)")
     counts = {"hc_mult": config.hc_mult, "hc_sinkhorn_iters": config.hc_sinkhorn_iters, "index_topk": config.index_topk,
-              **{f"compress_rates[{t!r}]": config.compress_rates.get(t) for t in LAYER_TYPES[1:]}}
+              **{f"compress_rates[{t!r}]": config.compress_rates.get(t) for t in LAYER_TYPES[1:]
+                 if t in config.layer_types}}  # as transformers, which reads a type's rate only where it has one
     for field, value in counts.items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{field}={value!r} in {where}; expected a positive int")

@@ -32,11 +32,10 @@ class Attention(nn.Module):
     `logits_soft_cap` (Gemma 2), each scaled score s becomes logits_soft_cap * tanh(s / logits_soft_cap) before masking
     and softmax. With `value_prefix_dim` (DeepSeek's latent cache, MLA), each value is its key's first value_prefix_dim
     entries (all of them: DeepSeek-V4's K = V): the layer takes no v, only K is cached, and the output per head is
-    value_prefix_dim wide. With `sinks`
-    (GPT-OSS), a learned logit per head, the parameter `sinks` [num_heads], joins each softmax's denominator as a key
-    whose value is 0. With `alibi_slopes` [the model's heads] (BLOOM, MPT), each head adds -slope * |query position -
-    key position| to its scaled scores (after a soft cap; causally, slope * (key - query position)); this rank keeps
-    its own heads' slopes, fp32, in the buffer of that name.
+    value_prefix_dim wide. With `sinks` (GPT-OSS), a learned logit per head, the parameter `sinks` [num_heads], joins
+    each softmax's denominator as a key whose value is 0. With `alibi_slopes` [the model's heads] (BLOOM, MPT), each
+    head adds -slope * |query position - key position| to its scaled scores (after a soft cap; causally, slope * (key -
+    query position)); this rank keeps its own heads' slopes, fp32, in the buffer of that name.
     num_heads, num_kv_heads: this tensor-parallel rank's."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,

@@ -80,7 +80,7 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     if sinks is None:
         probs = torch.softmax(scores, -1, dtype=torch.float32)
     else:
-        # fp32 sinks (HY-V4's, kept so by transformers) join 16-bit scores in fp32, as its concatenation promotes them
+        # fp32 sinks (HY-V4's, DeepSeek-V4's: kept so by transformers) join 16-bit scores unrounded: cat promotes.
         sink_column = sinks.view(1, kv_heads, -1, 1, 1).expand(b, -1, -1, n, 1)
         probs = torch.softmax(torch.cat([scores, sink_column], -1), -1, dtype=torch.float32)[..., :-1]
     return torch.matmul(probs.to(q.dtype), v.unsqueeze(2)).view(b, heads, n, v.shape[-1])
