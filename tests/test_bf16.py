@@ -128,6 +128,24 @@ def test_inkling2_norms_in_bf16_are_transformers_own():
         assert torch.equal(norm(x), hf(x))
 
 
+@pytest.mark.parametrize("family, dtype", [("flint", torch.bfloat16), ("deepseek-v32", torch.float16),
+                                          ("glm-moe-dsa", torch.float16), ("axk2", torch.float16),
+                                          ("deepseek-v32", torch.bfloat16), ("dots3-note", torch.float16)])
+def test_fp32_parameters_are_transformers_own(model_dir, family, dtype):
+    """The parameters transformers keeps in fp32 in a 16-bit model are fp32 in the engine's, by name: Flint's sinks
+    (and router weight) in bf16 and fp16 (`_keep_in_fp32_modules_strict`); the DeepSeek sparse attention indexer's
+    weights_proj in fp16 alone (`_keep_in_fp32_modules`; the correction bias, strict, in both). The engine's sinks
+    and weights_proj are in fp32 there alone (its GPT-OSS norms hold fp32 weights of their own)."""
+    d = model_dir(family)
+    hf = load_hf_model(d, dtype)
+    with LLM(str(d), device="cpu", dtype=str(dtype).removeprefix("torch."), max_model_len=64) as llm:
+        ours = {name for name, p in llm.llm_engine.model_runner.model.named_parameters() if p.dtype == torch.float32}
+    hf_fp32 = {name.replace(".self_attn.sinks", ".self_attn.attn.sinks")
+               for name, p in hf.named_parameters() if p.dtype == torch.float32}
+    assert hf_fp32 <= ours
+    assert {name for name in ours if ".sinks" in name or ".weights_proj." in name} <= hf_fp32
+
+
 def test_hy_v4_keeps_transformers_fp32_modules_in_bf16(model_dir):
     """transformers keeps HY-V4's LM head, sinks, the indexer's weights_proj and key norm and the hyper-connections in
     fp32 in a bf16 model (`_keep_in_fp32_modules_strict`), the rest in bf16: so does the engine, parameter by

@@ -438,6 +438,21 @@ def test_recurrent_gemma_unsupported_config_is_refused(model_dir, tmp_path, chan
     check_config_refused(model_dir("recurrent-gemma"), tmp_path, change, option)
 
 
+def test_recurrent_gemma_empty_block_types_are_refused(model_dir):
+    """The layers repeat block_types, which cannot be empty: refused by name (transformers 5.23's config refuses an
+    empty list itself, so the config is emptied after it is read, as one its validation does not see)."""
+    from transformers import AutoConfig
+
+    from nanoinfer.models.recurrent_gemma import RecurrentGemmaForCausalLM
+
+    d = model_dir("recurrent-gemma")
+    config = AutoConfig.from_pretrained(d)
+    config.block_types = []
+    with pytest.raises(ValueError, match=re.escape("block_types=[]")) as e:
+        RecurrentGemmaForCausalLM(config)
+    assert str(d) in str(e.value)
+
+
 @pytest.mark.parametrize("change, option", [({"weight_mode": "fused"}, "weight_mode='fused'"),
                                             ({"use_bias": True}, "use_bias=True")])
 def test_xlstm_unsupported_config_is_refused(model_dir, tmp_path, change, option):

@@ -19,7 +19,7 @@ from nanoinfer.layers.linear import ReplicatedLinear
 from nanoinfer.layers.rotary_embedding import get_rope
 from nanoinfer.models.deepseek_v2 import DeepseekV2Attention, DeepseekV2DecoderLayer, DeepseekV2Model
 from nanoinfer.models.deepseek_v3 import DeepseekV3ForCausalLM, mlp_by_layer_type
-from nanoinfer.models.llama import AttentionOptions
+from nanoinfer.models.llama import AttentionOptions, keep_in_fp32_
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,8 @@ class Indexer(nn.Module):
         """Each sequence's selection [rows, context] (True: attended), its causal mask alone where the context holds
         no more than index_topk keys."""
         q = self.wq_b(q_latent).view(-1, self.num_heads, self.head_dim)
-        # In the norm's and weights_proj's dtype, as transformers' HY-V4 indexer casts (fp32 there, see hy_v4.py).
+        # In the norm's and weights_proj's dtype, as transformers' indexers cast (fp32 in HY-V4, weights_proj in fp16
+        # models: see hy_v4.py and DeepseekV32ForCausalLM).
         k = self.k_norm(self.wk(x).to(self.k_norm.weight.dtype)).to(x.dtype).unsqueeze(1)
         if positions is not None:
             q, k = self.rope(positions, q, k)
@@ -231,7 +232,12 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
         return DSAOptions(rope_interleaved=True)  # transformers' V3.2 MLA always interleaves (its config has no field)
 
     check_config = staticmethod(check_dsa_config)  # what the family cannot run, refused by name
+    # transformers' `_keep_in_fp32_modules`: kept in fp32 in fp16 models alone (bf16 ones hold them in bf16); the
+    # indexer runs them on its input cast to their dtype.
+    fp16_fp32_modules: tuple[str, ...] = ("indexer.weights_proj",)
 
     def __init__(self, config: PretrainedConfig):
         self.check_config(config)
         super().__init__(config)
+        if torch.get_default_dtype() == torch.float16:  # the one the engine builds the model under
+            keep_in_fp32_(self, self.fp16_fp32_modules)

@@ -77,6 +77,7 @@ def check_config(config: PretrainedConfig) -> None:
 class Dots3NoteForCausalLM(DeepseekV32ForCausalLM):
     model_class = Dots3NoteModel
     check_config = staticmethod(check_config)
+    fp16_fp32_modules = ()  # transformers' dots3 note keeps its indexer in the model's dtype
 
     @staticmethod
     def attention_options(config: PretrainedConfig, layer_idx: int) -> DSAOptions:

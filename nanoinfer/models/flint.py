@@ -9,7 +9,7 @@ from transformers import PretrainedConfig
 from nanoinfer.models.deepseek_v3 import UngroupedSigmoidMoE
 from nanoinfer.models.gemma2 import check_layer_types
 from nanoinfer.models.gpt_oss import GptOssForCausalLM, GptOssRMSNorm
-from nanoinfer.models.llama import AttentionOptions, LlamaMLP
+from nanoinfer.models.llama import AttentionOptions, LlamaMLP, keep_in_fp32_
 from nanoinfer.models.qwen2_moe import is_sparse_layer
 
 
@@ -40,3 +40,6 @@ class FlintForCausalLM(GptOssForCausalLM):
     def __init__(self, config: PretrainedConfig):
         check_layer_types(config)
         super().__init__(config)
+        # transformers' `_keep_in_fp32_modules_strict` (with the router's weight, FlintMoE's): the sinks then join the
+        # scores' softmax in fp32 in 16-bit models.
+        keep_in_fp32_(self, ("sinks",))

@@ -16,9 +16,9 @@ from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.fused_moe import clamped_silu_and_mul
 from nanoinfer.models.config_checks import check_each_in, config_source
 from nanoinfer.models.deepseek_v3 import DeepseekV3MoE, mlp_layer_type
-from nanoinfer.models.deepseek_v32 import DeepseekV32Attention, DeepseekV32DecoderLayer, DSAOptions, check_dsa_config
+from nanoinfer.models.deepseek_v32 import DeepseekV32DecoderLayer, DSAOptions, check_dsa_config
 from nanoinfer.models.glm_moe_dsa import GlmMoeDsaForCausalLM
-from nanoinfer.models.llama import LlamaMLP, LlamaModel, MLPFactory, OptionsFactory
+from nanoinfer.models.llama import LlamaMLP, LlamaModel, MLPFactory, OptionsFactory, keep_in_fp32_
 
 
 def stream_mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
@@ -76,14 +76,10 @@ class HyperHead(nn.Module):
         return collapse(streams, torch.sigmoid(mixes * self.hc_scale + self.hc_base) + self.hc_eps)
 
 
-def keep_in_fp32_(attention: DeepseekV32Attention) -> None:
-    """What transformers keeps in fp32 in 16-bit HY-V4 models besides the hyper-connections and the LM head
-    (`_keep_in_fp32_modules_strict`): the sinks, which then join the scores' softmax in fp32, and the indexer's
-    weights_proj and key norm, which run on the input upcast (the indexer casts to their dtype)."""
-    attention.attn.sinks.data = attention.attn.sinks.data.float()
-    if attention.indexer is not None:
-        attention.indexer.weights_proj.float()
-        attention.indexer.k_norm.float()
+# What transformers keeps in fp32 in 16-bit models besides the hyper-connections and the LM head
+# (`_keep_in_fp32_modules_strict`): the sinks, which then join the scores' softmax in fp32, and the indexer's
+# weights_proj and key norm, which run on the input upcast (the indexer casts to their dtype).
+FP32_ATTENTION_MODULES = ("sinks", "indexer.weights_proj", "indexer.k_norm")
 
 
 class HyperConnectedModel(LlamaModel):
@@ -109,7 +105,7 @@ class HYV4DecoderLayer(DeepseekV32DecoderLayer):
 
     def __init__(self, config: PretrainedConfig, options: DSAOptions, mlp: nn.Module):
         super().__init__(config, options, mlp)
-        keep_in_fp32_(self.self_attn)
+        keep_in_fp32_(self.self_attn, FP32_ATTENTION_MODULES)
         self.attn_hc, self.ffn_hc = HyperConnection(config), HyperConnection(config)
 
     def forward(self, positions: torch.Tensor | None, streams: torch.Tensor, input_ids: torch.Tensor,

@@ -91,6 +91,15 @@ def llama4_query_scale(floor_scale: float, attn_scale: float, offset: float
     return scale
 
 
+def keep_in_fp32_(module: nn.Module, names: tuple[str, ...]) -> None:
+    """transformers' `_keep_in_fp32_modules(_strict)` on a model being built: module's parameters whose dotted name
+    holds one of names (a module's or a parameter's, matched whole) to fp32, whatever the dtype the rest is built in
+    (the checkpoint's tensors are then cast to them on loading)."""
+    for name, param in module.named_parameters():
+        if any(f".{kept}." in f".{name}." for kept in names):
+            param.data = param.data.float()
+
+
 def scale_query(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """q [tokens, heads, head_dim] times its token's fp32 factor (AttentionOptions.query_scale), the product rounded
     to q's dtype, as transformers' Llama4TextAttention does (its Ministral 3 rounds the factor first: the same in

@@ -24,7 +24,11 @@ BLOCK_TYPES = ("recurrent", "attention")
 
 
 def check_config(config: PretrainedConfig) -> None:
-    """transformers runs any block type other than "recurrent" as attention; names beyond the two are refused."""
+    """transformers runs any block type other than "recurrent" as attention; names beyond the two are refused, as is
+    an empty list (the layers repeat it)."""
+    if not config.block_types:
+        raise ValueError(f"block_types={config.block_types!r} in {config_source(config)} is not supported; expected "
+                         f"at least one of {BLOCK_TYPES} (the layers repeat them)")
     check_each_in(config, "block_types", BLOCK_TYPES)
     if config.lru_width % config.num_attention_heads or config.num_attention_heads % tp_size():
         raise ValueError(f"lru_width={config.lru_width} in {config_source(config)} must split into "
