@@ -4,8 +4,14 @@ This module doubles as `flash_attn` (tests put it in sys.modules): its two paged
 flash-attn 2's documented contract (flash_attn_interface.py docstrings, flash_api.cpp checks), enforcing the
 argument rules the CUDA build checks (int32 metadata, contiguous last dims, shapes, page size a multiple of
 256) and computing the documented result in fp32 (causal mask and window aligned to the bottom right, GQA by
-head groups, empty rows -> 0). EagerGraph stands in for torch.cuda.CUDAGraph."""
+head groups, empty rows -> 0). EagerGraph stands in for torch.cuda.CUDAGraph; HostSyncAudit finds what a CUDA graph
+could not capture."""
+import contextlib
+import traceback
+
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 PAGE_MULTIPLE = 256
 calls: list[dict] = []  # one record per call, for tests to see which path ran
@@ -144,3 +150,63 @@ def capture_eager_graphs(runner) -> None:
                                           runner.block_size, hidden_states_width(c.hf_config), c.torch_dtype,
                                           runner.device, new_graph=EagerGraph)
     runner.graph_runner.capture()
+
+
+aten = torch.ops.aten
+# Ops that read a value back to the host on CUDA, or whose output shape depends on values (which CUDA learns only by
+# reading them back): during a CUDA graph's capture each one raises ("operation not permitted when stream is
+# capturing"). lift_fresh is torch.tensor(data), a copy from pageable host memory there.
+_HOST_READ = "a value read on the host (item(), int(), bool())"
+_HOST_SYNCS = {aten._local_scalar_dense.default: _HOST_READ, aten.item.default: _HOST_READ,  # item: in inference mode
+               aten.nonzero.default: "nonzero", aten.masked_select.default: "masked_select",
+               aten._unique2.default: "unique", aten.unique_consecutive.default: "unique_consecutive",
+               aten.bincount.default: "bincount", aten.lift_fresh.default: "torch.tensor(data)"}
+_REPEATS = (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor)  # the second: in inference mode
+_BOOL_INDEXED = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default)
+
+
+class HostSyncAudit(TorchDispatchMode, TorchFunctionMode):
+    """Inside `with audit:`, records (what, nanoinfer file:line) for each op above, each boolean-mask index and each
+    tolist() that nanoinfer's code runs, except inside `with audit.paused():` (code that stands in for CUDA's own)."""
+
+    def __init__(self) -> None:
+        TorchDispatchMode.__init__(self)
+        self.found: list[tuple[str, str]] = []
+        self.active = True
+
+    def __enter__(self):
+        TorchFunctionMode.__enter__(self)  # tolist() never reaches the dispatcher
+        return TorchDispatchMode.__enter__(self)
+
+    def __exit__(self, *exc):
+        TorchDispatchMode.__exit__(self, *exc)
+        return TorchFunctionMode.__exit__(self, *exc)
+
+    @contextlib.contextmanager
+    def paused(self):
+        self.active = False
+        try:
+            yield
+        finally:
+            self.active = True
+
+    def _record(self, what: str) -> None:
+        ours = [f for f in traceback.extract_stack() if "/nanoinfer/" in f.filename]
+        self.found.append((what, f"{ours[-1].filename.rsplit('/nanoinfer/', 1)[1]}:{ours[-1].lineno}" if ours else "?"))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.active and func is torch.Tensor.tolist:
+            self._record("tolist()")
+        return func(*args, **(kwargs or {}))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.active:
+            what = _HOST_SYNCS.get(func)
+            if func in _REPEATS and kwargs.get("output_size") is None:
+                what = "repeat_interleave without output_size"
+            if func in _BOOL_INDEXED and any(i is not None and i.dtype == torch.bool for i in args[1]):
+                what = "boolean-mask indexing"
+            if what is not None:
+                self._record(what)
+        return func(*args, **kwargs)

@@ -1,10 +1,15 @@
 """CUDA-only paths found broken by reading them, checked on the CPU: the warm-up that sizes the KV cache on CUDA,
-which models get decode CUDA graphs, the step API of a closed engine, and the PyTorch backend's decode buffers."""
+which models get decode CUDA graphs and that their decode forward never syncs with the host, the step API of a closed
+engine, and the PyTorch backend's decode buffers."""
 import pytest
 import torch
+from cuda_fakes import EagerGraph, HostSyncAudit
+from models import ALL_KINDS
 
 from nanoinfer import LLM, SamplingParams
+from nanoinfer.config import hidden_states_width
 from nanoinfer.engine import model_runner
+from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.layers.attention import cpu as cpu_attention
 from nanoinfer.layers.attention.cpu import CPUAttentionBackend
@@ -67,6 +72,51 @@ def test_decode_graphs_only_for_models_whose_forward_a_graph_can_capture(kind, c
             assert isinstance(runner._capture_graphs(), RecordingGraphRunner) == captured
         finally:
             runner.device = torch.device("cpu")
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["grad mode", "inference mode"])
+def test_host_sync_audit_sees_what_a_graph_cannot_capture(inference):
+    x = torch.arange(6.0)
+    audit = HostSyncAudit()
+    with torch.inference_mode(inference), audit:
+        x.sum().item(), x[x > 2], x.tolist(), torch.tensor([1, 2]), x.repeat_interleave(torch.tensor([1] * 6))
+        x.repeat_interleave(torch.tensor([1] * 6), output_size=6), x[torch.tensor([0, 2])], x.softmax(0)
+        with audit.paused():
+            x.tolist()
+    assert [what for what, _ in audit.found] == [
+        "a value read on the host (item(), int(), bool())", "boolean-mask indexing", "tolist()", "torch.tensor(data)",
+        "torch.tensor(data)", "repeat_interleave without output_size", "torch.tensor(data)", "torch.tensor(data)"]
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_decode_forward_of_every_graph_captured_model_never_syncs_with_the_host(kind, model_dir):
+    """What a decode graph captures on CUDA (the model's forward at every captured batch size, over the graph runner's
+    static buffers) reads no value back to the host and makes no value-dependent shape: on CUDA either makes capture
+    fail at start-up. The attention backend's calls are left out: the CPU one stands in for the Triton kernels."""
+    with LLM(str(model_dir(kind)), device="cpu", max_model_len=64, max_num_seqs=4) as llm:
+        runner = llm.llm_engine.model_runner
+        if not runner.model_capturable():
+            pytest.skip("no decode graphs for this model (mixture of experts, recurrent state or pooling only)")
+        audit, backend = HostSyncAudit(), runner.backend
+        for name in ("forward", "store_kvcache"):
+            method = getattr(backend, name)
+            setattr(backend, name, lambda *a, method=method, **k: _paused(audit, method, *a, **k))
+        c = runner.config
+        graphs = CUDAGraphRunner(runner.model, backend, c.max_num_seqs, c.max_model_len, runner.block_size,
+                                 hidden_states_width(c.hf_config), c.torch_dtype, runner.device, new_graph=EagerGraph)
+        # Row i stores its key at slot i of block 0 and attends over one key, the first of that block.
+        graphs.buffers.slot_mapping.copy_(torch.arange(len(graphs.buffers.slot_mapping)))
+        graphs.buffers.block_tables.fill_(0)
+        graphs.buffers.context_lens.fill_(1)
+        with audit:
+            graphs.capture()
+    assert graphs.sizes == [1, 2, 4] and graphs.outputs.isfinite().all() and graphs.outputs.abs().sum() > 0
+    assert audit.found == []
+
+
+def _paused(audit: HostSyncAudit, fn, *args, **kwargs):
+    with audit.paused():
+        return fn(*args, **kwargs)
 
 
 def test_step_after_close_names_the_closed_engine(qwen3_dir):

@@ -272,16 +272,20 @@ class ModelRunner:
             top_logprobs(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device), 1)
         self.input_batch.remove([seq.seq_id for seq in seqs])
 
+    def model_capturable(self) -> bool:
+        """Whether this model's decode forward can be captured in a graph: not for classifiers, which never decode,
+        nor for models with recurrent state, whose per-step slot lookups are not captured, nor for mixture-of-experts
+        models, whose expert grouping syncs with the host (torch.bincount on CUDA reads the largest id back;
+        torch._grouped_mm outside bf16 on sm90 loops over offsets copied to the host), nor with LoRA, whose token
+        groups (which tokens use which adapter) change shape from step to step."""
+        return (self.generates and not self.num_state_slots and self.lora is None
+                and not any(isinstance(m, FusedMoE) for m in self.model.modules()))
+
     def _capture_graphs(self) -> CUDAGraphRunner | None:
         """Decode graphs on CUDA for the flash and triton backends (whose decode reads only fixed-address tensors)
-        unless enforce_eager; not for classifiers, which never decode, nor for models with recurrent state, whose
-        per-step slot lookups are not captured, nor for mixture-of-experts models, whose expert grouping syncs with
-        the host (torch.bincount on CUDA reads the largest id back; torch._grouped_mm outside bf16 on sm90 loops over
-        offsets copied to the host), nor with LoRA, whose token groups (which tokens use which adapter) change shape
-        from step to step."""
+        unless enforce_eager, for a model_capturable model."""
         if (self.config.enforce_eager or self.device.type != "cuda" or self.config.attention_backend == "cpu"
-                or not self.generates or self.num_state_slots or self.lora is not None
-                or any(isinstance(m, FusedMoE) for m in self.model.modules())):
+                or not self.model_capturable()):
             return None
         start = time.perf_counter()
         runner = CUDAGraphRunner(self.model, self.backend, self.config.max_num_seqs, self.config.max_model_len,
