@@ -1,35 +1,50 @@
 #!/usr/bin/env bash
-# For a session with a CUDA GPU, in one 10-minute device call from the repository root: the CUDA tests first (the
-# Triton kernels at real sizes, then the engine against transformers on every backend), then bench.py's CUDA
-# benchmarks (benchmarks/attention.py's kernel speeds, bench.py: nano-vllm's workload, --compare-hf, --profile), then
-# the rest of the suite with whatever time is left.
+# For a session with a CUDA GPU, in one 10-minute device call from the repository root (a task's device time is 15
+# minutes, start-up included): the CUDA tests (the Triton kernels at real sizes, then the engine against transformers
+# on every backend) on the GPU while the rest of the suite runs beside them on the host's cores (pytest-xdist, which
+# the GPU machine's image has), then bench.py's CUDA benchmarks alone (benchmarks/attention.py's kernel speeds,
+# bench.py: nano-vllm's workload, --compare-hf, --profile) so that their timings are not shared with the tests.
 # Each test's result (and a failure's traceback) is logged the moment it ends (scripts/pytest_live_report.py), so a
 # part cut short by its time limit still shows everything it reached. Logs go under $OUT (default ./gpu-check); a
 # short summary ends the output.
-#   scripts/gpu_check.sh [all|cuda|bench|cpu]      (one part per call gives that part the whole budget)
-# Env: PYTHON (python3), TOTAL_LIMIT (570 s for the whole call); with `all`: CUDA_LIMIT (270 s), ATTN_LIMIT (60 s),
-#      BENCH_LIMIT (200 s), RUN_LIMIT (40 s per nanoinfer run inside bench.py; 120 s with `bench` alone);
-#      TEST_LIMIT (150 s: a test running longer dumps its stack).
+#   scripts/gpu_check.sh [all|tests|cuda|bench|cpu]      (one part per call gives that part the whole budget)
+# Env: PYTHON (python3), TOTAL_LIMIT (570 s for the whole call); TESTS_LIMIT (300 s for the tests with `all`), ATTN_LIMIT
+#      (60 s), BENCH_LIMIT (200 s with `all`), RUN_LIMIT (40 s per nanoinfer run inside bench.py with `all`, else 120 s);
+#      CPU_WORKERS (the host's cores less 4, for the suite beside the CUDA tests; 0: run it after them, in one
+#      process); TEST_LIMIT (150 s: a test running longer dumps its stack).
+# nanoinfer imports gguf, which the GPU machine's image lacks: carry its wheel. Once, here: `echo /.whl/ >>
+# .git/info/exclude; pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0`; then call the device with
+# carry [".whl"]: this script installs .whl/*.whl into /tmp/site (gguf's own needs, numpy, pyyaml, requests and tqdm,
+# are on that image).
 # Estimated for an H100, not measured (nothing here has run on one yet): the CUDA tests 3-5 min (the first
-# compilation of ~100 Triton kernel variants, ~100 engines, most with graph capture, transformers references), the
-# benchmarks 3-4 min at these limits, the rest of the suite 4-6 min (the interpreted Triton tests ~2 of them): not
-# all in one call. `all` runs what fits, in that order; a second call `scripts/gpu_check.sh cpu` runs the rest.
+# compilation of ~100 Triton kernel variants, ~100 engines, most with graph capture, transformers references); the
+# rest of the suite ~26 min of one 2-core machine here, so about 3-4 min on 12 workers; the benchmarks 3-4 min at
+# these limits. Whatever a part leaves unfinished, a second call with that part alone (`cuda`, `cpu`, `bench`) runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-all}
-case "$PART" in all|cuda|bench|cpu) ;; *) echo "usage: $0 [all|cuda|bench|cpu]" >&2; exit 2;; esac
+case "$PART" in all|tests|cuda|bench|cpu) ;; *) echo "usage: $0 [all|tests|cuda|bench|cpu]" >&2; exit 2;; esac
 OUT=${OUT:-$PWD/gpu-check}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NANOINFER_CACHE=${NANOINFER_CACHE:-/tmp/nanoinfer-cache}
 DEADLINE=$(( SECONDS + ${TOTAL_LIMIT:-570} ))
+if ! $PY -c 'import gguf' 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+if ! $PY -c 'import gguf' 2>/dev/null; then
+  echo "gguf is not installed and no .whl/ wheel was carried: nothing of nanoinfer imports (see the top of $0)" >&2
+  exit 2
+fi
 # Called for one part, that part takes the whole call (and bench.py's runs have time to finish).
 if [ "$PART" = all ]; then
-  CUDA_LIMIT=${CUDA_LIMIT:-270} BENCH_LIMIT=${BENCH_LIMIT:-200} RUN_LIMIT=${RUN_LIMIT:-40}
+  TESTS_LIMIT=${TESTS_LIMIT:-300} BENCH_LIMIT=${BENCH_LIMIT:-200} RUN_LIMIT=${RUN_LIMIT:-40}
 else
-  CUDA_LIMIT=${CUDA_LIMIT:-9999} BENCH_LIMIT=${BENCH_LIMIT:-9999} RUN_LIMIT=${RUN_LIMIT:-120}
+  TESTS_LIMIT=${TESTS_LIMIT:-9999} BENCH_LIMIT=${BENCH_LIMIT:-9999} RUN_LIMIT=${RUN_LIMIT:-120}
 fi
+CPU_WORKERS=${CPU_WORKERS:-$(( $(nproc) > 8 ? $(nproc) - 4 : 0 ))}
+$PY -c 'import xdist' 2>/dev/null || CPU_WORKERS=0
 
 # Seconds a part may take: its own limit, or what is left of the call's (10 s kept for the summary), at least 1.
 budget() {
@@ -44,7 +59,7 @@ budget() {
           "| transformers", transformers.__version__, "| cuda available:", torch.cuda.is_available())'
   $PY -c 'import triton; print("triton", triton.__version__)' || true
   $PY -c 'import flash_attn; print("flash-attn", flash_attn.__version__)' 2>/dev/null || echo "flash-attn: not installed"
-  for m in pytest hypothesis pytest_timeout; do
+  for m in pytest hypothesis pytest_timeout xdist; do
     $PY -c "import $m" 2>/dev/null && echo "$m: installed" || echo "$m: MISSING"
   done
   command -v cc >/dev/null && echo "C compiler: $(command -v cc) (the CPU kernels build)" || echo "C compiler: none"
@@ -63,10 +78,27 @@ run_tests() {
   echo "$?" > "$OUT/$name.rc"
 }
 
-if [ "$PART" = all ] || [ "$PART" = cuda ]; then
-  # The kernels first, then the engine (pytest collects a file named twice once), then any other cuda test.
-  run_tests cuda "$CUDA_LIMIT" -m cuda tests/test_triton_attention_cuda.py tests/test_gpu.py tests
+# run_cpu_tests LIMIT: the suite but the CUDA tests, one thread per worker (more threads than cores stall torch's
+# OpenMP barriers), or in this process when CPU_WORKERS is 0.
+run_cpu_tests() {
+  if [ "$CPU_WORKERS" -gt 0 ]; then
+    NANOINFER_TEST_THREADS=1 run_tests cpu "$1" -m "not cuda" -n "$CPU_WORKERS"
+  else
+    run_tests cpu "$1" -m "not cuda"
+  fi
+}
+
+case "$PART" in all|tests|cpu) want_cpu=1;; *) want_cpu=0;; esac
+cpu_pid=
+if [ "$want_cpu" = 1 ] && [ "$CPU_WORKERS" -gt 0 ]; then
+  run_cpu_tests "$TESTS_LIMIT" &  # beside the CUDA tests: they take the GPU and a core, this the other cores
+  cpu_pid=$!
 fi
+if [ "$PART" = all ] || [ "$PART" = tests ] || [ "$PART" = cuda ]; then
+  # The kernels first, then the engine (pytest collects a file named twice once), then any other cuda test.
+  run_tests cuda "$TESTS_LIMIT" -m cuda tests/test_triton_attention_cuda.py tests/test_gpu.py tests
+fi
+[ -n "$cpu_pid" ] && wait "$cpu_pid"
 if [ "$PART" = all ] || [ "$PART" = bench ]; then
   timeout -k 10 "$(budget "${ATTN_LIMIT:-60}")" $PY benchmarks/attention.py > "$OUT/attention.log" 2>&1
   echo "$?" > "$OUT/attention.rc"
@@ -74,9 +106,9 @@ if [ "$PART" = all ] || [ "$PART" = bench ]; then
     --time-limit "$RUN_LIMIT" --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "$?" > "$OUT/bench.rc"
 fi
-if [ "$PART" = all ] || [ "$PART" = cpu ]; then
+if [ "$want_cpu" = 1 ] && [ ! -f "$OUT/cpu.rc" ]; then  # without workers: in one process, with the time left
   if [ $(( DEADLINE - SECONDS )) -gt 40 ]; then
-    run_tests cpu "$(( DEADLINE - SECONDS ))" -m "not cuda"
+    run_cpu_tests "$(( DEADLINE - SECONDS ))"
   else
     echo "no time left for the rest of the suite: run scripts/gpu_check.sh cpu" > "$OUT/cpu.skipped"
   fi
