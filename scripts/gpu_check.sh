@@ -27,6 +27,7 @@ case "$PART" in all|tests|cuda|bench|cpu) ;; *) echo "usage: $0 [all|tests|cuda|
 OUT=${OUT:-$PWD/gpu-check}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
+rm -f "$OUT"/*.rc "$OUT"/cpu.skipped  # a default ./gpu-check keeps an earlier run's: its parts must not count as run
 export PYTHONPATH=$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NANOINFER_CACHE=${NANOINFER_CACHE:-/tmp/nanoinfer-cache}
 DEADLINE=$(( SECONDS + ${TOTAL_LIMIT:-570} ))
