@@ -12,10 +12,10 @@
 #      (60 s), BENCH_LIMIT (200 s with `all`), RUN_LIMIT (40 s per nanoinfer run inside bench.py with `all`, else 120 s);
 #      CPU_WORKERS (the host's cores less 4, for the suite beside the CUDA tests; 0: run it after them, in one
 #      process); TEST_LIMIT (150 s: a test running longer dumps its stack).
-# nanoinfer imports gguf, which the GPU machine's image lacks: carry its wheel. Once, here: `echo /.whl/ >>
-# .git/info/exclude; pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0`; then call the device with
-# carry [".whl"]: this script installs .whl/*.whl into /tmp/site (gguf's own needs, numpy, pyyaml, requests and tqdm,
-# are on that image).
+# The GPU machine's image lacks gguf: without it the GGUF tests skip (and example.py's default model, a GGUF file,
+# cannot load). To run them, carry its wheel. Once, here: `echo /.whl/ >> .git/info/exclude; pip download --no-deps
+# --only-binary=:all: -d .whl gguf==0.19.0`; then call the device with carry [".whl"]: this script installs
+# .whl/*.whl into /tmp/site (gguf's own needs, numpy, pyyaml, requests and tqdm, are on that image).
 # Estimated for an H100, not measured (nothing here has run on one yet): the CUDA tests 3-5 min (the first
 # compilation of ~100 Triton kernel variants, ~100 engines, most with graph capture, transformers references); the
 # rest of the suite ~26 min of one 2-core machine here, so about 3-4 min on 12 workers; the benchmarks 3-4 min at
@@ -34,10 +34,7 @@ DEADLINE=$(( SECONDS + ${TOTAL_LIMIT:-570} ))
 if ! $PY -c 'import gguf' 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-if ! $PY -c 'import gguf' 2>/dev/null; then
-  echo "gguf is not installed and no .whl/ wheel was carried: nothing of nanoinfer imports (see the top of $0)" >&2
-  exit 2
-fi
+$PY -c 'import gguf' 2>/dev/null || echo "gguf is not installed and no .whl/ wheel was carried: the GGUF tests skip" >&2
 # Called for one part, that part takes the whole call (and bench.py's runs have time to finish).
 if [ "$PART" = all ]; then
   TESTS_LIMIT=${TESTS_LIMIT:-300} BENCH_LIMIT=${BENCH_LIMIT:-200} RUN_LIMIT=${RUN_LIMIT:-40}

@@ -7,6 +7,8 @@ import gc
 import json
 import random
 import shutil
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -439,6 +441,29 @@ def test_unreadable_gguf_names_the_file(tmp_path, damage):
     with pytest.raises(ValueError, match="cannot read GGUF file") as e:
         LLM(str(bad), max_model_len=64, device="cpu")
     assert str(bad) in str(e.value)
+
+
+def test_only_gguf_checkpoints_need_the_gguf_package(qwen3_dir, tmp_path):
+    """gguf is imported when a .gguf file is opened (images with torch preinstalled may lack it): without it,
+    safetensors checkpoints load and generate, and a GGUF file gets an ImportError naming the file."""
+    gguf_file = tmp_path / "model.gguf"
+    gguf_file.write_bytes(b"GGUF")
+    script = f"""
+import sys
+sys.modules["gguf"] = None  # `import gguf` now raises ImportError, as where it is not installed
+from nanoinfer import LLM, SamplingParams
+llm = LLM({str(qwen3_dir)!r}, device="cpu", dtype="float32", max_model_len=64)
+out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+assert len(out[0].outputs[0].token_ids) == 2, out
+try:
+    LLM({str(gguf_file)!r}, device="cpu")
+except ImportError as e:
+    assert {str(gguf_file)!r} in str(e) and "pip install gguf" in str(e), e
+else:
+    raise AssertionError("a GGUF file loaded without gguf")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("tensor, named", [("model.norm.weight", "model.norm.weight"),

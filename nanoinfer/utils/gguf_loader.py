@@ -1,12 +1,17 @@
 """Load llama.cpp GGUF checkpoints (architectures in SUPPORTED_ARCHS) as a transformers config,
 tokenizer and float32 weights named like a Hugging Face safetensors checkpoint."""
+from __future__ import annotations  # gguf's types in signatures stay unevaluated when gguf is missing
+
 import functools
 import os
 import pathlib
 import warnings
 from typing import Iterator, TypeVar
 
-import gguf
+try:
+    import gguf
+except ImportError:  # only .gguf checkpoints need it: `_reader` says so when one is opened without it
+    gguf = None
 import numpy as np
 import torch
 import transformers
@@ -99,16 +104,17 @@ _SPECIAL_TOKENS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tok
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
 
-class _Reader(gguf.GGUFReader):
-    # GGUFReader parses metadata with many tiny np.memmap slices, and memmap's per-slice overhead
-    # makes a 50k-entry vocabulary take ~2 s; a plain ndarray view of the same mapping is ~3x faster.
-    @property
-    def data(self) -> np.ndarray:
-        return self._data
+if gguf is not None:
+    class _Reader(gguf.GGUFReader):
+        # GGUFReader parses metadata with many tiny np.memmap slices, and memmap's per-slice overhead
+        # makes a 50k-entry vocabulary take ~2 s; a plain ndarray view of the same mapping is ~3x faster.
+        @property
+        def data(self) -> np.ndarray:
+            return self._data
 
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._data = value.view(np.ndarray)
+        @data.setter
+        def data(self, value: np.ndarray) -> None:
+            self._data = value.view(np.ndarray)
 
 
 @functools.lru_cache(maxsize=2)
@@ -119,6 +125,8 @@ def _open_reader(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
 def _reader(path: pathlib.Path) -> gguf.GGUFReader:
     # Config and weights both need the parsed header; the key includes size+mtime so a
     # replaced file is re-read.
+    if gguf is None:
+        raise ImportError(f"reading the GGUF file {path} needs the gguf package: pip install gguf")
     st = path.stat()
     try:
         return _open_reader(str(path.resolve()), st.st_size, st.st_mtime_ns)
