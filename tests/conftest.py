@@ -19,6 +19,7 @@ Every other test pins device="cpu", so the suite is the same on a GPU machine.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import pathlib
@@ -109,6 +110,18 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_sep("-", "max |logit diff| nanoinfer vs transformers (fp32)")
         for name, value in sorted(diffs.items()):
             terminalreporter.write_line(f"{name}: {value:.2e}")
+
+
+@pytest.fixture(autouse=True)
+def _close_tensor_parallel_engines():
+    """A failed test's traceback (pytest keeps it as sys.last_traceback) keeps its tensor-parallel LLM alive, and with
+    it torch.distributed's process group, which every later tensor-parallel LLM in this process would find taken:
+    close any such engine after each test, so one failure does not fail the tests after it."""
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from nanoinfer.engine.llm_engine import LLMEngine
+        for engine in [o for o in gc.get_objects() if issubclass(type(o), LLMEngine) and not o.closed]:
+            engine.close()
 
 
 @pytest.fixture
