@@ -257,6 +257,42 @@ def test_rotary_kernel_matches_the_pytorch_code_it_replaces(dtype, with_norm):
         assert torch.equal(ours, ref)
 
 
+def test_layer_kernels_address_rows_past_2_to_the_31_elements():
+    """A long prefill step's rows reach past 2^31 elements (64k tokens x 2 x 16,384 of a gate+up projection): the
+    rows at the end must be the kernels' results, not an int32 address wrapped back to the start."""
+    from nanoinfer.kernels.triton_kvcache import store_kvcache
+    from nanoinfer.kernels.triton_layers import rms_norm, silu_and_mul
+    bf16, g, tail = torch.bfloat16, torch.Generator(device="cuda").manual_seed(0), slice(-3, None)
+
+    n = 16384
+    x = torch.randn(2**31 // (2 * n) + 2, 2 * n, generator=g, device="cuda", dtype=bf16)
+    ref = x[tail].float()
+    ref = (torch.nn.functional.silu(ref[:, :n]).to(bf16).float() * ref[:, n:]).to(bf16)
+    torch.testing.assert_close(silu_and_mul(x)[tail], ref, rtol=2**-6, atol=1e-5)
+    del x
+
+    n = 8192
+    x, residual = (torch.randn(2**31 // n + 2, n, generator=g, device="cuda", dtype=bf16) for _ in range(2))
+    weight = torch.randn(n, generator=g, device="cuda", dtype=bf16)
+    out, new_residual = rms_norm(x, weight, 1e-6, residual)
+    summed = x[tail] + residual[tail]
+    ref = summed.float() * torch.rsqrt(summed.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert torch.equal(new_residual[tail], summed)
+    torch.testing.assert_close(out[tail], (ref.to(bf16).float() * weight.float()).to(bf16), rtol=2**-6, atol=1e-5)
+    del x, residual, out, new_residual
+
+    heads, d = 8, 128  # k and v rows are slices of fused qkv rows 3 x 1,024 apart; the cache holds past 2^31 too
+    qkv = torch.randn(2**31 // (3 * heads * d) + 2, 3, heads, d, generator=g, device="cuda", dtype=bf16)
+    k_cache, v_cache = (torch.zeros(2**31 // (16 * heads * d) + 2, 16, heads, d, device="cuda", dtype=bf16)
+                        for _ in range(2))
+    slots = torch.full((qkv.shape[0],), -1, device="cuda")
+    slots[tail] = torch.tensor([0, k_cache.shape[0] * 16 - 1, k_cache.shape[0] * 16 - 2], device="cuda")
+    store_kvcache(qkv[:, 1], qkv[:, 2], k_cache, v_cache, slots)
+    for cache, part in ((k_cache, 1), (v_cache, 2)):
+        assert torch.equal(cache.view(-1, heads, d)[slots[tail]], qkv[tail, part])
+        assert cache.view(-1, heads, d)[1:-2].count_nonzero() == 0  # nothing stored elsewhere
+
+
 def test_more_tensor_parallel_ranks_than_gpus_is_a_value_error(qwen3_dir):
     with pytest.raises(ValueError, match=r"CUDA device\(s\) are visible"):
         LLM(str(qwen3_dir), device="cuda", tensor_parallel_size=torch.cuda.device_count() + 1)

@@ -7,8 +7,8 @@ import triton.language as tl
 @triton.jit
 def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_stride, v_stride,
                           D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_V: tl.constexpr):
-    token = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + token)
+    token = tl.program_id(0).to(tl.int64)  # token * stride and slot * D in int64: large steps and caches
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot == -1:  # a padded row (CUDA-graph batch padding): nothing to store
         return
     offs = tl.arange(0, BLOCK_D)

@@ -9,7 +9,7 @@ import triton.language as tl
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, x_stride, residual_stride, eps,
                      N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, FP32_WEIGHT: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2^31 in a long prefill step (e.g. 64k rows x 32k)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
@@ -51,7 +51,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, N: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # as in _rms_norm_kernel: 64k rows x 2 x 18,944 (Qwen2.5-7B) pass 2^31
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     gate = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
