@@ -11,6 +11,7 @@ from nanoinfer.config import hidden_states_width
 from nanoinfer.engine import model_runner
 from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.layers.fused_moe import FusedMoE
 from nanoinfer.layers.attention import cpu as cpu_attention
 from nanoinfer.layers.attention.cpu import CPUAttentionBackend
 from nanoinfer.layers.attention.metadata import AttentionMetadata
@@ -96,22 +97,44 @@ def test_decode_forward_of_every_graph_captured_model_never_syncs_with_the_host(
     with LLM(str(model_dir(kind)), device="cpu", max_model_len=64, max_num_seqs=4) as llm:
         runner = llm.llm_engine.model_runner
         if not runner.model_capturable():
-            pytest.skip("no decode graphs for this model (mixture of experts, recurrent state or pooling only)")
-        audit, backend = HostSyncAudit(), runner.backend
-        for name in ("forward", "store_kvcache"):
-            method = getattr(backend, name)
-            setattr(backend, name, lambda *a, method=method, **k: _paused(audit, method, *a, **k))
-        c = runner.config
-        graphs = CUDAGraphRunner(runner.model, backend, c.max_num_seqs, c.max_model_len, runner.block_size,
-                                 hidden_states_width(c.hf_config), c.torch_dtype, runner.device, new_graph=EagerGraph)
-        # Row i stores its key at slot i of block 0 and attends over one key, the first of that block.
-        graphs.buffers.slot_mapping.copy_(torch.arange(len(graphs.buffers.slot_mapping)))
-        graphs.buffers.block_tables.fill_(0)
-        graphs.buffers.context_lens.fill_(1)
-        with audit:
-            graphs.capture()
+            pytest.skip("no decode graphs for this model (mixture of experts, recurrent state, sparse attention or "
+                        "pooling only)")
+        graphs, found = audited_capture(runner)
     assert graphs.sizes == [1, 2, 4] and graphs.outputs.isfinite().all() and graphs.outputs.abs().sum() > 0
-    assert audit.found == []
+    assert found == []
+
+
+def test_sparse_attention_without_experts_gets_no_decode_graphs(tmp_path, monkeypatch):
+    """DeepSeek-V3.2 with dense MLPs only, so that no FusedMoE rules graphs out: its sparse attention reads each step's
+    spans on the host, which would fail the capture (or, taken from the warm-up, replay stale spans): no graphs."""
+    import models
+    config = models.make_config("deepseek-v32")
+    config.mlp_layer_types, config.first_k_dense_replace = ["dense"] * 3, 3  # 5.23 reads the one, 5.17 the other
+    monkeypatch.setattr(models, "make_config", lambda kind: config)
+    with LLM(str(models.build_model("deepseek-v32", tmp_path / "m")), device="cpu", max_model_len=64,
+             max_num_seqs=4) as llm:
+        runner = llm.llm_engine.model_runner
+        assert not any(isinstance(m, FusedMoE) for m in runner.model.modules())
+        assert not runner.model_capturable()
+        assert audited_capture(runner)[1]  # what the capture would meet
+
+
+def audited_capture(runner: ModelRunner) -> tuple[CUDAGraphRunner, list]:
+    """The runner's decode graphs captured (EagerGraph) under a HostSyncAudit, and what it found; the attention
+    backend's calls are left out. Row i stores its key at slot i of block 0 and attends over one key, that block's
+    first."""
+    audit, backend, c = HostSyncAudit(), runner.backend, runner.config
+    for name in ("forward", "store_kvcache"):
+        method = getattr(backend, name)
+        setattr(backend, name, lambda *a, method=method, **k: _paused(audit, method, *a, **k))
+    graphs = CUDAGraphRunner(runner.model, backend, c.max_num_seqs, c.max_model_len, runner.block_size,
+                             hidden_states_width(c.hf_config), c.torch_dtype, runner.device, new_graph=EagerGraph)
+    graphs.buffers.slot_mapping.copy_(torch.arange(len(graphs.buffers.slot_mapping)))
+    graphs.buffers.block_tables.fill_(0)
+    graphs.buffers.context_lens.fill_(1)
+    with audit:
+        graphs.capture()
+    return graphs, audit.found
 
 
 def _paused(audit: HostSyncAudit, fn, *args, **kwargs):

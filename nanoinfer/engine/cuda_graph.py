@@ -87,6 +87,9 @@ class CUDAGraphRunner:
             self.backend.prepare(meta)
 
             def step(size: int = size, meta: AttentionMetadata = meta) -> None:
+                # What layers derive from the step on the host (model_state) would be baked into the graph from the
+                # warm-up's values: derived afresh, a host read fails the capture instead of replaying stale ones.
+                meta.model_state = None
                 self.outputs[:size] = self.model(self.buffers.input_ids[:size], self.buffers.positions[:size], meta)
 
             step()  # warm-up outside the graph (lazy initialisation, autotuning)

@@ -277,9 +277,11 @@ class ModelRunner:
         nor for models with recurrent state, whose per-step slot lookups are not captured, nor for mixture-of-experts
         models, whose expert grouping syncs with the host (torch.bincount on CUDA reads the largest id back;
         torch._grouped_mm outside bf16 on sm90 loops over offsets copied to the host), nor with LoRA, whose token
-        groups (which tokens use which adapter) change shape from step to step."""
+        groups (which tokens use which adapter) change shape from step to step, nor with layers marked
+        `per_step_host_state` (sparse attention's spans and selections, read from each step's lengths on the host)."""
         return (self.generates and not self.num_state_slots and self.lora is None
-                and not any(isinstance(m, FusedMoE) for m in self.model.modules()))
+                and not any(isinstance(m, FusedMoE) or getattr(m, "per_step_host_state", False)
+                            for m in self.model.modules()))
 
     def _capture_graphs(self) -> CUDAGraphRunner | None:
         """Decode graphs on CUDA for the flash and triton backends (whose decode reads only fixed-address tensors)

@@ -143,6 +143,7 @@ class DeepseekV32Attention(DeepseekV2Attention):
     indexer selects (or, with `indexer` False, the last indexer's; with a sliding window instead, those of its window:
     Dots3's sliding layers). Each sequence attends over its context read back from the latent cache, absorbed or
     decompressed as MLA's split weighs it (mla.decompress_pays), the selection as SDPA's mask."""
+    per_step_host_state = True  # sparse_step reads each step's spans on the host: ModelRunner.model_capturable
 
     def __init__(self, config: PretrainedConfig, options: DSAOptions):
         super().__init__(config, options)

@@ -147,6 +147,7 @@ class GroupedLinear(ColumnParallelLinear):
 class DeepseekV4Attention(nn.Module):
     """See the module docstring. q's projection and the output's grouped one are split by heads (groups) across
     ranks, wo_b row-parallel; the shared key, the compressors and the indexer are replicated."""
+    per_step_host_state = True  # sparse_step reads each step's spans on the host: ModelRunner.model_capturable
 
     def __init__(self, config: PretrainedConfig, options: CompressedAttentionOptions):
         super().__init__()

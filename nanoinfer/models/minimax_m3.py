@@ -111,6 +111,7 @@ class MiniMaxM3Attention(LlamaAttention):
     def __init__(self, config: PretrainedConfig, options: DSAOptions):
         super().__init__(config, options)
         self.indexer = self.indexer_class(config) if options.indexer else None
+        self.per_step_host_state = self.indexer is not None  # sparse_step: see ModelRunner.model_capturable
         if self.indexer is not None:
             self.attn = BlockSparseAttention(self.num_heads, self.head_dim, self.attn.scale, self.num_kv_heads,
                                              config.num_key_value_heads)
