@@ -21,7 +21,7 @@ from nanoinfer.config import Config
 from nanoinfer import LLM
 from nanoinfer.engine import cuda_graph
 from nanoinfer.engine.cuda_graph import CUDAGraphRunner, capture_sizes, padded_size
-from nanoinfer.engine.gpu_memory import kv_cache_blocks_for_gpu, profile_kv_cache_blocks
+from nanoinfer.engine.gpu_memory import kv_cache_blocks_for_gpu, profile_kv_cache_blocks, state_bytes_for_gpu
 from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.model_runner import ModelRunner, warm_up_lengths
 from nanoinfer.engine.parallel import TPGroup
@@ -449,6 +449,15 @@ def test_kv_cache_blocks_for_gpu():
     # what is allocated now -> 72 - 20 - 6 = 46 GiB for blocks of 64 MiB.
     assert kv_cache_blocks_for_gpu(80 * gib, 60 * gib, 16 * gib, 10 * gib, 0.9, 64 << 20) == 46 * 16
     assert kv_cache_blocks_for_gpu(10 * gib, 1 * gib, 2 * gib, 1 * gib, 0.9, 1 << 20) == 0  # over budget: none
+
+
+def test_state_bytes_for_gpu():
+    """Half of what gpu_memory_utilization leaves, not the CPU's 2 GiB cap: a Qwen3-Next-80B's 72 MiB of state per
+    sequence then serves max_num_seqs=256 on an 80 GiB GPU (the cap held 28)."""
+    gib = 1 << 30
+    assert state_bytes_for_gpu(80 * gib, 60 * gib, 0.9) == 26 * gib  # (72 - 20) / 2
+    assert state_bytes_for_gpu(80 * gib, 60 * gib, 0.9) // (72 << 20) >= 256
+    assert state_bytes_for_gpu(10 * gib, 1 * gib, 0.9) == 0  # over budget: none (the runner then says so)
 
 
 class FakeAllocator:

@@ -4,6 +4,12 @@ from collections.abc import Callable
 import torch
 
 
+def state_bytes_for_gpu(total: int, free: int, utilization: float) -> int:
+    """Recurrent-state bytes: half of what utilization * total leaves after what is in use now (total - free, read
+    with the allocator's cache emptied); the KV cache, sized after it by the warm-up, takes what then remains."""
+    return max(0, int(total * utilization - (total - free)) // 2)
+
+
 def kv_cache_blocks_for_gpu(total: int, free: int, peak: int, current: int, utilization: float,
                             block_bytes: int) -> int:
     """Blocks that fit in utilization * total, after what is in use now (weights, CUDA context, other processes:

@@ -13,7 +13,7 @@ from torch import nn
 
 from nanoinfer.config import Config, hidden_states_width
 from nanoinfer.engine.cuda_graph import CUDAGraphRunner
-from nanoinfer.engine.gpu_memory import profile_kv_cache_blocks
+from nanoinfer.engine.gpu_memory import profile_kv_cache_blocks, state_bytes_for_gpu
 from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.parallel import TPGroup
 from nanoinfer.engine.pooling import pool
@@ -180,20 +180,24 @@ class ModelRunner:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
     def _available_memory(self) -> int:
-        """Memory this rank's caches may take from: its GPU's free memory, or its share of the host's (ranks on
-        one host share it). Every rank gets the same cache: the tightest one decides."""
-        if self.device.type == "cuda":
-            return self.tp.all_min(torch.cuda.mem_get_info(self.device)[0])
+        """Host memory this rank's caches may take from on the CPU: its share of the host's (ranks on one host share
+        it). Every rank gets the same cache: the tightest one decides."""
         return self.tp.all_min(available_host_memory() // self.tp.local_size)
 
     def _allocate_state_cache(self) -> tuple[int, int]:
         """Recurrent-state slots of the recurrent layers, one per running sequence (max_num_seqs, or fewer
-        if they would take more than half the cache budget), and their bytes; (0, 0) without such layers."""
+        if they would take more than half the cache budget: on CUDA what gpu_memory_utilization leaves, on the CPU
+        the cache budget), and their bytes; (0, 0) without such layers."""
         layers = [m for m in self.model.modules() if isinstance(m, RecurrentLayer)]
         if not layers:
             return 0, 0
         slot_bytes = sum(a.slot_bytes(self.config.torch_dtype) for a in layers)
-        budget = min(KV_CACHE_MAX_BYTES, self._available_memory() * KV_CACHE_MEMORY_FRACTION) // 2
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = self.tp.all_min(state_bytes_for_gpu(total, free, self.config.gpu_memory_utilization))
+        else:
+            budget = min(KV_CACHE_MAX_BYTES, self._available_memory() * KV_CACHE_MEMORY_FRACTION) // 2
         num_slots = min(self.config.max_num_seqs, int(budget // slot_bytes))
         if num_slots < 1:
             raise ValueError(f"not enough memory for the recurrent state of one sequence ({slot_bytes} bytes)")
