@@ -2078,9 +2078,10 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
     model = model_dir if isinstance(model_dir, torch.nn.Module) else load_hf_model(model_dir)
     # Mamba's models (transformers' modeling_mamba.py, falcon_mamba) name their cache `cache_params` and build it
     # themselves on the first call (a MambaCache in older transformers, which then needs cache_position); RWKV's, a
-    # list it builds too, is `state`.
+    # list it builds too, is `state`. transformers 5.25 names every other one `cache` (5.23: `past_key_values`), in
+    # its outputs too.
     parameters = inspect.signature(model.forward).parameters
-    cache_kw = next((kw for kw in ("cache_params", "state", "past_key_values") if kw in parameters), None)
+    cache_kw = next((kw for kw in ("cache_params", "state", "past_key_values", "cache") if kw in parameters), None)
     if cache_kw is None:
         return [hf_greedy_uncached(model, prompt, max_new_tokens) for prompt in prompts_token_ids]
     device = model.device
@@ -2088,8 +2089,8 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
     for prompt in prompts_token_ids:
         prompt = [int(t) for t in prompt]
         assert len(prompt) > 0, "empty prompt"
-        # MiniMax's model builds its own cache class (and refuses a DynamicCache).
-        own_cache = cache_kw != "past_key_values" or model.config.model_type == "minimax"
+        # MiniMax's model builds its own cache class (and refuses a DynamicCache), as xLSTM's does under 5.25.
+        own_cache = cache_kw in ("cache_params", "state") or model.config.model_type in ("minimax", "xlstm")
         cache = None if own_cache else DynamicCache(config=model.config)
         if hasattr(model, "_setup_cache"):
             # RecurrentGemma keeps its recurrent state in its modules, zeroed only when it makes its cache itself: a

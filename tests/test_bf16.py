@@ -182,6 +182,7 @@ class StandInOutput(ModelOutput):
     last_hidden_state: torch.Tensor | None = None
     past_key_values: object = None
     cache_params: object = None
+    cache: object = None  # transformers 5.25's name for both
     hidden_states: object = None
     attentions: object = None
     router_logits: object = None
