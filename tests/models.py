@@ -1311,7 +1311,11 @@ def newest_family_config(kind: str, special: dict):
             indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
             output_gate_type="sigmoid")
     if kind == "inkling2":
+        # unpadded_vocab_size: the LM head's rows (transformers 5.25's head, the checkpoint's padded to vocab_size;
+        # 5.23's head holds vocab_size rows and drops the logits past it), all of them (the default, 200058, is the
+        # Hub's: 5.25 cannot save a head that size padded to the test vocabulary).
         return transformers.Inkling2TextConfig(**{**common, "intermediate_size": 32},  # its experts'
+                                               unpadded_vocab_size=common["vocab_size"],
                                                architectures=["Inkling2ForCausalLM"],
                                                swa_num_attention_heads=6, swa_num_key_value_heads=2, swa_head_dim=8,
                                                sliding_window_size=INKLING_SLIDING_WINDOW, d_rel=4,
