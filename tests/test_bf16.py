@@ -36,7 +36,6 @@ from nanoinfer.models.deepseek_v3 import DeepseekV3MoE
 from nanoinfer.models.flint import FlintForCausalLM
 from nanoinfer.models.hunyuan_v1_moe import HunYuanMoEV1Moe
 from nanoinfer.models.hy_v3 import HYV3ForCausalLM
-from nanoinfer.models.kimi_linear import KimiLinearMoE
 from nanoinfer.models.kolibri1 import Kolibri1ForCausalLM
 from nanoinfer.models.laguna import LagunaMoE
 from nanoinfer.models.lfm2 import Lfm2MoeBlock
@@ -372,9 +371,16 @@ def test_v3_moe_block_in_bf16_is_transformers_own(family):
     weight in fp32 and sums each token's k products in fp32, rounding once, then adds the shared expert. Bit for bit
     (with the bias rounded to bf16 the routing differs at near-ties; with the products rounded to bf16 or summed in
     bf16, most rows differ by an ulp)."""
+    import transformers
+
     hf, config = _hf_v3_moe(family)
     weights = {name: tensor.clone() for name, tensor in hf.state_dict().items()}
     hf.to(torch.bfloat16).gate.e_score_correction_bias = weights["gate.e_score_correction_bias"]
+    model_class = {"glm4-moe": transformers.Glm4MoeForCausalLM, "deepseek-v3": transformers.DeepseekV3ForCausalLM}
+    if "gate.weight" in model_class[family]._keep_in_fp32_modules_strict:  # 5.25: the router's weight too, as ours
+        hf.gate.weight.data = weights["gate.weight"]
+    else:  # 5.23 rounds it to bf16: the engine (fp32) given the rounded values
+        weights["gate.weight"] = hf.gate.weight.float()
     ours = load_v3_moe_block(built_in_bf16(lambda: DeepseekV3MoE(config)), weights)
     x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
     assert torch.equal(ours(x), hf(x[None])[0])
@@ -505,9 +511,8 @@ _ROUTERS = {
     # 4 per token (sorted); transformers' Beam router leaves the scaling to its MoE block's output: 1 here.
     "beam": ("beam", "BeamTopKRouter", "BeamConfig", "BeamForCausalLM", BeamMoE,
              {**_V3_GROUPS, "num_experts": 8, "norm_topk_prob": True, "routed_scaling_factor": 1.0}),
-    # Kimi Linear's: V3's with its correction bias in the model's dtype (transformers keeps nothing in fp32).
     "kimi-linear": ("kimi_linear", "KimiLinearTopkRouter", "KimiLinearConfig", "KimiLinearForCausalLM",
-                    KimiLinearMoE, {**_V3_GROUPS, "num_experts": 8, "norm_topk_prob": True}),
+                    DeepseekV3MoE, {**_V3_GROUPS, "num_experts": 8, "norm_topk_prob": True}),
     # 6 real and 2 zero experts, 4 per token.
     "longcat-flash": ("longcat_flash", "LongcatFlashTopkRouter", "LongcatFlashConfig", "LongcatFlashForCausalLM",
                       LongcatFlashMoE, {"n_routed_experts": 6, "zero_expert_num": 2, "moe_topk": 4,
@@ -517,6 +522,9 @@ _ROUTERS = {
 # alone, LFM2-MoE's is an fp32 buffer, HY3's strictly kept in fp32, MiniMax-M2's a buffer of the model's dtype).
 _BIAS_FROM_BLOCK = {"afmoe": torch.bfloat16, "lfm2-moe": torch.float32, "hy-v3": torch.float32,
                     "minimax-m2": torch.bfloat16}
+# The routers whose weight transformers 5.25 keeps in fp32 in 16-bit models, as the engine does, and 5.23 rounds to
+# bf16 (and Kimi Linear's correction bias, a bf16 buffer in 5.23).
+_FP32_SINCE_5_25 = {"hy-v3", "deepseek-v3", "deepseek-v2", "nemotron-h", "kimi-linear"}
 # Where the engine's blocks hold the checkpoint's router weight and correction bias.
 _OUR_ROUTER_PARAMS = {"gate.weight": "weight", "gate.e_score_correction_bias": "e_score_correction_bias",
                       "expert_bias": "e_score_correction_bias", "e_score_correction_bias": "e_score_correction_bias"}
@@ -557,6 +565,9 @@ def test_router_in_bf16_is_transformers_own(family):
     checkpoint = {"weight": 0.3 * torch.randn(8, 64, generator=g),
                   "e_score_correction_bias": 0.05 * torch.randn(8, generator=g)}
     hf, config = _hf_router_in_bf16(family, checkpoint)
+    if family in _FP32_SINCE_5_25:  # under 5.23, the engine given the values transformers rounded (5.25's are fp32)
+        checkpoint = {name: hf_tensor.float() if (hf_tensor := getattr(hf, name, None)) is not None else tensor
+                      for name, tensor in checkpoint.items()}
     ours = built_in_bf16(lambda: _ROUTERS[family][4](config))
     for name, param in ours.named_parameters():
         if name in _OUR_ROUTER_PARAMS:

@@ -37,7 +37,7 @@ class NemotronHMoE(nn.Module):
         check_moe_config(config, grouped=True)
         self.top_k, self.scaling = config.num_experts_per_tok, config.routed_scaling_factor
         self.num_groups, self.topk_group, self.renormalize = config.n_group, config.topk_group, config.norm_topk_prob
-        self.gate = DeepseekRouter(config, correction_bias=True)
+        self.gate = DeepseekRouter(config, correction_bias=True, fp32_weight=True)  # as DeepseekV2MoE's
         self.experts = FusedMoE(config.n_routed_experts, self.top_k, config.hidden_size,
                                 config.moe_intermediate_size, renormalize=False, activation=relu2, gated=False)
         self.shared_experts = DenseMLP(config, config.mlp_bias, config.moe_shared_expert_intermediate_size,
