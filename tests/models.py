@@ -323,7 +323,7 @@ DSA_TOPK, DSA_WIDE_TOPK = 6, 512
 # HY-V4's and dots3 note's rms_norm_eps, near the mean squares it is added to: their norms take the config's epsilon
 # or transformers' default 1e-6 each its own way, and one at the other's fails their tests.
 DSA_RMS_NORM_EPS = 0.1
-# HY-V4 (hy-v4): "glm-moe-dsa"'s layout with rotate-half rope, the indexer's rope over the last 8 of its 16 dims,
+# HY-V4 (hy-v4): "glm-moe-dsa"'s layout (rope on interleaved pairs), the indexer's rope over the last 8 of its 16 dims,
 # GPT-OSS's sinks (GPT_OSS_SINK_STD), a sigmoid output gate per element, 3 hyper-connection streams (their weights
 # random, hc_magnitude 1.5), routed experts' gate/up at GPT-OSS's scale so that the clamps at HY_V4_SWIGLU_LIMIT bind;
 # its indexer's key norm at the config's epsilon (DSA_RMS_NORM_EPS), its latent norms at transformers' default 1e-6.
@@ -1868,13 +1868,19 @@ _CAUSAL_LM_CLASSES = {"mllama_text_model": "MllamaForCausalLM", "emu3_text_model
 def unusable_reference(kind: str) -> str | None:
     """Why the installed transformers cannot be the reference for `kind`, or None. transformers 5.17's Doge lets SDPA
     skip the causal mask and then adds its dynamic mask onto none: its prefill sees later tokens (5.23 keeps the mask).
-    Its Cohere Compass reorders the leading rope frequencies: the same checkpoint rotates otherwise than under 5.23."""
+    Its Cohere Compass reorders the leading rope frequencies: the same checkpoint rotates otherwise than under 5.23.
+    5.23's and 5.17's HY-V4 rotate halves of its heads where 5.25's (and the engine) rotate interleaved pairs."""
     import transformers
     if kind == "cohere-compass":
         from transformers.models.cohere_compass import modeling_cohere_compass
         if "inv_freq_3d" in inspect.getsource(modeling_cohere_compass.CohereCompassRotaryEmbedding):
             return (f"transformers {transformers.__version__}'s Cohere Compass permutes its rope frequencies "
                     f"(pre-rotated for its multimodal rope; 5.23's, the reference here, does not)")
+    if kind == "hy-v4":
+        from transformers.models.hy_v4 import modeling_hy_v4
+        if "apply_rotary_pos_emb_interleave" not in inspect.getsource(modeling_hy_v4):
+            return (f"transformers {transformers.__version__}'s HY-V4 ropes halves of its heads (5.25's, the reference, "
+                    f"interleaved pairs)")
     if kind == "doge":
         from transformers.models.doge import modeling_doge
         if "allow_is_causal_skip" not in inspect.getsource(modeling_doge.DogeModel.forward):
