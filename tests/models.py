@@ -1565,7 +1565,10 @@ def mamba2_hybrid_config(kind: str, special: dict):
                                chunk_size=16, use_bias=True, intermediate_size=96, n_routed_experts=8,
                                num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
                                n_group=2, topk_group=1, routed_scaling_factor=2.5, layer_norm_epsilon=1e-5,
-                               tie_word_embeddings=False)
+                               tie_word_embeddings=False,
+                               # dt's floor, which binds here: transformers 5.23's is time_step_min, 5.25's (and the
+                               # engine's) time_step_limit's lower end
+                               time_step_min=0.001, time_step_limit=(0.001, float("inf")))
     # 6 heads of 16 Mamba2 channels (mamba_d_ssm, not expand x hidden) in 2 groups; every multiplier away from 1.
     falcon = dict(num_hidden_layers=2, intermediate_size=96, mamba_d_ssm=96, mamba_n_heads=6, mamba_n_groups=2,
                   mamba_d_state=16, mamba_chunk_size=16, rms_norm_eps=1e-5,

@@ -329,6 +329,8 @@ def test_nemotron_h_experts_sum_in_fp32_as_transformers():
 
     config = NemotronHConfig(hidden_size=64, n_routed_experts=8, moe_intermediate_size=32, num_experts_per_tok=2,
                              mlp_hidden_act="relu2")
+    # As from_pretrained runs them (transformers 5.25's eager loop sums in bf16; 5.23's, in fp32).
+    config._experts_implementation = "grouped_mm"
     g = torch.Generator().manual_seed(0)
     hf = NemotronHExperts(config).to(torch.bfloat16)
     ours = built_in_bf16(lambda: FusedMoE(8, 2, 64, 32, renormalize=False, activation=relu2, gated=False))

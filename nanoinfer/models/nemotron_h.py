@@ -17,11 +17,12 @@ from nanoinfer.models.llama import AttentionOptions, LlamaAttention
 
 
 def mamba2_settings(config: PretrainedConfig) -> Mamba2Settings:
-    """NemotronH's names; transformers clamps dt from below at `time_step_min` only."""
+    """NemotronH's names; dt clamped to `time_step_limit`, as NVIDIA's code and transformers 5.25 clamp it (5.23 clamps
+    it from below at `time_step_min` instead)."""
     return Mamba2Settings(config.hidden_size, config.mamba_num_heads, config.mamba_head_dim, config.n_groups,
                           config.ssm_state_size, config.conv_kernel, config.chunk_size, config.layer_norm_epsilon,
                           config.use_conv_bias, config.use_bias, config.use_bias,
-                          (config.time_step_min, float("inf")), config.mamba_hidden_act)
+                          tuple(config.time_step_limit), config.mamba_hidden_act)
 
 
 class NemotronHMoE(nn.Module):
