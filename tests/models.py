@@ -2091,8 +2091,8 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
     model = model_dir if isinstance(model_dir, torch.nn.Module) else load_hf_model(model_dir)
     # Mamba's models (transformers' modeling_mamba.py, falcon_mamba) name their cache `cache_params` and build it
     # themselves on the first call (a MambaCache in older transformers, which then needs cache_position); RWKV's, a
-    # list it builds too, is `state`. transformers 5.25 names every other one `cache` (5.23: `past_key_values`), in
-    # its outputs too.
+    # list it builds too, is `state`. transformers 5.25 renames them all but RWKV's `cache` (5.23's others:
+    # `past_key_values`), in its outputs too.
     parameters = inspect.signature(model.forward).parameters
     cache_kw = next((kw for kw in ("cache_params", "state", "past_key_values", "cache") if kw in parameters), None)
     if cache_kw is None:

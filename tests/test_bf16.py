@@ -380,7 +380,7 @@ def test_v3_moe_block_in_bf16_is_transformers_own(family):
     weights = {name: tensor.clone() for name, tensor in hf.state_dict().items()}
     hf.to(torch.bfloat16).gate.e_score_correction_bias = weights["gate.e_score_correction_bias"]
     model_class = {"glm4-moe": transformers.Glm4MoeForCausalLM, "deepseek-v3": transformers.DeepseekV3ForCausalLM}
-    if "gate.weight" in model_class[family]._keep_in_fp32_modules_strict:  # 5.25: the router's weight too, as ours
+    if "gate.weight" in (model_class[family]._keep_in_fp32_modules_strict or ()):  # 5.25: the router's weight, as ours
         hf.gate.weight.data = weights["gate.weight"]
     else:  # 5.23 rounds it to bf16: the engine (fp32) given the rounded values
         weights["gate.weight"] = hf.gate.weight.float()
