@@ -323,7 +323,7 @@ DSA_TOPK, DSA_WIDE_TOPK = 6, 512
 # HY-V4's and dots3 note's rms_norm_eps, near the mean squares it is added to: their norms take the config's epsilon
 # or transformers' default 1e-6 each its own way, and one at the other's fails their tests.
 DSA_RMS_NORM_EPS = 0.1
-# HY-V4 (hy-v4): "glm-moe-dsa"'s layout with rotate-half rope, the indexer's rope over the last 8 of its 16 dims,
+# HY-V4 (hy-v4): "glm-moe-dsa"'s layout (rope on interleaved pairs), the indexer's rope over the last 8 of its 16 dims,
 # GPT-OSS's sinks (GPT_OSS_SINK_STD), a sigmoid output gate per element, 3 hyper-connection streams (their weights
 # random, hc_magnitude 1.5), routed experts' gate/up at GPT-OSS's scale so that the clamps at HY_V4_SWIGLU_LIMIT bind;
 # its indexer's key norm at the config's epsilon (DSA_RMS_NORM_EPS), its latent norms at transformers' default 1e-6.
@@ -1311,7 +1311,11 @@ def newest_family_config(kind: str, special: dict):
             indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
             output_gate_type="sigmoid")
     if kind == "inkling2":
+        # unpadded_vocab_size: the LM head's rows (transformers 5.25's head, the checkpoint's padded to vocab_size;
+        # 5.23's head holds vocab_size rows and drops the logits past it), all of them (the default, 200058, is the
+        # Hub's: 5.25 cannot save a head that size padded to the test vocabulary).
         return transformers.Inkling2TextConfig(**{**common, "intermediate_size": 32},  # its experts'
+                                               unpadded_vocab_size=common["vocab_size"],
                                                architectures=["Inkling2ForCausalLM"],
                                                swa_num_attention_heads=6, swa_num_key_value_heads=2, swa_head_dim=8,
                                                sliding_window_size=INKLING_SLIDING_WINDOW, d_rel=4,
@@ -1561,7 +1565,10 @@ def mamba2_hybrid_config(kind: str, special: dict):
                                chunk_size=16, use_bias=True, intermediate_size=96, n_routed_experts=8,
                                num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
                                n_group=2, topk_group=1, routed_scaling_factor=2.5, layer_norm_epsilon=1e-5,
-                               tie_word_embeddings=False)
+                               tie_word_embeddings=False,
+                               # dt's floor, which binds here: transformers 5.23's is time_step_min, 5.25's (and the
+                               # engine's) time_step_limit's lower end
+                               time_step_min=0.001, time_step_limit=(0.001, float("inf")))
     # 6 heads of 16 Mamba2 channels (mamba_d_ssm, not expand x hidden) in 2 groups; every multiplier away from 1.
     falcon = dict(num_hidden_layers=2, intermediate_size=96, mamba_d_ssm=96, mamba_n_heads=6, mamba_n_groups=2,
                   mamba_d_state=16, mamba_chunk_size=16, rms_norm_eps=1e-5,
@@ -1864,13 +1871,19 @@ _CAUSAL_LM_CLASSES = {"mllama_text_model": "MllamaForCausalLM", "emu3_text_model
 def unusable_reference(kind: str) -> str | None:
     """Why the installed transformers cannot be the reference for `kind`, or None. transformers 5.17's Doge lets SDPA
     skip the causal mask and then adds its dynamic mask onto none: its prefill sees later tokens (5.23 keeps the mask).
-    Its Cohere Compass reorders the leading rope frequencies: the same checkpoint rotates otherwise than under 5.23."""
+    Its Cohere Compass reorders the leading rope frequencies: the same checkpoint rotates otherwise than under 5.23.
+    5.23's and 5.17's HY-V4 rotate halves of its heads where 5.25's (and the engine) rotate interleaved pairs."""
     import transformers
     if kind == "cohere-compass":
         from transformers.models.cohere_compass import modeling_cohere_compass
         if "inv_freq_3d" in inspect.getsource(modeling_cohere_compass.CohereCompassRotaryEmbedding):
             return (f"transformers {transformers.__version__}'s Cohere Compass permutes its rope frequencies "
                     f"(pre-rotated for its multimodal rope; 5.23's, the reference here, does not)")
+    if kind == "hy-v4":
+        from transformers.models.hy_v4 import modeling_hy_v4
+        if "apply_rotary_pos_emb_interleave" not in inspect.getsource(modeling_hy_v4):
+            return (f"transformers {transformers.__version__}'s HY-V4 ropes halves of its heads (5.25's, the reference, "
+                    f"interleaved pairs)")
     if kind == "doge":
         from transformers.models.doge import modeling_doge
         if "allow_is_causal_skip" not in inspect.getsource(modeling_doge.DogeModel.forward):
@@ -2078,9 +2091,10 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
     model = model_dir if isinstance(model_dir, torch.nn.Module) else load_hf_model(model_dir)
     # Mamba's models (transformers' modeling_mamba.py, falcon_mamba) name their cache `cache_params` and build it
     # themselves on the first call (a MambaCache in older transformers, which then needs cache_position); RWKV's, a
-    # list it builds too, is `state`.
+    # list it builds too, is `state`. transformers 5.25 renames them all but RWKV's `cache` (5.23's others:
+    # `past_key_values`), in its outputs too.
     parameters = inspect.signature(model.forward).parameters
-    cache_kw = next((kw for kw in ("cache_params", "state", "past_key_values") if kw in parameters), None)
+    cache_kw = next((kw for kw in ("cache_params", "state", "past_key_values", "cache") if kw in parameters), None)
     if cache_kw is None:
         return [hf_greedy_uncached(model, prompt, max_new_tokens) for prompt in prompts_token_ids]
     device = model.device
@@ -2088,8 +2102,8 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
     for prompt in prompts_token_ids:
         prompt = [int(t) for t in prompt]
         assert len(prompt) > 0, "empty prompt"
-        # MiniMax's model builds its own cache class (and refuses a DynamicCache).
-        own_cache = cache_kw != "past_key_values" or model.config.model_type == "minimax"
+        # MiniMax's model builds its own cache class (and refuses a DynamicCache), as xLSTM's does under 5.25.
+        own_cache = cache_kw in ("cache_params", "state") or model.config.model_type in ("minimax", "xlstm")
         cache = None if own_cache else DynamicCache(config=model.config)
         if hasattr(model, "_setup_cache"):
             # RecurrentGemma keeps its recurrent state in its modules, zeroed only when it makes its cache itself: a

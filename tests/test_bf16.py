@@ -36,7 +36,6 @@ from nanoinfer.models.deepseek_v3 import DeepseekV3MoE
 from nanoinfer.models.flint import FlintForCausalLM
 from nanoinfer.models.hunyuan_v1_moe import HunYuanMoEV1Moe
 from nanoinfer.models.hy_v3 import HYV3ForCausalLM
-from nanoinfer.models.kimi_linear import KimiLinearMoE
 from nanoinfer.models.kolibri1 import Kolibri1ForCausalLM
 from nanoinfer.models.laguna import LagunaMoE
 from nanoinfer.models.lfm2 import Lfm2MoeBlock
@@ -55,8 +54,9 @@ from nanoinfer.models.nemotron_h import NemotronHMoE
 # transformers' bf16 moves a score by 0.017. Its norms: test_inkling2_norms_in_bf16_are_transformers_own.
 ROUTER_NEAR_TIE_KINDS = ("granitemoehybrid", "qwen3-next", "inkling2")
 # Inkling: its convs' fp32 weights and state (transformers keeps them in fp32). Kimi Linear and Ling's hybrid: KDA's
-# bf16 beta, fp32 gated norm, Kimi's bf16 correction bias, Ling's bf16 decay. xLSTM: the whole mLSTM in fp32 (its state
-# dtype), where transformers keeps only the state in fp32 and multiplies in bf16 (1.3x its own bf16 error at worst).
+# bf16 beta, fp32 gated norm, Kimi's fp32 correction bias and dt_bias (5.25's; 5.23 rounds them), Ling's bf16 decay.
+# xLSTM: the whole mLSTM in fp32 (its state dtype), where transformers keeps only the state in fp32 and multiplies in
+# bf16 (1.3x its own bf16 error at worst).
 BF16_RECURRENT_KINDS = tuple(k for k in MAMBA1_KINDS + SSM_KINDS + MAMBA2_HYBRID_KINDS + QWEN3_NEXT_KINDS
                              + ("inkling", "inkling2", "kimi-linear", "bailing-hybrid", "qwen4-exp", XLSTM_KIND)
                              if k not in ROUTER_NEAR_TIE_KINDS)
@@ -182,6 +182,7 @@ class StandInOutput(ModelOutput):
     last_hidden_state: torch.Tensor | None = None
     past_key_values: object = None
     cache_params: object = None
+    cache: object = None  # transformers 5.25's name for both
     hidden_states: object = None
     attentions: object = None
     router_logits: object = None
@@ -329,6 +330,8 @@ def test_nemotron_h_experts_sum_in_fp32_as_transformers():
 
     config = NemotronHConfig(hidden_size=64, n_routed_experts=8, moe_intermediate_size=32, num_experts_per_tok=2,
                              mlp_hidden_act="relu2")
+    # As from_pretrained runs them (transformers 5.25's eager loop sums in bf16; 5.23's, in fp32).
+    config._experts_implementation = "grouped_mm"
     g = torch.Generator().manual_seed(0)
     hf = NemotronHExperts(config).to(torch.bfloat16)
     ours = built_in_bf16(lambda: FusedMoE(8, 2, 64, 32, renormalize=False, activation=relu2, gated=False))
@@ -371,9 +374,16 @@ def test_v3_moe_block_in_bf16_is_transformers_own(family):
     weight in fp32 and sums each token's k products in fp32, rounding once, then adds the shared expert. Bit for bit
     (with the bias rounded to bf16 the routing differs at near-ties; with the products rounded to bf16 or summed in
     bf16, most rows differ by an ulp)."""
+    import transformers
+
     hf, config = _hf_v3_moe(family)
     weights = {name: tensor.clone() for name, tensor in hf.state_dict().items()}
     hf.to(torch.bfloat16).gate.e_score_correction_bias = weights["gate.e_score_correction_bias"]
+    model_class = {"glm4-moe": transformers.Glm4MoeForCausalLM, "deepseek-v3": transformers.DeepseekV3ForCausalLM}
+    if "gate.weight" in (model_class[family]._keep_in_fp32_modules_strict or ()):  # 5.25: the router's weight, as ours
+        hf.gate.weight.data = weights["gate.weight"]
+    else:  # 5.23 rounds it to bf16: the engine (fp32) given the rounded values
+        weights["gate.weight"] = hf.gate.weight.float()
     ours = load_v3_moe_block(built_in_bf16(lambda: DeepseekV3MoE(config)), weights)
     x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
     assert torch.equal(ours(x), hf(x[None])[0])
@@ -504,9 +514,8 @@ _ROUTERS = {
     # 4 per token (sorted); transformers' Beam router leaves the scaling to its MoE block's output: 1 here.
     "beam": ("beam", "BeamTopKRouter", "BeamConfig", "BeamForCausalLM", BeamMoE,
              {**_V3_GROUPS, "num_experts": 8, "norm_topk_prob": True, "routed_scaling_factor": 1.0}),
-    # Kimi Linear's: V3's with its correction bias in the model's dtype (transformers keeps nothing in fp32).
     "kimi-linear": ("kimi_linear", "KimiLinearTopkRouter", "KimiLinearConfig", "KimiLinearForCausalLM",
-                    KimiLinearMoE, {**_V3_GROUPS, "num_experts": 8, "norm_topk_prob": True}),
+                    DeepseekV3MoE, {**_V3_GROUPS, "num_experts": 8, "norm_topk_prob": True}),
     # 6 real and 2 zero experts, 4 per token.
     "longcat-flash": ("longcat_flash", "LongcatFlashTopkRouter", "LongcatFlashConfig", "LongcatFlashForCausalLM",
                       LongcatFlashMoE, {"n_routed_experts": 6, "zero_expert_num": 2, "moe_topk": 4,
@@ -516,6 +525,9 @@ _ROUTERS = {
 # alone, LFM2-MoE's is an fp32 buffer, HY3's strictly kept in fp32, MiniMax-M2's a buffer of the model's dtype).
 _BIAS_FROM_BLOCK = {"afmoe": torch.bfloat16, "lfm2-moe": torch.float32, "hy-v3": torch.float32,
                     "minimax-m2": torch.bfloat16}
+# The routers whose weight transformers 5.25 keeps in fp32 in 16-bit models, as the engine does, and 5.23 rounds to
+# bf16 (and Kimi Linear's correction bias, a bf16 buffer in 5.23).
+_FP32_SINCE_5_25 = {"hy-v3", "deepseek-v3", "deepseek-v2", "nemotron-h", "kimi-linear"}
 # Where the engine's blocks hold the checkpoint's router weight and correction bias.
 _OUR_ROUTER_PARAMS = {"gate.weight": "weight", "gate.e_score_correction_bias": "e_score_correction_bias",
                       "expert_bias": "e_score_correction_bias", "e_score_correction_bias": "e_score_correction_bias"}
@@ -556,6 +568,9 @@ def test_router_in_bf16_is_transformers_own(family):
     checkpoint = {"weight": 0.3 * torch.randn(8, 64, generator=g),
                   "e_score_correction_bias": 0.05 * torch.randn(8, generator=g)}
     hf, config = _hf_router_in_bf16(family, checkpoint)
+    if family in _FP32_SINCE_5_25:  # under 5.23, the engine given the values transformers rounded (5.25's are fp32)
+        checkpoint = {name: hf_tensor.float() if (hf_tensor := getattr(hf, name, None)) is not None else tensor
+                      for name, tensor in checkpoint.items()}
     ours = built_in_bf16(lambda: _ROUTERS[family][4](config))
     for name, param in ours.named_parameters():
         if name in _OUR_ROUTER_PARAMS:
@@ -577,6 +592,9 @@ def test_router_in_bf16_is_transformers_own(family):
 @pytest.mark.parametrize("kind", BF16_RECURRENT_KINDS)
 def test_bf16_matches_transformers_up_to_bf16_rounding(kind, model_dir, captured_logits, report_logit_diff):
     d = model_dir(kind)
+    if kind == "kimi-linear" and "dt_bias" not in (load_hf_model(d)._keep_in_fp32_modules_strict or ()):
+        pytest.skip("this transformers' Kimi Linear rounds its router's weight, correction bias and dt_bias to bf16 "
+                    "(5.23 does; 5.25, which we follow, keeps them in fp32)")
     with LLM(str(d), device="cpu", dtype="bfloat16", max_model_len=128) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     refs = hf_greedy(load_hf_model(d, torch.bfloat16), PROMPTS, MAX_TOKENS)

@@ -492,12 +492,14 @@ def test_token_embeddings_other_than_vocab_by_hidden_are_built_once(kind, module
     assert tuple(model.model.embed_tokens.weight.shape) == built[0]
 
 
-def test_inkling_padding_rows_of_the_head_are_never_sampled(model_dir, tmp_path, captured_logits):
-    """Inkling's unpadded_vocab_size below vocab_size: the LM head's later rows are padding, which transformers drops
-    from its logits; here they are -inf (never sampled, no probability), the others transformers' own. 64 padding
-    rows of random weights hold the unrestricted argmax at some steps."""
+@pytest.mark.parametrize("kind", ["inkling", "inkling2"])
+def test_inkling_padding_rows_of_the_head_are_never_sampled(kind, model_dir, tmp_path, captured_logits):
+    """Inkling's and Inkling-2's unpadded_vocab_size below vocab_size: the LM head's later rows are padding, which
+    transformers drops from its logits (transformers 5.25's Inkling-2, from its head on loading); here they are -inf
+    (never sampled, no probability), the others transformers' own. Inkling's 64 padding rows of random weights hold
+    the unrestricted argmax at some steps."""
     unpadded = 448
-    d = edited_model(model_dir("inkling"), tmp_path / "m", unpadded_vocab_size=unpadded)
+    d = edited_model(model_dir(kind), tmp_path / "m", unpadded_vocab_size=unpadded)
     with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     for out in outputs:

@@ -94,8 +94,8 @@ def _hf_mixer(family: str) -> tuple[torch.nn.Module, MambaSettings]:
             transformers.models.falcon_mamba.modeling_falcon_mamba)
         mixer_class = module.MambaMixer if family == "mamba" else module.FalconMambaMixer
         # transformers 5.23's Falcon-Mamba mixer cannot initialize its own weights (its norms come after); they are
-        # set below. (5.17's has no such option.)
-        skip_init = "initialize_mixer_weights" in inspect.signature(mixer_class).parameters
+        # set below. (5.17's has no such option; 5.25's class decorator hides its signature: read in its source.)
+        skip_init = "initialize_mixer_weights" in inspect.getsource(mixer_class)
         hf = mixer_class(config, 0, **({"initialize_mixer_weights": False} if skip_init else {}))
         settings = (mamba_settings if family == "mamba" else falcon_mamba_settings)(config)
     g = torch.Generator().manual_seed(0)

@@ -145,13 +145,13 @@ def _hf_mixer_and_settings(kind: str, n_groups: int) -> tuple[torch.nn.Module, M
         config = BambaConfig(hidden_size=32, mamba_n_heads=8, mamba_d_state=6, mamba_n_groups=n_groups,
                              mamba_chunk_size=5, num_hidden_layers=1, attn_layer_indices=[])
         return BambaMixer(config, 0), mamba2_settings(config), config
-    if kind == "nemotron-h":  # dt's floor (time_step_min) binds for ~1 in 10 head-steps; projection biases
+    if kind == "nemotron-h":  # dt's floor binds for ~1 in 10 head-steps; projection biases
         from transformers import NemotronHConfig
         from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
 
         config = NemotronHConfig(hidden_size=32, layers_block_type=["linear_attention"], mamba_num_heads=8,
                                  mamba_head_dim=8, n_groups=n_groups, ssm_state_size=6, chunk_size=5, time_step_min=0.1,
-                                 use_bias=True)
+                                 time_step_limit=(0.1, float("inf")), use_bias=True)  # 5.23's floor, 5.25's
         return NemotronHMamba2Mixer(config, 0), nemotron_h.mamba2_settings(config), config
     if kind == "zamba2":  # the conv's bias whatever use_conv_bias says, the gated norm's own eps, dt floored
         from transformers import Zamba2Config

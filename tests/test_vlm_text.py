@@ -131,7 +131,7 @@ def make_vlm_config(kind: str):
                                 vision_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                                    patch_size=2, projection_hidden_dim=16, text_hidden_size=64),
                                 image_token_id=IMAGE_TOKEN)
-    if kind == "aya-vision":  # over Cohere 2 with logit_scale 0.5, which the wrapper never applies
+    if kind == "aya-vision":  # over Cohere 2 with logit_scale 0.5, which the wrapper applies (transformers 5.25)
         return t.AyaVisionConfig(text_config=make_config("cohere2"), vision_config=_SIGLIP, downsample_factor=2,
                                  image_token_index=IMAGE_TOKEN)
     if kind == "aria":  # an Idefics3 vision tower and Aria's cross-attention projector, skipped
@@ -257,13 +257,19 @@ def vlm_dir(tmp_path_factory):
 
 def unusable_wrapper(kind: str) -> str | None:
     """Why the installed transformers' wrapper cannot be the reference for `kind`, or None: transformers 5.17's
-    Inkling wrapper norms the embeddings, and then its text model norms them again (5.23's, once)."""
+    Inkling wrapper norms the embeddings, and then its text model norms them again (5.23's, once); 5.23's and 5.17's
+    Aya Vision drops its Cohere 2 text model's logit_scale (5.25's applies it, as vLLM's and the engine's do)."""
+    import transformers
     if kind == "inkling":
-        import transformers
         from transformers.models.inkling import modeling_inkling
         if "language_model.embed_norm" in inspect.getsource(modeling_inkling.InklingModel.forward):
             return (f"transformers {transformers.__version__}'s Inkling wrapper normalises the embeddings twice (the "
                     f"reference)")
+    if kind == "aya-vision":
+        from transformers.models.aya_vision import modeling_aya_vision
+        if "logit_scale" not in inspect.getsource(modeling_aya_vision.AyaVisionForConditionalGeneration.forward):
+            return (f"transformers {transformers.__version__}'s Aya Vision drops its text model's logit_scale (the "
+                    f"reference; 5.25's applies it)")
     return None
 
 

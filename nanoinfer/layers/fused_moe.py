@@ -391,9 +391,10 @@ class FusedMoE(nn.Module):
 
 class Fp32Router(nn.Module):
     """A replicated router scoring in fp32 in every model dtype, as transformers' DeepSeek, ERNIE, Hunyuan MoE and
-    Flint routers do: the input and the weight upcast, fp32 logits. The weight in the model's dtype (DeepSeek's), or
+    Flint routers do: the input and the weight upcast, fp32 logits. The weight in the model's dtype (Kolibri-1's), or
     (fp32_weight) kept in fp32 where transformers keeps the checkpoint's fp32 weight in 16-bit models (ERNIE's,
-    Hunyuan MoE's and Flint's): rounded to bf16 first, the logits move and near-ties choose other experts."""
+    Hunyuan MoE's, Flint's, and since 5.25 DeepSeek's): rounded to bf16 first, the logits move and near-ties choose
+    other experts."""
 
     def __init__(self, hidden_size: int, num_experts: int, fp32_weight: bool = False):
         super().__init__()

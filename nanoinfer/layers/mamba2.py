@@ -197,7 +197,7 @@ class Mamba2Mixer(RecurrentLayer):
               ) -> torch.Tensor:
         A, D = -self.A_log.to(x.dtype).exp(), self.D.to(x.dtype)
         # time_step_limit clamps dt in the chunked form only, as transformers and mamba_ssm do (their one-step
-        # forms take it unclamped); it binds where softplus falls below NemotronH's floor, time_step_min.
+        # forms take it unclamped); it binds where softplus falls below a floor (NemotronH's, Zamba2's).
         return self.scan(batch, lambda x, dt, B, C, state: ssd_step(x, dt, A, B, C, D, state),
                          lambda x, dt, B, C, state: ssd_chunk_scan(x, dt.clamp(*self.time_step_limit), A, B, C, D,
                                                                    state, self.chunk_size),

@@ -17,6 +17,7 @@ from nanoinfer.models.llama import (AttentionOptions, LlamaForCausalLM, LlamaMLP
 
 class AfmoeMoE(UngroupedSigmoidMoE):
     router_in_model_dtype = True  # transformers' `expert_bias` stays fp32 in fp16 models alone
+    fp32_router_weight = False
 
 
 class AfmoeDecoderLayer(Gemma2DecoderLayer):

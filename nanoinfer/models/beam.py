@@ -26,7 +26,6 @@ def scalable_softmax_scale(positions: torch.Tensor) -> torch.Tensor:
 
 
 class BeamMoE(DeepseekV3MoE):
-    fp32_router_weight = True  # transformers keeps `mlp.gate.weight` in fp32 in 16-bit models
     sorted_topk = True
 
     def __init__(self, config: PretrainedConfig):

@@ -243,7 +243,10 @@ class DeepseekV2MoE(nn.Module):
     """Routed experts (FusedMoE, each rank a slice of every expert) plus `n_shared_experts` shared experts as one
     MLP of n_shared_experts x moe_intermediate_size that every token passes through, added ungated."""
     correction_bias = False
-    fp32_router_weight = False  # see Fp32Router
+    # The checkpoint's router weight kept as it is (an fp32 one in fp32 in 16-bit models), as transformers 5.25 keeps
+    # it for DeepSeek's router and the families that took it (5.23 rounded it; the logits, fp32 in both, equal for a
+    # bf16 checkpoint): see Fp32Router.
+    fp32_router_weight = True
     router_in_model_dtype = False  # see DeepseekRouter
 
     def __init__(self, config: PretrainedConfig, num_experts: int | None = None,

@@ -253,6 +253,7 @@ class DeepseekV4MoE(DeepseekV3MoE):
     expert of moe_intermediate_size (clamped alike). The top k of score + e_score_correction_bias, or (hashed:
     "hash_moe" layers) the experts tid2eid lists for the token id, each weighted by its score, renormalized, times
     routed_scaling_factor; scores sqrt(softplus(logit)) or sigmoid(logit) as scoring_func says."""
+    fp32_router_weight = False  # transformers keeps its correction bias in fp32, not its router's weight
 
     def __init__(self, config: PretrainedConfig, hashed: bool):
         self.correction_bias = not hashed  # read by DeepseekV2MoE's router

@@ -15,7 +15,6 @@ from nanoinfer.models.qwen2_moe import is_sparse_layer
 
 class FlintMoE(UngroupedSigmoidMoE):
     correction_bias = False
-    fp32_router_weight = True  # transformers' `_keep_in_fp32_modules_strict`
 
 
 class FlintForCausalLM(GptOssForCausalLM):

@@ -1,5 +1,6 @@
 """HY-V4 (`HYV4ForCausalLM`, Tencent Hunyuan V4): GLM-MoE-DSA (glm_moe_dsa.py: MLA with DeepSeek sparse attention,
-layers that reuse the last "full" indexer's selection) with rotate-half rope, an indexer that ropes the last
+layers that reuse the last "full" indexer's selection; its rope on interleaved pairs, in the indexer too, as
+transformers 5.25's: 5.23's rotated halves of the same checkpoints) with an indexer that ropes the last
 qk_rope_head_dim dims of its heads (its key's LayerNorm at the config's rms_norm_eps), attention sinks, and a sigmoid
 output gate per element (the Hub's `self_attn.linear_gate`); GLM-4.7-Flash's MoE whose routed experts clamp their
 SwiGLU at `swiglu_limit`; and hyper-connections: each token carries hc_mult residual streams, each sublayer reads a
@@ -149,9 +150,8 @@ class HYV4ForCausalLM(GlmMoeDsaForCausalLM):
 
     @staticmethod
     def attention_options(config: PretrainedConfig, layer_idx: int) -> DSAOptions:
-        return replace(GlmMoeDsaForCausalLM.attention_options(config, layer_idx), rope_interleaved=False,
-                       indexer_rope_interleaved=False, indexer_rope_last=True, indexer_norm_eps=config.rms_norm_eps,
-                       sinks=True, gate_activation=torch.sigmoid)
+        return replace(GlmMoeDsaForCausalLM.attention_options(config, layer_idx), indexer_rope_last=True,
+                       indexer_norm_eps=config.rms_norm_eps, sinks=True, gate_activation=torch.sigmoid)
 
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:

@@ -16,7 +16,7 @@ from nanoinfer.layers.linear import (ColumnParallelLinear, ReplicatedLinear, Row
                                      SegmentedColumnParallelLinear)
 from nanoinfer.layers.recurrent import RecurrentBatch, RowShardedWeight, load_rank_rows
 from nanoinfer.models.deepseek_v2 import DeepseekV2Attention, DeepseekV2ForCausalLM
-from nanoinfer.models.deepseek_v3 import DeepseekV3MoE, mlp_by_layer_type
+from nanoinfer.models.deepseek_v3 import mlp_by_layer_type
 from nanoinfer.models.hybrid import (HybridDecoderLayer, HybridForCausalLM, check_layer_config,
                                     mixers_named_self_attn)
 from nanoinfer.models.llama import AttentionOptions
@@ -37,7 +37,8 @@ class KimiDeltaAttention(nn.Module):
         self.in_proj_qkv = SegmentedColumnParallelLinear(hidden, [(width, True)] * 3)  # q_proj | k_proj | v_proj
         self.conv1d = RowShardedWeight([(width, True)] * 3, (1, kernel), bias=False)  # q_conv1d | k_conv1d | v_conv1d
         self.init_gates(hidden, head_dim, width)
-        self.dt_bias = nn.Parameter(torch.empty(self.num_heads * head_dim), requires_grad=False)
+        # fp32 in every model dtype, as transformers 5.25 keeps it (`_keep_in_fp32_modules_strict`; 5.23 rounded it).
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads * head_dim, dtype=torch.float32), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.b_proj = ColumnParallelLinear(hidden, heads)
         self.o_norm = GatedRMSNorm(head_dim, config.rms_norm_eps, torch.sigmoid, weight_in_fp32=True)
@@ -79,17 +80,6 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj(self.o_norm(out, self.output_gate(x).view(heads)).flatten(1))
 
 
-class KimiLinearMoE(DeepseekV3MoE):
-    """DeepSeek-V3's MoE with the correction bias in the model's dtype: transformers' Kimi Linear keeps nothing in
-    fp32 (its router's bias is a buffer, rounded to bf16 in a bf16 model; at Kimi's bias sizes, ~0.3, that moves it
-    by up to 1e-3, enough to choose other experts at near-ties)."""
-
-    def __init__(self, config: PretrainedConfig):
-        super().__init__(config)
-        bias = self.gate.e_score_correction_bias
-        bias.data = bias.data.to(torch.get_default_dtype())  # the one the engine builds the model under
-
-
 class KimiLinearForCausalLM(HybridForCausalLM):
     # KDA's q, k, v and their convs: segments of the fused rows. First, before the MLPs' gate/up (MLA's q_proj is a
     # projection of its own).
@@ -100,7 +90,7 @@ class KimiLinearForCausalLM(HybridForCausalLM):
         **DeepseekV2ForCausalLM.packed_modules_mapping}
 
     def make_layer(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
-        mlp = mlp_by_layer_type(config, layer_idx, KimiLinearMoE)
+        mlp = mlp_by_layer_type(config, layer_idx)
         if config.layer_types[layer_idx] == "linear_attention":
             return HybridDecoderLayer(config, KimiDeltaAttention(config), False, mlp, config.rms_norm_eps)
         return HybridDecoderLayer(config, DeepseekV2Attention(config, AttentionOptions(rope=False)), True, mlp,

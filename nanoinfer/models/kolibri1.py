@@ -15,6 +15,8 @@ from nanoinfer.models.llama import LlamaForCausalLM
 
 
 class Kolibri1MoE(UngroupedSigmoidMoE):
+    fp32_router_weight = False  # transformers keeps its correction bias alone in fp32
+
     def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return select_experts_biased_logits(self.gate(x), self.top_k, self.gate.e_score_correction_bias,
                                             self.renormalize)

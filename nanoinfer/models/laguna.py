@@ -33,6 +33,7 @@ class LagunaMoE(UngroupedSigmoidMoE):
     """As transformers' LagunaSparseMoeBlock: the router's logits and correction bias in the model's dtype, the
     routing weights rounded to it, the routed experts' sum (not the weights) times `moe_routed_scaling_factor`."""
     router_in_model_dtype = True
+    fp32_router_weight = False
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config, config.num_experts, config.shared_expert_intermediate_size,

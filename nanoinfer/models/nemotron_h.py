@@ -17,11 +17,12 @@ from nanoinfer.models.llama import AttentionOptions, LlamaAttention
 
 
 def mamba2_settings(config: PretrainedConfig) -> Mamba2Settings:
-    """NemotronH's names; transformers clamps dt from below at `time_step_min` only."""
+    """NemotronH's names; dt clamped to `time_step_limit`, as NVIDIA's code and transformers 5.25 clamp it (5.23 clamps
+    it from below at `time_step_min` instead)."""
     return Mamba2Settings(config.hidden_size, config.mamba_num_heads, config.mamba_head_dim, config.n_groups,
                           config.ssm_state_size, config.conv_kernel, config.chunk_size, config.layer_norm_epsilon,
                           config.use_conv_bias, config.use_bias, config.use_bias,
-                          (config.time_step_min, float("inf")), config.mamba_hidden_act)
+                          tuple(config.time_step_limit), config.mamba_hidden_act)
 
 
 class NemotronHMoE(nn.Module):
@@ -37,7 +38,7 @@ class NemotronHMoE(nn.Module):
         check_moe_config(config, grouped=True)
         self.top_k, self.scaling = config.num_experts_per_tok, config.routed_scaling_factor
         self.num_groups, self.topk_group, self.renormalize = config.n_group, config.topk_group, config.norm_topk_prob
-        self.gate = DeepseekRouter(config, correction_bias=True)
+        self.gate = DeepseekRouter(config, correction_bias=True, fp32_weight=True)  # as DeepseekV2MoE's
         self.experts = FusedMoE(config.n_routed_experts, self.top_k, config.hidden_size,
                                 config.moe_intermediate_size, renormalize=False, activation=relu2, gated=False)
         self.shared_experts = DenseMLP(config, config.mlp_bias, config.moe_shared_expert_intermediate_size,

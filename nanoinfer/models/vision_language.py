@@ -30,6 +30,11 @@ VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_
                    "model.vision_model.", "model.connector.", "model.audio_tower.", "model.embed_vision.",
                    "model.embed_audio.", "model.vision_embedder.", "model.vqmodel.", "model.audio.")
 
+# Wrappers whose logits are the text family's own (logit scale included), beside the families that say so themselves
+# (`wrapper_scales_logits`): Aya Vision's multiplies by its Cohere 2 text model's logit_scale, as vLLM's and
+# transformers 5.25's do (5.23's dropped it).
+WRAPPERS_SCALING_LOGITS = {"AyaVisionForConditionalGeneration"}
+
 # The outer config's placeholder ids, copied to the language model's config: Gemma 4's wrapper embeds them as the pad
 # token when no media come with them (see gemma4.py).
 MEDIA_TOKEN_IDS = ("image_token_id", "video_token_id", "audio_token_id")
@@ -55,6 +60,6 @@ def text_only(causal_lm: type[nn.Module], architecture: str) -> type[nn.Module]:
         return self.lm_head(hidden_states)
 
     namespace = {"__init__": __init__, "__doc__": causal_lm.__doc__}
-    if not getattr(causal_lm, "wrapper_scales_logits", False):
+    if not getattr(causal_lm, "wrapper_scales_logits", False) and architecture not in WRAPPERS_SCALING_LOGITS:
         namespace["compute_logits"] = compute_logits
     return type(architecture, (causal_lm,), namespace)
