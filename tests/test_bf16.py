@@ -95,7 +95,7 @@ def test_norm_in_bf16_is_transformers_own(family, norm_class):
     g = torch.Generator().manual_seed(0)
     w = 0.3 * torch.randn(64, generator=g)  # the checkpoint's (fp32) weight
     hf = _hf_norm(family).to(torch.bfloat16)
-    if family == "nemotron-h" and "float32" not in inspect.getsource(type(hf).forward).split("return")[-1]:
+    if family == "nemotron-h" and _nemotron_h_norm_multiplies_in_bf16(type(hf)):
         pytest.skip("this transformers' NemotronHRMSNorm multiplies by w in bf16 (5.17 does; 5.23, which we follow, "
                     "in fp32)")
     hf.weight.data.copy_(w)
@@ -589,12 +589,27 @@ def test_router_in_bf16_is_transformers_own(family):
     assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
 
 
+def _nemotron_h_norm_multiplies_in_bf16(norm_class: type) -> bool:
+    """Whether this transformers' NemotronHRMSNorm multiplies by its weight in bf16 (5.17's) rather than fp32."""
+    return "float32" not in inspect.getsource(norm_class.forward).split("return")[-1]
+
+
 @pytest.mark.parametrize("kind", BF16_RECURRENT_KINDS)
 def test_bf16_matches_transformers_up_to_bf16_rounding(kind, model_dir, captured_logits, report_logit_diff):
     d = model_dir(kind)
     if kind == "kimi-linear" and "dt_bias" not in (load_hf_model(d)._keep_in_fp32_modules_strict or ()):
         pytest.skip("this transformers' Kimi Linear rounds its router's weight, correction bias and dt_bias to bf16 "
                     "(5.23 does; 5.25, which we follow, keeps them in fp32)")
+    if kind == "inkling":
+        from transformers.models.inkling.modeling_inkling import InklingTopkRouter
+        if "flat.float()" not in inspect.getsource(InklingTopkRouter.forward):
+            pytest.skip("this transformers' Inkling routes on bf16 logits (5.17 does; 5.23, which we follow, on fp32 "
+                        "ones)")
+    if kind == "nemotron-h" and _nemotron_h_norm_multiplies_in_bf16(type(_hf_norm("nemotron-h"))):
+        # With its router's weight rounded to bf16 too (5.23 rounds that alone, and stays within the bound): 20x
+        # transformers' own bf16 error by step 15.
+        pytest.skip("this transformers' NemotronH rounds its router's weight and its norms' product to bf16 (5.17 "
+                    "does; 5.25, which we follow, neither)")
     with LLM(str(d), device="cpu", dtype="bfloat16", max_model_len=128) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     refs = hf_greedy(load_hf_model(d, torch.bfloat16), PROMPTS, MAX_TOKENS)
