@@ -633,12 +633,14 @@ def test_close_del_and_with_free_the_model_and_caches_without_the_garbage_collec
 def test_model_is_built_on_the_target_device_in_its_dtype(kind, model_dir):
     """Built under the device (meta here, CUDA in use) and filled there: no parameter or buffer is ever made on
     the host, so loading on CUDA needs no host copy of the model. Qwen3-Next's (1 + weight) norms hold fp32 weights,
-    as Gemma's do, and DeepSeek-V3's routers their correction bias."""
+    as Gemma's do, and DeepSeek-V3's routers (MiMo-V2-Flash's too) their correction bias and, as transformers 5.25,
+    their weight."""
     config = Config(model_dir(kind), device="cpu", dtype="bfloat16")
     model = ModelRunner._load_model(config, torch.device("meta"))
     assert {t.device.type for t in (*model.parameters(), *model.buffers())} == {"meta"}
     fp32 = {id(m.weight) for m in model.modules() if isinstance(m, GemmaRMSNorm)}
-    fp32 |= {id(p) for name, p in model.named_parameters() if name.endswith(".e_score_correction_bias")}
+    fp32 |= {id(p) for name, p in model.named_parameters() if name.endswith(".e_score_correction_bias")
+             or kind in ("deepseek-v3", "mimo-v2-flash") and name.endswith(".mlp.gate.weight")}
     assert {p.dtype for p in model.parameters() if id(p) not in fp32} == {torch.bfloat16}
     assert all(p.dtype == torch.float32 for p in model.parameters() if id(p) in fp32)
 
