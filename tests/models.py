@@ -1882,8 +1882,8 @@ def unusable_reference(kind: str) -> str | None:
     if kind == "hy-v4":
         from transformers.models.hy_v4 import modeling_hy_v4
         if "apply_rotary_pos_emb_interleave" not in inspect.getsource(modeling_hy_v4):
-            return (f"transformers {transformers.__version__}'s HY-V4 ropes halves of its heads (5.25's, the reference, "
-                    f"interleaved pairs)")
+            return (f"transformers {transformers.__version__}'s HY-V4 ropes halves of its heads (5.25's, which the "
+                    f"engine follows, interleaved pairs)")
     if kind == "doge":
         from transformers.models.doge import modeling_doge
         if "allow_is_causal_skip" not in inspect.getsource(modeling_doge.DogeModel.forward):
