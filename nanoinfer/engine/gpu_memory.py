@@ -4,6 +4,12 @@ from collections.abc import Callable
 import torch
 
 
+def settled_mem_info(device: torch.device) -> tuple[int, int]:
+    """(free, total) with the allocator's cache emptied first: memory it only caches (freed activations) is free."""
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)
+
+
 def state_bytes_for_gpu(total: int, free: int, utilization: float) -> int:
     """Recurrent-state bytes: half of what utilization * total leaves after what is in use now (total - free, read
     with the allocator's cache emptied); the KV cache, sized after it by the warm-up, takes what then remains."""
@@ -28,7 +34,6 @@ def profile_kv_cache_blocks(warm_up: Callable[[], None], device: torch.device, u
     stats = torch.cuda.memory_stats(device)
     # The warm-up's activations are freed but still cached by the allocator: counted in total - free they would
     # be subtracted twice, once as in use and once as the headroom peak - current.
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
+    free, total = settled_mem_info(device)
     return kv_cache_blocks_for_gpu(total, free, stats["allocated_bytes.all.peak"],
                                    stats["allocated_bytes.all.current"], utilization, block_bytes)

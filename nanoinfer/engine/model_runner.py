@@ -13,7 +13,7 @@ from torch import nn
 
 from nanoinfer.config import Config, hidden_states_width
 from nanoinfer.engine.cuda_graph import CUDAGraphRunner
-from nanoinfer.engine.gpu_memory import profile_kv_cache_blocks, state_bytes_for_gpu
+from nanoinfer.engine.gpu_memory import profile_kv_cache_blocks, settled_mem_info, state_bytes_for_gpu
 from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.parallel import TPGroup
 from nanoinfer.engine.pooling import pool
@@ -193,8 +193,7 @@ class ModelRunner:
             return 0, 0
         slot_bytes = sum(a.slot_bytes(self.config.torch_dtype) for a in layers)
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
+            free, total = settled_mem_info(self.device)
             budget = self.tp.all_min(state_bytes_for_gpu(total, free, self.config.gpu_memory_utilization))
         else:
             budget = min(KV_CACHE_MAX_BYTES, self._available_memory() * KV_CACHE_MEMORY_FRACTION) // 2
