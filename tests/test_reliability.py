@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from models import assert_greedy_match, cached_hf_greedy
 from nanoinfer import LLM, RequestOutputKind, SamplingParams
+from nanoinfer.engine.model_runner import ModelRunner
 from test_errors import assert_idle
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -263,3 +264,25 @@ def test_stopped_worker_fails_generate_within_the_timeout_naming_it(qwen3_dir, m
     finally:
         if worker.poll() is None:
             os.kill(worker.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_worker_loading_past_the_timeout_is_waited_for(qwen3_dir, baseline, monkeypatch):
+    """Ranks load the checkpoint at their own pace: the step timeout starts with the steps, after every rank loaded.
+    (On the CPU the cache sizing's all_min already waited for the worker; on CUDA the warm-up's NCCL all-reduces,
+    which come before it, would time out without TPGroup.meet. Two GPUs are needed to see that.)"""
+    timeout = 2
+    monkeypatch.setenv("NANOINFER_TP_TIMEOUT", str(timeout))
+    init = ModelRunner.__init__
+
+    def init_beside_a_slow_worker(self, config, tp=None):
+        # The worker, stopped while it starts (rank 0 has just spawned it), loads the model timeout + 3 s late.
+        pid = tp.workers[0].pid
+        os.kill(pid, signal.SIGSTOP)
+        threading.Timer(timeout + 3, os.kill, (pid, signal.SIGCONT)).start()
+        init(self, config, tp)
+
+    monkeypatch.setattr(ModelRunner, "__init__", init_beside_a_slow_worker)
+    with LLM(str(qwen3_dir), max_model_len=128, kvcache_block_size=8, tensor_parallel_size=2, device="cpu",
+             dtype="float32") as llm:
+        assert tokens(llm.generate(BASE_PROMPTS, GREEDY, use_tqdm=False)) == baseline

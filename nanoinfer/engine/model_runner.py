@@ -101,6 +101,7 @@ class ModelRunner:
         start = time.perf_counter()
         with tp_scope(self.tp.rank, self.tp.size, self.tp.group):
             self.model = self._load_model(config, self.device)
+        self.tp.meet()  # before the first collective that waits only the step timeout (on CUDA, the warm-up's)
         if config.enable_lora:  # before the caches are sized (its slots take memory), and before the weights' repacking
             self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank)
         # Counted before the CPU path repacks the linear weights out of their parameters.

@@ -63,6 +63,12 @@ class TPGroup:
         """Rank 0's side of a control broadcast: a worker that stopped reading fails it after the step timeout."""
         dist.broadcast(tensor, 0, group=self.control, async_op=True).wait(self.step_timeout)
 
+    def meet(self) -> None:
+        """Wait here for every rank, however long each takes to get here (loading the checkpoint runs at each rank's
+        own pace): the model's collectives, and rank 0's step broadcasts, then wait at most step_timeout."""
+        if self.size > 1:
+            dist.barrier(group=self.control)
+
     def all_min(self, value: int) -> int:
         """The smallest value over all ranks, so that every rank makes the same choice (e.g. KV cache blocks)."""
         if self.size == 1:
