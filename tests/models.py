@@ -1878,7 +1878,7 @@ def unusable_reference(kind: str) -> str | None:
         from transformers.models.cohere_compass import modeling_cohere_compass
         if "inv_freq_3d" in inspect.getsource(modeling_cohere_compass.CohereCompassRotaryEmbedding):
             return (f"transformers {transformers.__version__}'s Cohere Compass permutes its rope frequencies "
-                    f"(pre-rotated for its multimodal rope; 5.23's, the reference here, does not)")
+                    f"(pre-rotated for its multimodal rope; 5.23's and later ones do not)")
     if kind == "hy-v4":
         from transformers.models.hy_v4 import modeling_hy_v4
         if "apply_rotary_pos_emb_interleave" not in inspect.getsource(modeling_hy_v4):
