@@ -25,7 +25,8 @@ except ImportError:  # transformers 4.x
 from nanoinfer.utils import default_model
 
 # A declared dependency, but images with torch preinstalled may lack it: then only GGUF checkpoints are unusable
-# (test_gguf_needs_the_gguf_package checks that), and these tests and those importing from here skip.
+# (test_errors.py's test_only_gguf_checkpoints_need_the_gguf_package checks that), and these tests and those
+# importing from here skip.
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed: GGUF files cannot be read")
 from nanoinfer.utils.gguf_loader import (iter_gguf_weights, load_gguf_config, load_gguf_tokenizer,
                                          resolve_gguf, unpermute_qk)
