@@ -2,20 +2,24 @@
 enough to preempt, step budgets small enough to chunk, prefix caching on and off, n-gram drafts; requests with shared
 prefixes, greedy and seeded sampling (n > 1, top-k/p, min-p, penalties, min_tokens, stop ids, logprobs). Every
 completion's tokens, finish reason and sampled-token logprobs equal the plain run's, on a second pass (prefix hits)
-too. The targeted tests take these features one or two at a time; this one takes them together."""
+too. The targeted tests take these features one or two at a time; this one takes them together. On CUDA (marked,
+skipped without a GPU) the same, with the Triton backend and, where the model takes them, decode graphs."""
 import random
 
 import pytest
+import torch
 
 from nanoinfer import LLM, SamplingParams
 
 MAX_MODEL_LEN = 160
 CONFIGS_PER_KIND = 12
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda,
+                                   pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])
 
 
 def draw_prompts(rng: random.Random, fewest: int) -> list[list[int]]:
-    """`fewest` to 6 prompts: copies of one base prompt, the base cut short and extended, a stretch of it repeated (which
-    n-gram drafts find), or prompts of their own."""
+    """`fewest` to 6 prompts: copies of one base prompt, the base cut short and extended, a stretch of it repeated
+    (which n-gram drafts find), or prompts of their own."""
     base = [rng.randrange(5, 440) for _ in range(rng.randint(1, 70))]
     prompts = []
     for _ in range(rng.randint(fewest, 6)):
@@ -86,23 +90,27 @@ def assert_same(got: list[tuple], want: list[tuple], where: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3-next", "gemma3", "deepseek-v3"])
-def test_random_schedules_match_a_plain_run(kind, model_dir):
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_random_schedules_match_a_plain_run(device, kind, model_dir, monkeypatch):
     """qwen3: plain attention; qwen3-next: recurrent state beside the KV cache; gemma3: sliding-window layers;
     deepseek-v3: MLA's latent cache. Across a kind's configurations, preemption, prefix hits, chunked prefill and
     drafts each happen where the engine offers them (asserted; a model with recurrent state has neither prefix
     caching nor drafts), so the test cannot pass on a net that caught nothing."""
     d = str(model_dir(kind))
     rng = random.Random(kind)
+    engine = dict(device=device, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    if device == "cuda":  # fp32 means fp32: cuDNN's convolutions (Qwen3-Next's) take TF32 by default
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+        engine["attention_backend"] = "triton"
     preemptions = cached = chunked = drafts = caching_offered = drafts_offered = 0
-    with LLM(d, device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False,
-             num_kvcache_blocks=400, max_num_batched_tokens=4096) as plain:
+    with LLM(d, **engine, enable_prefix_caching=False, num_kvcache_blocks=400, max_num_batched_tokens=4096) as plain:
         for round_ in range(CONFIGS_PER_KIND):
             tight, with_drafts = round_ % 3 == 0, round_ % 2 == 1
             prompts = draw_prompts(rng, fewest=4 if tight else 2)
             params = [draw_params(rng, seed=1000 + i) for i in range(len(prompts))]
             config = draw_config(rng, tight, with_drafts)
             want = completions(plain.generate(prompts, params, use_tqdm=False))
-            with LLM(d, device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, **config) as llm:
+            with LLM(d, **engine, **config) as llm:
                 for pass_ in range(2):
                     outputs = llm.generate(prompts, params, use_tqdm=False)
                     assert_same(completions(outputs), want, f"{kind}, round {round_}, pass {pass_}, {config}")
