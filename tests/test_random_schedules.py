@@ -121,6 +121,5 @@ def test_random_schedules_match_a_plain_run(device, kind, model_dir, monkeypatch
                 caching_offered += scheduler.block_manager.enable_prefix_caching
                 drafts_offered += scheduler.proposer is not None
             chunked += any(len(p) > config["max_num_batched_tokens"] for p in prompts)
-    caught = dict(preemptions=preemptions, chunked=chunked, cached=cached if caching_offered else 1,
-                  drafts=drafts if drafts_offered else 1)
-    assert min(caught.values()) > 0, caught
+    caught = dict(preemptions=preemptions, chunked=chunked, cached=cached, drafts=drafts)
+    assert preemptions and chunked and (cached or not caching_offered) and (drafts or not drafts_offered), caught
