@@ -27,7 +27,9 @@ case "$PART" in all|tests|cuda|bench|cpu) ;; *) echo "usage: $0 [all|tests|cuda|
 OUT=${OUT:-$PWD/gpu-check}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
-rm -f "$OUT"/*.rc "$OUT"/cpu.skipped  # a default ./gpu-check keeps an earlier run's: its parts must not count as run
+# The device tool brings back at most 8 files from $OUT: this call's logs (7 at most) and env.txt. Exit codes and
+# notes go to a scratch folder of this call's own, so an earlier run's in a default ./gpu-check cannot count as run.
+STATE=$(mktemp -d)
 export PYTHONPATH=$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NANOINFER_CACHE=${NANOINFER_CACHE:-/tmp/nanoinfer-cache}
 DEADLINE=$(( SECONDS + ${TOTAL_LIMIT:-570} ))
@@ -73,7 +75,7 @@ run_tests() {
   limit=$(budget "$2")
   shift 2
   timeout -k 10 "$limit" "${PYTEST[@]}" "$@" > "$OUT/$name.log" 2> "$OUT/$name.live"
-  echo "$?" > "$OUT/$name.rc"
+  echo "$?" > "$STATE/$name.rc"
 }
 
 # run_cpu_tests LIMIT: the suite but the CUDA tests, one thread per worker (more threads than cores stall torch's
@@ -101,16 +103,16 @@ fi
 [ -n "$cpu_pid" ] && wait "$cpu_pid"
 if [ "$PART" = all ] || [ "$PART" = bench ]; then
   timeout -k 10 "$(budget "${ATTN_LIMIT:-60}")" $PY benchmarks/attention.py > "$OUT/attention.log" 2>&1
-  echo "$?" > "$OUT/attention.rc"
+  echo "$?" > "$STATE/attention.rc"
   timeout -k 10 "$(budget "$BENCH_LIMIT")" $PY bench.py --device cuda --compare-hf --profile \
     --time-limit "$RUN_LIMIT" --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
-  echo "$?" > "$OUT/bench.rc"
+  echo "$?" > "$STATE/bench.rc"
 fi
-if [ "$want_cpu" = 1 ] && [ ! -f "$OUT/cpu.rc" ]; then  # without workers: in one process, with the time left
+if [ "$want_cpu" = 1 ] && [ ! -f "$STATE/cpu.rc" ]; then  # without workers: in one process, with the time left
   if [ $(( DEADLINE - SECONDS )) -gt 40 ]; then
     run_cpu_tests "$(( DEADLINE - SECONDS ))"
   else
-    echo "no time left for the rest of the suite: run scripts/gpu_check.sh cpu" > "$OUT/cpu.skipped"
+    echo "no time left for the rest of the suite: run scripts/gpu_check.sh cpu" > "$STATE/cpu.skipped"
   fi
 fi
 
@@ -118,9 +120,9 @@ fi
 echo "== environment"
 cat "$OUT/env.txt"
 for name in cuda cpu; do
-  [ -f "$OUT/$name.rc" ] || continue
+  [ -f "$STATE/$name.rc" ] || continue
   live=$OUT/$name.live
-  echo "== $name tests: exit $(cat "$OUT/$name.rc") (124: cut at its time limit) |" \
+  echo "== $name tests: exit $(cat "$STATE/$name.rc") (124: cut at its time limit) |" \
     "$(grep -E '^[0-9]+ (passed|failed|skipped|errors?|deselected)|no tests ran' "$OUT/$name.log" | tail -n 1)"
   for outcome in PASSED FAILED SKIPPED ERROR; do
     printf '%s %s  ' "$outcome" "$(grep -c "^\[[0-9:]*\] $outcome " "$live")"
@@ -140,13 +142,13 @@ for name in cuda cpu; do
     echo "$table" | grep bf16 | awk -F': ' '{print $NF "  " $0}' | sort -gr | head -n 4 | cut -d' ' -f3-
   fi
 done
-[ -f "$OUT/cpu.skipped" ] && cat "$OUT/cpu.skipped"
-if [ -f "$OUT/attention.rc" ]; then
-  echo "== benchmarks/attention.py: exit $(cat "$OUT/attention.rc") (124: cut at its time limit)"
+[ -f "$STATE/cpu.skipped" ] && cat "$STATE/cpu.skipped"
+if [ -f "$STATE/attention.rc" ]; then
+  echo "== benchmarks/attention.py: exit $(cat "$STATE/attention.rc") (124: cut at its time limit)"
   tail -n 12 "$OUT/attention.log"
 fi
-if [ -f "$OUT/bench.rc" ]; then
-  echo "== bench: exit $(cat "$OUT/bench.rc") (124: cut at its time limit)"
+if [ -f "$STATE/bench.rc" ]; then
+  echo "== bench: exit $(cat "$STATE/bench.rc") (124: cut at its time limit)"
   grep -E '^(model:|nano-vllm|greedy|decode|device-to|engine|KV cache)' "$OUT/bench.log"
   if grep -q '^| measure' "$OUT/bench.log"; then sed -n '/^| measure/,$p' "$OUT/bench.log"; else tail -n 25 "$OUT/bench.log"; fi
 fi
