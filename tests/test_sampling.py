@@ -407,7 +407,7 @@ def test_penalty_counts_follow_the_tokens_across_preemption_and_n(llama_dir, mon
     monkeypatch.setattr(PenaltyCache, "gather", checking_gather)
     monkeypatch.setattr(PenaltyCache, "_claim", counting_claim)
     llm = LLM(str(llama_dir), max_model_len=96, num_kvcache_blocks=12, max_num_batched_tokens=24,
-              kvcache_block_size=8, max_num_seqs=6)
+              kvcache_block_size=8, max_num_seqs=6, device="cpu")
     prompts = random_prompts(12, 5, 30, 10, 40, seed=42)  # a narrow id range: repeats in prompt and output
     params = SamplingParams(n=2, temperature=0.8, repetition_penalty=1.5, frequency_penalty=0.4, max_tokens=20,
                             ignore_eos=True, seed=3)
