@@ -30,6 +30,7 @@ mkdir -p "$OUT"
 # The device tool brings back at most 8 files from $OUT: this call's logs (7 at most) and env.txt. Exit codes and
 # notes go to a scratch folder of this call's own, so an earlier run's in a default ./gpu-check cannot count as run.
 STATE=$(mktemp -d)
+trap 'rm -rf "$STATE"' EXIT
 export PYTHONPATH=$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NANOINFER_CACHE=${NANOINFER_CACHE:-/tmp/nanoinfer-cache}
 DEADLINE=$(( SECONDS + ${TOTAL_LIMIT:-570} ))
