@@ -7,11 +7,13 @@ without a GPU. Not part of the suite (it would double CI's time); run by hand af
 
 Subprocesses (tensor-parallel workers, the interpreted-Triton runs) see the real, CPU-only torch."""
 import os
+import tempfile
 import traceback
 
 import torch
 
-LOG = os.environ.get("AS_GPU_MACHINE_LOG", "cuda-init.log")
+# A stack is logged as well as raised: code that catches the error (a try around a capability query) would hide it.
+LOG = os.environ.get("AS_GPU_MACHINE_LOG", os.path.join(tempfile.gettempdir(), "nanoinfer-cuda-init.log"))
 _test = "<collection>"
 
 # The CPU build has no CUDA runtime: claiming a device only changes what device="auto", dtype="auto" and the
