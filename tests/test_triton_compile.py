@@ -133,15 +133,24 @@ def test_attention_kernel_compiles_for_sm90(dtype, group, head_dim, config, flag
 H100_SHARED_MEMORY = 227 << 10  # per block, opt-in: more and the launch raises OutOfResources
 
 
+# (dtype, query heads per KV head, head dim): fp32 tiles 256 wide once took 256 KB, at 64 rows, and a group of over 32
+# heads (multi-query attention) asked for 64 rows again; the largest groups of 16-bit tiles up to 128 rows.
+FIT_CASES = [("fp32", 4, 256), ("fp32", 4, 160), ("bf16", 4, 256), ("fp32", 4, 384), ("fp32", 64, 256),
+             ("fp32", 40, 160), ("fp32", 128, 128), ("bf16", 64, 256), ("bf16", 128, 128)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype, itemsize, head_dim", [("fp32", 4, 256), ("fp32", 4, 160), ("bf16", 2, 256),
-                                                       ("fp32", 4, 384)])
-def test_prefill_tiles_fit_the_h100_shared_memory(dtype, itemsize, head_dim):
-    """Every head dim up to the backend's limit, in every dtype, launches on an H100 (fp32 tiles 256 wide once
-    took 256 KB)."""
-    config = ta.prefill_config(4, head_dim, itemsize, 1024)
-    kernel = compile_attention(dtype, 4, head_dim, config, DECODE=False, PAGED=True, CAUSAL=True, HAS_WINDOW=True,
-                               SPLIT=False)
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+@pytest.mark.parametrize("dtype, group, head_dim", FIT_CASES, ids=str)
+def test_tiles_fit_the_h100_shared_memory(dtype, group, head_dim, decode):
+    """Every head dim up to the backend's limit, in every dtype and with large groups, launches on an H100 with the
+    tiles the backend picks (a group larger than their rows split over programs)."""
+    itemsize = 4 if dtype == "fp32" else 2
+    config = ta.decode_config(group, head_dim, itemsize) if decode else ta.prefill_config(group, head_dim, itemsize,
+                                                                                           1024)
+    heads = ta.heads_per_program(group, config.block_m)
+    kernel = compile_attention(dtype, heads, head_dim, config, kv_split=group // heads, DECODE=decode, PAGED=True,
+                               CAUSAL=True, HAS_WINDOW=True, SPLIT=decode)
     assert kernel.metadata.shared <= H100_SHARED_MEMORY, (config, kernel.metadata.shared)
 
 

@@ -344,6 +344,20 @@ def test_wide_head_kernels(dtype, heads, kv_heads):
     assert err < TOLERANCE[dtype], f"prefill over this step's K/V: max error {err:.2e}"
 
 
+def test_large_fp32_group_of_wide_heads_splits_over_programs():
+    """fp32 heads of 160 (tiles 256 wide) in a group of 40 per KV head (multi-query attention): the tiles the backend
+    picks hold 32 rows, which an H100's shared memory takes, so the group splits into 2 programs of 20 heads, over
+    the paged cache and in decode, whole and split, against float64 attention."""
+    heads, kv_heads, head_dim = 80, 2, 160
+    config = triton_attention.decode_config(heads // kv_heads, head_dim, 4)
+    assert (config.block_m, triton_attention.heads_per_program(heads // kv_heads, config.block_m)) == (32, 20)
+    g = torch.Generator().manual_seed(heads + head_dim)
+    contexts, q_lens = [21, 3], [5, 3]
+    k_cache, v_cache, tables, keys, values = paged_cache(contexts, kv_heads, head_dim, 16, torch.float32, g)
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g)
+    _check_paged_prefill_and_decode(q, k_cache, v_cache, tables, keys, values, q_lens, head_dim ** -0.5)
+
+
 def test_decode_segments_really_split():
     """The 150-token context over 5 segments of 32-key tiles fills all 5 partial rows; the 17-token one fits in
     the first segment and leaves the others empty (max -inf, sum 0). The most segments give the same output."""

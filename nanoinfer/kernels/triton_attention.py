@@ -255,17 +255,31 @@ def wide_config(itemsize: int, prefill: bool) -> TileConfig:
     return TileConfig(32, 32, 8, 2) if prefill else TileConfig(16, 32, 4, 2)
 
 
+# fp32 tiles wider than 128 (head_dim 129 to 256) take 256 KB of shared memory at 64 rows (Triton 3.7.1, sm_90), more
+# than an H100 has (227 KB): the launch fails. At 32 rows they take 136 KB (prefill) or 160 KB (decode).
+FP32_WIDE_ROWS = 32
+
+
+def _fp32_wide(head_dim: int, itemsize: int) -> bool:
+    return itemsize == 4 and _block_d(head_dim) > 128
+
+
+def _group_rows(group: int, head_dim: int, itemsize: int) -> int:
+    """Rows for one token's whole group of query heads (at least 16, for tl.dot); fp32 tiles wider than 128 hold at
+    most FP32_WIDE_ROWS, and a larger group is split over programs (heads_per_program)."""
+    rows = max(16, triton.next_power_of_2(group))
+    return min(rows, FP32_WIDE_ROWS) if _fp32_wide(head_dim, itemsize) else rows
+
+
 def prefill_config(group: int, head_dim: int, itemsize: int, max_seqlen_q: int) -> TileConfig:
     """Large query tiles for long prompts (the shapes of Triton's fused-attention tutorial on an H100), small
     ones for short chunks; always at least one token's whole group (but for wide heads, see WIDE_BLOCK_D)."""
     if _block_d(head_dim) >= WIDE_BLOCK_D:
         return wide_config(itemsize, prefill=True)
     wide = head_dim <= 128 and itemsize == 2
-    # fp32 past head_dim 128 (256-wide tiles) takes 256 KB of shared memory at 64 query rows (Triton 3.7.1, sm_90),
-    # more than an H100 has (227 KB): the launch fails. At 32 rows it takes 136 KB.
-    top = 128 if wide else 32 if itemsize == 4 and _block_d(head_dim) > 128 else 64
+    top = 128 if wide else FP32_WIDE_ROWS if _fp32_wide(head_dim, itemsize) else 64
     block_m = min(top, max(16, triton.next_power_of_2(max_seqlen_q * group)))
-    block_m = max(block_m, triton.next_power_of_2(group))
+    block_m = max(block_m, _group_rows(group, head_dim, itemsize))
     # 8 warps from a 128 x 128 fp32 accumulator up: with 4, ptxas spills registers (seen for head_dim 256).
     warps = 8 if block_m * _block_d(head_dim) >= 128 * 128 else 4
     return TileConfig(block_m, 64 if wide else 32, warps, 3 if wide else 2)
@@ -276,7 +290,7 @@ def decode_config(group: int, head_dim: int, itemsize: int) -> TileConfig:
     if _block_d(head_dim) >= WIDE_BLOCK_D:
         return wide_config(itemsize, prefill=False)
     wide = head_dim <= 128 and itemsize == 2
-    return TileConfig(max(16, triton.next_power_of_2(group)), 64 if wide else 32, 4, 2)
+    return TileConfig(_group_rows(group, head_dim, itemsize), 64 if wide else 32, 4, 2)
 
 
 def heads_per_program(group: int, block_m: int) -> int:
