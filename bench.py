@@ -286,12 +286,19 @@ def run_hf(model: str, prompts: list[list[int]], out_lens: list[int], batch_size
     return dict(wall=time.perf_counter() - t0, outputs=outputs, cache=cache or "dynamic")
 
 
-def nano_vllm_workload(num_seqs: int, max_input_len: int, max_output_len: int) -> tuple[list[list[int]], list[int]]:
+def nano_vllm_workload(num_seqs: int, max_input_len: int, max_output_len: int,
+                       seed: int = 0) -> tuple[list[list[int]], list[int]]:
     """Prompts and max_tokens drawn as nano-vllm's bench.py draws them after seed(0): each prompt's length, then its
     tokens, prompt after prompt; then each request's max_tokens. Random(0) draws what seed(0) + randint draw."""
-    rng = random.Random(0)
+    rng = random.Random(seed)
     prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, max_input_len))] for _ in range(num_seqs)]
     return prompts, [rng.randint(100, max_output_len) for _ in range(num_seqs)]
+
+
+def greedy_prompts(work: GPUWorkload) -> list[list[int]]:
+    """--compare-hf's prompts, drawn as the benchmark's after seed(1): not its first ones (seed 0's), which the
+    engine's prefix cache still holds when the greedy run comes, and transformers' generate has no such cache."""
+    return nano_vllm_workload(work.greedy_seqs, work.max_input_len, work.max_output_len, seed=1)[0]
 
 
 def sync(device: torch.device) -> None:
@@ -400,7 +407,7 @@ def main_gpu(args: argparse.Namespace, device: torch.device) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"model: {model} | device: {name} | torch {torch.__version__}{' | dry run (toy sizes)' if args.dry_run else ''}")
     prompts, max_tokens = nano_vllm_workload(work.num_seqs, work.max_input_len, work.max_output_len)
-    greedy = nano_vllm_workload(work.greedy_seqs, work.max_input_len, work.max_output_len)[0]
+    greedy = greedy_prompts(work)
     result: dict = dict(model=model, device=name, torch=torch.__version__, args=vars(args))
     rows = [("device", f"{name}, torch {torch.__version__}")]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # transformers' (the engine's: its "auto")

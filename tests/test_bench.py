@@ -34,3 +34,14 @@ def test_cpu_bench_profiles_and_compares_with_transformers(qwen3_dir, tmp_path):
 def test_cuda_bench_code_runs_at_toy_size_on_cpu():
     proc = run_bench("--dry-run", "--device", "cpu")
     assert "nano-vllm workload" in proc.stdout and "output tok/s" in proc.stdout
+
+
+def test_cuda_greedy_comparison_misses_the_prefix_cache(monkeypatch):
+    """--compare-hf's greedy prompts share no first KV block with the benchmark's, which the engine's prefix cache
+    still holds when they run (transformers has no such cache)."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    import bench
+    work = bench.GPUWorkload()
+    runs = bench.nano_vllm_workload(work.num_seqs, work.max_input_len, work.max_output_len)[0]
+    first_blocks = {tuple(p[:16]) for p in runs}
+    assert not any(tuple(p[:16]) in first_blocks for p in bench.greedy_prompts(work))
