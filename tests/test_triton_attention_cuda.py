@@ -145,3 +145,32 @@ def test_engine_matches_hf_on_the_gpu(qwen3_dir, captured_logits):
         outputs = llm.generate(prompts, greedy, use_tqdm=False)
     worst = check_against_hf(outputs, hf_greedy(qwen3_dir, prompts, 16), captured_logits)
     assert worst < 1e-3, f"max |logit diff| {worst:.2e}"
+
+
+def compiled_variants() -> dict[str, int]:
+    """How many variants of each of the engine's Triton kernels are compiled, over every device."""
+    from triton.runtime.jit import JITFunction
+
+    from nanoinfer.kernels import triton_attention, triton_kvcache, triton_layers, triton_sampling
+    return {name: sum(len(caches[0]) for caches in fn.device_caches.values())
+            for module in (triton_attention, triton_kvcache, triton_layers, triton_sampling)
+            for name, fn in vars(module).items() if isinstance(fn, JITFunction)}
+
+
+def test_no_kernel_compiles_while_requests_are_served(qwen3_dir):
+    """Start-up (the runner's compile steps and the decode graphs' capture) compiles every Triton variant that
+    serving needs, in bf16 as served: fresh prompts, prefix hits, chunks of every length up to the 64-token budget,
+    steps mixing chunks with decode rows, greedy and seeded temperature sampling. A variant compiled mid-run costs
+    about a second on a cold Triton cache."""
+    shared = random_prompts(1, 5, 440, 40, 40, seed=3)[0]
+    prompts = [shared + tail for tail in random_prompts(4, 5, 440, 1, 60, seed=4)] + random_prompts(6, 5, 440, 2, 200,
+                                                                                                    seed=5)
+    params = [SamplingParams(temperature=t, max_tokens=24, ignore_eos=True, seed=i)
+              for i, t in enumerate([0.0, 0.6] * 5)]
+    with LLM(str(qwen3_dir), device="cuda", dtype="bfloat16", attention_backend="triton", max_model_len=256,
+             max_num_batched_tokens=64) as llm:
+        before = compiled_variants()
+        for _ in range(2):  # the second time with prefix-cache hits
+            llm.generate(prompts, params, use_tqdm=False)
+    after = compiled_variants()
+    assert after == before, {name: (before.get(name, 0), n) for name, n in after.items() if n != before.get(name, 0)}

@@ -28,8 +28,8 @@ from nanoinfer.layers.attention.selector import resolve_device
 from nanoinfer.layers.fused_moe import FusedMoE
 from nanoinfer.layers.recurrent import RecurrentLayer
 from nanoinfer.layers.rotary_embedding import shared_rope_tables
-from nanoinfer.layers.sampler import (Penalties, Sampler, SamplerOutput, SamplingMetadata, noise_keys, top_logprobs,
-                                      verify_drafts)
+from nanoinfer.layers.sampler import (Penalties, Sampler, SamplerOutput, SamplingMetadata, exponential_noise,
+                                      noise_keys, top_logprobs, verify_drafts)
 from nanoinfer.lora.model import LoRAModel
 from nanoinfer.lora.slots import LoRAMapping, LoRASlots
 from nanoinfer.models.registry import get_model_class, is_classifier, is_encoder
@@ -127,6 +127,9 @@ class ModelRunner:
                                       if config.enable_lora else None)
         self.num_state_slots, state_bytes = self._allocate_state_cache()
         self.num_kvcache_blocks = self._allocate_kv_cache(state_bytes)
+        if (self.device.type == "cuda" and config.attention_backend == "triton" and self.generates
+                and not self.num_state_slots):  # (a dummy step's recurrent state would need a slot of its own)
+            self._compile_kernels()
         self.graph_runner = self._capture_graphs()
         self.sampler = Sampler()
         self.seeds = random.Random(config.seed)  # the noise seeds of requests without one
@@ -258,23 +261,47 @@ class ModelRunner:
         were sampled or owed prompt logprobs, and their log-softmax and ranks (what logprobs compute from them)."""
         c = self.config
         lengths = warm_up_lengths(c.max_num_batched_tokens, c.max_num_seqs, c.max_model_len)
-        seqs = [Sequence([0] * n, SamplingParams(temperature=0), self.block_size) for n in lengths]
+        logits = self._dummy_step(lengths, all_logits=True)
+        if logits is not None:
+            top_logprobs(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device), 1)
+
+    def _compile_kernels(self) -> None:
+        """Triton compiles a kernel variant the first time a step needs it (about a second each, until its disk cache
+        holds it): a small prefill step for each query-tile height of the Triton attention (prefill_tile_lengths),
+        over a cached prefix and over none, and the sampler's noise, compile them at start-up rather than while
+        requests are served. The decode graphs' warm-up compiles decode's (eager decode, without graphs, still
+        compiles its own on first use)."""
+        c = self.config
+        groups = {a.num_heads // a.num_kv_heads for a in self._attention_layers()}
+        budget = min(c.max_num_batched_tokens, c.max_model_len - 1)  # - 1: room for a cached token
+        lengths = {n for g in groups for n in self.backend.kernels.prefill_tile_lengths(g) if n <= budget}
+        logits = None
+        for new in sorted(lengths):
+            for cached in (0, 1):
+                logits = self._dummy_step([new], cached, all_logits=True)
+        if logits is not None:  # on rank 0, which alone samples
+            exponential_noise(torch.zeros(1, 2, dtype=torch.long, device=self.device), logits.shape[-1])
+
+    def _dummy_step(self, lengths: list[int], cached: int = 0, all_logits: bool = False) -> torch.Tensor | None:
+        """A step of prompts of `lengths` new tokens, each after `cached` tokens taken as stored, every block of them
+        block 0 (no sequence's yet: what it holds is never read); the logits of every row with all_logits. Every rank
+        runs it alike (nothing to broadcast); the logits are gathered on rank 0."""
+        seqs = [Sequence([0] * (cached + n), SamplingParams(temperature=0), self.block_size) for n in lengths]
         for seq in seqs:
+            seq.num_computed_tokens = cached
             seq.block_table = [0] * seq.num_blocks
         batch = ScheduledBatch(seqs, lengths)
         input_ids, positions, meta, _ = self.prepare(batch, batch.samples)
         # A one-token budget makes a step of one 1-token prompt, which backends take for a decode over the cache
         # that does not exist yet; attending non-causally over this step's one key is the same attention.
-        if meta.is_decode:
+        if meta.is_decode and not cached:
             meta.causal = False
-        step = (input_ids, positions, meta, list(range(sum(lengths))))
+        step = (input_ids, positions, meta, list(range(sum(lengths))) if all_logits else [])
         if self.lora is not None:  # every token through an adapter: the LoRA products' temporaries count too
             step += (self.lora.warm_up_mapping(sum(lengths)),)
-        # Every rank warms up alike (nothing to broadcast); the logits are gathered on rank 0.
         logits = self.execute(*step)
-        if logits is not None:
-            top_logprobs(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device), 1)
         self.input_batch.remove([seq.seq_id for seq in seqs])
+        return logits
 
     def model_capturable(self) -> bool:
         """Whether this model's decode forward can be captured in a graph: not for classifiers, which never decode,

@@ -51,7 +51,9 @@ def _tanh(x):
     return tl.where(x < 0, -t, t)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # a loop bound in _find_seq: must stay a tensor, even when 1
+# num_seqs: a loop bound in _find_seq, must stay a tensor, even when 1. stride_bt: the step's block-table width, which
+# Triton would otherwise specialize (1, a multiple of 16, neither), compiling new variants while requests are served.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, block_tables_ptr,
                       context_lens_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, qk_scale, cap_scale, window, chunk,
                       num_seqs,
@@ -283,6 +285,12 @@ def prefill_config(group: int, head_dim: int, itemsize: int, max_seqlen_q: int) 
     # 8 warps from a 128 x 128 fp32 accumulator up: with 4, ptxas spills registers (seen for head_dim 256).
     warps = 8 if block_m * _block_d(head_dim) >= 128 * 128 else 4
     return TileConfig(block_m, 64 if wide else 32, warps, 3 if wide else 2)
+
+
+def prefill_tile_lengths(group: int) -> list[int]:
+    """The fewest new tokens (a step's max_seqlen_q, from 2: one is a decode step) that give each query tile height
+    prefill_config picks for this group: steps of these lengths launch every prefill tile shape."""
+    return sorted({2} | {rows // group + 1 for rows in (16, 32, 64)})
 
 
 def decode_config(group: int, head_dim: int, itemsize: int) -> TileConfig:
