@@ -252,3 +252,15 @@ def test_sampling_kernel_compiles_for_sm90():
                             dict(keys_ptr="*i64", out_ptr="*fp32", vocab="i32"), dict(BLOCK=1024),
                             aligned=("keys_ptr", "out_ptr", "vocab"), num_warps=4)
     assert "st.global" in kernel.asm["ptx"] and stack_bytes(kernel.asm["cubin"]) == 0
+
+
+def test_prefill_tile_lengths_reach_every_tile_shape():
+    """Start-up compiles prefill with these numbers of new tokens (ModelRunner._compile_kernels): for every group,
+    head width and dtype, each step length up to 300 gets the tile shape of one of them at most as long."""
+    for group in range(1, 70):
+        lengths = ta.prefill_tile_lengths(group)
+        for head_dim, itemsize in [(128, 2), (80, 2), (256, 2), (64, 4), (256, 4), (512, 2)]:
+            for new in range(2, 300):
+                config = ta.prefill_config(group, head_dim, itemsize, new)
+                assert any(ta.prefill_config(group, head_dim, itemsize, n) == config for n in lengths if n <= new), (
+                    group, head_dim, itemsize, new)

@@ -284,8 +284,8 @@ class ModelRunner:
 
     def _dummy_step(self, lengths: list[int], cached: int = 0, all_logits: bool = False) -> torch.Tensor | None:
         """A step of prompts of `lengths` new tokens, each after `cached` tokens taken as stored, every block of them
-        block 0 (no sequence's yet: what it holds is never read); the logits of every row with all_logits. Every rank
-        runs it alike (nothing to broadcast); the logits are gathered on rank 0."""
+        block 0 (no sequence's yet: what the step reads and writes there matters to none); the logits of every row
+        with all_logits. Every rank runs it alike (nothing to broadcast); the logits are gathered on rank 0."""
         seqs = [Sequence([0] * (cached + n), SamplingParams(temperature=0), self.block_size) for n in lengths]
         for seq in seqs:
             seq.num_computed_tokens = cached

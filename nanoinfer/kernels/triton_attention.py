@@ -290,7 +290,7 @@ def prefill_config(group: int, head_dim: int, itemsize: int, max_seqlen_q: int) 
 def prefill_tile_lengths(group: int) -> list[int]:
     """The fewest new tokens (a step's max_seqlen_q, from 2: one is a decode step) that give each query tile height
     prefill_config picks for this group: steps of these lengths launch every prefill tile shape."""
-    return sorted({2} | {rows // group + 1 for rows in (16, 32, 64)})
+    return sorted({2, *(max(2, rows // group + 1) for rows in (16, 32, 64))})
 
 
 def decode_config(group: int, head_dim: int, itemsize: int) -> TileConfig:
