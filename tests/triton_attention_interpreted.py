@@ -560,13 +560,13 @@ class LaunchRecorder:
         return launch
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "mistral"])
+@pytest.mark.parametrize("kind", ["qwen3", "mistral", "deepseek-v3"])
 def test_start_up_compiles_the_prefill_variants_a_workload_launches(kind, model_dir, captured_logits, monkeypatch):
     """On CUDA the runner's start-up runs _compile_kernels, so that Triton compiles no attention variant while
     requests are served: every prefill launch of a workload of fresh prompts, prefix hits, chunks of every length up
     to the 24-token budget and mixed batches has the constants of a launch the start-up made (qwen3: 2 query heads
-    per KV head; mistral: 4, and a window); and outputs still equal transformers' after it (its dummy steps leave
-    nothing behind)."""
+    per KV head; mistral: 4, and a window; deepseek-v3: MLA, chunks over short prefixes decompressed, over long
+    ones absorbed); and outputs still equal transformers' after it (its dummy steps leave nothing behind)."""
     recorder = LaunchRecorder(triton_attention._attention_kernel)
     monkeypatch.setattr(triton_attention, "_attention_kernel", recorder)
     d = model_dir(kind)

@@ -268,16 +268,17 @@ class ModelRunner:
     def _compile_kernels(self) -> None:
         """Triton compiles a kernel variant the first time a step needs it (about a second each, until its disk cache
         holds it): a small prefill step for each query-tile height of the Triton attention (prefill_tile_lengths),
-        over a cached prefix and over none, and the sampler's noise, compile them at start-up rather than while
-        requests are served. The decode graphs' warm-up compiles decode's (eager decode, without graphs, still
-        compiles its own on first use)."""
+        over no cached prefix, a short one and the longest, and the sampler's noise, compile them at start-up rather
+        than while requests are served. (MLA attends a chunk over a short prefix decompressed, one head per KV head,
+        and over a long one absorbed into its latent cache, all heads on one.) The decode graphs' warm-up compiles
+        decode's (eager decode, without graphs, still compiles its own on first use)."""
         c = self.config
-        groups = {a.num_heads // a.num_kv_heads for a in self._attention_layers()}
+        groups = {1} | {a.num_heads // a.num_kv_heads for a in self._attention_layers()}
         budget = min(c.max_num_batched_tokens, c.max_model_len - 1)  # - 1: room for a cached token
         lengths = {n for g in groups for n in self.backend.kernels.prefill_tile_lengths(g) if n <= budget}
         logits = None
         for new in sorted(lengths):
-            for cached in (0, 1):
+            for cached in sorted({0, 1, c.max_model_len - new}):
                 logits = self._dummy_step([new], cached, all_logits=True)
         if logits is not None:  # on rank 0, which alone samples
             exponential_noise(torch.zeros(1, 2, dtype=torch.long, device=self.device), logits.shape[-1])
