@@ -16,8 +16,9 @@
 # cannot load). To run them, carry its wheel. Once, here: `echo /.whl/ >> .git/info/exclude; pip download --no-deps
 # --only-binary=:all: -d .whl gguf==0.19.0`; then call the device with carry [".whl"]: this script installs
 # .whl/*.whl into /tmp/site (gguf's own needs, numpy, pyyaml, requests and tqdm, are on that image).
-# Estimated for an H100, not measured (nothing here has run on one yet): the CUDA tests 4-6 min (the first
-# compilation of ~100 Triton kernel variants, ~150 engines, many with graph capture, transformers references); the
+# Estimated for an H100, not measured (nothing here has run on one yet): the CUDA tests 5-8 min (the first
+# compilation of a few hundred Triton kernel variants, as each model shape's engine compiles its prefill and decode
+# variants at start-up; ~150 engines, many with graph capture; transformers references); the
 # rest of the suite ~26 min of one 2-core machine here, so about 3-4 min on 12 workers; the benchmarks 3-4 min at
 # these limits. Whatever a part leaves unfinished, a second call with that part alone (`cuda`, `cpu`, `bench`) runs.
 set -uo pipefail
