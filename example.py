@@ -9,7 +9,7 @@ from nanoinfer.utils.default_model import default_model_path
 
 def main() -> None:
     model = sys.argv[1] if len(sys.argv) > 1 else str(default_model_path())
-    llm = LLM(model, max_model_len=1024, tensor_parallel_size=int(os.environ.get("WORLD_SIZE", "1")))
+    llm = LLM(model, tensor_parallel_size=int(os.environ.get("WORLD_SIZE", "1")))
     questions = [
         "What is the capital of France?",
         "Give me three tips for writing readable Python.",
