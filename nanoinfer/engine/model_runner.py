@@ -271,7 +271,7 @@ class ModelRunner:
         over no cached prefix, a short one and the longest, and the sampler's noise, compile them at start-up rather
         than while requests are served. (MLA attends a chunk over a short prefix decompressed, one head per KV head,
         and over a long one absorbed into its latent cache, all heads on one.) The decode graphs' warm-up compiles
-        decode's (eager decode, without graphs, still compiles its own on first use)."""
+        decode's (eager decode, without graphs, and LLM.embed's non-causal pass still compile theirs on first use)."""
         c = self.config
         groups = {1} | {a.num_heads // a.num_kv_heads for a in self._attention_layers()}
         budget = min(c.max_num_batched_tokens, c.max_model_len - 1)  # - 1: room for a cached token
