@@ -268,18 +268,22 @@ class ModelRunner:
     def _compile_kernels(self) -> None:
         """Triton compiles a kernel variant the first time a step needs it (about a second each, until its disk cache
         holds it): a small prefill step for each query-tile height of the Triton attention (prefill_tile_lengths),
-        over no cached prefix, a short one and the longest, and the sampler's noise, compile them at start-up rather
-        than while requests are served. (MLA attends a chunk over a short prefix decompressed, one head per KV head,
-        and over a long one absorbed into its latent cache, all heads on one.) The decode graphs' warm-up compiles
-        decode's (eager decode, without graphs, and LLM.embed's non-causal pass still compile theirs on first use)."""
+        over no cached prefix and over one, and the sampler's noise, compile them at start-up rather than while
+        requests are served. The decode graphs' warm-up compiles decode's (eager decode, without graphs, and
+        LLM.embed's non-causal pass still compile theirs on first use)."""
         c = self.config
-        groups = {1} | {a.num_heads // a.num_kv_heads for a in self._attention_layers()}
+        layers = self._attention_layers()
+        # MLA's latent cache: a chunk over a short prefix is attended decompressed, one head per KV head, and over a
+        # long one absorbed into the latent cache, all heads on one; each takes tiles of its own.
+        latent = any(a.value_prefix_dim for a in layers)
+        groups = {a.num_heads // a.num_kv_heads for a in layers} | ({1} if latent else set())
         budget = min(c.max_num_batched_tokens, c.max_model_len - 1)  # - 1: room for a cached token
-        lengths = {n for g in groups for n in self.backend.kernels.prefill_tile_lengths(g) if n <= budget}
+        lengths = sorted({n for g in groups for n in self.backend.kernels.prefill_tile_lengths(g) if n <= budget})
+        steps = [(new, cached) for new in lengths
+                 for cached in sorted({0, 1, c.max_model_len - new} if latent else {0, 1})]
         logits = None
-        for new in sorted(lengths):
-            for cached in sorted({0, 1, c.max_model_len - new}):
-                logits = self._dummy_step([new], cached, all_logits=True)
+        for new, cached in steps:  # the last one's logits tell the noise kernel the vocabulary
+            logits = self._dummy_step([new], cached, all_logits=(new, cached) == steps[-1])
         if logits is not None:  # on rank 0, which alone samples
             exponential_noise(torch.zeros(1, 2, dtype=torch.long, device=self.device), logits.shape[-1])
 
@@ -295,7 +299,7 @@ class ModelRunner:
         input_ids, positions, meta, _ = self.prepare(batch, batch.samples)
         # A one-token budget makes a step of one 1-token prompt, which backends take for a decode over the cache
         # that does not exist yet; attending non-causally over this step's one key is the same attention.
-        if meta.is_decode and not cached:
+        if meta.is_decode:
             meta.causal = False
         step = (input_ids, positions, meta, list(range(sum(lengths))) if all_logits else [])
         if self.lora is not None:  # every token through an adapter: the LoRA products' temporaries count too
