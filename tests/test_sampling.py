@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from transformers import AutoTokenizer, RepetitionPenaltyLogitsProcessor
+from transformers import AutoTokenizer, RepetitionPenaltyLogitsProcessor, TopKLogitsWarper
 
 from models import hf_forward_logits, load_hf_model, random_prompts
 from nanoinfer import LLM, RequestOutputKind, SamplingParams
@@ -109,6 +109,22 @@ def test_top_k_never_emits_tokens_outside_the_k_largest_and_reaches_all_of_them(
         probs = torch.softmax(base[row][sorted(allowed)], -1)
         assert float(probs.min()) > 0.015
         assert emitted == allowed, f"top_k={k}: never emitted {sorted(allowed - emitted)}"
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth_largest_as_transformers():
+    """The cut is by value, as transformers' TopKLogitsWarper and vLLM cut: bf16 logits (the LM head's on a GPU) tie
+    often, and a cut by rank kept whichever tied token the device's sort put first."""
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(4, 4096, generator=g) * 3).bfloat16().float()
+    ks = [1, 20, 50, 300]
+    ranked = logits.sort(-1, descending=True).values
+    assert [bool(row[k - 1] == row[k]) for row, k in zip(ranked, ks)] == [False, False, True, True]  # ties at the cut
+    for top_p in (None, torch.ones(4)):
+        warped = Sampler.warp(logits, SamplingMetadata(temperatures=torch.ones(4), top_k=torch.tensor(ks),
+                                                       top_p=top_p, all_greedy=False))
+        for row, k in enumerate(ks):
+            kept = TopKLogitsWarper(k)(None, logits[row:row + 1])[0].isfinite()
+            assert torch.equal(warped[row].isfinite(), kept), f"top_k={k}, top_p={top_p}"
 
 
 def test_top_p_never_emits_tokens_outside_the_smallest_set_reaching_p():

@@ -209,8 +209,10 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p:
     sorted_logits, order = logits.sort(-1, descending=True)
     if top_k is not None:
         use_k = (top_k > 0) & (top_k < vocab)
-        rank = torch.arange(vocab, device=logits.device)
-        drop = use_k.unsqueeze(1) & (rank >= top_k.unsqueeze(1))
+        # By value, as vLLM and transformers cut: every token tied with the k-th largest stays. bf16 logits tie
+        # often, and a cut by rank would keep whichever of them the device's sort happened to put first.
+        kth = sorted_logits.gather(-1, (top_k.clamp(1, vocab) - 1).unsqueeze(1))
+        drop = use_k.unsqueeze(1) & (sorted_logits < kth)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     if top_p is not None:
         probs = sorted_logits.softmax(-1)
