@@ -1,7 +1,8 @@
 """nanoinfer on a CUDA GPU against transformers on the same GPU: every family in fp32 token for token, bf16 up to
 genuine bf16 near-ties, prefix-cache hits, chunked prefill and preemption, the KV cache sized from free memory,
 and GPU memory given back on close. Each test runs with every attention backend this build offers (skipped where
-one cannot run). All are marked `cuda`: skipped, with the reason, where no CUDA device is visible."""
+one cannot run, and 'auto' as the backend it takes). All are marked `cuda`: skipped, with the reason, where no CUDA
+device is visible."""
 import gc
 import json
 import pathlib
@@ -14,7 +15,7 @@ from models import (DENSE_KINDS, EXTRA_KINDS, LAYERNORM_KINDS, MODEL_KINDS, NEWE
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
 from nanoinfer.layers.attention import Attention
-from nanoinfer.layers.attention.selector import BACKEND_CHOICES
+from nanoinfer.layers.attention.selector import BACKEND_CHOICES, flash_attn_available
 
 pytestmark = pytest.mark.cuda
 
@@ -48,14 +49,21 @@ def small_cache_utilization() -> float:
 
 def make_llm(model_dir, backend: str, dtype: str, **kwargs) -> LLM:
     """An engine on CUDA with this attention backend; the test is skipped where the backend cannot run here (not
-    installed, or not in this dtype or block size), as Config says."""
+    installed, or not in this dtype or block size), as Config says, and for 'auto', which runs what the id of the
+    backend it takes runs (the default engine's test checks which one that is)."""
     kwargs.setdefault("max_model_len", 256)
+    # At most 8 sequences (PROMPTS are 7): four decode graphs to capture per engine, not twenty; the default of
+    # 256 is the default engine's, test_random_schedules' CUDA twin and test_example's.
+    kwargs.setdefault("max_num_seqs", 8)
     if "num_kvcache_blocks" not in kwargs:
         kwargs["gpu_memory_utilization"] = small_cache_utilization()
     try:
-        Config(model_dir, device="cuda", dtype=dtype, attention_backend=backend, **kwargs)
+        config = Config(model_dir, device="cuda", dtype=dtype, attention_backend=backend, **kwargs)
     except ValueError as e:
         pytest.skip(f"attention_backend={backend!r}, dtype={dtype}: {e}")
+    if backend == "auto":
+        pytest.skip(f"attention_backend='auto' takes {config.attention_backend!r} here (dtype={dtype}): the same run "
+                    f"as that backend's id")
     return LLM(str(model_dir), device="cuda", dtype=dtype, attention_backend=backend, **kwargs)
 
 
@@ -82,37 +90,6 @@ def reference(model_dir, dtype: torch.dtype, prompts=PROMPTS) -> list[dict]:
 
 
 # ---- correctness against transformers on the GPU ----
-
-@pytest.mark.parametrize("kind", MODEL_KINDS + EXTRA_KINDS)
-def test_fp32_matches_transformers(kind, backend, model_dir, captured_logits, report_logit_diff):
-    d = model_dir(kind)
-    with make_llm(d, backend, "float32") as llm:
-        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        worst = check_against_hf(outputs, reference(d, torch.float32), captured_logits)
-        report_logit_diff(f"{kind}, CUDA fp32, {backend}", worst)
-        assert worst < FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
-
-
-# The recurrent and hybrid families without experts, which pass the same check on the CPU (test_bf16.py).
-BF16_RECURRENT_DENSE_KINDS = ("mamba", "falcon-mamba", "lfm2", "bamba", "granitemoehybrid-dense", "falcon-h1",
-                              "falcon-h1-norm", "qwen3.5")
-
-
-@pytest.mark.parametrize("kind", MODEL_KINDS + ("mistral", "gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3",
-                                                "olmo2", "olmo3", "glm4", "glm", "gemma4", "gemma3n") + LAYERNORM_KINDS
-                         + DENSE_KINDS + NEWEST_DENSE_KINDS + BF16_RECURRENT_DENSE_KINDS)
-def test_bf16_matches_transformers_up_to_bf16_rounding(kind, backend, model_dir, captured_logits,
-                                                       report_logit_diff):
-    """Dense families (mixture-of-experts routing can flip between near-equal experts in bf16, which is not a
-    near-tie of the output), recurrent ones included: transformers in bf16 on the same GPU is the reference (its
-    torch path where mamba_ssm, causal-conv1d and fla are not installed, as on the CPU)."""
-    d = model_dir(kind)
-    with make_llm(d, backend, "bfloat16") as llm:
-        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        worst = check_bf16_outputs(outputs, PROMPTS, reference(d, torch.bfloat16), captured_logits,
-                                   hf_model(d, torch.float32))
-        report_logit_diff(f"{kind}, CUDA bf16, {backend} (x transformers' own bf16 error)", worst)
-
 
 def test_prefix_cache_hits_on_cuda(backend, qwen3_dir, captured_logits, report_logit_diff):
     shared = random_prompts(1, 5, 440, 300, 300, seed=3)[0]  # a full page even for 256-token blocks
@@ -198,6 +175,7 @@ def test_default_engine_takes_what_gpu_memory_utilization_leaves_twice_in_a_row(
     for _ in range(2):
         with LLM(str(qwen3_dir)) as llm:  # closed on failure too: the next tests need the GPU's memory
             assert llm.llm_engine.model_runner.device.type == "cuda"
+            assert llm.llm_engine.config.attention_backend == ("flash" if flash_attn_available() else "triton")
             assert abs(kv_cache_bytes(llm) - allowed) < 0.03 * total, (kv_cache_bytes(llm), allowed)
             assert abs(settled_memory()[1] - 0.1 * total) < 0.03 * total
             out = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]
@@ -296,3 +274,36 @@ def test_layer_kernels_address_rows_past_2_to_the_31_elements():
 def test_more_tensor_parallel_ranks_than_gpus_is_a_value_error(qwen3_dir):
     with pytest.raises(ValueError, match=r"CUDA device\(s\) are visible"):
         LLM(str(qwen3_dir), device="cuda", tensor_parallel_size=torch.cuda.device_count() + 1)
+
+
+# ---- every family against transformers (the longest part, last: a run cut short still has the checks above) ----
+
+@pytest.mark.parametrize("kind", MODEL_KINDS + EXTRA_KINDS)
+def test_fp32_matches_transformers(kind, backend, model_dir, captured_logits, report_logit_diff):
+    d = model_dir(kind)
+    with make_llm(d, backend, "float32") as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        worst = check_against_hf(outputs, reference(d, torch.float32), captured_logits)
+        report_logit_diff(f"{kind}, CUDA fp32, {backend}", worst)
+        assert worst < FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+# The recurrent and hybrid families without experts, which pass the same check on the CPU (test_bf16.py).
+BF16_RECURRENT_DENSE_KINDS = ("mamba", "falcon-mamba", "lfm2", "bamba", "granitemoehybrid-dense", "falcon-h1",
+                              "falcon-h1-norm", "qwen3.5")
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS + ("mistral", "gemma3", "gemma2", "gemma", "phi3", "granite", "smollm3",
+                                                "olmo2", "olmo3", "glm4", "glm", "gemma4", "gemma3n") + LAYERNORM_KINDS
+                         + DENSE_KINDS + NEWEST_DENSE_KINDS + BF16_RECURRENT_DENSE_KINDS)
+def test_bf16_matches_transformers_up_to_bf16_rounding(kind, backend, model_dir, captured_logits,
+                                                       report_logit_diff):
+    """Dense families (mixture-of-experts routing can flip between near-equal experts in bf16, which is not a
+    near-tie of the output), recurrent ones included: transformers in bf16 on the same GPU is the reference (its
+    torch path where mamba_ssm, causal-conv1d and fla are not installed, as on the CPU)."""
+    d = model_dir(kind)
+    with make_llm(d, backend, "bfloat16") as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        worst = check_bf16_outputs(outputs, PROMPTS, reference(d, torch.bfloat16), captured_logits,
+                                   hf_model(d, torch.float32))
+        report_logit_diff(f"{kind}, CUDA bf16, {backend} (x transformers' own bf16 error)", worst)
