@@ -112,6 +112,17 @@ def pytest_terminal_summary(terminalreporter, config):
             terminalreporter.write_line(f"{name}: {value:.2e}")
 
 
+@pytest.fixture
+def ieee_fp32_matmul():
+    """cuBLAS's fp32 matmuls without TF32 for the test (torch's default; set in case something turned it on). Not
+    monkeypatch: its undo (pytest 9.2) deletes an attribute it did not find in the instance's __dict__, and
+    torch.backends.cuda.matmul serves allow_tf32 from __getattr__, so the undo raised AttributeError."""
+    matmul = torch.backends.cuda.matmul
+    before, matmul.allow_tf32 = matmul.allow_tf32, False
+    yield
+    matmul.allow_tf32 = before
+
+
 @pytest.fixture(autouse=True)
 def _close_tensor_parallel_engines():
     """A failed test's traceback (pytest keeps it as sys.last_traceback) keeps its tensor-parallel LLM alive, and with

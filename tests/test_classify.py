@@ -138,19 +138,16 @@ def test_pooling_errors_leave_the_engine_usable(classifiers, qwen3_dir):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
-def test_classify_and_causal_embed_on_cuda(backend, classifiers, llama_dir, monkeypatch):
+def test_classify_and_causal_embed_on_cuda(backend, classifiers, llama_dir, ieee_fp32_matmul):
     """fp32 on the GPU (no TF32) against transformers in fp32 on the CPU; the GPU runs reductions in other orders."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     d = classifiers("mistral", 3)
-    llm = LLM(str(d), device="cuda", dtype="float32", attention_backend=backend, max_model_len=64)
-    logits = torch.tensor([o.outputs.probs for o in llm.classify(PROMPTS, use_activation=False)])
+    with LLM(str(d), device="cuda", dtype="float32", attention_backend=backend, max_model_len=64) as llm:
+        logits = torch.tensor([o.outputs.probs for o in llm.classify(PROMPTS, use_activation=False)])
     assert (logits - hf_label_logits(d, PROMPTS)).abs().max().item() < 2e-4
-    llm.close()
     model = load_hf_model(llama_dir)
     with torch.no_grad():
         states = [model.model(torch.tensor([p])).last_hidden_state[0] for p in PROMPTS]
-    llm = LLM(str(llama_dir), device="cuda", dtype="float32", attention_backend=backend, max_model_len=64,
-              num_kvcache_blocks=8)
-    for out, h in zip(llm.embed(PROMPTS, pooling="last", causal=True), states):
-        assert torch.allclose(torch.tensor(out.outputs.embedding), h[-1], atol=2e-4)
-    llm.close()
+    with LLM(str(llama_dir), device="cuda", dtype="float32", attention_backend=backend, max_model_len=64,
+             num_kvcache_blocks=8) as llm:
+        for out, h in zip(llm.embed(PROMPTS, pooling="last", causal=True), states):
+            assert torch.allclose(torch.tensor(out.outputs.embedding), h[-1], atol=2e-4)

@@ -351,11 +351,10 @@ def test_modernbert_tensor_parallel_2_matches_tp1_and_transformers(encoder):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
-def test_encoders_on_cuda(backend, encoder, monkeypatch):
+def test_encoders_on_cuda(backend, encoder, ieee_fp32_matmul):
     """fp32 on the GPU (no TF32) against transformers in fp32 on the CPU: BERT (token types), RoBERTa (positions
     from pad + 1) and ModernBERT (local windows on both sides, two rope thetas) cross-encoders' scores and their
     encoders' mean-pooled states."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     for kind in ("bert", "roberta", "modernbert"):
         d = encoder(kind, 1)
         with LLM(str(d), device="cuda", dtype="float32", attention_backend=backend) as llm:

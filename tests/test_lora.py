@@ -333,9 +333,9 @@ def test_warm_up_runs_every_layer_through_a_slot(llama_dir, adapters, monkeypatc
 def test_cuda_matches_transformers_on_merged_weights(llama_dir, adapters):
     """On a GPU in fp32 (decode CUDA graphs are off with LoRA): greedy tokens equal transformers' up to near-ties."""
     loras = [a.request for a in adapters("llama")] + [None]
-    llm = lora_llm(llama_dir, device="cuda", num_kvcache_blocks=64)
-    assert llm.llm_engine.model_runner.graph_runner is None
-    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
+    with lora_llm(llama_dir, device="cuda", num_kvcache_blocks=64) as llm:
+        assert llm.llm_engine.model_runner.graph_runner is None
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
     for i, (out, adapter) in enumerate(zip(outputs, adapters("llama") + [None])):
         check_against_hf([out], reference(adapter, llama_dir)[i:i + 1])
 

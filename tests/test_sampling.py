@@ -273,28 +273,30 @@ def test_noise_and_seeded_tokens_are_the_same_on_cuda_and_cpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_one_host_copy_per_step_on_cuda(qwen3_dir, monkeypatch):
     """Token ids, logprobs and prompt logprobs of a step come back in a single device-to-host copy."""
-    llm = LLM(str(qwen3_dir), max_model_len=MAX_LEN, device="cuda", dtype="float32", enforce_eager=True)
-    runner = llm.llm_engine.model_runner
-    copies, steps = [0], [0]
-    copy_, run = torch.Tensor.copy_, ModelRunner.run
+    # Closed on failure too (num_kvcache_blocks: no 90% of the GPU held meanwhile): later tests need its memory.
+    with LLM(str(qwen3_dir), max_model_len=MAX_LEN, device="cuda", dtype="float32", enforce_eager=True,
+             num_kvcache_blocks=64) as llm:
+        runner = llm.llm_engine.model_runner
+        copies, steps = [0], [0]
+        copy_, run = torch.Tensor.copy_, ModelRunner.run
 
-    def counting_copy(dst, src, *args, **kwargs):
-        copies[0] += dst.device.type == "cpu" and src.device.type == "cuda"
-        return copy_(dst, src, *args, **kwargs)
+        def counting_copy(dst, src, *args, **kwargs):
+            copies[0] += dst.device.type == "cpu" and src.device.type == "cuda"
+            return copy_(dst, src, *args, **kwargs)
 
-    def counting_run(self, batch):
-        steps[0] += 1
-        return run(self, batch)
+        def counting_run(self, batch):
+            steps[0] += 1
+            return run(self, batch)
 
-    monkeypatch.setattr(torch.Tensor, "copy_", counting_copy)
-    monkeypatch.setattr(ModelRunner, "run", counting_run)
-    big = HostCopies(monkeypatch, llm.llm_engine.vocab_size, "cuda")
-    params = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2, logprobs=2, prompt_logprobs=1,
-                            max_tokens=6, ignore_eos=True, seed=0)
-    outs = llm.generate(random_prompts(3, 5, 400, 5, 9, seed=44), params, use_tqdm=False)
-    assert all(len(o.outputs[0].logprobs) == 6 and len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in outs)
-    assert runner.to_host.buffer.is_pinned()
-    assert copies[0] == steps[0] and big.seen == []
+        monkeypatch.setattr(torch.Tensor, "copy_", counting_copy)
+        monkeypatch.setattr(ModelRunner, "run", counting_run)
+        big = HostCopies(monkeypatch, llm.llm_engine.vocab_size, "cuda")
+        params = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2, logprobs=2, prompt_logprobs=1,
+                                max_tokens=6, ignore_eos=True, seed=0)
+        outs = llm.generate(random_prompts(3, 5, 400, 5, 9, seed=44), params, use_tqdm=False)
+        assert all(len(o.outputs[0].logprobs) == 6 and len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in outs)
+        assert runner.to_host.buffer.is_pinned()
+        assert copies[0] == steps[0] and big.seen == []
 
 
 def test_sampled_tokens_of_a_row_do_not_depend_on_the_batch():
@@ -821,5 +823,5 @@ def test_greedy_with_the_token_features_is_the_same_on_cuda_and_cpu(qwen3_dir, l
     params = [greedy_params(logit_bias={300: 3.5, 17: 1.5}), greedy_params(allowed_token_ids=list(range(100, 160))),
               greedy_params(bad_words=["p", "\x00ver"], logit_bias={311: 2.0}), greedy_params()]
     prompts = random_prompts(4, 5, 500, 4, 12, seed=55)
-    on_cuda = LLM(str(qwen3_dir), device="cuda", dtype="float32", max_model_len=MAX_LEN)
-    assert tokens_of(on_cuda, prompts, params) == tokens_of(llm, prompts, params)
+    with LLM(str(qwen3_dir), device="cuda", dtype="float32", max_model_len=MAX_LEN, num_kvcache_blocks=64) as on_cuda:
+        assert tokens_of(on_cuda, prompts, params) == tokens_of(llm, prompts, params)

@@ -494,9 +494,10 @@ def test_an_empty_only_match_with_eos_withheld_is_refused(llm):
 @pytest.mark.cuda
 def test_structured_greedy_is_the_same_on_cuda_and_cpu(qwen3_dir, llm):
     params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=c) for c in CONSTRAINTS.values()]
-    on_cuda = LLM(str(qwen3_dir), device="cuda", dtype="float32", max_model_len=MAX_LEN)
-    assert [o.outputs[0].token_ids for o in on_cuda.generate(PROMPTS, params, use_tqdm=False)] == \
-        [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    prompts = (PROMPTS * 2)[:len(params)]  # one per constraint (there are more constraints than PROMPTS)
+    with LLM(str(qwen3_dir), device="cuda", dtype="float32", max_model_len=MAX_LEN, num_kvcache_blocks=64) as on_cuda:
+        assert [o.outputs[0].token_ids for o in on_cuda.generate(prompts, params, use_tqdm=False)] == \
+            [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def test_logprobs_are_those_of_the_masked_distribution(llm):
