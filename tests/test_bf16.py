@@ -613,5 +613,6 @@ def test_bf16_matches_transformers_up_to_bf16_rounding(kind, model_dir, captured
     with LLM(str(d), device="cpu", dtype="bfloat16", max_model_len=128) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     refs = hf_greedy(load_hf_model(d, torch.bfloat16), PROMPTS, MAX_TOKENS)
-    worst = check_bf16_outputs(outputs, PROMPTS, refs, captured_logits, load_hf_model(d))
+    worst = check_bf16_outputs(outputs, PROMPTS, refs, captured_logits, load_hf_model(d),
+                               load_hf_model(d, torch.bfloat16, attn_implementation="eager"))
     report_logit_diff(f"{kind}, CPU bf16 (x transformers' own bf16 error)", worst)

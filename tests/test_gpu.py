@@ -71,13 +71,16 @@ _HF_MODELS: dict[tuple, torch.nn.Module] = {}
 _REFERENCES: dict[tuple, list[dict]] = {}
 
 
-def hf_model(model_dir, dtype: torch.dtype) -> torch.nn.Module:
-    """transformers' model on the GPU in `dtype` (loaded once per session)."""
-    key = (str(model_dir), dtype)
+def hf_model(model_dir, dtype: torch.dtype, attn_implementation: str | None = None) -> torch.nn.Module:
+    """transformers' model on the GPU in `dtype` (loaded once per session), its attention as hf_attention picks
+    unless told."""
+    key = (str(model_dir), dtype, attn_implementation)
     if key not in _HF_MODELS:
         model_type = json.loads((pathlib.Path(model_dir) / "config.json").read_text())["model_type"]
+        attention = hf_attention(model_dir) if attn_implementation is None else {
+            "attn_implementation": attn_implementation}
         _HF_MODELS[key] = causal_lm_class(model_type).from_pretrained(model_dir, dtype=dtype,
-                                                                      **hf_attention(model_dir)).to("cuda").eval()
+                                                                      **attention).to("cuda").eval()
     return _HF_MODELS[key]
 
 
@@ -305,5 +308,5 @@ def test_bf16_matches_transformers_up_to_bf16_rounding(kind, backend, model_dir,
     with make_llm(d, backend, "bfloat16") as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         worst = check_bf16_outputs(outputs, PROMPTS, reference(d, torch.bfloat16), captured_logits,
-                                   hf_model(d, torch.float32))
+                                   hf_model(d, torch.float32), hf_model(d, torch.bfloat16, "eager"))
         report_logit_diff(f"{kind}, CUDA bf16, {backend} (x transformers' own bf16 error)", worst)
