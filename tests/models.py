@@ -2036,9 +2036,12 @@ def _quiet_transformers() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
-def hf_attention(model_dir) -> dict:
-    """from_pretrained's attention argument: eager where the model softcaps its scores (Gemma 2). transformers
-    5.17's Gemma 2 defaults to SDPA, which drops the softcap without a word (5.23 refuses SDPA for it)."""
+def hf_attention(model_dir, attn_implementation: str | None = None) -> dict:
+    """from_pretrained's attention argument: the one asked for, else eager where the model softcaps its scores (Gemma
+    2). transformers 5.17's Gemma 2 defaults to SDPA, which drops the softcap without a word (5.23 refuses SDPA for
+    it)."""
+    if attn_implementation is not None:
+        return {"attn_implementation": attn_implementation}
     config = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
     return {"attn_implementation": "eager"} if config.get("attn_logit_softcapping") is not None else {}
 
@@ -2046,7 +2049,7 @@ def hf_attention(model_dir) -> dict:
 def load_hf_model(model_dir, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):
     """Load (and cache per process) the transformers model for `model_dir` on the CPU in `dtype` (fp32 unless told):
     a vision-language checkpoint as transformers' conditional-generation model (see test_vlm_text.py); its attention
-    as hf_attention picks unless told."""
+    as hf_attention says."""
     from transformers import AutoModelForImageTextToText
 
     from nanoinfer.models.registry import is_vision_language
@@ -2058,8 +2061,7 @@ def load_hf_model(model_dir, dtype: torch.dtype = torch.float32, attn_implementa
         config = json.loads((pathlib.Path(path) / "config.json").read_text())
         vision_language = is_vision_language(config.get("architectures"))
         auto = AutoModelForImageTextToText if vision_language else causal_lm_class(config["model_type"])
-        attention = hf_attention(path) if attn_implementation is None else {"attn_implementation": attn_implementation}
-        m = auto.from_pretrained(path, dtype=dtype, **attention)
+        m = auto.from_pretrained(path, dtype=dtype, **hf_attention(path, attn_implementation))
         m.eval()
         _HF_CACHE[key] = m
     return _HF_CACHE[key]

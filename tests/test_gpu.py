@@ -72,15 +72,12 @@ _REFERENCES: dict[tuple, list[dict]] = {}
 
 
 def hf_model(model_dir, dtype: torch.dtype, attn_implementation: str | None = None) -> torch.nn.Module:
-    """transformers' model on the GPU in `dtype` (loaded once per session), its attention as hf_attention picks
-    unless told."""
+    """transformers' model on the GPU in `dtype` (loaded once per session), its attention as hf_attention says."""
     key = (str(model_dir), dtype, attn_implementation)
     if key not in _HF_MODELS:
         model_type = json.loads((pathlib.Path(model_dir) / "config.json").read_text())["model_type"]
-        attention = hf_attention(model_dir) if attn_implementation is None else {
-            "attn_implementation": attn_implementation}
-        _HF_MODELS[key] = causal_lm_class(model_type).from_pretrained(model_dir, dtype=dtype,
-                                                                      **attention).to("cuda").eval()
+        _HF_MODELS[key] = causal_lm_class(model_type).from_pretrained(
+            model_dir, dtype=dtype, **hf_attention(model_dir, attn_implementation)).to("cuda").eval()
     return _HF_MODELS[key]
 
 
