@@ -2,7 +2,7 @@
 # For a session with a CUDA GPU, in one 10-minute device call from the repository root (a task's device time is 15
 # minutes, start-up included): the CUDA tests (the Triton kernels at real sizes, then the engine against transformers
 # on every backend) on the GPU while the rest of the suite runs beside them on the host's cores (pytest-xdist, which
-# the GPU machine's image has), then bench.py's CUDA benchmarks alone (benchmarks/attention.py's kernel speeds,
+# the GPU machine's image has), then bench.py's CUDA benchmarks alone (benchmarks/attention.py's and sampler.py's kernel speeds,
 # bench.py: nano-vllm's workload, --compare-hf, --profile) so that their timings are not shared with the tests.
 # Each test's result (and a failure's traceback) is logged the moment it ends (scripts/pytest_live_report.py), so a
 # part cut short by its time limit still shows everything it reached. Logs go under $OUT (default ./gpu-check); a
@@ -106,8 +106,11 @@ if [ "$PART" = all ] || [ "$PART" = tests ] || [ "$PART" = cuda ]; then
 fi
 [ -n "$cpu_pid" ] && wait "$cpu_pid"
 if [ "$PART" = all ] || [ "$PART" = bench ]; then
-  timeout -k 10 "$(budget "${ATTN_LIMIT:-60}")" $PY benchmarks/attention.py > "$OUT/attention.log" 2>&1
+  timeout -k 10 "$(budget "${ATTN_LIMIT:-60}")" $PY benchmarks/attention.py > "$OUT/kernels.log" 2>&1
   echo "$?" > "$STATE/attention.rc"
+  # In the same log: the device tool brings back 8 files at most.
+  timeout -k 10 "$(budget 30)" $PY benchmarks/sampler.py >> "$OUT/kernels.log" 2>&1
+  echo "$?" > "$STATE/sampler.rc"
   timeout -k 10 "$(budget "$BENCH_LIMIT")" $PY bench.py --device cuda --compare-hf --profile \
     --time-limit "$RUN_LIMIT" --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "$?" > "$STATE/bench.rc"
@@ -148,8 +151,9 @@ for name in cuda cpu; do
 done
 [ -f "$STATE/cpu.skipped" ] && cat "$STATE/cpu.skipped"
 if [ -f "$STATE/attention.rc" ]; then
-  echo "== benchmarks/attention.py: exit $(cat "$STATE/attention.rc") (124: cut at its time limit)"
-  tail -n 12 "$OUT/attention.log"
+  echo "== benchmarks/attention.py: exit $(cat "$STATE/attention.rc"), sampler.py: exit $(cat "$STATE/sampler.rc")" \
+    "(124: cut at its time limit)"
+  tail -n 20 "$OUT/kernels.log"
 fi
 if [ -f "$STATE/bench.rc" ]; then
   echo "== bench: exit $(cat "$STATE/bench.rc") (124: cut at its time limit)"

@@ -232,26 +232,46 @@ def test_noise_depends_only_on_seed_position_and_token():
     assert float((corr - torch.eye(64)).abs().max()) < 0.2
 
 
-NOISE_KERNEL_CHECK = """
+RACE_KERNEL_CHECK = """
 import numpy as np, torch
-from nanoinfer.kernels.triton_sampling import exponential_noise as kernel
-from nanoinfer.layers.sampler import exponential_noise, noise_keys
-k = torch.from_numpy(noise_keys(np.array([0, 1, 2**64 - 1, 12345], dtype=np.uint64),
-                                np.array([0, 5, 9, 2**40], dtype=np.uint64)))
-for vocab in (1, 1000, 3001):
-    # The same integers; log may differ in the last bit between numpy (the interpreter) and torch.
-    torch.testing.assert_close(kernel(k, vocab), exponential_noise(k, vocab), rtol=1e-6, atol=0)
-print("noise kernel ok")
+from nanoinfer.kernels.triton_sampling import BLOCK, gumbel_max
+from nanoinfer.layers.sampler import exponential_noise, exponential_race, noise_keys
+g = torch.Generator().manual_seed(0)
+rows = 24
+k = torch.from_numpy(noise_keys(np.arange(rows, dtype=np.uint64) * 977 + 2**63, np.arange(rows, dtype=np.uint64)))
+t = torch.rand(rows, generator=g) * 1.5 + 0.2
+t[0] = 0.0  # a greedy row's temperature, clamped to 1e-6 as Sampler.warp clamps it
+for vocab in (1, 7, BLOCK, BLOCK + 1, 2 * BLOCK + 300):
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    logits[1, 1:] = float("-inf")  # one token left (top-k 1): it is drawn
+    logits[2, ::2] = float("-inf")  # filtered tokens are never drawn
+    ours = gumbel_max(logits, t, k)
+    scaled = logits / t.clamp_min(1e-6).unsqueeze(1)
+    # Scaling here or in the kernel gives the same floats, so the same tokens (Sampler.draw takes either path).
+    assert torch.equal(ours, gumbel_max(scaled, None, k)), vocab
+    # The race in logs draws what the CPU's race draws: argmax p / E, the same noise.
+    assert ours.tolist() == exponential_race(torch.softmax(scaled, -1), k).tolist(), vocab
+    assert ours[1] == 0 and (vocab == 1 or ours[2] % 2 == 1)
+    # And it is the race computed in float64 (no row here has a near-tie that rounding could turn).
+    score = (scaled.double() - exponential_noise(k, vocab).double().log()).nan_to_num(float("-inf"))
+    assert torch.equal(ours, score.argmax(-1)), vocab
+# Its tiles are per row: a row's token is the same alone as in the batch.
+assert gumbel_max(logits[5:6], t[5:6], k[5:6]).item() == ours[5].item()
+# Logits that dwarf the noise tie exactly in fp32: the first index wins, across tiles and within one, as in argmax.
+tie = torch.zeros(2, 2 * BLOCK)
+tie[0, [5, BLOCK + 1]] = tie[1, [40, 9]] = 1e30
+assert gumbel_max(tie, None, k[:2]).tolist() == [5, 9]
+print("race kernel ok")
 """
 
 
 @pytest.mark.slow
-def test_triton_noise_kernel_equals_the_torch_noise_under_the_interpreter():
+def test_triton_race_kernel_draws_what_the_cpu_race_draws_under_the_interpreter():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    r = subprocess.run([sys.executable, "-c", NOISE_KERNEL_CHECK], cwd=ROOT, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", RACE_KERNEL_CHECK], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
-    assert r.returncode == 0 and "noise kernel ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.returncode == 0 and "race kernel ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
 
 
 @pytest.mark.cuda
@@ -267,6 +287,13 @@ def test_noise_and_seeded_tokens_are_the_same_on_cuda_and_cpu():
         temperatures=torch.tensor(args["temperature"]).cuda(), top_k=torch.tensor(args["top_k"]).cuda(),
         top_p=torch.tensor(args["top_p"]).cuda(), noise_keys=k.cuda(), all_greedy=False)).token_ids
     assert on_cuda.device.type == "cuda" and on_cuda.tolist() == sample(logits, **args).tolist()
+    # Temperature alone: the race kernel scales the logits itself (top_k and top_p None), with a greedy row.
+    temperatures = torch.tensor([0.7, 0.0, 1.3])
+    on_cuda = Sampler()(logits.cuda(), SamplingMetadata(temperatures=temperatures.cuda(), top_k=None, top_p=None,
+                                                        noise_keys=k.cuda(), all_greedy=False)).token_ids
+    on_cpu = Sampler()(logits, SamplingMetadata(temperatures=temperatures, top_k=None, top_p=None, noise_keys=k,
+                                                all_greedy=False)).token_ids
+    assert on_cuda.tolist() == on_cpu.tolist() and on_cpu[1] == logits[1].argmax()
 
 
 @pytest.mark.cuda

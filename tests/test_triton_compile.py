@@ -247,11 +247,17 @@ def test_layer_kernels_compile_for_sm90(dtype):
 
 
 @pytest.mark.slow
-def test_sampling_kernel_compiles_for_sm90():
-    kernel = compile_kernel(triton_sampling._exponential_noise_kernel,
-                            dict(keys_ptr="*i64", out_ptr="*fp32", vocab="i32"), dict(BLOCK=1024),
-                            aligned=("keys_ptr", "out_ptr", "vocab"), num_warps=4)
-    assert "st.global" in kernel.asm["ptx"] and stack_bytes(kernel.asm["cubin"]) == 0
+@pytest.mark.parametrize("scale", [True, False])
+def test_sampling_kernel_compiles_for_sm90(scale):
+    pointers = dict(logits_ptr="*fp32", temperatures_ptr="*fp32", keys_ptr="*i64", best_ptr="*fp32",
+                    best_idx_ptr="*i32")
+    kernel = compile_kernel(triton_sampling._gumbel_max_kernel, dict(pointers, vocab="i32", stride_row="i32"),
+                            dict(SCALE=scale, BLOCK=triton_sampling.BLOCK),
+                            aligned=(*pointers, "vocab", "stride_row"), num_warps=triton_sampling.NUM_WARPS)
+    ptx = kernel.asm["ptx"]
+    # The logits load vectorized; the temperature division IEEE-rounded (as torch's), not Triton's approximate one.
+    assert "ld.global.v4" in ptx and stack_bytes(kernel.asm["cubin"]) == 0
+    assert ("div.rn.f32" in ptx) == scale and "div.full.f32" not in ptx
 
 
 def test_prefill_tile_lengths_reach_every_tile_shape():

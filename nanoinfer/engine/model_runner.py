@@ -28,8 +28,8 @@ from nanoinfer.layers.attention.selector import resolve_device
 from nanoinfer.layers.fused_moe import FusedMoE
 from nanoinfer.layers.recurrent import RecurrentLayer
 from nanoinfer.layers.rotary_embedding import shared_rope_tables
-from nanoinfer.layers.sampler import (Penalties, Sampler, SamplerOutput, SamplingMetadata, exponential_noise,
-                                      noise_keys, top_logprobs, verify_drafts)
+from nanoinfer.layers.sampler import (Penalties, Sampler, SamplerOutput, SamplingMetadata, compile_race, noise_keys,
+                                      top_logprobs, verify_drafts)
 from nanoinfer.lora.model import LoRAModel
 from nanoinfer.lora.slots import LoRAMapping, LoRASlots
 from nanoinfer.models.registry import get_model_class, is_classifier, is_encoder
@@ -268,7 +268,7 @@ class ModelRunner:
     def _compile_kernels(self) -> None:
         """Triton compiles a kernel variant the first time a step needs it (about a second each, until its disk cache
         holds it): a small prefill step for each query-tile height of the Triton attention (prefill_tile_lengths),
-        over no cached prefix and over one, and the sampler's noise, compile them at start-up rather than while
+        over no cached prefix and over one, and the sampler's race, compile them at start-up rather than while
         requests are served. The decode graphs' warm-up compiles decode's (eager decode, without graphs, and
         LLM.embed's non-causal pass still compile theirs on first use)."""
         c = self.config
@@ -282,10 +282,10 @@ class ModelRunner:
         steps = [(new, cached) for new in lengths
                  for cached in sorted({0, 1, c.max_model_len - new} if latent else {0, 1})]
         logits = None
-        for new, cached in steps:  # the last one's logits tell the noise kernel the vocabulary
+        for new, cached in steps:  # the last one's logits are those the race kernel compiles for
             logits = self._dummy_step([new], cached, all_logits=(new, cached) == steps[-1])
         if logits is not None:  # on rank 0, which alone samples
-            exponential_noise(torch.zeros(1, 2, dtype=torch.long, device=self.device), logits.shape[-1])
+            compile_race(logits)
 
     def _dummy_step(self, lengths: list[int], cached: int = 0, all_logits: bool = False) -> torch.Tensor | None:
         """A step of prompts of `lengths` new tokens, each after `cached` tokens taken as stored, every block of them

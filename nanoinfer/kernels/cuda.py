@@ -15,7 +15,7 @@ def triton_layers() -> ModuleType | None:
 
 @functools.cache
 def triton_sampling() -> ModuleType | None:
-    """The sampler's noise kernel; None without triton (the sampler then computes the same noise in torch ops)."""
+    """The sampler's race kernel; None without triton (the sampler then races in torch ops)."""
     if importlib.util.find_spec("triton") is None:
         return None
     from nanoinfer.kernels import triton_sampling as kernels

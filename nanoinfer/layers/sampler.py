@@ -60,10 +60,7 @@ class Sampler(nn.Module):
         logits = self.penalize(logits, m)
         tokens = None if m.all_random else greedy(logits)
         if not m.all_greedy:
-            probs = torch.softmax(self.warp(logits, m), -1)
-            # Exponential race: argmax p / E with E ~ Exp(1) draws from probs. A row's noise is a hash of its own
-            # key (seed, position) and the token id, so its token does not depend on the rest of the batch.
-            sampled = exponential_race(probs, m.noise_keys)
+            sampled = self.draw(logits, m)
             tokens = sampled if tokens is None else torch.where(m.temperatures == 0, tokens, sampled)
         if m.num_logprobs is None:
             return SamplerOutput(tokens)
@@ -94,6 +91,17 @@ class Sampler(nn.Module):
             rows -= p.frequency.unsqueeze(1) * p.output_counts + p.presence.unsqueeze(1) * (p.output_counts > 0)
             logits[p.rows] = rows
         return logits
+
+    def draw(self, logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
+        """A token per row from softmax(warp(logits)) by an exponential race: argmax p / E with E ~ Exp(1) per token.
+        A row's noise is a hash of its own key (seed, position) and the token id, so its token does not depend on
+        the rest of the batch. On CUDA one Triton pass takes argmax log p - log E (the same race in logs), dividing
+        by the temperatures itself unless min_p, top-k or top-p need the scaled logits first."""
+        if logits.device.type == "cuda" and (kernels := triton_sampling()) is not None:
+            if m.min_p is None and m.top_k is None and m.top_p is None:
+                return kernels.gumbel_max(logits, m.temperatures, m.noise_keys)
+            return kernels.gumbel_max(self.warp(logits, m), None, m.noise_keys)
+        return exponential_race(torch.softmax(self.warp(logits, m), -1), m.noise_keys)
 
     @staticmethod
     def warp(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
@@ -170,10 +178,8 @@ def exponential_race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """Exp(1) noise [B, vocab] (fp32) from a counter-based hash of (row key, token id): two rounds of a 32-bit mixer
     keyed by the key's halves, in int64 ops whose products never overflow (the same integers on every device; C
-    on the CPU, Triton on CUDA). -log u may differ in the last bit between them: the C kernel rounds it correctly,
-    torch's fp32 log is within 1 ulp."""
-    if keys.device.type == "cuda" and (kernels := triton_sampling()) is not None:
-        return kernels.exponential_noise(keys, vocab)
+    on the CPU, torch ops elsewhere, and CUDA's race kernel hashes them itself). -log u may differ in the last bit
+    between them: the C kernel rounds it correctly, torch's fp32 log is within 1 ulp."""
     if keys.device.type == "cpu" and cpu_kernels.available():
         return cpu_kernels.exponential_noise(keys, vocab)
     x = _mix32(torch.arange(vocab, device=keys.device) ^ keys[:, :1])
@@ -182,6 +188,16 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     # bits, 2^24 - 1 + 0.5 rounds to 2^24: u = 1, E = -0.0, and p / E is NaN for a p = 0 token, which then won.)
     u = x.bitwise_right_shift_(9).float().add_(0.5).mul_(2.0 ** -23)
     return u.log_().neg_()
+
+
+def compile_race(logits: torch.Tensor) -> None:
+    """Has Triton compile the CUDA race kernel's two variants for a step's logits, so that no request waits for it:
+    scaling these logits (strided as a step's) by the temperatures, and taking Sampler.warp's (contiguous) as they
+    are. Nothing elsewhere."""
+    if logits.device.type == "cuda" and (kernels := triton_sampling()) is not None:
+        keys = torch.zeros(1, 2, dtype=torch.long, device=logits.device)
+        kernels.gumbel_max(logits[:1], torch.ones(1, device=logits.device), keys)
+        kernels.gumbel_max(logits[:1].contiguous(), None, keys)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
