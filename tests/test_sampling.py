@@ -127,6 +127,22 @@ def test_top_k_keeps_every_token_tied_with_the_kth_largest_as_transformers():
             assert torch.equal(warped[row].isfinite(), kept), f"top_k={k}, top_p={top_p}"
 
 
+def test_top_k_alone_cuts_the_logits_as_top_k_with_top_p_does():
+    """Without top-p, top-k takes one topk of the most any row keeps instead of sorting the vocabulary: the same
+    logits, rows that disable it (0, the vocabulary size) untouched, the largest k known or read from top_k."""
+    logits = (torch.randn(5, 1000, generator=torch.Generator().manual_seed(6)) * 3).bfloat16().float()
+    ks = torch.tensor([0, 1, 37, 1000, 250])
+
+    def warp(top_p=None, max_top_k=None):
+        return Sampler.warp(logits, SamplingMetadata(temperatures=torch.ones(5), top_k=ks, top_p=top_p,
+                                                     all_greedy=False, max_top_k=max_top_k))
+    with_top_p = warp(top_p=torch.ones(5))
+    for max_top_k in (None, 250):
+        assert torch.equal(warp(max_top_k=max_top_k), with_top_p)
+    kept = with_top_p.isfinite().sum(-1).tolist()
+    assert kept[0] == kept[3] == 1000 and kept[1] == 1 and 37 <= kept[2] < 50 and 250 <= kept[4] < 270
+
+
 def test_top_p_never_emits_tokens_outside_the_smallest_set_reaching_p():
     g = torch.Generator().manual_seed(2)
     vocab = 30

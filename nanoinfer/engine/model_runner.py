@@ -510,8 +510,9 @@ class ModelRunner:
         if not every & GREEDY:
             self._draw_seeds(seqs, rows)
             host["noise_keys"] = noise_keys(s.seed[rows], positions)
-        if some & TOP_K and (((k := s.top_k[rows]) > 0) & (k < vocab)).any():
-            host["top_k"] = k
+        max_top_k = None
+        if some & TOP_K and (enabled := (k := s.top_k[rows])[(k > 0) & (k < vocab)]).size:
+            host["top_k"], max_top_k = k, int(enabled.max())
         if some & TOP_P:
             host["top_p"] = s.top_p[rows]
         if some & MIN_P:
@@ -536,7 +537,7 @@ class ModelRunner:
         m = SamplingMetadata(temperatures=device["temperatures"], top_k=device.get("top_k"),
                              top_p=device.get("top_p"), all_greedy=bool(every & GREEDY),
                              all_random=not some & GREEDY, noise_keys=device.get("noise_keys"),
-                             min_p=device.get("min_p"))
+                             min_p=device.get("min_p"), max_top_k=max_top_k)
         if some & LOGPROBS:
             m.num_logprobs = int(s.num_logprobs[rows].max())
         if "banned" in device:
