@@ -222,7 +222,8 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 def _filter_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int | None) -> torch.Tensor:
     """Top-k without top-p: each row's k-th largest logit from one topk of the most any row keeps, not a sort of the
-    whole vocabulary (20x faster on a CPU at 64 x 151,936, k = 50); the same cut by value as _filter_top_k_top_p."""
+    whole vocabulary (about 20x faster on a CPU at 64 x 151,936, k = 50); the same cut by value as
+    _filter_top_k_top_p."""
     use_k = (top_k > 0) & (top_k < logits.shape[-1])
     if max_top_k is None:
         max_top_k = int(torch.where(use_k, top_k, 1).max())
