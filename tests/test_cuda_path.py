@@ -33,6 +33,7 @@ from nanoinfer.layers.attention.cpu import CPUAttentionBackend
 from nanoinfer.layers.attention.metadata import AttentionMetadata
 from nanoinfer.layers.layernorm import GemmaRMSNorm
 from nanoinfer.layers.recurrent import RecurrentLayer
+from nanoinfer.layers.sampler import Sampler
 from nanoinfer.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -533,15 +534,20 @@ def test_warm_up_lengths(budget, max_num_seqs, max_model_len, expected):
 
 def test_warm_up_runs_with_the_backend_and_every_logits_row(qwen3_dir, monkeypatch, capsys):
     """On CUDA the warm-up runs where _allocate_kv_cache starts (run here the same way, on the CPU): the attention
-    layers already have their backend then, and it computes the logits of every row of the largest step. Start-up
-    logs the cache's size in one line, on stderr without any logging set-up (as vLLM does)."""
-    steps = []
-    execute, allocate = ModelRunner.execute, ModelRunner._allocate_kv_cache
+    layers already have their backend then, and it computes the logits of every row of the largest step, then
+    samples a row per sequence with every filter. Start-up logs the cache's size in one line, on stderr without
+    any logging set-up (as vLLM does)."""
+    steps, sampled = [], []
+    execute, allocate, sample = ModelRunner.execute, ModelRunner._allocate_kv_cache, Sampler.forward
 
     def recording_execute(self, input_ids, positions, meta, logit_rows):
         logits = execute(self, input_ids, positions, meta, logit_rows)
         steps.append((meta.cu_seqlens_q.diff().tolist(), len(logit_rows), tuple(logits.shape)))
         return logits
+
+    def recording_sample(self, logits, m):
+        sampled.append((tuple(logits.shape), m.all_greedy, *(x is not None for x in (m.min_p, m.top_k, m.top_p))))
+        return sample(self, logits, m)
 
     def warm_up_first(self, reserved_bytes=0):
         self._warm_up()
@@ -549,9 +555,11 @@ def test_warm_up_runs_with_the_backend_and_every_logits_row(qwen3_dir, monkeypat
 
     monkeypatch.setattr(ModelRunner, "execute", recording_execute)
     monkeypatch.setattr(ModelRunner, "_allocate_kv_cache", warm_up_first)
+    monkeypatch.setattr(Sampler, "forward", recording_sample)
     capsys.readouterr()
     llm = LLM(str(qwen3_dir), device="cpu", max_model_len=64, max_num_seqs=5, max_num_batched_tokens=100)
     assert steps == [([64, 9, 9, 9, 9], 100, (100, 512))]
+    assert sampled == [((5, 512), False, True, True, True)]
     blocks = llm.llm_engine.model_runner.num_kvcache_blocks
     block_bytes = 3 * 2 * 16 * 2 * 32 * 4  # layers x (K, V) x tokens x KV heads x head_dim x fp32
     lines = capsys.readouterr().err.splitlines()
@@ -562,6 +570,10 @@ def test_warm_up_runs_with_the_backend_and_every_logits_row(qwen3_dir, monkeypat
     assert lines[1].endswith(f"[nanoinfer.engine.model_runner] KV cache: {blocks} blocks of 16 tokens "
                              f"({blocks * 16} tokens), {blocks * block_bytes / 2**30:.2f} GiB"), lines
     llm.close()
+    sampled.clear()
+    with LLM(str(qwen3_dir), device="cpu", max_model_len=64, max_num_seqs=5, max_num_batched_tokens=100,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 3}):
+        assert sampled == [((20, 512), False, True, True, True)]  # a row per sequence and draft
 
 
 @pytest.mark.parametrize("root_configured, env, expected", [

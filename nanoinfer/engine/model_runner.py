@@ -28,8 +28,8 @@ from nanoinfer.layers.attention.selector import resolve_device
 from nanoinfer.layers.fused_moe import FusedMoE
 from nanoinfer.layers.recurrent import RecurrentLayer
 from nanoinfer.layers.rotary_embedding import shared_rope_tables
-from nanoinfer.layers.sampler import (Penalties, Sampler, SamplerOutput, SamplingMetadata, compile_race, noise_keys,
-                                      top_logprobs, verify_drafts)
+from nanoinfer.layers.sampler import (Penalties, Sampler, SamplerOutput, SamplingMetadata, compile_race,
+                                      filtering_metadata, noise_keys, top_logprobs, verify_drafts)
 from nanoinfer.lora.model import LoRAModel
 from nanoinfer.lora.slots import LoRAMapping, LoRASlots
 from nanoinfer.models.registry import get_model_class, is_classifier, is_encoder
@@ -119,6 +119,7 @@ class ModelRunner:
         for a in self._attention_layers():
             a.backend = self.backend
         self.graph_runner: CUDAGraphRunner | None = None
+        self.sampler = Sampler()  # before the caches: the warm-up samples too
         # Decode input ids are fed from the tokens sampled on the device only without tensor parallelism: rank 0
         # alone samples, so the other ranks would not have them; they keep receiving the ids from rank 0.
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_num_batched_tokens,
@@ -131,7 +132,6 @@ class ModelRunner:
                 and not self.num_state_slots):  # (a dummy step's recurrent state would need a slot of its own)
             self._compile_kernels()
         self.graph_runner = self._capture_graphs()
-        self.sampler = Sampler()
         self.seeds = random.Random(config.seed)  # the noise seeds of requests without one
         self.upload = HostStaging(self.device)
         self.penalty_cache = PenaltyCache(self.upload)
@@ -258,12 +258,18 @@ class ModelRunner:
     def _warm_up(self) -> None:
         """The largest step the scheduler can make, before the cache exists (nothing is stored): its most tokens,
         longest sequence and most sequences (see warm_up_lengths), with the logits of every row, as if all of them
-        were sampled or owed prompt logprobs, and their log-softmax and ranks (what logprobs compute from them)."""
+        were sampled or owed prompt logprobs, and their log-softmax and ranks (what logprobs compute from them);
+        then, beside those logits, the sampler over the most rows a step samples (a row per sequence and draft)
+        with every filter (top-p's sort of the vocabulary makes several [rows, vocab] temporaries), as vLLM's
+        profile run samples."""
         c = self.config
         lengths = warm_up_lengths(c.max_num_batched_tokens, c.max_num_seqs, c.max_model_len)
         logits = self._dummy_step(lengths, all_logits=True)
         if logits is not None:
             top_logprobs(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device), 1)
+            rows = min(logits.shape[0], c.max_num_seqs * (1 + (c.speculative.num_speculative_tokens
+                                                               if c.speculative else 0)))
+            self.sampler(logits[:rows], filtering_metadata(rows, logits.device))
 
     def _compile_kernels(self) -> None:
         """Triton compiles a kernel variant the first time a step needs it (about a second each, until its disk cache

@@ -120,6 +120,16 @@ class Sampler(nn.Module):
         return self.warp(self.penalize(apply_grammar_bitmask(logits, m.grammar_bitmask), m), m)
 
 
+def filtering_metadata(rows: int, device: torch.device) -> SamplingMetadata:
+    """Rows drawn with every [rows, vocab] filter (min_p, then top-k and top-p: a sort of the vocabulary), for a
+    warm-up to meet the sampler's largest temporaries."""
+    def full(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.full((rows,), value, dtype=dtype, device=device)
+    return SamplingMetadata(temperatures=full(1.0), top_k=full(2, torch.long), top_p=full(0.9), all_greedy=False,
+                            all_random=True, noise_keys=torch.zeros(rows, 2, dtype=torch.long, device=device),
+                            min_p=full(0.05))
+
+
 def apply_grammar_bitmask(logits: torch.Tensor, bitmask: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """-inf where the rows' packed bitmasks leave a token's bit unset (a copy; the logits as they are without)."""
     if bitmask is None:
