@@ -14,12 +14,15 @@ from nanoinfer.layers.rotary_embedding import rope_parameters
 from nanoinfer.models.registry import (cache_head_size, chunked_attention_size, has_attention_sinks,
                                        is_vision_language, pytorch_only_attention)
 from nanoinfer.models.vision_language import MEDIA_TOKEN_IDS
-from nanoinfer.sampling_params import check_seed
+from nanoinfer.sampling_params import SamplingParams, check_seed
 from nanoinfer.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from nanoinfer.utils.gguf_loader import load_gguf_config, resolve_gguf
 from nanoinfer.utils.loader import iter_safetensors
 from nanoinfer.utils.quantization import check_quantization
 
+# generation-config fields that become SamplingParams defaults (vLLM's list), and their SamplingParams names.
+GENERATION_SAMPLING_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                              "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
@@ -45,10 +48,15 @@ class Config:
     max_lora_rank: int = 16  # the largest adapter rank r the slots hold
     # vLLM's {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": ..., "prompt_lookup_min": ...}
     speculative_config: dict | None = None
+    # Where generate() without sampling_params takes its defaults (vLLM's option): "auto", the model folder's
+    # generation_config.json; "vllm", none (SamplingParams()); else a folder holding one.
+    generation_config: str | os.PathLike = "auto"
+    override_generation_config: dict | None = None  # generation-config fields over the file's, e.g. {"temperature": 0.5}
     hf_config: PretrainedConfig = field(init=False, repr=False)
     gguf_path: Path | None = field(init=False, default=None)
     eos_token_ids: list[int] = field(init=False, default_factory=list)
     speculative: SpeculativeConfig | None = field(init=False, default=None)  # speculative_config, checked
+    default_sampling: dict = field(init=False, default_factory=dict)  # SamplingParams fields (see _default_sampling)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)):
@@ -127,6 +135,7 @@ class Config:
         self._check_shardable()
         self.speculative = parse_speculative_config(self.speculative_config)
         self.eos_token_ids = self._eos_token_ids()
+        self.default_sampling = self._default_sampling()
 
     def _check_model_config(self, source: Path) -> None:
         """The model's own sizes and constants, where a bad value would otherwise fail obscurely (or not at all)."""
@@ -196,6 +205,36 @@ class Config:
         if eos is None:
             eos = self.hf_config.eos_token_id
         return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    def _default_sampling(self) -> dict:
+        """The SamplingParams fields that generate() without sampling_params takes, as vLLM takes them: the generation
+        config's temperature, top_k, top_p, min_p, repetition_penalty and max_new_tokens (as max_tokens), with
+        override_generation_config over them; transformers' top_k 0 (no top-k) is -1 here."""
+        source, override = self.generation_config, self.override_generation_config
+        if not isinstance(source, (str, os.PathLike)):
+            raise TypeError(f"generation_config must be 'auto', 'vllm' or a folder, got {source!r}")
+        if override is not None and not isinstance(override, dict):
+            raise TypeError(f"override_generation_config must be a dict, got {override!r}")
+        folder = {"vllm": None, "auto": self.model_path if self.model_path.is_dir() else None}.get(
+            source, Path(os.fspath(source)).expanduser())
+        values, origin = {}, "override_generation_config"
+        if folder is not None and (folder / "generation_config.json").is_file():
+            origin = f"{folder / 'generation_config.json'}" + (" and override_generation_config" if override else "")
+            try:
+                values = GenerationConfig.from_pretrained(folder).to_diff_dict()
+            except Exception as e:  # transformers' own checks: bad JSON, contradictory fields, ...
+                raise ValueError(f"cannot read the generation config {folder / 'generation_config.json'}: {e}") from e
+        elif source not in ("auto", "vllm"):
+            raise ValueError(f"generation_config={str(source)!r}: no generation_config.json there")
+        values.update(override or {})
+        sampling = {name: values[k] for k, name in GENERATION_SAMPLING_FIELDS.items() if values.get(k) is not None}
+        if sampling.get("top_k") == 0:
+            sampling["top_k"] = -1
+        try:
+            SamplingParams(**sampling)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"sampling defaults from {origin}: {e}") from e
+        return sampling
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -1,6 +1,7 @@
 """`LLM`: the user's entry point for offline generation: batch (`generate`, `chat`, `beam_search`) or streaming
 (`generate_iter`); and for pooling (`embed`, `classify`, `score`)."""
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -23,6 +24,7 @@ from nanoinfer.outputs import (ClassificationRequestOutput, EmbeddingRequestOutp
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict]
+logger = logging.getLogger(__name__)
 
 
 class _Turns:
@@ -58,6 +60,9 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s) {unknown}; known: {sorted(Config.field_names() - {'model'})}")
         self.llm_engine = LLMEngine(Config(model, **kwargs))
+        if (defaults := self.llm_engine.config.default_sampling) and self.llm_engine.tp.rank == 0:
+            logger.info("Sampling defaults from the model's generation config: %s (generation_config=\"vllm\" "
+                        "turns them off)", ", ".join(f"{k}={v}" for k, v in defaults.items()))
         # One engine, one scheduler: generate calls from several threads take turns, and an open stream owns it.
         self._turns = _Turns()
         self._request_ids = count()
@@ -77,6 +82,11 @@ class LLM:
     @property
     def tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate, generate_iter and chat take without sampling_params, as in vLLM: the sampling fields of the
+        model's generation config (see Config.generation_config), else SamplingParams()."""
+        return SamplingParams(**self.llm_engine.config.default_sampling)
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -211,7 +221,8 @@ class LLM:
                        lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[list[Sequence]]:
         """Validate everything before queueing anything: a bad prompt leaves the engine untouched."""
         prompts = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompts))
+        params = _as_params_list(self.get_default_sampling_params() if sampling_params is None else sampling_params,
+                                 len(prompts))
         loras = _as_lora_list(lora_request, len(prompts))
         if kind is not None:
             replaced = {id(p): dataclasses.replace(p, output_kind=kind) for p in params if isinstance(p, SamplingParams)}
@@ -311,9 +322,7 @@ def _as_lora_list(lora_request: LoRARequest | list[LoRARequest | None] | None, n
     return list(lora_request)
 
 
-def _as_params_list(params: SamplingParams | list[SamplingParams] | None, n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
+def _as_params_list(params: SamplingParams | list[SamplingParams], n: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * n
     if isinstance(params, str) or not isinstance(params, SequenceABC):

@@ -4,6 +4,9 @@ streaming and abort, chat, and decode mixed with prefill chunks under one token 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+import shutil
 from collections import defaultdict
 
 import pytest
@@ -460,3 +463,63 @@ def test_bad_requests_leave_the_engine_untouched(llm, call, exc, match):
 def test_max_tokens_none_runs_to_max_model_len(llm):
     out = llm.generate([[3] * 100], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 28 and out.outputs[0].finish_reason == "length"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sampling defaults from the model's generation config (vLLM's generation_config="auto")
+# ----------------------------------------------------------------------------------------------------------
+
+RECOMMENDED = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.01,
+               "repetition_penalty": 1.1, "max_new_tokens": 6}
+
+
+def with_generation_config(qwen3_dir, root, **fields):
+    """A copy of the qwen3 test model whose generation_config.json also holds `fields`."""
+    model = root / "model"
+    shutil.copytree(qwen3_dir, model)
+    path = model / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+    return model
+
+
+def test_generate_without_sampling_params_takes_the_generation_configs_sampling_fields(qwen3_dir, tmp_path,
+                                                                                         caplog):
+    model = with_generation_config(qwen3_dir, tmp_path, **RECOMMENDED)
+    expected = SamplingParams(temperature=0.6, top_k=20, top_p=0.95, min_p=0.01, repetition_penalty=1.1,
+                              max_tokens=6)
+    prompts = random_prompts(3, 5, 400, 4, 12, seed=41)
+    kwargs = dict(device="cpu", dtype="float32", max_model_len=64)
+    with caplog.at_level(logging.INFO, logger="nanoinfer"), LLM(str(model), **kwargs) as llm:
+        assert llm.get_default_sampling_params() == expected
+        implicit = [o.outputs[0].token_ids for o in llm.generate(prompts, use_tqdm=False)]
+    assert "Sampling defaults from the model's generation config: temperature=0.6, top_k=20, top_p=0.95, " \
+           "min_p=0.01, repetition_penalty=1.1, max_tokens=6" in caplog.text
+    # The same engine seed draws the same request seeds: the defaults are exactly those parameters.
+    with LLM(str(model), generation_config="vllm", **kwargs) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, expected, use_tqdm=False)] == implicit
+        assert [len(o.outputs[0].token_ids) for o in llm.generate(prompts, use_tqdm=False)] == [16] * 3
+    assert all(0 < len(ids) <= 6 for ids in implicit)
+
+
+def test_generation_config_from_a_folder_with_overrides(qwen3_dir, tmp_path):
+    other = with_generation_config(qwen3_dir, tmp_path / "other", temperature=0.3, top_k=0)
+    llm = LLM(str(qwen3_dir), device="cpu", max_model_len=64, generation_config=str(other),
+              override_generation_config={"max_new_tokens": 4, "top_p": 0.5})
+    # transformers' top_k 0 is "no top-k", -1 here; the override adds to and wins over the file.
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.3, top_k=-1, top_p=0.5, max_tokens=4)
+    assert LLM(str(qwen3_dir), device="cpu", max_model_len=64).get_default_sampling_params() == SamplingParams()
+
+
+@pytest.mark.parametrize("fields, kwargs, exc, match", [
+    (dict(top_p=1.5), {}, ValueError, r"generation_config\.json: .*top_p"),
+    ({}, dict(override_generation_config={"temperature": -1.0}), ValueError,
+     "override_generation_config: .*temperature"),
+    ({}, dict(override_generation_config=[("temperature", 1.0)]), TypeError, "override_generation_config"),
+    ({}, dict(generation_config=5), TypeError, "generation_config"),
+    ({}, dict(generation_config="/nonexistent/folder"), ValueError, "/nonexistent/folder"),
+])
+def test_bad_generation_config_is_refused_naming_it(qwen3_dir, tmp_path, fields, kwargs, exc, match):
+    model = with_generation_config(qwen3_dir, tmp_path, **fields)
+    with pytest.raises(exc, match=match):
+        LLM(str(model), device="cpu", max_model_len=64, **kwargs)
