@@ -209,7 +209,7 @@ class Config:
     def _default_sampling(self) -> dict:
         """The SamplingParams fields that generate() without sampling_params takes, as vLLM takes them: the generation
         config's temperature, top_k, top_p, min_p, repetition_penalty and max_new_tokens (as max_tokens), with
-        override_generation_config over them; transformers' top_k 0 (no top-k) is -1 here."""
+        override_generation_config over them."""
         source, override = self.generation_config, self.override_generation_config
         if not isinstance(source, (str, os.PathLike)):
             raise TypeError(f"generation_config must be 'auto', 'vllm' or a folder, got {source!r}")
@@ -228,8 +228,6 @@ class Config:
             raise ValueError(f"generation_config={str(source)!r}: no generation_config.json there")
         values.update(override or {})
         sampling = {name: values[k] for k, name in GENERATION_SAMPLING_FIELDS.items() if values.get(k) is not None}
-        if sampling.get("top_k") == 0:
-            sampling["top_k"] = -1
         try:
             SamplingParams(**sampling)
         except (TypeError, ValueError) as e:

@@ -83,6 +83,10 @@ class LLM:
     def tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_tokenizer(self):
+        """vLLM's accessor: the same tokenizer as `tokenizer` (None for a model without one)."""
+        return self.llm_engine.tokenizer
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate, generate_iter and chat take without sampling_params, as in vLLM: the sampling fields of the
         model's generation config (see Config.generation_config), else SamplingParams()."""

@@ -57,8 +57,8 @@ class SamplingParams:
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         _check_int("top_k", self.top_k)
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if self.top_k < -1:  # 0 and -1 both disable it, as in vLLM (whose default is 0)
+            raise ValueError(f"top_k must be 0 or -1 (disabled) or >= 1, got {self.top_k}")
         _check_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")

@@ -340,6 +340,7 @@ def test_step_api_abort_request_frees_blocks_and_others_continue(llm):
 
 def test_chat_applies_the_template(llm):
     tok = llm.tokenizer
+    assert llm.get_tokenizer() is tok  # vLLM's accessor
     conversation = [{"role": "user", "content": "What is a KV cache?"}]
     out = llm.chat(conversation, GREEDY, use_tqdm=False)[0]
     ids = tok.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True)
@@ -506,8 +507,8 @@ def test_generation_config_from_a_folder_with_overrides(qwen3_dir, tmp_path):
     other = with_generation_config(qwen3_dir, tmp_path / "other", temperature=0.3, top_k=0)
     llm = LLM(str(qwen3_dir), device="cpu", max_model_len=64, generation_config=str(other),
               override_generation_config={"max_new_tokens": 4, "top_p": 0.5})
-    # transformers' top_k 0 is "no top-k", -1 here; the override adds to and wins over the file.
-    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.3, top_k=-1, top_p=0.5, max_tokens=4)
+    # The override adds to and wins over the file; transformers' top_k 0 (no top-k) is SamplingParams' too.
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.3, top_k=0, top_p=0.5, max_tokens=4)
     assert LLM(str(qwen3_dir), device="cpu", max_model_len=64).get_default_sampling_params() == SamplingParams()
 
 
