@@ -23,6 +23,7 @@ from nanoinfer.utils.quantization import check_quantization
 # generation-config fields that become SamplingParams defaults (vLLM's list), and their SamplingParams names.
 GENERATION_SAMPLING_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
                               "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # a folder holding either has a tokenizer
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
@@ -52,6 +53,10 @@ class Config:
     # generation_config.json; "vllm", none (SamplingParams()); else a folder holding one.
     generation_config: str | os.PathLike = "auto"
     override_generation_config: dict | None = None  # generation-config fields over the file's, e.g. {"temperature": 0.5}
+    tokenizer: str | os.PathLike | None = None  # a folder holding the tokenizer to use instead of the model's
+    # Let transformers run the Python a model (or tokenizer) folder ships for its config and tokenizer classes
+    # (vLLM's flag); the model itself always runs nanoinfer's own code for its architecture.
+    trust_remote_code: bool = False
     hf_config: PretrainedConfig = field(init=False, repr=False)
     gguf_path: Path | None = field(init=False, default=None)
     eos_token_ids: list[int] = field(init=False, default_factory=list)
@@ -65,12 +70,15 @@ class Config:
         if not path.exists():
             raise ValueError(f"model path {str(path)!r} does not exist")
         self.model_path = path
+        if not isinstance(self.trust_remote_code, bool):
+            raise TypeError(f"trust_remote_code must be a bool, got {self.trust_remote_code!r}")
+        self.tokenizer_path = self._tokenizer_path()
         self.gguf_path = resolve_gguf(path)
         if self.gguf_path is not None:
             self.hf_config = load_gguf_config(self.gguf_path)
         elif (path / "config.json").is_file():
             try:
-                self.hf_config = AutoConfig.from_pretrained(path)
+                self.hf_config = AutoConfig.from_pretrained(path, trust_remote_code=self.trust_remote_code)
             except Exception as e:  # transformers' own checks: bad JSON, a field of the wrong type, ...
                 raise ValueError(f"cannot read the model config {path / 'config.json'}: {e}") from e
             if is_vision_language(self.hf_config.architectures):
@@ -136,6 +144,17 @@ class Config:
         self.speculative = parse_speculative_config(self.speculative_config)
         self.eos_token_ids = self._eos_token_ids()
         self.default_sampling = self._default_sampling()
+
+    def _tokenizer_path(self) -> Path | None:
+        """The `tokenizer` folder, checked; None: the model's own (from its folder or GGUF file)."""
+        if self.tokenizer is None:
+            return None
+        if not isinstance(self.tokenizer, (str, os.PathLike)):
+            raise TypeError(f"tokenizer must be a folder path (str or os.PathLike), got {self.tokenizer!r}")
+        path = Path(os.fspath(self.tokenizer)).expanduser()
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            raise ValueError(f"tokenizer={str(path)!r} holds none of {', '.join(TOKENIZER_FILES)}")
+        return path
 
     def _check_model_config(self, source: Path) -> None:
         """The model's own sizes and constants, where a bad value would otherwise fail obscurely (or not at all)."""

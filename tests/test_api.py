@@ -524,3 +524,60 @@ def test_bad_generation_config_is_refused_naming_it(qwen3_dir, tmp_path, fields,
     model = with_generation_config(qwen3_dir, tmp_path, **fields)
     with pytest.raises(exc, match=match):
         LLM(str(model), device="cpu", max_model_len=64, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# vLLM's tokenizer= and trust_remote_code=
+# ----------------------------------------------------------------------------------------------------------
+
+def copy_without_tokenizer(qwen3_dir, dest):
+    shutil.copytree(qwen3_dir, dest, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))
+    return dest
+
+
+def test_tokenizer_from_another_folder(qwen3_dir, tmp_path):
+    """A model folder without a tokenizer takes token ids only; with tokenizer= it takes text, tokenized there."""
+    bare = copy_without_tokenizer(qwen3_dir, tmp_path / "bare")
+    kwargs = dict(device="cpu", dtype="float32", max_model_len=64)
+    with LLM(str(bare), **kwargs) as llm:
+        assert llm.get_tokenizer() is None
+        with pytest.raises(ValueError, match="no tokenizer"):
+            llm.generate("The KV cache", GREEDY, use_tqdm=False)
+    with LLM(str(qwen3_dir), **kwargs) as llm:
+        expected = llm.generate("The KV cache", GREEDY, use_tqdm=False)[0]
+    with LLM(str(bare), tokenizer=str(qwen3_dir), **kwargs) as llm:
+        out = llm.generate("The KV cache", GREEDY, use_tqdm=False)[0]
+    assert (out.prompt_token_ids, out.outputs[0].token_ids, out.outputs[0].text) == (
+        expected.prompt_token_ids, expected.outputs[0].token_ids, expected.outputs[0].text)
+
+
+def test_trust_remote_code_lets_a_config_class_shipped_as_code_load(qwen3_dir, tmp_path):
+    """A config class in the model folder's own Python (auto_map) loads only with trust_remote_code=True; the model
+    still runs nanoinfer's code for its architecture, with the same tokens."""
+    model = tmp_path / "custom"
+    shutil.copytree(qwen3_dir, model)
+    (model / "configuration_custom_qwen3.py").write_text(
+        "from transformers import Qwen3Config\n\n\n"
+        "class CustomQwen3Config(Qwen3Config):\n    model_type = 'custom_qwen3'\n")
+    config = json.loads((model / "config.json").read_text())
+    config.update(model_type="custom_qwen3", auto_map={"AutoConfig": "configuration_custom_qwen3.CustomQwen3Config"})
+    (model / "config.json").write_text(json.dumps(config))
+    kwargs = dict(device="cpu", dtype="float32", max_model_len=64)
+    with pytest.raises(ValueError, match=f"cannot read the model config {model / 'config.json'}"):
+        LLM(str(model), **kwargs)
+    prompts = random_prompts(2, 5, 400, 4, 12, seed=43)
+    with LLM(str(model), trust_remote_code=True, **kwargs) as llm:
+        assert type(llm.llm_engine.config.hf_config).__name__ == "CustomQwen3Config"
+        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    with LLM(str(qwen3_dir), **kwargs) as llm:
+        assert ours == [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(tokenizer="/nonexistent/tokenizer"), ValueError, "tokenizer='/nonexistent/tokenizer' holds none of"),
+    (dict(tokenizer=5), TypeError, "tokenizer must be a folder path"),
+    (dict(trust_remote_code="yes"), TypeError, "trust_remote_code must be a bool, got 'yes'"),
+])
+def test_bad_tokenizer_or_trust_remote_code_is_refused(qwen3_dir, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        LLM(str(qwen3_dir), device="cpu", max_model_len=64, **kwargs)

@@ -120,7 +120,7 @@ MUTATED_PARAMS = {
     "temperature-nan": ("temperature", float("nan"), ValueError),
     "max_tokens-0": ("max_tokens", 0, ValueError),
     "top_p-0": ("top_p", 0, ValueError),
-    "top_k-0": ("top_k", 0, ValueError),
+    "top_k-minus-2": ("top_k", -2, ValueError),
     "n-0": ("n", 0, ValueError),
     "stop-int": ("stop", 5, TypeError),
     "repetition_penalty-negative": ("repetition_penalty", -1, ValueError),

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from nanoinfer.config import Config
+from nanoinfer.config import TOKENIZER_FILES, Config
 from nanoinfer.engine.model_runner import ModelRunner, RunnerOutput, TokenLogprobs
 from nanoinfer.engine.parallel import start_tensor_parallel
 from nanoinfer.engine.pooling import model_normalizes, model_pooling
@@ -550,10 +550,16 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
 
 
 def _load_tokenizer(config: Config) -> PreTrainedTokenizerBase | None:
-    if config.gguf_path is not None:
+    """The `tokenizer` folder's if given, else the GGUF file's or the model folder's (None if it has none)."""
+    if config.tokenizer_path is None and config.gguf_path is not None:
         return load_gguf_tokenizer(config.gguf_path)
-    has_tokenizer = any((config.model_path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
-    return AutoTokenizer.from_pretrained(config.model_path) if has_tokenizer else None
+    folder = config.tokenizer_path or config.model_path
+    if not any((folder / name).exists() for name in TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=config.trust_remote_code)
+    except Exception as e:  # transformers' own: a tokenizer class shipped as code, without trust_remote_code, ...
+        raise ValueError(f"cannot load the tokenizer in {folder}: {e}") from e
 
 
 def _activation(logits: torch.Tensor) -> torch.Tensor:
