@@ -11,12 +11,12 @@ NUM_WARPS = 8
 
 @triton.jit
 def _mix32(x):
-    """sampler._mix32 on int64 values in [0, 2^32)."""
-    mask = tl.full((), 0xFFFFFFFF, tl.int64)
+    """sampler._mix32 in uint32, whose products wrap modulo 2^32 natively: the same bits as its int64 products
+    masked to 32 bits, in 32-bit multiplies (int64 ones are several instructions each on a GPU)."""
     x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & mask
+    x = x * 0x21F0AAAD
     x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & mask
+    x = x * 0x735A2D97
     return x ^ (x >> 15)
 
 
@@ -30,8 +30,9 @@ def _gumbel_max_kernel(logits_ptr, temperatures_ptr, keys_ptr, best_ptr, best_id
     x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=ok, other=float("-inf"))
     if SCALE:  # IEEE division, as torch's logits / temperatures: the same floats as the rows Sampler.warp scaled
         x = tl.math.div_rn(x, tl.maximum(tl.load(temperatures_ptr + row), 1e-6))
-    key = _mix32(offs.to(tl.int64) ^ tl.load(keys_ptr + 2 * row))
-    key = _mix32(key ^ tl.load(keys_ptr + 2 * row + 1))
+    # The keys' halves are int64 in [0, 2^32): their low 32 bits, as uint32, are the same values.
+    key = _mix32(offs.to(tl.uint32) ^ tl.load(keys_ptr + 2 * row).to(tl.uint32))
+    key = _mix32(key ^ tl.load(keys_ptr + 2 * row + 1).to(tl.uint32))
     e = -tl.log(((key >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0))  # exponential_noise's E ~ Exp(1)
     # argmax p / E = argmax log p - log E, and log p is x less the row's log-sum-exp: one pass, no softmax.
     score = tl.where(ok, x - tl.log(e), float("-inf"))
