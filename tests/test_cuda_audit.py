@@ -1,6 +1,8 @@
 """CUDA-only paths found broken by reading them, checked on the CPU: the warm-up that sizes the KV cache on CUDA,
 which models get decode CUDA graphs and that their decode forward never syncs with the host, the step API of a closed
 engine, and the PyTorch backend's decode buffers."""
+import logging
+
 import pytest
 import torch
 from cuda_fakes import EagerGraph, HostSyncAudit
@@ -60,19 +62,49 @@ class RecordingGraphRunner:
         pass
 
 
-@pytest.mark.parametrize("kind, captured", [("qwen3", True), ("qwen3-moe", False), ("qwen3-next", False)])
-def test_decode_graphs_only_for_models_whose_forward_a_graph_can_capture(kind, captured, model_dir, monkeypatch):
-    """A mixture-of-experts forward syncs with the host (torch.bincount on CUDA reads the largest id back, and
-    _grouped_mm outside bf16 on sm90 loops over offsets copied to the host): capturing it would fail when the
-    engine starts. Decided as on CUDA with the triton backend (the runner here is a CPU one)."""
+@pytest.mark.parametrize("kind, dtype, capability, captured", [
+    ("qwen3", torch.float32, (8, 0), True),
+    ("qwen3-moe", torch.bfloat16, (9, 0), True),
+    ("qwen3-moe", torch.float32, (9, 0), False),
+    ("qwen3-moe", torch.bfloat16, (8, 0), False),
+    ("qwen3-next", torch.bfloat16, (9, 0), False),
+])
+def test_decode_graphs_only_for_models_whose_forward_a_graph_can_capture(kind, dtype, capability, captured, model_dir,
+                                                                          monkeypatch):
+    """A mixture-of-experts forward syncs with the host but in bf16 on sm90 (_grouped_mm elsewhere loops over offsets
+    copied to the host): capturing it would fail when the engine starts; recurrent state is never captured. Decided
+    as on CUDA with the triton backend, in `dtype` on a GPU of `capability` (the runner here is a CPU one)."""
     monkeypatch.setattr(model_runner, "CUDAGraphRunner", RecordingGraphRunner)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     with LLM(str(model_dir(kind)), device="cpu", max_model_len=64) as llm:
         runner = llm.llm_engine.model_runner
         runner.device, runner.config.attention_backend = torch.device("cuda", 0), "triton"
+        runner.config.torch_dtype = dtype
         try:
             assert isinstance(runner._capture_graphs(), RecordingGraphRunner) == captured
         finally:
+            runner.device, runner.config.torch_dtype = torch.device("cpu"), torch.float32
+
+
+class RefusedCapture(RecordingGraphRunner):
+    def capture(self) -> None:
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+
+def test_a_capture_the_device_refuses_leaves_decode_eager(qwen3_dir, monkeypatch, caplog):
+    """Should a graph capture fail at start-up (an op that waits for the device, which the audit below missed), the
+    engine warns and decodes eagerly rather than fail to start."""
+    monkeypatch.setattr(model_runner, "CUDAGraphRunner", RefusedCapture)
+    with LLM(str(qwen3_dir), device="cpu", max_model_len=64) as llm:
+        runner = llm.llm_engine.model_runner
+        runner.device, runner.config.attention_backend = torch.device("cuda", 0), "triton"
+        try:
+            with caplog.at_level(logging.WARNING, logger="nanoinfer"):
+                assert runner._capture_graphs() is None
+        finally:
             runner.device = torch.device("cpu")
+        assert "CUDA graphs: capture failed, decode runs eagerly: CUDA error: operation not permitted" in caplog.text
+        assert len(llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 3
 
 
 @pytest.mark.parametrize("inference", [False, True], ids=["grad mode", "inference mode"])
@@ -90,15 +122,17 @@ def test_host_sync_audit_sees_what_a_graph_cannot_capture(inference):
 
 
 @pytest.mark.parametrize("kind", ALL_KINDS)
-def test_decode_forward_of_every_graph_captured_model_never_syncs_with_the_host(kind, model_dir):
+def test_decode_forward_of_every_graph_captured_model_never_syncs_with_the_host(kind, model_dir, monkeypatch):
     """What a decode graph captures on CUDA (the model's forward at every captured batch size, over the graph runner's
     static buffers) reads no value back to the host and makes no value-dependent shape: on CUDA either makes capture
-    fail at start-up. The attention backend's calls are left out: the CPU one stands in for the Triton kernels."""
+    fail at start-up. The attention backend's calls are left out: the CPU one stands in for the Triton kernels.
+    Mixture-of-experts models are audited as they are captured in bf16 on sm90 (_grouped_mm, which reads its offsets
+    on the device there, runs here as the CPU's)."""
+    monkeypatch.setattr(model_runner, "experts_capturable", lambda dtype, device: True)
     with LLM(str(model_dir(kind)), device="cpu", max_model_len=64, max_num_seqs=4) as llm:
         runner = llm.llm_engine.model_runner
         if not runner.model_capturable():
-            pytest.skip("no decode graphs for this model (mixture of experts, recurrent state, sparse attention or "
-                        "pooling only)")
+            pytest.skip("no decode graphs for this model (recurrent state, sparse attention or pooling only)")
         graphs, found = audited_capture(runner)
     assert graphs.sizes == [1, 2, 4] and graphs.outputs.isfinite().all() and graphs.outputs.abs().sum() > 0
     assert found == []

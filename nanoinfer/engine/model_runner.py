@@ -25,7 +25,7 @@ from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention, AttentionMetadata, get_backend
 from nanoinfer.layers.attention.selector import resolve_device
-from nanoinfer.layers.fused_moe import FusedMoE
+from nanoinfer.layers.fused_moe import FusedMoE, experts_capturable
 from nanoinfer.layers.recurrent import RecurrentLayer
 from nanoinfer.layers.rotary_embedding import shared_rope_tables
 from nanoinfer.layers.sampler import (Penalties, Sampler, SamplerOutput, SamplingMetadata, compile_race,
@@ -317,12 +317,13 @@ class ModelRunner:
     def model_capturable(self) -> bool:
         """Whether this model's decode forward can be captured in a graph: not for classifiers, which never decode,
         nor for models with recurrent state, whose per-step slot lookups are not captured, nor for mixture-of-experts
-        models, whose expert grouping syncs with the host (torch.bincount on CUDA reads the largest id back;
-        torch._grouped_mm outside bf16 on sm90 loops over offsets copied to the host), nor with LoRA, whose token
-        groups (which tokens use which adapter) change shape from step to step, nor with layers marked
-        `per_step_host_state` (sparse attention's spans and selections, read from each step's lengths on the host)."""
+        models but in bf16 on sm90 (see experts_capturable: elsewhere torch._grouped_mm loops over offsets copied to
+        the host), nor with LoRA, whose token groups (which tokens use which adapter) change shape from step to step,
+        nor with layers marked `per_step_host_state` (sparse attention's spans and selections, read from each step's
+        lengths on the host)."""
+        experts = experts_capturable(self.config.torch_dtype, self.device)
         return (self.generates and not self.num_state_slots and self.lora is None
-                and not any(isinstance(m, FusedMoE) or getattr(m, "per_step_host_state", False)
+                and not any(isinstance(m, FusedMoE) and not experts or getattr(m, "per_step_host_state", False)
                             for m in self.model.modules()))
 
     def _capture_graphs(self) -> CUDAGraphRunner | None:
@@ -335,11 +336,19 @@ class ModelRunner:
         runner = CUDAGraphRunner(self.model, self.backend, self.config.max_num_seqs, self.config.max_model_len,
                                  self.block_size, hidden_states_width(self.config.hf_config), self.config.torch_dtype,
                                  self.device)
-        runner.capture()
-        if self.tp.rank == 0:
-            logger.info("CUDA graphs: decode at %d batch sizes (1 to %d) captured in %.1f s", len(runner.sizes),
-                        runner.sizes[-1], time.perf_counter() - start)
-        return runner
+        try:
+            runner.capture()
+        except RuntimeError as e:  # an op the capture refused (one that waits for the device): eager decode is slower
+            failure = str(e)
+        else:
+            if self.tp.rank == 0:
+                logger.info("CUDA graphs: decode at %d batch sizes (1 to %d) captured in %.1f s", len(runner.sizes),
+                            runner.sizes[-1], time.perf_counter() - start)
+            return runner
+        del runner  # its graphs and their memory pool (out of the except block, whose traceback held them)
+        torch.cuda.empty_cache()
+        logger.warning("CUDA graphs: capture failed, decode runs eagerly: %s", failure)
+        return None
 
     def prepare(self, batch: ScheduledBatch, samples: list[bool]
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:

@@ -201,6 +201,14 @@ def softcapped_swiglu(gate_cap: float, up_cap: float) -> GatedActivation:
     return activation
 
 
+def experts_capturable(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the experts' forward can be captured in a CUDA graph: their grouping never waits for the device, and
+    torch._grouped_mm reads its offsets on the device for bf16 on sm90 (its CUTLASS kernel), where elsewhere it
+    loops over them copied to the host."""
+    return (dtype == torch.bfloat16 and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) == (9, 0))
+
+
 class ExpertGroups:
     """A routing's (token, slot) pairs grouped by expert for torch._grouped_mm: `order` lists them (indices into
     topk_ids.flatten()) so that each expert's pairs form one contiguous segment, ending at its entry of `offsets`.
@@ -210,7 +218,10 @@ class ExpertGroups:
     def __init__(self, topk_ids: torch.Tensor, num_experts: int):
         self.flat, self.top_k, self.num_experts = topk_ids.flatten(), topk_ids.shape[1], num_experts
         self.order = self.flat.argsort(stable=True)
-        counts = torch.bincount(self.flat, minlength=num_experts)[:num_experts]
+        # Counted into a fixed num_experts + 1 bins (ids past the experts share the last), not with torch.bincount,
+        # which on CUDA reads the largest id back to size its output: nothing here waits for the device.
+        counts = torch.zeros(num_experts + 1, dtype=torch.long, device=self.flat.device).scatter_add_(
+            0, self.flat.clamp(max=num_experts), torch.ones_like(self.flat))[:num_experts]
         self.offsets = counts.cumsum(0).to(torch.int32)
 
     def expert_ids(self) -> torch.Tensor:
