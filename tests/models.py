@@ -438,6 +438,14 @@ GEMMA2_ATTN_SOFTCAP = 6.0
 # continuations cross it.
 PHI3_ORIGINAL_MAX_POSITION = 80
 ALL_KINDS = MODEL_KINDS + ("qwen3-sharded",) + EXTRA_KINDS
+# The mixture-of-experts kinds whose decode CUDA graphs capture in bf16 on sm90 (fused_moe.experts_capturable): those
+# without recurrent state or per-step host state (test_cuda_audit checks each one's model).
+GRAPH_MOE_KINDS = ("qwen3-moe", "granitemoe-swa", "gemma4-moe", "mixtral", "qwen2-moe", "granitemoe",
+                   "granitemoe-shared", "olmoe", "glm4-moe", "dots1", "ernie4.5-moe", "hunyuan-moe", "llama4", "phimoe",
+                   "flexolmo", "exaone-moe", "dbrx", "deepseek-v2", "deepseek-v2-group", "deepseek-v3", "glm4-moe-lite",
+                   "gpt-oss", "solar-open", "minimax-m2", "cohere2-moe", "cohere2-moe-sigmoid", "axk1", "afmoe",
+                   "mellum", "hy-v3", "laguna", "flint", "kolibri1", "mimo-v2-flash", "longcat-flash", "jetmoe",
+                   "aria-text", "beam")
 # For tensor parallelism: a vocabulary that 2 ranks cannot split evenly (padded) and one KV head (replicated).
 ODD_KIND = "qwen2-mqa-oddvocab"
 # OLMo 2 with one KV head, for tensor parallelism (each rank then holds all of k and of its norm).

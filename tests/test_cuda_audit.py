@@ -1,12 +1,13 @@
 """CUDA-only paths found broken by reading them, checked on the CPU: the warm-up that sizes the KV cache on CUDA,
-which models get decode CUDA graphs and that their decode forward never syncs with the host, the step API of a closed
-engine, and the PyTorch backend's decode buffers."""
+which models get decode CUDA graphs, that their decode forward never syncs with the host and (mixture-of-experts
+models) decodes through the graph buffers as transformers does, a refused capture, the step API of a closed engine,
+and the PyTorch backend's decode buffers."""
 import logging
 
 import pytest
 import torch
-from cuda_fakes import EagerGraph, HostSyncAudit
-from models import ALL_KINDS
+from cuda_fakes import EagerGraph, HostSyncAudit, capture_eager_graphs
+from models import ALL_KINDS, GRAPH_MOE_KINDS, cached_hf_greedy, check_against_hf, random_prompts
 
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import hidden_states_width
@@ -136,6 +137,36 @@ def test_decode_forward_of_every_graph_captured_model_never_syncs_with_the_host(
         graphs, found = audited_capture(runner)
     assert graphs.sizes == [1, 2, 4] and graphs.outputs.isfinite().all() and graphs.outputs.abs().sum() > 0
     assert found == []
+
+
+MAX_TOKENS = 24
+PROMPTS = random_prompts(6, 5, 440, 2, 90, seed=7) + [[17]]  # test_correctness's: transformers' tokens are cached
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", GRAPH_MOE_KINDS)
+def test_moe_decode_through_graph_buffers_matches_transformers(kind, model_dir, monkeypatch, captured_logits,
+                                                                report_logit_diff):
+    """Mixture-of-experts models, whose decode is captured in bf16 on sm90, decode through the graph runner's static
+    buffers and padding (EagerGraph: a graph's semantics on the CPU, what the step derives in Python fixed at capture
+    as a graph fixes it): transformers' tokens and logits, 7 sequences replayed at the captured size 8."""
+    monkeypatch.setattr(model_runner, "experts_capturable", lambda dtype, device: True)
+    replays = []
+    monkeypatch.setattr(EagerGraph, "replay", lambda self: replays.append(self) or self.fn())
+    d = model_dir(kind)
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=8) as llm:
+        runner = llm.llm_engine.model_runner
+        assert runner.model_capturable() and any(isinstance(m, FusedMoE) for m in runner.model.modules())
+        if not runner.backend.decode_kernel:
+            pytest.skip("the CPU decode kernel is not built: the PyTorch decode is not graph-safe")
+        capture_eager_graphs(runner)
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                               use_tqdm=False)
+        # Every decode step after the one prefill step, all 7 together, replayed from the size-8 graph.
+        assert replays == [runner.graph_runner.graphs[8]] * (MAX_TOKENS - 1)
+    worst = check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits)
+    report_logit_diff(f"{kind}, decode through graph buffers", worst)
+    assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
 
 def test_sparse_attention_without_experts_gets_no_decode_graphs(tmp_path, monkeypatch):
