@@ -126,14 +126,16 @@ def test_preemption_on_cuda(backend, llama_dir, captured_logits, report_logit_di
         assert worst < FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 
 
-def test_moe_decodes_from_graphs_in_bf16_on_sm90(model_dir):
+@pytest.mark.parametrize("kind", ["qwen3-moe", "deepseek-v3", "gpt-oss", "llama4"])
+def test_moe_decodes_from_graphs_in_bf16_on_sm90(kind, model_dir):
     """Mixture-of-experts models decode from CUDA graphs in bf16 on sm90 (fused_moe.experts_capturable; a refused
     capture would leave them eager with a warning): the same tokens as eager decode, 8 sequences decoding together at
-    a captured batch size, so the same kernels on the same shapes."""
+    a captured batch size, so the same kernels on the same shapes. With MLA's latent cache, attention sinks and
+    expert biases, and chunked attention, which graphs met only in dense models before."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip(f"MoE decode graphs are captured in bf16 on sm90 only, this GPU is sm"
                     f"{''.join(map(str, torch.cuda.get_device_capability()))}")
-    d, prompts, tokens = model_dir("qwen3-moe"), random_prompts(8, 5, 440, 2, 90, seed=8), []
+    d, prompts, tokens = model_dir(kind), random_prompts(8, 5, 440, 2, 90, seed=8), []
     for eager in (False, True):
         with make_llm(d, "triton", "bfloat16", enforce_eager=eager) as llm:
             assert (llm.llm_engine.model_runner.graph_runner is None) == eager
