@@ -130,8 +130,8 @@ def test_preemption_on_cuda(backend, llama_dir, captured_logits, report_logit_di
 def test_moe_decodes_from_graphs_in_bf16_on_sm90(kind, model_dir):
     """Mixture-of-experts models decode from CUDA graphs in bf16 on sm90 (fused_moe.experts_capturable; a refused
     capture would leave them eager with a warning): the same tokens as eager decode, 8 sequences decoding together at
-    a captured batch size, so the same kernels on the same shapes. With MLA's latent cache, attention sinks and
-    expert biases, and chunked attention, which graphs met only in dense models before."""
+    a captured batch size, so the same kernels on the same shapes. The families: plain, MLA's latent cache, attention
+    sinks with expert biases, chunked attention."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip(f"MoE decode graphs are captured in bf16 on sm90 only, this GPU is sm"
                     f"{''.join(map(str, torch.cuda.get_device_capability()))}")
