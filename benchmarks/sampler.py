@@ -1,7 +1,8 @@
 """Speed of the sampler where the logits are, at batch 256 over Qwen3's vocabulary (151,936): the engine's Sampler
-greedy, with temperature alone (on CUDA one pass of the Triton race kernel), and with top-p (a sort, then the
-kernel), against vLLM v1's torch ops for temperature (divide, softmax, exponential_, divide, argmax) and against
-reading the logits once at the device's copy bandwidth. Medians of --iters calls. Not a test.
+greedy, with temperature alone (on CUDA one pass of the Triton race kernel), with top-k (a topk, then the kernel)
+and with top-p (a sort, then the kernel), against vLLM v1's torch ops for temperature (divide, softmax,
+exponential_, divide, argmax) and against reading the logits once at the device's copy bandwidth. Medians of
+--iters calls. Not a test.
 
     PYTHONPATH=. python benchmarks/sampler.py [--batch 256] [--vocab 151936] [--device cuda]
     PYTHONPATH=. python benchmarks/sampler.py --device cpu --batch 8 --vocab 4096   # the script's logic on a CPU
@@ -56,6 +57,7 @@ def main() -> None:
                                           all_random=True, noise_keys=keys), **kw})
 
     greedy = meta(temperatures=torch.zeros(b, device=device), all_greedy=True, all_random=False, noise_keys=None)
+    top_k = meta(top_k=torch.full((b,), 50, device=device), max_top_k=50)
     top_p = meta(top_p=torch.full((b,), 0.9, device=device))
     copy = torch.empty_like(logits)
     gb = logits.numel() * logits.element_size() / 1e9
@@ -65,6 +67,7 @@ def main() -> None:
         ("Sampler, greedy (argmax)", lambda: sampler(logits, greedy), gb),
         ("Sampler, temperature 0.6", lambda: sampler(logits, meta()), gb),
         ("vLLM v1's torch ops, temperature 0.6", lambda: vllm_temperature(logits, temperatures), gb),
+        ("Sampler, temperature 0.6 + top-k 50", lambda: sampler(logits, top_k), gb),
         ("Sampler, temperature 0.6 + top-p 0.9", lambda: sampler(logits, top_p), gb),
     ]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
