@@ -45,3 +45,13 @@ def test_cuda_greedy_comparison_misses_the_prefix_cache(monkeypatch):
     runs = bench.nano_vllm_workload(work.num_seqs, work.max_input_len, work.max_output_len)[0]
     first_blocks = {tuple(p[:16]) for p in runs}
     assert not any(tuple(p[:16]) in first_blocks for p in bench.greedy_prompts(work))
+
+
+def test_sampler_benchmark_runs_at_toy_size_on_cpu():
+    """benchmarks/sampler.py, which times the CUDA race kernel on a GPU, runs its cases on the CPU too."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sampler.py"), "--device", "cpu", "--batch", "4",
+                           "--vocab", "1000", "--iters", "1"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| Sampler") or line.startswith("| vLLM")]
+    assert len(rows) == 5 and all(float(row.split("|")[2]) > 0 for row in rows), proc.stdout
