@@ -142,8 +142,11 @@ class Config:
         check_tensor_parallel_devices(self.device, self.torch_device, self.tensor_parallel_size)
         self._check_shardable()
         self.speculative = parse_speculative_config(self.speculative_config)
-        self.eos_token_ids = self._eos_token_ids()
-        self.default_sampling = self._default_sampling()
+        # The model folder's generation config, read once: its EOS ids (not a GGUF model's, whose file holds its
+        # own) and its sampling fields.
+        generation = _read_generation_config(self.model_path) if self.model_path.is_dir() else None
+        self.eos_token_ids = self._eos_token_ids(None if self.gguf_path is not None else generation)
+        self.default_sampling = self._default_sampling(generation)
 
     def _tokenizer_path(self) -> Path | None:
         """The `tokenizer` folder, checked; None: the model's own (from its folder or GGUF file)."""
@@ -217,34 +220,33 @@ class Config:
             return saved
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
-    def _eos_token_ids(self) -> list[int]:
-        eos = None
-        if self.gguf_path is None and (self.model_path / "generation_config.json").is_file():
-            eos = GenerationConfig.from_pretrained(self.model_path).eos_token_id
+    def _eos_token_ids(self, generation: GenerationConfig | None) -> list[int]:
+        eos = None if generation is None else generation.eos_token_id
         if eos is None:
             eos = self.hf_config.eos_token_id
         return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
-    def _default_sampling(self) -> dict:
+    def _default_sampling(self, model_generation: GenerationConfig | None) -> dict:
         """The SamplingParams fields that generate() without sampling_params takes, as vLLM takes them: the generation
-        config's temperature, top_k, top_p, min_p, repetition_penalty and max_new_tokens (as max_tokens), with
-        override_generation_config over them."""
+        config's (the model's, for generation_config="auto") temperature, top_k, top_p, min_p, repetition_penalty and
+        max_new_tokens (as max_tokens), with override_generation_config over them."""
         source, override = self.generation_config, self.override_generation_config
         if not isinstance(source, (str, os.PathLike)):
             raise TypeError(f"generation_config must be 'auto', 'vllm' or a folder, got {source!r}")
         if override is not None and not isinstance(override, dict):
             raise TypeError(f"override_generation_config must be a dict, got {override!r}")
-        folder = {"vllm": None, "auto": self.model_path if self.model_path.is_dir() else None}.get(
-            source, Path(os.fspath(source)).expanduser())
+        if source == "auto":
+            folder, generation = self.model_path, model_generation
+        elif source == "vllm":
+            folder, generation = None, None
+        else:
+            folder = Path(os.fspath(source)).expanduser()
+            if (generation := _read_generation_config(folder)) is None:
+                raise ValueError(f"generation_config={str(source)!r}: no generation_config.json there")
         values, origin = {}, "override_generation_config"
-        if folder is not None and (folder / "generation_config.json").is_file():
+        if generation is not None:
+            values = generation.to_diff_dict()
             origin = f"{folder / 'generation_config.json'}" + (" and override_generation_config" if override else "")
-            try:
-                values = GenerationConfig.from_pretrained(folder).to_diff_dict()
-            except Exception as e:  # transformers' own checks: bad JSON, contradictory fields, ...
-                raise ValueError(f"cannot read the generation config {folder / 'generation_config.json'}: {e}") from e
-        elif source not in ("auto", "vllm"):
-            raise ValueError(f"generation_config={str(source)!r}: no generation_config.json there")
         values.update(override or {})
         sampling = {name: values[k] for k, name in GENERATION_SAMPLING_FIELDS.items() if values.get(k) is not None}
         try:
@@ -256,6 +258,17 @@ class Config:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls) if f.init}
+
+
+def _read_generation_config(folder: Path) -> GenerationConfig | None:
+    """folder's generation_config.json as transformers reads it; None where there is none."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return None
+    try:
+        return GenerationConfig.from_pretrained(folder)
+    except Exception as e:  # transformers' own checks: bad JSON, contradictory fields, ...
+        raise ValueError(f"cannot read the generation config {path}: {e}") from e
 
 
 def layer_configs(config: PretrainedConfig) -> list[PretrainedConfig]:
