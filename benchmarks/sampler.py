@@ -1,6 +1,6 @@
 """Speed of the sampler where the logits are, at batch 256 over Qwen3's vocabulary (151,936): the engine's Sampler
-greedy, with temperature alone (on CUDA one pass of the Triton race kernel), with top-k (a topk, then the kernel)
-and with top-p (a sort, then the kernel), against vLLM v1's torch ops for temperature (divide, softmax,
+greedy, with temperature alone (on CUDA one pass of the Triton race kernel), with top-k and with top-k and top-p
+(Qwen3's generation config: a topk, then the kernel), and with top-p alone (a sort, then the kernel), against vLLM v1's torch ops for temperature (divide, softmax,
 exponential_, divide, argmax) and against reading the logits once at the device's copy bandwidth. Medians of
 --iters calls. Not a test.
 
@@ -58,6 +58,8 @@ def main() -> None:
 
     greedy = meta(temperatures=torch.zeros(b, device=device), all_greedy=True, all_random=False, noise_keys=None)
     top_k = meta(top_k=torch.full((b,), 50, device=device), max_top_k=50)
+    top_k_top_p = meta(top_k=torch.full((b,), 20, device=device), top_p=torch.full((b,), 0.95, device=device),
+                       max_top_k=20)
     top_p = meta(top_p=torch.full((b,), 0.9, device=device))
     copy = torch.empty_like(logits)
     gb = logits.numel() * logits.element_size() / 1e9
@@ -68,15 +70,16 @@ def main() -> None:
         ("Sampler, temperature 0.6", lambda: sampler(logits, meta()), gb),
         ("vLLM v1's torch ops, temperature 0.6", lambda: vllm_temperature(logits, temperatures), gb),
         ("Sampler, temperature 0.6 + top-k 50", lambda: sampler(logits, top_k), gb),
+        ("Sampler, temperature 0.6 + top-k 20 + top-p 0.95", lambda: sampler(logits, top_k_top_p), gb),
         ("Sampler, temperature 0.6 + top-p 0.9", lambda: sampler(logits, top_p), gb),
     ]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}: logits [{b}, {args.vocab}] fp32 ({gb * 1e3:.0f} MB)")
-    print(f"| {'case':<42} | {'ms':>8} | {'GB/s':>6} |")
-    print(f"|{'-' * 44}|{'-' * 10}|{'-' * 8}|")
+    print(f"| {'case':<48} | {'ms':>8} | {'GB/s':>6} |")
+    print(f"|{'-' * 50}|{'-' * 10}|{'-' * 8}|")
     for label, fn, size in cases:
         ms = timed(fn, device, args.iters)
-        print(f"| {label:<42} | {ms:8.3f} | {size / ms * 1e3:6.0f} |")
+        print(f"| {label:<48} | {ms:8.3f} | {size / ms * 1e3:6.0f} |")
 
 
 if __name__ == "__main__":

@@ -201,10 +201,13 @@ def check_logprobs(entry: dict, actual: int, ref: torch.Tensor, k: int) -> float
     return max(abs(lp.logprob - ref[t].item()) for t, lp in entry.items())
 
 
-@pytest.mark.parametrize("budget", [4096, 5], ids=["one-chunk", "chunked-prefill"])
-def test_logprobs_and_prompt_logprobs_match_transformers(qwen2_dir, budget, report_logit_diff):
-    llm = LLM(str(qwen2_dir), device="cpu", dtype="float32",
-              max_model_len=128, max_num_batched_tokens=budget, kvcache_block_size=8)
+@pytest.mark.parametrize("budget, max_num_seqs", [(4096, 256), (5, 256), (32, 2)],
+                         ids=["one-chunk", "chunked-prefill", "logit-chunks"])
+def test_logprobs_and_prompt_logprobs_match_transformers(qwen2_dir, budget, max_num_seqs, report_logit_diff):
+    """logit-chunks: a step's prompt logprobs from the logits of 2 rows at a time (see ModelRunner.logit_results)."""
+    llm = LLM(str(qwen2_dir), device="cpu", dtype="float32", max_model_len=128, max_num_batched_tokens=budget,
+              max_num_seqs=max_num_seqs, kvcache_block_size=8)
+    assert llm.llm_engine.model_runner.logit_chunk_rows == max(max_num_seqs, -(-budget // 16))
     prompts = random_prompts(3, 5, 440, 9, 30, seed=34)
     params = SamplingParams(temperature=1.0, seed=8, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     worst = 0.0

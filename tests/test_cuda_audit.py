@@ -33,9 +33,9 @@ def warm_up_before_the_cache(monkeypatch):
         self._warm_up()
         return allocate(self, reserved_bytes)
 
-    def recording_execute(self, input_ids, positions, meta, logit_rows):
-        steps.append((meta.cu_seqlens_q.diff().tolist(), meta.causal))
-        return execute(self, input_ids, positions, meta, logit_rows)
+    def recording_execute(self, step):
+        steps.append((step.meta.cu_seqlens_q.diff().tolist(), step.meta.causal))
+        return execute(self, step)
 
     monkeypatch.setattr(ModelRunner, "_allocate_kv_cache", warm_up_first)
     monkeypatch.setattr(ModelRunner, "execute", recording_execute)

@@ -532,24 +532,28 @@ def test_warm_up_lengths(budget, max_num_seqs, max_model_len, expected):
     assert sum(lengths) == min(budget, max_num_seqs * max_model_len) and max(lengths) <= max_model_len
 
 
-def test_warm_up_runs_with_the_backend_and_every_logits_row(qwen3_dir, monkeypatch, capsys):
+def test_warm_up_runs_with_the_backend_and_the_logits_of_every_row(qwen3_dir, monkeypatch, capsys):
     """On CUDA the warm-up runs where _allocate_kv_cache starts (run here the same way, on the CPU): the attention
-    layers already have their backend then, and it computes the logits of every row of the largest step, then
-    samples a row per sequence with every filter. Start-up logs the cache's size in one line, on stderr without
-    any logging set-up (as vLLM does)."""
-    steps, sampled = [], []
+    layers already have their backend then, and it computes the logits of every row of the largest step as a step
+    does, a row per sequence sampled with every filter and logprobs, then the others' (prompt logprobs) in chunks
+    of a sixteenth of the budget. Start-up logs the cache's size in one line, on stderr without any logging
+    set-up (as vLLM does)."""
+    steps, logits_rows, sampled = [], [], []
     execute, allocate, sample = ModelRunner.execute, ModelRunner._allocate_kv_cache, Sampler.forward
 
-    def recording_execute(self, input_ids, positions, meta, logit_rows):
-        logits = execute(self, input_ids, positions, meta, logit_rows)
-        steps.append((meta.cu_seqlens_q.diff().tolist(), len(logit_rows), tuple(logits.shape)))
-        return logits
+    def recording_execute(self, step):
+        hidden = execute(self, step)
+        steps.append((step.meta.cu_seqlens_q.diff().tolist(), len(step.logit_rows), len(hidden)))
+        return hidden
 
     def recording_sample(self, logits, m):
-        sampled.append((tuple(logits.shape), m.all_greedy, *(x is not None for x in (m.min_p, m.top_k, m.top_p))))
+        sampled.append((tuple(logits.shape), m.all_greedy, m.num_logprobs,
+                        *(x is not None for x in (m.min_p, m.top_k, m.top_p))))
         return sample(self, logits, m)
 
     def warm_up_first(self, reserved_bytes=0):
+        compute_logits = self.model.compute_logits
+        monkeypatch.setattr(self.model, "compute_logits", lambda h: logits_rows.append(len(h)) or compute_logits(h))
         self._warm_up()
         return allocate(self, reserved_bytes)
 
@@ -558,8 +562,9 @@ def test_warm_up_runs_with_the_backend_and_every_logits_row(qwen3_dir, monkeypat
     monkeypatch.setattr(Sampler, "forward", recording_sample)
     capsys.readouterr()
     llm = LLM(str(qwen3_dir), device="cpu", max_model_len=64, max_num_seqs=5, max_num_batched_tokens=100)
-    assert steps == [([64, 9, 9, 9, 9], 100, (100, 512))]
-    assert sampled == [((5, 512), False, True, True, True)]
+    assert steps == [([64, 9, 9, 9, 9], 100, 100)]
+    assert logits_rows == [5] + [7] * 13 + [4]  # 100 / 16 rounded up: 7
+    assert sampled == [((5, 512), False, 1, True, True, True)]
     blocks = llm.llm_engine.model_runner.num_kvcache_blocks
     block_bytes = 3 * 2 * 16 * 2 * 32 * 4  # layers x (K, V) x tokens x KV heads x head_dim x fp32
     lines = capsys.readouterr().err.splitlines()
@@ -573,7 +578,8 @@ def test_warm_up_runs_with_the_backend_and_every_logits_row(qwen3_dir, monkeypat
     sampled.clear()
     with LLM(str(qwen3_dir), device="cpu", max_model_len=64, max_num_seqs=5, max_num_batched_tokens=100,
              speculative_config={"method": "ngram", "num_speculative_tokens": 3}):
-        assert sampled == [((20, 512), False, True, True, True)]  # a row per sequence and draft
+        assert sampled == [((20, 512), False, 1, True, True, True)]  # a row per sequence and draft
+        assert logits_rows[15:] == [20] * 5  # 20 sampled rows, then chunks as large as a sampled batch at least
 
 
 @pytest.mark.parametrize("root_configured, env, expected", [

@@ -356,7 +356,7 @@ class ReferenceSampling:
         temperatures = [p.temperature for p in params]
         ref = dict(temperatures=torch.tensor(temperatures), all_greedy=not any(temperatures),
                    all_random=all(temperatures), noise_keys=None, top_k=None, top_p=None, min_p=None,
-                   num_logprobs=None, banned=set(), penalties=None)
+                   num_logprobs=None, banned=set(), penalties=None, max_top_k=None)
         if not ref["all_greedy"]:
             for s in seqs:
                 if s.seq_id not in self.seeds:
@@ -365,6 +365,9 @@ class ReferenceSampling:
                                                             np.array([len(s) for s in seqs], np.uint64)))
         if any(0 < p.top_k < VOCAB for p in params):
             ref["top_k"] = torch.tensor([p.top_k for p in params])
+            # The cuts rank only this many logits unless a row has top-p without top-k.
+            if not any(p.top_p < 1 and not 0 < p.top_k < VOCAB for p in params):
+                ref["max_top_k"] = max(p.top_k for p in params if 0 < p.top_k < VOCAB)
         if any(p.top_p < 1 for p in params):
             ref["top_p"] = torch.tensor([p.top_p for p in params])
         if any(p.min_p > 0 for p in params):
@@ -389,7 +392,7 @@ class ReferenceSampling:
 
 def as_reference(m) -> dict:
     got = {f: getattr(m, f) for f in ("temperatures", "all_greedy", "all_random", "noise_keys", "top_k", "top_p",
-                                      "min_p", "num_logprobs")}
+                                      "min_p", "num_logprobs", "max_top_k")}
     got["banned"] = set() if m.banned is None else set(zip(*(t.tolist() for t in m.banned)))
     got["penalties"] = None if m.penalties is None else dict(vars(m.penalties))
     return got
@@ -423,7 +426,7 @@ def test_sampling_metadata_from_rows_equals_the_one_built_from_scratch(seed):
     each step's metadata gathered from the rows equals the one rebuilt from its sequences, seeds drawn in the
     same order included."""
     runner, reference = sampling_runner(), ReferenceSampling()
-    seen = dict(steps=0, penalties=0, banned=0, drawn=0)
+    seen = dict(steps=0, penalties=0, banned=0, drawn=0, top_p_in_top_k=0, top_p_sorted=0)
 
     def check(scheduler: Scheduler, batch: ScheduledBatch, samples: list[bool], tokens: list[int | None]) -> None:
         runner.input_batch.prepare(batch, samples)
@@ -435,11 +438,14 @@ def test_sampling_metadata_from_rows_equals_the_one_built_from_scratch(seed):
         seen["steps"] += 1
         seen["penalties"] += want["penalties"] is not None
         seen["banned"] += bool(want["banned"])
+        if want["top_k"] is not None and want["top_p"] is not None:
+            seen["top_p_sorted" if want["max_top_k"] is None else "top_p_in_top_k"] += 1
         seen["drawn"] = len(reference.seeds)
 
     result = run_random_schedule(seed, check, params=mixed_params)
     assert result["preemptions"] > 0 and result["aborts"] > 0
     assert seen["steps"] > 50 and seen["penalties"] > 10 and seen["banned"] > 10 and seen["drawn"] > 20, seen
+    assert seen["top_p_in_top_k"] > 5 and seen["top_p_sorted"] > 5, seen
 
 
 # ---- the engine: decode ids from the device ----

@@ -127,20 +127,43 @@ def test_top_k_keeps_every_token_tied_with_the_kth_largest_as_transformers():
             assert torch.equal(warped[row].isfinite(), kept), f"top_k={k}, top_p={top_p}"
 
 
-def test_top_k_alone_cuts_the_logits_as_top_k_with_top_p_does():
-    """Without top-p, top-k takes one topk of the most any row keeps instead of sorting the vocabulary: the same
-    logits, rows that disable it (0, the vocabulary size) untouched, the largest k known or read from top_k."""
+@pytest.mark.parametrize("top_p", [None, [1.0, 0.5, 0.9, 1.0, 0.3]], ids=["top-k", "top-k-and-top-p"])
+def test_top_k_and_top_p_from_one_topk_cut_as_the_sort_does(top_p):
+    """Where no row has top-p without top-k, the cuts take one topk of the most any row keeps instead of sorting the
+    vocabulary: the same logits (bf16 values, which tie), rows that disable top-k (0, the vocabulary size) and
+    top-p (1) untouched, each row's top-p set that of its top-k survivors, extended to the tokens tied with its
+    smallest."""
     logits = (torch.randn(5, 1000, generator=torch.Generator().manual_seed(6)) * 3).bfloat16().float()
     ks = torch.tensor([0, 1, 37, 1000, 250])
 
-    def warp(top_p=None, max_top_k=None):
-        return Sampler.warp(logits, SamplingMetadata(temperatures=torch.ones(5), top_k=ks, top_p=top_p,
-                                                     all_greedy=False, max_top_k=max_top_k))
-    with_top_p = warp(top_p=torch.ones(5))
-    for max_top_k in (None, 250):
-        assert torch.equal(warp(max_top_k=max_top_k), with_top_p)
-    kept = with_top_p.isfinite().sum(-1).tolist()
-    assert kept[0] == kept[3] == 1000 and kept[1] == 1 and 37 <= kept[2] < 50 and 250 <= kept[4] < 270
+    def warp(max_top_k):
+        return Sampler.warp(logits, SamplingMetadata(temperatures=torch.ones(5), top_k=ks, all_greedy=False,
+                                                     top_p=None if top_p is None else torch.tensor(top_p),
+                                                     max_top_k=max_top_k))
+    by_sort = warp(None)
+    assert torch.equal(warp(250), by_sort)
+    kept = by_sort.isfinite().sum(-1).tolist()
+    assert kept[0] == kept[3] == 1000 and kept[1] == 1
+    if top_p is None:
+        assert 37 <= kept[2] < 50 and 250 <= kept[4] < 270
+        return
+    for row in (2, 4):
+        x = logits[row].double()
+        x = torch.where(x >= x.topk(int(ks[row])).values[-1], x, float("-inf"))
+        smallest = min(x[i] for i in top_p_set(x.softmax(-1), top_p[row]))
+        assert torch.equal(by_sort[row].isfinite(), x >= smallest), row
+    assert 1 < kept[2] < 37 and 1 < kept[4] < 250
+
+
+@pytest.mark.parametrize("top_k, max_top_k", [(None, None), (4, None), (4, 4)])
+def test_top_p_keeps_every_token_tied_with_the_last_one_kept(top_k, max_top_k):
+    """The top-p cut is by value too: p(3.0) = 0.66 (0.71 among the top 4) < 0.75, so a 1.0 token joins, and so
+    do the two it ties with, whichever of them a sort would have ranked first."""
+    logits = torch.tensor([[3.0, 1.0, 0.0, 1.0, 0.0, 1.0]])
+    warped = Sampler.warp(logits, SamplingMetadata(
+        temperatures=torch.ones(1), top_k=None if top_k is None else torch.tensor([top_k]),
+        top_p=torch.tensor([0.75]), all_greedy=False, max_top_k=max_top_k))
+    assert warped[0].isfinite().tolist() == [True, True, False, True, False, True]
 
 
 def test_top_p_never_emits_tokens_outside_the_smallest_set_reaching_p():

@@ -86,6 +86,25 @@ def test_spawned_tp2_matches_tp1_and_hf(kind, model_dir, torchrun_launch, captur
     assert shard == pytest.approx(expected_shard_bytes(d, ref["weight_bytes"]), rel=0.01)
 
 
+def test_tp2_prompt_logprobs_in_chunks_match_tp1(qwen3_dir):
+    """Rank 0 takes the prompt logprobs' logits a chunk at a time (2 rows here); every rank's LM head must make the
+    same gathers, else the step hangs or mixes up rows."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    runs = []
+    for tp, budget in ((1, 4096), (2, 32)):
+        with LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=256, max_num_seqs=2,
+                 max_num_batched_tokens=budget, tensor_parallel_size=tp) as llm:
+            assert llm.llm_engine.model_runner.logit_chunk_rows == max(2, budget // 16)
+            runs.append(llm.generate(PROMPTS[:3], params, use_tqdm=False))
+    for one, two in zip(*runs):
+        assert one.outputs[0].token_ids == two.outputs[0].token_ids
+        assert len(one.prompt_logprobs) == len(two.prompt_logprobs) == len(one.prompt_token_ids)
+        for a, b in zip(one.prompt_logprobs[1:] + one.outputs[0].logprobs,
+                        two.prompt_logprobs[1:] + two.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            assert all(a[t].rank == b[t].rank and abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
+
+
 def test_killed_worker_fails_generate_fast(qwen3_dir):
     llm = LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=256, tensor_parallel_size=2)
     worker = llm.llm_engine.tp.workers[0]

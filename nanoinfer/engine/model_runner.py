@@ -5,7 +5,9 @@ import os
 import random
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -60,6 +62,20 @@ class RunnerOutput:
     # A step with drafts: per scheduled sequence, the accepted tokens emitted after token_ids[i], and their logprobs.
     extra_token_ids: list[list[int]] | None = None
     extra_logprobs: list[list[TokenLogprobs]] | None = None
+
+
+class Step(NamedTuple):
+    """A forward pass, as rank 0 sends it to the other ranks: prepare()'s host tensors, the hidden rows whose logits
+    are computed (the num_sampled sampled ones first, then those owed prompt logprobs), the tokens' adapters."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logit_rows: list[int]
+    num_sampled: int
+    lora_mapping: LoRAMapping | None = None
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -120,6 +136,11 @@ class ModelRunner:
             a.backend = self.backend
         self.graph_runner: CUDAGraphRunner | None = None
         self.sampler = Sampler()  # before the caches: the warm-up samples too
+        # The most rows a step samples (a row per sequence and draft), and the most rows of prompt logprobs whose
+        # logits are held at once: a budget's worth in at most 16 pieces, each as large as a sampled batch at least.
+        self.max_sampled_rows = config.max_num_seqs * (1 + (config.speculative.num_speculative_tokens
+                                                             if config.speculative else 0))
+        self.logit_chunk_rows = max(self.max_sampled_rows, -(-config.max_num_batched_tokens // 16))
         # Decode input ids are fed from the tokens sampled on the device only without tensor parallelism: rank 0
         # alone samples, so the other ranks would not have them; they keep receiving the ids from rank 0.
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_num_batched_tokens,
@@ -257,19 +278,18 @@ class ModelRunner:
 
     def _warm_up(self) -> None:
         """The largest step the scheduler can make, before the cache exists (nothing is stored): its most tokens,
-        longest sequence and most sequences (see warm_up_lengths), with the logits of every row, as if all of them
-        were sampled or owed prompt logprobs, and their log-softmax and ranks (what logprobs compute from them);
-        then, beside those logits, the sampler over the most rows a step samples (a row per sequence and draft)
-        with every filter (top-p's sort of the vocabulary makes several [rows, vocab] temporaries), as vLLM's
-        profile run samples."""
+        longest sequence and most sequences (see warm_up_lengths), its first max_sampled_rows rows sampled with
+        every filter (top-p's sort of the vocabulary makes several [rows, vocab] temporaries) and logprobs, as vLLM's
+        profile run samples, and the others' prompt logprobs, a chunk of logits at a time as a step computes them
+        (see logit_results)."""
         c = self.config
-        lengths = warm_up_lengths(c.max_num_batched_tokens, c.max_num_seqs, c.max_model_len)
-        logits = self._dummy_step(lengths, all_logits=True)
-        if logits is not None:
-            top_logprobs(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device), 1)
-            rows = min(logits.shape[0], c.max_num_seqs * (1 + (c.speculative.num_speculative_tokens
-                                                               if c.speculative else 0)))
-            self.sampler(logits[:rows], filtering_metadata(rows, logits.device))
+        hidden = self._dummy_step(warm_up_lengths(c.max_num_batched_tokens, c.max_num_seqs, c.max_model_len),
+                                  all_logits=True)
+        num_sampled = min(len(hidden), self.max_sampled_rows)
+        targets = torch.zeros(len(hidden) - num_sampled, dtype=torch.long, device=hidden.device)
+        self.logit_results(hidden, num_sampled,
+                           lambda logits: self.sampler(logits, filtering_metadata(num_sampled, logits.device)),
+                           targets, 1)
 
     def _compile_kernels(self) -> None:
         """Triton compiles a kernel variant the first time a step needs it (about a second each, until its disk cache
@@ -287,16 +307,16 @@ class ModelRunner:
         lengths = sorted({n for g in groups for n in self.backend.kernels.prefill_tile_lengths(g) if n <= budget})
         steps = [(new, cached) for new in lengths
                  for cached in sorted({0, 1, c.max_model_len - new} if latent else {0, 1})]
-        logits = None
+        hidden = None
         for new, cached in steps:  # the last one's logits are those the race kernel compiles for
-            logits = self._dummy_step([new], cached, all_logits=(new, cached) == steps[-1])
-        if logits is not None:  # on rank 0, which alone samples
-            compile_race(logits)
+            hidden = self._dummy_step([new], cached, all_logits=(new, cached) == steps[-1])
+        if hidden is not None:
+            self.logit_results(hidden, len(hidden), compile_race)  # on rank 0, which alone samples
 
-    def _dummy_step(self, lengths: list[int], cached: int = 0, all_logits: bool = False) -> torch.Tensor | None:
+    def _dummy_step(self, lengths: list[int], cached: int = 0, all_logits: bool = False) -> torch.Tensor:
         """A step of prompts of `lengths` new tokens, each after `cached` tokens taken as stored, every block of them
-        block 0 (no sequence's yet: what the step reads and writes there matters to none); the logits of every row
-        with all_logits. Every rank runs it alike (nothing to broadcast); the logits are gathered on rank 0."""
+        block 0 (no sequence's yet: what the step reads and writes there matters to none); the final hidden states
+        of every row with all_logits, else of none. Every rank runs it alike (nothing to broadcast)."""
         seqs = [Sequence([0] * (cached + n), SamplingParams(temperature=0), self.block_size) for n in lengths]
         for seq in seqs:
             seq.num_computed_tokens = cached
@@ -307,12 +327,11 @@ class ModelRunner:
         # that does not exist yet; attending non-causally over this step's one key is the same attention.
         if meta.is_decode:
             meta.causal = False
-        step = (input_ids, positions, meta, list(range(sum(lengths))) if all_logits else [])
-        if self.lora is not None:  # every token through an adapter: the LoRA products' temporaries count too
-            step += (self.lora.warm_up_mapping(sum(lengths)),)
-        logits = self.execute(*step)
+        # With LoRA every token goes through an adapter: the LoRA products' temporaries count too.
+        hidden = self.execute(Step(input_ids, positions, meta, list(range(sum(lengths))) if all_logits else [], 0,
+                                   None if self.lora is None else self.lora.warm_up_mapping(sum(lengths))))
         self.input_batch.remove([seq.seq_id for seq in seqs])
-        return logits
+        return hidden
 
     def model_capturable(self) -> bool:
         """Whether this model's decode forward can be captured in a graph: not for classifiers, which never decode,
@@ -366,25 +385,24 @@ class ModelRunner:
         samples = batch.samples
         input_ids, positions, meta, sample_rows = self.prepare(batch, samples)
         prompt_rows = self._prompt_logit_rows(batch, meta.cu_seqlens_q.tolist())
-        rows = sample_rows + [row for row, _, _ in prompt_rows]
-        step = (input_ids, positions, meta, rows)
-        if self.lora is not None:
-            step += (self.input_batch.lora_mapping,)
+        step = Step(input_ids, positions, meta, sample_rows + [row for row, _, _ in prompt_rows], len(sample_rows),
+                    None if self.lora is None else self.input_batch.lora_mapping)
         # The other ranks execute the same step (serve).
-        logits = self.execute(*self.tp.broadcast(step))
+        hidden = self.execute(self.tp.broadcast(step))
         out = RunnerOutput([None] * len(batch.seqs))
-        if logits is None:
+        if not step.logit_rows:
             return out
         # Everything is computed where the logits are; only ids and logprobs come back, in one transfer.
         sampled = [i for i, s in enumerate(samples) if s]
         drafts = batch.draft_token_ids
         seqs = [batch.seqs[i] for i in sampled for _ in range(1 + len(drafts.get(i, ())))] if drafts \
             else [batch.seqs[i] for i in sampled]
-        result = self.sample(seqs, logits[:len(sample_rows)]) if sampled else None
+        targets, k = self._prompt_targets(batch, prompt_rows) if prompt_rows else (None, 0)
+        result, prompt = self.logit_results(hidden, step.num_sampled, lambda logits: self.sample(seqs, logits),
+                                            targets, k)
         verified = self._verify(batch, sampled, result.token_ids) if drafts else None
         if result is not None and not drafts:
             self.input_batch.record_sampled(result.token_ids)
-        prompt = self._prompt_logprobs(batch, prompt_rows, logits[len(sample_rows):]) if prompt_rows else ()
         sampled_parts = [] if result is None else [result.token_ids, *(result.logprobs or ())]
         host = self.to_host(sampled_parts + list(prompt) + ([verified[0]] if drafts else []))
         if prompt_rows:
@@ -440,13 +458,13 @@ class ModelRunner:
         self.input_batch.record_verified(last_tokens, self.input_batch.sampled_positions[first] + num_accepted)
 
     @torch.inference_mode()
-    def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                logit_rows: list[int], lora_mapping: LoRAMapping | None = None) -> torch.Tensor | None:
+    def execute(self, step: Step) -> torch.Tensor:
         """One forward pass of prepare()'s CPU tensors on this rank's device, its tokens run with the adapters
-        lora_mapping gives them; the logits of logit_rows on rank 0 (gathered from every rank), None elsewhere."""
-        rows = self.input_batch.logit_index(logit_rows)
+        step.lora_mapping gives them; the final hidden states of step.logit_rows."""
+        rows = self.input_batch.logit_index(step.logit_rows)
         if self.lora is not None:
-            self.lora.set_step(lora_mapping)
+            self.lora.set_step(step.lora_mapping)
+        input_ids, positions, meta = step.input_ids, step.positions, step.meta
         size = self.graph_runner.padded_size(meta.num_seqs) if self.graph_runner and meta.is_decode else None
         if size is not None:
             static = self.graph_runner.load(self.input_batch.decode_inputs(input_ids, positions, meta, size))
@@ -458,7 +476,28 @@ class ModelRunner:
             self.backend.prepare(meta)
             hidden = self.model(input_ids, positions, meta)
         self.input_batch.record_uploads()
-        return self.model.compute_logits(hidden[rows]) if logit_rows else None
+        return hidden[rows]
+
+    @torch.inference_mode()
+    def logit_results(self, hidden: torch.Tensor, num_sampled: int,
+                      sample: Callable[[torch.Tensor], T] | None = None, targets: torch.Tensor | None = None,
+                      k: int = 0) -> tuple[T | None, tuple[torch.Tensor, ...]]:
+        """What rank 0 takes from the logits of hidden's rows: `sample` of the first num_sampled rows' logits, and
+        the top_logprobs of the other rows at `targets` (prompt logprobs), logit_chunk_rows rows at a time, so that a
+        step never holds all its rows' logits at once (a prefill's 8,192 rows at Qwen3's vocabulary are 5 GB in
+        fp32; the KV sizing's warm-up measures a chunk). The LM head gathers every rank's shard of the vocabulary on
+        rank 0: the other ranks make the same calls, and get (None, ())."""
+        result = self._on_logits(hidden[:num_sampled], sample) if num_sampled else None
+        parts, prompt = [], hidden[num_sampled:]
+        for start in range(0, len(prompt), self.logit_chunk_rows):
+            rows = slice(start, start + self.logit_chunk_rows)
+            parts.append(self._on_logits(prompt[rows], lambda logits: top_logprobs(logits, targets[rows], k)))
+        return result, (tuple(torch.cat(p) for p in zip(*parts)) if parts and parts[0] is not None else ())
+
+    def _on_logits(self, hidden: torch.Tensor, fn: Callable[[torch.Tensor], T]) -> T | None:
+        """fn of the rows' logits on rank 0, None on the other ranks; the logits are freed when it returns."""
+        logits = self.model.compute_logits(hidden)
+        return None if logits is None else fn(logits)
 
     def serve(self) -> None:
         """Ranks > 0: execute rank 0's steps, and run its pooling passes, until it sends None."""
@@ -466,7 +505,7 @@ class ModelRunner:
             if isinstance(step, EncodeStep):
                 self._encode(step.prompts, step.causal)
             else:
-                self.execute(*step)
+                self.logit_results(self.execute(step), step.num_sampled)
 
     @torch.inference_mode()
     def encode(self, prompts: list[list[int]], causal: bool, pooling: str) -> torch.Tensor:
@@ -529,7 +568,9 @@ class ModelRunner:
         if some & TOP_K and (enabled := (k := s.top_k[rows])[(k > 0) & (k < vocab)]).size:
             host["top_k"], max_top_k = k, int(enabled.max())
         if some & TOP_P:
-            host["top_p"] = s.top_p[rows]
+            host["top_p"] = p = s.top_p[rows]
+            if max_top_k is not None and ((p < 1) & ((k <= 0) | (k >= vocab))).any():
+                max_top_k = None  # a row with top-p but no top-k: its cut needs the whole vocabulary ranked
         if some & MIN_P:
             host["min_p"] = s.min_p[rows]
         if some & (MIN_TOKENS | BAD_WORDS):
@@ -604,12 +645,12 @@ class ModelRunner:
                          for pos in range(start, min(start + n, seq.num_prompt_tokens - 1))]
         return rows
 
-    def _prompt_logprobs(self, batch: ScheduledBatch, rows: list[tuple[int, int, int]], logits: torch.Tensor
-                         ) -> tuple[torch.Tensor, ...]:
-        """top_logprobs of the prompt tokens this step's rows predict, on the logits' device."""
+    def _prompt_targets(self, batch: ScheduledBatch, rows: list[tuple[int, int, int]]) -> tuple[torch.Tensor, int]:
+        """The prompt tokens this step's rows predict, on the device, and the most top logprobs their sequences ask
+        for."""
         _, targets, owners = zip(*rows)
         k = max(batch.seqs[i].params.prompt_logprobs for i in set(owners))
-        return top_logprobs(logits, self.upload(np.array(targets, dtype=np.int64))[0], k)
+        return self.upload(np.array(targets, dtype=np.int64))[0], k
 
 
 def _prompt_logprob_lists(batch: ScheduledBatch, rows: list[tuple[int, int, int]], result: list[torch.Tensor]
