@@ -166,6 +166,27 @@ def test_top_p_keeps_every_token_tied_with_the_last_one_kept(top_k, max_top_k):
     assert warped[0].isfinite().tolist() == [True, True, False, True, False, True]
 
 
+@pytest.mark.parametrize("spread, widths", [(4.0, [1024]), (0.01, [1024, 4096])], ids=["peaked", "flat"])
+def test_top_p_alone_on_the_cpu_ranks_only_the_logits_its_sets_need(spread, widths, monkeypatch):
+    """On the CPU, top-p without top-k ranks 1,024 logits, then 4x as many while a row's set reaches the last one,
+    before it sorts the vocabulary: the same cut as the sort's (5,000 bf16 logits, sets of a few tokens to nearly
+    all, ties), from a topk of 1,024 for the peaked rows, from the sort for the flat ones."""
+    logits = (torch.randn(4, 5000, generator=torch.Generator().manual_seed(8)) * spread).bfloat16().float()
+    top_p = [0.3, 0.9, 0.99, 1.0]
+    ranked = []
+    topk = torch.Tensor.topk
+    monkeypatch.setattr(torch.Tensor, "topk", lambda x, k, *args: ranked.append(k) or topk(x, k, *args))
+    warped = Sampler.warp(logits, SamplingMetadata(temperatures=torch.ones(4), top_k=None, top_p=torch.tensor(top_p),
+                                                   all_greedy=False))
+    assert ranked == widths
+    for row, p in enumerate(top_p):
+        x = logits[row].double()
+        smallest = min(x[i] for i in top_p_set(x.softmax(-1), p)) if p < 1 else x.min()
+        assert torch.equal(warped[row].isfinite(), x >= smallest), row
+    kept = warped.isfinite().sum(-1).tolist()
+    assert kept[0] < kept[1] < kept[2] < kept[3] == 5000 and (kept[2] < 1024) == (spread > 1), kept
+
+
 def test_top_p_never_emits_tokens_outside_the_smallest_set_reaching_p():
     g = torch.Generator().manual_seed(2)
     vocab = 30
