@@ -2248,6 +2248,12 @@ def random_prompts(n: int, vocab_lo: int, vocab_hi: int, len_lo: int, len_hi: in
     ]
 
 
+# What the engine is compared with transformers on (test_correctness; the same on CUDA, where transformers' tokens come
+# from the same cache): lengths straddle 16-token blocks, and a one-token prompt.
+REFERENCE_PROMPTS = random_prompts(6, 5, 440, 2, 90, seed=7) + [[17]]
+REFERENCE_MAX_TOKENS = 24
+
+
 def check_against_hf(outputs, refs: list[dict], captured: dict[int, list[torch.Tensor]] | None = None) -> float:
     """Assert each output's greedy tokens match the reference (see assert_greedy_match); with the engine's
     captured logits, return the max |logit difference| over the steps up to the first divergence."""

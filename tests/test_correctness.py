@@ -2,15 +2,14 @@
 import pytest
 import torch
 
-from models import (EXTRA_KINDS, LLAMA4_CHUNK, MODEL_KINDS, SLIDING_WINDOW, cached_hf_greedy, check_against_hf,
-                    random_prompts)
+from models import EXTRA_KINDS, LLAMA4_CHUNK, MODEL_KINDS, SLIDING_WINDOW, cached_hf_greedy, check_against_hf
+from models import REFERENCE_MAX_TOKENS as MAX_TOKENS
+from models import REFERENCE_PROMPTS as PROMPTS
+from models import random_prompts
 from nanoinfer import LLM, SamplingParams
 
-MAX_TOKENS = 24
 LOGIT_ATOL = 1e-4
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-# Lengths straddle block boundaries (block size 16) and include a one-token prompt.
-PROMPTS = random_prompts(6, 5, 440, 2, 90, seed=7) + [[17]]
 
 
 def reference(model_dir, prompts=PROMPTS) -> list[dict]:

@@ -7,7 +7,9 @@ import logging
 import pytest
 import torch
 from cuda_fakes import EagerGraph, HostSyncAudit, capture_eager_graphs
-from models import ALL_KINDS, GRAPH_MOE_KINDS, cached_hf_greedy, check_against_hf, random_prompts
+from models import ALL_KINDS, GRAPH_MOE_KINDS, cached_hf_greedy, check_against_hf
+from models import REFERENCE_MAX_TOKENS as MAX_TOKENS
+from models import REFERENCE_PROMPTS as PROMPTS
 
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import hidden_states_width
@@ -139,8 +141,6 @@ def test_decode_forward_of_every_graph_captured_model_never_syncs_with_the_host(
     assert found == []
 
 
-MAX_TOKENS = 24
-PROMPTS = random_prompts(6, 5, 440, 2, 90, seed=7) + [[17]]  # test_correctness's: transformers' tokens are cached
 
 
 @pytest.mark.slow

@@ -12,6 +12,8 @@ import torch
 
 from models import (DENSE_KINDS, EXTRA_KINDS, LAYERNORM_KINDS, MODEL_KINDS, NEWEST_DENSE_KINDS, causal_lm_class,
                     check_against_hf, check_bf16_outputs, hf_attention, hf_greedy, random_prompts)
+from models import REFERENCE_MAX_TOKENS as MAX_TOKENS
+from models import REFERENCE_PROMPTS as PROMPTS
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
 from nanoinfer.layers.attention import Attention
@@ -19,10 +21,7 @@ from nanoinfer.layers.attention.selector import BACKEND_CHOICES, flash_attn_avai
 
 pytestmark = pytest.mark.cuda
 
-MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-# Lengths straddle 16-token blocks and include a one-token prompt.
-PROMPTS = random_prompts(6, 5, 440, 2, 90, seed=7) + [[17]]
 FP32_LOGIT_ATOL = 2e-4  # the CPU suite sees ~2e-5; GPU reductions run in other orders
 MIB = 1 << 20
 

@@ -3,7 +3,7 @@ attention sizes, decode replayed from a CUDA graph, and the engine against trans
 import pytest
 import torch
 
-from models import check_against_hf, hf_greedy, random_prompts
+from models import REFERENCE_MAX_TOKENS, REFERENCE_PROMPTS, cached_hf_greedy, check_against_hf, random_prompts
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.model_runner import ModelRunner
@@ -138,12 +138,12 @@ def test_decode_replays_from_a_cuda_graph():
 
 def test_engine_matches_hf_on_the_gpu(qwen3_dir, captured_logits):
     """fp32 on the GPU, the triton backend with CUDA graphs, against transformers fp32 on the CPU."""
-    prompts = random_prompts(6, 5, 440, 2, 90, seed=7) + [[17]]
-    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=REFERENCE_MAX_TOKENS, ignore_eos=True)
     with LLM(str(qwen3_dir), device="cuda", dtype="float32", attention_backend="triton", max_model_len=256) as llm:
         assert llm.llm_engine.model_runner.graph_runner is not None
-        outputs = llm.generate(prompts, greedy, use_tqdm=False)
-    worst = check_against_hf(outputs, hf_greedy(qwen3_dir, prompts, 16), captured_logits)
+        outputs = llm.generate(REFERENCE_PROMPTS, greedy, use_tqdm=False)
+    worst = check_against_hf(outputs, cached_hf_greedy(qwen3_dir, REFERENCE_PROMPTS, REFERENCE_MAX_TOKENS),
+                             captured_logits)
     assert worst < 1e-3, f"max |logit diff| {worst:.2e}"
 
 
