@@ -142,13 +142,7 @@ class EagerGraph:
 def capture_eager_graphs(runner) -> None:
     """What ModelRunner._capture_graphs does on CUDA, done on the CPU with EagerGraph (the runner captures graphs
     only on a CUDA device): decode steps then go through the graph runner's static buffers and padding."""
-    from nanoinfer.config import hidden_states_width
-    from nanoinfer.engine.cuda_graph import CUDAGraphRunner
-
-    c = runner.config
-    runner.graph_runner = CUDAGraphRunner(runner.model, runner.backend, c.max_num_seqs, c.max_model_len,
-                                          runner.block_size, hidden_states_width(c.hf_config), c.torch_dtype,
-                                          runner.device, new_graph=EagerGraph)
+    runner.graph_runner = runner.new_graph_runner(EagerGraph)
     runner.graph_runner.capture()
 
 

@@ -446,6 +446,12 @@ GRAPH_MOE_KINDS = ("qwen3-moe", "granitemoe-swa", "gemma4-moe", "mixtral", "qwen
                    "gpt-oss", "solar-open", "minimax-m2", "cohere2-moe", "cohere2-moe-sigmoid", "axk1", "afmoe",
                    "mellum", "hy-v3", "laguna", "flint", "kolibri1", "mimo-v2-flash", "longcat-flash", "jetmoe",
                    "aria-text", "beam")
+# The kinds with recurrent state (linear attention, state-space layers, convolutions), whose decode CUDA graphs read
+# each sequence's state slot from a static buffer (those with experts too: in bf16 on sm90).
+GRAPH_RECURRENT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe", "lfm2", "bamba", "granitemoehybrid",
+                         "granitemoehybrid-dense", "lfm2-moe", "recurrent-gemma", "rwkv", "nemotron-h", "falcon-h1",
+                         "falcon-h1-norm", "zamba2", "mamba2", "mamba", "falcon-mamba", "jamba", "zamba", "xlstm",
+                         "lfm3", "olmo-hybrid", "kimi-linear", "bailing-hybrid", "zaya", "minimax")
 # For tensor parallelism: a vocabulary that 2 ranks cannot split evenly (padded) and one KV head (replicated).
 ODD_KIND = "qwen2-mqa-oddvocab"
 # OLMo 2 with one KV head, for tensor parallelism (each rank then holds all of k and of its norm).

@@ -7,12 +7,11 @@ import logging
 import pytest
 import torch
 from cuda_fakes import EagerGraph, HostSyncAudit, capture_eager_graphs
-from models import ALL_KINDS, GRAPH_MOE_KINDS, cached_hf_greedy, check_against_hf
+from models import ALL_KINDS, GRAPH_MOE_KINDS, GRAPH_RECURRENT_KINDS, cached_hf_greedy, check_against_hf
 from models import REFERENCE_MAX_TOKENS as MAX_TOKENS
 from models import REFERENCE_PROMPTS as PROMPTS
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.config import hidden_states_width
 from nanoinfer.engine import model_runner
 from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.model_runner import ModelRunner
@@ -70,13 +69,16 @@ class RecordingGraphRunner:
     ("qwen3-moe", torch.bfloat16, (9, 0), True),
     ("qwen3-moe", torch.float32, (9, 0), False),
     ("qwen3-moe", torch.bfloat16, (8, 0), False),
-    ("qwen3-next", torch.bfloat16, (9, 0), False),
+    ("qwen3-next", torch.bfloat16, (9, 0), True),
+    ("qwen3-next", torch.bfloat16, (8, 0), False),
+    ("lfm2", torch.float32, (8, 0), True),
 ])
 def test_decode_graphs_only_for_models_whose_forward_a_graph_can_capture(kind, dtype, capability, captured, model_dir,
                                                                           monkeypatch):
     """A mixture-of-experts forward syncs with the host but in bf16 on sm90 (_grouped_mm elsewhere loops over offsets
-    copied to the host): capturing it would fail when the engine starts; recurrent state is never captured. Decided
-    as on CUDA with the triton backend, in `dtype` on a GPU of `capability` (the runner here is a CPU one)."""
+    copied to the host): capturing it would fail when the engine starts. Recurrent state is captured (Qwen3-Next
+    has experts too, LFM2's short convolutions none). Decided as on CUDA with the triton backend, in `dtype` on a
+    GPU of `capability` (the runner here is a CPU one)."""
     monkeypatch.setattr(model_runner, "CUDAGraphRunner", RecordingGraphRunner)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     with LLM(str(model_dir(kind)), device="cpu", max_model_len=64) as llm:
@@ -144,19 +146,22 @@ def test_decode_forward_of_every_graph_captured_model_never_syncs_with_the_host(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", GRAPH_MOE_KINDS)
-def test_moe_decode_through_graph_buffers_matches_transformers(kind, model_dir, monkeypatch, captured_logits,
-                                                                report_logit_diff):
-    """Mixture-of-experts models, whose decode is captured in bf16 on sm90, decode through the graph runner's static
-    buffers and padding (EagerGraph: a graph's semantics on the CPU, what the step derives in Python fixed at capture
-    as a graph fixes it): transformers' tokens and logits, 7 sequences replayed at the captured size 8."""
+@pytest.mark.parametrize("kind", GRAPH_MOE_KINDS + GRAPH_RECURRENT_KINDS)
+def test_decode_through_graph_buffers_matches_transformers(kind, model_dir, monkeypatch, captured_logits,
+                                                           report_logit_diff):
+    """Mixture-of-experts models, whose decode is captured in bf16 on sm90, and models with recurrent state decode
+    through the graph runner's static buffers and padding (EagerGraph: a graph's semantics on the CPU, what the step
+    derives in Python fixed at capture as a graph fixes it): transformers' tokens and logits, 7 sequences replayed at
+    the captured size 8 (the padding row's state in the spare slot)."""
     monkeypatch.setattr(model_runner, "experts_capturable", lambda dtype, device: True)
     replays = []
     monkeypatch.setattr(EagerGraph, "replay", lambda self: replays.append(self) or self.fn())
     d = model_dir(kind)
     with LLM(str(d), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=8) as llm:
         runner = llm.llm_engine.model_runner
-        assert runner.model_capturable() and any(isinstance(m, FusedMoE) for m in runner.model.modules())
+        assert runner.model_capturable()
+        assert bool(runner.num_state_slots) == (kind in GRAPH_RECURRENT_KINDS)
+        assert any(isinstance(m, FusedMoE) for m in runner.model.modules()) or kind in GRAPH_RECURRENT_KINDS
         if not runner.backend.decode_kernel:
             pytest.skip("the CPU decode kernel is not built: the PyTorch decode is not graph-safe")
         capture_eager_graphs(runner)
@@ -167,6 +172,48 @@ def test_moe_decode_through_graph_buffers_matches_transformers(kind, model_dir, 
     worst = check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits)
     report_logit_diff(f"{kind}, decode through graph buffers", worst)
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["qwen3.5", "lfm2", "mamba2", "rwkv", "recurrent-gemma"])
+def test_a_sequence_starting_in_a_decode_graph_starts_from_a_clean_state(kind, model_dir, monkeypatch):
+    """A one-token prompt scheduled beside decoding sequences makes a step of one token per sequence, replayed from
+    a graph: its state slot, which a finished sequence left dirty, is reset there on the device (where(first token,
+    its slot, the spare slot)), as the eager step resets it. Every sequence's tokens equal transformers'."""
+    replays = []
+    monkeypatch.setattr(EagerGraph, "replay", lambda self: replays.append(self) or self.fn())
+    d = model_dir(kind)
+    prompts = {"a": [7, 8, 9, 10], "b": [11, 12, 13], "done": [20, 21, 22, 23, 24], "new": [17]}
+    lengths = {"a": 10, "b": 10, "done": 2, "new": 6}
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=4) as llm:
+        engine, runner = llm.llm_engine, llm.llm_engine.model_runner
+        if not runner.backend.decode_kernel:
+            pytest.skip("the CPU decode kernel is not built: the PyTorch decode is not graph-safe")
+        capture_eager_graphs(runner)
+        slots, outputs = {}, {}
+
+        def step() -> None:
+            for seq in engine.scheduler.running:
+                slots.setdefault(seq.request_id, seq.state_slot)
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0].token_ids
+
+        for name in ("a", "b", "done"):
+            engine.add_request(name, prompts[name], SamplingParams(temperature=0, max_tokens=lengths[name],
+                                                                   ignore_eos=True))
+        while "done" not in outputs:
+            step()
+        engine.add_request("new", prompts["new"], SamplingParams(temperature=0, max_tokens=lengths["new"],
+                                                                 ignore_eos=True))
+        replayed = len(replays)
+        step()  # a, b and new's one token: a decode-shaped step, from the size-4 graph
+        assert len(replays) == replayed + 1 and replays[-1] is runner.graph_runner.graphs[4]
+        while engine.has_unfinished_requests():
+            step()
+    assert slots["new"] == slots["done"]  # the slot the finished sequence left
+    for name, prompt in prompts.items():
+        want = cached_hf_greedy(d, [prompt], lengths[name])[0]["token_ids"]
+        assert outputs[name] == want, name
 
 
 def test_sparse_attention_without_experts_gets_no_decode_graphs(tmp_path, monkeypatch):
@@ -188,12 +235,11 @@ def audited_capture(runner: ModelRunner) -> tuple[CUDAGraphRunner, list]:
     """The runner's decode graphs captured (EagerGraph) under a HostSyncAudit, and what it found; the attention
     backend's calls are left out. Row i stores its key at slot i of block 0 and attends over one key, that block's
     first."""
-    audit, backend, c = HostSyncAudit(), runner.backend, runner.config
+    audit, backend = HostSyncAudit(), runner.backend
     for name in ("forward", "store_kvcache"):
         method = getattr(backend, name)
         setattr(backend, name, lambda *a, method=method, **k: _paused(audit, method, *a, **k))
-    graphs = CUDAGraphRunner(runner.model, backend, c.max_num_seqs, c.max_model_len, runner.block_size,
-                             hidden_states_width(c.hf_config), c.torch_dtype, runner.device, new_graph=EagerGraph)
+    graphs = runner.new_graph_runner(EagerGraph)
     graphs.buffers.slot_mapping.copy_(torch.arange(len(graphs.buffers.slot_mapping)))
     graphs.buffers.block_tables.fill_(0)
     graphs.buffers.context_lens.fill_(1)

@@ -142,6 +142,19 @@ def test_moe_decodes_from_graphs_in_bf16_on_sm90(kind, model_dir):
     assert tokens[0] == tokens[1]
 
 
+@pytest.mark.parametrize("kind", ["qwen3.5", "lfm2", "mamba2", "rwkv"])
+def test_recurrent_models_decode_from_graphs(kind, model_dir):
+    """Models with recurrent state decode from CUDA graphs (each sequence's slot from a static buffer, padding rows
+    in a spare slot), in fp32 at any capability: the same tokens as eager decode, 7 sequences at the captured size 8
+    and a one-token prompt among them. Linear attention, short convolutions, Mamba2, RWKV."""
+    d, prompts, tokens = model_dir(kind), random_prompts(6, 5, 440, 2, 90, seed=8) + [[17]], []
+    for eager in (False, True):
+        with make_llm(d, "triton", "float32", enforce_eager=eager) as llm:
+            assert (llm.llm_engine.model_runner.graph_runner is None) == eager
+            tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+    assert tokens[0] == tokens[1]
+
+
 def test_one_token_budget_on_cuda(backend, qwen3_dir, captured_logits, report_logit_diff):
     """max_num_batched_tokens=1: the warm-up sizing the cache is one 1-token prompt (not a decode over the cache it
     is sizing), and every later step one token."""

@@ -32,6 +32,8 @@ class DecodeInputs:
     slot_mapping: torch.Tensor  # [size] int64, padding -1: the store kernel skips the row
     context_lens: torch.Tensor  # [size] int32, padding 0: attention reads no key for the row
     block_tables: torch.Tensor  # [size, width] int32, padding -1 (never read: it lies past each context)
+    # [size] int64, padding -1 (the spare slot, whose state nothing reads back); models with recurrent layers only
+    state_slots: torch.Tensor | None = None
 
 
 class CUDAGraph:
@@ -55,8 +57,9 @@ class CUDAGraphRunner:
     """Static input buffers of the largest size, one graph per size writing into one output buffer."""
 
     def __init__(self, model: nn.Module, backend, max_num_seqs: int, max_model_len: int, block_size: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, recurrent: bool = False,
                  new_graph: Callable[[], CUDAGraph] | None = None) -> None:
+        """recurrent: the model keeps recurrent state, in the slots a step's state_slots name."""
         self.model, self.backend, self.block_size = model, backend, block_size
         self.sizes = capture_sizes(max_num_seqs)
         self.width = -(-max_model_len // block_size)
@@ -64,7 +67,8 @@ class CUDAGraphRunner:
         top = self.sizes[-1]
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         self.buffers = DecodeInputs(torch.zeros(top, **i64), torch.zeros(top, **i64), torch.full((top,), -1, **i64),
-                                    torch.zeros(top, **i32), torch.full((top, self.width), -1, **i32))
+                                    torch.zeros(top, **i32), torch.full((top, self.width), -1, **i32),
+                                    torch.full((top,), -1, **i64) if recurrent else None)
         self.outputs = torch.zeros(top, hidden_size, dtype=dtype, device=device)
         self.new_graph = new_graph or CUDAGraph
         self.graphs: dict[int, CUDAGraph] = {}
@@ -75,7 +79,8 @@ class CUDAGraphRunner:
         cu = torch.arange(size + 1, dtype=torch.int32, device=b.context_lens.device)
         return AttentionMetadata(slot_mapping=b.slot_mapping[:size], block_tables=b.block_tables[:size],
                                  context_lens=b.context_lens[:size], cu_seqlens_q=cu, cu_seqlens_k=cu,
-                                 max_seqlen_q=1, max_seqlen_k=self.max_seqlen_k, block_size=self.block_size)
+                                 max_seqlen_q=1, max_seqlen_k=self.max_seqlen_k, block_size=self.block_size,
+                                 state_slots=None if b.state_slots is None else b.state_slots[:size])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -108,6 +113,8 @@ class CUDAGraphRunner:
         size, width = inputs.block_tables.shape
         static = {}
         for f in fields(inputs):
+            if getattr(inputs, f.name) is None:
+                continue
             dst = getattr(self.buffers, f.name)
             dst = static[f.name] = dst[:size, :width] if f.name == "block_tables" else dst[:size]
             dst.copy_(getattr(inputs, f.name), non_blocking=True)

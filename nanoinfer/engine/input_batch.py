@@ -28,6 +28,7 @@ class StepBuffers:
     sampled_rows: torch.Tensor  # [max_num_seqs] int64: rows of the sequences sampled this step
     fed_index: torch.Tensor  # [max_num_seqs] int64: input_ids entries taken from last_sampled ...
     fed_rows: torch.Tensor  # [max_num_seqs] int64: ... of these rows
+    state_slots: torch.Tensor  # [max_num_seqs] int64: recurrent-state slots (models with recurrent layers)
 
     @classmethod
     def allocate(cls, max_tokens: int, max_num_seqs: int, max_blocks: int, device: torch.device,
@@ -38,7 +39,7 @@ class StepBuffers:
         return cls(buf(max_tokens, i64), buf(max_tokens, i64), buf(max_tokens, i64), buf(max_tokens, i64),
                    buf(max_num_seqs, i32), buf(max_num_seqs + 1, i32), buf(max_num_seqs + 1, i32),
                    buf(max_num_seqs * max_blocks, i32), buf(max_num_seqs, i64), buf(max_num_seqs, i64),
-                   buf(max_num_seqs, i64))
+                   buf(max_num_seqs, i64), buf(max_num_seqs, i64))
 
 
 class InputBatch:
@@ -230,9 +231,14 @@ class InputBatch:
             self._upload(name, t) for name, t in zip(names, (input_ids, positions, meta.slot_mapping,
                                                               meta.context_lens, meta.cu_seqlens_q,
                                                               meta.cu_seqlens_k, meta.block_tables)))
-        state_slots = None if meta.state_slots is None else meta.state_slots.to(ctx.device, non_blocking=True)
+        state_slots = None if meta.state_slots is None else self._upload("state_slots", meta.state_slots)
         return ids, pos, replace(meta, slot_mapping=slots, block_tables=tables, context_lens=ctx, cu_seqlens_q=cu_q,
                                  cu_seqlens_k=cu_k, state_slots=state_slots)
+
+    def state_slots(self, slots: list[int]) -> torch.Tensor:
+        """The recurrent-state slots of a step's sequences (after prepare), in their host staging buffer."""
+        self.np["state_slots"][:len(slots)] = slots
+        return self.host.state_slots[:len(slots)]
 
     def logit_index(self, logit_rows: list[int]) -> torch.Tensor:
         """logit_rows as an index tensor on this rank's device."""
@@ -244,19 +250,23 @@ class InputBatch:
     def decode_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                       size: int) -> DecodeInputs:
         """A decode step's inputs padded to `size` rows in the host staging buffers (token 0, position 0, slot -1,
-        context length 0, no blocks), for a graph to copy into its static buffers."""
+        context length 0, no blocks, the spare recurrent-state slot -1), for a graph to copy into its static
+        buffers."""
         self._wait_for_uploads()
         n, width = meta.block_tables.shape
         for name, t in (("input_ids", input_ids), ("positions", positions), ("slot_mapping", meta.slot_mapping),
-                        ("context_lens", meta.context_lens), ("block_tables", meta.block_tables)):
-            self._stage(name, t)
+                        ("context_lens", meta.context_lens), ("block_tables", meta.block_tables),
+                        ("state_slots", meta.state_slots)):
+            if t is not None:
+                self._stage(name, t)
         h = self.np
         h["input_ids"][n:size] = h["positions"][n:size] = h["context_lens"][n:size] = 0
-        h["slot_mapping"][n:size] = -1
+        h["slot_mapping"][n:size] = h["state_slots"][n:size] = -1
         h["block_tables"][n * width:size * width] = -1
         b = self.host
         return DecodeInputs(b.input_ids[:size], b.positions[:size], b.slot_mapping[:size], b.context_lens[:size],
-                            b.block_tables[:size * width].view(size, width))
+                            b.block_tables[:size * width].view(size, width),
+                            None if meta.state_slots is None else b.state_slots[:size])
 
     def feed_sampled(self, input_ids: torch.Tensor) -> None:
         """Overwrite, on this rank's device, the input ids of this step's decode tokens that were sampled into

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from nanoinfer.config import Config, hidden_states_width
-from nanoinfer.engine.cuda_graph import CUDAGraphRunner
+from nanoinfer.engine.cuda_graph import CUDAGraph, CUDAGraphRunner
 from nanoinfer.engine.gpu_memory import profile_kv_cache_blocks, settled_mem_info, state_bytes_for_gpu
 from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.parallel import TPGroup
@@ -149,8 +149,7 @@ class ModelRunner:
                                       if config.enable_lora else None)
         self.num_state_slots, state_bytes = self._allocate_state_cache()
         self.num_kvcache_blocks = self._allocate_kv_cache(state_bytes)
-        if (self.device.type == "cuda" and config.attention_backend == "triton" and self.generates
-                and not self.num_state_slots):  # (a dummy step's recurrent state would need a slot of its own)
+        if self.device.type == "cuda" and config.attention_backend == "triton" and self.generates:
             self._compile_kernels()
         self.graph_runner = self._capture_graphs()
         self.seeds = random.Random(config.seed)  # the noise seeds of requests without one
@@ -212,7 +211,8 @@ class ModelRunner:
     def _allocate_state_cache(self) -> tuple[int, int]:
         """Recurrent-state slots of the recurrent layers, one per running sequence (max_num_seqs, or fewer
         if they would take more than half the cache budget: on CUDA what gpu_memory_utilization leaves, on the CPU
-        the cache budget), and their bytes; (0, 0) without such layers."""
+        the cache budget), and their bytes; (0, 0) without such layers. One more, the last (slot -1), is spare: what
+        a step writes there (a decode graph's padding rows, warm-up steps) nobody reads back."""
         layers = [m for m in self.model.modules() if isinstance(m, RecurrentLayer)]
         if not layers:
             return 0, 0
@@ -222,12 +222,12 @@ class ModelRunner:
             budget = self.tp.all_min(state_bytes_for_gpu(total, free, self.config.gpu_memory_utilization))
         else:
             budget = min(KV_CACHE_MAX_BYTES, self._available_memory() * KV_CACHE_MEMORY_FRACTION) // 2
-        num_slots = min(self.config.max_num_seqs, int(budget // slot_bytes))
+        num_slots = min(self.config.max_num_seqs, int(budget // slot_bytes) - 1)
         if num_slots < 1:
             raise ValueError(f"not enough memory for the recurrent state of one sequence ({slot_bytes} bytes)")
         for a in layers:
-            a.allocate_state(num_slots, self.config.torch_dtype, self.device)
-        return num_slots, num_slots * slot_bytes
+            a.allocate_state(num_slots + 1, self.config.torch_dtype, self.device)
+        return num_slots, (num_slots + 1) * slot_bytes
 
     def _allocate_kv_cache(self, reserved_bytes: int = 0) -> int:
         """KV blocks of the attention layers: num_kvcache_blocks if given; one sequence's for a model that only pools
@@ -335,13 +335,13 @@ class ModelRunner:
 
     def model_capturable(self) -> bool:
         """Whether this model's decode forward can be captured in a graph: not for classifiers, which never decode,
-        nor for models with recurrent state, whose per-step slot lookups are not captured, nor for mixture-of-experts
-        models but in bf16 on sm90 (see experts_capturable: elsewhere torch._grouped_mm loops over offsets copied to
-        the host), nor with LoRA, whose token groups (which tokens use which adapter) change shape from step to step,
-        nor with layers marked `per_step_host_state` (sparse attention's spans and selections, read from each step's
-        lengths on the host)."""
+        nor for mixture-of-experts models but in bf16 on sm90 (see experts_capturable: elsewhere torch._grouped_mm
+        loops over offsets copied to the host), nor with LoRA, whose token groups (which tokens use which adapter)
+        change shape from step to step, nor with layers marked `per_step_host_state` (sparse attention's spans and
+        selections, relative logits' spans, read from each step's lengths on the host). Recurrent state is captured
+        (see RecurrentBatch.from_metadata)."""
         experts = experts_capturable(self.config.torch_dtype, self.device)
-        return (self.generates and not self.num_state_slots and self.lora is None
+        return (self.generates and self.lora is None
                 and not any(isinstance(m, FusedMoE) and not experts or getattr(m, "per_step_host_state", False)
                             for m in self.model.modules()))
 
@@ -352,9 +352,7 @@ class ModelRunner:
                 or not self.model_capturable()):
             return None
         start = time.perf_counter()
-        runner = CUDAGraphRunner(self.model, self.backend, self.config.max_num_seqs, self.config.max_model_len,
-                                 self.block_size, hidden_states_width(self.config.hf_config), self.config.torch_dtype,
-                                 self.device)
+        runner = self.new_graph_runner()
         try:
             runner.capture()
         except RuntimeError as e:  # an op the capture refused (one that waits for the device): eager decode is slower
@@ -369,13 +367,20 @@ class ModelRunner:
         logger.warning("CUDA graphs: capture failed, decode runs eagerly: %s", failure)
         return None
 
+    def new_graph_runner(self, new_graph: Callable[[], CUDAGraph] | None = None) -> CUDAGraphRunner:
+        """Decode graphs of this runner's model, not yet captured (new_graph: a stand-in for torch's, in tests)."""
+        c = self.config
+        return CUDAGraphRunner(self.model, self.backend, c.max_num_seqs, c.max_model_len, self.block_size,
+                               hidden_states_width(c.hf_config), c.torch_dtype, self.device,
+                               recurrent=bool(self.num_state_slots), new_graph=new_graph)
+
     def prepare(self, batch: ScheduledBatch, samples: list[bool]
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """input_ids, positions, attention metadata (host tensors, valid until the next step), and the rows whose
         logits are sampled."""
         input_ids, positions, meta, sample_rows = self.input_batch.prepare(batch, samples)
         if self.num_state_slots:
-            meta.state_slots = torch.tensor([s.state_slot for s in batch.seqs])
+            meta.state_slots = self.input_batch.state_slots([s.state_slot for s in batch.seqs])
         return input_ids, positions, meta, sample_rows
 
     @torch.inference_mode()

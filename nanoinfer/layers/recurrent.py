@@ -53,6 +53,13 @@ class RecurrentBatch:
         if meta.state_slots is None:  # the encoder pass of LLM.embed: no sequences, no state
             raise ValueError("The model's recurrent layers (linear attention, state-space or convolution) are "
                              "causal: the model cannot run as a bidirectional encoder (LLM.embed)")
+        if meta.is_decode:
+            # One token per sequence: derived on the device alone, as a decode graph captures it. A sequence at its
+            # first token starts from zeros; every other row resets the spare slot -1 instead (a graph's padding
+            # rows use it too).
+            slots = meta.state_slots
+            return cls(fresh_slots=torch.where(meta.context_lens == 1, slots, -1),
+                       single_rows=meta.cu_seqlens_q[:-1].long(), single_slots=slots, spans=[])
         cu, ctx, slots = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist(), meta.state_slots.tolist()
         single = [i for i in range(meta.num_seqs) if cu[i + 1] - cu[i] == 1]
         index = dict(dtype=torch.long, device=meta.context_lens.device)  # they index the state where it lives
@@ -112,11 +119,12 @@ class RecurrentLayer(nn.Module):
         self.conv_state = self.ssm_state = torch.empty(0)
 
     def reset_fresh_slots(self, batch: RecurrentBatch) -> None:
-        """Sequences starting at position 0 start from zeros, whatever the slot's last sequence left there."""
+        """Sequences starting at position 0 start from zeros, whatever the slot's last sequence left there (fills,
+        not assignments of a number: no tensor made from host data, which a graph would capture as a constant)."""
         if batch.fresh_slots.numel():
-            self.conv_state[batch.fresh_slots] = 0
+            self.conv_state.index_fill_(0, batch.fresh_slots, 0)
             if self.ssm_state_shape:
-                self.ssm_state[batch.fresh_slots] = 0
+                self.ssm_state.index_fill_(0, batch.fresh_slots, 0)
 
     def causal_conv(self, x: torch.Tensor, weight: torch.Tensor, batch: RecurrentBatch,
                     bias: torch.Tensor | None = None, silu: bool = True) -> torch.Tensor:

@@ -98,6 +98,8 @@ class DynamicConv(ResidualConv):
 
 
 class Inkling2Attention(nn.Module):
+    per_step_host_state = True  # relative_attention reads each step's spans on the host: ModelRunner.model_capturable
+
     def __init__(self, config: PretrainedConfig, layer_idx: int):
         super().__init__()
         sliding, heads, kv_heads, self.head_dim = attention_shape(config, layer_idx)

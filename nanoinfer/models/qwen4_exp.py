@@ -181,7 +181,7 @@ class TokenHistory(RecurrentLayer):
 
     def reset_fresh_slots(self, batch: RecurrentBatch) -> None:
         if batch.fresh_slots.numel():
-            self.conv_state[batch.fresh_slots] = self.eos_token_id
+            self.conv_state.index_fill_(0, batch.fresh_slots, self.eos_token_id)
 
     def windows(self, input_ids: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
         """input_ids [tokens] -> each token's window [tokens, ngram_size]: the tokens before it, then itself."""

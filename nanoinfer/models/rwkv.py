@@ -114,7 +114,7 @@ class RwkvSelfAttention(TokenShiftLayer):
     def reset_fresh_slots(self, batch: RecurrentBatch) -> None:
         super().reset_fresh_slots(batch)
         if batch.fresh_slots.numel():
-            self.ssm_state[batch.fresh_slots, 2] = WKV_MAX_START
+            self.ssm_state.select(1, 2).index_fill_(0, batch.fresh_slots, WKV_MAX_START)
 
     def forward(self, x: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
         self.reset_fresh_slots(batch)
