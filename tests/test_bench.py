@@ -54,4 +54,4 @@ def test_sampler_benchmark_runs_at_toy_size_on_cpu():
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| Sampler") or line.startswith("| vLLM")]
-    assert len(rows) == 5 and all(float(row.split("|")[2]) > 0 for row in rows), proc.stdout
+    assert len(rows) == 6 and all(float(row.split("|")[2]) > 0 for row in rows), proc.stdout
