@@ -144,10 +144,11 @@ def test_moe_decodes_from_graphs_in_bf16_on_sm90(kind, model_dir):
 
 @pytest.mark.parametrize("kind", ["qwen3.5", "lfm2", "mamba2", "rwkv"])
 def test_recurrent_models_decode_from_graphs(kind, model_dir):
-    """Models with recurrent state decode from CUDA graphs (each sequence's slot from a static buffer, padding rows
-    in a spare slot), in fp32 at any capability: the same tokens as eager decode, 7 sequences at the captured size 8
-    and a one-token prompt among them. Linear attention, short convolutions, Mamba2, RWKV."""
-    d, prompts, tokens = model_dir(kind), random_prompts(6, 5, 440, 2, 90, seed=8) + [[17]], []
+    """Models with recurrent state decode from CUDA graphs (each sequence's slot from a static buffer), in fp32 at
+    any capability: the same tokens as eager decode, 8 sequences (a one-token prompt among them) decoding together at
+    a captured batch size, so the same kernels on the same shapes. Linear attention, short convolutions, Mamba2,
+    RWKV."""
+    d, prompts, tokens = model_dir(kind), random_prompts(7, 5, 440, 2, 90, seed=8) + [[17]], []
     for eager in (False, True):
         with make_llm(d, "triton", "float32", enforce_eager=eager) as llm:
             assert (llm.llm_engine.model_runner.graph_runner is None) == eager
