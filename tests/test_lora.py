@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from cuda_fakes import EagerGraph, capture_eager_graphs
 from models import ODD_KIND, cached_hf_greedy, check_against_hf, random_prompts
 from nanoinfer import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from nanoinfer.config import Config
@@ -20,6 +21,7 @@ from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.lora.layers import LoRALayer
 from nanoinfer.lora.model import LoRAModel
 from test_beam_search import assert_same_beams, beams_of
+from test_cuda_audit import audited_capture
 
 MAX_TOKENS = 12
 LOGIT_ATOL = 1e-4
@@ -289,7 +291,7 @@ def test_slots_are_made_where_the_weights_live(kind, model_dir):
     for name, layer in lora.layers.items():
         weight = model.get_submodule(name).weight
         assert layer.lora_a.shape == (3, 8 * blocks[name.rpartition(".")[2]], weight.shape[1])
-        assert layer.lora_b.shape == (3, weight.shape[0], 8 * blocks[name.rpartition(".")[2]])
+        assert layer.lora_b.shape == (weight.shape[0], 3, 8 * blocks[name.rpartition(".")[2]])
         assert {t.device.type for t in (layer.lora_a, layer.lora_b)} == {"meta"}
         assert {t.dtype for t in (layer.lora_a, layer.lora_b)} == {torch.bfloat16}
 
@@ -329,12 +331,58 @@ def test_warm_up_runs_every_layer_through_a_slot(llama_dir, adapters, monkeypatc
     assert sum(layer.active[0] for layer in runner.lora.layers.values()) == 2 * 3
 
 
+@pytest.mark.parametrize("kind", ["llama", "phi3"])
+def test_decode_through_graph_buffers_matches_transformers_on_merged_weights(kind, model_dir, adapters, monkeypatch,
+                                                                             captured_logits, report_logit_diff):
+    """Decode steps replayed from the graph runner's static buffers and padding (EagerGraph: a graph's semantics on
+    the CPU), each token through its own slot read from a static buffer (LoRALayer.add_every_slot): three adapters
+    and the base model in one batch, 4 sequences at the captured size 4, then 3 at it (one padding row), each equal
+    to transformers on merged weights; the adapters are loaded into their slots after the capture, and one slot's
+    layers that its adapter leaves alone stay out of its tokens' products, whatever an earlier adapter left there."""
+    replays = []
+    monkeypatch.setattr(EagerGraph, "replay", lambda self: replays.append(self) or self.fn())
+    base = model_dir(kind)
+    loras = [a.request for a in adapters(kind)] + [None]
+    with lora_llm(base, max_num_seqs=4) as llm:
+        runner = llm.llm_engine.model_runner
+        if not runner.backend.decode_kernel:
+            pytest.skip("the CPU decode kernel is not built: the PyTorch decode is not graph-safe")
+        assert runner.model_capturable()
+        capture_eager_graphs(runner)
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
+        outputs += llm.generate(PROMPTS[1:], GREEDY, use_tqdm=False, lora_request=loras[1:])
+        assert replays == [runner.graph_runner.graphs[4]] * 2 * (MAX_TOKENS - 1)
+    worst = max(check_against_hf([out], reference(adapter, base, [prompt]), captured_logits) for out, adapter, prompt
+                in zip(outputs, adapters(kind) + [None] + adapters(kind)[1:] + [None], PROMPTS + PROMPTS[1:]))
+    # One slot: the third adapter (on some layers only) replaces the first (on all) there, whose A and B stay in
+    # the layers the third leaves alone, inactive.
+    a1, _, a3 = adapters(kind)
+    captured_logits.clear()  # a new engine numbers its sequences from 0 again
+    with lora_llm(base, max_num_seqs=4, max_loras=1) as llm:
+        capture_eager_graphs(llm.llm_engine.model_runner)
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=a1.request)
+        outputs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=a3.request)
+    worst = max(worst, check_against_hf(outputs, reference(a3, base, PROMPTS[:2]), captured_logits))
+    report_logit_diff(f"{kind}, LoRA decode through graph buffers", worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+def test_decode_forward_with_adapters_never_syncs_with_the_host(llama_dir, adapters):
+    """What a decode graph captures with LoRA (an adapter loaded, active in some layers only) reads no value back to
+    the host and makes no value-dependent shape, which would fail the capture on CUDA (see test_cuda_audit)."""
+    with lora_llm(llama_dir, max_num_seqs=4) as llm:
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=adapters("llama")[2].request)
+        graphs, found = audited_capture(llm.llm_engine.model_runner)
+    assert graphs.sizes == [1, 2, 4] and found == []
+
+
 @pytest.mark.cuda
 def test_cuda_matches_transformers_on_merged_weights(llama_dir, adapters):
-    """On a GPU in fp32 (decode CUDA graphs are off with LoRA): greedy tokens equal transformers' up to near-ties."""
+    """On a GPU in fp32, decoding from CUDA graphs (each token's slot from a static buffer): greedy tokens equal
+    transformers' up to near-ties."""
     loras = [a.request for a in adapters("llama")] + [None]
     with lora_llm(llama_dir, device="cuda", num_kvcache_blocks=64) as llm:
-        assert llm.llm_engine.model_runner.graph_runner is None
+        assert llm.llm_engine.model_runner.graph_runner is not None
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
     for i, (out, adapter) in enumerate(zip(outputs, adapters("llama") + [None])):
         check_against_hf([out], reference(adapter, llama_dir)[i:i + 1])

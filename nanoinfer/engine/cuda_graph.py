@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from nanoinfer.layers.attention.metadata import AttentionMetadata
+from nanoinfer.lora.layers import LoRAStep
 
 MAX_CAPTURE_SIZE = 512
 
@@ -34,6 +35,7 @@ class DecodeInputs:
     block_tables: torch.Tensor  # [size, width] int32, padding -1 (never read: it lies past each context)
     # [size] int64, padding -1 (the spare slot, whose state nothing reads back); models with recurrent layers only
     state_slots: torch.Tensor | None = None
+    lora_slots: torch.Tensor | None = None  # [size] int64, padding -1 (no adapter); with LoRA only
 
 
 class CUDAGraph:
@@ -58,8 +60,9 @@ class CUDAGraphRunner:
 
     def __init__(self, model: nn.Module, backend, max_num_seqs: int, max_model_len: int, block_size: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device, recurrent: bool = False,
-                 new_graph: Callable[[], CUDAGraph] | None = None) -> None:
-        """recurrent: the model keeps recurrent state, in the slots a step's state_slots name."""
+                 lora_step: LoRAStep | None = None, new_graph: Callable[[], CUDAGraph] | None = None) -> None:
+        """recurrent: the model keeps recurrent state, in the slots a step's state_slots name. lora_step: the LoRA
+        layers' step (LoRA enabled), whose token_slots the captured forward reads from a static buffer."""
         self.model, self.backend, self.block_size = model, backend, block_size
         self.sizes = capture_sizes(max_num_seqs)
         self.width = -(-max_model_len // block_size)
@@ -68,7 +71,9 @@ class CUDAGraphRunner:
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         self.buffers = DecodeInputs(torch.zeros(top, **i64), torch.zeros(top, **i64), torch.full((top,), -1, **i64),
                                     torch.zeros(top, **i32), torch.full((top, self.width), -1, **i32),
-                                    torch.full((top,), -1, **i64) if recurrent else None)
+                                    torch.full((top,), -1, **i64) if recurrent else None,
+                                    None if lora_step is None else torch.full((top,), -1, **i64))
+        self.lora_step = lora_step
         self.outputs = torch.zeros(top, hidden_size, dtype=dtype, device=device)
         self.new_graph = new_graph or CUDAGraph
         self.graphs: dict[int, CUDAGraph] = {}
@@ -95,7 +100,14 @@ class CUDAGraphRunner:
                 # What layers derive from the step on the host (model_state) would be baked into the graph from the
                 # warm-up's values: derived afresh, a host read fails the capture instead of replaying stale ones.
                 meta.model_state = None
-                self.outputs[:size] = self.model(self.buffers.input_ids[:size], self.buffers.positions[:size], meta)
+                if self.lora_step is not None:
+                    self.lora_step.token_slots = self.buffers.lora_slots[:size]
+                try:
+                    self.outputs[:size] = self.model(self.buffers.input_ids[:size], self.buffers.positions[:size],
+                                                     meta)
+                finally:
+                    if self.lora_step is not None:  # eager steps go by their token groups
+                        self.lora_step.token_slots = None
 
             step()  # warm-up outside the graph (lazy initialisation, autotuning)
             graph = self.new_graph()

@@ -29,6 +29,7 @@ class StepBuffers:
     fed_index: torch.Tensor  # [max_num_seqs] int64: input_ids entries taken from last_sampled ...
     fed_rows: torch.Tensor  # [max_num_seqs] int64: ... of these rows
     state_slots: torch.Tensor  # [max_num_seqs] int64: recurrent-state slots (models with recurrent layers)
+    lora_slots: torch.Tensor  # [max_num_seqs] int64: a decode step's adapter slots (LoRA enabled; -1: none)
 
     @classmethod
     def allocate(cls, max_tokens: int, max_num_seqs: int, max_blocks: int, device: torch.device,
@@ -39,7 +40,7 @@ class StepBuffers:
         return cls(buf(max_tokens, i64), buf(max_tokens, i64), buf(max_tokens, i64), buf(max_tokens, i64),
                    buf(max_num_seqs, i32), buf(max_num_seqs + 1, i32), buf(max_num_seqs + 1, i32),
                    buf(max_num_seqs * max_blocks, i32), buf(max_num_seqs, i64), buf(max_num_seqs, i64),
-                   buf(max_num_seqs, i64), buf(max_num_seqs, i64))
+                   buf(max_num_seqs, i64), buf(max_num_seqs, i64), buf(max_num_seqs, i64))
 
 
 class InputBatch:
@@ -248,10 +249,10 @@ class InputBatch:
         return self._upload("logit_rows", rows) if self.on_cuda else rows
 
     def decode_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                      size: int) -> DecodeInputs:
+                      size: int, lora_mapping: LoRAMapping | None = None) -> DecodeInputs:
         """A decode step's inputs padded to `size` rows in the host staging buffers (token 0, position 0, slot -1,
-        context length 0, no blocks, the spare recurrent-state slot -1), for a graph to copy into its static
-        buffers."""
+        context length 0, no blocks, the spare recurrent-state slot -1, no adapter), for a graph to copy into its
+        static buffers; with LoRA, each token's adapter slot from the step's lora_mapping (None: none has one)."""
         self._wait_for_uploads()
         n, width = meta.block_tables.shape
         for name, t in (("input_ids", input_ids), ("positions", positions), ("slot_mapping", meta.slot_mapping),
@@ -263,10 +264,14 @@ class InputBatch:
         h["input_ids"][n:size] = h["positions"][n:size] = h["context_lens"][n:size] = 0
         h["slot_mapping"][n:size] = h["state_slots"][n:size] = -1
         h["block_tables"][n * width:size * width] = -1
+        h["lora_slots"][:size] = -1
+        if lora_mapping is not None:
+            h["lora_slots"][:n] = lora_mapping.token_slots
         b = self.host
         return DecodeInputs(b.input_ids[:size], b.positions[:size], b.slot_mapping[:size], b.context_lens[:size],
                             b.block_tables[:size * width].view(size, width),
-                            None if meta.state_slots is None else b.state_slots[:size])
+                            None if meta.state_slots is None else b.state_slots[:size],
+                            None if self.lora_slots is None else b.lora_slots[:size])
 
     def feed_sampled(self, input_ids: torch.Tensor) -> None:
         """Overwrite, on this rank's device, the input ids of this step's decode tokens that were sampled into

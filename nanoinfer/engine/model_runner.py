@@ -336,12 +336,11 @@ class ModelRunner:
     def model_capturable(self) -> bool:
         """Whether this model's decode forward can be captured in a graph: not for classifiers, which never decode,
         nor for mixture-of-experts models but in bf16 on sm90 (see experts_capturable: elsewhere torch._grouped_mm
-        loops over offsets copied to the host), nor with LoRA, whose token groups (which tokens use which adapter)
-        change shape from step to step, nor with layers marked `per_step_host_state` (sparse attention's spans and
-        selections, relative logits' spans, read from each step's lengths on the host). Recurrent state is captured
-        (see RecurrentBatch.from_metadata)."""
+        loops over offsets copied to the host), nor with layers marked `per_step_host_state` (sparse attention's
+        spans and selections, relative logits' spans, read from each step's lengths on the host). Recurrent state
+        (see RecurrentBatch.from_metadata) and LoRA (see LoRALayer.add_every_slot) are captured."""
         experts = experts_capturable(self.config.torch_dtype, self.device)
-        return (self.generates and self.lora is None
+        return (self.generates
                 and not any(isinstance(m, FusedMoE) and not experts or getattr(m, "per_step_host_state", False)
                             for m in self.model.modules()))
 
@@ -372,7 +371,8 @@ class ModelRunner:
         c = self.config
         return CUDAGraphRunner(self.model, self.backend, c.max_num_seqs, c.max_model_len, self.block_size,
                                hidden_states_width(c.hf_config), c.torch_dtype, self.device,
-                               recurrent=bool(self.num_state_slots), new_graph=new_graph)
+                               recurrent=bool(self.num_state_slots),
+                               lora_step=None if self.lora is None else self.lora.step, new_graph=new_graph)
 
     def prepare(self, batch: ScheduledBatch, samples: list[bool]
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -472,7 +472,8 @@ class ModelRunner:
         input_ids, positions, meta = step.input_ids, step.positions, step.meta
         size = self.graph_runner.padded_size(meta.num_seqs) if self.graph_runner and meta.is_decode else None
         if size is not None:
-            static = self.graph_runner.load(self.input_batch.decode_inputs(input_ids, positions, meta, size))
+            static = self.graph_runner.load(self.input_batch.decode_inputs(input_ids, positions, meta, size,
+                                                                            step.lora_mapping))
             self.input_batch.feed_sampled(static.input_ids)
             hidden = self.graph_runner.replay(size, meta.num_seqs)
         else:

@@ -3,6 +3,7 @@
 import logging
 from collections import OrderedDict
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -106,8 +107,8 @@ class LoRAModel:
         counts the LoRA products' temporaries: the slot is still all zeros, and the first adapter loaded there sets
         again which layers it is active in."""
         for layer in self.layers.values():
-            layer.active[0] = True
-        return LoRAMapping({}, [(0, slice(0, num_tokens))])
+            layer.set_active(0, True)
+        return LoRAMapping({}, [(0, slice(0, num_tokens))], np.zeros(num_tokens, dtype=np.int64))
 
     def _load(self, slot: int, request: LoRARequest) -> None:
         self.resident[slot] = None  # until every layer is written: a failure here leaves it to be written again

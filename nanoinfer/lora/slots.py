@@ -11,9 +11,11 @@ from nanoinfer.lora.request import LoRARequest
 @dataclass
 class LoRAMapping:
     """What a step's forward pass needs: the adapter each used slot must hold (loaded first where it does not), and
-    the rows of the step's tokens that use it, a slice where they are contiguous."""
+    the rows of the step's tokens that use it, a slice where they are contiguous; and each token's slot (-1: none),
+    what a decode graph reads instead."""
     adapters: dict[int, LoRARequest]
     groups: list[tuple[int, slice | np.ndarray]]
+    token_slots: np.ndarray
 
 
 class LoRASlots:
@@ -62,7 +64,8 @@ class LoRASlots:
             return None
         token_slots = np.repeat(seq_slots, num_new_tokens)
         used = np.unique(seq_slots[seq_slots >= 0]).tolist()
-        return LoRAMapping({s: self.adapters[s] for s in used}, [(s, _token_rows(token_slots, s)) for s in used])
+        return LoRAMapping({s: self.adapters[s] for s in used}, [(s, _token_rows(token_slots, s)) for s in used],
+                           token_slots)
 
 
 def _token_rows(token_slots: np.ndarray, slot: int) -> slice | np.ndarray:
