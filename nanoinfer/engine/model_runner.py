@@ -467,10 +467,10 @@ class ModelRunner:
         """One forward pass of prepare()'s CPU tensors on this rank's device, its tokens run with the adapters
         step.lora_mapping gives them; the final hidden states of step.logit_rows."""
         rows = self.input_batch.logit_index(step.logit_rows)
-        if self.lora is not None:
-            self.lora.set_step(step.lora_mapping)
         input_ids, positions, meta = step.input_ids, step.positions, step.meta
         size = self.graph_runner.padded_size(meta.num_seqs) if self.graph_runner and meta.is_decode else None
+        if self.lora is not None:
+            self.lora.set_step(step.lora_mapping, groups=size is None)
         if size is not None:
             static = self.graph_runner.load(self.input_batch.decode_inputs(input_ids, positions, meta, size,
                                                                             step.lora_mapping))

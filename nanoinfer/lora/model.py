@@ -90,17 +90,19 @@ class LoRAModel:
                              "(only on the dense attention and MLP projections: q/k/v/o_proj, gate/up/down_proj)")
         return name, shard_id
 
-    def set_step(self, mapping: LoRAMapping | None) -> None:
+    def set_step(self, mapping: LoRAMapping | None, groups: bool = True) -> None:
         """Before a forward pass: write the adapters its slots must hold where they do not yet, and publish its
-        token groups to the layers (None: no token has an adapter, and the layers do nothing)."""
+        token groups to the layers (None: no token has an adapter, and the layers do nothing); without groups for a
+        step replayed from a decode graph, which reads each token's slot from its static buffer instead."""
+        self.step.groups = []
         if mapping is None:
-            self.step.groups = []
             return
         for slot, request in mapping.adapters.items():
             if self.resident[slot] != request.lora_int_id:
                 self._load(slot, request)
-        self.step.groups = [(slot, rows if isinstance(rows, slice) else torch.from_numpy(rows).to(self.device))
-                            for slot, rows in mapping.groups]
+        if groups:
+            self.step.groups = [(slot, rows if isinstance(rows, slice) else torch.from_numpy(rows).to(self.device))
+                                for slot, rows in mapping.groups]
 
     def warm_up_mapping(self, num_tokens: int) -> LoRAMapping:
         """Every token through slot 0 in every layer, for the warm-up that sizes the KV cache on CUDA, so that it
