@@ -125,11 +125,11 @@ class CUDAGraphRunner:
         size, width = inputs.block_tables.shape
         static = {}
         for f in fields(inputs):
-            if getattr(inputs, f.name) is None:
+            if (src := getattr(inputs, f.name)) is None:  # a buffer this model has none of
                 continue
             dst = getattr(self.buffers, f.name)
             dst = static[f.name] = dst[:size, :width] if f.name == "block_tables" else dst[:size]
-            dst.copy_(getattr(inputs, f.name), non_blocking=True)
+            dst.copy_(src, non_blocking=True)
         return DecodeInputs(**static)
 
     def replay(self, size: int, num_seqs: int) -> torch.Tensor:

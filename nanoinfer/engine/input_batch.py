@@ -264,9 +264,10 @@ class InputBatch:
         h["input_ids"][n:size] = h["positions"][n:size] = h["context_lens"][n:size] = 0
         h["slot_mapping"][n:size] = h["state_slots"][n:size] = -1
         h["block_tables"][n * width:size * width] = -1
-        h["lora_slots"][:size] = -1
-        if lora_mapping is not None:
-            h["lora_slots"][:n] = lora_mapping.token_slots
+        if self.lora_slots is not None:
+            h["lora_slots"][:size] = -1
+            if lora_mapping is not None:
+                h["lora_slots"][:n] = lora_mapping.token_slots
         b = self.host
         return DecodeInputs(b.input_ids[:size], b.positions[:size], b.slot_mapping[:size], b.context_lens[:size],
                             b.block_tables[:size * width].view(size, width),

@@ -245,42 +245,52 @@ def _mask_below_kth(x: torch.Tensor, ranked: torch.Tensor, top_k: torch.Tensor) 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
                         max_top_k: int | None) -> torch.Tensor:
     """Top-k, then top-p over what top-k keeps, both cut by value, from each row's largest logits ranked (_ranked)."""
-    ranked = _ranked(logits, top_k, top_p, max_top_k)
+    # Without top-k, top-p's normaliser is these logits' log-sum-exp, which _ranked may need too: taken once.
+    lse = logits.logsumexp(-1, keepdim=True) if top_p is not None and top_k is None else None
+    ranked = _ranked(logits, top_k, top_p, max_top_k, lse)
     if top_k is not None:
         logits = _mask_below_kth(logits, ranked, top_k)
-    return logits if top_p is None else _mask_below_top_p(logits, ranked, top_p)
+    return logits if top_p is None else _mask_below_top_p(logits, ranked, top_p, lse)
 
 
-def _ranked(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int | None
-            ) -> torch.Tensor:
+def _ranked(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int | None,
+            lse: torch.Tensor | None) -> torch.Tensor:
     """Each row's largest logits, descending, as many as its cuts need: one topk of max_top_k where that suffices (no
     row has top-p without top-k: Qwen3's generation config, k = 20 and p = 0.95, for one); on the CPU, where reading
     values back costs no device sync, the fewest of 1,024 x 4^i that leave the last one outside every top-p row's set
-    (at 64 x 151,936 on a 2-core EPYC a topk of 1,024 takes 16 ms, the sort 345 ms); else a sort of the vocabulary."""
+    (at 64 x 151,936 on a 2-core EPYC a topk of 1,024 takes 16 ms, the sort 345 ms); else a sort of the vocabulary.
+    lse: the logits' log-sum-exp, if already taken."""
     if max_top_k is not None:
         return logits.topk(max_top_k, -1).values
     vocab = logits.shape[-1]
     if logits.device.type == "cpu" and top_p is not None:
         with_k = torch.zeros_like(top_p, dtype=torch.bool) if top_k is None else (top_k > 0) & (top_k < vocab)
         width = max(1024, int(torch.where(with_k, top_k, 0).max()) if top_k is not None else 0)
-        lse = logits.logsumexp(-1, keepdim=True)
+        lse = logits.logsumexp(-1, keepdim=True) if lse is None else lse
         while width < vocab:
             ranked = logits.topk(width, -1).values
-            probs = (ranked - lse).exp()
             # A row with top-k keeps at most `width` tokens (and those tied with them, by value); one without, its
-            # set, if the mass ranked above the last token already reaches top_p (as _mask_below_top_p sums it).
-            if bool((with_k | (top_p >= 1) | (probs.cumsum(-1)[:, -1] - probs[:, -1] >= top_p)).all()):
+            # set, if the last token ranked is outside it.
+            if bool((with_k | (top_p >= 1) | ~_in_top_p(ranked, lse, top_p)[:, -1]).all()):
                 return ranked
             width *= 4
     return logits.sort(-1, descending=True).values
 
 
-def _mask_below_top_p(x: torch.Tensor, ranked: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """x with -inf below each row's top-p set: its largest values, the fewest whose probabilities (x's softmax) reach
-    top_p, the largest always kept. By value, as _mask_below_kth cuts: every token tied with the smallest one kept
-    stays. `ranked`: each row's largest values, descending, at least as many as its set holds; past x's finite
-    values they may hold those a cut before top-p dropped, which can only lower this cut below it. Rows whose top_p
-    is 1 are untouched."""
-    probs = (ranked - x.logsumexp(-1, keepdim=True)).exp()
-    kept = (probs.cumsum(-1) - probs < top_p.unsqueeze(1)).sum(-1, keepdim=True)  # mass ranked above < top_p
+def _in_top_p(ranked: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[B, W] bool: whether each ranked value (descending, a row's largest) is in its row's top-p set, the fewest
+    largest values whose probabilities exp(value - lse) reach top_p: the mass ranked above it is below top_p (so the
+    largest always is)."""
+    probs = (ranked - lse).exp()
+    return probs.cumsum(-1) - probs < top_p.unsqueeze(1)
+
+
+def _mask_below_top_p(x: torch.Tensor, ranked: torch.Tensor, top_p: torch.Tensor, lse: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+    """x with -inf below each row's top-p set (_in_top_p over x's softmax; lse: x's log-sum-exp, if already taken).
+    By value, as _mask_below_kth cuts: every token tied with the smallest one kept stays. `ranked`: each row's
+    largest values, descending, at least as many as its set holds; past x's finite values they may hold those a cut
+    before top-p dropped, which can only lower this cut below it. Rows whose top_p is 1 are untouched."""
+    lse = x.logsumexp(-1, keepdim=True) if lse is None else lse
+    kept = _in_top_p(ranked, lse, top_p).sum(-1, keepdim=True)
     return x.masked_fill((top_p < 1).unsqueeze(1) & (x < ranked.gather(-1, kept - 1)), float("-inf"))
