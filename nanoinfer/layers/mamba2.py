@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.layers.linear import RowParallelLinear, SegmentedColumnParallelLinear, Segments, local_rows
+from nanoinfer.layers.linear import RowParallelLinear, SegmentedColumnParallelLinear, local_rows
 from nanoinfer.layers.recurrent import RecurrentBatch, RecurrentLayer, RowShardedWeight, load_rank_rows
 from nanoinfer.utils.dist import tp_group, tp_rank, tp_size
 
