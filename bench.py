@@ -104,6 +104,8 @@ def parse_args() -> argparse.Namespace:
                    help="the CUDA benchmark's code at toy size, on --device (the CPU too): a smoke test")
     p.add_argument("--attention-backend", default="auto", help="CUDA: engine attention_backend (default auto)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="CUDA: engine async_scheduling (each step scheduled while the previous one runs)")
     p.add_argument("--time-limit", type=float, default=600,
                    help="CUDA: seconds each nanoinfer run may take before it is cut short and reported as such")
     return p.parse_args()
@@ -420,12 +422,13 @@ def main_gpu(args: argparse.Namespace, device: torch.device) -> None:
     bandwidth = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (64 << 20))
     print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s (read + write)")
     llm = LLM(model, max_model_len=4096, seed=0, device=device.type, attention_backend=args.attention_backend,
-              enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs or 256,
+              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+              max_num_seqs=args.max_num_seqs or 256,
               max_num_batched_tokens=args.max_num_batched_tokens, num_kvcache_blocks=args.num_kvcache_blocks)
     cfg = llm.llm_engine.config
     print(f"engine: {cfg.attention_backend} attention, {cfg.torch_dtype}, block {cfg.kvcache_block_size}, "
           f"{llm.llm_engine.model_runner.num_kvcache_blocks} KV blocks, CUDA graphs "
-          f"{llm.llm_engine.model_runner.graph_runner is not None}")
+          f"{llm.llm_engine.model_runner.graph_runner is not None}, async scheduling {cfg.async_scheduling}")
     llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(max_tokens=16), use_tqdm=False)  # nano-vllm's warm-up
 
     ours = run_requests(llm, "bench", prompts, [

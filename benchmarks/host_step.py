@@ -56,20 +56,22 @@ CASES = {
 PARTS = [
     ("engine._step", "nanoinfer.engine.llm_engine.LLMEngine", "_step"),
     ("  schedule (block manager incl.)", "nanoinfer.engine.scheduler.Scheduler", "schedule"),
-    ("  runner.run", "nanoinfer.engine.model_runner.ModelRunner", "run"),
+    ("  runner.launch", "nanoinfer.engine.model_runner.ModelRunner", "launch"),
     ("    prepare (input batch)", "nanoinfer.engine.model_runner.ModelRunner", "prepare"),
     ("    execute (stubbed model)", "nanoinfer.engine.model_runner.ModelRunner", "execute"),
     ("    sampling metadata", "nanoinfer.engine.model_runner.ModelRunner", "_sampling_metadata"),
     ("    sampler (device work)", "nanoinfer.layers.sampler.Sampler", "forward"),
-    ("    to_host", "nanoinfer.engine.sampling_state.HostTransfer", "__call__"),
+    ("    to_host (start)", "nanoinfer.engine.sampling_state.HostTransfer", "start"),
+    ("  runner.collect", "nanoinfer.engine.model_runner.ModelRunner", "collect"),
+    ("    to_host (wait)", "nanoinfer.engine.sampling_state.Results", "wait"),
     ("  record logprobs", "nanoinfer.engine.llm_engine.LLMEngine", "_record_logprobs"),
     ("  postprocess", "nanoinfer.engine.scheduler.Scheduler", "postprocess"),
     ("  detokenize", "nanoinfer.engine.detokenizer.IncrementalDetokenizer", "update"),
 ]
 # Derived: parts of engine._step not covered above.
 ENGINE_REST = "  rest: stops, finish, outputs"  # detokenization apart
-RUNNER_REST = "    rest of runner.run"
-ENGINE_SIDE = "engine side: _step - runner.run"
+RUNNER_REST = "    rest of launch, collect"
+ENGINE_SIDE = "engine side: _step - runner"
 HOST = "host: _step - sampler"
 
 
@@ -86,6 +88,8 @@ def parse_args() -> argparse.Namespace:
                         "the machine (the stubbed step runs on this thread alone)")
     p.add_argument("--json", metavar="PATH", help="also write the table ({row: {case: ms}}) as JSON")
     p.add_argument("--profile", action="store_true", help="cProfile the decode steps instead of timing them")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="engine async_scheduling (on the CPU the same work per step, in another order)")
     return p.parse_args()
 
 
@@ -128,7 +132,8 @@ def make_llm(model: Path, args: argparse.Namespace) -> LLM:
     # Room for every request's whole length: no preemption.
     llm = LLM(model, device="cpu", max_num_seqs=args.batch, max_model_len=max_len,
               max_num_batched_tokens=max(8192, args.batch * args.prompt_len),
-              num_kvcache_blocks=args.batch * -(-max_len // BLOCK_SIZE), kvcache_block_size=BLOCK_SIZE)
+              num_kvcache_blocks=args.batch * -(-max_len // BLOCK_SIZE), kvcache_block_size=BLOCK_SIZE,
+              **({"async_scheduling": True} if args.async_scheduling else {}))  # older engines lack the option
     runner = llm.llm_engine.model_runner
     text_tokens = range(len(models.SPECIAL_TOKENS), models.TOKENIZER_VOCAB_SIZE)
     runner.model = StubModel(runner.input_batch.host.input_ids.shape[0], args.batch, args.vocab, text_tokens)
@@ -290,11 +295,12 @@ def table(results: dict[str, tuple[list[float], dict[str, list[float]]]]) -> dic
     rows: dict[str, dict[str, float]] = defaultdict(dict)
     for case, (step_times, parts) in results.items():
         parts = dict(parts)
-        parts[RUNNER_REST] = [run - sum(p) for run, *p in zip(parts["  runner.run"], *(
+        runner = [a + b for a, b in zip(parts["  runner.launch"], parts["  runner.collect"])]
+        parts[RUNNER_REST] = [run - sum(p) for run, *p in zip(runner, *(
             parts[label] for label, _, _ in PARTS if label.startswith("    ")))]
         parts[ENGINE_REST] = [step - sum(p) for step, *p in zip(parts["engine._step"], *(
             parts[label] for label, _, _ in PARTS if label.startswith("  ") and not label.startswith("   ")))]
-        parts[ENGINE_SIDE] = [a - b for a, b in zip(parts["engine._step"], parts["  runner.run"])]
+        parts[ENGINE_SIDE] = [a - b for a, b in zip(parts["engine._step"], runner)]
         parts[HOST] = [a - b for a, b in zip(parts["engine._step"], parts["    sampler (device work)"])]
         rows["step (loop included)"][case] = statistics.median(step_times) * 1e3
         for label, values in parts.items():

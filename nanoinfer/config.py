@@ -43,6 +43,8 @@ class Config:
     device: str | torch.device = "auto"  # CUDA when visible, else CPU
     attention_backend: str = "auto"  # CUDA: "flash" with flash-attn, else "triton"; CPU: "cpu" (PyTorch)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode
+    # Schedule each step while the previous one runs on the device, its sampled tokens fed there (vLLM's option).
+    async_scheduling: bool = False
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the GPU's memory the engine may use, KV cache included
     enable_lora: bool = False  # requests may name a LoRA adapter (see nanoinfer/lora)
     max_loras: int = 1  # adapters held at once (slots); a step runs tokens of at most this many
@@ -142,11 +144,23 @@ class Config:
         check_tensor_parallel_devices(self.device, self.torch_device, self.tensor_parallel_size)
         self._check_shardable()
         self.speculative = parse_speculative_config(self.speculative_config)
+        self._check_async_scheduling()
         # The model folder's generation config, read once: its EOS ids (not a GGUF model's, whose file holds its
         # own) and its sampling fields.
         generation = _read_generation_config(self.model_path) if self.model_path.is_dir() else None
         self.eos_token_ids = self._eos_token_ids(None if self.gguf_path is not None else generation)
         self.default_sampling = self._default_sampling(generation)
+
+    def _check_async_scheduling(self) -> None:
+        """A step scheduled ahead takes its decode ids from the tokens sampled on the device: rank 0 alone samples,
+        and drafts are verified on the host."""
+        if not isinstance(self.async_scheduling, bool):
+            raise TypeError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError(f"async_scheduling=True needs tensor_parallel_size=1, got {self.tensor_parallel_size}")
+        if self.async_scheduling and self.speculative is not None:
+            raise ValueError("async_scheduling=True cannot be combined with speculative_config="
+                             f"{self.speculative_config!r}")
 
     def _tokenizer_path(self) -> Path | None:
         """The `tokenizer` folder, checked; None: the model's own (from its folder or GGUF file)."""

@@ -3,7 +3,8 @@
 # minutes, start-up included): the CUDA tests (the Triton kernels at real sizes, then the engine against transformers
 # on every backend) on the GPU while the rest of the suite runs beside them on the host's cores (pytest-xdist, which
 # the GPU machine's image has), then bench.py's CUDA benchmarks alone (benchmarks/attention.py's and sampler.py's kernel speeds,
-# bench.py: nano-vllm's workload, --compare-hf, --profile) so that their timings are not shared with the tests.
+# bench.py: nano-vllm's workload, --compare-hf, --profile, then the workload with --async-scheduling) so that their
+# timings are not shared with the tests.
 # Each test's result (and a failure's traceback) is logged the moment it ends (scripts/pytest_live_report.py), so a
 # part cut short by its time limit still shows everything it reached. Logs go under $OUT (default ./gpu-check); a
 # short summary ends the output.
@@ -114,6 +115,10 @@ if [ "$PART" = all ] || [ "$PART" = bench ]; then
   timeout -k 10 "$(budget "$BENCH_LIMIT")" $PY bench.py --device cuda --compare-hf --profile \
     --time-limit "$RUN_LIMIT" --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "$?" > "$STATE/bench.rc"
+  # The nano-vllm workload again with async scheduling, after the plain run's (the same log: 8 files at most).
+  timeout -k 10 "$(budget "$BENCH_LIMIT")" $PY bench.py --device cuda --async-scheduling \
+    --time-limit "$RUN_LIMIT" >> "$OUT/bench.log" 2>&1
+  echo "$?" > "$STATE/bench-async.rc"
 fi
 if [ "$want_cpu" = 1 ] && [ ! -f "$STATE/cpu.rc" ]; then  # without workers: in one process, with the time left
   if [ $(( DEADLINE - SECONDS )) -gt 40 ]; then
@@ -156,7 +161,8 @@ if [ -f "$STATE/attention.rc" ]; then
   tail -n 20 "$OUT/kernels.log"
 fi
 if [ -f "$STATE/bench.rc" ]; then
-  echo "== bench: exit $(cat "$STATE/bench.rc") (124: cut at its time limit)"
+  echo "== bench: exit $(cat "$STATE/bench.rc"), again with --async-scheduling: exit" \
+    "$(cat "$STATE/bench-async.rc" 2>/dev/null || echo 'not run') (124: cut at its time limit)"
   grep -E '^(model:|nano-vllm|greedy|decode|device-to|engine|KV cache)' "$OUT/bench.log"
   if grep -q '^| measure' "$OUT/bench.log"; then sed -n '/^| measure/,$p' "$OUT/bench.log"; else tail -n 25 "$OUT/bench.log"; fi
 fi

@@ -375,7 +375,7 @@ def run_staggered(llm, arrivals: list[tuple[int, list[int]]], params) -> tuple[l
         outs.update((o.request_id, o) for o in engine.step() if o.finished)
         batch = engine.last_batch
         assert sum(batch.num_new_tokens) <= engine.config.max_num_batched_tokens
-        rows = [n for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens >= s.num_prompt_tokens]
+        rows = [n for s, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens) if start >= s.num_prompt_tokens]
         mixed += bool(rows) and len(rows) < len(batch.seqs)
         step += 1
     return [outs[f"s{i}"] for i in range(len(arrivals))], mixed

@@ -248,7 +248,7 @@ def test_failed_step_frees_everything(llm, monkeypatch):
     held, and the next search gives what it gave before."""
     params = BeamSearchParams(WIDTH, STEPS)
     expected = beams_of(llm.beam_search(PROMPTS, params))
-    run, calls = ModelRunner.run, []
+    run, calls = ModelRunner.launch, []
 
     def failing_run(self, batch):
         calls.append(len(batch.seqs))
@@ -256,12 +256,12 @@ def test_failed_step_frees_everything(llm, monkeypatch):
             raise RuntimeError("injected failure")
         return run(self, batch)
 
-    monkeypatch.setattr(ModelRunner, "run", failing_run)
+    monkeypatch.setattr(ModelRunner, "launch", failing_run)
     with pytest.raises(RuntimeError, match="injected failure"):
         llm.beam_search(PROMPTS, params)
     assert calls[-1] > 1  # it failed with several beams in flight
     assert_idle(llm)
     assert not llm.llm_engine.has_unfinished_requests()
-    monkeypatch.setattr(ModelRunner, "run", run)
+    monkeypatch.setattr(ModelRunner, "launch", run)
     assert_same_beams(beams_of(llm.beam_search(PROMPTS, params)), expected)
     assert_idle(llm)

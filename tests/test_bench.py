@@ -5,6 +5,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -31,9 +33,11 @@ def test_cpu_bench_profiles_and_compares_with_transformers(qwen3_dir, tmp_path):
     assert result["hf"]["identical_outputs"] == 3
 
 
-def test_cuda_bench_code_runs_at_toy_size_on_cpu():
-    proc = run_bench("--dry-run", "--device", "cpu")
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_cuda_bench_code_runs_at_toy_size_on_cpu(async_scheduling):
+    proc = run_bench("--dry-run", "--device", "cpu", *(["--async-scheduling"] if async_scheduling else []))
     assert "nano-vllm workload" in proc.stdout and "output tok/s" in proc.stdout
+    assert f"async scheduling {async_scheduling}" in proc.stdout
 
 
 def test_cuda_greedy_comparison_misses_the_prefix_cache(monkeypatch):

@@ -203,7 +203,7 @@ def test_prompt_exactly_at_max_model_len_is_accepted(llm, baseline):
 
 def test_failure_during_a_step_aborts_everything_and_engine_stays_usable(llm, baseline, monkeypatch):
     runner = llm.llm_engine.model_runner
-    real_run, calls = runner.run, []
+    real_run, calls = runner.launch, []
 
     def failing_run(batch):
         calls.append(len(batch.seqs))
@@ -211,12 +211,12 @@ def test_failure_during_a_step_aborts_everything_and_engine_stays_usable(llm, ba
             raise RuntimeError("simulated failure in the model")
         return real_run(batch)
 
-    monkeypatch.setattr(runner, "run", failing_run)
+    monkeypatch.setattr(runner, "launch", failing_run)
     prompts = [[9, 8, 7, 6, 5, 4, 3, 2, 1], [11, 12, 13]] * 3
     with pytest.raises(RuntimeError, match="simulated failure"):
         llm.generate(prompts, GREEDY, use_tqdm=False)
     assert len(calls) == 3
-    monkeypatch.setattr(runner, "run", real_run)
+    monkeypatch.setattr(runner, "launch", real_run)
     assert_usable(llm, baseline)
 
 
@@ -229,7 +229,7 @@ def test_interrupted_step_does_not_poison_the_prefix_cache(qwen3_dir, monkeypatc
     def interrupted(batch):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(llm.llm_engine.model_runner, "run", interrupted)
+    monkeypatch.setattr(llm.llm_engine.model_runner, "launch", interrupted)
     with pytest.raises(KeyboardInterrupt):
         llm.generate([prompt], GREEDY, use_tqdm=False)
     monkeypatch.undo()

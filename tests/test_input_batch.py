@@ -25,8 +25,8 @@ def reference_prepare(batch: ScheduledBatch, samples: list[bool], block_size: in
     """ModelRunner.prepare before the persistent batch: everything rebuilt from the sequences every step."""
     input_ids, positions, slots, block_tables = [], [], [], []
     cu_q, cu_k, context_lens, sample_rows = [0], [0], [], []
-    for seq, n, sampled in zip(batch.seqs, batch.num_new_tokens, samples):
-        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+    for seq, start, n, sampled in zip(batch.seqs, batch.starts, batch.num_new_tokens, samples):
+        end = start + n
         table = seq.block_table[:-(-end // block_size)]
         input_ids.extend(seq.token_ids[start:end])
         pos = np.arange(start, end)
@@ -97,8 +97,8 @@ def run_random_schedule(seed: int, check, params=lambda rng: SamplingParams(), f
         samples = batch.samples
         stats["chunks"] += not all(samples)
         stats["mixed"] += 1 < max(batch.num_new_tokens) and min(batch.num_new_tokens) == 1
-        stats["cached"] += sum(s.num_cached_tokens for s in batch.seqs if s.num_computed_tokens
-                               == s.num_cached_tokens > 0)
+        stats["cached"] += sum(s.num_cached_tokens for s, start in zip(batch.seqs, batch.starts)
+                               if start == s.num_cached_tokens > 0)
         tokens = [rng.randrange(50) if s else None for s in samples]
         check(scheduler, batch, samples, tokens)
         if failures and rng.random() < failures:
@@ -273,8 +273,8 @@ def test_decode_ids_fed_from_the_last_sampled_tokens_equal_the_host_ids(kind):
         batch_inputs.record_uploads()
         assert d_ids.cpu().tolist() == want.tolist()
         counts["fed"] += batch_inputs.num_fed
-        counts["decode"] += sum(n == 1 and s.num_computed_tokens > s.num_prompt_tokens
-                                for s, n in zip(batch.seqs, batch.num_new_tokens))
+        counts["decode"] += sum(n == 1 and start > s.num_prompt_tokens
+                                for s, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens))
         sampled = torch.tensor([t for t in tokens if t is not None], dtype=torch.int64)
         batch_inputs.record_sampled(sampled.to(batch_inputs.last_sampled.device))
 
@@ -495,7 +495,7 @@ def test_engine_feeds_decode_ids_from_the_sampled_tokens(graphs, qwen3_dir, monk
     assert counts["fed"] > total // 2, counts
     assert (counts["graph_fed"] > 0) == graphs
     runner, steps = llm.llm_engine.model_runner, []
-    run = runner.run
+    run = runner.launch
 
     def failing_run(batch):
         out = run(batch)  # sampled, and recorded in last_sampled
@@ -504,7 +504,7 @@ def test_engine_feeds_decode_ids_from_the_sampled_tokens(graphs, qwen3_dir, monk
             raise RuntimeError("failed after sampling")
         return out
 
-    monkeypatch.setattr(runner, "run", failing_run)
+    monkeypatch.setattr(runner, "launch", failing_run)
     with pytest.raises(RuntimeError, match="failed after sampling"):
         generate()
     assert generate() == expected

@@ -170,13 +170,13 @@ def test_more_adapters_than_slots(llama_dir, adapters):
         assert tokens(outputs) == [r["token_ids"] for r in expected[lora.lora_int_id][:2]]
     assert sorted(llm.llm_engine.model_runner.lora.resident) == [2, 3]
     runner, seen = llm.llm_engine.model_runner, []
-    run = runner.run
+    run = runner.launch
 
     def recording_run(batch):
         seen.append({s.lora_int_id for s in batch.seqs} - {0})
         return run(batch)
 
-    runner.run = recording_run
+    runner.launch = recording_run
     loras = [a1, a2, a3, None]
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
     assert max(map(len, seen)) == 2 and set().union(*seen) == {1, 2, 3}
@@ -246,7 +246,7 @@ def test_beam_search_with_adapters_matches_merged_weights(llama_dir, adapters):
 def test_beam_search_refuses_a_bad_lora_request_before_the_first_step(llama_dir, adapters, monkeypatch):
     a1 = adapters("llama")[0].request
     llm = lora_llm(llama_dir)
-    monkeypatch.setattr(ModelRunner, "run", lambda self, batch: pytest.fail("a step ran"))
+    monkeypatch.setattr(ModelRunner, "launch", lambda self, batch: pytest.fail("a step ran"))
     bad_calls = [
         ("adapter1", TypeError, "lora_request must be a LoRARequest or a list of them, got str"),
         ([a1], ValueError, "got 1 lora requests for 2 prompts"),

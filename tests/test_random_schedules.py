@@ -1,6 +1,7 @@
 """Random engine configurations against a plain run, from fixed seeds: KV blocks of 1 to 32 tokens, caches small
 enough to preempt, step budgets small enough to chunk, prefix caching on and off, n-gram drafts; requests with shared
-prefixes, greedy and seeded sampling (n > 1, top-k/p, min-p, penalties, min_tokens, stop ids, logprobs). Every
+prefixes, greedy and seeded sampling (n > 1, top-k/p, min-p, penalties, min_tokens, stop ids, logprobs); async
+scheduling (steps scheduled while the previous one runs). Every
 completion's tokens, finish reason and sampled-token logprobs equal the plain run's, on a second pass (prefix hits)
 too. The targeted tests take these features one or two at a time; this one takes them together. On CUDA (marked,
 skipped without a GPU) the same, with the Triton backend and, where the model takes them, decode graphs."""
@@ -60,10 +61,10 @@ def draw_params(rng: random.Random, seed: int) -> SamplingParams:
     return SamplingParams(**kw)
 
 
-def draw_config(rng: random.Random, tight: bool, drafts: bool) -> dict:
+def draw_config(rng: random.Random, tight: bool, drafts: bool, ahead: bool) -> dict:
     """A cache for at least one sequence of MAX_MODEL_LEN (the engine refuses less), at most 1.5 times that; tight:
     just that, with up to 8 sequences at once, so that they preempt each other. drafts: n-gram drafts of 1-grams and
-    longer, which random models' repetitive outputs find often."""
+    longer, which random models' repetitive outputs find often. ahead: async scheduling."""
     block_size = rng.choice([1, 2, 4, 8, 16, 32])
     least = -(-MAX_MODEL_LEN // block_size) + 1
     config = dict(kvcache_block_size=block_size, num_kvcache_blocks=rng.randrange(least, least * 3 // 2),
@@ -71,6 +72,8 @@ def draw_config(rng: random.Random, tight: bool, drafts: bool) -> dict:
                   enable_prefix_caching=rng.random() < 0.7)
     if tight:
         config.update(num_kvcache_blocks=least, max_num_seqs=8)
+    if ahead:
+        config["async_scheduling"] = True
     if drafts:
         config["speculative_config"] = {"method": "ngram", "num_speculative_tokens": rng.choice([1, 3]),
                                         "prompt_lookup_min": 1, "prompt_lookup_max": rng.choice([1, 3, 5])}
@@ -99,20 +102,20 @@ def test_random_schedules_match_a_plain_run(device, kind, model_dir, monkeypatch
     """qwen3: plain attention; qwen3-next: recurrent state beside the KV cache; gemma3: sliding-window layers;
     deepseek-v3: MLA's latent cache. Across a kind's configurations, preemption, prefix hits, chunked prefill and
     drafts each happen where the engine offers them (asserted; a model with recurrent state has neither prefix
-    caching nor drafts), so the test cannot pass on a net that caught nothing."""
+    caching nor drafts), and so do steps scheduled ahead, so the test cannot pass on a net that caught nothing."""
     d = str(model_dir(kind))
     rng = random.Random(kind)
     engine = dict(device=device, dtype="float32", max_model_len=MAX_MODEL_LEN)
     if device == "cuda":  # fp32 means fp32: cuDNN's convolutions (Qwen3-Next's) take TF32 by default
         monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
         engine["attention_backend"] = "triton"
-    preemptions = cached = chunked = drafts = caching_offered = drafts_offered = 0
+    preemptions = cached = chunked = drafts = caching_offered = drafts_offered = ahead = 0
     with LLM(d, **engine, enable_prefix_caching=False, num_kvcache_blocks=400, max_num_batched_tokens=4096) as plain:
         for round_ in range(CONFIGS_PER_KIND):
-            tight, with_drafts = round_ % 3 == 0, round_ % 2 == 1
+            tight, with_drafts, scheduled_ahead = round_ % 3 == 0, round_ % 2 == 1, round_ % 4 == 2
             prompts = draw_prompts(rng, fewest=4 if tight else 2)
             params = [draw_params(rng, seed=1000 + i) for i in range(len(prompts))]
-            config = draw_config(rng, tight, with_drafts)
+            config = draw_config(rng, tight, with_drafts, scheduled_ahead)
             want = completions(plain.generate(prompts, params, use_tqdm=False))
             with LLM(d, **engine, **config) as llm:
                 for pass_ in range(2):
@@ -122,8 +125,10 @@ def test_random_schedules_match_a_plain_run(device, kind, model_dir, monkeypatch
                 scheduler = llm.llm_engine.scheduler
                 preemptions += scheduler.num_preemptions
                 drafts += llm.llm_engine.spec_decode_stats.num_drafts
+                ahead += scheduler.num_steps_ahead
                 caching_offered += scheduler.block_manager.enable_prefix_caching
                 drafts_offered += scheduler.proposer is not None
             chunked += any(len(p) > config["max_num_batched_tokens"] for p in prompts)
-    caught = dict(preemptions=preemptions, chunked=chunked, cached=cached, drafts=drafts)
-    assert preemptions and chunked and (cached or not caching_offered) and (drafts or not drafts_offered), caught
+    caught = dict(preemptions=preemptions, chunked=chunked, cached=cached, drafts=drafts, ahead=ahead)
+    assert (preemptions and chunked and ahead and (cached or not caching_offered)
+            and (drafts or not drafts_offered)), caught

@@ -41,7 +41,7 @@ def tokens(outputs) -> list[list[int]]:
 def at_step(monkeypatch, llm, at: int, action) -> None:
     """Call action() as the at-th step from now starts running the model."""
     runner = llm.llm_engine.model_runner
-    real_run, calls = runner.run, []
+    real_run, calls = runner.launch, []
 
     def run(batch):
         calls.append(1)
@@ -49,7 +49,7 @@ def at_step(monkeypatch, llm, at: int, action) -> None:
             action()
         return real_run(batch)
 
-    monkeypatch.setattr(runner, "run", run)
+    monkeypatch.setattr(runner, "launch", run)
 
 
 def fail_step(monkeypatch, llm, at: int, error: type[BaseException] = RuntimeError) -> None:

@@ -365,7 +365,7 @@ def test_one_host_copy_per_step_on_cuda(qwen3_dir, monkeypatch):
              num_kvcache_blocks=64) as llm:
         runner = llm.llm_engine.model_runner
         copies, steps = [0], [0]
-        copy_, run = torch.Tensor.copy_, ModelRunner.run
+        copy_, run = torch.Tensor.copy_, ModelRunner.launch
 
         def counting_copy(dst, src, *args, **kwargs):
             copies[0] += dst.device.type == "cpu" and src.device.type == "cuda"
@@ -376,13 +376,13 @@ def test_one_host_copy_per_step_on_cuda(qwen3_dir, monkeypatch):
             return run(self, batch)
 
         monkeypatch.setattr(torch.Tensor, "copy_", counting_copy)
-        monkeypatch.setattr(ModelRunner, "run", counting_run)
+        monkeypatch.setattr(ModelRunner, "launch", counting_run)
         big = HostCopies(monkeypatch, llm.llm_engine.vocab_size, "cuda")
         params = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2, logprobs=2, prompt_logprobs=1,
                                 max_tokens=6, ignore_eos=True, seed=0)
         outs = llm.generate(random_prompts(3, 5, 400, 5, 9, seed=44), params, use_tqdm=False)
         assert all(len(o.outputs[0].logprobs) == 6 and len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in outs)
-        assert runner.to_host.buffer.is_pinned()
+        assert all(buffer.is_pinned() for buffer in runner.to_host.buffers)
         assert copies[0] == steps[0] and big.seen == []
 
 

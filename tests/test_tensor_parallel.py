@@ -109,7 +109,7 @@ def test_killed_worker_fails_generate_fast(qwen3_dir):
     llm = LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=256, tensor_parallel_size=2)
     worker = llm.llm_engine.tp.workers[0]
     runner = llm.llm_engine.model_runner
-    run, steps, killed = runner.run, [], []
+    run, steps, killed = runner.launch, [], []
 
     def run_and_kill(batch):
         steps.append(1)
@@ -118,7 +118,7 @@ def test_killed_worker_fails_generate_fast(qwen3_dir):
             killed.append(time.monotonic())
         return run(batch)
 
-    runner.run = run_and_kill
+    runner.launch = run_and_kill
     with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) was killed by SIGKILL"):
         llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=150, ignore_eos=True), use_tqdm=False)
     elapsed = time.monotonic() - killed[0]

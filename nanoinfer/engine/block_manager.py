@@ -60,6 +60,9 @@ class BlockManager:
         block = self.blocks[self.free_blocks.popitem(last=False)[0]]
         if self.hash_to_block.get(block.hash) == block.block_id:
             del self.hash_to_block[block.hash]
+        # Committed for a step in flight by a sequence that then finished (async scheduling): not to be published.
+        if self.step_hash_to_block.get(block.hash) == block.block_id:
+            del self.step_hash_to_block[block.hash]
         block.hash, block.token_ids, block.parent, block.ref_count = -1, [], None, 1
         block.generation += 1
         return block
@@ -128,9 +131,9 @@ class BlockManager:
             seq.state_slot = -1
 
     def append_slots(self, seq: Sequence) -> bool:
-        """Grow the block table to cover every token of the sequence; False, taking nothing, if too few blocks are
-        free."""
-        missing = -(-len(seq.token_ids) // self.block_size) - len(seq.block_table)  # seq.num_blocks, inlined
+        """Grow the block table to cover every token of the sequence, its pending one included; False, taking
+        nothing, if too few blocks are free."""
+        missing = -(-(len(seq.token_ids) + seq.num_pending_tokens) // self.block_size) - len(seq.block_table)
         if missing <= 0:
             return True
         if missing > self.num_free_blocks:

@@ -124,18 +124,17 @@ class InputBatch:
         step), and the rows whose logits are sampled."""
         self._wait_for_uploads()
         self.remove(batch.freed_seq_ids)
-        rows, starts, token_ids = [], [], []
+        rows, token_ids = [], []
         drafts = batch.draft_token_ids
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        for i, (seq, start, n) in enumerate(zip(batch.seqs, batch.starts, batch.num_new_tokens)):
             row = self.rows.get(seq.seq_id)
             rows.append(self._add(seq) if row is None else row)
-            start = seq.num_computed_tokens
-            starts.append(start)
-            token_ids += seq.token_ids[start:start + n]
+            # A pending token (async scheduling) is not on the host yet: the device feeds it (see feed_sampled).
+            token_ids += seq.token_ids[start:start + n] or [0]
             if drafts and i in drafts:
                 token_ids += drafts[i]
         rows, num_new = np.array(rows, dtype=np.int64), np.array(batch.num_new_tokens, dtype=np.int64)
-        starts = np.array(starts, dtype=np.int64)
+        starts = np.array(batch.starts, dtype=np.int64)
         ends = starts + num_new
         self._sync_block_tables(batch.seqs, rows, ends)
         num_seqs, num_tokens = len(rows), len(token_ids)
@@ -201,12 +200,8 @@ class InputBatch:
         `positions`) in its row, for the next step to feed."""
         if not self.feed_sampled_ids:
             return
-        rows = self.host.sampled_rows[:len(positions)]
-        self.sampled_at[rows.numpy()] = positions
-        if self.on_cuda:
-            rows = self._upload("sampled_rows", rows)
-            self.record_uploads()
-        self.last_sampled[rows] = token_ids
+        self.sampled_at[self.host.sampled_rows[:len(positions)].numpy()] = positions
+        self.last_sampled[self.device.sampled_rows[:len(positions)]] = token_ids  # uploaded by feed_sampled
 
     def _stage(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """t in the host staging buffer `name` (copied there unless it is already that buffer's prefix)."""
@@ -276,7 +271,12 @@ class InputBatch:
 
     def feed_sampled(self, input_ids: torch.Tensor) -> None:
         """Overwrite, on this rank's device, the input ids of this step's decode tokens that were sampled into
-        their rows by the previous step (input_ids: the step's ids there, a graph's static buffer included)."""
+        their rows by the previous step (input_ids: the step's ids there, a graph's static buffer included); and
+        upload the rows this step samples into, for record_sampled, with the step's other inputs."""
+        if not self.feed_sampled_ids:
+            return
+        if self.on_cuda:
+            self._upload("sampled_rows", self.host.sampled_rows[:len(self.sampled_rows)])
         if not self.num_fed:
             return
         index, rows = self.host.fed_index[:self.num_fed], self.host.fed_rows[:self.num_fed]
@@ -288,11 +288,7 @@ class InputBatch:
         """Keep this step's sampled tokens (in the order of prepare's sample_rows) on the device, in their rows."""
         if not self.feed_sampled_ids:
             return
-        rows = self.host.sampled_rows[:len(self.sampled_rows)]
-        if self.on_cuda:
-            rows = self._upload("sampled_rows", rows)
-            self.record_uploads()  # after execute's: staging is rewritten only once this copy has run too
-        self.last_sampled[rows] = token_ids
+        self.last_sampled[self.device.sampled_rows[:len(self.sampled_rows)]] = token_ids  # uploaded by feed_sampled
         self.sampled_at[self.sampled_rows] = self.sampled_positions
 
     def record_uploads(self) -> None:

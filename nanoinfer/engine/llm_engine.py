@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanoinfer.config import TOKENIZER_FILES, Config
-from nanoinfer.engine.model_runner import ModelRunner, RunnerOutput, TokenLogprobs
+from nanoinfer.engine.model_runner import LaunchedStep, ModelRunner, RunnerOutput, TokenLogprobs
 from nanoinfer.engine.parallel import start_tensor_parallel
 from nanoinfer.engine.pooling import model_normalizes, model_pooling
 from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
@@ -59,6 +59,8 @@ class LLMEngine:
         # Outputs of step-API requests produced while LLM.generate/generate_iter drove the steps: step() returns them.
         self.held_outputs: list[RequestOutput] = []
         self.last_batch: ScheduledBatch | None = None  # what the latest step computed (for statistics)
+        # With async_scheduling: the step launched ahead by the previous step(), which the next one completes.
+        self.in_flight: LaunchedStep | None = None
         self.spec_decode_stats = SpecDecodeStats()  # drafted and accepted tokens, with speculative_config
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
@@ -287,15 +289,34 @@ class LLMEngine:
             raise RuntimeError("this engine is closed (its model and caches are freed): create a new LLM")
 
     def _step(self) -> list[RequestOutput]:
+        """Complete a step: the one launched ahead by the previous call, else one scheduled now. With
+        async_scheduling the next step is scheduled and launched first, so that the device runs it while the host
+        waits for this one's tokens and checks their stops."""
         self._check_open()
-        batch = self.last_batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
+        # Taken before anything can fail: an exception leaves nothing in flight, and the scheduler rolls back.
+        launched, self.in_flight = self.in_flight, None
+        if launched is None:
+            launched = self._launch(self.scheduler.schedule())
+            if launched is None:
+                return []
+        ahead = self._launch(self.scheduler.schedule(ahead=True)) if self.config.async_scheduling else None
+        outputs = self._complete(launched)
+        self.in_flight = ahead
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch | None) -> LaunchedStep | None:
+        if batch is None or not batch.seqs:
+            return None
         now = time.time()
         for seq in batch.seqs[batch.num_running:]:  # admitted by this step (maybe again, after a preemption)
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        result = self._run_model(self.model_runner.run, batch)
+        return self._run_model(self.model_runner.launch, batch)
+
+    def _complete(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Wait for a launched step's tokens, append them, check stops; the outputs of the requests it advanced."""
+        batch = self.last_batch = launched.batch
+        result = self._run_model(self.model_runner.collect, launched)
         self._record_logprobs(batch, result)
         now = time.time()
         advanced: dict[str, None] = {}
@@ -347,7 +368,8 @@ class LLMEngine:
         self.scheduler.commit_accepted(seq)
 
     def _run_model(self, run: Callable[[_Batch], _Result], batch: _Batch) -> _Result:
-        """run(batch) on the model runner; if it fails, with tensor parallelism, the group is shut down (_fail)."""
+        """run(batch) on the model runner (a step's launch or collect, a pooling pass); if it fails, with tensor
+        parallelism, the group is shut down (_fail)."""
         try:
             return run(batch)
         except BaseException as e:
@@ -473,12 +495,14 @@ class LLMEngine:
         if result.logprobs is None and result.prompt_logprobs is None:
             return
         for i, seq in enumerate(batch.seqs):
+            if seq.is_finished:  # while this step was in flight (async scheduling): its outputs are out
+                continue
             if result.logprobs is not None and result.logprobs[i] is not None:
                 seq.logprobs.append(self._logprob_dict(result.logprobs[i], seq.params.logprobs))
                 seq.cumulative_logprob += result.logprobs[i][1][0]
             rows = result.prompt_logprobs[i] if result.prompt_logprobs is not None else None
             # A recomputed prompt (after preemption) yields positions already recorded: keep the first ones.
-            for pos, row in enumerate(rows or [], start=seq.num_computed_tokens + 1):
+            for pos, row in enumerate(rows or [], start=batch.starts[i] + 1):
                 if pos == len(seq.prompt_logprobs):
                     seq.prompt_logprobs.append(self._logprob_dict(row, seq.params.prompt_logprobs))
 

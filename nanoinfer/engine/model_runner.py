@@ -21,7 +21,7 @@ from nanoinfer.engine.parallel import TPGroup
 from nanoinfer.engine.pooling import pool
 from nanoinfer.engine.sampling_state import (ALLOWED_TOKENS, BAD_WORDS, GREEDY, LOGIT_BIAS, LOGPROBS, MIN_P,
                                               MIN_TOKENS, PENALIZED, STRUCTURED, TOP_K, TOP_P, HostStaging,
-                                              HostTransfer, PenaltyCache, TokenTables, bad_word_bans,
+                                              HostTransfer, PenaltyCache, Results, TokenTables, bad_word_bans,
                                               grammar_bitmask)
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
@@ -76,6 +76,19 @@ class Step(NamedTuple):
 
 
 T = TypeVar("T")
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued on the device (ModelRunner.launch), with what collect() needs to turn its results
+    into a RunnerOutput once they reach the host."""
+    batch: ScheduledBatch
+    sampled: list[int]  # the batch indices of the sampled sequences
+    prompt_rows: list[tuple[int, int, int]]  # see ModelRunner._prompt_logit_rows
+    results: Results | None = None  # sampled tokens, their logprobs, prompt logprobs, accepted-draft counts
+    num_sampled_parts: int = 0  # results' tensors that are sampled tokens and their logprobs (0: none sampled)
+    # A step with drafts: the last token each sampled sequence emits (on the device) and its first row (see _verify).
+    verified: tuple[torch.Tensor, np.ndarray] | None = None
 
 
 @dataclass
@@ -383,10 +396,16 @@ class ModelRunner:
             meta.state_slots = self.input_batch.state_slots([s.state_slot for s in batch.seqs])
         return input_ids, positions, meta, sample_rows
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> RunnerOutput:
         """The next token of every sequence whose scheduled tokens reach its end (None for partial prompt
         chunks), with logprobs where asked for."""
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Queue a step on the device: its forward pass, sampling (the tokens kept in their InputBatch rows for the
+        next step to feed) and the copy of its results to the host, which collect() waits for. Nothing here waits
+        for the device, so the next step can be scheduled while this one runs."""
         samples = batch.samples
         input_ids, positions, meta, sample_rows = self.prepare(batch, samples)
         prompt_rows = self._prompt_logit_rows(batch, meta.cu_seqlens_q.tolist())
@@ -394,30 +413,43 @@ class ModelRunner:
                     None if self.lora is None else self.input_batch.lora_mapping)
         # The other ranks execute the same step (serve).
         hidden = self.execute(self.tp.broadcast(step))
-        out = RunnerOutput([None] * len(batch.seqs))
+        launched = LaunchedStep(batch, [i for i, s in enumerate(samples) if s], prompt_rows)
         if not step.logit_rows:
-            return out
+            return launched
         # Everything is computed where the logits are; only ids and logprobs come back, in one transfer.
-        sampled = [i for i, s in enumerate(samples) if s]
         drafts = batch.draft_token_ids
-        seqs = [batch.seqs[i] for i in sampled for _ in range(1 + len(drafts.get(i, ())))] if drafts \
-            else [batch.seqs[i] for i in sampled]
+        seqs = [batch.seqs[i] for i in launched.sampled for _ in range(1 + len(drafts.get(i, ())))] if drafts \
+            else [batch.seqs[i] for i in launched.sampled]
         targets, k = self._prompt_targets(batch, prompt_rows) if prompt_rows else (None, 0)
         result, prompt = self.logit_results(hidden, step.num_sampled, lambda logits: self.sample(seqs, logits),
                                             targets, k)
-        verified = self._verify(batch, sampled, result.token_ids) if drafts else None
+        verified = self._verify(batch, launched.sampled, result.token_ids) if drafts else None
         if result is not None and not drafts:
             self.input_batch.record_sampled(result.token_ids)
         sampled_parts = [] if result is None else [result.token_ids, *(result.logprobs or ())]
-        host = self.to_host(sampled_parts + list(prompt) + ([verified[0]] if drafts else []))
-        if prompt_rows:
-            out.prompt_logprobs = _prompt_logprob_lists(batch, prompt_rows, host[len(sampled_parts):])
-        if result is None:
+        launched.num_sampled_parts = len(sampled_parts)
+        if drafts:
+            launched.verified = verified[1:]
+        launched.results = self.to_host.start(sampled_parts + list(prompt) + ([verified[0]] if drafts else []))
+        return launched
+
+    @torch.inference_mode()
+    def collect(self, launched: LaunchedStep) -> RunnerOutput:
+        """The RunnerOutput of a launched step, once its results have reached the host (see run)."""
+        batch, sampled, n = launched.batch, launched.sampled, launched.num_sampled_parts
+        out = RunnerOutput([None] * len(batch.seqs))
+        if launched.results is None:
+            return out
+        host = launched.results.wait()
+        if launched.prompt_rows:
+            prompt_end = len(host) - (launched.verified is not None)  # the accepted-draft counts come last
+            out.prompt_logprobs = _prompt_logprob_lists(batch, launched.prompt_rows, host[n:prompt_end])
+        if not n:
             return out
         tokens = host[0].tolist()
-        rows = None if result.logprobs is None else _logprob_rows(tokens, host[1:len(sampled_parts)])
-        if drafts:
-            self._emit_verified(batch, sampled, verified, host[-1].tolist(), tokens, rows, out)
+        rows = None if n == 1 else _logprob_rows(tokens, host[1:n])
+        if batch.draft_token_ids:
+            self._emit_verified(batch, sampled, launched.verified, host[-1].tolist(), tokens, rows, out)
             return out
         for i, token in zip(sampled, tokens):
             out.token_ids[i] = token
@@ -445,12 +477,12 @@ class ModelRunner:
         num_accepted = verify_drafts(token_ids, draft_ids, seq_index, offsets, len(sampled))
         return num_accepted, token_ids[first_rows + num_accepted], first
 
-    def _emit_verified(self, batch: ScheduledBatch, sampled: list[int],
-                       verified: tuple[torch.Tensor, torch.Tensor, np.ndarray], num_accepted: list[int],
-                       tokens: list[int], logprob_rows: list[TokenLogprobs] | None, out: RunnerOutput) -> None:
+    def _emit_verified(self, batch: ScheduledBatch, sampled: list[int], verified: tuple[torch.Tensor, np.ndarray],
+                       num_accepted: list[int], tokens: list[int], logprob_rows: list[TokenLogprobs] | None,
+                       out: RunnerOutput) -> None:
         """Each sampled sequence's emitted tokens into out (the first in token_ids, the accepted run after it in
         extra_token_ids), with their logprobs; the last one of each is kept in its InputBatch row."""
-        _, last_tokens, first = verified
+        last_tokens, first = verified
         out.extra_token_ids = [[] for _ in batch.seqs]
         if logprob_rows is not None:
             out.logprobs, out.extra_logprobs = [None] * len(batch.seqs), [[] for _ in batch.seqs]
@@ -472,16 +504,18 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_step(step.lora_mapping, groups=size is None)
         if size is not None:
-            static = self.graph_runner.load(self.input_batch.decode_inputs(input_ids, positions, meta, size,
-                                                                            step.lora_mapping))
-            self.input_batch.feed_sampled(static.input_ids)
-            hidden = self.graph_runner.replay(size, meta.num_seqs)
+            input_ids = self.graph_runner.load(self.input_batch.decode_inputs(input_ids, positions, meta, size,
+                                                                               step.lora_mapping)).input_ids
         else:
             input_ids, positions, meta = self.input_batch.to_device(input_ids, positions, meta)
-            self.input_batch.feed_sampled(input_ids)
+        self.input_batch.feed_sampled(input_ids)
+        # After the last upload, before the forward pass: the next step's prepare() waits for the uploads alone.
+        self.input_batch.record_uploads()
+        if size is not None:
+            hidden = self.graph_runner.replay(size, meta.num_seqs)
+        else:
             self.backend.prepare(meta)
             hidden = self.model(input_ids, positions, meta)
-        self.input_batch.record_uploads()
         return hidden[rows]
 
     @torch.inference_mode()
@@ -646,7 +680,7 @@ class ModelRunner:
         rows = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if seq.needs_prompt_logits:
-                start = seq.num_computed_tokens
+                start = batch.starts[i]
                 rows += [(cu_q[i] + pos - start, seq.token_ids[pos + 1], i)
                          for pos in range(start, min(start + n, seq.num_prompt_tokens - 1))]
         return rows

@@ -236,22 +236,42 @@ class TokenTables:
 
 
 class HostTransfer:
-    """Brings a step's small result tensors (token ids, logprobs) to the host in one copy: on CUDA through a
-    reused pinned buffer, non_blocking, then one synchronize; on the CPU nothing is copied."""
+    """Brings a step's small result tensors (token ids, logprobs) to the host in one copy. On CUDA, start() queues it
+    non_blocking into one of two pinned buffers and records an event, and Results.wait() waits for that event alone,
+    not for work queued after it: a step scheduled ahead (async scheduling) runs meanwhile, its results going to the
+    other buffer. On the CPU nothing is copied."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.buffer = torch.empty(0, dtype=torch.float64)
+        self.buffers = [torch.empty(0, dtype=torch.float64) for _ in range(2)]
+        self.turn = 0
 
-    def __call__(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def start(self, tensors: list[torch.Tensor]) -> "Results":
         if self.device.type != "cuda" or not tensors:
-            return tensors
+            return Results(tensors)
         # float64 holds token ids, ranks (< 2^53) and fp32 logprobs exactly.
         flat = torch.cat([t.reshape(-1).double() for t in tensors])
-        if self.buffer.numel() < flat.numel():
-            self.buffer = torch.empty(2 * flat.numel(), dtype=torch.float64, pin_memory=True)
-        host = self.buffer[:flat.numel()]
+        # At most two steps' results are unread at once: the one in flight and the one scheduled ahead.
+        self.turn ^= 1
+        if self.buffers[self.turn].numel() < flat.numel():
+            self.buffers[self.turn] = torch.empty(2 * flat.numel(), dtype=torch.float64, pin_memory=True)
+        host = self.buffers[self.turn][:flat.numel()]
         host.copy_(flat, non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
-        parts = host.split([t.numel() for t in tensors])
-        return [p.view(t.shape).to(t.dtype, copy=True) for p, t in zip(parts, tensors)]
+        copied = torch.cuda.Event()
+        copied.record()
+        return Results([(t.shape, t.dtype) for t in tensors], host, copied)
+
+
+class Results:
+    """A step's result tensors on their way to the host (see HostTransfer)."""
+
+    def __init__(self, tensors: list[torch.Tensor] | list[tuple[torch.Size, torch.dtype]],
+                 host: torch.Tensor | None = None, copied: torch.cuda.Event | None = None):
+        self.tensors, self.host, self.copied = tensors, host, copied
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.host is None:
+            return self.tensors
+        self.copied.synchronize()
+        parts = self.host.split([shape.numel() for shape, _ in self.tensors])
+        return [p.view(shape).to(dtype, copy=True) for p, (shape, dtype) in zip(parts, self.tensors)]

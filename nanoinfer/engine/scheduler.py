@@ -12,8 +12,10 @@ from nanoinfer.spec_decode.ngram import NgramProposer
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]
-    num_new_tokens: list[int]  # tokens each sequence computes this step, from seq.num_computed_tokens on
+    num_new_tokens: list[int]  # tokens each sequence computes this step, from starts[i] on
     freed_seq_ids: list[int] = field(default_factory=list)  # sequences that left the running set since the last batch
+    # Where each sequence's new tokens start: its num_computed_tokens when scheduled (schedule() advances it).
+    starts: list[int] | None = None
     # Whether each sequence's scheduled tokens reach its end, so that its next token is sampled: fixed when the
     # batch is made (the step's postprocess grows the sequences).
     samples: list[bool] | None = None
@@ -22,9 +24,14 @@ class ScheduledBatch:
     # num_new_tokens; all their positions are sampled and verified).
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
+    # How many of the scheduler's freed ids this batch reports (freed_seq_ids is their unreported tail).
+    freed_upto: int = 0
+
     def __post_init__(self) -> None:
+        if self.starts is None:
+            self.starts = [s.num_computed_tokens for s in self.seqs]
         if self.samples is None:
-            self.samples = [s.num_computed_tokens + n == len(s) for s, n in zip(self.seqs, self.num_new_tokens)]
+            self.samples = [start + n == len(s) for s, start, n in zip(self.seqs, self.starts, self.num_new_tokens)]
 
     @property
     def is_prefill(self) -> bool:
@@ -45,8 +52,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.num_steps_ahead = 0  # steps scheduled ahead (async scheduling)
         self.freed_seq_ids: list[int] = []  # preempted or finished, not yet reported to the runner by a completed step
-        self.step_in_flight = False  # scheduled but not postprocessed: if the next schedule() finds it so, it failed
+        self.num_freed_reported = 0  # ids reported by completed steps, dropped from the front of freed_seq_ids
+        # Scheduled, not postprocessed: one that schedule() finds failed; schedule(ahead=True) runs beside one.
+        self.steps_in_flight = 0
         # Drafts (config.speculative), except for models with recurrent state: a rejected draft would have advanced
         # the state, which cannot step back.
         self.proposer = NgramProposer(speculative) if speculative and not num_state_slots else None
@@ -57,17 +67,28 @@ class Scheduler:
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, ahead: bool = False) -> ScheduledBatch | None:
         """One token budget for everything: each running sequence, in admission order, computes what it lacks
         (a decode token or its next prompt chunk), then waiting sequences are admitted with what is left.
-        Running sequences keep decoding while long prompts are prefilled chunk by chunk."""
-        if self.step_in_flight:
+        Running sequences keep decoding while long prompts are prefilled chunk by chunk. The scheduled tokens count
+        as computed from now on, and each sampled one as pending until postprocess() appends it.
+
+        ahead (async scheduling): the step after the one in flight, scheduled before that one's tokens are known: a
+        sequence computes its pending token (the device feeds it), unless it is its last (max_tokens). None when
+        nothing can be scheduled so, or when it cannot be (see _can_run_ahead)."""
+        if ahead:
+            if not self._can_run_ahead():
+                return None
+        elif self.steps_in_flight:
             self._roll_back()
-        self.step_in_flight = True  # from the first change on: an interrupted schedule() is a failed step too
-        batch, budget = ScheduledBatch([], [], samples=[]), self.max_num_batched_tokens
+        self.steps_in_flight += 1  # from the first change on: an interrupted schedule() is a failed step too
+        batch, budget = ScheduledBatch([], [], samples=[], starts=[]), self.max_num_batched_tokens
         preempted, i = False, 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending_tokens and seq.num_completion_tokens + seq.num_pending_tokens >= seq.max_tokens:
+                i += 1  # its pending token is its last
+                continue
             if not self.block_manager.append_slots(seq):  # out of blocks: the latest admitted goes back
                 self._preempt(self.running.pop())  # seq itself when it is the latest: the loop ends
                 preempted = True
@@ -94,31 +115,46 @@ class Scheduler:
             if seq.lora_int_id:
                 loras.add(seq.lora_int_id)
         self.waiting.extendleft(reversed(skipped))
-        assert batch.seqs or self.is_finished(), "nothing to schedule: a single sequence must always fit the KV cache"
-        if batch.seqs:  # sent again until a step completes (postprocess): a failed one may not have read them
-            batch.freed_seq_ids = self.freed_seq_ids[:]
+        if not batch.seqs:
+            assert ahead or self.is_finished(), "nothing to schedule: a single sequence must fit the KV cache"
+            self.steps_in_flight -= 1
+            return None if ahead else batch
+        # Sent again until a step completes (postprocess): a failed one may not have read them.
+        batch.freed_seq_ids = self.freed_seq_ids[:]
+        batch.freed_upto = self.num_freed_reported + len(self.freed_seq_ids)
+        self.num_steps_ahead += ahead
         return batch
+
+    def _can_run_ahead(self) -> bool:
+        """Whether the next step may be scheduled beside the one in flight: no running sequence samples from its
+        generated tokens on the host (see _reads_history), and there are blocks enough for every running sequence's
+        next token, so that none is preempted with a token in flight."""
+        return (self.steps_in_flight == 1 and self.block_manager.num_free_blocks >= len(self.running)
+                and not any(map(_reads_history, self.running)))
 
     def _take(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
         """Add seq to the batch with as many of the tokens it lacks as the budget allows; return how many. Its
         blocks filled this step are committed now, so that a prompt admitted later in the same step shares them
         (see BlockManager.commit); they join the prefix cache when the step completes."""
-        start, end = seq.num_computed_tokens, len(seq.token_ids)
+        start, end = seq.num_computed_tokens, len(seq.token_ids) + seq.num_pending_tokens
         sampled = end - start <= budget
         if not sampled:
             end = start + budget
         batch.seqs.append(seq)
+        batch.starts.append(start)
         batch.num_new_tokens.append(end - start)
         batch.samples.append(sampled)
-        if end // self.block_size > start // self.block_size:  # it fills blocks
-            self.block_manager.commit(seq, end)
+        if end // self.block_size > start // self.block_size:  # it fills blocks: those a pending token fills, later
+            self.block_manager.commit(seq, min(end, len(seq.token_ids)))
+        seq.num_computed_tokens = end
+        seq.num_pending_tokens += sampled
         return end - start
 
     def _propose(self, seq: Sequence, budget: int, num_later: int) -> list[int]:
         """Drafts for a decoding sequence, within what is left of the budget after one token for each later running
         sequence, within max_tokens, and within the blocks free beyond one for each later running sequence: drafts
         never cause a preemption nor starve a running sequence; they shrink or vanish instead."""
-        if seq.num_computed_tokens != len(seq.token_ids) - 1 or not _takes_drafts(seq):
+        if seq.num_computed_tokens != len(seq.token_ids) - 1 or _reads_history(seq):
             return []
         limit = min(budget - 1 - num_later, seq.max_tokens - seq.num_completion_tokens - 1)
         if limit <= 0:
@@ -131,16 +167,20 @@ class Scheduler:
         drafts' blocks join the cache once accepted tokens fill them: see commit_accepted)."""
         batch.draft_token_ids[len(batch.seqs)] = drafts
         batch.seqs.append(seq)
+        batch.starts.append(seq.num_computed_tokens)
         batch.num_new_tokens.append(1 + len(drafts))
         batch.samples.append(True)
         if len(seq.token_ids) % self.block_size == 0:
             self.block_manager.commit(seq, len(seq.token_ids))
+        seq.num_computed_tokens += 1  # the drafts count once accepted (accept_draft)
+        seq.num_pending_tokens += 1
         return 1 + len(drafts)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks; it is recomputed (prompt and generated tokens) when readmitted."""
         self.block_manager.free(seq)
         self.freed_seq_ids.append(seq.seq_id)
+        seq.num_pending_tokens = 0  # a step in flight that sampled it failed (see _roll_back)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -151,23 +191,30 @@ class Scheduler:
         self.block_manager.discard_unpublished()
         while self.running:
             self._preempt(self.running.pop())
-        self.step_in_flight = False
+        self.steps_in_flight = 0
 
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int | None]) -> list[Sequence]:
-        """The step completed: publish the blocks it wrote, record computed tokens and sampled ones; return the
-        sequences that got a token."""
+        """The step completed: publish the blocks committed so far (a step scheduled ahead is queued behind this one
+        on the device, so its blocks are written before any later step reads them), append the sampled tokens;
+        return the sequences that got one."""
         self.block_manager.publish()
-        self.step_in_flight = False
-        del self.freed_seq_ids[:len(batch.freed_seq_ids)]  # the runner has them; later ones were appended after
+        reported = batch.freed_upto - self.num_freed_reported  # the runner has them; later ones were appended after
+        if reported > 0:
+            del self.freed_seq_ids[:reported]
+            self.num_freed_reported += reported
         grown = []
-        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, token_ids):
-            if token is not None:  # None: a prompt chunk that did not reach the end of the sequence
-                seq.token_ids.append(token)
-                grown.append(seq)
-            # After the append: interrupted in between, the sequence recomputes a token rather than skipping one.
-            seq.num_computed_tokens += n
-        for i, drafts in batch.draft_token_ids.items():
-            batch.seqs[i].num_computed_tokens -= len(drafts)  # they count once accepted (accept_draft)
+        for seq, token in zip(batch.seqs, token_ids):
+            # None: a prompt chunk short of the sequence's end. A sequence that finished while the step was in flight
+            # (async scheduling: at the previous step's stop check, or aborted) keeps its tokens.
+            if token is None or seq.is_finished:
+                continue
+            seq.num_pending_tokens -= 1
+            seq.token_ids.append(token)
+            grown.append(seq)
+            # A block this token fills, if a step in flight computes its K/V (async scheduling), is committed now.
+            if len(seq.token_ids) % self.block_size == 0 and seq.num_computed_tokens >= len(seq.token_ids):
+                self.block_manager.commit(seq, len(seq.token_ids))
+        self.steps_in_flight -= 1  # last: interrupted before, the step counts as failed (see _roll_back)
         return grown
 
     def accept_draft(self, seq: Sequence, token: int) -> None:
@@ -198,8 +245,9 @@ class Scheduler:
             self.finish(seq)
 
 
-def _takes_drafts(seq: Sequence) -> bool:
-    """Rows whose next distribution depends on drafted tokens through the output history get no drafts:
-    penalties (output counts), bad words (the generated tail) and structured outputs (the grammar state) would
-    need per-draft state the verifier does not model. min_tokens is modeled: its bans go by each row's position."""
-    return not (seq.params.penalized or seq.bad_words_token_ids or seq.grammar_state is not None)
+def _reads_history(seq: Sequence) -> bool:
+    """Whether a sequence's next distribution depends on its generated tokens as the host knows them: penalties
+    (output counts), bad words (the generated tail) and structured outputs (the grammar state). Such a sequence gets
+    no drafts (the verifier does not model per-draft state) and is never scheduled ahead of its pending token.
+    min_tokens is neither: its bans go by position."""
+    return bool(seq.params.penalized or seq.bad_words_token_ids or seq.grammar_state is not None)

@@ -48,7 +48,10 @@ class Sequence:
         self.lora_int_id = 0 if lora_request is None else lora_request.lora_int_id  # 0: no adapter
         self.block_size = block_size
         self.block_table: list[int] = []
-        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache, or computed by a step in flight
+        # Sampled by steps in flight, not yet appended to token_ids: one per such step, from schedule to postprocess
+        # (a step scheduled ahead computes the one before it without knowing it: see Scheduler.schedule).
+        self.num_pending_tokens = 0
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache at admission
         self.state_slot = -1  # recurrent-state slot while it holds blocks (models with linear attention)
         self.finish_reason: str | None = None

@@ -1,0 +1,287 @@
+"""Async scheduling (async_scheduling=True): each step is scheduled and launched while the previous one runs, its
+decode ids fed on the device from the tokens sampled there. On the CPU the launch runs to its end, so these tests
+check the bookkeeping: the same tokens, logprobs, prefix hits and finish reasons as a plain run, steps really
+scheduled ahead, tokens of sequences that finished (or were aborted) while in flight dropped, no block leaked, and
+failures rolled back."""
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from models import random_prompts
+
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.engine.scheduler import Scheduler
+from nanoinfer.engine.sequence import Sequence
+
+MAX_MODEL_LEN = 128
+STOPS = [202, 139, 21]  # among the first tokens that request 4 of the first test generates, for each kind
+ENGINE = dict(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
+
+
+def completions(outputs) -> list[tuple]:
+    """(tokens, finish reason, each sampled token's logprob or None) per completion, in request order."""
+    return [(tuple(c.token_ids), c.finish_reason,
+             None if c.logprobs is None else [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+            for o in outputs for c in o.outputs]
+
+
+def assert_same(got, want) -> None:
+    """The same tokens and finish reasons; logprobs within 1e-4 (steps batch differently: fp32 sums in other
+    orders)."""
+    got, want = completions(got), completions(want)
+    assert [c[:2] for c in got] == [c[:2] for c in want]
+    for (_, _, logprobs), (_, _, want_logprobs) in zip(got, want):
+        assert logprobs == (None if want_logprobs is None else pytest.approx(want_logprobs, abs=1e-4))
+
+
+def run_both(path, prompts, params, **config) -> tuple[list, list, LLM]:
+    """Completions of a plain engine and of an async one (returned open, for its statistics), same config."""
+    with LLM(str(path), **ENGINE, **config) as plain:
+        want = plain.generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(path), **ENGINE, **config, async_scheduling=True)
+    return want, llm.generate(prompts, params, use_tqdm=False), llm
+
+
+def assert_idle(llm: LLM) -> None:
+    """Every block and recurrent-state slot free, nothing queued (a step left in flight may still hold rows)."""
+    scheduler = llm.llm_engine.scheduler
+    manager = scheduler.block_manager
+    assert scheduler.is_finished()
+    assert manager.num_free_blocks == manager.num_blocks
+    # The prefix cache's entries name blocks that still hold their hash (none was reused before its step completed).
+    assert all(manager.blocks[block_id].hash == h for h, block_id in manager.hash_to_block.items())
+    assert len(manager.free_state_slots) == manager.num_state_slots
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3-next", "gemma3"])
+def test_greedy_and_seeded_sampling_equal_a_plain_run(kind, model_dir):
+    """qwen3: plain attention; qwen3-next: recurrent state slots (a finished sequence's slot is reused while its last
+    step is in flight); gemma3: sliding windows. Varied max_tokens (a sequence whose pending token is its last is not
+    scheduled ahead), stop token ids (the step after a stop is wasted, its token dropped), n > 1 with seeds, logprobs
+    and prompt logprobs."""
+    prompts = random_prompts(6, 5, 440, 3, 40, seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=1 + 7 * i, ignore_eos=True) for i in range(3)]
+    params += [SamplingParams(temperature=0.9, top_k=20, top_p=0.9, n=2, seed=5, max_tokens=20, logprobs=2),
+               SamplingParams(temperature=0, max_tokens=30, prompt_logprobs=1, logprobs=1, stop_token_ids=STOPS),
+               SamplingParams(temperature=1.2, min_p=0.05, max_tokens=25, min_tokens=5, seed=9, ignore_eos=True)]
+    want, got, llm = run_both(model_dir(kind), prompts, params, max_num_seqs=4)
+    with llm:
+        assert_same(got, want)
+        stopped = got[4].outputs[0]  # a step computing its next token was in flight: its logprob is not kept
+        assert stopped.finish_reason == "stop" and len(stopped.logprobs) == len(stopped.token_ids)
+        for out, ref in zip(got, want):
+            assert (out.prompt_logprobs is None) == (ref.prompt_logprobs is None)
+            for row, ref_row in zip(out.prompt_logprobs or (), ref.prompt_logprobs or ()):
+                assert (row is None) == (ref_row is None)
+                if row is not None:
+                    assert {t: lp.rank for t, lp in row.items()} == {t: lp.rank for t, lp in ref_row.items()}
+                    assert [lp.logprob for lp in row.values()] == pytest.approx(
+                        [lp.logprob for lp in ref_row.values()], abs=1e-4)
+        assert llm.llm_engine.scheduler.num_steps_ahead > 20
+        assert_idle(llm)
+
+
+def test_prefix_hits_on_generated_blocks_are_kept(qwen3_dir):
+    """A block that a pending token fills is committed once the token is known: a prompt that repeats a completion
+    gets the same prefix hits as in a plain run, and the same tokens."""
+    prompt = list(range(100, 121))
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    runs = []
+    for async_scheduling in (False, True):
+        with LLM(str(qwen3_dir), **ENGINE, kvcache_block_size=4, async_scheduling=async_scheduling) as llm:
+            first = llm.generate([prompt], greedy, use_tqdm=False)[0]
+            again = prompt + list(first.outputs[0].token_ids)
+            second = llm.generate([again], greedy, use_tqdm=False)[0]
+            runs.append((first.outputs[0].token_ids, second.outputs[0].token_ids, second.num_cached_tokens))
+            # Every step but each generate's first (nothing in flight) and each last token's.
+            assert llm.llm_engine.scheduler.num_steps_ahead == (2 * 39 if async_scheduling else 0)
+    assert runs[1] == runs[0]
+    assert runs[0][2] == (len(prompt) + 40 - 1) // 4 * 4  # every full block but the one holding the last token
+
+
+def test_chunked_prefill_and_preemption_equal_a_plain_run(qwen3_dir):
+    """A step budget that chunks prompts while others decode, and a cache so small that sequences preempt each
+    other: no step is scheduled ahead when blocks could run short, and the tokens are the plain run's."""
+    prompts = random_prompts(8, 5, 440, 10, 60, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    config = dict(max_num_batched_tokens=24, kvcache_block_size=4, num_kvcache_blocks=40, max_num_seqs=8)
+    want, got, llm = run_both(qwen3_dir, prompts, params, **config)
+    with llm:
+        assert_same(got, want)
+        scheduler = llm.llm_engine.scheduler
+        assert scheduler.num_preemptions > 0 and scheduler.num_steps_ahead > 0
+        assert_idle(llm)
+
+
+def test_sequences_reading_their_history_are_never_scheduled_ahead(qwen3_dir):
+    """Penalties, bad words and structured outputs read the generated tokens on the host: while such a sequence
+    runs, steps are scheduled after the previous one completes, and the tokens are the plain run's."""
+    prompts = random_prompts(3, 5, 440, 5, 30, seed=4)
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=20, repetition_penalty=1.3, frequency_penalty=0.5)
+    want, got, llm = run_both(qwen3_dir, prompts, params)
+    with llm:
+        assert_same(got, want)
+        assert llm.llm_engine.scheduler.num_steps_ahead == 0
+
+
+def test_aborted_and_finished_sequences_drop_their_tokens_in_flight(qwen3_dir):
+    """Through the step API: a request aborted while a step that computes it is in flight gets no more tokens, the
+    others are the plain run's, and once all are done every block is free."""
+    prompts = random_prompts(4, 5, 440, 5, 30, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(str(qwen3_dir), **ENGINE) as plain:
+        want = {f"r{i}": tuple(o.outputs[0].token_ids)
+                for i, o in enumerate(plain.generate(prompts, params, use_tqdm=False))}
+    with LLM(str(qwen3_dir), **ENGINE, async_scheduling=True) as llm:
+        engine, done, step = llm.llm_engine, {}, 0
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0]
+            step += 1
+            if step == 5:
+                assert engine.in_flight is not None and len(engine.in_flight.batch.seqs) == 4
+                engine.abort_request("r1")
+        assert "r1" not in done and {rid: tuple(c.token_ids) for rid, c in done.items()} == {
+            rid: tokens for rid, tokens in want.items() if rid != "r1"}
+        assert all(c.finish_reason == "length" for c in done.values())
+        assert_idle(llm)
+
+
+@pytest.mark.parametrize("where", ["launch", "collect"])
+def test_a_failed_step_rolls_back_both_steps(qwen3_dir, monkeypatch, where):
+    """A step that fails (its launch, scheduled ahead, or the collection of the one before it) leaves nothing in
+    flight: the next generate recomputes every sequence and gives the plain run's tokens."""
+    prompts = random_prompts(3, 5, 440, 5, 30, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with LLM(str(qwen3_dir), **ENGINE, async_scheduling=True, kvcache_block_size=4) as llm:
+        want = completions(llm.generate(prompts, params, use_tqdm=False))
+        real, calls = getattr(ModelRunner, where), []
+
+        def failing(self, arg):
+            calls.append(1)
+            if len(calls) == 6:
+                raise RuntimeError("simulated failure")
+            return real(self, arg)
+
+        monkeypatch.setattr(ModelRunner, where, failing)
+        with pytest.raises(RuntimeError, match="simulated failure"):
+            llm.generate(prompts, params, use_tqdm=False)
+        monkeypatch.undo()
+        assert llm.llm_engine.in_flight is None
+        assert completions(llm.generate(prompts, params, use_tqdm=False)) == want
+        assert_idle(llm)
+
+
+def test_schedule_ahead_only_beside_one_step_in_flight():
+    """schedule(ahead=True) runs beside exactly one step in flight, skips a sequence whose pending token is its last,
+    and never preempts: None when the free blocks could not give every running sequence its next token."""
+    config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64, kvcache_block_size=4,
+                             enable_prefix_caching=True)
+    scheduler = Scheduler(config, num_kvcache_blocks=5)
+    assert scheduler.schedule(ahead=True) is None  # nothing in flight
+    a = Sequence([1, 2, 3], SamplingParams(), 4, max_tokens=1)
+    b = Sequence([4, 5, 6, 7, 8, 9], SamplingParams(), 4, max_tokens=8)
+    scheduler.add(a)
+    scheduler.add(b)
+    first = scheduler.schedule()
+    assert first.starts == [0, 0] and first.samples == [True, True]
+    assert (a.num_computed_tokens, a.num_pending_tokens, b.num_computed_tokens, b.num_pending_tokens) == (3, 1, 6, 1)
+    ahead = scheduler.schedule(ahead=True)
+    assert ahead.seqs == [b] and ahead.starts == [6] and ahead.num_new_tokens == [1]  # a's pending token is its last
+    assert (b.num_computed_tokens, b.num_pending_tokens, len(b.block_table)) == (7, 2, 2)
+    assert scheduler.schedule(ahead=True) is None  # two in flight already
+    assert scheduler.postprocess(first, [50, 60]) == [a, b] and b.token_ids[-1] == 60 and b.num_pending_tokens == 1
+    scheduler.finish(a)
+    assert scheduler.postprocess(ahead, [70]) == [b] and b.token_ids[-2:] == [60, 70] and b.num_pending_tokens == 0
+    assert scheduler.schedule(ahead=True) is None  # nothing in flight
+
+    tight = Scheduler(config, num_kvcache_blocks=3)
+    x, y = (Sequence([1, 2, 3, 4], SamplingParams(), 4, max_tokens=8) for _ in range(2))
+    tight.add(x)
+    tight.add(y)
+    tight.schedule()  # one block each; their pending tokens need one more each, and one is free
+    assert tight.schedule(ahead=True) is None and tight.num_preemptions == 0 and tight.num_steps_ahead == 0
+
+
+def test_a_block_committed_while_in_flight_and_reused_leaves_no_stale_cache_entry():
+    """A pending token that fills a block commits it when it arrives; if its sequence stops then, the block is freed
+    and may be taken by a step scheduled ahead before the step writing it completes. The commit must go with the
+    block: a published entry naming a reused block would keep that prefix out of the cache for good."""
+    config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64, kvcache_block_size=4,
+                             enable_prefix_caching=True)
+    scheduler = Scheduler(config, num_kvcache_blocks=2)
+    manager = scheduler.block_manager
+    a = Sequence([1, 2, 3], SamplingParams(), 4, max_tokens=8)
+    scheduler.add(a)
+    first = scheduler.schedule()
+    ahead = scheduler.schedule(ahead=True)  # computes a's pending token, the fourth: block 0 is full
+    assert ahead.seqs == [a] and a.block_table == [0]
+    scheduler.postprocess(first, [4])
+    assert manager.step_hash_to_block  # committed now that its last token is known
+    scheduler.finish(a)  # a stop at its first token: block 0 is free (and block 1 was never used)
+    scheduler.add(Sequence([7, 8, 9, 10, 11], SamplingParams(), 4, max_tokens=2))
+    again = scheduler.schedule(ahead=True)  # the new sequence takes both blocks
+    assert sorted(again.seqs[0].block_table) == [0, 1]
+    scheduler.postprocess(ahead, [5])
+    assert all(manager.blocks[block_id].hash == h for h, block_id in manager.hash_to_block.items())
+
+
+def test_async_scheduling_is_checked(qwen3_dir):
+    with pytest.raises(TypeError, match="async_scheduling must be a bool, got 'yes'"):
+        LLM(str(qwen3_dir), **ENGINE, async_scheduling="yes")
+    with pytest.raises(ValueError, match="async_scheduling=True needs tensor_parallel_size=1, got 2"):
+        LLM(str(qwen3_dir), **ENGINE, async_scheduling=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="async_scheduling=True cannot be combined with speculative_config"):
+        LLM(str(qwen3_dir), **ENGINE, async_scheduling=True,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_async_scheduling_on_cuda_equals_a_plain_run(qwen3_dir):
+    """On CUDA, with decode graphs (the fed ids land in a graph's static buffer): the same tokens and logprobs."""
+    prompts = random_prompts(8, 5, 440, 5, 60, seed=1)
+    params = [SamplingParams(temperature=0, max_tokens=30 + i, ignore_eos=True, logprobs=1) for i in range(4)]
+    params += [SamplingParams(temperature=0.8, seed=i, max_tokens=30, top_k=10) for i in range(4)]
+    cuda = dict(device="cuda", dtype="float32", max_model_len=MAX_MODEL_LEN, attention_backend="triton",
+                num_kvcache_blocks=256)
+    with LLM(str(qwen3_dir), **cuda) as plain:
+        want = plain.generate(prompts, params, use_tqdm=False)
+    with LLM(str(qwen3_dir), **cuda, async_scheduling=True) as llm:
+        assert llm.llm_engine.model_runner.graph_runner is not None
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.llm_engine.scheduler.num_steps_ahead > 20
+    assert_same(got, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_step_launched_ahead_never_waits_for_the_device(qwen3_dir):
+    """With the device kept busy (a sleep kernel queued after step N completes), step() launches step N+1 behind it
+    and returns step N's outputs at once: neither the launch (uploads, graph replay, greedy and random sampling with
+    top-p alone, top-k, min-p, min_tokens and logprobs, the copy to pinned memory) nor the collection waits for the
+    device beyond step N's own results."""
+    with LLM(str(qwen3_dir), device="cuda", dtype="float32", max_model_len=MAX_MODEL_LEN, attention_backend="triton",
+             num_kvcache_blocks=64, async_scheduling=True) as llm:
+        engine = llm.llm_engine
+        for i, params in enumerate([dict(temperature=0), dict(temperature=0.6, top_p=0.9, logprobs=2),
+                                    dict(temperature=0.6, top_k=20, top_p=0.95, min_p=0.05, min_tokens=8)]):
+            engine.add_request(f"r{i}", [5, 6, 7, 8 + i],
+                               SamplingParams(**params, max_tokens=20, ignore_eos=True, seed=i))
+        for _ in range(3):
+            engine.step()
+        assert engine.in_flight is not None and engine.model_runner.graph_runner is not None
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        torch.cuda._sleep(2_000_000_000)  # about a second at an H100's clocks
+        outputs = engine.step()
+        returned = time.perf_counter() - start
+        torch.cuda.synchronize()
+        slept = time.perf_counter() - start
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4, 4]
+        assert slept > 0.3 and returned < slept / 4, (returned, slept)
