@@ -127,10 +127,10 @@ class Scheduler:
 
     def _can_run_ahead(self) -> bool:
         """Whether the next step may be scheduled beside the one in flight: no running sequence samples from its
-        generated tokens on the host (see _reads_history), and there are blocks enough for every running sequence's
-        next token, so that none is preempted with a token in flight."""
+        generated tokens on the host (Sequence.reads_history), and there are blocks enough for every running
+        sequence's next token, so that none is preempted with a token in flight."""
         return (self.steps_in_flight == 1 and self.block_manager.num_free_blocks >= len(self.running)
-                and not any(map(_reads_history, self.running)))
+                and not any(seq.reads_history for seq in self.running))
 
     def _take(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
         """Add seq to the batch with as many of the tokens it lacks as the budget allows; return how many. Its
@@ -154,7 +154,7 @@ class Scheduler:
         """Drafts for a decoding sequence, within what is left of the budget after one token for each later running
         sequence, within max_tokens, and within the blocks free beyond one for each later running sequence: drafts
         never cause a preemption nor starve a running sequence; they shrink or vanish instead."""
-        if seq.num_computed_tokens != len(seq.token_ids) - 1 or _reads_history(seq):
+        if seq.num_computed_tokens != len(seq.token_ids) - 1 or seq.reads_history:
             return []
         limit = min(budget - 1 - num_later, seq.max_tokens - seq.num_completion_tokens - 1)
         if limit <= 0:
@@ -243,11 +243,3 @@ class Scheduler:
     def abort_all(self) -> None:
         for seq in (*self.running, *self.waiting):
             self.finish(seq)
-
-
-def _reads_history(seq: Sequence) -> bool:
-    """Whether a sequence's next distribution depends on its generated tokens as the host knows them: penalties
-    (output counts), bad words (the generated tail) and structured outputs (the grammar state). Such a sequence gets
-    no drafts (the verifier does not model per-draft state) and is never scheduled ahead of its pending token.
-    min_tokens is neither: its bans go by position."""
-    return bool(seq.params.penalized or seq.bad_words_token_ids or seq.grammar_state is not None)
