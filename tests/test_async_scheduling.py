@@ -10,7 +10,7 @@ import pytest
 import torch
 from models import random_prompts
 
-from nanoinfer import LLM, SamplingParams
+from nanoinfer import LLM, SamplingParams, StructuredOutputsParams
 from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.engine.scheduler import Scheduler
 from nanoinfer.engine.sequence import Sequence
@@ -115,11 +115,28 @@ def test_chunked_prefill_and_preemption_equal_a_plain_run(qwen3_dir):
         assert_idle(llm)
 
 
-def test_sequences_reading_their_history_are_never_scheduled_ahead(qwen3_dir):
-    """Penalties, bad words and structured outputs read the generated tokens on the host: while such a sequence
-    runs, steps are scheduled after the previous one completes, and the tokens are the plain run's."""
+def test_penalties_count_tokens_in_flight(model_dir):
+    """Penalties count each sampled token on the device: steps are scheduled ahead of a penalized sequence's tokens,
+    which are penalized before the host knows them, as in a plain run. Gemma 3's random model repeats its last
+    token when greedy: a penalty missing the token in flight lets it repeat, and the test fail."""
+    prompts = random_prompts(4, 5, 440, 5, 30, seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=20, presence_penalty=2.0, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.5, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20, frequency_penalty=1.0, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=20, repetition_penalty=1.3, frequency_penalty=0.5)]
+    want, got, llm = run_both(model_dir("gemma3"), prompts, params)
+    with llm:
+        assert_same(got, want)
+        assert llm.llm_engine.scheduler.num_steps_ahead > 10
+
+
+@pytest.mark.parametrize("constraint", [dict(bad_words=["ab", "c"]),
+                                        dict(structured_outputs=StructuredOutputsParams(regex=r"[a-z ]{1,40}"))])
+def test_sequences_reading_their_history_are_never_scheduled_ahead(qwen3_dir, constraint):
+    """Bad words and structured outputs read the generated tokens on the host: while such a sequence runs, steps are
+    scheduled after the previous one completes, and the tokens are the plain run's."""
     prompts = random_prompts(3, 5, 440, 5, 30, seed=4)
-    params = SamplingParams(temperature=0.8, seed=3, max_tokens=20, repetition_penalty=1.3, frequency_penalty=0.5)
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=20, **constraint)
     want, got, llm = run_both(qwen3_dir, prompts, params)
     with llm:
         assert_same(got, want)
@@ -175,6 +192,40 @@ def test_a_failed_step_rolls_back_both_steps(qwen3_dir, monkeypatch, where):
         assert llm.llm_engine.in_flight is None
         assert completions(llm.generate(prompts, params, use_tqdm=False)) == want
         assert_idle(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_step_failing_after_sampling_leaves_no_stale_penalty_count(model_dir, monkeypatch, async_scheduling):
+    """Through the step API, which goes on after a failed step: a step whose tokens were sampled (and counted for
+    penalties on the device) but never appended is rolled back, and the sequences' counts are rebuilt from their
+    tokens: the completions are a plain run's. Gemma 3's greedy random model repeats its last token, which a stale
+    presence penalty would steer it away from."""
+    prompts = random_prompts(3, 5, 440, 5, 30, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=16, presence_penalty=2.0, ignore_eos=True)
+    path = str(model_dir("gemma3"))
+    with LLM(path, **ENGINE) as plain:
+        want = [tuple(o.outputs[0].token_ids) for o in plain.generate(prompts, params, use_tqdm=False)]
+    with LLM(path, **ENGINE, async_scheduling=async_scheduling) as llm:
+        engine, done, calls = llm.llm_engine, {}, []
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        collect = ModelRunner.collect
+
+        def failing_collect(self, launched):
+            calls.append(1)
+            if len(calls) == 6:
+                raise RuntimeError("simulated failure")
+            return collect(self, launched)
+
+        monkeypatch.setattr(ModelRunner, "collect", failing_collect)
+        while engine.has_unfinished_requests():
+            try:
+                outputs = engine.step()
+            except RuntimeError as e:
+                assert "simulated failure" in str(e)
+                continue
+            done.update((o.request_id, tuple(o.outputs[0].token_ids)) for o in outputs if o.finished)
+        assert len(calls) > 6 and [done[str(i)] for i in range(len(prompts))] == want
 
 
 def test_schedule_ahead_only_beside_one_step_in_flight():

@@ -589,7 +589,11 @@ class ModelRunner:
         return self.model(torch.tensor([t for p in prompts for t in p], device=self.device), positions, meta)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SamplerOutput:
-        return self.sampler(logits, self._sampling_metadata(seqs, logits.shape[-1]))
+        m = self._sampling_metadata(seqs, logits.shape[-1])
+        out = self.sampler(logits, m)
+        if m.penalties is not None:
+            self.penalty_cache.count_sampled(out.token_ids[m.penalties.rows])
+        return out
 
     def _sampling_metadata(self, seqs: list[Sequence], vocab: int) -> SamplingMetadata:
         """The metadata of this step's sampled sequences (seqs, in the order of prepare's sample_rows), gathered

@@ -118,32 +118,38 @@ class HostStaging:
 
 
 class PenaltyCache:
+    """Per penalized sequence, on the model's device: its prompt's tokens as a mask and its generated tokens' counts,
+    which each step's sampled tokens update there (count_sampled), so that a step scheduled before the previous one's
+    tokens reach the host (async scheduling) penalizes them too."""
+
     def __init__(self, upload: HostStaging):
         self.device = device = upload.device
         self.upload = upload  # the runner's: one staging ring for every small upload of a step
         self.prompt_mask = torch.zeros(0, 0, dtype=torch.bool, device=device)  # [slots, V]
         self.output_counts = torch.zeros(0, 0, device=device)  # [slots, V] fp32
         self.owners: list[Sequence | None] = []
-        self.num_counted: list[int] = []  # the owner's generated tokens already in output_counts
+        self.num_counted: list[int] = []  # the owner's generated tokens in output_counts, sampled ones in flight too
         self.slot_of: dict[int, int] = {}  # seq_id -> slot
+        self.gathered: tuple[torch.Tensor, list[int]] | None = None  # the last gather's slots (device, host)
 
     def gather(self, seqs: list[Sequence], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """prompt_mask and output_counts rows [len(seqs), V] of seqs, brought up to date first: a sequence seen
-        for the first time gets a slot filled from its tokens, the others add the tokens appended since. Every
-        index goes to the device in one copy."""
+        """prompt_mask and output_counts rows [len(seqs), V] of seqs, this step's sampled ones: a sequence seen for
+        the first time gets a slot filled from its tokens, and so does one whose counts do not add up (a step that
+        sampled for it failed before its token was appended: see count_sampled). Every index goes to the device in
+        one copy."""
         assert not self.owners or self.output_counts.shape[1] == vocab
         slots, claimed, prompt, counted = [], [], ([], []), ([], [])
         for seq in seqs:
             slot = self.slot_of.get(seq.seq_id)
-            if slot is None:
+            # Counted: every generated token, appended or pending, but the one this step samples.
+            if slot is None or self.num_counted[slot] != seq.num_completion_tokens + seq.num_pending_tokens - 1:
                 slot = self._claim(seq, vocab)
                 claimed.append(slot)
                 prompt[0].extend([slot] * seq.num_prompt_tokens)
                 prompt[1].extend(seq.token_ids[:seq.num_prompt_tokens])
-            new = seq.token_ids[seq.num_prompt_tokens + self.num_counted[slot]:]
-            counted[0].extend([slot] * len(new))
-            counted[1].extend(new)
-            self.num_counted[slot] += len(new)
+                counted[0].extend([slot] * seq.num_completion_tokens)
+                counted[1].extend(seq.completion_token_ids)
+                self.num_counted[slot] = seq.num_completion_tokens
             slots.append(slot)
         index, claimed_index, prompt_index, counted_index = self.upload(
             *(np.array(x, dtype=np.int64) for x in (slots, claimed, prompt, counted)))
@@ -153,12 +159,23 @@ class PenaltyCache:
             self.prompt_mask[tuple(prompt_index)] = True
         if counted[0]:
             self.output_counts.index_put_(tuple(counted_index), torch.ones((), device=self.device), accumulate=True)
+        self.gathered = index, slots
         return self.prompt_mask[index], self.output_counts[index]
 
+    def count_sampled(self, token_ids: torch.Tensor) -> None:
+        """Add the tokens just sampled for the last gather's sequences (token_ids [len(seqs)], on the device) to
+        their counts, before the host knows them."""
+        index, slots = self.gathered
+        self.output_counts.index_put_((index, token_ids), torch.ones((), device=self.device), accumulate=True)
+        for slot in slots:
+            self.num_counted[slot] += 1
+
     def _claim(self, seq: Sequence, vocab: int) -> int:
-        """A slot for seq: one whose owner finished, else one whose owner waits (preempted: it is rebuilt when it
-        runs again), else a new one. gather() sets its prompt mask and zeroes its counts."""
-        slot = next((i for i, s in enumerate(self.owners) if s is None or s.is_finished), None)
+        """A slot for seq: its own (rebuilt), else one whose owner finished, else one whose owner waits (preempted: it
+        is rebuilt when it runs again), else a new one. gather() sets its prompt mask and counts."""
+        slot = self.slot_of.get(seq.seq_id)
+        if slot is None:
+            slot = next((i for i, s in enumerate(self.owners) if s is None or s.is_finished), None)
         if slot is None:
             slot = next((i for i, s in enumerate(self.owners) if s.status == SequenceStatus.WAITING), None)
         if slot is None:

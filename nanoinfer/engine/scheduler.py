@@ -13,7 +13,8 @@ from nanoinfer.spec_decode.ngram import NgramProposer
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # tokens each sequence computes this step, from starts[i] on
-    freed_seq_ids: list[int] = field(default_factory=list)  # sequences that left the running set since the last batch
+    # Sequences that left the running set since the previous batch (after a failed step, since the last completed one).
+    freed_seq_ids: list[int] = field(default_factory=list)
     # Where each sequence's new tokens start: its num_computed_tokens when scheduled (schedule() advances it).
     starts: list[int] | None = None
     # Whether each sequence's scheduled tokens reach its end, so that its next token is sampled: fixed when the
@@ -23,9 +24,6 @@ class ScheduledBatch:
     # Speculative decoding: batch index -> draft tokens computed after the sequence's last token (counted in
     # num_new_tokens; all their positions are sampled and verified).
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
-
-    # How many of the scheduler's freed ids this batch reports (freed_seq_ids is their unreported tail).
-    freed_upto: int = 0
 
     def __post_init__(self) -> None:
         if self.starts is None:
@@ -53,8 +51,10 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
         self.num_steps_ahead = 0  # steps scheduled ahead (async scheduling)
-        self.freed_seq_ids: list[int] = []  # preempted or finished, not yet reported to the runner by a completed step
-        self.num_freed_reported = 0  # ids reported by completed steps, dropped from the front of freed_seq_ids
+        self.freed_seq_ids: list[int] = []  # preempted or finished since the last batch, which reports them
+        # Reported by the batches in flight, in order: reported again after a failed step, which may not have read them.
+        # Only then: a batch scheduled ahead must not remove the row of a sequence the batch before it readmitted.
+        self.freed_in_flight: list[int] = []
         # Scheduled, not postprocessed: one that schedule() finds failed; schedule(ahead=True) runs beside one.
         self.steps_in_flight = 0
         # Drafts (config.speculative), except for models with recurrent state: a rejected draft would have advanced
@@ -119,9 +119,8 @@ class Scheduler:
             assert ahead or self.is_finished(), "nothing to schedule: a single sequence must fit the KV cache"
             self.steps_in_flight -= 1
             return None if ahead else batch
-        # Sent again until a step completes (postprocess): a failed one may not have read them.
-        batch.freed_seq_ids = self.freed_seq_ids[:]
-        batch.freed_upto = self.num_freed_reported + len(self.freed_seq_ids)
+        batch.freed_seq_ids, self.freed_seq_ids = self.freed_seq_ids, []
+        self.freed_in_flight += batch.freed_seq_ids
         self.num_steps_ahead += ahead
         return batch
 
@@ -153,8 +152,10 @@ class Scheduler:
     def _propose(self, seq: Sequence, budget: int, num_later: int) -> list[int]:
         """Drafts for a decoding sequence, within what is left of the budget after one token for each later running
         sequence, within max_tokens, and within the blocks free beyond one for each later running sequence: drafts
-        never cause a preemption nor starve a running sequence; they shrink or vanish instead."""
-        if seq.num_computed_tokens != len(seq.token_ids) - 1 or seq.reads_history:
+        never cause a preemption nor starve a running sequence; they shrink or vanish instead. None for a sequence
+        that reads its history on the host (Sequence.reads_history) or has penalties (its output counts would have
+        to be kept per draft)."""
+        if seq.num_computed_tokens != len(seq.token_ids) - 1 or seq.reads_history or seq.params.penalized:
             return []
         limit = min(budget - 1 - num_later, seq.max_tokens - seq.num_completion_tokens - 1)
         if limit <= 0:
@@ -186,9 +187,11 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _roll_back(self) -> None:
-        """The previous step never completed (an exception, Ctrl-C): forget the blocks it committed, and recompute
-        every running sequence, as after a preemption: one admitted in that step may count such blocks as computed."""
+        """The previous step never completed (an exception, Ctrl-C): forget the blocks it committed, report again the
+        freed ids it carried, and recompute every running sequence, as after a preemption: one admitted in that step
+        may count such blocks as computed."""
         self.block_manager.discard_unpublished()
+        self.freed_seq_ids[:0], self.freed_in_flight = self.freed_in_flight, []
         while self.running:
             self._preempt(self.running.pop())
         self.steps_in_flight = 0
@@ -198,10 +201,7 @@ class Scheduler:
         on the device, so its blocks are written before any later step reads them), append the sampled tokens;
         return the sequences that got one."""
         self.block_manager.publish()
-        reported = batch.freed_upto - self.num_freed_reported  # the runner has them; later ones were appended after
-        if reported > 0:
-            del self.freed_seq_ids[:reported]
-            self.num_freed_reported += reported
+        del self.freed_in_flight[:len(batch.freed_seq_ids)]  # the runner has them
         grown = []
         for seq, token in zip(batch.seqs, token_ids):
             # None: a prompt chunk short of the sequence's end. A sequence that finished while the step was in flight

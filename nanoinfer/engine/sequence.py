@@ -43,11 +43,11 @@ class Sequence:
         self.bad_words_token_ids = bad_words_token_ids
         # params.structured_outputs compiled (the engine does it): where the completion stands in it.
         self.grammar_state = None if grammar is None else GrammarState(grammar)
-        # Whether the next token's distribution depends on the generated tokens as the host knows them: penalties
-        # (output counts), bad words (the generated tail), structured outputs (the grammar state). Such a sequence
-        # gets no drafts (the verifier does not model per-draft state) and is never scheduled ahead of its pending
-        # token. min_tokens is neither: its bans go by position.
-        self.reads_history = bool(params.penalized or bad_words_token_ids or grammar is not None)
+        # Whether the next token's distribution depends on the generated tokens as the host knows them: bad words (the
+        # generated tail), structured outputs (the grammar state). Such a sequence gets no drafts (the verifier does
+        # not model per-draft state) and is never scheduled ahead of its pending token. Penalties count the sampled
+        # tokens on the device (see PenaltyCache), min_tokens bans by position.
+        self.reads_history = bool(bad_words_token_ids or grammar is not None)
         self.metrics = metrics  # shared by the n completions of a request
         self.lora_request = lora_request  # kept through preemption: a recomputed sequence runs its adapter again
         self.lora_int_id = 0 if lora_request is None else lora_request.lora_int_id  # 0: no adapter
