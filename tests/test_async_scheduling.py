@@ -12,6 +12,7 @@ from models import random_prompts
 
 from nanoinfer import LLM, SamplingParams, StructuredOutputsParams
 from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.engine.sampling_state import HostTransfer
 from nanoinfer.engine.scheduler import Scheduler
 from nanoinfer.engine.sequence import Sequence
 
@@ -280,6 +281,31 @@ def test_a_block_committed_while_in_flight_and_reused_leaves_no_stale_cache_entr
     assert sorted(again.seqs[0].block_table) == [0, 1]
     scheduler.postprocess(ahead, [5])
     assert all(manager.blocks[block_id].hash == h for h, block_id in manager.hash_to_block.items())
+
+
+def test_results_of_a_step_launched_ahead_go_to_the_other_buffer(monkeypatch):
+    """HostTransfer's CUDA branch with CPU stand-ins (a plain tensor for pinned memory, an event that is always
+    done; the copies run at once): the results of the step launched ahead do not overwrite those of the step in
+    flight before they are read, and a third step reuses the first one's buffer."""
+    class DoneEvent:
+        def record(self) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+    empty = torch.empty
+    monkeypatch.setattr(torch.cuda, "Event", DoneEvent)
+    monkeypatch.setattr(torch, "empty", lambda *args, pin_memory=False, **kwargs: empty(*args, **kwargs))
+    transfer = HostTransfer(torch.device("cuda"))
+    steps = [[torch.tensor([3, 1 + i]), torch.full((2, 2), 0.5 * i)] for i in range(3)]
+    first, second = transfer.start(steps[0]), transfer.start(steps[1])
+    for results, tensors in ((first, steps[0]), (second, steps[1])):
+        got = results.wait()
+        assert [(t.dtype, t.tolist()) for t in got] == [(t.dtype, t.tolist()) for t in tensors]
+    third = transfer.start(steps[2])
+    assert third.host.data_ptr() == first.host.data_ptr() != second.host.data_ptr()
+    assert third.wait()[1].tolist() == steps[2][1].tolist()
 
 
 def test_async_scheduling_is_checked(qwen3_dir):

@@ -1,5 +1,7 @@
 """Sampling state: each InputBatch row's sampling parameters in preallocated arrays, per-sequence token statistics
 for penalties kept on the model's device, and the transfers around sampling (small, pinned, non_blocking)."""
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
@@ -276,19 +278,20 @@ class HostTransfer:
         host.copy_(flat, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return Results([(t.shape, t.dtype) for t in tensors], host, copied)
+        return Results(host=host, copied=copied, layout=[(t.shape, t.dtype) for t in tensors])
 
 
+@dataclass
 class Results:
     """A step's result tensors on their way to the host (see HostTransfer)."""
-
-    def __init__(self, tensors: list[torch.Tensor] | list[tuple[torch.Size, torch.dtype]],
-                 host: torch.Tensor | None = None, copied: torch.cuda.Event | None = None):
-        self.tensors, self.host, self.copied = tensors, host, copied
+    tensors: list[torch.Tensor] | None = None  # already on the host (on the CPU): nothing to wait for
+    host: torch.Tensor | None = None  # else the pinned buffer they are copied into, flat, in float64,
+    copied: torch.cuda.Event | None = None  # recorded after that copy,
+    layout: list[tuple[torch.Size, torch.dtype]] = field(default_factory=list)  # with each one's shape and dtype
 
     def wait(self) -> list[torch.Tensor]:
-        if self.host is None:
+        if self.tensors is not None:
             return self.tensors
         self.copied.synchronize()
-        parts = self.host.split([shape.numel() for shape, _ in self.tensors])
-        return [p.view(shape).to(dtype, copy=True) for p, (shape, dtype) in zip(parts, self.tensors)]
+        parts = self.host.split([shape.numel() for shape, _ in self.layout])
+        return [p.view(shape).to(dtype, copy=True) for p, (shape, dtype) in zip(parts, self.layout)]

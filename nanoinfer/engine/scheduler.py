@@ -205,7 +205,7 @@ class Scheduler:
         grown = []
         for seq, token in zip(batch.seqs, token_ids):
             # None: a prompt chunk short of the sequence's end. A sequence that finished while the step was in flight
-            # (async scheduling: at the previous step's stop check, or aborted) keeps its tokens.
+            # (async scheduling: at the previous step's stop check, or aborted) gets no more tokens.
             if token is None or seq.is_finished:
                 continue
             seq.num_pending_tokens -= 1
