@@ -3,6 +3,7 @@ decode ids fed on the device from the tokens sampled there. On the CPU the launc
 check the bookkeeping: the same tokens, logprobs, prefix hits and finish reasons as a plain run, steps really
 scheduled ahead, tokens of sequences that finished (or were aborted) while in flight dropped, no block leaked, and
 failures rolled back."""
+import random
 import time
 from types import SimpleNamespace
 
@@ -227,6 +228,55 @@ def test_a_step_failing_after_sampling_leaves_no_stale_penalty_count(model_dir, 
                 continue
             done.update((o.request_id, tuple(o.outputs[0].token_ids)) for o in outputs if o.finished)
         assert len(calls) > 6 and [done[str(i)] for i in range(len(prompts))] == want
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_random_step_api_sessions_equal_a_plain_run(qwen3_dir, monkeypatch, seed, async_scheduling):
+    """The step API driven at random: requests arrive between steps (greedy and seeded, some penalized, some with
+    stop ids), others are aborted, and launches and collections fail now and then (the caller goes on). Every
+    request that finishes gets a plain run's tokens, and at the end every block is free."""
+    rng = random.Random(seed)
+    prompts = random_prompts(12, 5, 440, 3, 50, seed=seed)
+    params = [SamplingParams(max_tokens=rng.randint(1, 30), seed=i, stop_token_ids=rng.choice([[], STOPS]),
+                             temperature=rng.choice([0, 0.8]), frequency_penalty=rng.choice([0, 0, 0.5]))
+              for i in range(len(prompts))]
+    with LLM(str(qwen3_dir), **ENGINE) as plain:
+        want = {str(i): tuple(o.outputs[0].token_ids)
+                for i, o in enumerate(plain.generate(prompts, params, use_tqdm=False))}
+    config = dict(kvcache_block_size=4, num_kvcache_blocks=40, max_num_seqs=6, max_num_batched_tokens=32)
+    with LLM(str(qwen3_dir), **ENGINE, **config, async_scheduling=async_scheduling) as llm:
+        engine, done, aborted, failures = llm.llm_engine, {}, set(), [0]
+        for where in ("launch", "collect"):
+            real = getattr(ModelRunner, where)
+
+            def failing(self, arg, real=real):
+                if rng.random() < 0.04:
+                    failures[0] += 1
+                    raise RuntimeError("simulated failure")
+                return real(self, arg)
+
+            monkeypatch.setattr(ModelRunner, where, failing)
+        arrivals = sorted(rng.randrange(40) for _ in prompts)
+        step = 0
+        while step < 40 or engine.has_unfinished_requests():
+            for i, at in enumerate(arrivals):
+                if at == step:
+                    engine.add_request(str(i), prompts[i], params[i])
+            if engine.has_unfinished_requests() and rng.random() < 0.05:
+                victim = rng.choice(list(engine.requests))
+                engine.abort_request(victim)
+                aborted.add(victim)
+            try:
+                outputs = engine.step()
+            except RuntimeError as e:
+                assert "simulated failure" in str(e)
+                outputs = []
+            done.update((o.request_id, tuple(o.outputs[0].token_ids)) for o in outputs if o.finished)
+            step += 1
+        assert failures[0] > 0 and aborted and (engine.scheduler.num_steps_ahead > 20) == async_scheduling
+        assert done == {rid: tokens for rid, tokens in want.items() if rid not in aborted}
+        assert_idle(llm)
 
 
 def test_schedule_ahead_only_beside_one_step_in_flight():
