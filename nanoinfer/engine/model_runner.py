@@ -131,8 +131,9 @@ class ModelRunner:
         with tp_scope(self.tp.rank, self.tp.size, self.tp.group):
             self.model = self._load_model(config, self.device)
         self.tp.meet()  # before the first collective that waits only the step timeout (on CUDA, the warm-up's)
+        self.upload = HostStaging(self.device)  # every small upload of a step, in one pinned ring
         if config.enable_lora:  # before the caches are sized (its slots take memory), and before the weights' repacking
-            self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank)
+            self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank, self.upload)
         # Counted before the CPU path repacks the linear weights out of their parameters.
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         for module in self.model.modules():
@@ -166,7 +167,6 @@ class ModelRunner:
             self._compile_kernels()
         self.graph_runner = self._capture_graphs()
         self.seeds = random.Random(config.seed)  # the noise seeds of requests without one
-        self.upload = HostStaging(self.device)
         self.penalty_cache = PenaltyCache(self.upload)
         self.token_tables = TokenTables(config.max_num_seqs, self.upload)
         self.to_host = HostTransfer(self.device)

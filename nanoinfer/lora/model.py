@@ -2,6 +2,7 @@
 (this rank's shards) when a step first needs them, and the step's token groups those layers read."""
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -26,8 +27,10 @@ LocalAdapter = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 class LoRAModel:
-    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int):
-        """Before process_weights_after_loading: the layers' weights still have their shapes."""
+    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int,
+                 upload: Callable[..., list[torch.Tensor]] | None = None):
+        """Before process_weights_after_loading: the layers' weights still have their shapes. upload: host arrays to
+        the model's device (the runner's HostStaging: pinned, non_blocking), for each step's token groups."""
         self.model_name = type(model).__name__
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.packed: dict[str, tuple[str, int | str]] = getattr(model, "packed_modules_mapping", {})
@@ -41,6 +44,7 @@ class LoRAModel:
             shard_ids = [shard_id for dest, shard_id in self.packed.values() if dest == leaf] or [None]
             module.lora = self.layers[name] = LoRALayer(module, shard_ids, max_loras, max_lora_rank, self.step)
         self.device = next(model.parameters()).device
+        self.upload = upload or (lambda *arrays: [torch.from_numpy(a).to(self.device) for a in arrays])
         self.resident: list[int | None] = [None] * max_loras  # the lora_int_id each slot holds, once written
         self.known: dict[int, LoRARequest] = {}  # every adapter checked so far, by id
         # Checked adapters waiting for a slot (at most max_loras, the oldest dropped: read again when needed).
@@ -101,7 +105,9 @@ class LoRAModel:
             if self.resident[slot] != request.lora_int_id:
                 self._load(slot, request)
         if groups:
-            self.step.groups = [(slot, rows if isinstance(rows, slice) else torch.from_numpy(rows).to(self.device))
+            arrays = [rows for _, rows in mapping.groups if not isinstance(rows, slice)]
+            uploaded = iter(self.upload(*arrays) if arrays else ())
+            self.step.groups = [(slot, rows if isinstance(rows, slice) else next(uploaded))
                                 for slot, rows in mapping.groups]
 
     def warm_up_mapping(self, num_tokens: int) -> LoRAMapping:
