@@ -59,8 +59,8 @@ def assert_idle(llm: LLM) -> None:
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3-next", "gemma3"])
 def test_greedy_and_seeded_sampling_equal_a_plain_run(kind, model_dir):
-    """qwen3: plain attention; qwen3-next: recurrent state slots (a finished sequence's slot is reused while its last
-    step is in flight); gemma3: sliding windows. Varied max_tokens (a sequence whose pending token is its last is not
+    """qwen3: plain attention; qwen3-next: recurrent state slots (a finished sequence's slot goes to a waiting one,
+    maybe while the finished one's last step is in flight); gemma3: sliding windows. Varied max_tokens (a sequence whose pending token is its last is not
     scheduled ahead), stop token ids (the step after a stop is wasted, its token dropped), n > 1 with seeds, logprobs
     and prompt logprobs."""
     prompts = random_prompts(6, 5, 440, 3, 40, seed=3)
