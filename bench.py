@@ -356,8 +356,10 @@ def profile_decode_gpu(llm: LLM, prompts: list[list[int]], batch: int, bandwidth
                        warm_steps: int = 8, steps: int = 16) -> dict | None:
     """A decode step at `batch` sequences (nano-vllm's prompts, temperature 0.6) against its floor: the weights plus
     the KV cache it reads, over the measured copy bandwidth. The GPU's busy time per step comes from
-    torch.profiler (CUDA kernels and copies); the rest of a step's wall time is the host's, not overlapped.
-    None if the prompts are not prefilled within time_limit seconds."""
+    torch.profiler (CUDA kernels and copies); the rest of a step's wall time is the host's, not overlapped. A step's
+    wall time is the mean over `steps` consecutive ones, the device synchronized only around them: with async
+    scheduling, the host's work that overlaps the device's does not count. None if the prompts are not prefilled
+    within time_limit seconds."""
     engine, runner = llm.llm_engine, llm.llm_engine.model_runner
     device = runner.device
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=512, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -374,14 +376,14 @@ def profile_decode_gpu(llm: LLM, prompts: list[list[int]], batch: int, bandwidth
         engine.step()
     kv_token_bytes = sum(2 * a.num_kv_heads * a.head_dim * a.k_cache.element_size()
                          for a in runner.model.modules() if isinstance(a, Attention))
-    walls, kv_tokens = [], []
+    kv_tokens = []
+    sync(device)
+    start = time.perf_counter()
     for _ in range(steps):
         kv_tokens.append(sum(map(len, engine.scheduler.running)))  # each context, with the token this step adds
-        sync(device)
-        t = time.perf_counter()
         engine.step()
-        sync(device)
-        walls.append(time.perf_counter() - t)
+    sync(device)
+    step_ms = (time.perf_counter() - start) / steps * 1e3
     real_batch = len(engine.last_batch.seqs)
     device_ms = math.nan
     if device.type == "cuda":
@@ -394,7 +396,6 @@ def profile_decode_gpu(llm: LLM, prompts: list[list[int]], batch: int, bandwidth
         busy = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == DeviceType.CUDA)
         device_ms = busy / 1e3 / steps if busy else math.nan
     engine.abort_all()
-    step_ms = statistics.median(walls) * 1e3
     weights, kv = weight_bytes(runner.model), statistics.mean(kv_tokens) * kv_token_bytes
     floor_ms = (weights + kv) / bandwidth * 1e3
     return dict(batch=real_batch, context=statistics.mean(kv_tokens) / real_batch, step_ms=step_ms,

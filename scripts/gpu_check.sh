@@ -115,8 +115,9 @@ if [ "$PART" = all ] || [ "$PART" = bench ]; then
   timeout -k 10 "$(budget "$BENCH_LIMIT")" $PY bench.py --device cuda --compare-hf --profile \
     --time-limit "$RUN_LIMIT" --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "$?" > "$STATE/bench.rc"
-  # The nano-vllm workload again with async scheduling, after the plain run's (the same log: 8 files at most).
-  timeout -k 10 "$(budget "$BENCH_LIMIT")" $PY bench.py --device cuda --async-scheduling \
+  # The nano-vllm workload and the decode-step profile (its host share: what async scheduling hides) again with async
+  # scheduling, after the plain run's (the same log: 8 files at most).
+  timeout -k 10 "$(budget "$BENCH_LIMIT")" $PY bench.py --device cuda --async-scheduling --profile \
     --time-limit "$RUN_LIMIT" >> "$OUT/bench.log" 2>&1
   echo "$?" > "$STATE/bench-async.rc"
 fi
