@@ -263,6 +263,7 @@ class HostTransfer:
     def __init__(self, device: torch.device):
         self.device = device
         self.buffers = [torch.empty(0, dtype=torch.float64) for _ in range(2)]
+        self.copied = [torch.cuda.Event() for _ in range(2)] if device.type == "cuda" else []  # one per buffer
         self.turn = 0
 
     def start(self, tensors: list[torch.Tensor]) -> "Results":
@@ -276,9 +277,8 @@ class HostTransfer:
             self.buffers[self.turn] = torch.empty(2 * flat.numel(), dtype=torch.float64, pin_memory=True)
         host = self.buffers[self.turn][:flat.numel()]
         host.copy_(flat, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return Results(host=host, copied=copied, layout=[(t.shape, t.dtype) for t in tensors])
+        self.copied[self.turn].record()
+        return Results(host=host, copied=self.copied[self.turn], layout=[(t.shape, t.dtype) for t in tensors])
 
 
 @dataclass
