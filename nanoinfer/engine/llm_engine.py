@@ -305,6 +305,7 @@ class LLMEngine:
         return outputs
 
     def _launch(self, batch: ScheduledBatch | None) -> LaunchedStep | None:
+        """Queue a scheduled batch on the model runner (None: nothing to run), noting when its new requests start."""
         if batch is None or not batch.seqs:
             return None
         now = time.time()
