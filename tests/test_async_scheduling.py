@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from models import random_prompts
+from test_errors import assert_idle as idle_blocks
+from test_random_schedules import assert_same, completions
 
 from nanoinfer import LLM, SamplingParams, StructuredOutputsParams
 from nanoinfer.engine.model_runner import ModelRunner
@@ -22,20 +24,10 @@ STOPS = [202, 139, 21]  # among the first tokens that request 4 of the first tes
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
 
 
-def completions(outputs) -> list[tuple]:
-    """(tokens, finish reason, each sampled token's logprob or None) per completion, in request order."""
-    return [(tuple(c.token_ids), c.finish_reason,
-             None if c.logprobs is None else [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
-            for o in outputs for c in o.outputs]
-
-
-def assert_same(got, want) -> None:
+def assert_same_outputs(got, want) -> None:
     """The same tokens and finish reasons; logprobs within 1e-4 (steps batch differently: fp32 sums in other
     orders)."""
-    got, want = completions(got), completions(want)
-    assert [c[:2] for c in got] == [c[:2] for c in want]
-    for (_, _, logprobs), (_, _, want_logprobs) in zip(got, want):
-        assert logprobs == (None if want_logprobs is None else pytest.approx(want_logprobs, abs=1e-4))
+    assert_same(completions(got), completions(want), "async scheduling against a plain run")
 
 
 def run_both(path, prompts, params, **config) -> tuple[list, list, LLM]:
@@ -48,10 +40,8 @@ def run_both(path, prompts, params, **config) -> tuple[list, list, LLM]:
 
 def assert_idle(llm: LLM) -> None:
     """Every block and recurrent-state slot free, nothing queued (a step left in flight may still hold rows)."""
-    scheduler = llm.llm_engine.scheduler
-    manager = scheduler.block_manager
-    assert scheduler.is_finished()
-    assert manager.num_free_blocks == manager.num_blocks
+    idle_blocks(llm)
+    manager = llm.llm_engine.scheduler.block_manager
     # The prefix cache's entries name blocks that still hold their hash (none was reused before its step completed).
     assert all(manager.blocks[block_id].hash == h for h, block_id in manager.hash_to_block.items())
     assert len(manager.free_state_slots) == manager.num_state_slots
@@ -70,7 +60,7 @@ def test_greedy_and_seeded_sampling_equal_a_plain_run(kind, model_dir):
                SamplingParams(temperature=1.2, min_p=0.05, max_tokens=25, min_tokens=5, seed=9, ignore_eos=True)]
     want, got, llm = run_both(model_dir(kind), prompts, params, max_num_seqs=4)
     with llm:
-        assert_same(got, want)
+        assert_same_outputs(got, want)
         stopped = got[4].outputs[0]  # a step computing its next token was in flight: its logprob is not kept
         assert stopped.finish_reason == "stop" and len(stopped.logprobs) == len(stopped.token_ids)
         for out, ref in zip(got, want):
@@ -111,7 +101,7 @@ def test_chunked_prefill_and_preemption_equal_a_plain_run(qwen3_dir):
     config = dict(max_num_batched_tokens=24, kvcache_block_size=4, num_kvcache_blocks=40, max_num_seqs=8)
     want, got, llm = run_both(qwen3_dir, prompts, params, **config)
     with llm:
-        assert_same(got, want)
+        assert_same_outputs(got, want)
         scheduler = llm.llm_engine.scheduler
         assert scheduler.num_preemptions > 0 and scheduler.num_steps_ahead > 0
         assert_idle(llm)
@@ -128,7 +118,7 @@ def test_penalties_count_tokens_in_flight(model_dir):
               SamplingParams(temperature=0.8, seed=3, max_tokens=20, repetition_penalty=1.3, frequency_penalty=0.5)]
     want, got, llm = run_both(model_dir("gemma3"), prompts, params)
     with llm:
-        assert_same(got, want)
+        assert_same_outputs(got, want)
         assert llm.llm_engine.scheduler.num_steps_ahead > 10
 
 
@@ -141,7 +131,7 @@ def test_sequences_reading_their_history_are_never_scheduled_ahead(qwen3_dir, co
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=20, **constraint)
     want, got, llm = run_both(qwen3_dir, prompts, params)
     with llm:
-        assert_same(got, want)
+        assert_same_outputs(got, want)
         assert llm.llm_engine.scheduler.num_steps_ahead == 0
 
 
@@ -383,7 +373,7 @@ def test_async_scheduling_on_cuda_equals_a_plain_run(qwen3_dir):
         assert llm.llm_engine.model_runner.graph_runner is not None
         got = llm.generate(prompts, params, use_tqdm=False)
         assert llm.llm_engine.scheduler.num_steps_ahead > 20
-    assert_same(got, want)
+    assert_same_outputs(got, want)
 
 
 @pytest.mark.cuda
