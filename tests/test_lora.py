@@ -18,6 +18,7 @@ from models import ODD_KIND, cached_hf_greedy, check_against_hf, random_prompts
 from nanoinfer import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from nanoinfer.config import Config
 from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.engine.sampling_state import HostStaging
 from nanoinfer.lora.layers import LoRALayer
 from nanoinfer.lora.model import LoRAModel
 from test_beam_search import assert_same_beams, beams_of
@@ -283,7 +284,7 @@ def test_slots_are_made_where_the_weights_live(kind, model_dir):
     sub-projection; mixture-of-experts layers get none."""
     config = Config(model_dir(kind), device="cpu", dtype="bfloat16")
     model = ModelRunner._load_model(config, torch.device("meta"))
-    lora = LoRAModel(model, max_loras=3, max_lora_rank=8)
+    lora = LoRAModel(model, max_loras=3, max_lora_rank=8, upload=HostStaging(torch.device("meta")))
     blocks = {"qkv_proj": 3, "gate_up_proj": 2, "o_proj": 1, "down_proj": 1}
     assert {name.rpartition(".")[2] for name in lora.layers} == set(blocks)
     dense_mlps = 3 if kind == "llama" else 1  # qwen3-moe: layer 1 only (mlp_only_layers)

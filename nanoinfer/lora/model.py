@@ -28,7 +28,7 @@ LocalAdapter = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 class LoRAModel:
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int,
-                 upload: Callable[..., list[torch.Tensor]] | None = None):
+                 upload: Callable[..., list[torch.Tensor]]):
         """Before process_weights_after_loading: the layers' weights still have their shapes. upload: host arrays to
         the model's device (the runner's HostStaging: pinned, non_blocking), for each step's token groups."""
         self.model_name = type(model).__name__
@@ -44,7 +44,7 @@ class LoRAModel:
             shard_ids = [shard_id for dest, shard_id in self.packed.values() if dest == leaf] or [None]
             module.lora = self.layers[name] = LoRALayer(module, shard_ids, max_loras, max_lora_rank, self.step)
         self.device = next(model.parameters()).device
-        self.upload = upload or (lambda *arrays: [torch.from_numpy(a).to(self.device) for a in arrays])
+        self.upload = upload
         self.resident: list[int | None] = [None] * max_loras  # the lora_int_id each slot holds, once written
         self.known: dict[int, LoRARequest] = {}  # every adapter checked so far, by id
         # Checked adapters waiting for a slot (at most max_loras, the oldest dropped: read again when needed).
