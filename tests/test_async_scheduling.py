@@ -122,17 +122,36 @@ def test_penalties_count_tokens_in_flight(model_dir):
         assert llm.llm_engine.scheduler.num_steps_ahead > 10
 
 
-@pytest.mark.parametrize("constraint", [dict(bad_words=["ab", "c"]),
+# "in" (265; after a space, 290), "The" (327) and "5" (25) are one token each, and 265, 327 and 25 are among the tokens
+# the prompts below sample without bans; " between" is four tokens.
+ONE_TOKEN_BAD_WORDS, BANNED = ["in", "The", "5"], {265, 290, 327, 25}
+
+
+@pytest.mark.parametrize("constraint", [dict(bad_words=[*ONE_TOKEN_BAD_WORDS, " between"]),
                                         dict(structured_outputs=StructuredOutputsParams(regex=r"[a-z ]{1,40}"))])
 def test_sequences_reading_their_history_are_never_scheduled_ahead(qwen3_dir, constraint):
-    """Bad words and structured outputs read the generated tokens on the host: while such a sequence runs, steps are
-    scheduled after the previous one completes, and the tokens are the plain run's."""
+    """Bad words of several tokens and structured outputs read the generated tokens on the host: while such a
+    sequence runs, steps are scheduled after the previous one completes, and the tokens are the plain run's."""
     prompts = random_prompts(3, 5, 440, 5, 30, seed=4)
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=20, **constraint)
     want, got, llm = run_both(qwen3_dir, prompts, params)
     with llm:
         assert_same_outputs(got, want)
         assert llm.llm_engine.scheduler.num_steps_ahead == 0
+
+
+def test_one_token_bad_words_are_banned_in_steps_scheduled_ahead(qwen3_dir):
+    """A one-token bad word is banned whatever the generated tokens: steps run ahead, and none is sampled."""
+    prompts = random_prompts(3, 5, 440, 5, 30, seed=4)
+    params = dict(temperature=0.8, seed=3, max_tokens=20)
+    with LLM(str(qwen3_dir), **ENGINE) as plain:
+        free = plain.generate(prompts, SamplingParams(**params), use_tqdm=False)
+    assert {265, 327, 25} <= {t for out in free for t in out.outputs[0].token_ids}
+    want, got, llm = run_both(qwen3_dir, prompts, SamplingParams(**params, bad_words=ONE_TOKEN_BAD_WORDS))
+    with llm:
+        assert_same_outputs(got, want)
+        assert not BANNED & {t for out in got for t in out.outputs[0].token_ids}
+        assert llm.llm_engine.scheduler.num_steps_ahead > 10
 
 
 def test_aborted_and_finished_sequences_drop_their_tokens_in_flight(qwen3_dir):

@@ -347,8 +347,8 @@ def test_unseeded_sampling_distribution_matches_a_plain_runs(qwen3_dir, monkeypa
 
 
 def test_rows_whose_distribution_depends_on_the_drafts_get_none(qwen3_dir):
-    """Penalties, bad words and structured outputs: no drafts for such rows; the others in the batch still get them,
-    and every output is a plain run's."""
+    """Penalties, bad words of several tokens and structured outputs: no drafts for such rows; the others in the
+    batch still get them, a one-token bad word's too (banned at every position), and every output is a plain run's."""
     prompt = CANDIDATES[15]
     plain_text = make_llm(qwen3_dir).generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].text
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3),
@@ -356,7 +356,10 @@ def test_rows_whose_distribution_depends_on_the_drafts_get_none(qwen3_dir):
               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, bad_words=[plain_text[4:8].strip()]),
               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
                              structured_outputs=StructuredOutputsParams(regex=r"[a-z ]{1,30}")),
-              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, bad_words=["ro"])]
+    # "..ro" is three tokens ("." twice, "ro"); "ro" alone is one, which the plain run samples.
+    assert plain_text[4:8] == "..ro"
     expected = token_ids(make_llm(qwen3_dir).generate([prompt] * len(params), params, use_tqdm=False))
     spec = make_llm(qwen3_dir, ngram(3))
     drafted: set[int] = set()
@@ -369,7 +372,8 @@ def test_rows_whose_distribution_depends_on_the_drafts_get_none(qwen3_dir):
 
     spec.llm_engine.scheduler.schedule = recording_schedule
     assert token_ids(spec.generate([prompt] * len(params), params, use_tqdm=False)) == expected
-    assert drafted == {len(params) - 1}  # only the last, unconstrained row's
+    assert "ro" not in spec.get_tokenizer().decode(expected[-1][0])
+    assert drafted == {len(params) - 2, len(params) - 1}  # only the unconstrained row's and the one-token word's
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graph-runner"])

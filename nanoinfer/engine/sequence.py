@@ -43,11 +43,12 @@ class Sequence:
         self.bad_words_token_ids = bad_words_token_ids
         # params.structured_outputs compiled (the engine does it): where the completion stands in it.
         self.grammar_state = None if grammar is None else GrammarState(grammar)
-        # Whether the next token's distribution depends on the generated tokens as the host knows them: bad words (the
-        # generated tail), structured outputs (the grammar state). Such a sequence gets no drafts (the verifier does
-        # not model per-draft state) and is never scheduled ahead of its pending token. Penalties count the sampled
-        # tokens on the device (see PenaltyCache), min_tokens bans by position.
-        self.reads_history = bool(bad_words_token_ids or grammar is not None)
+        # Whether the next token's distribution depends on the generated tokens as the host knows them: bad words of
+        # several tokens (the generated tail), structured outputs (the grammar state). Such a sequence gets no drafts
+        # (the verifier does not model per-draft state) and is never scheduled ahead of its pending token. A one-token
+        # bad word is banned everywhere, penalties count the sampled tokens on the device (see PenaltyCache),
+        # min_tokens bans by position.
+        self.reads_history = grammar is not None or any(len(word) > 1 for word in bad_words_token_ids)
         self.metrics = metrics  # shared by the n completions of a request
         self.lora_request = lora_request  # kept through preemption: a recomputed sequence runs its adapter again
         self.lora_int_id = 0 if lora_request is None else lora_request.lora_int_id  # 0: no adapter
