@@ -799,6 +799,10 @@ def test_bad_words_ban_only_what_the_generated_tokens_would_complete():
     assert bad_word_bans(seq) == [9]  # nothing generated: (2, 6) is not completed by the prompt's last token
     seq.token_ids += [4, 5]
     assert bad_word_bans(seq) == [9, 7, 8]  # (3, 4, 5, 6) needs the prompt's 3: not banned
+    # A token sampled but not yet on the host (async scheduling's step in flight) counts as generated.
+    assert bad_word_bans(seq, (5,)) == [9, 7, 4]
+    seq.token_ids.pop()
+    assert bad_word_bans(seq, (5,)) == [9, 7, 8]
 
 
 def test_bad_words_tokenized_as_vllm_does(llm):

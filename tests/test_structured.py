@@ -20,7 +20,7 @@ from models import load_hf_model, random_prompts
 from nanoinfer import LLM, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.sampler import apply_grammar_bitmask
-from nanoinfer.structured.grammar import Grammar, pack_bits
+from nanoinfer.structured.grammar import Grammar, GrammarState, pack_bits
 from nanoinfer.structured.json_schema import json_object, schema_to_regex
 from nanoinfer.structured.regex import DEAD, DFA
 from nanoinfer.structured.vocab import Vocabulary
@@ -261,6 +261,21 @@ def test_allowed_tokens_equal_a_brute_force_oracle(llm, pattern):
             token = rng.choice(allowed)
             state, prefix = grammar.advance(state, token), prefix + texts[token]
             assert state != DEAD
+
+
+def test_a_states_bitmask_after_pending_tokens_leaves_the_state_where_it_is(llm):
+    """GrammarState.bitmask(eos, pending): the mask of the state those tokens lead to (EOS where it accepts), while
+    the state itself stays until update() reads them."""
+    tok, vocab = llm.tokenizer, llm.llm_engine.vocab_size
+    grammar = Grammar(r"[a-z]{1,3}( [a-z]{1,3})*", Vocabulary.from_tokenizer(tok, vocab))
+    prompt, completion = [1, 2], tok.encode("ab cd", add_special_tokens=False)
+    state = GrammarState(grammar)
+    state.update(prompt + completion[:-1], len(prompt))
+    before = state.bitmask(frozenset({EOS}))
+    ahead = state.bitmask(frozenset({EOS}), (completion[-1],))
+    assert state.num_tokens == len(completion) - 1 and np.array_equal(state.bitmask(frozenset({EOS})), before)
+    state.update(prompt + completion, len(prompt))
+    assert np.array_equal(state.bitmask(frozenset({EOS})), ahead) and not np.array_equal(ahead, before)
 
 
 def test_grammar_bitmask_masks_exactly_its_bits():

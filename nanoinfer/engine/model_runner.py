@@ -170,6 +170,9 @@ class ModelRunner:
         self.penalty_cache = PenaltyCache(self.upload)
         self.token_tables = TokenTables(config.max_num_seqs, self.upload)
         self.to_host = HostTransfer(self.device)
+        # The step launched last: with async scheduling, the one in flight while the next is launched, whose tokens
+        # that next step's bad words and grammars read (see _pending_tokens).
+        self.last_launch: LaunchedStep | None = None
 
     @staticmethod
     def _load_model(config: Config, device: torch.device) -> nn.Module:
@@ -208,6 +211,7 @@ class ModelRunner:
         self.model = self.backend = self.graph_runner = self.lora = None
         # Their device and pinned buffers.
         self.input_batch = self.penalty_cache = self.token_tables = self.upload = self.to_host = None
+        self.last_launch = None
         if self.device.type == "cuda":
             # cuBLAS keeps a workspace per stream it ran on (the graphs' capture stream too) for the process's life.
             getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
@@ -405,7 +409,9 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Queue a step on the device: its forward pass, sampling (the tokens kept in their InputBatch rows for the
         next step to feed) and the copy of its results to the host, which collect() waits for. Nothing here waits
-        for the device, so the next step can be scheduled while this one runs."""
+        for the device, so the next step can be scheduled while this one runs; but a step launched ahead of
+        sequences whose sampling reads their generated tokens (bad words of several tokens, structured outputs)
+        waits, once its forward pass is queued, for the tokens of the step in flight (see _pending_tokens)."""
         samples = batch.samples
         input_ids, positions, meta, sample_rows = self.prepare(batch, samples)
         prompt_rows = self._prompt_logit_rows(batch, meta.cu_seqlens_q.tolist())
@@ -431,6 +437,7 @@ class ModelRunner:
         if drafts:
             launched.verified = verified[1:]
         launched.results = self.to_host.start(sampled_parts + list(prompt) + ([verified[0]] if drafts else []))
+        self.last_launch = launched
         return launched
 
     @torch.inference_mode()
@@ -617,8 +624,9 @@ class ModelRunner:
                 max_top_k = None  # a row with top-p but no top-k: its cut needs the whole vocabulary ranked
         if some & MIN_P:
             host["min_p"] = s.min_p[rows]
+        pending = self._pending_tokens(seqs, positions) if some & (BAD_WORDS | STRUCTURED) else None
         if some & (MIN_TOKENS | BAD_WORDS):
-            banned = self._banned(seqs, flags, positions < s.min_len[rows])
+            banned = self._banned(seqs, flags, positions < s.min_len[rows], pending)
             if banned is not None:
                 host["banned"] = banned
         if some & PENALIZED:
@@ -632,7 +640,9 @@ class ModelRunner:
                     host[f"{name}_table_rows"] = rows[host[f"{name}_rows"]]
         if some & STRUCTURED:
             host["grammar_rows"] = np.flatnonzero(flags & STRUCTURED)
-            host["grammar_bitmask"] = grammar_bitmask([seqs[i] for i in host["grammar_rows"].tolist()], vocab)
+            grammar_rows = host["grammar_rows"].tolist()
+            host["grammar_bitmask"] = grammar_bitmask([seqs[i] for i in grammar_rows], vocab,
+                                                      [pending[i] for i in grammar_rows])
         device = dict(zip(host, self.upload(*host.values())))
         m = SamplingMetadata(temperatures=device["temperatures"], top_k=device.get("top_k"),
                              top_p=device.get("top_p"), all_greedy=bool(every & GREEDY),
@@ -661,13 +671,29 @@ class ModelRunner:
             seqs[i].seed = self.seeds.getrandbits(64)
             s.set_seed(rows[i], seqs[i].seed)
 
+    def _pending_tokens(self, seqs: list[Sequence], positions: np.ndarray) -> list[tuple[int, ...]]:
+        """Per sampled row, the tokens before the one it samples that the host does not have yet, for the rows whose
+        sampling reads them (Sequence.reads_history: they get no drafts, so that is at most one): the token that the
+        step in flight samples for the sequence, when this step was scheduled ahead of it (async scheduling). They
+        are read from that step's results, which this waits for: this step's forward pass is queued by now, so the
+        device is not left idle."""
+        gaps = [p - len(seq.token_ids) if seq.reads_history else 0 for seq, p in zip(seqs, positions.tolist())]
+        if not any(gaps):
+            return [()] * len(seqs)
+        step = self.last_launch
+        sampled = dict(zip((step.batch.seqs[i].seq_id for i in step.sampled), step.results.wait()[0].tolist()))
+        return [(sampled[seq.seq_id],) if gap else () for seq, gap in zip(seqs, gaps)]
+
     @staticmethod
-    def _banned(seqs: list[Sequence], flags: np.ndarray, short: np.ndarray) -> np.ndarray | None:
+    def _banned(seqs: list[Sequence], flags: np.ndarray, short: np.ndarray,
+                pending: list[tuple[int, ...]] | None) -> np.ndarray | None:
         """[2, N] (row, token id) pairs the rows may not sample: the EOS and stop tokens of rows short of their
-        min_tokens, and the bad words each row's generated tokens would complete; None if there are none."""
+        min_tokens, and the bad words each row's generated tokens (and its pending ones, see _pending_tokens) would
+        complete; None if there are none."""
         pairs = [(i, t) for i in np.flatnonzero((flags & MIN_TOKENS).astype(bool) & short).tolist()
                  for t in (*seqs[i].eos_token_ids, *seqs[i].params.stop_token_ids)]
-        pairs += [(i, t) for i in np.flatnonzero(flags & BAD_WORDS).tolist() for t in bad_word_bans(seqs[i])]
+        pairs += [(i, t) for i in np.flatnonzero(flags & BAD_WORDS).tolist()
+                  for t in bad_word_bans(seqs[i], pending[i])]
         return np.array(pairs, dtype=np.int64).T if pairs else None
 
     def _penalties(self, seqs: list[Sequence], device: dict[str, torch.Tensor], vocab: int) -> Penalties:

@@ -56,21 +56,25 @@ class SamplingRows:
         self.seed[row], self.has_seed[row] = seed or 0, seed is not None
 
 
-def bad_word_bans(seq: Sequence) -> list[int]:
-    """The last token of each of seq's bad words whose other tokens its generated tokens end with (vLLM's rule:
-    the prompt does not count; a one-token word is always banned)."""
-    tokens, num_generated = seq.token_ids, seq.num_completion_tokens
+def bad_word_bans(seq: Sequence, pending: tuple[int, ...] = ()) -> list[int]:
+    """The last token of each of seq's bad words whose other tokens its generated tokens, followed by `pending`
+    (sampled, not yet on the host), end with (vLLM's rule: the prompt does not count; a one-token word is always
+    banned)."""
+    tokens = seq.token_ids
+    tail = (*tokens[max(0, len(tokens) + 1 - max(map(len, seq.bad_words_token_ids))):], *pending)  # all it reads
+    num_generated = seq.num_completion_tokens + len(pending)
     return [word[-1] for word in seq.bad_words_token_ids
-            if len(word) <= num_generated + 1 and tuple(tokens[len(tokens) - len(word) + 1:]) == word[:-1]]
+            if len(word) <= num_generated + 1 and tail[len(tail) - len(word) + 1:] == word[:-1]]
 
 
-def grammar_bitmask(seqs: list[Sequence], vocab: int) -> np.ndarray:
-    """[len(seqs), ceil(vocab / 32)] int32: the tokens each sequence's grammar allows next, packed 32 to a word (see
-    Grammar.bitmask), one row per sequence. Each state first reads any tokens it has not (the engine updates it
-    after each step; a step interrupted in between leaves it behind)."""
+def grammar_bitmask(seqs: list[Sequence], vocab: int, pending: list[tuple[int, ...]]) -> np.ndarray:
+    """[len(seqs), ceil(vocab / 32)] int32: the tokens each sequence's grammar allows next, after its pending tokens
+    (sampled, not yet on the host), packed 32 to a word (see Grammar.bitmask), one row per sequence. Each state first
+    reads any tokens it has not (the engine updates it after each step; a step interrupted in between leaves it
+    behind)."""
     for seq in seqs:
         seq.grammar_state.update(seq.token_ids, seq.num_prompt_tokens)
-    masks = np.stack([seq.grammar_state.bitmask(seq.eos_token_ids) for seq in seqs])
+    masks = np.stack([seq.grammar_state.bitmask(seq.eos_token_ids, p) for seq, p in zip(seqs, pending)])
     assert masks.shape[1] == -(-vocab // 32), "the grammar was built for another vocabulary size"
     return masks.view(np.int32)
 
@@ -284,14 +288,14 @@ class HostTransfer:
 @dataclass
 class Results:
     """A step's result tensors on their way to the host (see HostTransfer)."""
-    tensors: list[torch.Tensor] | None = None  # already on the host (on the CPU): nothing to wait for
+    tensors: list[torch.Tensor] | None = None  # on the host: at once on the CPU, else once waited for
     host: torch.Tensor | None = None  # else the pinned buffer they are copied into, flat, in float64,
     copied: torch.cuda.Event | None = None  # recorded after that copy,
     layout: list[tuple[torch.Size, torch.dtype]] = field(default_factory=list)  # with each one's shape and dtype
 
     def wait(self) -> list[torch.Tensor]:
-        if self.tensors is not None:
-            return self.tensors
-        self.copied.synchronize()
-        parts = self.host.split([shape.numel() for shape, _ in self.layout])
-        return [p.view(shape).to(dtype, copy=True) for p, (shape, dtype) in zip(parts, self.layout)]
+        if self.tensors is None:  # kept: the next step's sampling may read them first (see ModelRunner.last_launch)
+            self.copied.synchronize()
+            parts = self.host.split([shape.numel() for shape, _ in self.layout])
+            self.tensors = [p.view(shape).to(dtype, copy=True) for p, (shape, dtype) in zip(parts, self.layout)]
+        return self.tensors

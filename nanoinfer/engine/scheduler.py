@@ -125,11 +125,9 @@ class Scheduler:
         return batch
 
     def _can_run_ahead(self) -> bool:
-        """Whether the next step may be scheduled beside the one in flight: no running sequence samples from its
-        generated tokens on the host (Sequence.reads_history), and there are blocks enough for every running
-        sequence's next token, so that none is preempted with a token in flight."""
-        return (self.steps_in_flight == 1 and self.block_manager.num_free_blocks >= len(self.running)
-                and not any(seq.reads_history for seq in self.running))
+        """Whether the next step may be scheduled beside the one in flight: there are blocks enough for every
+        running sequence's next token, so that none is preempted with a token in flight."""
+        return self.steps_in_flight == 1 and self.block_manager.num_free_blocks >= len(self.running)
 
     def _take(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
         """Add seq to the batch with as many of the tokens it lacks as the budget allows; return how many. Its

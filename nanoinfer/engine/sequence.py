@@ -45,9 +45,9 @@ class Sequence:
         self.grammar_state = None if grammar is None else GrammarState(grammar)
         # Whether the next token's distribution depends on the generated tokens as the host knows them: bad words of
         # several tokens (the generated tail), structured outputs (the grammar state). Such a sequence gets no drafts
-        # (the verifier does not model per-draft state) and is never scheduled ahead of its pending token. A one-token
-        # bad word is banned everywhere, penalties count the sampled tokens on the device (see PenaltyCache),
-        # min_tokens bans by position.
+        # (the verifier does not model per-draft state), and a step scheduled ahead of its pending token reads that
+        # token before sampling (ModelRunner._pending_tokens). A one-token bad word is banned everywhere, penalties
+        # count the sampled tokens on the device (see PenaltyCache), min_tokens bans by position.
         self.reads_history = grammar is not None or any(len(word) > 1 for word in bad_words_token_ids)
         self.metrics = metrics  # shared by the n completions of a request
         self.lora_request = lora_request  # kept through preemption: a recomputed sequence runs its adapter again

@@ -89,10 +89,14 @@ class GrammarState:
             self.state = self.grammar.advance(self.state, token)
         self.num_tokens = len(token_ids) - num_prompt_tokens
 
-    def bitmask(self, eos_token_ids: frozenset[int]) -> np.ndarray:
-        """The tokens that may come next, the sequence's EOS ids included where the state accepts."""
-        mask = self.grammar.bitmask(self.state)
-        if eos_token_ids and self.grammar.accepting(self.state):
+    def bitmask(self, eos_token_ids: frozenset[int], pending: tuple[int, ...] = ()) -> np.ndarray:
+        """The tokens that may come next, the sequence's EOS ids included where the state accepts; after `pending`
+        tokens, which the state does not keep (sampled, not yet read)."""
+        state = self.state
+        for token in pending:
+            state = self.grammar.advance(state, token)
+        mask = self.grammar.bitmask(state)
+        if eos_token_ids and self.grammar.accepting(state):
             mask = mask.copy()
             for t in eos_token_ids:
                 if t < 32 * len(mask):
