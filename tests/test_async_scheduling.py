@@ -12,6 +12,7 @@ import torch
 from cuda_fakes import EagerGraph, capture_eager_graphs
 from models import random_prompts
 from test_errors import assert_idle as idle_blocks
+from test_lora import adapters, lora_llm  # noqa: F401 (adapters: a fixture)
 from test_random_schedules import assert_same, completions
 
 from nanoinfer import LLM, SamplingParams, StructuredOutputsParams
@@ -101,6 +102,21 @@ def test_decode_graphs_take_the_ids_fed_on_the_device(kind, model_dir, monkeypat
             assert (llm.llm_engine.scheduler.num_steps_ahead > 10) == async_scheduling
             if async_scheduling:
                 assert_idle(llm)
+    assert_same_outputs(runs[1], runs[0])
+
+
+def test_adapters_swapped_while_steps_run_ahead(llama_dir, adapters):
+    """Three adapters and the base model over two LoRA slots and three running sequences: adapters are evicted and
+    loaded while a step is in flight, and every request gets the plain run's tokens."""
+    requests = [a.request for a in adapters("llama")] + [None]
+    prompts = random_prompts(10, 5, 440, 3, 30, seed=1)
+    params = [SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=5 + 3 * i, ignore_eos=True)
+              for i in range(10)]
+    loras, runs = [requests[i % 4] for i in range(10)], []
+    for async_scheduling in (False, True):
+        with lora_llm(llama_dir, max_loras=2, max_num_seqs=3, async_scheduling=async_scheduling) as llm:
+            runs.append(llm.generate(prompts, params, use_tqdm=False, lora_request=loras))
+            assert (llm.llm_engine.scheduler.num_steps_ahead > 10) == async_scheduling
     assert_same_outputs(runs[1], runs[0])
 
 
