@@ -152,12 +152,10 @@ class Config:
         self.default_sampling = self._default_sampling(generation)
 
     def _check_async_scheduling(self) -> None:
-        """A step scheduled ahead takes its decode ids from the tokens sampled on the device: rank 0 alone samples,
-        and drafts are verified on the host."""
+        """A step scheduled ahead takes its decode ids from the tokens sampled on the device, and drafts are verified
+        on the host."""
         if not isinstance(self.async_scheduling, bool):
             raise TypeError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise ValueError(f"async_scheduling=True needs tensor_parallel_size=1, got {self.tensor_parallel_size}")
         if self.async_scheduling and self.speculative is not None:
             raise ValueError("async_scheduling=True cannot be combined with speculative_config="
                              f"{self.speculative_config!r}")

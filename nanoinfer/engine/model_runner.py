@@ -73,6 +73,9 @@ class Step(NamedTuple):
     logit_rows: list[int]
     num_sampled: int
     lora_mapping: LoRAMapping | None = None
+    # Rank 0 took some input ids from the tokens sampled on its device (InputBatch.feed_sampled): with tensor
+    # parallelism the other ranks receive the step's ids from it, over the model's group.
+    fed: bool = False
 
 
 T = TypeVar("T")
@@ -155,10 +158,12 @@ class ModelRunner:
         self.max_sampled_rows = config.max_num_seqs * (1 + (config.speculative.num_speculative_tokens
                                                              if config.speculative else 0))
         self.logit_chunk_rows = max(self.max_sampled_rows, -(-config.max_num_batched_tokens // 16))
-        # Decode input ids are fed from the tokens sampled on the device only without tensor parallelism: rank 0
-        # alone samples, so the other ranks would not have them; they keep receiving the ids from rank 0.
+        # Decode input ids are fed from the tokens sampled on the device by rank 0, which alone samples. With tensor
+        # parallelism only async scheduling needs that (its host ids are placeholders): the other ranks then receive
+        # the fed ids from rank 0 (Step.fed); otherwise the host's ids, which every rank has, stand.
+        feed = self.tp.rank == 0 and (self.tp.size == 1 or config.async_scheduling)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.max_num_batched_tokens,
-                                      self.block_size, self.device, feed_sampled_ids=self.tp.size == 1,
+                                      self.block_size, self.device, feed_sampled_ids=feed,
                                       lora_slots=LoRASlots(config.max_loras, config.max_num_seqs)
                                       if config.enable_lora else None)
         self.num_state_slots, state_bytes = self._allocate_state_cache()
@@ -416,7 +421,8 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = self.prepare(batch, samples)
         prompt_rows = self._prompt_logit_rows(batch, meta.cu_seqlens_q.tolist())
         step = Step(input_ids, positions, meta, sample_rows + [row for row, _, _ in prompt_rows], len(sample_rows),
-                    None if self.lora is None else self.input_batch.lora_mapping)
+                    None if self.lora is None else self.input_batch.lora_mapping,
+                    fed=self.tp.size > 1 and self.input_batch.num_fed > 0)
         # The other ranks execute the same step (serve).
         hidden = self.execute(self.tp.broadcast(step))
         launched = LaunchedStep(batch, [i for i, s in enumerate(samples) if s], prompt_rows)
@@ -518,6 +524,8 @@ class ModelRunner:
         self.input_batch.feed_sampled(input_ids)
         # After the last upload, before the forward pass: the next step's prepare() waits for the uploads alone.
         self.input_batch.record_uploads()
+        if step.fed:
+            self.tp.share(input_ids)
         if size is not None:
             hidden = self.graph_runner.replay(size, meta.num_seqs)
         else:

@@ -59,6 +59,12 @@ class TPGroup:
         dist.broadcast(buf, 0, group=self.control)
         return pickle.loads(buf.numpy())
 
+    def share(self, tensor: torch.Tensor) -> None:
+        """Rank 0's tensor into every rank's (same shape and dtype, on each rank's device), over the model's group:
+        queued on the device like the model's collectives."""
+        if self.size > 1:
+            dist.broadcast(tensor, 0, group=self.group)
+
     def _send(self, tensor: torch.Tensor) -> None:
         """Rank 0's side of a control broadcast: a worker that stopped reading fails it after the step timeout."""
         dist.broadcast(tensor, 0, group=self.control, async_op=True).wait(self.step_timeout)
