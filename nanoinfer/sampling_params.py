@@ -35,6 +35,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only (no text, no decoded_token in logprobs), as vLLM's option
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: dict[int, float] | None = None  # added to those tokens' logits
     allowed_token_ids: list[int] | None = None  # every other token is masked
@@ -82,12 +83,15 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens)
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self.stop_strings = _as_list("stop", self.stop, str, single_ok=True)
         if any(not s for s in self.stop_strings):
             raise ValueError("stop strings must not be empty")
+        if self.stop_strings and not self.detokenize:
+            raise ValueError(f"stop={self.stop!r} needs the text: stop strings need detokenize=True (stop_token_ids "
+                             "work without it)")
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, int, single_ok=False)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

@@ -240,6 +240,27 @@ def test_greedy_logprobs_rank_one_and_decoded_tokens(llm):
                for entry, t in zip(out.logprobs, out.token_ids))
 
 
+def test_detokenize_false_gives_the_same_tokens_and_no_text(llm, monkeypatch):
+    """vLLM's detokenize=False: the same token ids, logprobs and finish reasons, stop token ids included, with the
+    text left empty and no decoded_token, in full and streamed outputs; the tokenizer never decodes."""
+    prompts = random_prompts(3, 5, 400, 3, 20, seed=8)
+    base = dict(temperature=0, max_tokens=12, logprobs=1, prompt_logprobs=1, stop_token_ids=[202, 139])
+    want = llm.generate(prompts, SamplingParams(**base), use_tqdm=False)
+    assert all(o.outputs[0].text for o in want)
+    monkeypatch.setattr(type(llm.tokenizer), "decode", lambda *a, **k: pytest.fail("decoded with detokenize=False"))
+    got = llm.generate(prompts, SamplingParams(**base, detokenize=False), use_tqdm=False)
+    for out, ref in zip(got, want):
+        c, r = out.outputs[0], ref.outputs[0]
+        assert (c.token_ids, c.finish_reason, c.stop_reason, c.text) == (r.token_ids, r.finish_reason, r.stop_reason, "")
+        assert [{t: lp.logprob for t, lp in e.items()} for e in c.logprobs] == \
+            [{t: lp.logprob for t, lp in e.items()} for e in r.logprobs]
+        assert all(lp.decoded_token is None for e in c.logprobs + out.prompt_logprobs[1:] for lp in e.values())
+    streamed = list(llm.generate_iter(prompts[:1], SamplingParams(**base, detokenize=False,
+                                                                  output_kind=RequestOutputKind.DELTA)))
+    assert [t for o in streamed for t in o.outputs[0].token_ids] == want[0].outputs[0].token_ids
+    assert all(o.outputs[0].text == "" for o in streamed)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # n > 1
 # ----------------------------------------------------------------------------------------------------------
@@ -438,6 +459,9 @@ def test_mixed_schedule_with_preemption_and_prefix_hits_matches_hf(llama_dir, ca
     (dict(logprobs=1.5), TypeError, "logprobs"),
     (dict(prompt_logprobs=-2), ValueError, "prompt_logprobs"),
     (dict(include_stop_str_in_output="yes"), TypeError, "include_stop_str_in_output"),
+    (dict(detokenize=0), TypeError, "detokenize must be a bool, got 0"),
+    (dict(detokenize=False, stop=["\n"]), ValueError, r"stop=\['\\n'\] needs the text: stop strings need detokenize"),
+    (dict(detokenize=False, stop_token_ids=[5]), None, None),
     (dict(output_kind="delta"), TypeError, "output_kind"),
     (dict(max_tokens=None, min_tokens=3), None, None),
     (dict(stop="one string"), None, None),

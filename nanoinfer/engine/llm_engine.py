@@ -363,7 +363,7 @@ class LLMEngine:
             self.scheduler.accept_draft(seq, token)
             seq.metrics.num_generation_tokens += 1
             if logprobs:
-                seq.logprobs.append(self._logprob_dict(logprobs[j], seq.params.logprobs))
+                seq.logprobs.append(self._logprob_dict(logprobs[j], seq.params.logprobs, seq.params.detokenize))
                 seq.cumulative_logprob += logprobs[j][1][0]
             self._check_stop(seq)
         self.scheduler.commit_accepted(seq)
@@ -488,7 +488,7 @@ class LLMEngine:
 
     def _decode(self, seq: Sequence) -> str:
         """The completion's text, decoding only the tokens added since the last call; complete once finished."""
-        if self.tokenizer is None:
+        if self.tokenizer is None or not seq.params.detokenize:
             return ""
         return seq.detokenizer.update(self.tokenizer, seq.token_ids, final=seq.is_finished)
 
@@ -499,19 +499,23 @@ class LLMEngine:
             if seq.is_finished:  # while this step was in flight (async scheduling): its outputs are out
                 continue
             if result.logprobs is not None and result.logprobs[i] is not None:
-                seq.logprobs.append(self._logprob_dict(result.logprobs[i], seq.params.logprobs))
+                seq.logprobs.append(self._logprob_dict(result.logprobs[i], seq.params.logprobs,
+                                                       seq.params.detokenize))
                 seq.cumulative_logprob += result.logprobs[i][1][0]
             rows = result.prompt_logprobs[i] if result.prompt_logprobs is not None else None
             # A recomputed prompt (after preemption) yields positions already recorded: keep the first ones.
             for pos, row in enumerate(rows or [], start=batch.starts[i] + 1):
                 if pos == len(seq.prompt_logprobs):
-                    seq.prompt_logprobs.append(self._logprob_dict(row, seq.params.prompt_logprobs))
+                    seq.prompt_logprobs.append(self._logprob_dict(row, seq.params.prompt_logprobs,
+                                                                  seq.params.detokenize))
 
-    def _logprob_dict(self, row: TokenLogprobs, k: int) -> dict[int, Logprob]:
+    def _logprob_dict(self, row: TokenLogprobs, k: int, detokenize: bool) -> dict[int, Logprob]:
+        """The chosen token's and the top k's logprobs and ranks, each token decoded unless detokenize is False."""
         out: dict[int, Logprob] = {}
+        decode = detokenize and self.tokenizer is not None
         for t, lp, r in zip(*(x[:k + 1] for x in row)):  # the chosen token, then this request's top k
             if t not in out:
-                out[t] = Logprob(lp, r, self.tokenizer.decode([t]) if self.tokenizer else None)
+                out[t] = Logprob(lp, r, self.tokenizer.decode([t]) if decode else None)
         return out
 
     def _output(self, request_id: str) -> RequestOutput | None:
