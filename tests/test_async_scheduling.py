@@ -24,6 +24,8 @@ from nanoinfer.engine.sequence import Sequence
 MAX_MODEL_LEN = 128
 STOPS = [202, 139, 21]  # among the first tokens that request 4 of the first test generates, for each kind
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
+# Sensitive to its state: one token behind, it lets a fourth letter or a second space through.
+GRAMMAR = StructuredOutputsParams(regex=r"[a-z]{1,3}( [a-z]{1,3})*")
 
 
 def assert_same_outputs(got, want) -> None:
@@ -128,8 +130,7 @@ def test_tensor_parallel_ranks_take_the_ids_fed_on_rank_0(qwen3_dir):
     params = [SamplingParams(temperature=0, max_tokens=5 + 5 * i, ignore_eos=True, logprobs=1) for i in range(3)]
     params += [SamplingParams(temperature=0.9, top_k=20, seed=5, max_tokens=20, ignore_eos=True, presence_penalty=1),
                SamplingParams(temperature=0, max_tokens=20, stop_token_ids=STOPS),
-               SamplingParams(temperature=0.8, seed=1, max_tokens=20,
-                              structured_outputs=StructuredOutputsParams(regex=r"[a-z]{1,3}( [a-z]{1,3})*"))]
+               SamplingParams(temperature=0.8, seed=1, max_tokens=20, structured_outputs=GRAMMAR)]
     with LLM(str(qwen3_dir), **ENGINE) as plain:
         want = plain.generate(prompts, params, use_tqdm=False)
     with LLM(str(qwen3_dir), **ENGINE, tensor_parallel_size=2, async_scheduling=True) as llm:
@@ -193,7 +194,7 @@ RO_PROMPT = random_prompts(40, 5, 440, 2, 24, seed=11)[15]  # greedy: "\ufffd.ro
 
 @pytest.mark.parametrize("constraint", [
     dict(bad_words=["..ro", " between"]),
-    dict(structured_outputs=StructuredOutputsParams(regex=r"[a-z]{1,3}( [a-z]{1,3})*"))])
+    dict(structured_outputs=GRAMMAR)])
 def test_bad_words_and_grammars_read_the_token_in_flight(qwen3_dir, constraint):
     """Bad words of several tokens and structured outputs depend on the generated tokens: a step scheduled ahead of
     such a sequence reads its token in flight before sampling (bans and bitmask one token behind let "ro" follow
@@ -310,14 +311,15 @@ def test_a_step_failing_after_sampling_leaves_no_stale_penalty_count(model_dir, 
 @pytest.mark.parametrize("seed", range(3))
 def test_random_step_api_sessions_equal_a_plain_run(qwen3_dir, monkeypatch, seed, async_scheduling):
     """The step API driven at random: requests arrive between steps (greedy and seeded, some penalized, some with
-    stop ids, some with bad words of two tokens), others are aborted, and launches and collections fail now and
+    stop ids, some with bad words of two tokens or a grammar), others are aborted, and launches and collections fail now and
     then (the caller goes on). Every request that finishes gets a plain run's tokens, and at the end every block is
     free."""
     rng = random.Random(seed)
     prompts = random_prompts(12, 5, 440, 3, 50, seed=seed)
     params = [SamplingParams(max_tokens=rng.randint(1, 30), seed=i, stop_token_ids=rng.choice([[], STOPS]),
                              temperature=rng.choice([0, 0.8]), frequency_penalty=rng.choice([0, 0, 0.5]),
-                             bad_words=rng.choice([None, None, [".."]]))
+                             bad_words=rng.choice([None, None, [".."]]),
+                             structured_outputs=rng.choice([None, None, None, GRAMMAR]))
               for i in range(len(prompts))]
     with LLM(str(qwen3_dir), **ENGINE) as plain:
         want = {str(i): tuple(o.outputs[0].token_ids)
