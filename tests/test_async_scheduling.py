@@ -310,10 +310,10 @@ def test_a_step_failing_after_sampling_leaves_no_stale_penalty_count(model_dir, 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("seed", range(3))
 def test_random_step_api_sessions_equal_a_plain_run(qwen3_dir, monkeypatch, seed, async_scheduling):
-    """The step API driven at random: requests arrive between steps (greedy and seeded, some penalized, some with
-    stop ids, some with bad words of two tokens or a grammar), others are aborted, and launches and collections fail now and
-    then (the caller goes on). Every request that finishes gets a plain run's tokens, and at the end every block is
-    free."""
+    """The step API driven at random: requests arrive between steps (greedy and seeded, some penalized, some with stop
+    ids, some with bad words of two tokens or a grammar), others are aborted, and launches and collections fail
+    now and then (the caller goes on). Every request that finishes gets a plain run's tokens, and at the end
+    every block is free."""
     rng = random.Random(seed)
     prompts = random_prompts(12, 5, 440, 3, 50, seed=seed)
     params = [SamplingParams(max_tokens=rng.randint(1, 30), seed=i, stop_token_ids=rng.choice([[], STOPS]),
