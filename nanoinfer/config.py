@@ -45,6 +45,8 @@ class Config:
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode
     # Schedule each step while the previous one runs on the device, its sampled tokens fed there (vLLM's option).
     async_scheduling: bool = False
+    # vLLM's: "fcfs", requests in arrival order; "priority", by each request's priority (lower first), then arrival.
+    scheduling_policy: str = "fcfs"
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the GPU's memory the engine may use, KV cache included
     enable_lora: bool = False  # requests may name a LoRA adapter (see nanoinfer/lora)
     max_loras: int = 1  # adapters held at once (slots); a step runs tokens of at most this many
@@ -145,6 +147,8 @@ class Config:
         self._check_shardable()
         self.speculative = parse_speculative_config(self.speculative_config)
         self._check_async_scheduling()
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         # The model folder's generation config, read once: its EOS ids (not a GGUF model's, whose file holds its
         # own) and its sampling fields.
         generation = _read_generation_config(self.model_path) if self.model_path.is_dir() else None

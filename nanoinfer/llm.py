@@ -94,24 +94,25 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None
-                 ) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """One finished output per prompt, in input order; lora_request: one adapter for all prompts, or one (or
-        None) per prompt (needs enable_lora). Under torchrun every rank must call it; rank 0's prompts are run and
-        every rank returns the same outputs."""
-        requests = self._make_requests(prompts, sampling_params, RequestOutputKind.FINAL_ONLY, lora_request)
+        None) per prompt (needs enable_lora); priority: one per prompt (needs scheduling_policy="priority"). Under
+        torchrun every rank must call it; rank 0's prompts are run and every rank returns the same outputs."""
+        requests = self._make_requests(prompts, sampling_params, RequestOutputKind.FINAL_ONLY, lora_request, priority)
         with self._turn() as engine:
             return engine.run_on_every_rank(lambda: self._run(requests, use_tqdm))
 
     def generate_iter(self, prompts: Prompt | list[Prompt],
                       sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                      lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> Iterator[RequestOutput]:
+                      lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                      priority: list[int] | None = None) -> Iterator[RequestOutput]:
         """Outputs as tokens arrive: each step yields the requests it advanced (everything so far, or only the
         new part with output_kind=DELTA); the last output of a request has finished=True. Closing the iterator
         early (break), or dropping it, aborts its unfinished requests and frees their KV blocks. Any thread may
         advance, close or drop it. The stream owns the LLM until it ends: other threads' calls wait for it, while
         the thread that last advanced it gets a RuntimeError (waiting there would never end)."""
-        requests = self._make_requests(prompts, sampling_params, None, lora_request)  # bad input raises here
+        requests = self._make_requests(prompts, sampling_params, None, lora_request, priority)  # bad input raises
         if self.llm_engine.tp.torchrun:
             raise ValueError("generate_iter is not available under torchrun, where every rank runs rank 0's steps: "
                              "use generate")
@@ -222,17 +223,19 @@ class LLM:
     def _make_requests(self, prompts: Prompt | list[Prompt],
                        sampling_params: SamplingParams | list[SamplingParams] | None,
                        kind: RequestOutputKind | None,
-                       lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[list[Sequence]]:
+                       lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                       priority: list[int] | None = None) -> list[list[Sequence]]:
         """Validate everything before queueing anything: a bad prompt leaves the engine untouched."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(self.get_default_sampling_params() if sampling_params is None else sampling_params,
                                  len(prompts))
         loras = _as_lora_list(lora_request, len(prompts))
+        priorities = _as_priority_list(priority, len(prompts))
         if kind is not None:
             replaced = {id(p): dataclasses.replace(p, output_kind=kind) for p in params if isinstance(p, SamplingParams)}
             params = [replaced.get(id(p), p) for p in params]
-        return [self.llm_engine.make_sequences(self._next_request_id(), prompt, p, lora)
-                for prompt, p, lora in zip(prompts, params, loras)]
+        return [self.llm_engine.make_sequences(self._next_request_id(), prompt, p, lora, rank)
+                for prompt, p, lora, rank in zip(prompts, params, loras, priorities)]
 
     def _next_request_id(self) -> str:
         """A fresh id, skipping any that a request added through the step API holds."""
@@ -324,6 +327,17 @@ def _as_lora_list(lora_request: LoRARequest | list[LoRARequest | None] | None, n
     if len(lora_request) != n:
         raise ValueError(f"got {len(lora_request)} lora requests for {n} prompts")
     return list(lora_request)
+
+
+def _as_priority_list(priority: list[int] | None, n: int) -> list[int]:
+    """Each entry is checked by the engine (LLMEngine.make_sequences)."""
+    if priority is None:
+        return [0] * n
+    if isinstance(priority, str) or not isinstance(priority, SequenceABC):
+        raise TypeError(f"priority must be a list of ints, one per prompt, got {type(priority).__name__}")
+    if len(priority) != n:
+        raise ValueError(f"got {len(priority)} priorities for {n} prompts")
+    return list(priority)
 
 
 def _as_params_list(params: SamplingParams | list[SamplingParams], n: int) -> list[SamplingParams]:

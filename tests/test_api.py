@@ -17,6 +17,7 @@ from transformers import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, R
 from models import check_against_hf, hf_forward_logits, hf_greedy, random_prompts
 from nanoinfer import LLM, RequestOutputKind, SamplingParams
 from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.engine.scheduler import Scheduler
 
 ATOL = 1e-4
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -260,6 +261,63 @@ def test_detokenize_false_gives_the_same_tokens_and_no_text(llm, monkeypatch):
                                                                   output_kind=RequestOutputKind.DELTA)))
     assert [t for o in streamed for t in o.outputs[0].token_ids] == want[0].outputs[0].token_ids
     assert all(o.outputs[0].text == "" for o in streamed)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Priority scheduling
+# ----------------------------------------------------------------------------------------------------------
+
+GREEDY_LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def first_preempted(qwen3_dir, policy: str, priority: list[int] | None, monkeypatch) -> tuple[list, list[str]]:
+    """Three prompts (request ids "0", "1", "2") decoding together in a cache too small for all: the outputs, and the
+    request ids of the sequences preempted, in order."""
+    preempted, real = [], Scheduler._preempt
+    monkeypatch.setattr(Scheduler, "_preempt", lambda self, seq: preempted.append(seq.request_id) or real(self, seq))
+    with LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=64, kvcache_block_size=4,
+             num_kvcache_blocks=24, scheduling_policy=policy) as llm:
+        outputs = llm.generate(random_prompts(3, 5, 400, 10, 12, seed=3), GREEDY_LONG, use_tqdm=False,
+                               priority=priority)
+    return [o.outputs[0].token_ids for o in outputs], preempted
+
+
+def test_priority_admits_lower_values_first_and_preempts_the_last_ranked(qwen3_dir, monkeypatch):
+    """scheduling_policy="priority" (vLLM's): waiting requests are admitted by (priority, arrival), and out of blocks
+    the running one that ranks last goes back (first come, first served: the latest admitted). Every request still
+    gets a plain run's tokens."""
+    prompts = random_prompts(3, 5, 400, 4, 8, seed=2)
+    with LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=1,
+             scheduling_policy="priority") as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False, priority=[2, 0, 1])
+        order = sorted(range(3), key=lambda i: outputs[i].metrics.first_scheduled_time)
+        plain = llm.generate(prompts, GREEDY, use_tqdm=False)  # all priority 0: arrival order
+        assert sorted(range(3), key=lambda i: plain[i].metrics.first_scheduled_time) == [0, 1, 2]
+    assert order == [1, 2, 0]
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+    fcfs_tokens, fcfs_victims = first_preempted(qwen3_dir, "fcfs", None, monkeypatch)
+    monkeypatch.undo()
+    tokens, victims = first_preempted(qwen3_dir, "priority", [0, 5, 1], monkeypatch)
+    assert fcfs_victims[0] == "2" and victims[0] == "1"  # the latest admitted; the one ranked last
+    assert tokens == fcfs_tokens
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(priority=[1]), ValueError, "priority=1 needs scheduling_policy='priority'"),
+    (dict(priority=[0, 0]), ValueError, "got 2 priorities for 1 prompts"),
+    (dict(priority=3), TypeError, "priority must be a list of ints"),
+    (dict(priority=["1"]), TypeError, "priority must be an int, got '1'"),
+])
+def test_bad_priorities_are_refused_and_the_engine_stays_usable(llm, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, **kwargs)
+    assert_idle(llm)
+    assert llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, priority=[0])[0].outputs[0].token_ids
+
+
+def test_bad_scheduling_policy_is_refused(qwen3_dir):
+    with pytest.raises(ValueError, match="scheduling_policy must be 'fcfs' or 'priority', got 'lifo'"):
+        LLM(str(qwen3_dir), device="cpu", scheduling_policy="lifo")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -363,7 +363,7 @@ def test_schedule_ahead_only_beside_one_step_in_flight():
     """schedule(ahead=True) runs beside exactly one step in flight, skips a sequence whose pending token is its last,
     and never preempts: None when the free blocks could not give every running sequence its next token."""
     config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64, kvcache_block_size=4,
-                             enable_prefix_caching=True)
+                             enable_prefix_caching=True, scheduling_policy="fcfs")
     scheduler = Scheduler(config, num_kvcache_blocks=5)
     assert scheduler.schedule(ahead=True) is None  # nothing in flight
     a = Sequence([1, 2, 3], SamplingParams(), 4, max_tokens=1)
@@ -395,7 +395,7 @@ def test_a_block_committed_while_in_flight_and_reused_leaves_no_stale_cache_entr
     and may be taken by a step scheduled ahead before the step writing it completes. The commit must go with the
     block: a published entry naming a reused block would keep that prefix out of the cache for good."""
     config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64, kvcache_block_size=4,
-                             enable_prefix_caching=True)
+                             enable_prefix_caching=True, scheduling_policy="fcfs")
     scheduler = Scheduler(config, num_kvcache_blocks=2)
     manager = scheduler.block_manager
     a = Sequence([1, 2, 3], SamplingParams(), 4, max_tokens=8)

@@ -124,7 +124,7 @@ def test_scheduler_commits_every_block_a_step_fills(budget):
     """Blocks filled by a prompt chunk that starts mid-block, or by a single decode token, join the prefix cache:
     a later prompt holding those tokens finds all of them (the scheduler commits only in steps that fill blocks)."""
     config = SimpleNamespace(max_num_seqs=2, max_num_batched_tokens=budget, kvcache_block_size=BS,
-                             enable_prefix_caching=True)
+                             enable_prefix_caching=True, scheduling_policy="fcfs")
     scheduler = Scheduler(config, num_kvcache_blocks=16)
     seq = make_seq(range(100, 107))  # 7 tokens; decoding tokens 7 and 11 fills blocks 1 and 2
     scheduler.add(seq)

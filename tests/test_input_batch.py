@@ -75,7 +75,7 @@ def run_random_schedule(seed: int, check, params=lambda rng: SamplingParams(), f
     rng = random.Random(seed)
     block_size = 4
     config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=13, kvcache_block_size=block_size,
-                             enable_prefix_caching=True)
+                             enable_prefix_caching=True, scheduling_policy="fcfs")
     scheduler = Scheduler(config, num_kvcache_blocks=16)
     prefixes = [[rng.randrange(50) for _ in range(rng.randint(4, 16))] for _ in range(3)]
     seqs, stats = [], dict(chunks=0, mixed=0, cached=0, aborts=0, failures=0)
@@ -131,7 +131,7 @@ def test_step_inputs_equal_the_per_step_builder_on_random_schedules(seed):
 def test_rows_of_finished_and_preempted_sequences_are_released():
     """Finishing 3 sequences and preempting 1 reports their ids with the next non-empty batch, not an empty one."""
     config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64, kvcache_block_size=4,
-                             enable_prefix_caching=False)
+                             enable_prefix_caching=False, scheduling_policy="fcfs")
     scheduler = Scheduler(config, num_kvcache_blocks=8)
     batch_inputs = InputBatch(4, 32, 64, 4, torch.device("cpu"))
     seqs = [Sequence([1, 2, 3, 4, 5, 6, 7], SamplingParams(), 4, max_tokens=8) for _ in range(4)]
@@ -163,7 +163,7 @@ def test_rows_of_finished_and_preempted_sequences_are_released():
 def test_freed_ids_are_sent_again_until_a_step_completes():
     """A step that fails (no postprocess) may not have released the rows: the next batch carries the ids again."""
     config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64, kvcache_block_size=4,
-                             enable_prefix_caching=False)
+                             enable_prefix_caching=False, scheduling_policy="fcfs")
     scheduler = Scheduler(config, num_kvcache_blocks=8)
     a, b = (Sequence([1, 2, 3], SamplingParams(), 4, max_tokens=8) for _ in range(2))
     scheduler.add(a)

@@ -95,7 +95,7 @@ def test_drafts_shrink_to_the_budget_and_the_free_blocks_and_never_preempt(num_b
     from nanoinfer.engine.sequence import Sequence, SequenceStatus
 
     config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=budget, kvcache_block_size=4,
-                             enable_prefix_caching=True)
+                             enable_prefix_caching=True, scheduling_policy="fcfs")
     scheduler = Scheduler(config, num_blocks, speculative=SpeculativeConfig(5, 2, 1))
     for _ in range(2):
         seq = Sequence([1, 2, 3, 4] * 4, SamplingParams(temperature=0, max_tokens=20), 4)

@@ -64,14 +64,14 @@ class LLMEngine:
         self.spec_decode_stats = SpecDecodeStats()  # drafted and accepted tokens, with speculative_config
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None, priority: int = 0) -> None:
         self._check_open()
-        self.enqueue(self.make_sequences(request_id, prompt, params, lora_request))
+        self.enqueue(self.make_sequences(request_id, prompt, params, lora_request, priority))
 
     def make_sequences(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                       lora_request: LoRARequest | None = None) -> list[Sequence]:
+                       lora_request: LoRARequest | None = None, priority: int = 0) -> list[Sequence]:
         """Validate one request and wrap its n completions; nothing is queued, so a bad request leaves the engine
-        untouched."""
+        untouched. priority: with scheduling_policy="priority", lower runs first (vLLM's rule)."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if self.request_id_in_use(request_id):
@@ -95,12 +95,20 @@ class LLMEngine:
                              f"{params.min_tokens}) exceeds max_model_len={self.config.max_model_len}")
         grammar = self._grammar(params)
         self.check_lora(lora_request)
+        self._check_priority(priority)
         metrics = RequestMetrics(arrival_time=time.time())
         return [Sequence(token_ids, _child_params(params, i), self.config.kvcache_block_size, prompt=text,
                          request_id=request_id, index=i, max_tokens=max_tokens,
                          eos_token_ids=frozenset(self.eos_token_ids), metrics=metrics, bad_words_token_ids=bad_words,
-                         grammar=grammar, lora_request=lora_request)
+                         grammar=grammar, lora_request=lora_request, priority=priority)
                 for i in range(params.n)]
+
+    def _check_priority(self, priority: int) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {priority!r}")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (this engine's is "
+                             f"{self.config.scheduling_policy!r})")
 
     def check_generates(self) -> None:
         """A model that only pools (a classifier, an encoder) is refused generation, naming it."""

@@ -47,6 +47,9 @@ class Scheduler:
         # linear attention compute every prompt in full.
         self.block_manager = BlockManager(num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching and not num_state_slots, num_state_slots)
+        # In admission order (fcfs); with scheduling_policy="priority", both queues stay in (priority, arrival) order,
+        # so that the running sequence preempted first (the last) is the one that ranks last, as in vLLM.
+        self.by_priority = config.scheduling_policy == "priority"
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -62,14 +65,26 @@ class Scheduler:
         self.proposer = NgramProposer(speculative) if speculative and not num_state_slots else None
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._queue(self.waiting, seq)
+
+    def _queue(self, queue: deque[Sequence], seq: Sequence, front: bool = False) -> None:
+        """seq into a queue, at its back (front: at its front, as a preempted sequence goes back); by priority, after
+        every sequence that does not rank after it in (priority, arrival) order."""
+        if self.by_priority:
+            key = seq.priority, seq.seq_id
+            queue.insert(next((i for i, s in enumerate(queue) if (s.priority, s.seq_id) > key), len(queue)), seq)
+        elif front:
+            queue.appendleft(seq)
+        else:
+            queue.append(seq)
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
     def schedule(self, ahead: bool = False) -> ScheduledBatch | None:
-        """One token budget for everything: each running sequence, in admission order, computes what it lacks
-        (a decode token or its next prompt chunk), then waiting sequences are admitted with what is left.
+        """One token budget for everything: each running sequence, in admission order (by priority: in rank order),
+        computes what it lacks (a decode token or its next prompt chunk), then waiting sequences are admitted with
+        what is left.
         Running sequences keep decoding while long prompts are prefilled chunk by chunk. The scheduled tokens count
         as computed from now on, and each sampled one as pending until postprocess() appends it.
 
@@ -89,8 +104,8 @@ class Scheduler:
             if seq.num_pending_tokens and seq.num_completion_tokens + seq.num_pending_tokens >= seq.max_tokens:
                 i += 1  # its pending token is its last
                 continue
-            if not self.block_manager.append_slots(seq):  # out of blocks: the latest admitted goes back
-                self._preempt(self.running.pop())  # seq itself when it is the latest: the loop ends
+            if not self.block_manager.append_slots(seq):  # out of blocks: the last running one goes back (fcfs: the
+                self._preempt(self.running.pop())  # latest admitted), seq itself when it is the last: the loop ends
                 preempted = True
                 continue
             drafts = self._propose(seq, budget, len(self.running) - i - 1) if self.proposer is not None else None
@@ -110,7 +125,7 @@ class Scheduler:
                 break
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(self.waiting.popleft())
+            self._queue(self.running, self.waiting.popleft())
             budget -= self._take(batch, seq, budget)
             if seq.lora_int_id:
                 loras.add(seq.lora_int_id)
@@ -181,7 +196,7 @@ class Scheduler:
         self.freed_seq_ids.append(seq.seq_id)
         seq.num_pending_tokens = 0  # a step in flight that sampled it failed (see _roll_back)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._queue(self.waiting, seq, front=True)
         self.num_preemptions += 1
 
     def _roll_back(self) -> None:

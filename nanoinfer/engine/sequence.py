@@ -26,8 +26,9 @@ class Sequence:
                  request_id: str = "", index: int = 0, max_tokens: int | None = None,
                  eos_token_ids: frozenset[int] = frozenset(), metrics: RequestMetrics | None = None,
                  bad_words_token_ids: tuple[tuple[int, ...], ...] = (), grammar: Grammar | None = None,
-                 lora_request: LoRARequest | None = None):
+                 lora_request: LoRARequest | None = None, priority: int = 0):
         self.seq_id = next(Sequence.ids)
+        self.priority = priority  # with scheduling_policy="priority": lower runs first, then earlier (seq_id)
         self.status = SequenceStatus.WAITING
         self.prompt = prompt
         self.token_ids = list(token_ids)
