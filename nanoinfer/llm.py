@@ -322,30 +322,27 @@ def _as_lora_list(lora_request: LoRARequest | list[LoRARequest | None] | None, n
     """Each entry is checked by the engine (LLMEngine.make_sequences)."""
     if lora_request is None or isinstance(lora_request, LoRARequest):
         return [lora_request] * n
-    if isinstance(lora_request, str) or not isinstance(lora_request, SequenceABC):
-        raise TypeError(f"lora_request must be a LoRARequest or a list of them, got {type(lora_request).__name__}")
-    if len(lora_request) != n:
-        raise ValueError(f"got {len(lora_request)} lora requests for {n} prompts")
-    return list(lora_request)
+    return _one_per_prompt(lora_request, n, "lora_request must be a LoRARequest or a list of them", "lora requests")
 
 
 def _as_priority_list(priority: list[int] | None, n: int) -> list[int]:
     """Each entry is checked by the engine (LLMEngine.make_sequences)."""
     if priority is None:
         return [0] * n
-    if isinstance(priority, str) or not isinstance(priority, SequenceABC):
-        raise TypeError(f"priority must be a list of ints, one per prompt, got {type(priority).__name__}")
-    if len(priority) != n:
-        raise ValueError(f"got {len(priority)} priorities for {n} prompts")
-    return list(priority)
+    return _one_per_prompt(priority, n, "priority must be a list of ints, one per prompt", "priorities")
 
 
 def _as_params_list(params: SamplingParams | list[SamplingParams], n: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * n
-    if isinstance(params, str) or not isinstance(params, SequenceABC):
-        raise TypeError(f"sampling_params must be SamplingParams or a list of them, got {type(params).__name__}")
-    params = list(params)
-    if len(params) != n:
-        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
-    return params
+    return _one_per_prompt(params, n, "sampling_params must be SamplingParams or a list of them", "sampling params")
+
+
+def _one_per_prompt(values: object, n: int, what: str, plural: str) -> list:
+    """values as a list of exactly n, one per prompt; TypeError (`what`, the type given) or ValueError otherwise."""
+    if isinstance(values, str) or not isinstance(values, SequenceABC):
+        raise TypeError(f"{what}, got {type(values).__name__}")
+    values = list(values)
+    if len(values) != n:
+        raise ValueError(f"got {len(values)} {plural} for {n} prompts")
+    return values

@@ -1,6 +1,8 @@
 """Continuous batching: decides which sequences run each step and how many tokens each computes."""
+from bisect import insort
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
@@ -71,8 +73,7 @@ class Scheduler:
         """seq into a queue, at its back (front: at its front, as a preempted sequence goes back); by priority, after
         every sequence that does not rank after it in (priority, arrival) order."""
         if self.by_priority:
-            key = seq.priority, seq.seq_id
-            queue.insert(next((i for i, s in enumerate(queue) if (s.priority, s.seq_id) > key), len(queue)), seq)
+            insort(queue, seq, key=attrgetter("priority", "seq_id"))
         elif front:
             queue.appendleft(seq)
         else:
