@@ -92,6 +92,12 @@ class LLM:
         model's generation config (see Config.generation_config), else SamplingParams()."""
         return SamplingParams(**self.llm_engine.config.default_sampling)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prompt prefixes, so that the next prompts are computed in full (vLLM's, for benchmarks of
+        cold prefills); False, forgetting nothing, while requests added through llm_engine hold KV blocks."""
+        with self._turn() as engine:
+            return engine.reset_prefix_cache()
+
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,

@@ -353,6 +353,22 @@ def test_n_completions_share_prompt_blocks_and_are_reproducible(qwen3_dir):
     assert_idle(llm)
 
 
+def test_reset_prefix_cache_forgets_cached_prompts_only_when_no_request_holds_blocks(llm):
+    prompt = random_prompts(1, 5, 500, 37, 37, seed=36)[0]
+    first = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens == 32
+    llm.llm_engine.add_request("holding", prompt[:20], GREEDY)
+    llm.llm_engine.step()
+    assert llm.reset_prefix_cache() is False  # a request holds blocks: nothing is forgotten
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens == 32
+    llm.llm_engine.abort_request("holding")
+    assert llm.reset_prefix_cache() is True
+    cold = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert cold.num_cached_tokens == 0 and cold.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens == 32  # cached again
+    assert_idle(llm)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Streaming, step API, abort
 # ----------------------------------------------------------------------------------------------------------

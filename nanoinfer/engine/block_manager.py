@@ -179,6 +179,17 @@ class BlockManager:
             self.hash_to_block.setdefault(h, block_id)
         self.step_hash_to_block.clear()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache: benchmarks measure cold prefills after it). Only
+        while no sequence holds blocks: False, forgetting nothing, otherwise."""
+        if self.num_free_blocks < self.num_blocks:
+            return False
+        for block in self.blocks.values():
+            block.hash, block.token_ids, block.parent = -1, [], None
+        self.hash_to_block.clear()
+        self.step_hash_to_block.clear()
+        return True
+
     def discard_unpublished(self) -> None:
         """The step failed: forget the blocks it committed, whose K/V may never have been written."""
         for block_id in self.step_hash_to_block.values():

@@ -401,6 +401,12 @@ class LLMEngine:
         self.requests.clear()
         self.held_outputs.clear()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache; False, forgetting nothing, while requests hold KV blocks (see
+        BlockManager.reset_prefix_cache)."""
+        self._check_open()
+        return self.in_flight is None and self.scheduler.block_manager.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         """Whether step() has more to return: requests to run, or held outputs."""
         return bool(self.requests or self.held_outputs)
