@@ -1,6 +1,7 @@
 """`LLM`: the user's entry point for offline generation: batch (`generate`, `chat`, `beam_search`) or streaming
 (`generate_iter`); and for pooling (`embed`, `classify`, `score`)."""
 import dataclasses
+import json
 import logging
 import os
 import threading
@@ -127,9 +128,12 @@ class LLM:
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
              lora_request: LoRARequest | list[LoRARequest | None] | None = None, chat_template: str | None = None,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """generate() on one conversation (a list of {"role", "content"} messages) or a list of them, rendered
-        with the tokenizer's chat template (vLLM's argument order)."""
+             add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """generate() on one conversation (a list of {"role", "content"} messages, OpenAI's form: see
+        _template_messages) or a list of them, rendered with the tokenizer's chat template (vLLM's argument order):
+        continue_final_message=True (with add_generation_prompt=False) lets the model go on with the last message
+        instead of starting a new one; tools (JSON schemas of functions) go to the template, which may show them."""
         self.llm_engine.check_generates()  # before the template: an encoder's tokenizer has none
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
@@ -138,20 +142,27 @@ class LLM:
         if not isinstance(messages, SequenceABC) or isinstance(messages, str) or not messages or not all(
                 isinstance(c, SequenceABC) and c and all(isinstance(m, dict) for m in c) for c in messages):
             raise TypeError("messages must be a conversation (a non-empty list of message dicts) or a list of them")
-        for conversation in messages:
-            _check_messages(conversation)
+        messages = [_template_messages(conversation) for conversation in messages]
         if chat_template is not None and not isinstance(chat_template, str):
             raise TypeError(f"chat_template must be a string, got {type(chat_template).__name__}")
+        _check_bool("add_generation_prompt", add_generation_prompt)
+        _check_bool("continue_final_message", continue_final_message)
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message=True continues the last message: pass add_generation_prompt=False")
+        if tools is not None and (isinstance(tools, str | dict) or not isinstance(tools, SequenceABC)
+                                  or not all(isinstance(t, dict) for t in tools)):
+            raise TypeError(f"tools must be a list of dicts (JSON schemas of functions), got {tools!r}")
         if not isinstance(chat_template_kwargs, dict | None):
             raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         kwargs = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                      continue_final_message=continue_final_message, tools=None if tools is None else list(tools),
                       **(chat_template_kwargs or {}))
         prompts = []
         for conversation in messages:
-            ids = self.tokenizer.apply_chat_template(list(conversation), tokenize=True, **kwargs)
+            ids = self.tokenizer.apply_chat_template(conversation, tokenize=True, **kwargs)
             if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
                 ids = ids["input_ids"]
-            text = self.tokenizer.apply_chat_template(list(conversation), tokenize=False, **kwargs)
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
             prompts.append({"prompt_token_ids": list(ids), "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
@@ -314,14 +325,54 @@ def _check_bool(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
-def _check_messages(conversation: Conversation) -> None:
-    """Every message needs a string role and string content: chat templates fail obscurely on anything else."""
+def _template_messages(conversation: Conversation) -> Conversation:
+    """The messages as chat templates take them (copies), from OpenAI's form as vLLM accepts it: a string role; a
+    string content, or a list of text parts ({"type": "text", "text": ...}, joined by newlines as vLLM joins them
+    for templates that render a string), or none (None or absent) on a message with tool_calls, whose arguments
+    given as JSON text become dicts (what templates iterate over). Chat templates fail obscurely on anything else."""
+    out = []
     for i, message in enumerate(conversation):
-        for key in ("role", "content"):
-            if key not in message:
-                raise ValueError(f"chat message {i} has no {key!r}: {message!r}")
-            if not isinstance(message[key], str):
-                raise TypeError(f"chat message {i}: {key!r} must be a string, got {message[key]!r}")
+        message = dict(message)
+        if "role" not in message:
+            raise ValueError(f"chat message {i} has no 'role': {message!r}")
+        if not isinstance(message["role"], str):
+            raise TypeError(f"chat message {i}: 'role' must be a string, got {message['role']!r}")
+        content = message.get("content")
+        if "tool_calls" in message:
+            if not isinstance(message["tool_calls"], list):
+                raise TypeError(f"chat message {i}: 'tool_calls' must be a list, got {message['tool_calls']!r}")
+            message["tool_calls"] = [_template_tool_call(i, call) for call in message["tool_calls"]]
+        elif "content" not in message:
+            raise ValueError(f"chat message {i} has no 'content': {message!r}")
+        if isinstance(content, list):
+            message["content"] = "\n".join(_text_part(i, part) for part in content)
+        elif not (isinstance(content, str) or content is None and "tool_calls" in message):
+            raise TypeError(f"chat message {i}: 'content' must be a string or a list of text parts, got {content!r}")
+        out.append(message)
+    return out
+
+
+def _text_part(i: int, part: object) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        raise ValueError(f"chat message {i}: a content part must be {{'type': 'text', 'text': str}} (this model reads "
+                         f"text only), got {part!r}")
+    return part["text"]
+
+
+def _template_tool_call(i: int, call: object) -> dict:
+    """A tool call with its function's arguments as a dict (OpenAI's messages carry them as JSON text)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise TypeError(f"chat message {i}: a tool call must be {{'function': {{'name': str, 'arguments': ...}}}}, "
+                        f"got {call!r}")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"chat message {i}: tool call {function['name']!r} has arguments that are not JSON: "
+                             f"{function['arguments']!r} ({e})") from None
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _as_lora_list(lora_request: LoRARequest | list[LoRARequest | None] | None, n: int) -> list[LoRARequest | None]:

@@ -456,6 +456,34 @@ def test_chat_applies_the_template(llm):
     assert_idle(llm)
 
 
+def test_chat_takes_openai_messages_tools_and_continues_the_final_message(llm):
+    plain = llm.chat([{"role": "user", "content": "Say hi\nplease"}], GREEDY, use_tqdm=False)[0]
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Say hi"},
+                                                   {"type": "text", "text": "please"}]}], GREEDY, use_tqdm=False)[0]
+    assert parts.prompt == plain.prompt and parts.outputs[0].token_ids == plain.outputs[0].token_ids
+
+    started = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]
+    out = llm.chat(started, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nThe answer is"
+
+    template = ("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}<|im_start|>"
+                "{{ m.role }}\n{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments.city }})"
+                "{% endfor %}{{ m.content or '' }}<|im_end|>\n{% endfor %}{{ '<|im_start|>assistant\n' }}")
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    conversation = [{"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "0", "type": "function",
+                         "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+                    {"role": "tool", "tool_call_id": "0", "content": "sunny"}]
+    out = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template=template, tools=tools)[0]
+    assert out.prompt == ("[weather]<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+                          "weather(Paris)<|im_end|>\n<|im_start|>tool\nsunny<|im_end|>\n<|im_start|>assistant\n")
+    direct = llm.generate([out.prompt_token_ids], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == direct.outputs[0].token_ids
+    assert conversation[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # the caller's, untouched
+    assert_idle(llm)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Decode mixed with prefill chunks under one token budget
 # ----------------------------------------------------------------------------------------------------------
