@@ -11,8 +11,9 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from nanoinfer.layers.attention.selector import (DEFAULT_BLOCK_SIZE, check_backend_limits,
                                                   check_tensor_parallel_devices, resolve_device, select_backend)
 from nanoinfer.layers.rotary_embedding import rope_parameters
-from nanoinfer.models.registry import (cache_head_size, chunked_attention_size, has_attention_sinks,
-                                       is_vision_language, pytorch_only_attention)
+from nanoinfer.logits_processor import load_logits_processor
+from nanoinfer.models.registry import (cache_head_size, chunked_attention_size, has_attention_sinks, is_classifier,
+                                       is_encoder, is_vision_language, pytorch_only_attention)
 from nanoinfer.models.vision_language import MEDIA_TOKEN_IDS
 from nanoinfer.sampling_params import SamplingParams, check_seed
 from nanoinfer.spec_decode.config import SpeculativeConfig, parse_speculative_config
@@ -61,11 +62,14 @@ class Config:
     # Let transformers run the Python a model (or tokenizer) folder ships for its config and tokenizer classes
     # (vLLM's flag); the model itself always runs nanoinfer's own code for its architecture.
     trust_remote_code: bool = False
+    # vLLM's: LogitsProcessor subclasses, or their "module:Class" names (see nanoinfer/logits_processor.py).
+    logits_processors: list | None = None
     hf_config: PretrainedConfig = field(init=False, repr=False)
     gguf_path: Path | None = field(init=False, default=None)
     eos_token_ids: list[int] = field(init=False, default_factory=list)
     speculative: SpeculativeConfig | None = field(init=False, default=None)  # speculative_config, checked
     default_sampling: dict = field(init=False, default_factory=dict)  # SamplingParams fields (see _default_sampling)
+    logits_processor_classes: tuple = field(init=False, default=())  # logits_processors, imported
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)):
@@ -147,6 +151,7 @@ class Config:
         self._check_shardable()
         self.speculative = parse_speculative_config(self.speculative_config)
         self._check_async_scheduling()
+        self.logits_processor_classes = self._logits_processor_classes()
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         # The model folder's generation config, read once: its EOS ids (not a GGUF model's, whose file holds its
@@ -163,6 +168,23 @@ class Config:
         if self.async_scheduling and self.speculative is not None:
             raise ValueError("async_scheduling=True cannot be combined with speculative_config="
                              f"{self.speculative_config!r}")
+
+    def _logits_processor_classes(self) -> tuple:
+        """logits_processors, imported; refused, as vLLM refuses them, with drafts (verified without them) and for a
+        model that only pools."""
+        if self.logits_processors is None:
+            return ()
+        if isinstance(self.logits_processors, str) or not isinstance(self.logits_processors, list | tuple):
+            raise TypeError(f"logits_processors must be a list of LogitsProcessor classes or 'module:Class' names, "
+                            f"got {self.logits_processors!r}")
+        classes = tuple(load_logits_processor(spec) for spec in self.logits_processors)
+        if classes and self.speculative is not None:
+            raise ValueError(f"custom logits_processors cannot be combined with speculative_config="
+                             f"{self.speculative_config!r}")
+        architectures = self.hf_config.architectures
+        if classes and (is_encoder(architectures) or is_classifier(architectures)):
+            raise ValueError(f"{self.model_path} only pools ({architectures[0]}): it takes no logits_processors")
+        return classes
 
     def _tokenizer_path(self) -> Path | None:
         """The `tokenizer` folder, checked; None: the model's own (from its folder or GGUF file)."""

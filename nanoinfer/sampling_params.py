@@ -43,6 +43,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: its last max_model_len
     structured_outputs: StructuredOutputsParams | None = None  # the output must match a regex, JSON schema, ...
     guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name for structured_outputs
+    extra_args: dict | None = None  # options for custom logits processors (see nanoinfer/logits_processor.py)
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)  # `stop` as a list
 
     def __post_init__(self) -> None:
@@ -103,6 +104,8 @@ class SamplingParams:
             raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self._validate_token_constraints()
         self._validate_structured_outputs()
+        if not isinstance(self.extra_args, dict | None):
+            raise TypeError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
 
     def _validate_token_constraints(self) -> None:
         """logit_bias, allowed_token_ids, bad_words, truncate_prompt_tokens: what can be checked without the model

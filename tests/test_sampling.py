@@ -412,6 +412,7 @@ def meta_runner() -> ModelRunner:
     runner.sampler, runner.seeds = Sampler(), random.Random(0)
     runner.input_batch, runner.upload = InputBatch(4, 16, 32, 4, runner.device), HostStaging(runner.device)
     runner.penalty_cache, runner.token_tables = PenaltyCache(runner.upload), TokenTables(4, runner.upload)
+    runner.logits_processors = None
     return runner
 
 

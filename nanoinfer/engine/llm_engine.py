@@ -61,6 +61,9 @@ class LLMEngine:
         self.last_batch: ScheduledBatch | None = None  # what the latest step computed (for statistics)
         # With async_scheduling: the step launched ahead by the previous step(), which the next one completes.
         self.in_flight: LaunchedStep | None = None
+        # Custom logits processors read the generated tokens on the host (OutputTokenIds): with them no step runs
+        # ahead of the one in flight.
+        self.runs_ahead = config.async_scheduling and not config.logits_processor_classes
         self.spec_decode_stats = SpecDecodeStats()  # drafted and accepted tokens, with speculative_config
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
@@ -80,6 +83,8 @@ class LLMEngine:
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         self.check_generates()
         params.validate()  # its fields may have changed since construction
+        for processor in self.config.logits_processor_classes:
+            processor.validate_params(params)
         token_ids, text = self.prompt_token_ids(prompt)
         token_ids = self._truncated(token_ids, params.truncate_prompt_tokens)
         for name, ids in (("stop token id", params.stop_token_ids), ("logit_bias token id", params.logit_bias or ()),
@@ -307,7 +312,7 @@ class LLMEngine:
             launched = self._launch(self.scheduler.schedule())
             if launched is None:
                 return []
-        ahead = self._launch(self.scheduler.schedule(ahead=True)) if self.config.async_scheduling else None
+        ahead = self._launch(self.scheduler.schedule(ahead=True)) if self.runs_ahead else None
         outputs = self._complete(launched)
         self.in_flight = ahead
         return outputs

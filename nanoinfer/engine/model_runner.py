@@ -17,6 +17,7 @@ from nanoinfer.config import Config, hidden_states_width
 from nanoinfer.engine.cuda_graph import CUDAGraph, CUDAGraphRunner
 from nanoinfer.engine.gpu_memory import profile_kv_cache_blocks, settled_mem_info, state_bytes_for_gpu
 from nanoinfer.engine.input_batch import InputBatch
+from nanoinfer.engine.logits_processors import CustomLogitsProcessors
 from nanoinfer.engine.parallel import TPGroup
 from nanoinfer.engine.pooling import pool
 from nanoinfer.engine.sampling_state import (ALLOWED_TOKENS, BAD_WORDS, GREEDY, LOGIT_BIAS, LOGPROBS, MIN_P,
@@ -153,6 +154,8 @@ class ModelRunner:
             a.backend = self.backend
         self.graph_runner: CUDAGraphRunner | None = None
         self.sampler = Sampler()  # before the caches: the warm-up samples too
+        self.logits_processors = (CustomLogitsProcessors(config.logits_processor_classes, config, self.device)
+                                  if config.logits_processor_classes and self.tp.rank == 0 else None)  # rank 0 samples
         # The most rows a step samples (a row per sequence and draft), and the most rows of prompt logprobs whose
         # logits are held at once: a budget's worth in at most 16 pieces, each as large as a sampled batch at least.
         self.max_sampled_rows = config.max_num_seqs * (1 + (config.speculative.num_speculative_tokens
@@ -213,7 +216,7 @@ class ModelRunner:
                 module.backend = None
             elif isinstance(module, RecurrentLayer):
                 module.free_state()
-        self.model = self.backend = self.graph_runner = self.lora = None
+        self.model = self.backend = self.graph_runner = self.lora = self.logits_processors = None
         # Their device and pinned buffers.
         self.input_batch = self.penalty_cache = self.token_tables = self.upload = self.to_host = None
         self.last_launch = None
@@ -669,6 +672,10 @@ class ModelRunner:
             m.logit_bias = device["bias_rows"], tables.bias_ids[t], tables.bias_values[t]
         if some & STRUCTURED:
             m.grammar_bitmask = device["grammar_rows"], device["grammar_bitmask"]
+        if self.logits_processors is not None:
+            self.logits_processors.update(seqs)
+            m.logits_processors = self.logits_processors.argmax_changing
+            m.argmax_invariant_processors = self.logits_processors.argmax_invariant
         return m
 
     def _draw_seeds(self, seqs: list[Sequence], rows: np.ndarray) -> None:

@@ -3,6 +3,7 @@ model inputs to the other ranks. torch.distributed carries everything; nanoinfer
 
 A plain process spawns its workers itself, meeting them on a TCPStore bound to a free port; under torchrun every
 rank builds the engine and the engine joins the launcher's process group."""
+import copy
 import datetime
 import io
 import math
@@ -191,7 +192,11 @@ def _spawn_workers(config: Config) -> TPGroup:
     group = TPGroup(0, size, size)
     group._set_threads()
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=START_TIMEOUT)
-    args = pickle.dumps(dict(config=config, port=store.port, size=size, threads=torch.get_num_threads(),
+    # Without the custom logits processors, which rank 0 alone runs: their classes may live where a worker cannot
+    # import them (the caller's __main__).
+    worker_config = copy.copy(config)
+    worker_config.logits_processors, worker_config.logits_processor_classes = None, ()
+    args = pickle.dumps(dict(config=worker_config, port=store.port, size=size, threads=torch.get_num_threads(),
                              parent=os.getpid()))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
     try:

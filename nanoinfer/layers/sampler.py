@@ -10,6 +10,7 @@ from torch import nn
 
 from nanoinfer.kernels import cpu as cpu_kernels
 from nanoinfer.kernels.cuda import triton_sampling
+from nanoinfer.logits_processor import LogitsProcessor
 
 MASK32 = 0xFFFFFFFF
 
@@ -44,6 +45,10 @@ class SamplingMetadata:
     # The largest k top_k enables, known on the host, where no row has top-p without top-k: every row's cuts then
     # need only that many of its largest logits ranked; None: the cuts sort the vocabulary.
     max_top_k: int | None = None
+    # Custom logits processors (see nanoinfer/logits_processor.py), whose rows are these: those that may change a
+    # row's argmax, run for every row after logit_bias; the argmax-invariant ones, run for random rows after min_p.
+    logits_processors: tuple[LogitsProcessor, ...] = ()
+    argmax_invariant_processors: tuple[LogitsProcessor, ...] = ()
 
 
 @dataclass
@@ -72,11 +77,13 @@ class Sampler(nn.Module):
     @staticmethod
     def penalize(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
         """What greedy rows take the argmax of, in vLLM v1's order: allowed_token_ids, bad words and min_tokens
-        (-inf masks: their order does not matter), then logit_bias, then repetition, frequency and presence
-        penalties (the bias moves a logit before the penalties scale or lower it; a banned token stays -inf)."""
-        if m.banned is None and m.penalties is None and m.disallowed is None and m.logit_bias is None:
+        (-inf masks: their order does not matter), then logit_bias, then custom logits processors, then
+        repetition, frequency and presence penalties (the bias moves a logit before the penalties scale or lower it;
+        a banned token stays -inf)."""
+        if (m.banned is None and m.penalties is None and m.disallowed is None and m.logit_bias is None
+                and not m.logits_processors):
             return logits
-        logits = logits.clone()
+        logits = logits.clone()  # the raw logits stay as they are for logprobs (processors may work in place)
         if m.disallowed is not None:
             rows, disallowed = m.disallowed
             logits[rows] = logits[rows].masked_fill_(disallowed, float("-inf"))
@@ -86,6 +93,8 @@ class Sampler(nn.Module):
             rows, ids, biases = m.logit_bias
             # Padding pairs add 0.0 to token 0; a token's one real bias is added exactly once.
             logits.index_put_((rows.unsqueeze(1).expand_as(ids), ids), biases, accumulate=True)
+        for processor in m.logits_processors:
+            logits = processor.apply(logits)
         if (p := m.penalties) is not None:
             rows = logits[p.rows]
             seen = p.prompt_mask | (p.output_counts > 0)
@@ -101,19 +110,22 @@ class Sampler(nn.Module):
         the rest of the batch. On CUDA one Triton pass takes argmax log p - log E (the same race in logs), dividing
         by the temperatures itself unless min_p, top-k or top-p need the scaled logits first."""
         if logits.device.type == "cuda" and (kernels := triton_sampling()) is not None:
-            if m.min_p is None and m.top_k is None and m.top_p is None:
+            if m.min_p is None and m.top_k is None and m.top_p is None and not m.argmax_invariant_processors:
                 return kernels.gumbel_max(logits, m.temperatures, m.noise_keys)
             return kernels.gumbel_max(self.warp(logits, m), None, m.noise_keys)
         return exponential_race(torch.softmax(self.warp(logits, m), -1), m.noise_keys)
 
     @staticmethod
     def warp(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
-        """Temperature, then min_p, then top-k and top-p: softmax of the result is what a sampled row draws from."""
+        """Temperature, then min_p and argmax-invariant custom logits processors, then top-k and top-p: softmax of
+        the result is what a sampled row draws from."""
         logits = logits / m.temperatures.clamp_min(1e-6).unsqueeze(1)
         if m.min_p is not None:
             probs = logits.softmax(-1)
             drop = probs < m.min_p.unsqueeze(1) * probs.amax(-1, keepdim=True)
             logits = logits.masked_fill(drop, float("-inf"))
+        for processor in m.argmax_invariant_processors:
+            logits = processor.apply(logits)
         if m.top_k is None and m.top_p is None:
             return logits
         return _filter_top_k_top_p(logits, m.top_k, m.top_p, m.max_top_k)
