@@ -32,8 +32,8 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    logprobs: int | None = None  # top logprobs per generated token, beside the chosen one's; -1: the whole vocabulary
+    prompt_logprobs: int | None = None  # the same per prompt token; -1: the whole vocabulary
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (no text, no decoded_token in logprobs), as vLLM's option
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -98,8 +98,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check_int(name, value)
-                if value < 0:
-                    raise ValueError(f"{name} must be None or >= 0, got {value}")
+                if value < -1:
+                    raise ValueError(f"{name} must be None, >= 0, or -1 (the whole vocabulary), got {value}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self._validate_token_constraints()

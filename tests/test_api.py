@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import shutil
 from collections import defaultdict
 
@@ -239,6 +240,23 @@ def test_greedy_logprobs_rank_one_and_decoded_tokens(llm):
     assert [list(entry) for entry in out.logprobs] == [[t] for t in out.token_ids]
     assert all(entry[t].rank == 1 and entry[t].decoded_token == llm.tokenizer.decode([t])
                for entry, t in zip(out.logprobs, out.token_ids))
+
+
+def test_logprobs_minus_one_gives_the_whole_vocabulary(llm):
+    vocab = llm.llm_engine.vocab_size
+    prompt = random_prompts(1, 5, 500, 6, 6, seed=37)[0]
+    params = SamplingParams(temperature=0.8, seed=4, max_tokens=3, logprobs=5, prompt_logprobs=5)
+    top = llm.generate([prompt], params, use_tqdm=False)[0]
+    whole = llm.generate([prompt], dataclasses.replace(params, logprobs=-1, prompt_logprobs=-1), use_tqdm=False)[0]
+    assert whole.outputs[0].token_ids == top.outputs[0].token_ids
+    for full, five in zip(whole.outputs[0].logprobs + whole.prompt_logprobs[1:],
+                          top.outputs[0].logprobs + top.prompt_logprobs[1:]):
+        assert len(full) == vocab and sorted(lp.rank for lp in full.values()) == list(range(1, vocab + 1))
+        assert sum(math.exp(lp.logprob) for lp in full.values()) == pytest.approx(1.0, abs=1e-4)
+        for t, lp in five.items():
+            assert full[t].rank == lp.rank and full[t].logprob == pytest.approx(lp.logprob, abs=1e-5)
+            assert full[t].decoded_token == lp.decoded_token == llm.tokenizer.decode([t])
+    assert_idle(llm)
 
 
 def test_detokenize_false_gives_the_same_tokens_and_no_text(llm, monkeypatch):
@@ -558,7 +576,8 @@ def test_mixed_schedule_with_preemption_and_prefix_hits_matches_hf(llama_dir, ca
     (dict(stop=5), TypeError, "stop"),
     (dict(stop=["ok", 3]), TypeError, "stop"),
     (dict(stop=["ok", ""]), ValueError, "stop"),
-    (dict(logprobs=-1), ValueError, "logprobs"),
+    (dict(logprobs=-2), ValueError, r"logprobs must be None, >= 0, or -1 \(the whole vocabulary\), got -2"),
+    (dict(logprobs=-1, prompt_logprobs=-1), None, None),
     (dict(logprobs=1.5), TypeError, "logprobs"),
     (dict(prompt_logprobs=-2), ValueError, "prompt_logprobs"),
     (dict(include_stop_str_in_output="yes"), TypeError, "include_stop_str_in_output"),

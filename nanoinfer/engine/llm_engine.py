@@ -55,6 +55,7 @@ class LLMEngine:
         self.token_types = self.is_encoder and has_token_types(config.hf_config)
         self.eos_token_ids = set(config.eos_token_ids)
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size)  # structured outputs' compiled regexes
+        self.token_texts: dict[int, str] = {}  # see _token_text
         self.requests: dict[str, list[Sequence]] = {}  # unfinished requests: their n completions
         # Outputs of step-API requests produced while LLM.generate/generate_iter drove the steps: step() returns them.
         self.held_outputs: list[RequestOutput] = []
@@ -102,6 +103,7 @@ class LLMEngine:
         self.check_lora(lora_request)
         self._check_priority(priority)
         metrics = RequestMetrics(arrival_time=time.time())
+        params = _whole_vocabulary_logprobs(params, self.vocab_size)
         return [Sequence(token_ids, _child_params(params, i), self.config.kvcache_block_size, prompt=text,
                          request_id=request_id, index=i, max_tokens=max_tokens,
                          eos_token_ids=frozenset(self.eos_token_ids), metrics=metrics, bad_words_token_ids=bad_words,
@@ -534,8 +536,16 @@ class LLMEngine:
         decode = detokenize and self.tokenizer is not None
         for t, lp, r in zip(*(x[:k + 1] for x in row)):  # the chosen token, then this request's top k
             if t not in out:
-                out[t] = Logprob(lp, r, self.tokenizer.decode([t]) if decode else None)
+                out[t] = Logprob(lp, r, self._token_text(t) if decode else None)
         return out
+
+    def _token_text(self, token_id: int) -> str:
+        """A token decoded alone (a logprob's decoded_token), cached: a position's top k repeat across positions,
+        and logprobs=-1 decodes the whole vocabulary at every one."""
+        text = self.token_texts.get(token_id)
+        if text is None:
+            text = self.token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _output(self, request_id: str) -> RequestOutput | None:
         seqs = self.requests[request_id]
@@ -588,6 +598,14 @@ def _request_id_list(request_ids: object) -> set[str]:
     if bad:
         raise TypeError(f"request ids must be strs, got {bad[0]!r}")
     return set(ids)
+
+
+def _whole_vocabulary_logprobs(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    """params with logprobs or prompt_logprobs -1 (vLLM's "the whole vocabulary") as the vocabulary size."""
+    if params.logprobs != -1 and params.prompt_logprobs != -1:
+        return params
+    return dataclasses.replace(params, **{name: vocab_size for name in ("logprobs", "prompt_logprobs")
+                                          if getattr(params, name) == -1})
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
