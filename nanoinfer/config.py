@@ -11,6 +11,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from nanoinfer.layers.attention.selector import (DEFAULT_BLOCK_SIZE, check_backend_limits,
                                                   check_tensor_parallel_devices, resolve_device, select_backend)
 from nanoinfer.layers.rotary_embedding import rope_parameters
+from nanoinfer.layers.sampler import LOGPROBS_MODES
 from nanoinfer.logits_processor import load_logits_processor
 from nanoinfer.models.registry import (cache_head_size, chunked_attention_size, has_attention_sinks, is_classifier,
                                        is_encoder, is_vision_language, pytorch_only_attention)
@@ -64,6 +65,8 @@ class Config:
     trust_remote_code: bool = False
     # vLLM's: LogitsProcessor subclasses, or their "module:Class" names (see nanoinfer/logits_processor.py).
     logits_processors: list | None = None
+    # vLLM's: what sampled tokens' logprobs report, raw or processed (see LOGPROBS_MODES in layers/sampler.py).
+    logprobs_mode: str = "raw_logprobs"
     hf_config: PretrainedConfig = field(init=False, repr=False)
     gguf_path: Path | None = field(init=False, default=None)
     eos_token_ids: list[int] = field(init=False, default_factory=list)
@@ -152,6 +155,8 @@ class Config:
         self.speculative = parse_speculative_config(self.speculative_config)
         self._check_async_scheduling()
         self.logits_processor_classes = self._logits_processor_classes()
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         # The model folder's generation config, read once: its EOS ids (not a GGUF model's, whose file holds its

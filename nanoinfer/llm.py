@@ -174,6 +174,9 @@ class LLM:
         one adapter for all prompts, or one (or None) per prompt, as in generate."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if self.llm_engine.config.logprobs_mode.endswith("logits"):
+            raise ValueError(f"beam search ranks beams by logprobs: this LLM reports logits (logprobs_mode="
+                             f"{self.llm_engine.config.logprobs_mode!r})")
         params.validate()
         engine = self.llm_engine
         token_ids = [engine.prompt_token_ids(p)[0] for p in _as_prompt_list(prompts)]

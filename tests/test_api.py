@@ -16,7 +16,7 @@ from transformers import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, R
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from models import check_against_hf, hf_forward_logits, hf_greedy, random_prompts
-from nanoinfer import LLM, RequestOutputKind, SamplingParams
+from nanoinfer import LLM, BeamSearchParams, RequestOutputKind, SamplingParams
 from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.engine.scheduler import Scheduler
 
@@ -233,6 +233,42 @@ def test_logprobs_and_prompt_logprobs_match_transformers(qwen2_dir, budget, max_
     assert all(o.outputs[0].logprobs is None and o.outputs[0].cumulative_logprob is None and o.prompt_logprobs is None
                for o in plain)
     assert plain[2].num_cached_tokens > 0
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_modes_report_the_logits_vllm_reports(qwen3_dir, mode):
+    """vLLM's logprobs_mode, in a step mixing a sampled row (penalty, temperature, top-k, top-p: processed as
+    transformers' processors do) with a greedy one (processed: only penalized, at temperature 1). The tokens are
+    those of the default mode: only what is reported changes."""
+    prompts = random_prompts(2, 5, 40, 6, 20, seed=31)
+    sampled = SamplingParams(seed=5, max_tokens=6, ignore_eos=True, logprobs=3, temperature=0.7,
+                             repetition_penalty=1.3, top_k=20, top_p=0.8)
+    greedy = SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=6, ignore_eos=True, logprobs=3)
+    references = (FEATURES["combined"][1], hf(RepetitionPenaltyLogitsProcessor(1.3)))
+    with LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=128) as plain:
+        want = plain.generate(prompts, [sampled, greedy], use_tqdm=False)
+    with LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=128, logprobs_mode=mode) as llm:
+        outs = llm.generate(prompts, [sampled, greedy], use_tqdm=False)
+    for out, reference, other in zip(outs, references, want):
+        c, ids = out.outputs[0], list(out.prompt_token_ids)
+        assert c.token_ids == other.outputs[0].token_ids
+        for token, entry in zip(c.token_ids, c.logprobs):
+            logits = hf_forward_logits(qwen3_dir, ids)[-1:]
+            ref = logits[0] if mode == "raw_logits" else reference(torch.tensor([ids]), logits.clone(), len(ids))[0]
+            ref = ref.log_softmax(-1) if mode == "processed_logprobs" else ref
+            assert token in entry and len(entry) >= 3
+            for t, lp in entry.items():
+                assert lp.logprob == pytest.approx(float(ref[t]), abs=ATOL) and lp.rank == int((ref >= ref[t]).sum())
+            ids.append(token)
+        assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in zip(c.logprobs, c.token_ids)))
+
+
+def test_bad_logprobs_mode_is_refused(qwen3_dir):
+    with pytest.raises(ValueError, match="logprobs_mode must be one of .* got 'processed'"):
+        LLM(str(qwen3_dir), device="cpu", logprobs_mode="processed")
+    with LLM(str(qwen3_dir), device="cpu", max_model_len=128, logprobs_mode="raw_logits") as llm:
+        with pytest.raises(ValueError, match="beam search ranks beams by logprobs: .*'raw_logits'"):
+            llm.beam_search([[1, 2, 3]], BeamSearchParams(beam_width=2, max_tokens=3))
 
 
 def test_greedy_logprobs_rank_one_and_decoded_tokens(llm):

@@ -417,7 +417,7 @@ def sampling_runner() -> ModelRunner:
     runner.input_batch = InputBatch(4, MAX_MODEL_LEN, 13, 4, runner.device)
     runner.upload = HostStaging(runner.device)
     runner.penalty_cache = PenaltyCache(runner.upload)
-    runner.logits_processors = None
+    runner.logits_processors, runner.config = None, SimpleNamespace(logprobs_mode="raw_logprobs")
     return runner
 
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -412,7 +413,7 @@ def meta_runner() -> ModelRunner:
     runner.sampler, runner.seeds = Sampler(), random.Random(0)
     runner.input_batch, runner.upload = InputBatch(4, 16, 32, 4, runner.device), HostStaging(runner.device)
     runner.penalty_cache, runner.token_tables = PenaltyCache(runner.upload), TokenTables(4, runner.upload)
-    runner.logits_processors = None
+    runner.logits_processors, runner.config = None, SimpleNamespace(logprobs_mode="raw_logprobs")
     return runner
 
 
@@ -424,7 +425,8 @@ def prepare_decode(runner: ModelRunner, seqs: list[Sequence]) -> None:
     runner.input_batch.prepare(batch, batch.samples)
 
 
-def test_sampling_with_every_feature_never_synchronises_with_the_device():
+@pytest.mark.parametrize("logprobs_mode", ["raw_logprobs", "processed_logprobs"])
+def test_sampling_with_every_feature_never_synchronises_with_the_device(logprobs_mode):
     vocab = 97
     params = [SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=2, logit_bias={3: 1.5, 9: -2.0}),
               SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=3, min_tokens=4,
@@ -437,6 +439,7 @@ def test_sampling_with_every_feature_never_synchronises_with_the_device():
             for i, p in enumerate(params)]
     seqs[2].token_ids += [5, 5, 9]
     runner = meta_runner()
+    runner.config.logprobs_mode = logprobs_mode
     for _ in range(2):
         prepare_decode(runner, seqs)
         out = runner.sample(seqs, torch.empty(4, vocab, device="meta"))

@@ -660,7 +660,7 @@ class ModelRunner:
                              all_random=not some & GREEDY, noise_keys=device.get("noise_keys"),
                              min_p=device.get("min_p"), max_top_k=max_top_k)
         if some & LOGPROBS:
-            m.num_logprobs = int(s.num_logprobs[rows].max())
+            m.num_logprobs, m.logprobs_mode = int(s.num_logprobs[rows].max()), self.config.logprobs_mode
         if "banned" in device:
             m.banned = tuple(device["banned"])
         if some & PENALIZED:

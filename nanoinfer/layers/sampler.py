@@ -13,6 +13,10 @@ from nanoinfer.kernels.cuda import triton_sampling
 from nanoinfer.logits_processor import LogitsProcessor
 
 MASK32 = 0xFFFFFFFF
+# vLLM's logprobs_mode: the log-softmax or the values of the logits as the model gives them (after a grammar's mask)
+# or as the row samples from them (after penalties, bans and custom processors; then, unless every row of the step is
+# greedy, temperature (1 for greedy rows), min_p, argmax-invariant processors, top-k and top-p).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 @dataclass
@@ -49,6 +53,7 @@ class SamplingMetadata:
     # row's argmax, run for every row after logit_bias; the argmax-invariant ones, run for random rows after min_p.
     logits_processors: tuple[LogitsProcessor, ...] = ()
     argmax_invariant_processors: tuple[LogitsProcessor, ...] = ()
+    logprobs_mode: str = "raw_logprobs"  # what logprobs report: one of LOGPROBS_MODES
 
 
 @dataclass
@@ -67,12 +72,18 @@ class Sampler(nn.Module):
         raw = logits = apply_grammar_bitmask(logits, m.grammar_bitmask)
         logits = self.penalize(logits, m)
         tokens = None if m.all_random else greedy(logits)
+        processed = m.num_logprobs is not None and m.logprobs_mode.startswith("processed")
+        reported = logits if processed else raw
         if not m.all_greedy:
-            sampled = self.draw(logits, m)
+            # The processed logprobs are those of what the rows draw from: warped here, not inside draw().
+            warped = self.warp(logits, m) if processed else None
+            sampled = self.draw(logits, m, warped)
             tokens = sampled if tokens is None else torch.where(m.temperatures == 0, tokens, sampled)
+            reported = warped if processed else raw
         if m.num_logprobs is None:
             return SamplerOutput(tokens)
-        return SamplerOutput(tokens, top_logprobs(raw, tokens, m.num_logprobs))
+        return SamplerOutput(tokens, top_logprobs(reported, tokens, m.num_logprobs,
+                                                  normalize=m.logprobs_mode.endswith("logprobs")))
 
     @staticmethod
     def penalize(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
@@ -104,22 +115,26 @@ class Sampler(nn.Module):
             logits[p.rows] = rows
         return logits
 
-    def draw(self, logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
-        """A token per row from softmax(warp(logits)) by an exponential race: argmax p / E with E ~ Exp(1) per token.
-        A row's noise is a hash of its own key (seed, position) and the token id, so its token does not depend on
-        the rest of the batch. On CUDA one Triton pass takes argmax log p - log E (the same race in logs), dividing
-        by the temperatures itself unless min_p, top-k or top-p need the scaled logits first."""
+    def draw(self, logits: torch.Tensor, m: SamplingMetadata, warped: torch.Tensor | None = None) -> torch.Tensor:
+        """A token per row from softmax(warp(logits)) (warped: that warp, if already taken) by an exponential race:
+        argmax p / E with E ~ Exp(1) per token. A row's noise is a hash of its own key (seed, position) and the token
+        id, so its token does not depend on the rest of the batch. On CUDA one Triton pass takes argmax log p - log E
+        (the same race in logs), dividing by the temperatures itself unless min_p, top-k or top-p need the scaled
+        logits first."""
         if logits.device.type == "cuda" and (kernels := triton_sampling()) is not None:
-            if m.min_p is None and m.top_k is None and m.top_p is None and not m.argmax_invariant_processors:
+            if (warped is None and m.min_p is None and m.top_k is None and m.top_p is None
+                    and not m.argmax_invariant_processors):
                 return kernels.gumbel_max(logits, m.temperatures, m.noise_keys)
-            return kernels.gumbel_max(self.warp(logits, m), None, m.noise_keys)
-        return exponential_race(torch.softmax(self.warp(logits, m), -1), m.noise_keys)
+            return kernels.gumbel_max(self.warp(logits, m) if warped is None else warped, None, m.noise_keys)
+        return exponential_race(torch.softmax(self.warp(logits, m) if warped is None else warped, -1), m.noise_keys)
 
     @staticmethod
     def warp(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
         """Temperature, then min_p and argmax-invariant custom logits processors, then top-k and top-p: softmax of
         the result is what a sampled row draws from."""
-        logits = logits / m.temperatures.clamp_min(1e-6).unsqueeze(1)
+        # Greedy rows (temperature 0) as at temperature 1, as vLLM scales them: their warp is only reported (see
+        # LOGPROBS_MODES), their token is the argmax.
+        logits = logits / torch.where(m.temperatures == 0, 1.0, m.temperatures.clamp_min(1e-6)).unsqueeze(1)
         if m.min_p is not None:
             probs = logits.softmax(-1)
             drop = probs < m.min_p.unsqueeze(1) * probs.amax(-1, keepdim=True)
@@ -175,10 +190,11 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return cpu_kernels.argmax(logits) if cpu_kernels.use_cpu_kernels(logits) else logits.argmax(-1)
 
 
-def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int
+def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, normalize: bool = True
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """log_softmax(logits) at token_ids [B], their ranks (1 = most likely), and the top-k ids and logprobs."""
-    logprobs = logits.log_softmax(-1)
+    """log_softmax(logits) (the logits themselves without normalize) at token_ids [B], their ranks (1 = most likely),
+    and the top-k ids and values."""
+    logprobs = logits.log_softmax(-1) if normalize else logits
     chosen = logprobs.gather(-1, token_ids.unsqueeze(-1))
     ranks = (logprobs >= chosen).sum(-1)
     top = logprobs.topk(k, -1)
