@@ -73,15 +73,14 @@ class Sampler(nn.Module):
         logits = self.penalize(logits, m)
         tokens = None if m.all_random else greedy(logits)
         processed = m.num_logprobs is not None and m.logprobs_mode.startswith("processed")
-        reported = logits if processed else raw
+        # Processed logprobs are those of what the rows draw from: warped here, then, not inside draw().
+        warped = self.warp(logits, m) if processed and not m.all_greedy else None
         if not m.all_greedy:
-            # The processed logprobs are those of what the rows draw from: warped here, not inside draw().
-            warped = self.warp(logits, m) if processed else None
             sampled = self.draw(logits, m, warped)
             tokens = sampled if tokens is None else torch.where(m.temperatures == 0, tokens, sampled)
-            reported = warped if processed else raw
         if m.num_logprobs is None:
             return SamplerOutput(tokens)
+        reported = raw if not processed else logits if warped is None else warped  # see LOGPROBS_MODES
         return SamplerOutput(tokens, top_logprobs(reported, tokens, m.num_logprobs,
                                                   normalize=m.logprobs_mode.endswith("logprobs")))
 
