@@ -2,6 +2,7 @@
 import itertools
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -67,6 +68,9 @@ class Config:
     logits_processors: list | None = None
     # vLLM's: what sampled tokens' logprobs report, raw or processed (see LOGPROBS_MODES in layers/sampler.py).
     logprobs_mode: str = "raw_logprobs"
+    # vLLM's: fields set on the model's config as it is read (a dict for a sub-config updates it), or a function of
+    # the config returning the one to use.
+    hf_overrides: dict | Callable[[PretrainedConfig], PretrainedConfig] | None = None
     hf_config: PretrainedConfig = field(init=False, repr=False)
     gguf_path: Path | None = field(init=False, default=None)
     eos_token_ids: list[int] = field(init=False, default_factory=list)
@@ -92,10 +96,12 @@ class Config:
                 self.hf_config = AutoConfig.from_pretrained(path, trust_remote_code=self.trust_remote_code)
             except Exception as e:  # transformers' own checks: bad JSON, a field of the wrong type, ...
                 raise ValueError(f"cannot read the model config {path / 'config.json'}: {e}") from e
-            if is_vision_language(self.hf_config.architectures):
-                self.hf_config = language_model_config(self.hf_config, path)
         else:
             raise ValueError(f"{str(path)!r} holds neither a config.json nor a .gguf file")
+        if self.hf_overrides is not None:
+            self.hf_config = overridden(self.hf_config, self.hf_overrides)
+        if self.gguf_path is None and is_vision_language(self.hf_config.architectures):
+            self.hf_config = language_model_config(self.hf_config, path)
         self._check_model_config(self.gguf_path or path / "config.json")
         self.torch_device = resolve_device(self.device)
         # DeepSeek's MLA caches its latent (kv_lora_rank) and rope key as one head, the latent doubling as the values;
@@ -338,6 +344,26 @@ def cache_head_dim(config: PretrainedConfig, latent_dim: int | None) -> int | No
     widest = max(getattr(layer, "head_dim", None) or config.hidden_size // layer.num_attention_heads
                  for layer in layer_configs(config))
     return cache_head_size(config.architectures, widest)
+
+
+def overridden(config: PretrainedConfig, overrides: object, name: str = "hf_overrides") -> PretrainedConfig:
+    """config with vLLM's hf_overrides: a dict's fields set on it (a dict given for a sub-config, such as
+    text_config, updates that), or what a function of it returns."""
+    if callable(overrides):
+        config = overrides(config)
+        if not isinstance(config, PretrainedConfig):
+            raise TypeError(f"{name} must return the model's config (a PretrainedConfig), got {config!r}")
+        return config
+    if not isinstance(overrides, dict):
+        raise TypeError(f"{name} must be a dict of config fields or a function of the config, got {overrides!r}")
+    for key, value in overrides.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{name} keys must be config field names (strings), got {key!r}")
+        if isinstance(value, dict) and isinstance(getattr(config, key, None), PretrainedConfig):
+            overridden(getattr(config, key), value, f"{name}[{key!r}]")
+        else:
+            setattr(config, key, value)
+    return config
 
 
 def language_model_config(config: PretrainedConfig, model_dir: Path) -> PretrainedConfig:

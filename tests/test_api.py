@@ -736,6 +736,51 @@ def test_tokenizer_from_another_folder(qwen3_dir, tmp_path):
         expected.prompt_token_ids, expected.outputs[0].token_ids, expected.outputs[0].text)
 
 
+def test_hf_overrides_change_the_model_as_an_edited_config_does(qwen3_dir, tmp_path):
+    """As a dict and as a function (which a tensor-parallel worker could not unpickle: it gets the config already
+    overridden)."""
+    edited = tmp_path / "edited"
+    shutil.copytree(qwen3_dir, edited)
+    fields = {"rms_norm_eps": 0.5, "max_position_embeddings": 96}
+    (edited / "config.json").write_text(json.dumps({**json.loads((edited / "config.json").read_text()), **fields}))
+    prompts = random_prompts(3, 5, 500, 5, 20, seed=38)
+
+    def run(path, **kwargs) -> tuple[int, list[list[int]]]:
+        with LLM(str(path), device="cpu", dtype="float32", **kwargs) as llm:
+            return llm.llm_engine.config.max_model_len, [o.outputs[0].token_ids for o in llm.generate(
+                prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)]
+
+    def override(config):
+        config.rms_norm_eps, config.max_position_embeddings = 0.5, 96
+        return config
+
+    want = run(edited)
+    assert want[0] == 96 and run(qwen3_dir)[1] != want[1]  # the edit changes the tokens: the checks prove something
+    assert run(qwen3_dir, hf_overrides=fields) == want
+    assert run(qwen3_dir, hf_overrides=override, tensor_parallel_size=2) == want
+
+
+def test_hf_overrides_update_a_sub_config_in_place():
+    from transformers import PretrainedConfig
+
+    from nanoinfer.config import overridden
+    text = PretrainedConfig(rms_norm_eps=1e-6, hidden_size=8)
+    config = overridden(PretrainedConfig(text_config=text), {"text_config": {"rms_norm_eps": 0.5}, "extra": [1]})
+    assert config.text_config is text and (text.rms_norm_eps, text.hidden_size) == (0.5, 8) and config.extra == [1]
+
+
+@pytest.mark.parametrize("value, match", [
+    ([("rms_norm_eps", 0.5)], "hf_overrides must be a dict of config fields or a function of the config"),
+    ({1: 2}, "hf_overrides keys must be config field names"),
+    (lambda config: None, "hf_overrides must return the model's config"),
+])
+def test_bad_hf_overrides_are_refused(qwen3_dir, value, match):
+    with pytest.raises(TypeError, match=match):
+        LLM(str(qwen3_dir), device="cpu", hf_overrides=value)
+    with pytest.raises(ValueError, match="hidden_size=0 in .*config.json must be a positive int"):
+        LLM(str(qwen3_dir), device="cpu", hf_overrides={"hidden_size": 0})
+
+
 def test_trust_remote_code_lets_a_config_class_shipped_as_code_load(qwen3_dir, tmp_path):
     """A config class in the model folder's own Python (auto_map) loads only with trust_remote_code=True; the model
     still runs nanoinfer's code for its architecture, with the same tokens."""

@@ -192,10 +192,10 @@ def _spawn_workers(config: Config) -> TPGroup:
     group = TPGroup(0, size, size)
     group._set_threads()
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=START_TIMEOUT)
-    # Without the custom logits processors, which rank 0 alone runs: their classes may live where a worker cannot
-    # import them (the caller's __main__).
+    # Without the custom logits processors, which rank 0 alone runs, and hf_overrides, already in hf_config: their
+    # classes and functions may live where a worker cannot import them (the caller's __main__, a lambda).
     worker_config = copy.copy(config)
-    worker_config.logits_processors, worker_config.logits_processor_classes = None, ()
+    worker_config.logits_processors, worker_config.logits_processor_classes, worker_config.hf_overrides = None, (), None
     args = pickle.dumps(dict(config=worker_config, port=store.port, size=size, threads=torch.get_num_threads(),
                              parent=os.getpid()))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
