@@ -71,6 +71,8 @@ class Config:
     # vLLM's: fields set on the model's config as it is read (a dict for a sub-config updates it), or a function of
     # the config returning the one to use.
     hf_overrides: dict | Callable[[PretrainedConfig], PretrainedConfig] | None = None
+    # vLLM's: prompts may be given as embeddings, {"prompt_embeds": [tokens, hidden] tensor}.
+    enable_prompt_embeds: bool = False
     hf_config: PretrainedConfig = field(init=False, repr=False)
     gguf_path: Path | None = field(init=False, default=None)
     eos_token_ids: list[int] = field(init=False, default_factory=list)
@@ -145,8 +147,9 @@ class Config:
         if not isinstance(self.enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         check_seed("seed", self.seed)
-        if not isinstance(self.enable_lora, bool):
-            raise TypeError(f"enable_lora must be a bool, got {self.enable_lora!r}")
+        for name in ("enable_lora", "enable_prompt_embeds"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _positive("max_loras", self.max_loras)
         _positive("max_lora_rank", self.max_lora_rank)
         if self.num_kvcache_blocks is not None:

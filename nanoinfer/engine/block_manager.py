@@ -74,7 +74,7 @@ class BlockManager:
     def _cached_prefix(self, seq: Sequence) -> list[Block]:
         """Leading blocks already in the cache. The last token is never taken from it: its logits are needed."""
         hits: list[Block] = []
-        if not self.enable_prefix_caching or seq.needs_prompt_logits:
+        if not self.enable_prefix_caching or seq.needs_prompt_logits or seq.prompt_embeds is not None:
             return hits
         prefix_hash, parent = self._root(seq)
         for i in range((len(seq) - 1) // self.block_size):
@@ -155,8 +155,9 @@ class BlockManager:
     def commit(self, seq: Sequence, num_tokens: int) -> None:
         """Register the full blocks among the first num_tokens tokens, whose K/V this step writes or has written.
         Until publish(), only sequences scheduled in the same step find the new ones: every layer stores the whole
-        batch's K/V before attending, so they hold their K/V when read."""
-        if not self.enable_prefix_caching:
+        batch's K/V before attending, so they hold their K/V when read. A prompt of embeddings registers none: its
+        token ids are placeholders."""
+        if not self.enable_prefix_caching or seq.prompt_embeds is not None:
             return
         # Registered blocks are always a prefix of the table: step back only over the newly filled ones.
         end = start = num_tokens // self.block_size

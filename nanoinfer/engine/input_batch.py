@@ -84,6 +84,8 @@ class InputBatch:
         self.uploaded = torch.cuda.Event() if self.on_cuda else None
         self.lora_slots = lora_slots
         self.lora_mapping: LoRAMapping | None = None  # this step's (see prepare)
+        # This step's tokens given as prompt embeddings: (their indices among the step's tokens, [n, hidden] values).
+        self.prompt_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def remove(self, seq_ids: list[int]) -> None:
         """Release the rows of finished or preempted sequences (unknown ids are ignored)."""
@@ -124,15 +126,18 @@ class InputBatch:
         step), and the rows whose logits are sampled."""
         self._wait_for_uploads()
         self.remove(batch.freed_seq_ids)
-        rows, token_ids = [], []
+        rows, token_ids, embeds = [], [], []
         drafts = batch.draft_token_ids
         for i, (seq, start, n) in enumerate(zip(batch.seqs, batch.starts, batch.num_new_tokens)):
             row = self.rows.get(seq.seq_id)
             rows.append(self._add(seq) if row is None else row)
+            if seq.prompt_embeds is not None and start < seq.num_prompt_tokens:
+                embeds.append((len(token_ids), seq.prompt_embeds[start:start + n]))
             # A pending token (async scheduling) is not on the host yet: the device feeds it (see feed_sampled).
             token_ids += seq.token_ids[start:start + n] or [0]
             if drafts and i in drafts:
                 token_ids += drafts[i]
+        self.prompt_embeds = _embedded_tokens(embeds) if embeds else None
         rows, num_new = np.array(rows, dtype=np.int64), np.array(batch.num_new_tokens, dtype=np.int64)
         starts = np.array(batch.starts, dtype=np.int64)
         ends = starts + num_new
@@ -295,3 +300,9 @@ class InputBatch:
         """Mark the host buffers free to rewrite once the uploads queued so far have run."""
         if self.uploaded is not None:
             self.uploaded.record()
+
+
+def _embedded_tokens(pieces: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index of its first token in the step, embeddings) per sequence -> (every embedded token's index, values)."""
+    index = torch.cat([torch.arange(first, first + len(values)) for first, values in pieces])
+    return index, torch.cat([values for _, values in pieces])

@@ -32,6 +32,7 @@ from nanoinfer.utils.gguf_loader import load_gguf_tokenizer
 Prompt = str | list[int] | dict
 _Batch = TypeVar("_Batch")
 _Result = TypeVar("_Result")
+_Prompt = TypeVar("_Prompt", list[int], torch.Tensor)
 
 
 class LLMEngine:
@@ -86,8 +87,12 @@ class LLMEngine:
         params.validate()  # its fields may have changed since construction
         for processor in self.config.logits_processor_classes:
             processor.validate_params(params)
-        token_ids, text = self.prompt_token_ids(prompt)
-        token_ids = self._truncated(token_ids, params.truncate_prompt_tokens)
+        embeds = self._prompt_embeds(prompt, params) if isinstance(prompt, dict) and "prompt_embeds" in prompt else None
+        if embeds is None:
+            token_ids, text = self.prompt_token_ids(prompt)
+            token_ids = self._truncated(token_ids, params.truncate_prompt_tokens)
+        else:
+            token_ids, text = [0] * len(embeds), None  # placeholders: see Sequence.prompt_embeds
         for name, ids in (("stop token id", params.stop_token_ids), ("logit_bias token id", params.logit_bias or ()),
                           ("allowed_token_ids token id", params.allowed_token_ids or ())):
             self._check_in_vocabulary(name, ids)
@@ -107,8 +112,28 @@ class LLMEngine:
         return [Sequence(token_ids, _child_params(params, i), self.config.kvcache_block_size, prompt=text,
                          request_id=request_id, index=i, max_tokens=max_tokens,
                          eos_token_ids=frozenset(self.eos_token_ids), metrics=metrics, bad_words_token_ids=bad_words,
-                         grammar=grammar, lora_request=lora_request, priority=priority)
+                         grammar=grammar, lora_request=lora_request, priority=priority, prompt_embeds=embeds)
                 for i in range(params.n)]
+
+    def _prompt_embeds(self, prompt: dict, params: SamplingParams) -> torch.Tensor:
+        """A prompt given as {"prompt_embeds": [tokens, hidden] tensor} (vLLM's EmbedsPrompt), checked, truncated as
+        params say, in the model's dtype on the host."""
+        if set(prompt) != {"prompt_embeds"}:
+            raise ValueError(f"a prompt of embeddings holds only 'prompt_embeds', got keys {sorted(prompt)}")
+        if not self.config.enable_prompt_embeds:
+            raise ValueError("prompt_embeds needs LLM(enable_prompt_embeds=True)")
+        embeds, hidden = prompt["prompt_embeds"], self.model_runner.prompt_embedding.embedding_dim
+        if not isinstance(embeds, torch.Tensor) or not embeds.is_floating_point():
+            raise TypeError(f"'prompt_embeds' must be a floating-point torch.Tensor, got "
+                            f"{embeds.dtype if isinstance(embeds, torch.Tensor) else type(embeds).__name__}")
+        if embeds.dim() != 2 or embeds.shape[0] == 0 or embeds.shape[1] != hidden:
+            raise ValueError(f"'prompt_embeds' must be [tokens > 0, {hidden}] (the model's embedding width), got "
+                             f"{list(embeds.shape)}")
+        if params.prompt_logprobs is not None:
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} needs the prompt's token ids: a prompt of "
+                             "embeddings has none")
+        embeds = self._truncated(embeds, params.truncate_prompt_tokens)
+        return embeds.detach().to("cpu", self.config.torch_dtype).contiguous()
 
     def _check_priority(self, priority: int) -> None:
         if isinstance(priority, bool) or not isinstance(priority, int):
@@ -149,8 +174,9 @@ class LLMEngine:
                              "enable_lora=True")
         self.model_runner.lora.check(lora_request)
 
-    def _truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
-        """truncate_prompt_tokens (vLLM's): the last `keep` tokens of the prompt; -1 keeps max_model_len."""
+    def _truncated(self, token_ids: _Prompt, keep: int | None) -> _Prompt:
+        """truncate_prompt_tokens (vLLM's): the last `keep` tokens of the prompt (ids or embeddings); -1 keeps
+        max_model_len."""
         if keep is None:
             return token_ids
         max_len = self.config.max_model_len
@@ -263,6 +289,8 @@ class LLMEngine:
 
     def _tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, dict):
+            if "prompt_embeds" in prompt:
+                raise ValueError("prompt_embeds are taken by generate, generate_iter and add_request only")
             unknown = set(prompt) - {"prompt", "prompt_token_ids"}
             if unknown or not prompt:
                 raise ValueError(f"a prompt dict holds 'prompt' and/or 'prompt_token_ids', got keys {sorted(prompt)}")

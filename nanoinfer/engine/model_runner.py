@@ -5,7 +5,8 @@ import os
 import random
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
@@ -28,6 +29,7 @@ from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention, AttentionMetadata, get_backend
 from nanoinfer.layers.attention.selector import resolve_device
+from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.layers.fused_moe import FusedMoE, experts_capturable
 from nanoinfer.layers.recurrent import RecurrentLayer
 from nanoinfer.layers.rotary_embedding import shared_rope_tables
@@ -77,6 +79,8 @@ class Step(NamedTuple):
     # Rank 0 took some input ids from the tokens sampled on its device (InputBatch.feed_sampled): with tensor
     # parallelism the other ranks receive the step's ids from it, over the model's group.
     fed: bool = False
+    # Tokens given as prompt embeddings: (their indices among the step's tokens, values) (see InputBatch).
+    prompt_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 T = TypeVar("T")
@@ -156,6 +160,8 @@ class ModelRunner:
         self.sampler = Sampler()  # before the caches: the warm-up samples too
         self.logits_processors = (CustomLogitsProcessors(config.logits_processor_classes, config, self.device)
                                   if config.logits_processor_classes and self.tp.rank == 0 else None)  # rank 0 samples
+        self.prompt_embedding = (prompt_embedding(self.model, config, self.generates) if config.enable_prompt_embeds
+                                 else None)
         # The most rows a step samples (a row per sequence and draft), and the most rows of prompt logprobs whose
         # logits are held at once: a budget's worth in at most 16 pieces, each as large as a sampled batch at least.
         self.max_sampled_rows = config.max_num_seqs * (1 + (config.speculative.num_speculative_tokens
@@ -425,7 +431,8 @@ class ModelRunner:
         prompt_rows = self._prompt_logit_rows(batch, meta.cu_seqlens_q.tolist())
         step = Step(input_ids, positions, meta, sample_rows + [row for row, _, _ in prompt_rows], len(sample_rows),
                     None if self.lora is None else self.input_batch.lora_mapping,
-                    fed=self.tp.size > 1 and self.input_batch.num_fed > 0)
+                    fed=self.tp.size > 1 and self.input_batch.num_fed > 0,
+                    prompt_embeds=self.input_batch.prompt_embeds)
         # The other ranks execute the same step (serve).
         hidden = self.execute(self.tp.broadcast(step))
         launched = LaunchedStep(batch, [i for i, s in enumerate(samples) if s], prompt_rows)
@@ -516,7 +523,9 @@ class ModelRunner:
         step.lora_mapping gives them; the final hidden states of step.logit_rows."""
         rows = self.input_batch.logit_index(step.logit_rows)
         input_ids, positions, meta = step.input_ids, step.positions, step.meta
-        size = self.graph_runner.padded_size(meta.num_seqs) if self.graph_runner and meta.is_decode else None
+        # A graph's embedding takes no prompt embeddings (a one-token prompt of them makes a decode-shaped step).
+        size = (self.graph_runner.padded_size(meta.num_seqs)
+                if self.graph_runner and meta.is_decode and step.prompt_embeds is None else None)
         if self.lora is not None:
             self.lora.set_step(step.lora_mapping, groups=size is None)
         if size is not None:
@@ -533,8 +542,24 @@ class ModelRunner:
             hidden = self.graph_runner.replay(size, meta.num_seqs)
         else:
             self.backend.prepare(meta)
-            hidden = self.model(input_ids, positions, meta)
+            with self._prompt_embeds(step.prompt_embeds):
+                hidden = self.model(input_ids, positions, meta)
         return hidden[rows]
+
+    @contextmanager
+    def _prompt_embeds(self, embeds: tuple[torch.Tensor, torch.Tensor] | None) -> Iterator[None]:
+        """The step's prompt embeddings in place of those rows of the token embedding's output, for one forward (a
+        hook on the module, so that a family's own embedding module (Inkling's normed one) is replaced whole)."""
+        if embeds is None:
+            yield
+            return
+        index, values = (t.to(self.device) for t in embeds)
+        handle = self.prompt_embedding.register_forward_hook(
+            lambda module, args, out: out.index_copy(0, index, values.to(out.dtype)))
+        try:
+            yield
+        finally:
+            handle.remove()
 
     @torch.inference_mode()
     def logit_results(self, hidden: torch.Tensor, num_sampled: int,
@@ -753,6 +778,22 @@ def _logprob_rows(token_ids: list[int], result: list[torch.Tensor]) -> list[Toke
     top_ranks = list(range(1, result[2].shape[-1] + 1))
     return [([tok] + ids, [lp] + lps, [rank] + top_ranks)
             for tok, lp, rank, ids, lps in zip(token_ids, chosen, ranks, top_ids, top_lps)]
+
+
+def prompt_embedding(model: nn.Module, config: Config, generates: bool) -> VocabParallelEmbedding:
+    """The token embedding whose output prompt embeddings stand in for (enable_prompt_embeds): the model's one
+    vocabulary embedding, whose output is what transformers' get_input_embeddings() gives; a ValueError naming the
+    architecture for a model that does not generate, whose token ids go to another embedding too, or whose class
+    says why not (`prompt_embeds_refused`)."""
+    architecture = config.hf_config.architectures[0]
+    embeddings = [m for m in model.modules()
+                  if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)]
+    reason = ("it does not generate" if not generates else getattr(model, "prompt_embeds_refused", None)
+              or (None if len(embeddings) == 1 else "its token ids go to more than one embedding"))
+    if reason is not None:
+        raise ValueError(f"enable_prompt_embeds: {architecture} ({config.model_path}) takes no prompt embeddings: "
+                         f"{reason}")
+    return embeddings[0]
 
 
 def warm_up_lengths(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:

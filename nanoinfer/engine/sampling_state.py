@@ -151,8 +151,9 @@ class PenaltyCache:
             if slot is None or self.num_counted[slot] != seq.num_completion_tokens + seq.num_pending_tokens - 1:
                 slot = self._claim(seq, vocab)
                 claimed.append(slot)
-                prompt[0].extend([slot] * seq.num_prompt_tokens)
-                prompt[1].extend(seq.token_ids[:seq.num_prompt_tokens])
+                prompt_ids = seq.prompt_token_ids or ()  # a prompt of embeddings has none
+                prompt[0].extend([slot] * len(prompt_ids))
+                prompt[1].extend(prompt_ids)
                 counted[0].extend([slot] * seq.num_completion_tokens)
                 counted[1].extend(seq.completion_token_ids)
                 self.num_counted[slot] = seq.num_completion_tokens

@@ -2,6 +2,8 @@
 from enum import Enum, auto
 from itertools import count
 
+import torch
+
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer
 from nanoinfer.lora.request import LoRARequest
 from nanoinfer.outputs import Logprob, RequestMetrics
@@ -26,13 +28,18 @@ class Sequence:
                  request_id: str = "", index: int = 0, max_tokens: int | None = None,
                  eos_token_ids: frozenset[int] = frozenset(), metrics: RequestMetrics | None = None,
                  bad_words_token_ids: tuple[tuple[int, ...], ...] = (), grammar: Grammar | None = None,
-                 lora_request: LoRARequest | None = None, priority: int = 0):
+                 lora_request: LoRARequest | None = None, priority: int = 0,
+                 prompt_embeds: torch.Tensor | None = None):
         self.seq_id = next(Sequence.ids)
         self.priority = priority  # with scheduling_policy="priority": lower runs first, then earlier (seq_id)
         self.status = SequenceStatus.WAITING
         self.prompt = prompt
         self.token_ids = list(token_ids)
-        self.prompt_token_ids = self.token_ids[:]  # what every output of the request carries: one list for all
+        # A prompt given as embeddings [prompt tokens, hidden] (LLM(enable_prompt_embeds=True)): the model takes them
+        # in place of its token embeddings there, and token_ids holds placeholders that nothing reads.
+        self.prompt_embeds = prompt_embeds
+        # What every output of the request carries (one list for all); None for a prompt of embeddings.
+        self.prompt_token_ids = self.token_ids[:] if prompt_embeds is None else None
         self.num_prompt_tokens = len(token_ids)
         self.params = params
         self.request_id, self.index = request_id, index  # completion `index` of request `request_id`

@@ -18,6 +18,7 @@ class VocabParallelEmbedding(nn.Module):
         # Pad so every rank holds the same number of rows; padded rows are never real tokens.
         self.num_embeddings_per_rank = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.num_embeddings_per_rank
+        self.embedding_dim = embedding_dim
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_rank, embedding_dim, dtype=dtype),
                                    requires_grad=False)
 

@@ -8,7 +8,7 @@ from transformers import PretrainedConfig
 from nanoinfer.layers.layernorm import LayerNorm
 from nanoinfer.models.gpt2 import GPT2Model, biased_attention
 from nanoinfer.models.layernorm_decoder import DenseMLP, LayerNormDecoderLayer
-from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM
+from nanoinfer.models.llama import SCALED_INPUT_EMBEDDING, AttentionOptions, LlamaAttention, LlamaForCausalLM
 from nanoinfer.models.opt import LAYER_NORM_EPS, OPTForCausalLM
 
 
@@ -32,6 +32,7 @@ class BioGptModel(GPT2Model):
 
 class BioGptForCausalLM(LlamaForCausalLM):
     model_class = BioGptModel
+    prompt_embeds_refused = SCALED_INPUT_EMBEDDING  # XGLM's too
     # transformers' BioGptForCausalLM files: the decoder under `biogpt.`; then OPT's names for the rest.
     weight_name_substitutions = {"^biogpt.": "model.", "^output_projection.": "lm_head.",
                                  "^model.layer_norm.": "model.norm.",

@@ -335,6 +335,7 @@ def check_config(config: PretrainedConfig) -> None:
 
 class DeepseekV4ForCausalLM(LlamaForCausalLM):
     model_class = DeepseekV4Model
+    prompt_embeds_refused = "its first layers route experts by token id"
     # Only the shared expert's gate/up fuse.
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     # transformers' save_pretrained writes the Hub's names (its conversion mapping): the attention's are kept, the

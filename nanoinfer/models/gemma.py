@@ -5,8 +5,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.layernorm import GemmaRMSNorm
-from nanoinfer.models.llama import (AttentionOptions, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, MLPFactory,
-                                    OptionsFactory)
+from nanoinfer.models.llama import (SCALED_INPUT_EMBEDDING, AttentionOptions, LlamaDecoderLayer, LlamaForCausalLM,
+                                    LlamaModel, MLPFactory, OptionsFactory)
 
 
 def check_config(config: PretrainedConfig) -> None:
@@ -39,6 +39,7 @@ class GemmaModel(LlamaModel):
 class GemmaForCausalLM(LlamaForCausalLM):
     """The MLP's activation is `hidden_act`, which transformers' GemmaConfig turns from the Hub configs' legacy
     "gelu" into "gelu_pytorch_tanh" on load."""
+    prompt_embeds_refused = SCALED_INPUT_EMBEDDING  # its subclasses' too
 
     model_class = GemmaModel
     check_config = staticmethod(check_config)

@@ -299,10 +299,17 @@ class LlamaModel(nn.Module):
         return x
 
 
+# A family whose token embedding transformers scales inside its input embedding module, and this one after it: a prompt
+# embedding (that module's output) has no place to stand in.
+SCALED_INPUT_EMBEDDING = "transformers' input embedding includes the embedding scale, which this model applies after it"
+
+
 class LlamaForCausalLM(nn.Module):
     model_class: type[LlamaModel] = LlamaModel
     lm_head_bias = False  # Phi's LM head has one
     lm_head_dtype: torch.dtype | None = None  # None: the model's (HY-V4's is fp32 in every dtype)
+    # Why the family takes no prompt embeddings (enable_prompt_embeds), if it does not: see prompt_embedding.
+    prompt_embeds_refused: str | None = None
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),

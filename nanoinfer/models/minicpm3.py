@@ -7,7 +7,7 @@ from transformers import PretrainedConfig
 
 from nanoinfer.models.deepseek_v2 import DeepseekV2Attention, DeepseekV2ForCausalLM
 from nanoinfer.models.granite import GraniteDecoderLayer, GraniteForCausalLM, GraniteModel
-from nanoinfer.models.llama import AttentionOptions
+from nanoinfer.models.llama import SCALED_INPUT_EMBEDDING, AttentionOptions
 
 
 class MiniCPM3DecoderLayer(GraniteDecoderLayer):
@@ -29,6 +29,7 @@ class MiniCPM3Model(GraniteModel):
 class MiniCPM3ForCausalLM(GraniteForCausalLM):
     """Its config's `logits_scaling` (a property: hidden_size / dim_model_base) is the divisor Granite's is."""
     model_class = MiniCPM3Model
+    prompt_embeds_refused = SCALED_INPUT_EMBEDDING
     packed_modules_mapping = DeepseekV2ForCausalLM.packed_modules_mapping
 
     @staticmethod

@@ -236,6 +236,7 @@ _CACHE_HEAD_MULTIPLES = {"DiffLlamaForCausalLM": 2}  # differential attention: p
 _CACHE_HEAD_PADS = {"DogeForCausalLM": 8}  # Doge's key bias as key entries (models/doge.py, KEY_BIAS_PAD)
 
 
+
 def supported_architectures() -> list[str]:
     return sorted(_MODELS.keys() | _CLASSIFIERS.keys() | _ENCODERS.keys() | _VISION_LANGUAGE.keys())
 
