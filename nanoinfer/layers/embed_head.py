@@ -39,6 +39,18 @@ class VocabParallelEmbedding(nn.Module):
         return y
 
 
+class ScaledEmbedding(VocabParallelEmbedding):
+    """The lookup times a constant, inside the module as transformers' scaled word embeddings have it (Gemma's,
+    BioGPT's, MiniCPM3's): a prompt embedding stands for this module's output (see model_runner.prompt_embedding)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, scale: float):
+        super().__init__(num_embeddings, embedding_dim)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
 class ParallelLMHead(VocabParallelEmbedding):
     packed_weight: torch.Tensor | None = None
 

@@ -5,10 +5,11 @@ LM head `output_projection`, tied. XGLM (xglm.py) is the same model on sinusoida
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanoinfer.layers.embed_head import ScaledEmbedding
 from nanoinfer.layers.layernorm import LayerNorm
 from nanoinfer.models.gpt2 import GPT2Model, biased_attention
 from nanoinfer.models.layernorm_decoder import DenseMLP, LayerNormDecoderLayer
-from nanoinfer.models.llama import SCALED_INPUT_EMBEDDING, AttentionOptions, LlamaAttention, LlamaForCausalLM
+from nanoinfer.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM
 from nanoinfer.models.opt import LAYER_NORM_EPS, OPTForCausalLM
 
 
@@ -22,8 +23,10 @@ class BioGptModel(GPT2Model):
     position_offset = 2
 
     @staticmethod
-    def embedding_scale(config: PretrainedConfig) -> float:
-        return config.hidden_size ** 0.5 if config.scale_embedding else 1.0
+    def token_embedding(config: PretrainedConfig) -> nn.Module:
+        """Times sqrt(hidden) with scale_embedding, inside the module as transformers' (XGLM's too)."""
+        return ScaledEmbedding(config.vocab_size, config.hidden_size,
+                               config.hidden_size ** 0.5 if config.scale_embedding else 1.0)
 
     @staticmethod
     def final_norm(config: PretrainedConfig) -> nn.Module:
@@ -32,7 +35,6 @@ class BioGptModel(GPT2Model):
 
 class BioGptForCausalLM(LlamaForCausalLM):
     model_class = BioGptModel
-    prompt_embeds_refused = SCALED_INPUT_EMBEDDING  # XGLM's too
     # transformers' BioGptForCausalLM files: the decoder under `biogpt.`; then OPT's names for the rest.
     weight_name_substitutions = {"^biogpt.": "model.", "^output_projection.": "lm_head.",
                                  "^model.layer_norm.": "model.norm.",

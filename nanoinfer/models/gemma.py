@@ -4,9 +4,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanoinfer.layers.embed_head import ScaledEmbedding
 from nanoinfer.layers.layernorm import GemmaRMSNorm
-from nanoinfer.models.llama import (SCALED_INPUT_EMBEDDING, AttentionOptions, LlamaDecoderLayer, LlamaForCausalLM,
-                                    LlamaModel, MLPFactory, OptionsFactory)
+from nanoinfer.models.llama import AttentionOptions, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 
 def check_config(config: PretrainedConfig) -> None:
@@ -23,23 +23,20 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
 class GemmaModel(LlamaModel):
     decoder_layer = GemmaDecoderLayer
 
-    def __init__(self, config: PretrainedConfig, attention_options: OptionsFactory, make_mlp: MLPFactory):
-        super().__init__(config, attention_options, make_mlp)
-        # transformers multiplies by sqrt(hidden) rounded to the model's dtype (the one this is built under).
-        self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=torch.get_default_dtype(), device="cpu").item()
+    @staticmethod
+    def token_embedding(config: PretrainedConfig) -> nn.Module:
+        """Times sqrt(hidden), rounded to the model's dtype (the one this is built under), as transformers scales."""
+        scale = torch.tensor(config.hidden_size ** 0.5, dtype=torch.get_default_dtype(), device="cpu").item()
+        return ScaledEmbedding(config.vocab_size, config.hidden_size, scale)
 
     @staticmethod
     def final_norm(config: PretrainedConfig) -> nn.Module:
         return GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.embed_scale
-
 
 class GemmaForCausalLM(LlamaForCausalLM):
     """The MLP's activation is `hidden_act`, which transformers' GemmaConfig turns from the Hub configs' legacy
     "gelu" into "gelu_pytorch_tanh" on load."""
-    prompt_embeds_refused = SCALED_INPUT_EMBEDDING  # its subclasses' too
 
     model_class = GemmaModel
     check_config = staticmethod(check_config)

@@ -68,7 +68,8 @@ class GPT2Model(LayerNormModel):
 
     @staticmethod
     def embedding_scale(config: PretrainedConfig) -> float:
-        """The token embeddings' factor: 1 (none), sqrt(hidden_size) for BioGPT and CTRL."""
+        """The token embeddings' factor after the lookup: 1 (none), sqrt(hidden_size) for CTRL (BioGPT's scales in
+        its embedding module, as transformers' does)."""
         return 1.0
 
     def position_embedding(self, config: PretrainedConfig) -> nn.Module:

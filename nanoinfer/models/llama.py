@@ -299,11 +299,6 @@ class LlamaModel(nn.Module):
         return x
 
 
-# A family whose token embedding transformers scales inside its input embedding module, and this one after it: a prompt
-# embedding (that module's output) has no place to stand in.
-SCALED_INPUT_EMBEDDING = "transformers' input embedding includes the embedding scale, which this model applies after it"
-
-
 class LlamaForCausalLM(nn.Module):
     model_class: type[LlamaModel] = LlamaModel
     lm_head_bias = False  # Phi's LM head has one

@@ -3,11 +3,13 @@ Granite's muP decoder (granite.py) under MiniCPM's names: embeddings times `scal
 `scale_depth / sqrt(num_hidden_layers)`, logits over `hidden_size / dim_model_base`; Llama's MLP on every layer."""
 import math
 
+from torch import nn
 from transformers import PretrainedConfig
 
+from nanoinfer.layers.embed_head import ScaledEmbedding
 from nanoinfer.models.deepseek_v2 import DeepseekV2Attention, DeepseekV2ForCausalLM
 from nanoinfer.models.granite import GraniteDecoderLayer, GraniteForCausalLM, GraniteModel
-from nanoinfer.models.llama import SCALED_INPUT_EMBEDDING, AttentionOptions
+from nanoinfer.models.llama import AttentionOptions
 
 
 class MiniCPM3DecoderLayer(GraniteDecoderLayer):
@@ -22,14 +24,18 @@ class MiniCPM3Model(GraniteModel):
     decoder_layer = MiniCPM3DecoderLayer
 
     @staticmethod
+    def token_embedding(config: PretrainedConfig) -> nn.Module:
+        """Times scale_emb, inside the module as transformers has it."""
+        return ScaledEmbedding(config.vocab_size, config.hidden_size, config.scale_emb)
+
+    @staticmethod
     def mup_embedding_multiplier(config: PretrainedConfig) -> float:
-        return config.scale_emb
+        return 1.0  # scale_emb is the embedding module's
 
 
 class MiniCPM3ForCausalLM(GraniteForCausalLM):
     """Its config's `logits_scaling` (a property: hidden_size / dim_model_base) is the divisor Granite's is."""
     model_class = MiniCPM3Model
-    prompt_embeds_refused = SCALED_INPUT_EMBEDDING
     packed_modules_mapping = DeepseekV2ForCausalLM.packed_modules_mapping
 
     @staticmethod
