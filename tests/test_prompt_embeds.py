@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+import transformers
 from cuda_fakes import capture_eager_graphs
 from models import ALL_KINDS, ODD_KIND, load_hf_model, random_prompts
 from test_random_schedules import assert_same, completions
@@ -24,6 +25,9 @@ REFUSED = {"deepseek-v4", "gemma4-e", "gemma3n", "qwen4-exp"}
 def embedded(model_dir, prompts: list[list[int]]) -> list[dict]:
     """The prompts as transformers' input embeddings of their ids."""
     embedding = load_hf_model(model_dir).get_input_embeddings()
+    if model_dir.name == "inkling" and not hasattr(embedding, "embed_norm"):
+        pytest.skip(f"transformers {transformers.__version__}'s Inkling keeps the embedding's norm out of its input "
+                    f"embedding (5.23's and later, and the engine, norm inside it)")
     with torch.no_grad():
         return [{"prompt_embeds": embedding(torch.tensor(p)).float()} for p in prompts]
 
