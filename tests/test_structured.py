@@ -170,8 +170,29 @@ def test_json_object_regex_takes_nested_objects_up_to_its_depth():
         assert not dfa.fullmatch(text), text
 
 
+def test_integer_bounds_allow_exactly_the_integers_between():
+    """minimum/maximum and their exclusive forms (numbers, as JSON Schema 6+ has them), fractional ones rounded
+    inward, against every integer near the bounds and many far from them; no other spelling of an integer."""
+    rng = random.Random(3)
+    for _ in range(200):
+        lo, hi = sorted(rng.choice([rng.randint(-1200, 1200), rng.randint(-10**11, 10**11)]) for _ in range(2))
+        schema = {"type": "integer"} | rng.choice([{"minimum": lo, "maximum": hi}, {"minimum": lo}, {"maximum": hi},
+                                                    {"exclusiveMinimum": lo - 0.5, "exclusiveMaximum": hi + 1}])
+        low = lo if "minimum" in schema or "exclusiveMinimum" in schema else None
+        high = hi if "maximum" in schema or "exclusiveMaximum" in schema else None
+        dfa = DFA(schema_to_regex(schema))
+        values = [*range(-1300, 1300), *(rng.randint(-10**12, 10**12) for _ in range(300)),
+                  *(s * (10**k + d) for s in (1, -1) for k in range(1, 13) for d in (-1, 0, 1)), lo, hi]
+        for v in values:
+            assert dfa.fullmatch(str(v)) == ((low is None or v >= low) and (high is None or v <= high)), (schema, v)
+        assert not any(dfa.fullmatch(t) for t in ("-0", "01", "+1", "-01", "1.0", "")), schema
+
+
 @pytest.mark.parametrize("schema, message", [
-    ({"type": "integer", "minimum": 3}, "'minimum'"), ({"type": "string", "format": "email"}, "format 'email'"),
+    ({"type": "number", "minimum": 3}, "'minimum' on type 'number' is not supported"),
+    ({"type": "integer", "minimum": 3, "exclusiveMaximum": 3}, "no integer lies within its bounds (from 3 to 2)"),
+    ({"type": "integer", "exclusiveMinimum": True}, "exclusiveMinimum: must be a finite number, got True"),
+    ({"type": "string", "format": "email"}, "format 'email'"),
     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "'b'"), ({"allOf": [{}, {}]}, "allOf"),
     ({"$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}}, "$ref": "#/$defs/n"}, "recursive"),
     ({"type": "string", "pattern": "(?=x)"}, "lookahead"), ({"type": "array", "prefixItems": []}, "'prefixItems'"),
@@ -351,6 +372,16 @@ def test_greedy_equals_transformers_masked_by_the_oracle(llm, qwen3_dir, name):
             assert isinstance(value["name"], str) and len(value["name"]) <= 5 and isinstance(value["n"], int)
 
 
+def test_generated_integers_keep_to_their_bounds(llm):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": -7, "exclusiveMaximum": 250}},
+              "required": ["n"]}
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=40, structured_outputs=StructuredOutputsParams(
+        json=schema))
+    outs = [o.outputs[0] for o in llm.generate(PROMPTS * 4, params, use_tqdm=False)]
+    values = [json.loads(c.text)["n"] for c in outs if c.finish_reason == "stop"]
+    assert len(values) >= 6 and all(-7 <= v < 250 for v in values), values
+
+
 def assert_matches(pattern: str, c) -> None:
     """A finished completion ends in EOS and fullmatches; one cut by max_tokens is a prefix of a match."""
     if c.finish_reason == "stop":
@@ -483,7 +514,7 @@ def test_structured_outputs_params_validation(kwargs, exc, message):
     (StructuredOutputsParams(regex="a(?=b)"), r"structured_outputs.regex='a\(\?=b\)': lookahead"),
     (StructuredOutputsParams(regex="[^\\d\\D]"), "matches no string"),
     (StructuredOutputsParams(regex="\u4e2d+"), "no token of the vocabulary can start"),
-    (StructuredOutputsParams(json={"type": "integer", "maximum": 3}), "structured_outputs.json=.*'maximum'"),
+    (StructuredOutputsParams(json={"type": "number", "maximum": 3}), "structured_outputs.json=.*'maximum'"),
     (StructuredOutputsParams(json="{oops"), "structured_outputs.json='{oops': not valid JSON"),
 ])
 def test_bad_constraints_are_refused_by_generate_and_the_engine_stays_usable(llm, params, message):

@@ -1,6 +1,7 @@
 """JSON schema -> regex (the approach of outlines' build_regex_from_schema): properties in their declared order,
 compact JSON with at most one space where JSON allows whitespace, unsupported keywords refused by name."""
 import json
+import math
 from functools import lru_cache
 
 from nanoinfer.structured.regex import escape, parse
@@ -27,7 +28,8 @@ SCALARS = {"string": STRING, "integer": INTEGER, "number": NUMBER, "boolean": BO
 # Keywords that annotate and constrain nothing.
 _ANNOTATIONS = frozenset({"title", "description", "$schema", "$id", "$comment", "default", "examples", "readOnly",
                           "writeOnly", "deprecated", "$defs", "definitions"})
-_KEYWORDS = {"string": {"minLength", "maxLength", "pattern", "format"}, "integer": set(), "number": set(),
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_KEYWORDS = {"string": {"minLength", "maxLength", "pattern", "format"}, "integer": set(_BOUNDS), "number": set(),
              "boolean": set(), "null": set(), "array": {"items", "minItems", "maxItems"},
              "object": {"properties", "required", "additionalProperties"}}
 _COMMON = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"}
@@ -122,6 +124,8 @@ class _Converter:
     def typed(self, schema: dict, kind: object, path: str, refs: tuple[str, ...]) -> str:
         if kind not in _KEYWORDS:
             raise ValueError(f"{path}: unsupported type {kind!r}")
+        if kind == "number" and (bounds := sorted(set(_BOUNDS) & set(schema))):
+            raise ValueError(f"{path}: {bounds[0]!r} on type 'number' is not supported (on 'integer' it is)")
         misplaced = set(schema) & set().union(*_KEYWORDS.values()) - _KEYWORDS[kind]
         if misplaced and not isinstance(schema.get("type"), list):
             raise ValueError(f"{path}: keyword {sorted(misplaced)[0]!r} does not apply to type {kind!r}")
@@ -131,6 +135,8 @@ class _Converter:
             return self.array(schema, path, refs)
         if kind == "object":
             return self.object(schema, path, refs)
+        if kind == "integer" and set(_BOUNDS) & set(schema):
+            return _integer_range(*_integer_bounds(schema, path))
         return SCALARS[kind]
 
     def array(self, schema: dict, path: str, refs: tuple[str, ...]) -> str:
@@ -229,6 +235,71 @@ def _bounds(schema: dict, low: str, high: str, path: str) -> tuple[int, int | No
     if hi is not None and lo > hi:
         raise ValueError(f"{path}: {low}={lo} exceeds {high}={hi}")
     return lo, hi
+
+
+def _integer_bounds(schema: dict, path: str) -> tuple[int | None, int | None]:
+    """The least and greatest integers minimum/maximum (and their exclusive forms, numbers as in JSON Schema 6+)
+    allow; None where unbounded."""
+    lo = hi = None
+    for name in _BOUNDS:
+        value = schema.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ValueError(f"{path}/{name}: must be a finite number, got {value!r}")
+        if name in ("minimum", "exclusiveMinimum"):
+            bound = math.floor(value) + 1 if name == "exclusiveMinimum" else math.ceil(value)
+            lo = bound if lo is None else max(lo, bound)
+        else:
+            bound = math.ceil(value) - 1 if name == "exclusiveMaximum" else math.floor(value)
+            hi = bound if hi is None else min(hi, bound)
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"{path}: no integer lies within its bounds (from {lo} to {hi})")
+    return lo, hi
+
+
+def _integer_range(lo: int | None, hi: int | None) -> str:
+    """JSON integers (no leading zeros, no "-0") from lo to hi (None: unbounded)."""
+    parts = []
+    if lo is None or lo < 0:  # the negative ones, as "-" and their magnitudes
+        parts.append("-" + _naturals(1 if hi is None or hi >= 0 else -hi, None if lo is None else -lo))
+    if hi is None or hi >= 0:
+        parts.append(_naturals(max(lo or 0, 0), hi))
+    return "(?:" + "|".join(parts) + ")"
+
+
+def _naturals(lo: int, hi: int | None) -> str:
+    """Decimal numerals (no leading zeros) of the integers from lo >= 0 to hi (None: unbounded), a length at a time."""
+    options = ["0"] if lo == 0 else []
+    lo = max(lo, 1)
+    length = len(str(lo))
+    while hi is None or length <= len(str(hi)):
+        first = max(lo, 10 ** (length - 1))
+        if hi is None and first == 10 ** (length - 1):
+            options.append(f"[1-9][0-9]{{{length - 1},}}")  # every longer numeral too
+            break
+        last = 10 ** length - 1 if hi is None or length < len(str(hi)) else hi
+        if first <= last:
+            options.append(_digit_range(str(first), str(last)))
+        length += 1
+    return "(?:" + "|".join(options) + ")"
+
+
+def _digit_range(low: str, high: str) -> str:
+    """The digit strings of one length from low to high (low <= high), as a regex: a shared prefix, then the rest of
+    low's first digit, the digits between, and the start of high's."""
+    common = next((i for i, (a, b) in enumerate(zip(low, high)) if a != b), len(low))
+    prefix, low, high = low[:common], low[common:], high[common:]
+    if not low:
+        return prefix
+    rest = len(low) - 1
+    if low[1:] == "0" * rest and high[1:] == "9" * rest:
+        return prefix + f"[{low[0]}-{high[0]}]" + (f"[0-9]{{{rest}}}" if rest else "")
+    options = [low[0] + _digit_range(low[1:], "9" * rest)]
+    if int(low[0]) + 1 < int(high[0]):
+        options.append(f"[{int(low[0]) + 1}-{int(high[0]) - 1}][0-9]{{{rest}}}")
+    options.append(high[0] + _digit_range("0" * rest, high[1:]))
+    return prefix + "(?:" + "|".join(options) + ")"
 
 
 def _literal_json(value: object) -> str:
