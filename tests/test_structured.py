@@ -170,6 +170,21 @@ def test_json_object_regex_takes_nested_objects_up_to_its_depth():
         assert not dfa.fullmatch(text), text
 
 
+PAIR = {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]}
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    (PAIR | {"minItems": 2, "maxItems": 2}, ['[1,"a"]', '[ 1, "a" ]'], ['[1]', '["a",1]', '[1,"a",2]']),  # Pydantic's
+    (PAIR | {"items": {"type": "boolean"}}, ['[]', '[1]', '[1,"a"]', '[1,"a",true,false]'], ['[1,"a",3]', '["a"]']),
+    (PAIR | {"items": False, "minItems": 1}, ['[1]', '[1,"a"]'], ['[]', '[1,"a",true]']),
+    (PAIR | {"minItems": 3, "maxItems": 4}, ['[1,"a",null]', '[1,"a",{"b":2},[3]]'], ['[1,"a"]', '[1,"a",1,2,3]']),
+    ({"type": "array", "prefixItems": [], "items": False}, ['[]'], ['[1]']),
+])
+def test_prefix_items_fix_the_first_items_in_order(schema, good, bad):
+    dfa = DFA(schema_to_regex(schema))
+    assert all(dfa.fullmatch(t) for t in good) and not any(dfa.fullmatch(t) for t in bad)
+
+
 def test_integer_bounds_allow_exactly_the_integers_between():
     """minimum/maximum and their exclusive forms (numbers, as JSON Schema 6+ has them), fractional ones rounded
     inward, against every integer near the bounds and many far from them; no other spelling of an integer."""
@@ -195,7 +210,8 @@ def test_integer_bounds_allow_exactly_the_integers_between():
     ({"type": "string", "format": "email"}, "format 'email'"),
     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "'b'"), ({"allOf": [{}, {}]}, "allOf"),
     ({"$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}}, "$ref": "#/$defs/n"}, "recursive"),
-    ({"type": "string", "pattern": "(?=x)"}, "lookahead"), ({"type": "array", "prefixItems": []}, "'prefixItems'"),
+    ({"type": "string", "pattern": "(?=x)"}, "lookahead"), ({"type": "array", "uniqueItems": True}, "'uniqueItems'"),
+    ({"type": "array", "prefixItems": [{}], "items": False, "minItems": 2}, "minItems=2 exceeds the 1 items"),
     ({"type": "bytes"}, "unsupported type"), ('{"type": "object",', "not valid JSON"),
 ])
 def test_unsupported_schemas_are_refused_naming_the_keyword(schema, message):

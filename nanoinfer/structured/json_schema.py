@@ -30,7 +30,7 @@ _ANNOTATIONS = frozenset({"title", "description", "$schema", "$id", "$comment", 
                           "writeOnly", "deprecated", "$defs", "definitions"})
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _KEYWORDS = {"string": {"minLength", "maxLength", "pattern", "format"}, "integer": set(_BOUNDS), "number": set(),
-             "boolean": set(), "null": set(), "array": {"items", "minItems", "maxItems"},
+             "boolean": set(), "null": set(), "array": {"items", "prefixItems", "minItems", "maxItems"},
              "object": {"properties", "required", "additionalProperties"}}
 _COMMON = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"}
 
@@ -141,8 +141,16 @@ class _Converter:
 
     def array(self, schema: dict, path: str, refs: tuple[str, ...]) -> str:
         lo, hi = _bounds(schema, "minItems", "maxItems", path)
-        item = self.regex(schema.get("items", True), f"{path}/items", refs)
-        return _array_of(item, lo, hi)
+        items = schema.get("items", True)
+        later = None if items is False else self.regex(items, f"{path}/items", refs)  # false: no items (past the prefix)
+        prefix = schema.get("prefixItems", [])
+        if not isinstance(prefix, list):
+            raise ValueError(f"{path}/prefixItems: must be a list of schemas, got {prefix!r}")
+        if not prefix and later is not None:
+            return _array_of(later, lo, hi)
+        if later is None and lo > len(prefix):
+            raise ValueError(f"{path}: minItems={lo} exceeds the {len(prefix)} items prefixItems allows")
+        return _tuple_of([self.regex(s, f"{path}/prefixItems/{i}", refs) for i, s in enumerate(prefix)], later, lo, hi)
 
     def object(self, schema: dict, path: str, refs: tuple[str, ...]) -> str:
         properties = schema.get("properties", {})
@@ -193,6 +201,15 @@ def _array_of(item: str, lo: int, hi: int | None) -> str:
     more = f"(?:{_SEP}{item}){{{max(lo - 1, 0)},{'' if hi is None else hi - 1}}}"
     items = f"{item}{more}" if lo >= 1 else f"(?:{item}{more})?"
     return rf"\[{WHITESPACE}{items}{WHITESPACE}\]"
+
+
+def _tuple_of(firsts: list[str], later: str | None, lo: int, hi: int | None) -> str:
+    """Arrays of lo to hi items whose first ones match firsts in order and any after them `later` (None: none)."""
+    options = [_SEP.join(firsts[:n]) for n in range(lo, min(len(firsts), len(firsts) if hi is None else hi) + 1)]
+    if later is not None and (hi is None or hi > len(firsts)):
+        more = f"(?:{_SEP}{later}){{{max(lo - len(firsts), 1)},{'' if hi is None else hi - len(firsts)}}}"
+        options.append(_SEP.join(firsts) + more)  # firsts: not empty (else _array_of)
+    return rf"\[{WHITESPACE}(?:{'|'.join(options)}){WHITESPACE}\]"
 
 
 def _string(schema: dict, path: str) -> str:
