@@ -185,6 +185,17 @@ def test_prefix_items_fix_the_first_items_in_order(schema, good, bad):
     assert all(dfa.fullmatch(t) for t in good) and not any(dfa.fullmatch(t) for t in bad)
 
 
+def test_pydantic_tagged_union_with_its_discriminator():
+    cat = {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer", "minimum": 0,
+                                                                              "maximum": 9}}, "required": ["kind"]}
+    dog = {"type": "object", "properties": {"kind": {"const": "dog"}}, "required": ["kind"]}
+    schema = {"$defs": {"Cat": cat, "Dog": dog}, "discriminator": {"propertyName": "kind", "mapping": {
+        "cat": "#/$defs/Cat", "dog": "#/$defs/Dog"}}, "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}]}
+    dfa = DFA(schema_to_regex(schema))
+    assert dfa.fullmatch('{"kind":"cat","lives":9}') and dfa.fullmatch('{"kind":"dog"}')
+    assert not dfa.fullmatch('{"kind":"cat","lives":10}') and not dfa.fullmatch('{"kind":"cow"}')
+
+
 def test_integer_bounds_allow_exactly_the_integers_between():
     """minimum/maximum and their exclusive forms (numbers, as JSON Schema 6+ has them), fractional ones rounded
     inward, against every integer near the bounds and many far from them; no other spelling of an integer."""

@@ -25,9 +25,10 @@ FORMATS = {"uuid": "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-
            "date": _DATE, "time": _TIME, "date-time": f"{_DATE}T{_TIME}"}
 SCALARS = {"string": STRING, "integer": INTEGER, "number": NUMBER, "boolean": BOOLEAN, "null": NULL}
 
-# Keywords that annotate and constrain nothing.
+# Keywords that annotate and constrain nothing (OpenAPI's discriminator, which Pydantic writes beside a tagged union's
+# oneOf, names the property that tells the alternatives apart: oneOf constrains already).
 _ANNOTATIONS = frozenset({"title", "description", "$schema", "$id", "$comment", "default", "examples", "readOnly",
-                          "writeOnly", "deprecated", "$defs", "definitions"})
+                          "writeOnly", "deprecated", "$defs", "definitions", "discriminator"})
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _KEYWORDS = {"string": {"minLength", "maxLength", "pattern", "format"}, "integer": set(_BOUNDS), "number": set(),
              "boolean": set(), "null": set(), "array": {"items", "prefixItems", "minItems", "maxItems"},
