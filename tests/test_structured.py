@@ -7,6 +7,7 @@ import itertools
 import json
 import random
 import re
+from decimal import Decimal
 
 import numpy as np
 import pytest
@@ -170,6 +171,33 @@ def test_json_object_regex_takes_nested_objects_up_to_its_depth():
         assert not dfa.fullmatch(text), text
 
 
+def test_number_bounds_allow_exactly_the_decimals_between():
+    """Random bounds (inclusive or exclusive, integral or fractional, either side of 0) against numerals near them,
+    with trailing zeros, and many others: exactly the JSON numbers in range, written without an exponent (no "-0")."""
+    rng = random.Random(4)
+    json_number = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
+
+    def bound() -> float | int:
+        return rng.choice([rng.randint(-3, 3), round(rng.uniform(-3, 3), rng.randint(1, 3)), 0, 0.5, -0.05, 1.25])
+    for _ in range(150):
+        lo, hi = sorted((bound(), bound()))
+        schema = {"type": "number", rng.choice(["minimum", "exclusiveMinimum"]): lo,
+                  rng.choice(["maximum", "exclusiveMaximum"]): hi}
+        low, high = Decimal(str(lo)), Decimal(str(hi))
+        if low == high and ("exclusiveMinimum" in schema or "exclusiveMaximum" in schema):
+            continue
+        dfa = DFA(schema_to_regex(schema))
+        near = {format(b + d, "f") + z for b in (low, high) for d in (Decimal(0), *(Decimal(s) * Decimal("0.001")
+                for s in (1, -1, 10, -10, 100, -100, 1000, -1000))) for z in ("", "0")}
+        others = {format(Decimal(rng.randint(-4000, 4000)) / 10 ** rng.randint(0, 3), "f") for _ in range(100)}
+        for text in near | others | {"-0", "-0.0", "01", "1.", ".5", "1e0"}:
+            value = Decimal(text) if json_number.fullmatch(text) else None
+            inside = value is not None and not (text.startswith("-") and value == 0) and (
+                value > low if "exclusiveMinimum" in schema else value >= low) and (
+                value < high if "exclusiveMaximum" in schema else value <= high)
+            assert dfa.fullmatch(text) == inside, (schema, text)
+
+
 PAIR = {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]}
 
 
@@ -215,8 +243,8 @@ def test_integer_bounds_allow_exactly_the_integers_between():
 
 
 @pytest.mark.parametrize("schema, message", [
-    ({"type": "number", "minimum": 3}, "'minimum' on type 'number' is not supported"),
-    ({"type": "integer", "minimum": 3, "exclusiveMaximum": 3}, "no integer lies within its bounds (from 3 to 2)"),
+    ({"type": "number", "minimum": 3, "exclusiveMaximum": 3}, "no number lies within its bounds"),
+    ({"type": "integer", "minimum": 2.5, "maximum": 2.9}, "no integer lies within its bounds (from 3 to 2)"),
     ({"type": "integer", "exclusiveMinimum": True}, "exclusiveMinimum: must be a finite number, got True"),
     ({"type": "string", "format": "email"}, "format 'email'"),
     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "'b'"), ({"allOf": [{}, {}]}, "allOf"),
@@ -399,14 +427,15 @@ def test_greedy_equals_transformers_masked_by_the_oracle(llm, qwen3_dir, name):
             assert isinstance(value["name"], str) and len(value["name"]) <= 5 and isinstance(value["n"], int)
 
 
-def test_generated_integers_keep_to_their_bounds(llm):
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": -7, "exclusiveMaximum": 250}},
-              "required": ["n"]}
+def test_generated_numbers_keep_to_their_bounds(llm):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": -7, "exclusiveMaximum": 250},
+                                               "p": {"type": "number", "minimum": 0, "maximum": 1}},
+              "required": ["n", "p"]}
     params = SamplingParams(temperature=1.0, seed=5, max_tokens=40, structured_outputs=StructuredOutputsParams(
         json=schema))
     outs = [o.outputs[0] for o in llm.generate(PROMPTS * 4, params, use_tqdm=False)]
-    values = [json.loads(c.text)["n"] for c in outs if c.finish_reason == "stop"]
-    assert len(values) >= 6 and all(-7 <= v < 250 for v in values), values
+    values = [json.loads(c.text) for c in outs if c.finish_reason == "stop"]
+    assert len(values) >= 6 and all(-7 <= v["n"] < 250 and 0 <= v["p"] <= 1 for v in values), values
 
 
 def assert_matches(pattern: str, c) -> None:
@@ -541,7 +570,7 @@ def test_structured_outputs_params_validation(kwargs, exc, message):
     (StructuredOutputsParams(regex="a(?=b)"), r"structured_outputs.regex='a\(\?=b\)': lookahead"),
     (StructuredOutputsParams(regex="[^\\d\\D]"), "matches no string"),
     (StructuredOutputsParams(regex="\u4e2d+"), "no token of the vocabulary can start"),
-    (StructuredOutputsParams(json={"type": "number", "maximum": 3}), "structured_outputs.json=.*'maximum'"),
+    (StructuredOutputsParams(json={"type": "array", "uniqueItems": True}), "structured_outputs.json=.*'uniqueItems'"),
     (StructuredOutputsParams(json="{oops"), "structured_outputs.json='{oops': not valid JSON"),
 ])
 def test_bad_constraints_are_refused_by_generate_and_the_engine_stays_usable(llm, params, message):

@@ -2,6 +2,7 @@
 compact JSON with at most one space where JSON allows whitespace, unsupported keywords refused by name."""
 import json
 import math
+from decimal import Decimal
 from functools import lru_cache
 
 from nanoinfer.structured.regex import escape, parse
@@ -30,8 +31,9 @@ SCALARS = {"string": STRING, "integer": INTEGER, "number": NUMBER, "boolean": BO
 _ANNOTATIONS = frozenset({"title", "description", "$schema", "$id", "$comment", "default", "examples", "readOnly",
                           "writeOnly", "deprecated", "$defs", "definitions", "discriminator"})
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-_KEYWORDS = {"string": {"minLength", "maxLength", "pattern", "format"}, "integer": set(_BOUNDS), "number": set(),
-             "boolean": set(), "null": set(), "array": {"items", "prefixItems", "minItems", "maxItems"},
+_KEYWORDS = {"string": {"minLength", "maxLength", "pattern", "format"}, "integer": set(_BOUNDS),
+             "number": set(_BOUNDS), "boolean": set(), "null": set(),
+             "array": {"items", "prefixItems", "minItems", "maxItems"},
              "object": {"properties", "required", "additionalProperties"}}
 _COMMON = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"}
 
@@ -125,8 +127,6 @@ class _Converter:
     def typed(self, schema: dict, kind: object, path: str, refs: tuple[str, ...]) -> str:
         if kind not in _KEYWORDS:
             raise ValueError(f"{path}: unsupported type {kind!r}")
-        if kind == "number" and (bounds := sorted(set(_BOUNDS) & set(schema))):
-            raise ValueError(f"{path}: {bounds[0]!r} on type 'number' is not supported (on 'integer' it is)")
         misplaced = set(schema) & set().union(*_KEYWORDS.values()) - _KEYWORDS[kind]
         if misplaced and not isinstance(schema.get("type"), list):
             raise ValueError(f"{path}: keyword {sorted(misplaced)[0]!r} does not apply to type {kind!r}")
@@ -138,6 +138,8 @@ class _Converter:
             return self.object(schema, path, refs)
         if kind == "integer" and set(_BOUNDS) & set(schema):
             return _integer_range(*_integer_bounds(schema, path))
+        if kind == "number" and set(_BOUNDS) & set(schema):
+            return _number_range(*_number_bounds(schema, path))
         return SCALARS[kind]
 
     def array(self, schema: dict, path: str, refs: tuple[str, ...]) -> str:
@@ -255,9 +257,12 @@ def _bounds(schema: dict, low: str, high: str, path: str) -> tuple[int, int | No
     return lo, hi
 
 
-def _integer_bounds(schema: dict, path: str) -> tuple[int | None, int | None]:
-    """The least and greatest integers minimum/maximum (and their exclusive forms, numbers as in JSON Schema 6+)
-    allow; None where unbounded."""
+Bound = tuple[Decimal, bool] | None  # a value and whether it is excluded; None: unbounded
+
+
+def _number_bounds(schema: dict, path: str) -> tuple[Bound, Bound]:
+    """The tightest lower and upper bounds minimum/maximum and their exclusive forms (numbers, as in JSON Schema 6+)
+    give, exact as decimals."""
     lo = hi = None
     for name in _BOUNDS:
         value = schema.get(name)
@@ -265,15 +270,127 @@ def _integer_bounds(schema: dict, path: str) -> tuple[int | None, int | None]:
             continue
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise ValueError(f"{path}/{name}: must be a finite number, got {value!r}")
+        bound = Decimal(str(value)), name.startswith("exclusive")
+        # The tighter of two: the higher minimum (the lower maximum), or, at the same value, the exclusive one.
         if name in ("minimum", "exclusiveMinimum"):
-            bound = math.floor(value) + 1 if name == "exclusiveMinimum" else math.ceil(value)
             lo = bound if lo is None else max(lo, bound)
         else:
-            bound = math.ceil(value) - 1 if name == "exclusiveMaximum" else math.floor(value)
-            hi = bound if hi is None else min(hi, bound)
-    if lo is not None and hi is not None and lo > hi:
-        raise ValueError(f"{path}: no integer lies within its bounds (from {lo} to {hi})")
+            hi = bound if hi is None else min(hi, bound, key=lambda b: (b[0], not b[1]))
+    if lo is not None and hi is not None and (lo[0] > hi[0] or lo[0] == hi[0] and (lo[1] or hi[1])):
+        raise ValueError(f"{path}: no number lies within its bounds")
     return lo, hi
+
+
+def _integer_bounds(schema: dict, path: str) -> tuple[int | None, int | None]:
+    """The least and greatest integers the bounds allow (see _number_bounds); None where unbounded."""
+    lo, hi = _number_bounds(schema, path)
+    first = None if lo is None else math.floor(lo[0]) + 1 if lo[1] else math.ceil(lo[0])
+    last = None if hi is None else math.ceil(hi[0]) - 1 if hi[1] else math.floor(hi[0])
+    if first is not None and last is not None and first > last:
+        raise ValueError(f"{path}: no integer lies within its bounds (from {first} to {last})")
+    return first, last
+
+
+def _number_range(lo: Bound, hi: Bound) -> str:
+    """JSON numbers between the bounds, written without an exponent (a subset: with one, a bounded range is no simple
+    language): negative ones as "-" and a magnitude above 0, the others as a magnitude."""
+    zero = Decimal(0)
+    parts = []
+    if lo is None or lo[0] < 0:
+        above = (zero, True) if hi is None or hi[0] >= 0 else (-hi[0], hi[1])
+        parts.append("-" + _magnitudes(above, None if lo is None else (-lo[0], lo[1])))
+    if hi is None or hi[0] > 0 or hi == (zero, False):
+        parts.append(_magnitudes((zero, False) if lo is None or lo[0] < 0 else lo, hi))
+    return "(?:" + "|".join(parts) + ")"
+
+
+def _magnitudes(lo: tuple[Decimal, bool], hi: Bound) -> str:
+    """Non-negative decimals from lo to hi (None: unbounded): an integer part, then a fraction where the integer
+    part is a bound's."""
+    first, first_digits = _split(lo[0])
+    if hi is None:
+        options = [_with_fraction(first, _fraction_at_least(first_digits, lo[1])),
+                   _naturals(first + 1, None) + ANY_FRACTION]
+    else:
+        last, last_digits = _split(hi[0])
+        if first == last:
+            options = [_with_fraction(first, _fraction_between(first_digits, last_digits, lo[1], hi[1]))]
+        else:
+            options = [_with_fraction(first, _fraction_at_least(first_digits, lo[1])),
+                       _with_fraction(last, _fraction_at_most(last_digits, hi[1]))]
+            if first + 1 < last:
+                options.append(_naturals(first + 1, last - 1) + ANY_FRACTION)
+    return "(?:" + "|".join(o for o in options if o) + ")"
+
+
+# Fractions as digit strings D after the point (empty: no point), valued 0.D: (a regex of the non-empty ones, or None
+# for none, and whether the empty one is among them).
+Fraction = tuple[str | None, bool]
+ANY_FRACTION = r"(?:\.[0-9]+)?"
+
+
+def _split(value: Decimal) -> tuple[int, str]:
+    """A non-negative decimal's integer part and its fraction's digits."""
+    whole, _, digits = format(value, "f").partition(".")
+    return int(whole), digits
+
+
+def _with_fraction(whole: int, fraction: Fraction) -> str | None:
+    digits, empty = fraction
+    if digits is None:
+        return str(whole) if empty else None
+    return f"{whole}(?:\\.{digits})?" if empty else f"{whole}\\.{digits}"
+
+
+def _fraction_at_least(f: str, strict: bool) -> Fraction:
+    """0.D >= 0.f (> if strict)."""
+    f = f.rstrip("0")
+    if not f:
+        return ("0*[1-9][0-9]*", False) if strict else ("[0-9]+", True)
+    options = [f"{f[:i]}[{int(c) + 1}-9][0-9]*" for i, c in enumerate(f) if c != "9"]
+    return "(?:" + "|".join(options + [f + ("0*[1-9][0-9]*" if strict else "[0-9]*")]) + ")", False
+
+
+def _fraction_at_most(f: str, strict: bool) -> Fraction:
+    """0.D <= 0.f (< if strict): a lower digit somewhere, or a beginning of f (the empty one too)."""
+    f = f.rstrip("0")
+    if not f:
+        return (None, False) if strict else ("0+", True)
+    options = [f"{f[:i]}[0-{int(c) - 1}][0-9]*" for i, c in enumerate(f) if c != "0"]
+    options += [f[:i] for i in range(1, len(f))] + ([] if strict else [f + "0*"])
+    return "(?:" + "|".join(options) + ")", True
+
+
+def _fraction_between(low: str, high: str, low_strict: bool, high_strict: bool) -> Fraction:
+    """0.low <= 0.D <= 0.high (either strict), for 0.low <= 0.high: after their shared digits, low's next digit and
+    a rest at least low's, high's and a rest at most high's, or one between; or D ends within the shared digits,
+    equal to low (whose later digits are zeros)."""
+    width = max(len(low), len(high))
+    low, high = low.ljust(width, "0"), high.ljust(width, "0")
+    if low == high:
+        return (None, False) if low_strict or high_strict else _equal(low)
+    c = next(i for i, (a, b) in enumerate(zip(low, high)) if a != b)
+    options = [option for digit, (rest, empty) in ((low[c], _fraction_at_least(low[c + 1:], low_strict)),
+                                                   (high[c], _fraction_at_most(high[c + 1:], high_strict)))
+               for option in _followed(low[:c] + digit, rest, empty)]
+    if int(low[c]) + 1 < int(high[c]):
+        options.append(f"{low[:c]}[{int(low[c]) + 1}-{int(high[c]) - 1}][0-9]*")
+    ends = [j for j in range(c + 1) if not low_strict and not low[j:].strip("0")]
+    options += [low[:j] for j in ends if j]
+    return "(?:" + "|".join(options) + ")", 0 in ends
+
+
+def _equal(f: str) -> Fraction:
+    """0.D = 0.f."""
+    f = f.rstrip("0")
+    return ("0+", True) if not f else (f + "0*", False)
+
+
+def _followed(head: str, rest: str | None, empty: bool) -> list[str]:
+    """head, then a rest of the fraction (rest's language, and the empty one where it counts)."""
+    if rest is None:
+        return [head] if empty else []
+    return [f"{head}(?:{rest})?" if empty else head + rest]
 
 
 def _integer_range(lo: int | None, hi: int | None) -> str:
