@@ -22,8 +22,13 @@ _SEP = f"{WHITESPACE},{WHITESPACE}"
 _COLON = f"{WHITESPACE}:{WHITESPACE}"
 _DATE = r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])?"
+_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_LABEL = "[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?"  # a DNS label (RFC 1123)
+_ATOM = "[a-zA-Z0-9!#$%&'*+/=?^_`{|}~-]+"  # of an email address's local part (RFC 5322's dot-atom)
+# email: the common form (a dot-atom local part, a hostname with a dot), not RFC 5322's quoted or bracketed forms.
 FORMATS = {"uuid": "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
-           "date": _DATE, "time": _TIME, "date-time": f"{_DATE}T{_TIME}"}
+           "date": _DATE, "time": _TIME, "date-time": f"{_DATE}T{_TIME}", "ipv4": rf"{_OCTET}(?:\.{_OCTET}){{3}}",
+           "hostname": rf"{_LABEL}(?:\.{_LABEL})*", "email": rf"{_ATOM}(?:\.{_ATOM})*@{_LABEL}(?:\.{_LABEL})+"}
 SCALARS = {"string": STRING, "integer": INTEGER, "number": NUMBER, "boolean": BOOLEAN, "null": NULL}
 
 # Keywords that annotate and constrain nothing (OpenAPI's discriminator, which Pydantic writes beside a tagged union's
