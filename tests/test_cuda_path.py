@@ -379,6 +379,18 @@ def test_graph_runner_pads_replays_and_slices(monkeypatch):
     assert runner.padded_size(9) is None
 
 
+def test_graph_metadata_is_made_of_views_of_the_runner_buffers():
+    """A graph reads its inputs where they were at capture: a tensor made for one capture alone (the decode steps'
+    cu_seqlens once were, which recurrent layers read) is freed once captured, its memory reused by the replay."""
+    runner = CUDAGraphRunner(EchoModel(), NoBackend(), max_num_seqs=8, max_model_len=20, block_size=4,
+                             hidden_size=5, dtype=torch.float32, device=torch.device("cpu"), recurrent=True)
+    owned = {t.untyped_storage().data_ptr() for t in (*vars(runner.buffers).values(), *vars(runner).values())
+             if isinstance(t, torch.Tensor)}
+    for size in runner.sizes:
+        tensors = [t for t in vars(runner.metadata(size)).values() if isinstance(t, torch.Tensor)]
+        assert len(tensors) >= 6 and all(t.untyped_storage().data_ptr() in owned for t in tensors), size
+
+
 # ---- small uploads through persistent staging ----
 
 class CountingEvent:

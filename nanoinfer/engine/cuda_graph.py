@@ -73,15 +73,19 @@ class CUDAGraphRunner:
                                     torch.zeros(top, **i32), torch.full((top, self.width), -1, **i32),
                                     torch.full((top,), -1, **i64) if recurrent else None,
                                     None if lora_step is None else torch.full((top,), -1, **i64))
+        # cu_seqlens of a decode step: 0, 1, ..., size (recurrent layers read them on the device to find each row).
+        self.cu_seqlens = torch.arange(top + 1, **i32)
         self.lora_step = lora_step
         self.outputs = torch.zeros(top, hidden_size, dtype=dtype, device=device)
         self.new_graph = new_graph or CUDAGraph
         self.graphs: dict[int, CUDAGraph] = {}
 
     def metadata(self, size: int) -> AttentionMetadata:
-        """Views of the static buffers; max_seqlen_k is the longest context a graph must serve."""
+        """Views of the static buffers; max_seqlen_k is the longest context a graph must serve. Only views: a graph
+        reads its inputs where they were at capture, and a tensor made for one capture would be freed after it, its
+        memory reused by the time the graph replays."""
         b = self.buffers
-        cu = torch.arange(size + 1, dtype=torch.int32, device=b.context_lens.device)
+        cu = self.cu_seqlens[:size + 1]
         return AttentionMetadata(slot_mapping=b.slot_mapping[:size], block_tables=b.block_tables[:size],
                                  context_lens=b.context_lens[:size], cu_seqlens_q=cu, cu_seqlens_k=cu,
                                  max_seqlen_q=1, max_seqlen_k=self.max_seqlen_k, block_size=self.block_size,
