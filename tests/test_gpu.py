@@ -156,6 +156,35 @@ def test_recurrent_models_decode_from_graphs(kind, model_dir):
     assert tokens[0] == tokens[1]
 
 
+def test_prompt_embeds_logits_processors_and_processed_logprobs_on_cuda(backend, qwen3_dir):
+    """Prompt embeddings, custom logits processors and processed logprobs where they meet the device.
+    - The embeddings replace the embedding's output on the GPU, and one-token prompts (a decode-shaped first step)
+      run eagerly beside the decode graphs.
+    - A processor changes device logits.
+    - Processed logprobs come from the same draws as raw ones."""
+    from test_logits_processors import ForcedCount
+    from test_prompt_embeds import embedded
+    from test_random_schedules import assert_same, completions
+    prompts, single = random_prompts(5, 5, 440, 4, 40, seed=9), [[17], [230]]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    with make_llm(qwen3_dir, backend, "float32", enable_prompt_embeds=True, logits_processors=[ForcedCount]) as llm:
+        want = llm.generate(prompts + single, greedy, use_tqdm=False)
+        got = (llm.generate(embedded(qwen3_dir, prompts), greedy, use_tqdm=False)
+               + llm.generate(embedded(qwen3_dir, single), greedy, use_tqdm=False))
+        forced = llm.generate(prompts[:2], SamplingParams(temperature=0.8, seed=1, max_tokens=6,
+                                                          extra_args={"count_from": 40}), use_tqdm=False)
+    assert_same(completions(got), completions(want), f"{backend}: prompt embeddings on CUDA")
+    assert [o.outputs[0].token_ids for o in forced] == [list(range(40, 46))] * 2
+    sampled = SamplingParams(temperature=0.7, top_k=20, seed=2, max_tokens=8, ignore_eos=True, logprobs=2)
+    runs = []
+    for mode in ("raw_logprobs", "processed_logprobs"):
+        with make_llm(qwen3_dir, backend, "float32", logprobs_mode=mode) as llm:
+            runs.append([o.outputs[0] for o in llm.generate(prompts, sampled, use_tqdm=False)])
+    assert [c.token_ids for c in runs[0]] == [c.token_ids for c in runs[1]]
+    raw, processed = ([lp[t].logprob for c in run for lp, t in zip(c.logprobs, c.token_ids)] for run in runs)
+    assert all(-1e9 < p <= 0 for p in processed) and max(abs(a - b) for a, b in zip(raw, processed)) > 1e-3
+
+
 def test_one_token_budget_on_cuda(backend, qwen3_dir, captured_logits, report_logit_diff):
     """max_num_batched_tokens=1: the warm-up sizing the cache is one 1-token prompt (not a decode over the cache it
     is sizing), and every later step one token."""

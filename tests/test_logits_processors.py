@@ -40,7 +40,8 @@ class ForcedCount(LogitsProcessor):
 
     def apply(self, logits):
         for index, (start, output_ids) in self.starts.items():
-            logits[index] = torch.where(torch.arange(logits.shape[1]) == start + len(output_ids), 0.0, -torch.inf)
+            vocab = torch.arange(logits.shape[1], device=logits.device)
+            logits[index] = torch.where(vocab == start + len(output_ids), 0.0, -torch.inf)
         return logits
 
 
@@ -57,7 +58,7 @@ class EchoPrompt(AdapterLogitsProcessor):
 
         def echo(prompt_ids, output_ids, row):
             keep = prompt_ids[len(output_ids) % len(prompt_ids)]
-            return torch.where(torch.arange(row.shape[0]) == keep, row, -torch.inf)
+            return torch.where(torch.arange(row.shape[0], device=row.device) == keep, row, -torch.inf)
         return echo
 
 
