@@ -120,12 +120,14 @@ class Sampler(nn.Module):
         id, so its token does not depend on the rest of the batch. On CUDA one Triton pass takes argmax log p - log E
         (the same race in logs), dividing by the temperatures itself unless min_p, top-k or top-p need the scaled
         logits first."""
-        if logits.device.type == "cuda" and (kernels := triton_sampling()) is not None:
-            if (warped is None and m.min_p is None and m.top_k is None and m.top_p is None
-                    and not m.argmax_invariant_processors):
-                return kernels.gumbel_max(logits, m.temperatures, m.noise_keys)
-            return kernels.gumbel_max(self.warp(logits, m) if warped is None else warped, None, m.noise_keys)
-        return exponential_race(torch.softmax(self.warp(logits, m) if warped is None else warped, -1), m.noise_keys)
+        kernels = triton_sampling() if logits.device.type == "cuda" else None
+        if (kernels is not None and warped is None and m.min_p is None and m.top_k is None and m.top_p is None
+                and not m.argmax_invariant_processors):
+            return kernels.gumbel_max(logits, m.temperatures, m.noise_keys)
+        warped = self.warp(logits, m) if warped is None else warped
+        if kernels is not None:
+            return kernels.gumbel_max(warped, None, m.noise_keys)
+        return exponential_race(torch.softmax(warped, -1), m.noise_keys)
 
     @staticmethod
     def warp(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
