@@ -1,6 +1,7 @@
 """Quantized checkpoints dequantized on load: block-wise FP8 (Qwen3, DeepSeek-V3; TP 1 and 2) and GPT-OSS's MXFP4
-against transformers loading the same files with `dequantize=True`, the edge tiles of FP8 blocks, and the
-checkpoints and settings refused by name (other quant methods, a missing or misshapen scale)."""
+against transformers loading the same files with `dequantize=True`; GPTQ and AWQ integers against transformers on the
+weights they stand for; the edge tiles of FP8 blocks, the packed layouts word by word, and the checkpoints and
+settings refused by name (other quant methods, a missing or misshapen part)."""
 import json
 import pathlib
 import shutil
@@ -11,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from models import check_against_hf, hf_greedy, random_prompts
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.utils.quantization import dequantize_fp8, dequantized_weights, quant_scheme
+from nanoinfer.utils.quantization import (dequantize_awq, dequantize_fp8, dequantize_gptq, dequantized_weights,
+                                          quant_scheme, unpack_int32)
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -89,6 +91,80 @@ def mxfp4_copy(src: pathlib.Path, dst: pathlib.Path, drop: str | None = None) ->
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def int_quantize(weight: torch.Tensor, bits: int, groups: torch.Tensor, min_zero: int = 0) -> tuple[torch.Tensor, ...]:
+    """Min-max integer quantization of weight [out, in] by groups of input rows (row i in group groups[i]), as GPTQ
+    and AWQ store it: codes [in, out], zero points (at least min_zero) and fp16 scales [groups, out]; and the fp32
+    weight [out, in] they stand for, scale * (code - zero)."""
+    w, maxq, n = weight.T, (1 << bits) - 1, int(groups.max()) + 1
+    lo = torch.stack([w[groups == g].amin(0) for g in range(n)]).clamp(max=0)
+    hi = torch.stack([w[groups == g].amax(0) for g in range(n)]).clamp(min=0)
+    scales = ((hi - lo) / maxq).clamp(min=1e-6).half()
+    zeros = torch.round(-lo / scales.float()).clamp(min_zero, maxq).int()
+    codes = (torch.round(w / scales.float()[groups]) + zeros[groups]).clamp(0, maxq).int()
+    return codes, zeros, scales, ((codes - zeros[groups]) * scales.float()[groups]).T.contiguous()
+
+
+def as_int32(words: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit words held in int64 -> the int32 tensors checkpoints store (the top bit is the sign)."""
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def gptq_pack(codes: torch.Tensor, zeros: torch.Tensor, bits: int, v1: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """AutoGPTQ's packing, written as its loops are: word i of qweight's column holds rows i * w + j (w = 32 // bits)
+    in bits j * bits and up; qzeros packs the zero points (less one in v1) along the output the same way."""
+    per, mask = 32 // bits, (1 << bits) - 1
+    qweight = torch.zeros(codes.shape[0] // per, codes.shape[1], dtype=torch.int64)
+    qzeros = torch.zeros(zeros.shape[0], zeros.shape[1] // per, dtype=torch.int64)
+    for j in range(per):
+        qweight |= codes[j::per].long() << (bits * j)
+        qzeros |= ((zeros[:, j::per].long() - int(v1)) & mask) << (bits * j)
+    return as_int32(qweight), as_int32(qzeros)
+
+
+def awq_pack(codes: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ's GEMM packing of [rows, out] 4-bit codes: nibble i of each word holds column [0, 2, 4, 6, 1, 3, 5,
+    7][i] of its run of 8."""
+    packed = torch.zeros(codes.shape[0], codes.shape[1] // 8, dtype=torch.int64)
+    for i, column in enumerate((0, 2, 4, 6, 1, 3, 5, 7)):
+        packed |= codes[:, column::8].long() << (4 * i)
+    return as_int32(packed)
+
+
+def int_quantized_copy(src: pathlib.Path, dst: pathlib.Path, reference: pathlib.Path, quantization: dict,
+                       drop: str | None = None, seed: int = 0) -> pathlib.Path:
+    """src's model in dst with every projection (not the routers, embeddings or LM head) quantized to GPTQ's or
+    AWQ's integers as `quantization` (a quantization_config) says, GPTQ's rows in random groups with desc_act; and
+    in `reference` the same model with the weights those integers stand for, unquantized, for transformers."""
+    gen = torch.Generator().manual_seed(seed)
+    method, bits, size = quantization["quant_method"], quantization.get("bits", 4), quantization["group_size"]
+    quantized, dequantized = {}, {}
+    for name, w in load_file(src / "model.safetensors").items():
+        if not ("proj" in name and name.endswith(".weight")):
+            quantized[name] = dequantized[name] = w
+            continue
+        rows = w.shape[1]
+        groups = torch.arange(rows) // (rows if size == -1 else size)
+        if quantization.get("desc_act"):  # act-order: the groups follow a permutation of the rows
+            groups = groups[torch.randperm(rows, generator=gen).argsort()]
+        # GPTQ's v1 format stores each zero point less one, so it has no 0 (symmetric quantization, GPTQ's default,
+        # never makes one: its zero points sit at 2 ** (bits - 1)).
+        v1 = method == "gptq" and quantization.get("checkpoint_format", "gptq") == "gptq"
+        codes, zeros, scales, dequantized[name] = int_quantize(w, bits, groups, min_zero=int(v1))
+        base = name.removesuffix(".weight")
+        if method == "gptq":
+            quantized[base + ".qweight"], quantized[base + ".qzeros"] = gptq_pack(codes, zeros, bits, v1)
+            quantized[base + ".g_idx"] = groups.int()
+        else:
+            quantized[base + ".qweight"], quantized[base + ".qzeros"] = awq_pack(codes), awq_pack(zeros)
+        quantized[base + ".scales"] = scales
+    for d, tensors in ((dst, quantized), (reference, dequantized)):
+        shutil.copytree(src, d)
+        save_file({n: t.contiguous() for n, t in tensors.items() if n != drop}, d / "model.safetensors")
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
     return dst
 
 
@@ -182,15 +258,96 @@ def test_fp8_dequantizes_on_the_target_device():
     assert out["a.weight"].device.type == "meta" and out["a.weight"].dtype == torch.bfloat16
 
 
+INT_QUANTIZED = {  # (kind, tensor-parallel size, quantization_config)
+    "qwen3-gptq4-g32": ("qwen3", 1, {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False}),
+    "qwen3-gptq8-v2-actorder-tp2": ("qwen3", 2, {"quant_method": "gptq", "bits": 8, "group_size": 16,
+                                                  "desc_act": True, "checkpoint_format": "gptq_v2"}),
+    "qwen3-moe-gptq2-actorder": ("qwen3-moe", 1, {"quant_method": "gptq", "bits": 2, "group_size": 16,
+                                                  "desc_act": True}),
+    "llama-awq-g32": ("llama", 1, {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "GEMM",
+                                   "zero_point": True}),
+    "qwen3-moe-awq-per-column-tp2": ("qwen3-moe", 2, {"quant_method": "awq", "bits": 4, "group_size": -1,
+                                                      "version": "gemm", "zero_point": True}),
+}
+
+
+@pytest.mark.parametrize("case", INT_QUANTIZED)
+def test_gptq_and_awq_match_transformers_on_the_weights_they_stand_for(case, model_dir, tmp_path, captured_logits,
+                                                                       report_logit_diff):
+    """GPTQ (2, 4 and 8 bits, v1 and v2 zero points, act-order's g_idx, per-expert weights) and AWQ (GEMM layout,
+    groups and one group per column) load dequantized: transformers' tokens and logits on the weights the integers
+    stand for; with two ranks, each dequantizes a tensor and keeps its shard."""
+    kind, tp, quantization = INT_QUANTIZED[case]
+    d = int_quantized_copy(model_dir(kind), tmp_path / "q", tmp_path / "reference", quantization)
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=tp) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    refs = hf_greedy(tmp_path / "reference", PROMPTS, MAX_TOKENS)
+    worst = check_against_hf(outputs, refs, captured_logits)
+    report_logit_diff(f"{case}", worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+    # The integers' rounding shows in the logits: the unquantized weights would not have matched.
+    unquantized = hf_greedy(model_dir(kind), PROMPTS[:1], MAX_TOKENS)[0]["logits"]
+    assert (unquantized - refs[0]["logits"]).abs().max() > 100 * LOGIT_ATOL
+
+
+def test_packed_words_unpack_from_the_lowest_bits_in_each_layout():
+    """One word per layout, by hand: 0x76543210 holds the codes 0..7 from its lowest nibble up, along GPTQ's input
+    rows, and along AWQ's output columns in AutoAWQ's order (nibble i: column [0, 2, 4, 6, 1, 3, 5, 7][i]); a word
+    with its top bit set (negative as int32) unpacks the same way; GPTQ v1 adds one to each stored zero point."""
+    word = torch.tensor([[0x76543210]], dtype=torch.int32)
+    assert unpack_int32(word, 4, 0).flatten().tolist() == list(range(8))
+    assert unpack_int32(word, 4, 1).flatten().tolist() == list(range(8))
+    assert unpack_int32(as_int32(torch.tensor([[0x89ABCDEF]])), 4, 1).flatten().tolist() == [15, 14, 13, 12, 11, 10,
+                                                                                              9, 8]
+    assert unpack_int32(as_int32(torch.tensor([[0xC0FF03E4]])), 8, 1).flatten().tolist() == [0xE4, 0x03, 0xFF, 0xC0]
+    one, zero = torch.ones(1, 8, dtype=torch.float16), torch.zeros(1, 1, dtype=torch.int32)
+    awq = dequantize_awq(word, one, zero, -1, torch.float32)  # [out 8, in 1]
+    assert awq.flatten().tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    gptq = dequantize_gptq(word.expand(1, 8).contiguous(), one, zero, None, 4, -1, True, torch.float32)  # [8, 8]
+    assert torch.equal(gptq, (torch.arange(8.0) - 1).expand(8, 8))
+    v2 = dequantize_gptq(word.expand(1, 8).contiguous(), one, zero, None, 4, -1, False, torch.float32)
+    assert torch.equal(v2, gptq + 1)
+    with pytest.raises(ValueError, match=r"groups 1..1 do not fit together"):  # a g_idx past the one group
+        dequantize_gptq(word.expand(1, 8).contiguous(), one, zero, torch.ones(8, dtype=torch.int32), 4, -1, True,
+                        torch.float32)
+
+
+@pytest.mark.parametrize("method, drop, message", [
+    ("gptq", "model.layers.1.mlp.up_proj.qzeros",
+     r"quantized checkpoint tensor 'model.layers.1.mlp.up_proj.qweight' in .*model.safetensors lacks "
+     r"'model.layers.1.mlp.up_proj.qzeros' in the checkpoint"),
+    ("awq", "model.layers.0.self_attn.k_proj.qweight",
+     r"'model.layers.0.self_attn.k_proj.(scales|qzeros)' in .*model.safetensors belongs to no quantized tensor: "
+     r"'model.layers.0.self_attn.k_proj.qweight' is missing"),
+    ("gptq", None, r"cannot dequantize checkpoint tensor 'model.layers.0.mlp.down_proj.qweight' in "
+                   r".*model.safetensors: GPTQ scales \[4, 64\] for 128 input rows: expected 8 groups of group_size "
+                   r"16"),
+], ids=["gptq-zeros-missing", "awq-qweight-missing", "gptq-group-size-wrong"])
+def test_gptq_and_awq_missing_or_misshapen_parts_name_the_tensor(qwen3_dir, tmp_path, method, drop, message):
+    quantization = {"quant_method": method, "bits": 4, "group_size": 32}
+    d = int_quantized_copy(qwen3_dir, tmp_path / "q", tmp_path / "reference", quantization, drop=drop)
+    if drop is None:  # the config's groups disagree with the scales'
+        config = json.loads((d / "config.json").read_text())
+        config["quantization_config"]["group_size"] = 16
+        (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(d), max_model_len=64, device="cpu")
+
+
 @pytest.mark.parametrize("quantization, message", [
-    ({"quant_method": "awq", "bits": 4}, r"quant_method='awq'"),
-    ({"quant_method": "gptq", "bits": 4}, r"quant_method='gptq'"),
+    ({"quant_method": "gptq", "bits": 3}, r"bits=3 .*GPTQ checkpoints load with bits 2, 4, 8"),
+    ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, r"checkpoint_format='marlin'"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 0}, r"group_size=0"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, r"version='gemv'"),
+    ({"quant_method": "awq", "bits": 4, "zero_point": False}, r"zero_point=False"),
+    ({"quant_method": "awq", "bits": 8}, r"bits=8 .*AWQ checkpoints load with 4 bits"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, r"quant_method='bitsandbytes'"),
     ({"quant_method": "compressed-tensors"}, r"quant_method='compressed-tensors'"),
     ({"quant_method": "mxfp4"}, r"quant_method='mxfp4'.* not supported for Qwen3ForCausalLM"),
     ({"quant_method": "fp8", "activation_scheme": "static"}, r"activation_scheme='static'"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size=\[128\]"),
-], ids=["awq", "gptq", "bitsandbytes", "compressed-tensors", "mxfp4-not-gpt-oss", "fp8-static", "fp8-bad-block"])
+], ids=["gptq-3-bit", "gptq-marlin", "gptq-group-0", "awq-gemv", "awq-no-zero-point", "awq-8-bit", "bitsandbytes",
+        "compressed-tensors", "mxfp4-not-gpt-oss", "fp8-static", "fp8-bad-block"])
 def test_unsupported_quantization_is_refused_by_name(qwen3_dir, tmp_path, quantization, message):
     d = tmp_path / "m"
     shutil.copytree(qwen3_dir, d)
@@ -203,10 +360,10 @@ def test_unsupported_quantization_is_refused_by_name(qwen3_dir, tmp_path, quanti
 
 @pytest.mark.parametrize("drop, block, message", [
     ("model.layers.1.mlp.up_proj.weight_scale_inv", (32, 16),
-     r"quantized checkpoint tensor 'model.layers.1.mlp.up_proj.weight' in .*model.safetensors has no scale "
+     r"quantized checkpoint tensor 'model.layers.1.mlp.up_proj.weight' in .*model.safetensors lacks "
      r"'model.layers.1.mlp.up_proj.weight_scale_inv'"),
     ("model.layers.1.mlp.up_proj.weight", (32, 16),
-     r"'model.layers.1.mlp.up_proj.weight_scale_inv' in .*model.safetensors scales no quantized tensor"),
+     r"'model.layers.1.mlp.up_proj.weight_scale_inv' in .*model.safetensors belongs to no quantized tensor"),
     (None, (16, 16), r"cannot dequantize checkpoint tensor 'model.layers.0.mlp.down_proj.weight' in "
                      r".*model.safetensors: FP8 scale has shape \[2, 8\], weight \[64, 128\]: expected \[4, 8\]"),
 ], ids=["scale-missing", "weight-missing", "scale-misshapen"])
@@ -237,7 +394,7 @@ def test_mxfp4_gpt_oss_matches_transformers_dequantized(quantized_dir, model_dir
     scales = "model.layers.1.mlp.experts.down_proj_scales"
     d = mxfp4_copy(src, tmp_path / "no-scales", drop=scales)
     with pytest.raises(ValueError, match=rf"'model.layers.1.mlp.experts.down_proj_blocks' in .*model.safetensors "
-                                         rf"has no scale '{scales}'"):
+                                         rf"lacks '{scales}'"):
         LLM(str(d), max_model_len=64, device="cpu")
 
 
@@ -255,4 +412,24 @@ def test_quantized_on_cuda_dequantize_there_and_match_transformers(kind, quantiz
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     worst = check_against_hf(outputs, hf_dequantized_greedy(d, monkeypatch), captured_logits)
     report_logit_diff(f"{kind} quantized, CUDA fp32", worst)
+    assert worst < CUDA_FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["qwen3-gptq4-g32", "llama-awq-g32"])
+def test_gptq_and_awq_on_cuda_dequantize_there_and_match_transformers(case, model_dir, tmp_path, captured_logits,
+                                                                      report_logit_diff):
+    """On a GPU the integers dequantize to the CPU's values bit for bit, and the engine in fp32 gives transformers'
+    tokens and logits on the weights they stand for."""
+    kind, _, quantization = INT_QUANTIZED[case]
+    d = int_quantized_copy(model_dir(kind), tmp_path / "q", tmp_path / "reference", quantization)
+    tensors = load_file(d / "model.safetensors")
+    parts = [tensors[f"model.layers.0.mlp.down_proj.{p}"] for p in ("qweight", "scales", "qzeros")]
+    dequantize = (lambda q, s, z: dequantize_gptq(q, s, z, None, 4, 32, True, torch.float32)) \
+        if quantization["quant_method"] == "gptq" else (lambda q, s, z: dequantize_awq(q, s, z, 32, torch.float32))
+    assert torch.equal(dequantize(*(p.cuda() for p in parts)).cpu(), dequantize(*parts))
+    with LLM(str(d), device="cuda", dtype="float32", max_model_len=128, num_kvcache_blocks=64) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    worst = check_against_hf(outputs, hf_greedy(tmp_path / "reference", PROMPTS, MAX_TOKENS), captured_logits)
+    report_logit_diff(f"{case}, CUDA fp32", worst)
     assert worst < CUDA_FP32_LOGIT_ATOL, f"max |logit diff| {worst:.2e}"

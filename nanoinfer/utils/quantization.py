@@ -1,5 +1,5 @@
-"""Quantized checkpoints (block-wise FP8, GPT-OSS's MXFP4) dequantized to the model's dtype as their tensors are
-read, as transformers does with `dequantize=True`: the layers only ever see ordinary weights."""
+"""Quantized checkpoints (block-wise FP8, GPT-OSS's MXFP4, GPTQ and AWQ integers) dequantized to the model's dtype as
+their tensors are read, as transformers does with `dequantize=True`: the layers only ever see ordinary weights."""
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -11,21 +11,27 @@ from transformers import PretrainedConfig
 from nanoinfer.utils.loader import LazyTensor
 
 # quant_method values with a dequantizer here, and the architectures each one serves (None: any).
-SUPPORTED_METHODS: dict[str, tuple[str, ...] | None] = {"fp8": None, "mxfp4": ("GptOssForCausalLM",)}
+SUPPORTED_METHODS: dict[str, tuple[str, ...] | None] = {"fp8": None, "mxfp4": ("GptOssForCausalLM",), "gptq": None,
+                                                        "awq": None}
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # MXFP4's e2m1 code points, indexed by the 4-bit code (sign bit highest).
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _E8M0_BIAS = 127  # an e8m0 scale byte b means 2 ** (b - 127)
+GPTQ_BITS = (2, 4, 8)  # the widths that fill an int32 (3-bit codes straddle words)
+GPTQ_FORMATS = ("gptq", "gptq_v2")  # v2 (GPTQModel's) stores the zero points themselves, v1 each one less
+# AutoAWQ's GEMM layout packs output column AWQ_PACK_ORDER[i] of each run of 8 into bits 4i..4i+3 of a word.
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """How a checkpoint pairs each quantized tensor with its scale, and how the two become one weight."""
-    data_suffix: str  # the quantized tensor's name ends so ...
-    scale_suffix: str  # ... and its scale's: the same name with this suffix instead
+    """How a checkpoint groups the tensors of each quantized weight (the quantized data, its scales, ...), and how
+    they become one weight."""
+    parts: tuple[str, ...]  # the name suffixes of one weight's tensors, the quantized data first, its scale second
     is_quantized: Callable[[torch.Tensor | LazyTensor], bool]  # a data-suffixed tensor stored unquantized passes
-    dequantize: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
-    weight_suffix: str  # the dequantized tensor's name ends so (in place of data_suffix)
+    dequantize: Callable[..., torch.Tensor]  # (*parts, dtype) -> the weight
+    weight_suffix: str  # the dequantized tensor's name ends so (in place of the data's suffix)
+    ignored: tuple[str, ...] = ()  # suffixes of tensors the dequantization does not need (dropped)
 
 
 def check_quantization(hf_config: PretrainedConfig, source: Path) -> None:
@@ -40,8 +46,9 @@ def check_quantization(hf_config: PretrainedConfig, source: Path) -> None:
         raise ValueError(f"quantization_config (quant_method={method!r}) in {source}: not supported for "
                          f"{architecture}; the quantized checkpoints that load (dequantized) are {supported}. Use an "
                          "unquantized (bf16/fp16/fp32) checkpoint or a GGUF file")
-    if method == "fp8":
-        _check_fp8(quantization, source)
+    check = {"fp8": _check_fp8, "gptq": _check_gptq, "awq": _check_awq}.get(method)
+    if check is not None:
+        check(quantization, source)
 
 
 def _check_fp8(quantization: dict, source: Path) -> None:
@@ -58,18 +65,61 @@ def _check_fp8(quantization: dict, source: Path) -> None:
                          "FP8 experts are supported")
 
 
+def _check_gptq(quantization: dict, source: Path) -> None:
+    bits, fmt = quantization.get("bits"), quantization.get("checkpoint_format", "gptq")
+    if bits not in GPTQ_BITS or isinstance(bits, bool):
+        raise ValueError(f"quantization_config bits={bits!r} in {source}: GPTQ checkpoints load with bits "
+                         f"{', '.join(map(str, GPTQ_BITS))}")
+    if fmt not in GPTQ_FORMATS:
+        raise ValueError(f"quantization_config checkpoint_format={fmt!r} in {source}: GPTQ checkpoints load in the "
+                         f"formats {', '.join(GPTQ_FORMATS)}")
+    _check_group_size(quantization, source)
+
+
+def _check_awq(quantization: dict, source: Path) -> None:
+    bits, version = quantization.get("bits", 4), quantization.get("version", "gemm")
+    if bits != 4 or isinstance(bits, bool):
+        raise ValueError(f"quantization_config bits={bits!r} in {source}: AWQ checkpoints load with 4 bits")
+    if not isinstance(version, str) or version.lower() != "gemm":
+        raise ValueError(f"quantization_config version={version!r} in {source}: AWQ checkpoints load in the 'gemm' "
+                         "layout (AutoAWQ's default)")
+    if quantization.get("zero_point", True) is not True:
+        raise ValueError(f"quantization_config zero_point={quantization['zero_point']!r} in {source}: AWQ "
+                         "checkpoints load with zero points")
+    _check_group_size(quantization, source)
+
+
+def _check_group_size(quantization: dict, source: Path) -> None:
+    size = quantization.get("group_size", -1)
+    if isinstance(size, bool) or not isinstance(size, int) or not (size == -1 or size > 0):
+        raise ValueError(f"quantization_config group_size={size!r} in {source}: expected a positive int, or -1 "
+                         "(one group per column)")
+
+
 def quant_scheme(hf_config: PretrainedConfig) -> QuantScheme | None:
     """The scheme of a checkpoint that check_quantization accepted; None when it is not quantized."""
     quantization = getattr(hf_config, "quantization_config", None)
     if quantization is None:
         return None
-    if quantization["quant_method"] == "mxfp4":
-        return QuantScheme("_blocks", "_scales", lambda t: True, dequantize_mxfp4, "")
+    method, group_size = quantization["quant_method"], quantization.get("group_size", -1)
+    if method == "mxfp4":
+        return QuantScheme(("_blocks", "_scales"), lambda t: True, dequantize_mxfp4, "")
+    if method == "gptq":
+        bits, v1 = quantization["bits"], quantization.get("checkpoint_format", "gptq") == "gptq"
+        # As vLLM: without act-order (desc_act) the rows' groups are their blocks of group_size, whatever g_idx says.
+        if quantization.get("desc_act", False):
+            return QuantScheme((".qweight", ".scales", ".qzeros", ".g_idx"), lambda t: True, lambda q, s, z, g, dtype:
+                               dequantize_gptq(q, s, z, g, bits, group_size, v1, dtype), ".weight")
+        return QuantScheme((".qweight", ".scales", ".qzeros"), lambda t: True, lambda q, s, z, dtype:
+                           dequantize_gptq(q, s, z, None, bits, group_size, v1, dtype), ".weight", (".g_idx",))
+    if method == "awq":
+        return QuantScheme((".qweight", ".scales", ".qzeros"), lambda t: True,
+                           lambda q, s, z, dtype: dequantize_awq(q, s, z, group_size, dtype), ".weight")
     block = quantization.get("weight_block_size")
 
     def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_fp8(weight, scale_inv, None if block is None else tuple(block), dtype)
-    return QuantScheme(".weight", ".weight_scale_inv", _stored_as_fp8, dequantize, ".weight")
+    return QuantScheme((".weight", ".weight_scale_inv"), _stored_as_fp8, dequantize, ".weight")
 
 
 def _stored_as_fp8(tensor: torch.Tensor | LazyTensor) -> bool:
@@ -129,40 +179,103 @@ def _mxfp4_matrix(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(values[codes].flatten(-3), exponents)
 
 
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """The codes of int32 words, 32 // bits to a word from the lowest bits up, laid out along dim (each word's
+    codes in a row): [..., n, ...] -> [..., n * 32 // bits, ...] int32."""
+    if packed.dtype != torch.int32:
+        raise ValueError(f"packed codes are {packed.dtype}: expected int32 words")
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    dim %= packed.dim()
+    codes = (packed.unsqueeze(dim + 1) >> shifts.view(-1, *[1] * (packed.dim() - dim - 1))) & ((1 << bits) - 1)
+    return codes.flatten(dim, dim + 1)
+
+
+def dequantize_gptq(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, g_idx: torch.Tensor | None,
+                    bits: int, group_size: int, v1: bool, dtype: torch.dtype) -> torch.Tensor:
+    """A GPTQ linear weight: qweight [in / w, out] (w = 32 // bits codes a word, along the input), qzeros
+    [groups, out / w] (along the output; v1 stores each zero point less one, so a stored 2 ** bits - 1 reads as
+    2 ** bits, as vLLM's kernels read it), scales [groups, out], g_idx [in] (each input row's group; None: rows in
+    blocks of group_size) -> [out, in] = scale * (code - zero)."""
+    codes, zeros = unpack_int32(qweight, bits, 0), unpack_int32(qzeros, bits, 1) + int(v1)
+    if g_idx is None:
+        g_idx = _groups(codes.shape[0], group_size, scales, "GPTQ")
+    elif tuple(g_idx.shape) != (codes.shape[0],):
+        raise ValueError(f"GPTQ g_idx has shape {list(g_idx.shape)}, qweight {list(qweight.shape)}: expected "
+                         f"[{codes.shape[0]}]")
+    return _dequantize_groups(codes, zeros, scales, g_idx.long(), "GPTQ", dtype)
+
+
+def dequantize_awq(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, group_size: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """An AWQ (GEMM layout) linear weight: qweight [in, out / 8] and qzeros [groups, out / 8], 4-bit codes along
+    the output in AWQ_PACK_ORDER, scales [groups, out] -> [out, in] = scale * (code - zero)."""
+    codes, zeros = _unpack_awq(qweight), _unpack_awq(qzeros)
+    return _dequantize_groups(codes, zeros, scales, _groups(codes.shape[0], group_size, scales, "AWQ"), "AWQ", dtype)
+
+
+def _unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    codes = unpack_int32(packed, 4, -1)
+    columns = torch.tensor(AWQ_PACK_ORDER, device=codes.device).argsort()  # column c sits in nibble columns[c]
+    return codes.view(*codes.shape[:-1], -1, 8)[..., columns].flatten(-2)
+
+
+def _groups(rows: int, group_size: int, scales: torch.Tensor, method: str) -> torch.Tensor:
+    """Each input row's group: rows in blocks of group_size (-1: one block), as many as scales has rows."""
+    size = rows if group_size == -1 else group_size
+    if -(-rows // size) != scales.shape[0]:
+        raise ValueError(f"{method} scales {list(scales.shape)} for {rows} input rows: expected {-(-rows // size)} "
+                         f"groups of group_size {group_size}")
+    return torch.arange(rows, device=scales.device) // size
+
+
+def _dequantize_groups(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, groups: torch.Tensor,
+                       method: str, dtype: torch.dtype) -> torch.Tensor:
+    """codes [in, out] with row i in group groups[i] of zeros and scales [groups, out] -> [out, in] in dtype."""
+    if scales.dim() != 2 or zeros.shape != scales.shape or codes.shape[1] != scales.shape[1] \
+            or not 0 <= int(groups.min()) <= int(groups.max()) < scales.shape[0]:
+        raise ValueError(f"{method} codes [{codes.shape[0]}, {codes.shape[1]}], zero points {list(zeros.shape)}, "
+                         f"scales {list(scales.shape)} and groups {int(groups.min())}..{int(groups.max())} do not "
+                         "fit together")
+    return ((codes - zeros[groups]) * scales.float()[groups]).T.to(dtype)
+
+
 def dequantized_weights(weights: Iterable[tuple[str, torch.Tensor | LazyTensor]], scheme: QuantScheme,
                         device: torch.device, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
-    """The checkpoint's tensors with each quantized one and its scale (in either order, in any of the files)
-    replaced by the weight they make, dequantized on `device` to `dtype`; every other tensor passes as it is."""
-    pending: dict[str, dict[str, tuple[torch.Tensor, Path | None]]] = {"data": {}, "scale": {}}
+    """The checkpoint's tensors with the parts of each quantized one (its data, scale, ...: in any order, in any of
+    the files) replaced by the weight they make, dequantized on `device` to `dtype`; every other tensor passes as it
+    is, but those the scheme ignores."""
+    # Parts are held on the host until the last of their weight's arrives (usually soon, in the same file).
+    pending: dict[str, dict[int, tuple[torch.Tensor, Path | None]]] = {}
     for name, tensor in weights:
-        if name.endswith(scheme.scale_suffix):
-            kind, base = "scale", name.removesuffix(scheme.scale_suffix)
-        elif name.endswith(scheme.data_suffix) and scheme.is_quantized(tensor):
-            kind, base = "data", name.removesuffix(scheme.data_suffix)
-        else:
+        if name.endswith(scheme.ignored):
+            continue
+        part = next((i for i, suffix in enumerate(scheme.parts) if name.endswith(suffix)), None)
+        if part is None or part == 0 and not scheme.is_quantized(tensor):
             yield name, tensor
             continue
-        # Held on the host until its partner arrives (usually the next tensor, in the same file).
-        pending[kind][base] = (tensor[...] if isinstance(tensor, LazyTensor) else tensor, getattr(tensor, "file", None))
-        if base in pending["data"] and base in pending["scale"]:
-            yield base + scheme.weight_suffix, _dequantize(scheme, base, pending, device, dtype)
-    if pending["data"]:
-        base, (_, file) = next(iter(pending["data"].items()))
-        raise ValueError(f"quantized checkpoint tensor {base + scheme.data_suffix!r}{_in(file)} has no scale "
-                         f"{base + scheme.scale_suffix!r} in the checkpoint")
-    if pending["scale"]:
-        base, (_, file) = next(iter(pending["scale"].items()))
-        raise ValueError(f"checkpoint tensor {base + scheme.scale_suffix!r}{_in(file)} scales no quantized "
-                         f"tensor: {base + scheme.data_suffix!r} is missing or not quantized")
+        base = name.removesuffix(scheme.parts[part])
+        parts = pending.setdefault(base, {})
+        parts[part] = (tensor[...] if isinstance(tensor, LazyTensor) else tensor, getattr(tensor, "file", None))
+        if len(parts) == len(scheme.parts):
+            yield base + scheme.weight_suffix, _dequantize(scheme, base, pending.pop(base), device, dtype)
+    for base, parts in pending.items():
+        names = [base + suffix for suffix in scheme.parts]
+        if 0 not in parts:
+            part, (_, file) = next(iter(parts.items()))
+            raise ValueError(f"checkpoint tensor {names[part]!r}{_in(file)} belongs to no quantized tensor: "
+                             f"{names[0]!r} is missing or not quantized")
+        missing = [names[i] for i in range(len(names)) if i not in parts]
+        raise ValueError(f"quantized checkpoint tensor {names[0]!r}{_in(parts[0][1])} lacks "
+                         f"{', '.join(map(repr, missing))} in the checkpoint")
 
 
-def _dequantize(scheme: QuantScheme, base: str, pending: dict[str, dict[str, tuple[torch.Tensor, Path | None]]],
+def _dequantize(scheme: QuantScheme, base: str, parts: dict[int, tuple[torch.Tensor, Path | None]],
                 device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    (data, file), (scale, _) = pending["data"].pop(base), pending["scale"].pop(base)
     try:
-        return scheme.dequantize(data.to(device), scale.to(device), dtype)
+        return scheme.dequantize(*(parts[i][0].to(device) for i in range(len(scheme.parts))), dtype)
     except ValueError as e:
-        raise ValueError(f"cannot dequantize checkpoint tensor {base + scheme.data_suffix!r}{_in(file)}: {e}") from None
+        raise ValueError(f"cannot dequantize checkpoint tensor {base + scheme.parts[0]!r}{_in(parts[0][1])}: "
+                         f"{e}") from None
 
 
 def _in(file: Path | None) -> str:
