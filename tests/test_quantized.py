@@ -253,7 +253,8 @@ def test_fp8_dequantizes_on_the_target_device():
     weight, scale_inv = fp8_quantize(torch.randn(32, 32), (16, 16))
     norm = torch.ones(32)
     weights = [("a.weight_scale_inv", scale_inv), ("a.weight", weight), ("norm.weight", norm)]
-    out = dict(dequantized_weights(weights, quant_scheme(config), torch.device("meta"), torch.bfloat16))
+    out = dict(dequantized_weights(weights, {name for name, _ in weights}, quant_scheme(config), torch.device("meta"),
+                                   torch.bfloat16))
     assert out.keys() == {"a.weight", "norm.weight"} and out["norm.weight"] is norm
     assert out["a.weight"].device.type == "meta" and out["a.weight"].dtype == torch.bfloat16
 

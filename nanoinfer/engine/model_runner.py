@@ -41,7 +41,7 @@ from nanoinfer.models.registry import get_model_class, is_classifier, is_encoder
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.utils.dist import tp_scope
 from nanoinfer.utils.gguf_loader import iter_gguf_weights
-from nanoinfer.utils.loader import iter_safetensors, load_weights
+from nanoinfer.utils.loader import iter_safetensors, load_weights, safetensors_names
 from nanoinfer.utils.memory import keep_freed_memory
 from nanoinfer.utils.quantization import dequantized_weights, quant_scheme
 
@@ -205,7 +205,8 @@ class ModelRunner:
         if config.gguf_path is not None:
             weights = iter_gguf_weights(config.gguf_path, config.hf_config)
         elif (scheme := quant_scheme(config.hf_config)) is not None:
-            weights = dequantized_weights(iter_safetensors(config.model_path), scheme, device, config.torch_dtype)
+            weights = dequantized_weights(iter_safetensors(config.model_path), safetensors_names(config.model_path),
+                                          scheme, device, config.torch_dtype)
         else:
             weights = iter_safetensors(config.model_path)
         load_weights(model, weights, config.gguf_path)

@@ -53,6 +53,11 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, LazyTensor]]:
                 yield name, LazyTensor(f.get_slice(name), file)
 
 
+def safetensors_names(model_dir: Path) -> set[str]:
+    """The names of every tensor in the checkpoint's files (read from their headers)."""
+    return {name for name, _ in iter_safetensors(model_dir)}
+
+
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | LazyTensor]],
                  checkpoint: Path | None = None) -> None:
     """Route every checkpoint tensor to the weight_loader of the module owning its parameter (copy_weight if it

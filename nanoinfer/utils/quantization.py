@@ -25,12 +25,15 @@ AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """How a checkpoint groups the tensors of each quantized weight (the quantized data, its scales, ...), and how
-    they become one weight."""
-    parts: tuple[str, ...]  # the name suffixes of one weight's tensors, the quantized data first, its scale second
-    is_quantized: Callable[[torch.Tensor | LazyTensor], bool]  # a data-suffixed tensor stored unquantized passes
-    dequantize: Callable[..., torch.Tensor]  # (*parts, dtype) -> the weight
-    weight_suffix: str  # the dequantized tensor's name ends so (in place of the data's suffix)
+    """How a checkpoint stores each quantized weight, as tensors named by suffixes of one base name (its quantized
+    data, its scale, ...), and how they become one weight."""
+    data: tuple[str, ...]  # the quantized data's suffix: one of these
+    parts: tuple[str, ...]  # the suffixes of its other tensors, its scale first
+    dequantize: Callable[[dict[str, torch.Tensor], torch.dtype], torch.Tensor]  # {suffix: tensor}, dtype -> weight
+    weight_suffix: str = ".weight"  # the dequantized tensor's name ends so
+    # Data stored unquantized, with none of the other parts beside it, passes as it is (a layer left in bf16).
+    is_quantized: Callable[[torch.Tensor | LazyTensor], bool] = lambda tensor: True
+    optional: tuple[str, ...] = ()  # parts a weight may go without (it has them where the checkpoint holds them)
     ignored: tuple[str, ...] = ()  # suffixes of tensors the dequantization does not need (dropped)
 
 
@@ -103,23 +106,21 @@ def quant_scheme(hf_config: PretrainedConfig) -> QuantScheme | None:
         return None
     method, group_size = quantization["quant_method"], quantization.get("group_size", -1)
     if method == "mxfp4":
-        return QuantScheme(("_blocks", "_scales"), lambda t: True, dequantize_mxfp4, "")
+        return QuantScheme(("_blocks",), ("_scales",), lambda t, dtype: dequantize_mxfp4(t["_blocks"], t["_scales"], dtype),
+                           weight_suffix="")
     if method == "gptq":
         bits, v1 = quantization["bits"], quantization.get("checkpoint_format", "gptq") == "gptq"
         # As vLLM: without act-order (desc_act) the rows' groups are their blocks of group_size, whatever g_idx says.
-        if quantization.get("desc_act", False):
-            return QuantScheme((".qweight", ".scales", ".qzeros", ".g_idx"), lambda t: True, lambda q, s, z, g, dtype:
-                               dequantize_gptq(q, s, z, g, bits, group_size, v1, dtype), ".weight")
-        return QuantScheme((".qweight", ".scales", ".qzeros"), lambda t: True, lambda q, s, z, dtype:
-                           dequantize_gptq(q, s, z, None, bits, group_size, v1, dtype), ".weight", (".g_idx",))
+        act_order = bool(quantization.get("desc_act", False))
+        return QuantScheme((".qweight",), (".scales", ".qzeros") + (".g_idx",) * act_order, lambda t, dtype:
+                           dequantize_gptq(t[".qweight"], t[".scales"], t[".qzeros"], t.get(".g_idx"), bits,
+                                           group_size, v1, dtype), ignored=() if act_order else (".g_idx",))
     if method == "awq":
-        return QuantScheme((".qweight", ".scales", ".qzeros"), lambda t: True,
-                           lambda q, s, z, dtype: dequantize_awq(q, s, z, group_size, dtype), ".weight")
+        return QuantScheme((".qweight",), (".scales", ".qzeros"), lambda t, dtype: dequantize_awq(
+            t[".qweight"], t[".scales"], t[".qzeros"], group_size, dtype))
     block = quantization.get("weight_block_size")
-
-    def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_fp8(weight, scale_inv, None if block is None else tuple(block), dtype)
-    return QuantScheme((".weight", ".weight_scale_inv"), _stored_as_fp8, dequantize, ".weight")
+    return QuantScheme((".weight",), (".weight_scale_inv",), lambda t, dtype: dequantize_fp8(
+        t[".weight"], t[".weight_scale_inv"], None if block is None else tuple(block), dtype), is_quantized=_stored_as_fp8)
 
 
 def _stored_as_fp8(tensor: torch.Tensor | LazyTensor) -> bool:
@@ -239,43 +240,52 @@ def _dequantize_groups(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.T
     return ((codes - zeros[groups]) * scales.float()[groups]).T.to(dtype)
 
 
-def dequantized_weights(weights: Iterable[tuple[str, torch.Tensor | LazyTensor]], scheme: QuantScheme,
-                        device: torch.device, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
-    """The checkpoint's tensors with the parts of each quantized one (its data, scale, ...: in any order, in any of
-    the files) replaced by the weight they make, dequantized on `device` to `dtype`; every other tensor passes as it
-    is, but those the scheme ignores."""
+def dequantized_weights(weights: Iterable[tuple[str, torch.Tensor | LazyTensor]], names: set[str],
+                        scheme: QuantScheme, device: torch.device, dtype: torch.dtype
+                        ) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
+    """The checkpoint's tensors (`names`: all of theirs) with the parts of each quantized weight (its data, scale,
+    ...: in any order, in any of the files) replaced by the weight they make, dequantized on `device` to `dtype`;
+    every other tensor passes as it is, but those the scheme ignores."""
+    suffixes = sorted(scheme.data + scheme.parts, key=len, reverse=True)  # ".weight_scale" is no ".weight"
     # Parts are held on the host until the last of their weight's arrives (usually soon, in the same file).
-    pending: dict[str, dict[int, tuple[torch.Tensor, Path | None]]] = {}
+    pending: dict[str, dict[str, tuple[torch.Tensor, Path | None]]] = {}
     for name, tensor in weights:
         if name.endswith(scheme.ignored):
             continue
-        part = next((i for i, suffix in enumerate(scheme.parts) if name.endswith(suffix)), None)
-        if part is None or part == 0 and not scheme.is_quantized(tensor):
+        suffix = next((s for s in suffixes if name.endswith(s)), None)
+        base = "" if suffix is None else name.removesuffix(suffix)
+        if suffix is None or suffix in scheme.data and not scheme.is_quantized(tensor) \
+                and not any(base + part in names for part in scheme.parts):
             yield name, tensor
             continue
-        base = name.removesuffix(scheme.parts[part])
         parts = pending.setdefault(base, {})
-        parts[part] = (tensor[...] if isinstance(tensor, LazyTensor) else tensor, getattr(tensor, "file", None))
-        if len(parts) == len(scheme.parts):
+        parts[suffix] = (tensor[...] if isinstance(tensor, LazyTensor) else tensor, getattr(tensor, "file", None))
+        if not _missing_parts(base, parts, names, scheme):
             yield base + scheme.weight_suffix, _dequantize(scheme, base, pending.pop(base), device, dtype)
     for base, parts in pending.items():
-        names = [base + suffix for suffix in scheme.parts]
-        if 0 not in parts:
+        data = next((s for s in scheme.data if s in parts), None)
+        if data is None:
             part, (_, file) = next(iter(parts.items()))
-            raise ValueError(f"checkpoint tensor {names[part]!r}{_in(file)} belongs to no quantized tensor: "
-                             f"{names[0]!r} is missing or not quantized")
-        missing = [names[i] for i in range(len(names)) if i not in parts]
-        raise ValueError(f"quantized checkpoint tensor {names[0]!r}{_in(parts[0][1])} lacks "
-                         f"{', '.join(map(repr, missing))} in the checkpoint")
+            raise ValueError(f"checkpoint tensor {base + part!r}{_in(file)} belongs to no quantized tensor: "
+                             f"{' or '.join(repr(base + s) for s in scheme.data)} is missing or not quantized")
+        raise ValueError(f"quantized checkpoint tensor {base + data!r}{_in(parts[data][1])} lacks "
+                         f"{', '.join(map(repr, _missing_parts(base, parts, names, scheme)))} in the checkpoint")
 
 
-def _dequantize(scheme: QuantScheme, base: str, parts: dict[int, tuple[torch.Tensor, Path | None]],
+def _missing_parts(base: str, parts: dict, names: set[str], scheme: QuantScheme) -> list[str]:
+    """The names of the parts of base's weight not yet read: its data and the parts it has, or must have."""
+    missing = [] if any(s in parts for s in scheme.data) else [base + scheme.data[0]]
+    return missing + [base + s for s in scheme.parts
+                      if s not in parts and (s not in scheme.optional or base + s in names)]
+
+
+def _dequantize(scheme: QuantScheme, base: str, parts: dict[str, tuple[torch.Tensor, Path | None]],
                 device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    data = next(s for s in scheme.data if s in parts)
     try:
-        return scheme.dequantize(*(parts[i][0].to(device) for i in range(len(scheme.parts))), dtype)
+        return scheme.dequantize({suffix: tensor.to(device) for suffix, (tensor, _) in parts.items()}, dtype)
     except ValueError as e:
-        raise ValueError(f"cannot dequantize checkpoint tensor {base + scheme.parts[0]!r}{_in(parts[0][1])}: "
-                         f"{e}") from None
+        raise ValueError(f"cannot dequantize checkpoint tensor {base + data!r}{_in(parts[data][1])}: {e}") from None
 
 
 def _in(file: Path | None) -> str:
