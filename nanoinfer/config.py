@@ -214,8 +214,8 @@ class Config:
     def _check_model_config(self, source: Path) -> None:
         """The model's own sizes and constants, where a bad value would otherwise fail obscurely (or not at all)."""
         cfg = self.hf_config
-        # Dequantized on load (FP8, MXFP4, GPTQ, AWQ); other methods' files hold weights no layer here reads:
-        # refused before any is loaded.
+        # Dequantized on load (FP8, MXFP4, GPTQ, AWQ, compressed-tensors); other methods' files hold weights no layer
+        # here reads: refused before any is loaded.
         check_quantization(cfg, source)
         sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                  "max_position_embeddings", "num_key_value_heads", "head_dim", "attention_chunk_size")

@@ -1,7 +1,8 @@
 """Quantized checkpoints dequantized on load: block-wise FP8 (Qwen3, DeepSeek-V3; TP 1 and 2) and GPT-OSS's MXFP4
 against transformers loading the same files with `dequantize=True`; GPTQ and AWQ integers against transformers on the
-weights they stand for; the edge tiles of FP8 blocks, the packed layouts word by word, and the checkpoints and
-settings refused by name (other quant methods, a missing or misshapen part)."""
+weights they stand for; compressed-tensors' formats, written by its own library, against transformers reading them;
+the edge tiles of FP8 blocks, the packed layouts word by word, and the checkpoints and settings refused by name
+(other quant methods, a missing or misshapen part)."""
 import json
 import pathlib
 import shutil
@@ -12,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from models import check_against_hf, hf_greedy, random_prompts
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.utils.quantization import (dequantize_awq, dequantize_fp8, dequantize_gptq, dequantized_weights,
-                                          quant_scheme, unpack_int32)
+from nanoinfer.utils.quantization import (dequantize_awq, dequantize_compressed, dequantize_fp8, dequantize_gptq,
+                                          dequantized_weights, quant_scheme, unpack_bits)
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -296,11 +297,15 @@ def test_packed_words_unpack_from_the_lowest_bits_in_each_layout():
     rows, and along AWQ's output columns in AutoAWQ's order (nibble i: column [0, 2, 4, 6, 1, 3, 5, 7][i]); a word
     with its top bit set (negative as int32) unpacks the same way; GPTQ v1 adds one to each stored zero point."""
     word = torch.tensor([[0x76543210]], dtype=torch.int32)
-    assert unpack_int32(word, 4, 0).flatten().tolist() == list(range(8))
-    assert unpack_int32(word, 4, 1).flatten().tolist() == list(range(8))
-    assert unpack_int32(as_int32(torch.tensor([[0x89ABCDEF]])), 4, 1).flatten().tolist() == [15, 14, 13, 12, 11, 10,
-                                                                                              9, 8]
-    assert unpack_int32(as_int32(torch.tensor([[0xC0FF03E4]])), 8, 1).flatten().tolist() == [0xE4, 0x03, 0xFF, 0xC0]
+    assert unpack_bits(word, 4, 8).flatten().tolist() == list(range(8))
+    assert unpack_bits(as_int32(torch.tensor([[0x89ABCDEF]])), 4, 8).flatten().tolist() == [15, 14, 13, 12, 11, 10, 9,
+                                                                                             8]
+    assert unpack_bits(as_int32(torch.tensor([[0xC0FF03E4]])), 8, 4).flatten().tolist() == [0xE4, 0x03, 0xFF, 0xC0]
+    # 3-bit codes straddle words: the eleventh sits in bits 30 to 32.
+    codes = [(5 * i + 3) % 8 for i in range(11)]
+    stream = sum(c << (3 * i) for i, c in enumerate(codes))
+    words = as_int32(torch.tensor([[stream & 0xFFFFFFFF, stream >> 32]]))
+    assert unpack_bits(words, 3, 11).flatten().tolist() == codes
     one, zero = torch.ones(1, 8, dtype=torch.float16), torch.zeros(1, 1, dtype=torch.int32)
     awq = dequantize_awq(word, one, zero, -1, torch.float32)  # [out 8, in 1]
     assert awq.flatten().tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
@@ -321,7 +326,7 @@ def test_packed_words_unpack_from_the_lowest_bits_in_each_layout():
      r"'model.layers.0.self_attn.k_proj.(scales|qzeros)' in .*model.safetensors belongs to no quantized tensor: "
      r"'model.layers.0.self_attn.k_proj.qweight' is missing"),
     ("gptq", None, r"cannot dequantize checkpoint tensor 'model.layers.0.mlp.down_proj.qweight' in "
-                   r".*model.safetensors: GPTQ scales \[4, 64\] for 128 input rows: expected 8 groups of group_size "
+                   r".*model.safetensors: 4 groups of scales for 128 input columns: expected 8 with group_size "
                    r"16"),
 ], ids=["gptq-zeros-missing", "awq-qweight-missing", "gptq-group-size-wrong"])
 def test_gptq_and_awq_missing_or_misshapen_parts_name_the_tensor(qwen3_dir, tmp_path, method, drop, message):
@@ -335,6 +340,109 @@ def test_gptq_and_awq_missing_or_misshapen_parts_name_the_tensor(qwen3_dir, tmp_
         LLM(str(d), max_model_len=64, device="cpu")
 
 
+def compressed_copy(src: pathlib.Path, dst: pathlib.Path, group: dict, fmt: str) -> pathlib.Path:
+    """src's model in dst as llm-compressor saves one: compressed-tensors' own library quantizes every Linear but the
+    LM head with the settings of `group` (min-max scales and zero points by its own formula) and compresses them in
+    format `fmt`."""
+    from compressed_tensors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    apply_quantization_config(model, QuantizationConfig.model_validate({
+        "config_groups": {"group_0": {"targets": ["Linear"], **group}}, "ignore": ["lm_head"], "format": fmt}))
+    with torch.no_grad():
+        for module in model.modules():
+            scheme = getattr(module, "quantization_scheme", None)
+            if scheme is None or scheme.weights is None:
+                continue
+            w, args = module.weight, scheme.weights
+            if args.strategy == "tensor":
+                lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+            elif args.strategy == "channel":
+                lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+            elif args.strategy == "group":
+                lo, hi = (f(w.reshape(w.shape[0], -1, args.group_size), -1) for f in (torch.amin, torch.amax))
+            else:
+                (bo, bi), (rows, cols) = args.block_structure, w.shape
+                lo, hi = (f(w.reshape(rows // bo, bo, cols // bi, bi), (1, 3)) for f in (torch.amin, torch.amax))
+            scale, zero = calculate_qparams(lo, hi, args)
+            module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+            if hasattr(module, "weight_zero_point"):
+                module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
+            module.quantization_status = QuantizationStatus.CALIBRATION
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    shutil.copytree(src, dst)
+    (dst / "model.safetensors").unlink()
+    model.save_pretrained(dst)
+    compressor.update_config(dst)
+    return dst
+
+
+def int_weights(bits: int, strategy: str, symmetric: bool = True, **more) -> dict:
+    return {"weights": {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": strategy, **more}}
+
+
+FP8_WEIGHTS = {"num_bits": 8, "type": "float", "symmetric": True}
+COMPRESSED = {  # (kind, tensor-parallel size, config group, format)
+    "qwen3-w4a16-group32": ("qwen3", 1, int_weights(4, "group", group_size=32), "pack-quantized"),
+    "llama-w4a16-asymmetric-tp2": ("llama", 2, int_weights(4, "group", False, group_size=16), "pack-quantized"),
+    "qwen3-w3a16-asymmetric-channel": ("qwen3", 1, int_weights(3, "channel", False), "pack-quantized"),
+    "llama-w8a16-channel": ("llama", 1, int_weights(8, "channel"), "pack-quantized"),
+    "qwen3-int8-channel": ("qwen3", 1, int_weights(8, "channel"), "int-quantized"),
+    "qwen3-fp8-channel-dynamic-activations": ("qwen3", 1, {"weights": {**FP8_WEIGHTS, "strategy": "channel"}},
+                                              "float-quantized"),
+    "qwen3-fp8-tensor": ("qwen3", 1, {"weights": {**FP8_WEIGHTS, "strategy": "tensor"}}, "float-quantized"),
+    "qwen3-fp8-block-tp2": ("qwen3", 2, {"weights": {**FP8_WEIGHTS, "strategy": "block", "block_structure": [32, 16]}},
+                            "float-quantized"),
+}
+
+
+@pytest.mark.parametrize("case", COMPRESSED)
+def test_compressed_tensors_match_transformers(case, model_dir, tmp_path, captured_logits, report_logit_diff):
+    """compressed-tensors checkpoints, written by that library as llm-compressor writes them (packed 3, 4 and 8-bit
+    ints, symmetric and with zero points, by group, channel and tensor; int8; FP8 by channel, tensor and block), load
+    dequantized: transformers' tokens and logits from the same files (which it decompresses with that library);
+    with two ranks, each dequantizes a tensor and keeps its shard."""
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors writes these checkpoints (the test extra)")
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    kind, tp, group, fmt = COMPRESSED[case]
+    d = compressed_copy(model_dir(kind), tmp_path / "q", group, fmt)
+    if case.endswith("dynamic-activations"):  # left out on load, as transformers' decompressed model leaves them
+        config = json.loads((d / "config.json").read_text())
+        config["quantization_config"]["config_groups"]["group_0"]["input_activations"] = {
+            "num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
+        (d / "config.json").write_text(json.dumps(config))
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=tp) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    reference = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32,
+                                                     quantization_config=CompressedTensorsConfig(run_compressed=False))
+    assert not any(p.dtype in (torch.int32, torch.int8, torch.float8_e4m3fn) for p in reference.parameters())
+    refs = hf_greedy(reference.eval(), PROMPTS, MAX_TOKENS)
+    worst = check_against_hf(outputs, refs, captured_logits)
+    report_logit_diff(case, worst)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+    unquantized = hf_greedy(model_dir(kind), PROMPTS[:1], MAX_TOKENS)[0]["logits"]
+    assert (unquantized - refs[0]["logits"]).abs().max() > 100 * LOGIT_ATOL
+
+
+def test_compressed_tensors_g_idx_orders_the_groups():
+    """Older llm-compressor checkpoints (act-order "group") store weight_g_idx: input column j takes the scale and
+    zero point of group weight_g_idx[j]."""
+    codes = torch.arange(-4, 4, dtype=torch.int8).repeat(2, 1)  # [out 2, in 8]
+    scale = torch.tensor([[1.0, 10.0], [2.0, 20.0]])
+    g_idx = torch.tensor([1, 0, 0, 1, 1, 0, 0, 1], dtype=torch.int32)
+    weights = {"num_bits": 8, "type": "int", "strategy": "group", "group_size": 4}
+    out = dequantize_compressed({".weight": codes, ".weight_scale": scale, ".weight_g_idx": g_idx}, weights,
+                                torch.float32)
+    assert torch.equal(out, codes.float() * scale[:, g_idx.long()])
+    blocks = dequantize_compressed({".weight": codes, ".weight_scale": scale}, weights, torch.float32)
+    assert torch.equal(blocks, codes.float() * scale.repeat_interleave(4, 1))
+
+
 @pytest.mark.parametrize("quantization, message", [
     ({"quant_method": "gptq", "bits": 3}, r"bits=3 .*GPTQ checkpoints load with bits 2, 4, 8"),
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, r"checkpoint_format='marlin'"),
@@ -343,12 +451,27 @@ def test_gptq_and_awq_missing_or_misshapen_parts_name_the_tensor(qwen3_dir, tmp_
     ({"quant_method": "awq", "bits": 4, "zero_point": False}, r"zero_point=False"),
     ({"quant_method": "awq", "bits": 8}, r"bits=8 .*AWQ checkpoints load with 4 bits"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, r"quant_method='bitsandbytes'"),
-    ({"quant_method": "compressed-tensors"}, r"quant_method='compressed-tensors'"),
+    ({"quant_method": "compressed-tensors"}, r"config_groups=None .*expected a dict of groups"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group"}}}},
+     r"config_groups.g.format='nvfp4-pack-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32},
+                              "input_activations": {"num_bits": 8, "type": "int", "dynamic": False}}}},
+     r"config_groups.g.input_activations .*only dynamic input activations"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"a": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}},
+                        "b": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}},
+     r"groups with different weight settings"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "sparsity_config": {"format": "sparse-24"},
+      "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "channel"}}}},
+     r"sparsity_config=.*without sparsity"),
     ({"quant_method": "mxfp4"}, r"quant_method='mxfp4'.* not supported for Qwen3ForCausalLM"),
     ({"quant_method": "fp8", "activation_scheme": "static"}, r"activation_scheme='static'"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size=\[128\]"),
 ], ids=["gptq-3-bit", "gptq-marlin", "gptq-group-0", "awq-gemv", "awq-no-zero-point", "awq-8-bit", "bitsandbytes",
-        "compressed-tensors", "mxfp4-not-gpt-oss", "fp8-static", "fp8-bad-block"])
+        "compressed-tensors-no-groups", "compressed-tensors-nvfp4", "compressed-tensors-static-activations",
+        "compressed-tensors-mixed", "compressed-tensors-sparse", "mxfp4-not-gpt-oss", "fp8-static", "fp8-bad-block"])
 def test_unsupported_quantization_is_refused_by_name(qwen3_dir, tmp_path, quantization, message):
     d = tmp_path / "m"
     shutil.copytree(qwen3_dir, d)

@@ -1,5 +1,6 @@
-"""Quantized checkpoints (block-wise FP8, GPT-OSS's MXFP4, GPTQ and AWQ integers) dequantized to the model's dtype as
-their tensors are read, as transformers does with `dequantize=True`: the layers only ever see ordinary weights."""
+"""Quantized checkpoints (block-wise FP8, GPT-OSS's MXFP4, GPTQ, AWQ and compressed-tensors' integers and FP8)
+dequantized to the model's dtype as their tensors are read, as transformers does with `dequantize=True`: the layers
+only ever see ordinary weights."""
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from nanoinfer.utils.loader import LazyTensor
 
 # quant_method values with a dequantizer here, and the architectures each one serves (None: any).
 SUPPORTED_METHODS: dict[str, tuple[str, ...] | None] = {"fp8": None, "mxfp4": ("GptOssForCausalLM",), "gptq": None,
-                                                        "awq": None}
+                                                        "awq": None, "compressed-tensors": None}
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # MXFP4's e2m1 code points, indexed by the 4-bit code (sign bit highest).
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -21,6 +22,10 @@ GPTQ_BITS = (2, 4, 8)  # the widths that fill an int32 (3-bit codes straddle wor
 GPTQ_FORMATS = ("gptq", "gptq_v2")  # v2 (GPTQModel's) stores the zero points themselves, v1 each one less
 # AutoAWQ's GEMM layout packs output column AWQ_PACK_ORDER[i] of each run of 8 into bits 4i..4i+3 of a word.
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+# compressed-tensors' formats of quantized weights that load here, and the weight type each stores.
+COMPRESSED_FORMATS = {"pack-quantized": "int", "int-quantized": "int", "naive-quantized": "int",
+                      "float-quantized": "float"}
+COMPRESSED_STRATEGIES = ("tensor", "channel", "group", "block")
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,8 @@ def check_quantization(hf_config: PretrainedConfig, source: Path) -> None:
         raise ValueError(f"quantization_config (quant_method={method!r}) in {source}: not supported for "
                          f"{architecture}; the quantized checkpoints that load (dequantized) are {supported}. Use an "
                          "unquantized (bf16/fp16/fp32) checkpoint or a GGUF file")
-    check = {"fp8": _check_fp8, "gptq": _check_gptq, "awq": _check_awq}.get(method)
+    check = {"fp8": _check_fp8, "gptq": _check_gptq, "awq": _check_awq,
+             "compressed-tensors": _check_compressed_tensors}.get(method)
     if check is not None:
         check(quantization, source)
 
@@ -92,6 +98,49 @@ def _check_awq(quantization: dict, source: Path) -> None:
     _check_group_size(quantization, source)
 
 
+def _check_compressed_tensors(quantization: dict, source: Path) -> None:
+    """Weight-only quantization (activations dynamic or not quantized), with the same weight settings in every
+    config group."""
+    for key, what in (("sparsity_config", "sparsity"), ("transform_config", "transforms"),
+                      ("kv_cache_scheme", "a quantized KV cache")):
+        if quantization.get(key):
+            raise ValueError(f"quantization_config {key}={quantization[key]!r} in {source}: compressed-tensors "
+                             f"checkpoints load without {what}")
+    groups = quantization.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError(f"quantization_config config_groups={groups!r} in {source}: expected a dict of groups")
+    settings = [_compressed_group(f"config_groups.{name}", group, quantization.get("format"), source)
+                for name, group in groups.items()]
+    if any(s != settings[0] for s in settings):
+        raise ValueError(f"quantization_config config_groups in {source}: groups with different weight settings "
+                         f"({settings}) are not supported")
+
+
+def _compressed_group(where: str, group: dict, default_format: str | None, source: Path) -> dict:
+    """The weight settings of one config group (what dequantizing its weights needs), or a ValueError."""
+    fmt = group.get("format") or default_format
+    weights = group.get("weights")
+    if fmt not in COMPRESSED_FORMATS or not isinstance(weights, dict):
+        raise ValueError(f"quantization_config {where}.format={fmt!r} in {source}: compressed-tensors checkpoints "
+                         f"load with weights in the formats {', '.join(COMPRESSED_FORMATS)}")
+    bits, kind, strategy = weights.get("num_bits"), weights.get("type", "int"), weights.get("strategy")
+    if kind != COMPRESSED_FORMATS[fmt] or isinstance(bits, bool) \
+            or bits not in (range(1, 9) if kind == "int" else (8,)):
+        raise ValueError(f"quantization_config {where}.weights (type={kind!r}, num_bits={bits!r}) in {source}: "
+                         f"{fmt} weights load as 1 to 8-bit ints or 8-bit floats, as the format says")
+    if strategy not in COMPRESSED_STRATEGIES:
+        raise ValueError(f"quantization_config {where}.weights.strategy={strategy!r} in {source}: expected one of "
+                         f"{', '.join(COMPRESSED_STRATEGIES)}")
+    for name in ("input_activations", "output_activations"):
+        args = group.get(name)
+        # Dynamic input quantization is left out (activations run unquantized, as transformers' dequantize=True);
+        # static scales would be dropped.
+        if args and not (name == "input_activations" and args.get("dynamic") is True):
+            raise ValueError(f"quantization_config {where}.{name} in {source}: only dynamic input activations "
+                             "(dropped on load) are supported")
+    return {key: weights.get(key) for key in ("num_bits", "type", "strategy", "group_size", "block_structure")}
+
+
 def _check_group_size(quantization: dict, source: Path) -> None:
     size = quantization.get("group_size", -1)
     if isinstance(size, bool) or not isinstance(size, int) or not (size == -1 or size > 0):
@@ -106,8 +155,8 @@ def quant_scheme(hf_config: PretrainedConfig) -> QuantScheme | None:
         return None
     method, group_size = quantization["quant_method"], quantization.get("group_size", -1)
     if method == "mxfp4":
-        return QuantScheme(("_blocks",), ("_scales",), lambda t, dtype: dequantize_mxfp4(t["_blocks"], t["_scales"], dtype),
-                           weight_suffix="")
+        return QuantScheme(("_blocks",), ("_scales",), lambda t, dtype: dequantize_mxfp4(t["_blocks"], t["_scales"],
+                                                                                            dtype), weight_suffix="")
     if method == "gptq":
         bits, v1 = quantization["bits"], quantization.get("checkpoint_format", "gptq") == "gptq"
         # As vLLM: without act-order (desc_act) the rows' groups are their blocks of group_size, whatever g_idx says.
@@ -118,15 +167,29 @@ def quant_scheme(hf_config: PretrainedConfig) -> QuantScheme | None:
     if method == "awq":
         return QuantScheme((".qweight",), (".scales", ".qzeros"), lambda t, dtype: dequantize_awq(
             t[".qweight"], t[".scales"], t[".qzeros"], group_size, dtype))
+    if method == "compressed-tensors":
+        weights = next(iter(quantization["config_groups"].values()))["weights"]
+        return QuantScheme((".weight_packed", ".weight"), (".weight_scale", ".weight_shape", ".weight_zero_point",
+                                                           ".weight_g_idx"),
+                           lambda t, dtype: dequantize_compressed(t, weights, dtype), is_quantized=_stored_as_codes,
+                           optional=(".weight_shape", ".weight_zero_point", ".weight_g_idx"))
     block = quantization.get("weight_block_size")
     return QuantScheme((".weight",), (".weight_scale_inv",), lambda t, dtype: dequantize_fp8(
-        t[".weight"], t[".weight_scale_inv"], None if block is None else tuple(block), dtype), is_quantized=_stored_as_fp8)
+        t[".weight"], t[".weight_scale_inv"], None if block is None else tuple(block), dtype),
+        is_quantized=_stored_as_fp8)
 
 
 def _stored_as_fp8(tensor: torch.Tensor | LazyTensor) -> bool:
     if isinstance(tensor, LazyTensor):
         return tensor.stored_dtype.startswith("F8_")
     return tensor.dtype in _FP8_DTYPES
+
+
+def _stored_as_codes(tensor: torch.Tensor | LazyTensor) -> bool:
+    """Integers or FP8, not a float weight left unquantized."""
+    if isinstance(tensor, LazyTensor):
+        return tensor.stored_dtype.startswith(("I", "U", "F8_"))
+    return not tensor.is_floating_point() or tensor.dtype in _FP8_DTYPES
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] | None,
@@ -180,15 +243,16 @@ def _mxfp4_matrix(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(values[codes].flatten(-3), exponents)
 
 
-def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """The codes of int32 words, 32 // bits to a word from the lowest bits up, laid out along dim (each word's
-    codes in a row): [..., n, ...] -> [..., n * 32 // bits, ...] int32."""
-    if packed.dtype != torch.int32:
-        raise ValueError(f"packed codes are {packed.dtype}: expected int32 words")
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
-    dim %= packed.dim()
-    codes = (packed.unsqueeze(dim + 1) >> shifts.view(-1, *[1] * (packed.dim() - dim - 1))) & ((1 << bits) - 1)
-    return codes.flatten(dim, dim + 1)
+def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The first `count` codes of each row of int32 words [rows, words], read as a stream of bits-wide codes from
+    each word's lowest bits up (a code may straddle two words) -> [rows, count] int64."""
+    if packed.dtype != torch.int32 or packed.dim() != 2 or -(-count * bits // 32) > packed.shape[1]:
+        raise ValueError(f"packed codes {packed.dtype} {list(packed.shape)}: expected int32 words [rows, "
+                         f"{-(-count * bits // 32)}] for {count} codes of {bits} bits")
+    words = torch.nn.functional.pad(packed.long() & 0xFFFFFFFF, (0, 1))  # a straddling code reads the next word
+    start = torch.arange(count, device=packed.device) * bits
+    low, shift = words[:, start // 32] >> (start % 32), 32 - start % 32
+    return (low | words[:, start // 32 + 1] << shift) & ((1 << bits) - 1)
 
 
 def dequantize_gptq(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, g_idx: torch.Tensor | None,
@@ -197,47 +261,84 @@ def dequantize_gptq(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.T
     [groups, out / w] (along the output; v1 stores each zero point less one, so a stored 2 ** bits - 1 reads as
     2 ** bits, as vLLM's kernels read it), scales [groups, out], g_idx [in] (each input row's group; None: rows in
     blocks of group_size) -> [out, in] = scale * (code - zero)."""
-    codes, zeros = unpack_int32(qweight, bits, 0), unpack_int32(qzeros, bits, 1) + int(v1)
-    if g_idx is None:
-        g_idx = _groups(codes.shape[0], group_size, scales, "GPTQ")
-    elif tuple(g_idx.shape) != (codes.shape[0],):
-        raise ValueError(f"GPTQ g_idx has shape {list(g_idx.shape)}, qweight {list(qweight.shape)}: expected "
-                         f"[{codes.shape[0]}]")
-    return _dequantize_groups(codes, zeros, scales, g_idx.long(), "GPTQ", dtype)
+    rows, columns = qweight.shape[0] * 32 // bits, qweight.shape[1]
+    codes = unpack_bits(qweight.T.contiguous(), bits, rows)
+    zeros = unpack_bits(qzeros, bits, columns).T + int(v1)
+    return dequantize_groups(codes, scales.T, zeros, _groups(rows, group_size, g_idx, scales.shape[0]), dtype)
 
 
 def dequantize_awq(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, group_size: int,
                    dtype: torch.dtype) -> torch.Tensor:
     """An AWQ (GEMM layout) linear weight: qweight [in, out / 8] and qzeros [groups, out / 8], 4-bit codes along
     the output in AWQ_PACK_ORDER, scales [groups, out] -> [out, in] = scale * (code - zero)."""
-    codes, zeros = _unpack_awq(qweight), _unpack_awq(qzeros)
-    return _dequantize_groups(codes, zeros, scales, _groups(codes.shape[0], group_size, scales, "AWQ"), "AWQ", dtype)
+    codes, zeros = _unpack_awq(qweight).T, _unpack_awq(qzeros).T
+    return dequantize_groups(codes, scales.T, zeros, _groups(codes.shape[1], group_size, None, scales.shape[0]),
+                             dtype)
 
 
 def _unpack_awq(packed: torch.Tensor) -> torch.Tensor:
-    codes = unpack_int32(packed, 4, -1)
+    codes = unpack_bits(packed, 4, packed.shape[1] * 8)
     columns = torch.tensor(AWQ_PACK_ORDER, device=codes.device).argsort()  # column c sits in nibble columns[c]
-    return codes.view(*codes.shape[:-1], -1, 8)[..., columns].flatten(-2)
+    return codes.view(codes.shape[0], -1, 8)[..., columns].flatten(-2)
 
 
-def _groups(rows: int, group_size: int, scales: torch.Tensor, method: str) -> torch.Tensor:
-    """Each input row's group: rows in blocks of group_size (-1: one block), as many as scales has rows."""
-    size = rows if group_size == -1 else group_size
-    if -(-rows // size) != scales.shape[0]:
-        raise ValueError(f"{method} scales {list(scales.shape)} for {rows} input rows: expected {-(-rows // size)} "
-                         f"groups of group_size {group_size}")
-    return torch.arange(rows, device=scales.device) // size
+def _groups(columns: int, group_size: int, g_idx: torch.Tensor | None, num_groups: int) -> torch.Tensor:
+    """Each input column's group: its g_idx entry, else its block of group_size columns (-1: one block)."""
+    if g_idx is not None:
+        if tuple(g_idx.shape) != (columns,):
+            raise ValueError(f"g_idx has shape {list(g_idx.shape)}: expected [{columns}], one per input column")
+        return g_idx.long()
+    size = columns if group_size == -1 else group_size
+    if -(-columns // size) != num_groups:
+        raise ValueError(f"{num_groups} groups of scales for {columns} input columns: expected {-(-columns // size)} "
+                         f"with group_size {group_size}")
+    return torch.arange(columns) // size
 
 
-def _dequantize_groups(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, groups: torch.Tensor,
-                       method: str, dtype: torch.dtype) -> torch.Tensor:
-    """codes [in, out] with row i in group groups[i] of zeros and scales [groups, out] -> [out, in] in dtype."""
-    if scales.dim() != 2 or zeros.shape != scales.shape or codes.shape[1] != scales.shape[1] \
-            or not 0 <= int(groups.min()) <= int(groups.max()) < scales.shape[0]:
-        raise ValueError(f"{method} codes [{codes.shape[0]}, {codes.shape[1]}], zero points {list(zeros.shape)}, "
-                         f"scales {list(scales.shape)} and groups {int(groups.min())}..{int(groups.max())} do not "
-                         "fit together")
-    return ((codes - zeros[groups]) * scales.float()[groups]).T.to(dtype)
+def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, groups: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """codes [out, in], scales and zero points (None: 0) [out, groups], input column j in group groups[j] -> the
+    weight scale * (code - zero) [out, in] in dtype, computed in fp32."""
+    groups = groups.to(codes.device)
+    if scales.dim() != 2 or scales.shape[0] != codes.shape[0] or zeros is not None and zeros.shape != scales.shape \
+            or not 0 <= int(groups.min()) <= int(groups.max()) < scales.shape[1]:
+        raise ValueError(f"codes {list(codes.shape)}, scales {list(scales.shape)}, zero points "
+                         f"{None if zeros is None else list(zeros.shape)} and groups {int(groups.min())}.."
+                         f"{int(groups.max())} do not fit together")
+    values = codes.float() if zeros is None else (codes - zeros[:, groups]).float()
+    return (values * scales.float()[:, groups]).to(dtype)
+
+
+def dequantize_compressed(tensors: dict[str, torch.Tensor], weights: dict, dtype: torch.dtype) -> torch.Tensor:
+    """A compressed-tensors linear weight [out, in] = scale * (code - zero), from `weights` (a config group's settings)
+    and the tensors by suffix: the codes, either `weight_packed` int32 [out, ceil(in * bits / 32)] (each row a bit
+    stream from the lowest bits up, a code stored plus 2 ** (bits - 1)) with `weight_shape` [out, in], or `weight`
+    int8 / fp8 [out, in]; `weight_scale` [1] (tensor), [out, 1] (channel), [out, groups] (group: input column j in
+    group j // group_size, or weight_g_idx[j]) or one per block; `weight_zero_point` beside it where the weights are
+    asymmetric (packed as the codes, along the output, in weight_packed's format)."""
+    scale, zero, g_idx = (tensors[".weight_scale"].float(), tensors.get(".weight_zero_point"),
+                          tensors.get(".weight_g_idx"))
+    if ".weight_packed" in tensors:
+        if ".weight_shape" not in tensors:
+            raise ValueError("weight_packed comes without its weight_shape")
+        (rows, columns), bits = tensors[".weight_shape"].tolist(), weights["num_bits"]
+        offset = 1 << (bits - 1)
+        codes = unpack_bits(tensors[".weight_packed"], bits, columns) - offset
+        if zero is not None:
+            zero = unpack_bits(zero.T.contiguous(), bits, rows).T - offset
+    else:
+        codes = tensors[".weight"]
+    if weights["strategy"] == "block":
+        if zero is not None:
+            raise ValueError("block-quantized weights with zero points are not supported")
+        return dequantize_fp8(codes.float(), scale, tuple(weights["block_structure"]), dtype)
+    scale = scale.reshape(1, 1) if scale.numel() == 1 else scale
+    zero = zero.reshape(1, 1) if zero is not None and zero.numel() == 1 else zero
+    if scale.shape[0] == 1:  # one scale for the tensor: every row and column shares it
+        scale, zero = scale.expand(codes.shape[0], 1), None if zero is None else zero.expand(codes.shape[0], 1)
+    group_size = weights.get("group_size") if weights["strategy"] == "group" else -1
+    groups = _groups(codes.shape[1], group_size or -1, g_idx, scale.shape[1])
+    return dequantize_groups(codes if zero is None else codes.long(), scale, zero, groups, dtype)
 
 
 def dequantized_weights(weights: Iterable[tuple[str, torch.Tensor | LazyTensor]], names: set[str],
