@@ -23,10 +23,14 @@ PROMPTS = random_prompts(3, 5, 440, 2, 40, seed=21) + [[7, VISION_START, IMAGE_T
 KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe",
          "qwen3.5", "qwen3.5-moe", "llava-qwen2", "llava-next", "llava-onevision", "internvl", "smolvlm", "idefics3",
          "aya-vision", "llama4", "gemma4", "mistral3-ministral3", "gemma3n", "mllama", "emu3", "inkling", "dots3-note",
-         "minimax-m3", "aria", "cohere-compass", "inkling2", "gemma4-unified", "qwen4-exp")
+         "minimax-m3", "aria", "cohere-compass", "inkling2", "gemma4-unified", "qwen4-exp", "vipllava",
+         "llava-next-video", "video-llava", "lfm2-vl", "cohere2-vision", "idefics2", "got-ocr2", "deepseek-vl",
+         "lighton-ocr", "ovis2")
 # Kinds whose wrapper transformers 5.17 lacks: their transformers family.
 NEWEST_FAMILIES = {"inkling": "inkling", "inkling2": "inkling2", "dots3-note": "dots3_note",
-                   "minimax-m3": "minimax_m3_vl", "qwen4-exp": "qwen4_exp"}
+                   "minimax-m3": "minimax_m3_vl", "qwen4-exp": "qwen4_exp", "lfm2-vl": "lfm2_vl",
+                   "cohere2-vision": "cohere2_vision", "deepseek-vl": "deepseek_vl", "lighton-ocr": "lighton_ocr",
+                   "ovis2": "ovis2", "got-ocr2": "got_ocr2"}
 # Gemma 4's wrapper kind keeps the seed it was checked with: at the next one (7118) transformers' own fp32 logits
 # stray 3.9e-4 from its fp64 ones along the greedy path, over this file's 1e-4 bar (ours were 2.2e-4 from its fp32).
 # Aria's, Cohere Compass's and Inkling-2's keep theirs, from before other kinds came ahead of them.
@@ -141,6 +145,41 @@ def make_vlm_config(kind: str):
     if kind == "cohere-compass":  # Qwen3-VL's vision tower, the text model's logit_scale, which this wrapper applies
         return t.CohereCompassConfig(text_config=make_config("cohere-compass"),
                                      vision_config=dict(_QWEN3_VISION, deepstack_visual_indexes=[0]), **_QWEN_TOKENS)
+    if kind == "vipllava":  # Llava's layout with features from several vision layers
+        return t.VipLlavaConfig(text_config=make_config("llama"), vision_config=_CLIP, image_token_index=IMAGE_TOKEN,
+                                vision_feature_layers=[0])
+    if kind == "llava-next-video":  # over Mistral, Llava-NeXT's `image_newline` too
+        return t.LlavaNextVideoConfig(text_config=make_config("mistral"), vision_config=_CLIP,
+                                      image_token_index=IMAGE_TOKEN, video_token_index=VIDEO_TOKEN,
+                                      image_grid_pinpoints=[[28, 28]])
+    if kind == "video-llava":  # an image tower and a video tower
+        return t.VideoLlavaConfig(text_config=make_config("llama"), vision_config=_CLIP, image_token_index=IMAGE_TOKEN,
+                                  video_token_index=VIDEO_TOKEN)
+    if kind == "lfm2-vl":  # over LFM2 (short convs and attention)
+        vision = dict(_SIGLIP, model_type="siglip2_vision_model", num_patches=16)
+        return t.Lfm2VlConfig(text_config=make_config("lfm2"), vision_config=vision, image_token_id=IMAGE_TOKEN)
+    if kind == "cohere2-vision":  # Command A Vision: over Cohere 2 with its logit_scale
+        return t.Cohere2VisionConfig(text_config=make_config("cohere2"), vision_config=_SIGLIP,
+                                     image_token_id=IMAGE_TOKEN)
+    if kind == "idefics2":  # over Mistral; a perceiver connector
+        perceiver = dict(hidden_act="silu", resampler_n_latents=4, resampler_depth=1, resampler_n_heads=2,
+                         resampler_head_dim=8, num_key_value_heads=1)
+        return t.Idefics2Config(text_config=make_config("mistral"), vision_config=_SIGLIP, perceiver_config=perceiver,
+                                image_token_id=IMAGE_TOKEN)
+    if kind == "got-ocr2":  # over Qwen2, its own SAM-style vision tower
+        vision = dict(hidden_size=16, output_channels=16, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                      patch_size=16, global_attn_indexes=[0], mlp_dim=32)
+        return t.GotOcr2Config(text_config=make_config("qwen2"), vision_config=vision, image_token_index=IMAGE_TOKEN)
+    if kind == "deepseek-vl":  # over Llama; an aligner
+        vision = dict(_SIGLIP, model_type="siglip_vision_model")
+        return t.DeepseekVLConfig(text_config=make_config("llama"), vision_config=vision, image_token_id=IMAGE_TOKEN)
+    if kind == "lighton-ocr":  # over Qwen3; a Pixtral vision encoder and its projection
+        pixtral = dict(_SIGLIP, model_type="pixtral", head_dim=8)
+        return t.LightOnOcrConfig(text_config=make_config("qwen3"), vision_config=pixtral, image_token_id=IMAGE_TOKEN)
+    if kind == "ovis2":  # over Qwen2; a table of visual embeddings
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      image_size=28, patch_size=14, vocab_size=16)
+        return t.Ovis2Config(text_config=make_config("qwen2"), vision_config=vision, image_token_id=IMAGE_TOKEN)
     # Qwen: multimodal rope over 8 (16 for Qwen3-VL) frequency pairs, in sections or interleaved.
     if kind == "qwen2-vl":  # layers 1 and 2 windowed, untied
         text = qwen_text_config(t.Qwen2VLTextConfig, {"mrope_section": [2, 3, 3]}, use_sliding_window=True,

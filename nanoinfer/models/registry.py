@@ -202,10 +202,15 @@ _VISION_LANGUAGE = {
     "Qwen3_5ForConditionalGeneration": {"qwen3_5_text": _MODELS["Qwen3_5ForCausalLM"]},
     "Qwen3_5MoeForConditionalGeneration": {"qwen3_5_moe_text": _MODELS["Qwen3_5MoeForCausalLM"]},
     "Qwen4ExpForConditionalGeneration": {"qwen4_exp_text": _MODELS["Qwen4ExpForCausalLM"]},
-} | dict.fromkeys(("AyaVisionForConditionalGeneration", "Idefics3ForConditionalGeneration",
-                   "InternVLForConditionalGeneration", "LlavaForConditionalGeneration",
-                   "LlavaNextForConditionalGeneration", "LlavaOnevisionForConditionalGeneration",
-                   "SmolVLMForConditionalGeneration"), _ANY_TEXT_FAMILY)
+} | dict.fromkeys(("AyaVisionForConditionalGeneration", "Cohere2VisionForConditionalGeneration",
+                   "DeepseekVLForConditionalGeneration", "GotOcr2ForConditionalGeneration",
+                   "Idefics2ForConditionalGeneration", "Idefics3ForConditionalGeneration",
+                   "InternVLForConditionalGeneration", "Lfm2VlForConditionalGeneration",
+                   "LightOnOcrForConditionalGeneration", "LlavaForConditionalGeneration",
+                   "LlavaNextForConditionalGeneration", "LlavaNextVideoForConditionalGeneration",
+                   "LlavaOnevisionForConditionalGeneration", "Ovis2ForConditionalGeneration",
+                   "SmolVLMForConditionalGeneration", "VideoLlavaForConditionalGeneration",
+                   "VipLlavaForConditionalGeneration"), _ANY_TEXT_FAMILY)
 
 
 # Families whose attention adds a learned logit per head to every softmax (attention sinks), which flash-attn 2 lacks:
