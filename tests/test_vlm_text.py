@@ -25,12 +25,13 @@ KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl
          "aya-vision", "llama4", "gemma4", "mistral3-ministral3", "gemma3n", "mllama", "emu3", "inkling", "dots3-note",
          "minimax-m3", "aria", "cohere-compass", "inkling2", "gemma4-unified", "qwen4-exp", "vipllava",
          "llava-next-video", "video-llava", "lfm2-vl", "cohere2-vision", "idefics2", "got-ocr2", "deepseek-vl",
-         "lighton-ocr", "ovis2")
+         "lighton-ocr", "ovis2", "exaone4.5", "minicpm-v4.6", "hyperclovax-vision-v2", "lfm3-vl")
 # Kinds whose wrapper transformers 5.17 lacks: their transformers family.
 NEWEST_FAMILIES = {"inkling": "inkling", "inkling2": "inkling2", "dots3-note": "dots3_note",
                    "minimax-m3": "minimax_m3_vl", "qwen4-exp": "qwen4_exp", "lfm2-vl": "lfm2_vl",
                    "cohere2-vision": "cohere2_vision", "deepseek-vl": "deepseek_vl", "lighton-ocr": "lighton_ocr",
-                   "ovis2": "ovis2", "got-ocr2": "got_ocr2"}
+                   "ovis2": "ovis2", "got-ocr2": "got_ocr2", "exaone4.5": "exaone4_5", "minicpm-v4.6": "minicpmv4_6", "hyperclovax-vision-v2": "hyperclovax_vision_v2",
+                   "lfm3-vl": "lfm3_vl"}
 # Gemma 4's wrapper kind keeps the seed it was checked with: at the next one (7118) transformers' own fp32 logits
 # stray 3.9e-4 from its fp64 ones along the greedy path, over this file's 1e-4 bar (ours were 2.2e-4 from its fp32).
 # Aria's, Cohere Compass's and Inkling-2's keep theirs, from before other kinds came ahead of them.
@@ -180,6 +181,20 @@ def make_vlm_config(kind: str):
         vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                       image_size=28, patch_size=14, vocab_size=16)
         return t.Ovis2Config(text_config=make_config("qwen2"), vision_config=vision, image_token_id=IMAGE_TOKEN)
+    newer = {"exaone4.5": ("exaone4_5", "exaone4", "image_token_id"), "minicpm-v4.6": ("minicpmv4_6", "qwen3.5", "image_token_id"),
+             "hyperclovax-vision-v2": ("hyperclovax_vision_v2", "hyperclovax", "image_token_id"),
+             "lfm3-vl": ("lfm3_vl", "lfm3", "image_token_id")}
+    if kind in newer:  # wrappers of transformers 5.23 and later, their vision side shrunk to one small layer
+        model_type, text, image_token = newer[kind]
+        config = t.AutoConfig.for_model(model_type, text_config=make_config(text).to_dict(),
+                                        **{image_token: IMAGE_TOKEN})
+        for name, value in dict(num_hidden_layers=1, depth=1, hidden_size=16, intermediate_size=32,
+                                num_attention_heads=2, num_heads=2).items():
+            # (a tower with a type per layer keeps its layers)
+            if hasattr(config.vision_config, name) and not (name == "num_hidden_layers" and getattr(
+                    config.vision_config, "layer_types", None)):
+                setattr(config.vision_config, name, value)
+        return config
     # Qwen: multimodal rope over 8 (16 for Qwen3-VL) frequency pairs, in sections or interleaved.
     if kind == "qwen2-vl":  # layers 1 and 2 windowed, untied
         text = qwen_text_config(t.Qwen2VLTextConfig, {"mrope_section": [2, 3, 3]}, use_sliding_window=True,

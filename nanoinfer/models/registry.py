@@ -203,12 +203,14 @@ _VISION_LANGUAGE = {
     "Qwen3_5MoeForConditionalGeneration": {"qwen3_5_moe_text": _MODELS["Qwen3_5MoeForCausalLM"]},
     "Qwen4ExpForConditionalGeneration": {"qwen4_exp_text": _MODELS["Qwen4ExpForCausalLM"]},
 } | dict.fromkeys(("AyaVisionForConditionalGeneration", "Cohere2VisionForConditionalGeneration",
-                   "DeepseekVLForConditionalGeneration", "GotOcr2ForConditionalGeneration",
+                   "DeepseekVLForConditionalGeneration", "Exaone4_5_ForConditionalGeneration",
+                   "GotOcr2ForConditionalGeneration", "HyperCLOVAXVisionV2ForConditionalGeneration",
                    "Idefics2ForConditionalGeneration", "Idefics3ForConditionalGeneration",
-                   "InternVLForConditionalGeneration", "Lfm2VlForConditionalGeneration",
+                   "InternVLForConditionalGeneration", "Lfm2VlForConditionalGeneration", "Lfm3VlForConditionalGeneration",
                    "LightOnOcrForConditionalGeneration", "LlavaForConditionalGeneration",
                    "LlavaNextForConditionalGeneration", "LlavaNextVideoForConditionalGeneration",
-                   "LlavaOnevisionForConditionalGeneration", "Ovis2ForConditionalGeneration",
+                   "LlavaOnevisionForConditionalGeneration", "MiniCPMV4_6ForConditionalGeneration",
+                   "Ovis2ForConditionalGeneration",
                    "SmolVLMForConditionalGeneration", "VideoLlavaForConditionalGeneration",
                    "VipLlavaForConditionalGeneration"), _ANY_TEXT_FAMILY)
 
