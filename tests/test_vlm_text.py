@@ -184,7 +184,7 @@ def make_vlm_config(kind: str):
     newer = {"exaone4.5": ("exaone4_5", "exaone4", "image_token_id"), "minicpm-v4.6": ("minicpmv4_6", "qwen3.5", "image_token_id"),
              "hyperclovax-vision-v2": ("hyperclovax_vision_v2", "hyperclovax", "image_token_id"),
              "lfm3-vl": ("lfm3_vl", "lfm3", "image_token_id")}
-    if kind in newer:  # wrappers of transformers 5.23 and later, their vision side shrunk to one small layer
+    if kind in newer:  # wrappers of recent transformers, their vision side shrunk to small layers
         model_type, text, image_token = newer[kind]
         config = t.AutoConfig.for_model(model_type, text_config=make_config(text).to_dict(),
                                         **{image_token: IMAGE_TOKEN})
