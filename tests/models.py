@@ -398,6 +398,9 @@ BEAM_RMS_NORM_EPS = 1e-2
 # in 3 hyper-connection streams; QSA on the attention layer with blocks of 4 and a budget of 8 tokens (2 blocks: most
 # prompts have many more), its rope over a quarter of the heads; PLE on layers 1 and 3 (one-based) with 2- and 3-gram
 # tables of 2 heads each (primes from 53, saved in 2 parts), a sigmoid output gate on the delta rule.
+# MiniCPM5-MoE (minicpm5-moe): Llama's attention with q/k/v/o biases and a per-head output gate from q_gate_proj;
+# layer 0 dense, then 2 of 8 experts (sigmoid, a random correction bias, 2 of 4 groups, renormalized, scaled) plus a
+# shared expert.
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
                    "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid", "deepseek-v32": "deepseek_v32",
                    "deepseek-v32-wide": "deepseek_v32", "glm-moe-dsa": "glm_moe_dsa", "axk2": "axk2",
@@ -407,7 +410,7 @@ NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "lagu
                    "minicpm3": "minicpm3", "diffllama": "diffllama", "hrm-text": "hrm_text", "jetmoe": "jetmoe",
                    "inkling": "inkling", "aria-text": "aria", "beam": "beam", "cohere-compass": "cohere_compass",
                    "modernbert-decoder": "modernbert_decoder", "hy-v4": "hy_v4", "inkling2": "inkling2",
-                   "qwen4-exp": "qwen4_exp", "deepseek-v4": "deepseek_v4"}
+                   "qwen4-exp": "qwen4_exp", "deepseek-v4": "deepseek_v4", "minicpm5-moe": "minicpm5_moe"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "bailing-hybrid", "zaya", "minimax",  # as the other
                        "inkling", "inkling2", "qwen4-exp")  # hybrids (test_ssm.py)
@@ -445,7 +448,7 @@ GRAPH_MOE_KINDS = ("qwen3-moe", "granitemoe-swa", "gemma4-moe", "mixtral", "qwen
                    "flexolmo", "exaone-moe", "dbrx", "deepseek-v2", "deepseek-v2-group", "deepseek-v3", "glm4-moe-lite",
                    "gpt-oss", "solar-open", "minimax-m2", "cohere2-moe", "cohere2-moe-sigmoid", "axk1", "afmoe",
                    "mellum", "hy-v3", "laguna", "flint", "kolibri1", "mimo-v2-flash", "longcat-flash", "jetmoe",
-                   "aria-text", "beam")
+                   "aria-text", "beam", "minicpm5-moe")
 # The kinds with recurrent state (linear attention, state-space layers, convolutions), whose decode CUDA graphs read
 # each sequence's state slot from a static buffer (those with experts too: in bf16 on sm90).
 GRAPH_RECURRENT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe", "lfm2", "bamba", "granitemoehybrid",
@@ -531,7 +534,7 @@ _SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7
 _SEEDS |= {"aria-text": 1357, "beam": 4680, "cohere-compass": 2468, "modernbert-decoder": 3579}
 _SEEDS |= {"hy-v4": 4680, XLSTM_KIND: 5791, "qwen4-exp": 5791, "deepseek-v4": 5791}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
-_SEEDS |= {"ctrl": 5252, "openai-gpt": 6363}
+_SEEDS |= {"ctrl": 5252, "openai-gpt": 6363, "minicpm5-moe": 7474}
 
 
 def _token_ids():
@@ -1283,6 +1286,13 @@ def newest_family_config(kind: str, special: dict):
                                                                            "partial_rotary_factor": 0.5}})
     if kind in ("deepseek-v32", "deepseek-v32-wide", "glm-moe-dsa", "axk2", "dots3-note", "hy-v4"):
         return dsa_config(kind, special)
+    if kind == "minicpm5-moe":  # layer 0 dense; 2 of 8 experts in 2 of 4 groups, scaled, plus a shared expert
+        return transformers.MiniCPM5MoeConfig(**{**common, "intermediate_size": 96}, attention_bias=True,
+                                              mlp_layer_types=["dense", "sparse", "sparse"], n_routed_experts=8,
+                                              num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+                                              moe_intermediate_size=32, routed_scaling_factor=2.5,
+                                              norm_topk_prob=True,
+                                              rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "deepseek-v4":  # one KV head, its own head_dim; no dense MLP
         return transformers.DeepseekV4Config(
             **{k: v for k, v in common.items() if k not in ("intermediate_size", "num_key_value_heads", "head_dim")},

@@ -82,6 +82,7 @@ _MODELS = {
     "MellumForCausalLM": ("mellum", "MellumForCausalLM"),
     "MiMoV2FlashForCausalLM": ("mimo_v2_flash", "MiMoV2FlashForCausalLM"),
     "MiniCPM3ForCausalLM": ("minicpm3", "MiniCPM3ForCausalLM"),
+    "MiniCPM5MoeForCausalLM": ("minicpm5_moe", "MiniCPM5MoeForCausalLM"),
     "MiniMaxM2ForCausalLM": ("minimax_m2", "MiniMaxM2ForCausalLM"),
     "MiniMaxM3VLForCausalLM": ("minimax_m3", "MiniMaxM3VLForCausalLM"),
     "MinistralForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama's windows by layer_types (Qwen2's attention)
