@@ -398,6 +398,7 @@ BEAM_RMS_NORM_EPS = 1e-2
 # in 3 hyper-connection streams; QSA on the attention layer with blocks of 4 and a budget of 8 tokens (2 blocks: most
 # prompts have many more), its rope over a quarter of the heads; PLE on layers 1 and 3 (one-based) with 2- and 3-gram
 # tables of 2 heads each (primes from 53, saved in 2 parts), a sigmoid output gate on the delta rule.
+# Apertus 1.5's text model (apertus1.5): Apertus with its LM head pruned to the vocabulary's first 448 ids.
 # MiniCPM5-MoE (minicpm5-moe): Llama's attention with q/k/v/o biases and a per-head output gate from q_gate_proj;
 # layer 0 dense, then 2 of 8 experts (sigmoid, a random correction bias, 2 of 4 groups, renormalized, scaled) plus a
 # shared expert.
@@ -410,12 +411,13 @@ NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "lagu
                    "minicpm3": "minicpm3", "diffllama": "diffllama", "hrm-text": "hrm_text", "jetmoe": "jetmoe",
                    "inkling": "inkling", "aria-text": "aria", "beam": "beam", "cohere-compass": "cohere_compass",
                    "modernbert-decoder": "modernbert_decoder", "hy-v4": "hy_v4", "inkling2": "inkling2",
-                   "qwen4-exp": "qwen4_exp", "deepseek-v4": "deepseek_v4", "minicpm5-moe": "minicpm5_moe"}
+                   "qwen4-exp": "qwen4_exp", "deepseek-v4": "deepseek_v4", "minicpm5-moe": "minicpm5_moe",
+                   "apertus1.5": "apertus1p5"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "bailing-hybrid", "zaya", "minimax",  # as the other
                        "inkling", "inkling2", "qwen4-exp")  # hybrids (test_ssm.py)
 NEWEST_DENSE_KINDS = ("doge", "hyperclovax", "bitnet", "minicpm3", "diffllama", "hrm-text", "cohere-compass",
-                      "modernbert-decoder")
+                      "modernbert-decoder", "apertus1.5")
 NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS  # as the MoEs (test_moe.py)
                          if kind not in NEWEST_HYBRID_KINDS + NEWEST_DENSE_KINDS)
 EXTRA_KINDS += NEWEST_KINDS
@@ -534,7 +536,7 @@ _SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7
 _SEEDS |= {"aria-text": 1357, "beam": 4680, "cohere-compass": 2468, "modernbert-decoder": 3579}
 _SEEDS |= {"hy-v4": 4680, XLSTM_KIND: 5791, "qwen4-exp": 5791, "deepseek-v4": 5791}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
-_SEEDS |= {"ctrl": 5252, "openai-gpt": 6363, "minicpm5-moe": 7474}
+_SEEDS |= {"ctrl": 5252, "openai-gpt": 6363, "minicpm5-moe": 7474, "apertus1.5": 8585}
 
 
 def _token_ids():
@@ -1286,6 +1288,10 @@ def newest_family_config(kind: str, special: dict):
                                                                            "partial_rotary_factor": 0.5}})
     if kind in ("deepseek-v32", "deepseek-v32-wide", "glm-moe-dsa", "axk2", "dots3-note", "hy-v4"):
         return dsa_config(kind, special)
+    if kind == "apertus1.5":  # Apertus's; its head pruned to the first 448 ids (the engine's logits past it -inf)
+        return transformers.Apertus1p5TextConfig(**{**common, "intermediate_size": 96, "hidden_act": "xielu"},
+                                                 attention_bias=True, output_vocab_size=448,
+                                                 rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "minicpm5-moe":  # layer 0 dense; 2 of 8 experts in 2 of 4 groups, scaled, plus a shared expert
         return transformers.MiniCPM5MoeConfig(**{**common, "intermediate_size": 96}, attention_bias=True,
                                               mlp_layer_types=["dense", "sparse", "sparse"], n_routed_experts=8,
@@ -2278,11 +2284,19 @@ def check_against_hf(outputs, refs: list[dict], captured: dict[int, list[torch.T
         out = request.outputs[0]
         assert_greedy_match(out.token_ids, ref["token_ids"], ref["logits"])
         if captured is not None:
-            ours = torch.stack(captured[request.request_id]).cpu()
+            ours = head_logits(torch.stack(captured[request.request_id]).cpu(), ref["logits"].shape[-1])
             steps = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref["token_ids"])) if a != b),
                          len(ref["token_ids"]) - 1) + 1
             worst = max(worst, (ours[:steps] - ref["logits"][:steps]).abs().max().item())
     return worst
+
+
+def head_logits(ours: torch.Tensor, width: int) -> torch.Tensor:
+    """Our logits [..., vocab] where transformers' LM head has `width` rows (Apertus 1.5's pruned head): the first
+    width, after checking that those past it are -inf (never sampled)."""
+    if ours.shape[-1] > width:
+        assert torch.all(ours[..., width:] == -math.inf), "logits past the model's LM head are not all -inf"
+    return ours[..., :width]
 
 
 # bf16 against transformers in bf16, both measured against transformers' own bf16 rounding error at each step

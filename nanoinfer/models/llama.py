@@ -322,10 +322,16 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:
         return LlamaMLP(config)
 
+    @staticmethod
+    def lm_head_rows(config: PretrainedConfig) -> int:
+        """The LM head's tokens: the vocabulary (Apertus 1.5's may be pruned to its first ids)."""
+        return config.vocab_size
+
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         self.model = self.model_class(config, self.attention_options, self.make_mlp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.lm_head_bias, self.lm_head_dtype)
+        self.lm_head = ParallelLMHead(self.lm_head_rows(config), config.hidden_size, self.lm_head_bias,
+                                      self.lm_head_dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

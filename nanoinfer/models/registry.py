@@ -83,6 +83,7 @@ _MODELS = {
     "MiMoV2FlashForCausalLM": ("mimo_v2_flash", "MiMoV2FlashForCausalLM"),
     "MiniCPM3ForCausalLM": ("minicpm3", "MiniCPM3ForCausalLM"),
     "MiniCPM5MoeForCausalLM": ("minicpm5_moe", "MiniCPM5MoeForCausalLM"),
+    "Apertus1p5TextForCausalLM": ("apertus1p5", "Apertus1p5TextForCausalLM"),
     "MiniMaxM2ForCausalLM": ("minimax_m2", "MiniMaxM2ForCausalLM"),
     "MiniMaxM3VLForCausalLM": ("minimax_m3", "MiniMaxM3VLForCausalLM"),
     "MinistralForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama's windows by layer_types (Qwen2's attention)
