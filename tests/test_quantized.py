@@ -211,15 +211,22 @@ def test_fp8_matches_transformers_dequantized(kind, tp, quantized_dir, model_dir
     that the engine absorbs) load their FP8 weights dequantized: transformers' tokens and logits; two ranks each
     dequantize a tensor and keep their shard."""
     d = quantized_dir(kind)
+    worst = check_quantized(d, hf_dequantized_greedy(d, monkeypatch), model_dir(kind), tp, captured_logits)
+    report_logit_diff(f"{kind} FP8, tensor parallel {tp}", worst)
+
+
+def check_quantized(d: pathlib.Path, refs: list[dict], unquantized_dir: pathlib.Path, tp: int,
+                    captured_logits) -> float:
+    """The engine on the quantized checkpoint d (fp32, tp ranks) against transformers' refs (tokens, and logits
+    within LOGIT_ATOL: the largest difference is returned); and the quantization shows in refs: the unquantized
+    model's logits would not have matched them."""
     with LLM(str(d), device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=tp) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    refs = hf_dequantized_greedy(d, monkeypatch)
     worst = check_against_hf(outputs, refs, captured_logits)
-    report_logit_diff(f"{kind} FP8, tensor parallel {tp}", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
-    # The rounding to FP8 shows in the logits: the unquantized weights would not have matched.
-    unquantized = hf_greedy(model_dir(kind), PROMPTS[:1], MAX_TOKENS)[0]["logits"]
+    unquantized = hf_greedy(unquantized_dir, PROMPTS[:1], MAX_TOKENS)[0]["logits"]
     assert (unquantized - refs[0]["logits"]).abs().max() > 100 * LOGIT_ATOL
+    return worst
 
 
 def test_fp8_edge_tiles_are_cut_short():
@@ -281,15 +288,8 @@ def test_gptq_and_awq_match_transformers_on_the_weights_they_stand_for(case, mod
     stand for; with two ranks, each dequantizes a tensor and keeps its shard."""
     kind, tp, quantization = INT_QUANTIZED[case]
     d = int_quantized_copy(model_dir(kind), tmp_path / "q", tmp_path / "reference", quantization)
-    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=tp) as llm:
-        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     refs = hf_greedy(tmp_path / "reference", PROMPTS, MAX_TOKENS)
-    worst = check_against_hf(outputs, refs, captured_logits)
-    report_logit_diff(f"{case}", worst)
-    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
-    # The integers' rounding shows in the logits: the unquantized weights would not have matched.
-    unquantized = hf_greedy(model_dir(kind), PROMPTS[:1], MAX_TOKENS)[0]["logits"]
-    assert (unquantized - refs[0]["logits"]).abs().max() > 100 * LOGIT_ATOL
+    report_logit_diff(case, check_quantized(d, refs, model_dir(kind), tp, captured_logits))
 
 
 def test_packed_words_unpack_from_the_lowest_bits_in_each_layout():
@@ -416,17 +416,11 @@ def test_compressed_tensors_match_transformers(case, model_dir, tmp_path, captur
         config["quantization_config"]["config_groups"]["group_0"]["input_activations"] = {
             "num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
         (d / "config.json").write_text(json.dumps(config))
-    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=tp) as llm:
-        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     reference = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32,
                                                      quantization_config=CompressedTensorsConfig(run_compressed=False))
     assert not any(p.dtype in (torch.int32, torch.int8, torch.float8_e4m3fn) for p in reference.parameters())
     refs = hf_greedy(reference.eval(), PROMPTS, MAX_TOKENS)
-    worst = check_against_hf(outputs, refs, captured_logits)
-    report_logit_diff(case, worst)
-    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
-    unquantized = hf_greedy(model_dir(kind), PROMPTS[:1], MAX_TOKENS)[0]["logits"]
-    assert (unquantized - refs[0]["logits"]).abs().max() > 100 * LOGIT_ATOL
+    report_logit_diff(case, check_quantized(d, refs, model_dir(kind), tp, captured_logits))
 
 
 def test_compressed_tensors_g_idx_orders_the_groups():
