@@ -25,7 +25,8 @@ KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl
          "aya-vision", "llama4", "gemma4", "mistral3-ministral3", "gemma3n", "mllama", "emu3", "inkling", "dots3-note",
          "minimax-m3", "aria", "cohere-compass", "inkling2", "gemma4-unified", "qwen4-exp", "vipllava",
          "llava-next-video", "video-llava", "lfm2-vl", "cohere2-vision", "idefics2", "got-ocr2", "deepseek-vl",
-         "lighton-ocr", "ovis2", "exaone4.5", "minicpm-v4.6", "hyperclovax-vision-v2", "lfm3-vl")
+         "lighton-ocr", "ovis2", "exaone4.5", "minicpm-v4.6", "hyperclovax-vision-v2", "lfm3-vl", "glm4v",
+         "glm4v-moe")
 # Kinds whose wrapper transformers 5.17 lacks: their transformers family.
 NEWEST_FAMILIES = {"inkling": "inkling", "inkling2": "inkling2", "dots3-note": "dots3_note",
                    "minimax-m3": "minimax_m3_vl", "qwen4-exp": "qwen4_exp", "lfm2-vl": "lfm2_vl",
@@ -181,6 +182,17 @@ def make_vlm_config(kind: str):
         vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                       image_size=28, patch_size=14, vocab_size=16)
         return t.Ovis2Config(text_config=make_config("qwen2"), vision_config=vision, image_token_id=IMAGE_TOKEN)
+    if kind in ("glm4v", "glm4v-moe"):  # GLM-4.1V / 4.5V: GLM-4's and GLM-4.5's layers with interleaved mrope
+        text = make_config("glm4" if kind == "glm4v" else "glm4-moe").to_dict()
+        for name in ("model_type", "head_dim", "use_qk_norm"):  # theirs: heads of hidden / heads, no q/k norms
+            text.pop(name, None)
+        text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [2, 1, 1]}
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+                      spatial_merge_size=2)
+        config_class = t.Glm4vConfig if kind == "glm4v" else t.Glm4vMoeConfig
+        return config_class(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
+                            video_token_id=VIDEO_TOKEN, image_start_token_id=VISION_START,
+                            image_end_token_id=VISION_END)
     newer = {"exaone4.5": ("exaone4_5", "exaone4", "image_token_id"), "minicpm-v4.6": ("minicpmv4_6", "qwen3.5", "image_token_id"),
              "hyperclovax-vision-v2": ("hyperclovax_vision_v2", "hyperclovax", "image_token_id"),
              "lfm3-vl": ("lfm3_vl", "lfm3", "image_token_id")}
