@@ -402,6 +402,12 @@ BEAM_RMS_NORM_EPS = 1e-2
 # MiniCPM5-MoE (minicpm5-moe): Llama's attention with q/k/v/o biases and a per-head output gate from q_gate_proj;
 # layer 0 dense, then 2 of 8 experts (sigmoid, a random correction bias, 2 of 4 groups, renormalized, scaled) plus a
 # shared expert.
+# Dory (dory): a sliding input layer, a full and a sliding recurrent layer run DORY_LOOPS times (a KV cache per run),
+# a full output layer, each layer type its rope base; q/k/v/o and MLP biases; nGPT's scales at transformers' initial
+# values times 1 + noise (of random sign where transformers squares them or takes their magnitude), the residual rates
+# near DORY_ALPHA_INIT (transformers' 0.05 would barely move the states), the logit scales near DORY_LOGIT_SCALE times
+# their initial value (at it, logits of the unit-norm states spread over ~0.2).
+DORY_LOOPS, DORY_ALPHA_INIT, DORY_LOGIT_SCALE = 3, 0.5, 15.0
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
                    "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid", "deepseek-v32": "deepseek_v32",
                    "deepseek-v32-wide": "deepseek_v32", "glm-moe-dsa": "glm_moe_dsa", "axk2": "axk2",
@@ -412,12 +418,12 @@ NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "lagu
                    "inkling": "inkling", "aria-text": "aria", "beam": "beam", "cohere-compass": "cohere_compass",
                    "modernbert-decoder": "modernbert_decoder", "hy-v4": "hy_v4", "inkling2": "inkling2",
                    "qwen4-exp": "qwen4_exp", "deepseek-v4": "deepseek_v4", "minicpm5-moe": "minicpm5_moe",
-                   "apertus1.5": "apertus1p5"}
+                   "apertus1.5": "apertus1p5", "dory": "dory"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "bailing-hybrid", "zaya", "minimax",  # as the other
                        "inkling", "inkling2", "qwen4-exp")  # hybrids (test_ssm.py)
 NEWEST_DENSE_KINDS = ("doge", "hyperclovax", "bitnet", "minicpm3", "diffllama", "hrm-text", "cohere-compass",
-                      "modernbert-decoder", "apertus1.5")
+                      "modernbert-decoder", "apertus1.5", "dory")
 NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS  # as the MoEs (test_moe.py)
                          if kind not in NEWEST_HYBRID_KINDS + NEWEST_DENSE_KINDS)
 EXTRA_KINDS += NEWEST_KINDS
@@ -432,7 +438,7 @@ SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 1
                   "vaultgemma": 11, "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "gpt-neo": 11, "cwm": 12,
                   "cohere2-moe": 11, "cohere2-moe-sigmoid": 12, "afmoe": 10, "mellum": 12,
                   "laguna": 11, "flint": 12, "kolibri1": 10, "mimo-v2-flash": 11, "cohere-compass": 11,
-                  "beam": 10, "modernbert-decoder": 10}
+                  "beam": 10, "modernbert-decoder": 10, "dory": 10}
 LLAMA4_CHUNK = 12  # Llama 4's attention_chunk_size in the test model
 # LFM3's and ZAYA's windows, apart from SLIDING_WINDOW (whose test takes prefix cache hits, which hybrids refuse).
 LFM3_SLIDING_WINDOW = 10
@@ -536,7 +542,7 @@ _SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7
 _SEEDS |= {"aria-text": 1357, "beam": 4680, "cohere-compass": 2468, "modernbert-decoder": 3579}
 _SEEDS |= {"hy-v4": 4680, XLSTM_KIND: 5791, "qwen4-exp": 5791, "deepseek-v4": 5791}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
-_SEEDS |= {"ctrl": 5252, "openai-gpt": 6363, "minicpm5-moe": 7474, "apertus1.5": 8585}
+_SEEDS |= {"ctrl": 5252, "openai-gpt": 6363, "minicpm5-moe": 7474, "apertus1.5": 8585, "dory": 9696}
 
 
 def _token_ids():
@@ -1292,6 +1298,18 @@ def newest_family_config(kind: str, special: dict):
         return transformers.Apertus1p5TextConfig(**{**common, "intermediate_size": 96, "hidden_act": "xielu"},
                                                  attention_bias=True, output_vocab_size=448,
                                                  rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "dory":  # released configs list each layer as an attention and an mlp block: saved so, read back
+        return transformers.DoryConfig(**{k: v for k, v in common.items() if k not in ("rms_norm_eps",
+                                                                                      "num_hidden_layers")},
+                                       num_hidden_layers=4, n_input_layers=1, n_recurrent_layers=2, n_output_layers=1,
+                                       n_recurrent_loops=DORY_LOOPS, sliding_window=SLIDING_WINDOW[kind],
+                                       layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                                    "full_attention"],
+                                       attention_bias=True, mlp_bias=True, ngpt_alpha_init=DORY_ALPHA_INIT,
+                                       rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                              "rope_theta": 10_000.0},
+                                                        "full_attention": {"rope_type": "default",
+                                                                           "rope_theta": 500_000.0}})
     if kind == "minicpm5-moe":  # layer 0 dense; 2 of 8 experts in 2 of 4 groups, scaled, plus a shared expert
         return transformers.MiniCPM5MoeConfig(**{**common, "intermediate_size": 96}, attention_bias=True,
                                               mlp_layer_types=["dense", "sparse", "sparse"], n_routed_experts=8,
@@ -1881,6 +1899,24 @@ def _sharpen_gpt_oss_(model, seed: int) -> None:
                 p.copy_(GPT_OSS_GATE_UP_STD * torch.randn(p.shape, generator=g))
 
 
+def _randomize_ngpt_scales_(model, seed: int) -> None:
+    """Dory's nGPT scales (see its comment above NEWEST_FAMILIES): at transformers' initial values times 1 + noise, of
+    random sign where transformers squares them (sqk, s_gate) or takes their magnitude (lambda_1, lambda_2); the logit
+    scales DORY_LOGIT_SCALE times theirs."""
+    g = torch.Generator().manual_seed(seed)
+    init = model.config.initializer_range
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            noise = 1.0 + NORM_NOISE * torch.randn(p.shape, generator=g)
+            sign = torch.randint(0, 2, p.shape, generator=g) * 2.0 - 1.0
+            if name.endswith((".sqk", ".s_gate", ".lambda_1", ".lambda_2")):
+                p.copy_(init * noise * sign)
+            elif name.endswith((".suv_gate", ".suv_up")):
+                p.copy_(noise)
+            elif name.endswith(".logit_scale"):
+                p.copy_(init * DORY_LOGIT_SCALE * noise)
+
+
 def _randomize_(model, seed: int) -> None:
     """Re-initialise all parameters deterministically (independent of HF init order)."""
     g = torch.Generator().manual_seed(seed)
@@ -2025,6 +2061,8 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
         randomize_global_scales_(model, _SEEDS[base_kind] + 4)
     if kind == "inkling2":
         randomize_inkling2_(model, _SEEDS[base_kind] + 4)
+    if kind == "dory":
+        _randomize_ngpt_scales_(model, _SEEDS[base_kind] + 4)
     if kind == "youtu":  # transformers' Youtu zeroes the pad token's embedding when it loads a checkpoint: saved so
         with torch.no_grad():
             model.get_input_embeddings().weight[config.pad_token_id] = 0.0

@@ -1,10 +1,11 @@
 """Dense families beyond the shared correctness tests (tests/test_correctness.py) without a file of their own (OLMo:
-test_olmo.py; MoE: test_moe.py): tensor parallelism against transformers, Gemma 3's, GPT-NeoX's and GPT-2's Hub
+test_olmo.py; MoE: test_moe.py): tensor parallelism against transformers, Gemma 3's, GPT-NeoX's, GPT-2's and Dory's Hub
 layouts, the Gemma, GPT-2, XGLM, Laguna, Mellum and OLMo Hybrid config settings the engine refuses by name, the
 parallel residual (Phi, GPT-NeoX) and GPT-2's absolute positions under chunked prefill, prefix-cache hits and
 preemption, and the interleaved rope layout (Cohere, GLM)."""
 import importlib
 import json
+import re
 import shutil
 
 import pytest
@@ -142,6 +143,8 @@ def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_di
     ("inkling2", dict(quantization_config={"quant_method": "fp8", "weight_block_size": [1, 32],
                                            "scale_fmt": "ue8m0"}), r"quantization_config \(quant_method='fp8'\)"),
     ("inkling2", dict(n_layers_per_attn_res_block=0), "n_layers_per_attn_res_block=0"),
+    # Dory's `last_loop` loops read the last loop's cache of earlier passes: outputs that depend on the passes.
+    ("dory", dict(recurrent_kv_cache_mode="last_loop"), "recurrent_kv_cache_mode='last_loop'"),
 ])
 def test_newest_families_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes,
                                                                              message):
@@ -525,4 +528,41 @@ def test_inkling_embedding_norm_on_the_model_loads(model_dir, tmp_path, captured
     with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     worst = check_against_hf(outputs, cached_hf_greedy(model_dir("inkling"), PROMPTS, MAX_TOKENS), captured_logits)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+# A Dory layer's parts under a released checkpoint's names: its attention block's `layers.{2i}`, its MLP block's
+# `layers.{2i + 1}`.
+_DORY_BLOCKS = {"self_attn": (0, "mixer"), "mlp": (1, "mixer"), "lambda_1": (0, "attn_alpha"),
+                "lambda_2": (1, "mlp_alpha")}
+
+
+def _dory_block(part: re.Match) -> str:
+    block, name = _DORY_BLOCKS[part[2]]
+    return f"layers.{2 * int(part[1]) + block}.{name}"
+
+
+_DORY_LAYOUTS = {
+    "released": [(r"layers\.(\d+)\.(self_attn|mlp|lambda_1|lambda_2)(?=\.|$)", _dory_block)],
+    "modules": [(r"^backbone\.", "model."), (r"\.embeddings\.", ".embed_tokens."), (r"\.g_proj\.", ".gate_proj.")],
+}
+
+
+@pytest.mark.parametrize("layout", list(_DORY_LAYOUTS))
+def test_dory_checkpoint_layouts_match_hf(layout, model_dir, tmp_path, captured_logits):
+    """Dory's checkpoints as released (the blocks' sublayers `mixer`, the residual rates `attn_alpha` and
+    `mlp_alpha`), which transformers collapses into layers on load, and under transformers' module names (`model.`,
+    `embed_tokens`, the attention's `gate_proj`), which it loads as they are; the engine loads both."""
+    from safetensors.torch import load_file, save_file
+
+    d = edited_model(model_dir("dory"), tmp_path / "m")
+    saved = load_file(d / "model.safetensors")
+    weights = saved
+    for pattern, new in _DORY_LAYOUTS[layout]:
+        weights = {re.sub(pattern, new, name): w for name, w in weights.items()}
+    assert weights.keys() != saved.keys()
+    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    worst = check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"

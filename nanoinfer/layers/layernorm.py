@@ -1,6 +1,6 @@
 """RMSNorm, optionally fused with the residual add that precedes it, or without a weight, or over a width split across
-the tensor-parallel ranks; Gemma's (1 + weight) RMSNorm; the gated RMSNorm of Gated DeltaNet and KDA; LayerNorm (with
-the same residual add) and StableLM's per-head LayerNorm."""
+the tensor-parallel ranks; Gemma's (1 + weight) RMSNorm; nGPT's L2 norm; the gated RMSNorm of Gated DeltaNet and KDA;
+LayerNorm (with the same residual add) and StableLM's per-head LayerNorm."""
 from collections.abc import Callable
 
 import torch
@@ -134,6 +134,24 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     its router's input norm)."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class L2Norm(nn.Module):
+    """x / ||x|| over the last dimension, in fp32, cast back: nGPT's projection onto the unit sphere (Dory's norms, no
+    weight). sharded: over a width split across the tensor-parallel ranks, as a RowParallelLinear's input is (the
+    ranks' sums of squares added by one all-reduce)."""
+
+    def __init__(self, eps: float = 1e-6, sharded: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.sharded, self.tp_group = sharded and tp_size() > 1, tp_group()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        square_sum = xf.pow(2).sum(-1, keepdim=True)
+        if self.sharded:
+            dist.all_reduce(square_sum, group=self.tp_group)
+        return (xf * torch.rsqrt(square_sum + self.eps)).to(x.dtype)
 
 
 class GatedRMSNorm(RMSNorm):

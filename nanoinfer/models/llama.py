@@ -195,7 +195,8 @@ class LlamaAttention(nn.Module):
         return o[..., :self.v_head_dim].flatten(1)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        """The gate's bias per head (its only parameter of its own): this rank's heads'."""
+        """Its own parameters, per head (the gate's bias; Dory's query and gate scales per channel): this rank's
+        heads'."""
         load_rank_rows(param, loaded)
 
     def gate_output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ _MODELS = {
     "DeepseekV4ForCausalLM": ("deepseek_v4", "DeepseekV4ForCausalLM"),
     "DiffLlamaForCausalLM": ("diffllama", "DiffLlamaForCausalLM"),
     "DogeForCausalLM": ("doge", "DogeForCausalLM"),
+    "DoryForCausalLM": ("dory", "DoryForCausalLM"),
     "Dots1ForCausalLM": ("dots1", "Dots1ForCausalLM"),
     "Dots3NoteForCausalLM": ("dots3_note", "Dots3NoteForCausalLM"),
     "Emu3ForCausalLM": ("llama", "LlamaForCausalLM"),  # Emu3's text model: Llama's layers, no biases
