@@ -73,7 +73,7 @@ class Qwen3NextGatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
         mixed_qkv, z, b, a = self.project(x)
-        beta = b.float().sigmoid() * self.max_beta
+        beta = b.sigmoid().float() * self.max_beta  # the sigmoid in the model's dtype, as transformers takes it
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         out = self.delta_rule(mixed_qkv, self.conv1d.weight.squeeze(1), g, beta, batch).to(x.dtype)
         return self.out_proj(self.norm(out, z).flatten(1))
