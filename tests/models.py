@@ -408,6 +408,10 @@ BEAM_RMS_NORM_EPS = 1e-2
 # near DORY_ALPHA_INIT (transformers' 0.05 would barely move the states), the logit scales near DORY_LOGIT_SCALE times
 # their initial value (at it, logits of the unit-norm states spread over ~0.2).
 DORY_LOOPS, DORY_ALPHA_INIT, DORY_LOGIT_SCALE = 3, 0.5, 15.0
+# Lara Mini (lara-mini): Qwen3.5's Gated DeltaNet (2 key heads, 4 value heads 24 wide; its projections fused in one
+# in_proj, its gated norm out_norm, as the Hub's) on layer 0, then Qwen3's attention (per-head q/k norms, q/k/v/o
+# biases) on a sliding layer 1 with rope (LARA_MINI_SLIDING_WINDOW) and a full NoPE layer 2; every MLP 2 of 8 experts
+# (fp32 softmax router, renormalized) plus an ungated shared expert.
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
                    "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid", "deepseek-v32": "deepseek_v32",
                    "deepseek-v32-wide": "deepseek_v32", "glm-moe-dsa": "glm_moe_dsa", "axk2": "axk2",
@@ -418,10 +422,10 @@ NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "lagu
                    "inkling": "inkling", "aria-text": "aria", "beam": "beam", "cohere-compass": "cohere_compass",
                    "modernbert-decoder": "modernbert_decoder", "hy-v4": "hy_v4", "inkling2": "inkling2",
                    "qwen4-exp": "qwen4_exp", "deepseek-v4": "deepseek_v4", "minicpm5-moe": "minicpm5_moe",
-                   "apertus1.5": "apertus1p5", "dory": "dory"}
+                   "apertus1.5": "apertus1p5", "dory": "dory", "lara-mini": "lara_mini"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "bailing-hybrid", "zaya", "minimax",  # as the other
-                       "inkling", "inkling2", "qwen4-exp")  # hybrids (test_ssm.py)
+                       "inkling", "inkling2", "qwen4-exp", "lara-mini")  # hybrids (test_ssm.py)
 NEWEST_DENSE_KINDS = ("doge", "hyperclovax", "bitnet", "minicpm3", "diffllama", "hrm-text", "cohere-compass",
                       "modernbert-decoder", "apertus1.5", "dory")
 NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS  # as the MoEs (test_moe.py)
@@ -440,9 +444,11 @@ SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 1
                   "laguna": 11, "flint": 12, "kolibri1": 10, "mimo-v2-flash": 11, "cohere-compass": 11,
                   "beam": 10, "modernbert-decoder": 10, "dory": 10}
 LLAMA4_CHUNK = 12  # Llama 4's attention_chunk_size in the test model
-# LFM3's and ZAYA's windows, apart from SLIDING_WINDOW (whose test takes prefix cache hits, which hybrids refuse).
+# LFM3's, ZAYA's and Lara Mini's windows, apart from SLIDING_WINDOW (whose test takes prefix cache hits, which hybrids
+# refuse).
 LFM3_SLIDING_WINDOW = 10
 ZAYA_SLIDING_WINDOW = 10
+LARA_MINI_SLIDING_WINDOW = 11
 # gemma2's attention-logit softcap: below the scores of the test weights (several exceed it), so the tanh shows.
 GEMMA2_ATTN_SOFTCAP = 6.0
 # phi3's longrope: short factors up to this length, long ones beyond; the test prompts fit in it, and their
@@ -462,7 +468,7 @@ GRAPH_MOE_KINDS = ("qwen3-moe", "granitemoe-swa", "gemma4-moe", "mixtral", "qwen
 GRAPH_RECURRENT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe", "lfm2", "bamba", "granitemoehybrid",
                          "granitemoehybrid-dense", "lfm2-moe", "recurrent-gemma", "rwkv", "nemotron-h", "falcon-h1",
                          "falcon-h1-norm", "zamba2", "mamba2", "mamba", "falcon-mamba", "jamba", "zamba", "xlstm",
-                         "lfm3", "olmo-hybrid", "kimi-linear", "bailing-hybrid", "zaya", "minimax")
+                         "lfm3", "olmo-hybrid", "kimi-linear", "bailing-hybrid", "zaya", "minimax", "lara-mini")
 # For tensor parallelism: a vocabulary that 2 ranks cannot split evenly (padded) and one KV head (replicated).
 ODD_KIND = "qwen2-mqa-oddvocab"
 # OLMo 2 with one KV head, for tensor parallelism (each rank then holds all of k and of its norm).
@@ -542,7 +548,8 @@ _SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7
 _SEEDS |= {"aria-text": 1357, "beam": 4680, "cohere-compass": 2468, "modernbert-decoder": 3579}
 _SEEDS |= {"hy-v4": 4680, XLSTM_KIND: 5791, "qwen4-exp": 5791, "deepseek-v4": 5791}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
-_SEEDS |= {"ctrl": 5252, "openai-gpt": 6363, "minicpm5-moe": 7474, "apertus1.5": 8585, "dory": 9696}
+_SEEDS |= {"ctrl": 5252, "openai-gpt": 6363, "minicpm5-moe": 7474, "apertus1.5": 8585, "dory": 9696,
+           "lara-mini": 9696}
 
 
 def _token_ids():
@@ -1374,6 +1381,15 @@ def newest_family_config(kind: str, special: dict):
                                                n_routed_experts=8, num_experts_per_tok=2, route_scale=2.5,
                                                mlp_gate_softcap=0.5, mlp_up_softcap=1.0,
                                                final_logit_softcapping=3.0)
+    if kind == "lara-mini":  # every MLP sparse: no intermediate_size
+        return transformers.LaraMiniConfig(**{k: v for k, v in common.items() if k != "intermediate_size"},
+                                           attention_bias=True, sliding_window=LARA_MINI_SLIDING_WINDOW,
+                                           layer_types=["linear_attention", "sliding_attention", "full_attention"],
+                                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                           linear_value_head_dim=24, linear_conv_kernel_dim=4, num_experts=8,
+                                           num_experts_per_tok=2, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=48, norm_topk_prob=True,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "olmo-hybrid":
         # No head_dim: hidden / heads. Values as wide as keys: transformers' save_pretrained splits the fused conv
         # back into the Hub's q/k/v convs in three equal parts.

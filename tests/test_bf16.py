@@ -2,14 +2,14 @@
 on a GPU machine without them). Where transformers keeps a value in fp32 in 16-bit models, so does the engine, bit
 for bit against transformers' own modules: Gemma's, Qwen3-Next's and Qwen3.5's (1 + weight) norms and NemotronH's
 norms (weight applied in fp32), Mamba's fp32 residual stream (`residual_in_fp32`), the convs' fp32 accumulation
-(F.conv1d's), Ling's hybrid's fp32 dt_bias and A_log (its KDA decay, rounded to bf16 after), KDA's gated norm
-(weight applied in fp32), NemotronH's fp32 sum of the weighted experts, HY-V4's fp32 parameters (its LM head and
-sinks among them); so do the MoE blocks of the attention
-families where a 16-bit step is transformers' own (GLM-4.5's and DeepSeek-V3's fp32 correction bias and fp32-weighted
-sum, Mixtral's fp32 routing weights, GPT-OSS's and GraniteMoE's softmax over the top k logits, Hunyuan MoE's and
-Flint's fp32 routers, AFMoE's, Laguna's and LFM2-MoE's bf16 ones, Kimi Linear's bf16 correction bias, the V3-style
-routers' unsorted top k). Then the recurrent and hybrid families end to end, measured against transformers' own bf16
-rounding error as test_gpu.py measures every family on a GPU (check_bf16_outputs)."""
+(F.conv1d's), Ling's hybrid's fp32 dt_bias and A_log (its KDA decay, rounded to bf16 after), KDA's and Lara Mini's
+gated norms (weight applied in fp32), NemotronH's fp32 sum of the weighted experts, HY-V4's fp32 parameters (its LM
+head and sinks among them); so do the MoE blocks of the attention families where a 16-bit step is transformers' own
+(GLM-4.5's and DeepSeek-V3's fp32 correction bias and fp32-weighted sum, Mixtral's fp32 routing weights, GPT-OSS's
+and GraniteMoE's softmax over the top k logits, Hunyuan MoE's and Flint's fp32 routers, Lara Mini's fp32 softmax (its
+weights rounded to bf16), AFMoE's, Laguna's and LFM2-MoE's bf16 ones, Kimi Linear's bf16 correction bias, the
+V3-style routers' unsorted top k). Then the recurrent and hybrid families end to end, measured against transformers'
+own bf16 rounding error as test_gpu.py measures every family on a GPU (check_bf16_outputs)."""
 import dataclasses
 import inspect
 import math
@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import PretrainedConfig
 from transformers.utils import ModelOutput
 
@@ -38,6 +39,7 @@ from nanoinfer.models.hunyuan_v1_moe import HunYuanMoEV1Moe
 from nanoinfer.models.hy_v3 import HYV3ForCausalLM
 from nanoinfer.models.kolibri1 import Kolibri1ForCausalLM
 from nanoinfer.models.laguna import LagunaMoE
+from nanoinfer.models.lara_mini import LaraMiniMoE
 from nanoinfer.models.lfm2 import Lfm2MoeBlock
 from nanoinfer.models.longcat_flash import LongcatFlashMoE
 from nanoinfer.models.minimax_m2 import MiniMaxM2MoE
@@ -58,7 +60,8 @@ ROUTER_NEAR_TIE_KINDS = ("granitemoehybrid", "qwen3-next", "inkling2")
 # xLSTM: the whole mLSTM in fp32 (its state dtype), where transformers keeps only the state in fp32 and multiplies in
 # bf16 (1.3x its own bf16 error at worst).
 BF16_RECURRENT_KINDS = tuple(k for k in MAMBA1_KINDS + SSM_KINDS + MAMBA2_HYBRID_KINDS + QWEN3_NEXT_KINDS
-                             + ("inkling", "inkling2", "kimi-linear", "bailing-hybrid", "qwen4-exp", XLSTM_KIND)
+                             + ("inkling", "inkling2", "kimi-linear", "bailing-hybrid", "qwen4-exp", "lara-mini",
+                                XLSTM_KIND)
                              if k not in ROUTER_NEAR_TIE_KINDS)
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -216,16 +219,18 @@ def test_logit_soft_cap_in_bf16_is_transformers_own(kind, decoder, model_dir):
     assert torch.equal(logits[:, :expected.shape[-1]], expected)
 
 
-@pytest.mark.parametrize("family", ["kimi_linear", "bailing_hybrid"])
-def test_kda_gated_norm_in_bf16_is_transformers_own(family):
-    """KDA's output norm (KimiLinearRMSNormGated, BailingHybridRMSNormGated): x / rms(x) times its bf16 weight times
-    sigmoid(gate), all in fp32, rounded once; bit for bit (rounded before the weight, as Qwen3-Next's, it is not)."""
+@pytest.mark.parametrize("family, activation", [("kimi_linear", torch.sigmoid), ("bailing_hybrid", torch.sigmoid),
+                                                ("lara_mini", F.silu)])
+def test_fp32_gated_norm_in_bf16_is_transformers_own(family, activation):
+    """KDA's output norm (KimiLinearRMSNormGated, BailingHybridRMSNormGated), and Lara Mini's Gated DeltaNet's
+    (LaraMiniRMSNormGated, GLM-5-Next's with SiLU): x / rms(x) times its bf16 weight times activation(gate), all in
+    fp32, rounded once; bit for bit (rounded before the weight, as Qwen3-Next's, it is not)."""
     module = pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
     hf = getattr(module, f"{''.join(p.title() for p in family.split('_'))}RMSNormGated")(64).to(torch.bfloat16)
     g = torch.Generator().manual_seed(0)
     w = 1 + 0.3 * torch.randn(64, generator=g)  # the checkpoint's (fp32) weight
     hf.weight.data.copy_(w)
-    ours = built_in_bf16(lambda: GatedRMSNorm(64, 1e-6, torch.sigmoid, weight_in_fp32=True))
+    ours = built_in_bf16(lambda: GatedRMSNorm(64, 1e-6, activation, weight_in_fp32=True))
     ours.weight.data.copy_(w)
     x, gate = (3 * torch.randn(5, 4, 64, generator=g)).bfloat16(), torch.randn(5, 4, 64, generator=g).bfloat16()
     assert torch.equal(ours(x, gate), hf(x, gate))
@@ -491,6 +496,8 @@ _ROUTERS = {
     "kolibri1": ("kolibri1", "Kolibri1TopKRouter", "Kolibri1Config", "Kolibri1ForCausalLM",
                  lambda config: Kolibri1ForCausalLM.make_mlp(config, 0),
                  {"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True}),
+    "lara-mini": ("lara_mini", "LaraMiniTopKRouter", "LaraMiniConfig", "LaraMiniForCausalLM", LaraMiniMoE,
+                  {"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True}),
     "afmoe": ("afmoe", "AfmoeTokenChoiceRouter", "AfmoeConfig", "AfmoeForCausalLM",
               lambda config: AfmoeForCausalLM.make_mlp(config, 1),
               {"num_experts": 8, "num_experts_per_tok": 2, "route_scale": 2.5}),
@@ -557,13 +564,13 @@ def _hf_router_in_bf16(family: str, checkpoint: dict[str, torch.Tensor]) -> tupl
 def test_router_in_bf16_is_transformers_own(family):
     """Routers in a bf16 model from an fp32 checkpoint, where transformers' dtypes are their own: Hunyuan MoE's
     (built in fp32: fp32 logits and routing weights), Flint's (its weight kept in fp32,
-    `_keep_in_fp32_modules_strict`), Kolibri-1's (bf16 weight upcast, fp32 correction bias), AFMoE's and Laguna's
-    (bf16 logits upcast, bf16 correction bias; Laguna's weights rounded to bf16), LFM2-MoE's (sigmoid, renormalized
-    and scaled in bf16, an fp32 expert bias), HY3's, MiniMax-M2's, DeepSeek-V2's, V3's and NemotronH's (the top k
-    unsorted, the order the experts' fp32 sum follows), Beam's (its weight kept in fp32, the top k sorted),
-    LongCat-Flash's (fp32 logits of a bf16 weight, a bf16 correction bias, zero experts among the chosen). Bit for
-    bit on the routing weights and the chosen experts, in order (in another dtype, the weights differ and near-ties
-    choose other experts)."""
+    `_keep_in_fp32_modules_strict`), Kolibri-1's (bf16 weight upcast, fp32 correction bias), Lara Mini's (bf16
+    weight upcast, an fp32 softmax, its weights rounded to bf16), AFMoE's and Laguna's (bf16 logits upcast, bf16
+    correction bias; Laguna's weights rounded to bf16), LFM2-MoE's (sigmoid, renormalized and scaled in bf16, an fp32
+    expert bias), HY3's, MiniMax-M2's, DeepSeek-V2's, V3's and NemotronH's (the top k unsorted, the order the experts'
+    fp32 sum follows), Beam's (its weight kept in fp32, the top k sorted), LongCat-Flash's (fp32 logits of a bf16
+    weight, a bf16 correction bias, zero experts among the chosen). Bit for bit on the routing weights and the chosen
+    experts, in order (in another dtype, the weights differ and near-ties choose other experts)."""
     g = torch.Generator().manual_seed(0)
     checkpoint = {"weight": 0.3 * torch.randn(8, 64, generator=g),
                   "e_score_correction_bias": 0.05 * torch.randn(8, generator=g)}

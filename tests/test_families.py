@@ -1,8 +1,8 @@
 """Dense families beyond the shared correctness tests (tests/test_correctness.py) without a file of their own (OLMo:
 test_olmo.py; MoE: test_moe.py): tensor parallelism against transformers, Gemma 3's, GPT-NeoX's, GPT-2's and Dory's Hub
-layouts, the Gemma, GPT-2, XGLM, Laguna, Mellum and OLMo Hybrid config settings the engine refuses by name, the
-parallel residual (Phi, GPT-NeoX) and GPT-2's absolute positions under chunked prefill, prefix-cache hits and
-preemption, and the interleaved rope layout (Cohere, GLM)."""
+layouts, Lara Mini's rope under a partial_rotary_factor, the Gemma, GPT-2, XGLM, Laguna, Mellum, OLMo Hybrid and Lara
+Mini config settings the engine refuses by name, the parallel residual (Phi, GPT-NeoX) and GPT-2's absolute positions
+under chunked prefill, prefix-cache hits and preemption, and the interleaved rope layout (Cohere, GLM)."""
 import importlib
 import json
 import re
@@ -81,6 +81,16 @@ def test_gemma4_hub_layout_matches_hf(model_dir, tmp_path, captured_logits):
     assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
 
 
+def test_lara_mini_rope_turns_whole_heads_whatever_partial_rotary_factor(model_dir, tmp_path, captured_logits):
+    """transformers' Lara Mini computes its default rope over the whole head, ignoring a `partial_rotary_factor` in
+    the rope settings: so does the engine (rotating half of each head gives other tokens)."""
+    d = edited_model(model_dir("lara-mini"), tmp_path / "m", rope_parameters={
+        "rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5})
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
+
+
 @pytest.mark.parametrize("kind, changes, message", [
     # transformers' Gemma 3 reads attn_logit_softcapping but never applies it: no reference to match.
     ("gemma3", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
@@ -111,9 +121,12 @@ def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_di
      "partial_rotary_factor=0.5"),
     # transformers' OLMo Hybrid pairs each value head with one key head (no repeat).
     ("olmo-hybrid", dict(linear_num_value_heads=4, linear_value_head_dim=8), "linear_num_value_heads=4"),
-    # KDA's conv and MiniMax's lightning attention apply hidden_act: only SiLU is implemented.
+    # KDA's conv, Gated DeltaNet's and MiniMax's lightning attention apply hidden_act: only SiLU is implemented.
     ("kimi-linear", dict(hidden_act="gelu"), "hidden_act='gelu'"),
     ("minimax", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ("lara-mini", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ("lara-mini", dict(layer_types=["linear_attention", "sliding_attention", "chunked_attention"]),
+     r"layer_types\[2\]='chunked_attention'"),
     # transformers' LongCat-Flash router holds a bias it never adds; its rope tables are head_dim wide.
     ("longcat-flash", dict(router_bias=True), "router_bias=True"),
     ("longcat-flash", dict(head_dim=16), "head_dim=16"),
