@@ -22,7 +22,7 @@ from nanoinfer.layers.activation import get_act
 from nanoinfer.layers.attention import Attention, AttentionMetadata
 from nanoinfer.layers.embed_head import VocabParallelEmbedding
 from nanoinfer.layers.fused_moe import FusedMoE, select_experts
-from nanoinfer.layers.layernorm import OlmoRMSNorm, rms_normalize
+from nanoinfer.layers.layernorm import OlmoRMSNorm, RMSNorm, rms_normalize
 from nanoinfer.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from nanoinfer.layers.rotary_embedding import get_rope
 from nanoinfer.models import gemma, gemma2
@@ -129,22 +129,29 @@ class QueryParallelLinear(ColumnParallelLinear):
 
 class Gemma4ReusedKVAttention(nn.Module):
     """A layer attending with its own queries over the keys and values another layer (`source`, set by the model)
-    computed this step and cached before: the source's attention runs it, with the same heads, window and cache."""
+    computed this step and cached before: the source's attention runs it, with the same heads, window and cache
+    (Kolibri 1.1's NoPE layers: options.rope False)."""
 
     def __init__(self, config: PretrainedConfig, options: AttentionOptions):
         super().__init__()
         num_heads, self.head_dim = config.num_attention_heads, options.head_dim or config.head_dim
         self.qkv_proj = QueryParallelLinear(config.hidden_size, num_heads * self.head_dim, options.qkv_bias)
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, options.o_bias)
-        self.q_norm = options.qk_norm_class(self.head_dim, config.rms_norm_eps)
-        self.rotary_emb = get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type)
+        self.q_norm = (options.qk_norm_class or RMSNorm)(self.head_dim, config.rms_norm_eps)
+        self.rotary_emb = (get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type)
+                           if options.rope else None)
         self.source: tuple[Gemma4KVSource, ...] = ()  # in a tuple: the source belongs to its own layer's module
 
     def forward(self, positions: torch.Tensor | None, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
-        q = self.q_norm(q) if positions is None else self.rotary_emb.rotate(positions, q, self.q_norm)
+        rotate = positions is not None and self.rotary_emb is not None
+        q = self.rotary_emb.rotate(positions, q, self.q_norm) if rotate else self.q_norm(q)
+        return self.o_proj(self.attend(q, meta))
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [tokens, heads, head_dim] over the source's keys and values."""
         source = self.source[0]
-        return self.o_proj(source.attend(q, *source.step_kv, meta))
+        return source.attend(q, *source.step_kv, meta)
 
 
 class Gemma4KVSource(Attention):

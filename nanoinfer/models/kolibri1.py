@@ -35,6 +35,8 @@ class Kolibri1ForCausalLM(LlamaForCausalLM):
         return Kolibri1MoE(config, config.num_experts, config.shared_expert_intermediate_size,
                            renormalize=config.norm_topk_prob)
 
+    check_config = staticmethod(check_layer_types)  # what the family cannot run, refused by name
+
     def __init__(self, config: PretrainedConfig):
-        check_layer_types(config)
+        self.check_config(config)
         super().__init__(config)
