@@ -297,6 +297,12 @@ EXTRA_KINDS += (XLSTM_KIND,)
 # Kolibri-1 (kolibri1): EXAONE 4's attention (sliding layers 0 and 2 with rope, a full NoPE layer 1) in GLM-4's
 # four-norm layer, 2 of 8 experts on every layer (the top router logits plus a random correction bias, weighted by
 # their sigmoid, renormalized) plus a shared expert.
+# Kolibri 1.1 (kolibri1-1): Kolibri-1's layer with indexed NoPE layers 0, 2 and 3 around a sliding layer 1 (rope),
+# layers 2 and 3 attending over layer 0's keys and values, all rounded to NVFP4. The indexers of layers 0 and 3 pool
+# each query's best KOLIBRI11_POOL keys in blocks of KOLIBRI11_BLOCK, layer 2 rescores layer 0's pool; each query keeps
+# 2 sinks, its last 4 tokens and the KOLIBRI11_TOPK best keys of its pool (2 index heads): most test contexts hold more
+# than either. Layer 0's MLP dense, then Kolibri-1's experts.
+KOLIBRI11_BLOCK, KOLIBRI11_POOL, KOLIBRI11_TOPK = 4, 16, 6
 # JetMoE (jetmoe): its mixture of attention heads (2 of 8 experts' query and output projections over 2 shared KV
 # heads, an output bias) and MoE MLP (2 of 8 experts, a bias) on every layer; rms_norm_eps 1e-5 for the final norm
 # (the layers' stay at 1e-6, as transformers').
@@ -422,7 +428,8 @@ NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "lagu
                    "inkling": "inkling", "aria-text": "aria", "beam": "beam", "cohere-compass": "cohere_compass",
                    "modernbert-decoder": "modernbert_decoder", "hy-v4": "hy_v4", "inkling2": "inkling2",
                    "qwen4-exp": "qwen4_exp", "deepseek-v4": "deepseek_v4", "minicpm5-moe": "minicpm5_moe",
-                   "apertus1.5": "apertus1p5", "dory": "dory", "lara-mini": "lara_mini"}
+                   "apertus1.5": "apertus1p5", "dory": "dory", "lara-mini": "lara_mini",
+                   "kolibri1-1": "kolibri1_1"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "bailing-hybrid", "zaya", "minimax",  # as the other
                        "inkling", "inkling2", "qwen4-exp", "lara-mini")  # hybrids (test_ssm.py)
@@ -442,7 +449,7 @@ SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 1
                   "vaultgemma": 11, "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "gpt-neo": 11, "cwm": 12,
                   "cohere2-moe": 11, "cohere2-moe-sigmoid": 12, "afmoe": 10, "mellum": 12,
                   "laguna": 11, "flint": 12, "kolibri1": 10, "mimo-v2-flash": 11, "cohere-compass": 11,
-                  "beam": 10, "modernbert-decoder": 10, "dory": 10}
+                  "beam": 10, "modernbert-decoder": 10, "dory": 10, "kolibri1-1": 10}
 LLAMA4_CHUNK = 12  # Llama 4's attention_chunk_size in the test model
 # LFM3's, ZAYA's and Lara Mini's windows, apart from SLIDING_WINDOW (whose test takes prefix cache hits, which hybrids
 # refuse).
@@ -549,7 +556,7 @@ _SEEDS |= {"aria-text": 1357, "beam": 4680, "cohere-compass": 2468, "modernbert-
 _SEEDS |= {"hy-v4": 4680, XLSTM_KIND: 5791, "qwen4-exp": 5791, "deepseek-v4": 5791}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
 _SEEDS |= {"ctrl": 5252, "openai-gpt": 6363, "minicpm5-moe": 7474, "apertus1.5": 8585, "dory": 9696,
-           "lara-mini": 9696}
+           "lara-mini": 9696, "kolibri1-1": 9696}
 
 
 def _token_ids():
@@ -1287,6 +1294,16 @@ def newest_family_config(kind: str, special: dict):
                                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                            shared_expert_intermediate_size=32, norm_topk_prob=True,
                                            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "kolibri1-1":  # its dense MLP's width is mlp_only_intermediate_size
+        return transformers.Kolibri1_1Config(
+            **{k: v for k, v in common.items() if k != "intermediate_size"} | {"num_hidden_layers": 4},
+            sliding_window=SLIDING_WINDOW[kind],
+            layer_types=["indexed_attention", "sliding_attention", "indexed_attention", "indexed_attention"],
+            index_layers=[0, 3], kv_source_layers=[0, 1, 0, 0], index_topk=KOLIBRI11_TOPK,
+            index_pool_size=KOLIBRI11_POOL, index_compression=KOLIBRI11_BLOCK, index_num_heads=2,
+            index_num_local_tokens=4, index_num_sink_tokens=2, mlp_only_layers=[0], mlp_only_intermediate_size=96,
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "lfm3":
         lfm3 = {**common, "intermediate_size": 96, "num_hidden_layers": 4}
         return transformers.Lfm3Config(**{k: v for k, v in lfm3.items() if k != "rms_norm_eps"}, norm_eps=1e-5,

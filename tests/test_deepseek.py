@@ -17,7 +17,7 @@ import nanoinfer.layers.fused_moe as fused_moe
 from models import DEEPSEEK_KINDS, NEWEST_FAMILIES, cached_hf_greedy, check_against_hf, make_config, random_prompts
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
-from nanoinfer.layers.attention import AttentionMetadata, get_backend, selector
+from nanoinfer.layers.attention import Attention, AttentionMetadata, get_backend, selector
 from nanoinfer.models.deepseek_v2 import DeepseekV2Attention, DeepseekV2ForCausalLM, DeepseekV2MoE, MLAUpProjection
 from nanoinfer.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
 
@@ -315,6 +315,7 @@ def dsa_kind(kind: str) -> str:
     ("hy-v4", "HYV4ForCausalLM", "DeepSeek sparse attention"),
     ("deepseek-v4", "DeepseekV4ForCausalLM", "compressed attention"),
     ("minimax-m3", "MiniMaxM3VLForCausalLM", "block-sparse attention"), ("qwen4-exp", "Qwen4ExpForCausalLM", "QSA"),
+    ("kolibri1-1", "Kolibri1_1ForCausalLM", "indexed attention"),
     ("inkling", "InklingForCausalLM", "relative logits"), ("inkling2", "Inkling2ForCausalLM", "relative logits")])
 def test_sparse_attention_runs_on_the_pytorch_backend_only(kind, architecture, attention, model_dir, monkeypatch,
                                                            capsys):
@@ -360,6 +361,35 @@ def test_indexer_keys_are_cached_in_the_kv_blocks(kind, kv_values, indexers, mod
         assert num_blocks == int((4 << 20) * model_runner.KV_CACHE_MEMORY_FRACTION) // (values_per_block * 4)
         for cache in caches:
             assert cache.k_cache.shape == (num_blocks, 16, 1, 16) and cache.k_cache.abs().max().item() > 0
+
+
+def test_kolibri1_1_caches_the_keys_and_values_of_the_layers_that_compute_them(model_dir, monkeypatch):
+    """Kolibri 1.1's layers 2 and 3 attend over layer 0's keys and values, projecting queries alone: the KV blocks
+    hold layer 0's and layer 1's (K and V of 2 heads of 16 each) and no more."""
+    import nanoinfer.engine.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_available_memory", lambda self: 4 << 20)
+    with LLM(str(model_dir(dsa_kind("kolibri1-1"))), device="cpu", dtype="float32", max_model_len=64) as llm:
+        assert llm.generate([list(range(5, 25))], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        runner = llm.llm_engine.model_runner
+        assert [type(layer.self_attn.attn).__name__ for layer in runner.model.model.layers[:2]] == ["IndexedKV",
+                                                                                                "Attention"]
+        assert not any(isinstance(m, Attention) for m in runner.model.model.layers[2:].modules())
+        values_per_block = 16 * 2 * (2 * 2 * 16)
+        assert runner.num_kvcache_blocks == int((4 << 20) * model_runner.KV_CACHE_MEMORY_FRACTION) // (
+            values_per_block * 4)
+
+
+def test_kolibri1_1_refuses_tensor_parallelism_that_leaves_rank_0_fewer_query_heads_than_its_indexer_reads():
+    """Rank 0 selects every rank's keys with its first index_num_heads query heads (2 here), which 4 ranks would
+    leave it 1 of."""
+    from nanoinfer.models.kolibri1_1 import Kolibri1_1ForCausalLM
+    from nanoinfer.utils.dist import tp_scope
+
+    with tp_scope(0, 4, None), pytest.raises(ValueError, match=r"index_num_heads=2 in the model config: rank 0 "
+                                                                r"selects every rank's keys with its own query heads, "
+                                                                r"1 under tensor parallelism over 4 ranks"):
+        Kolibri1_1ForCausalLM(make_config(dsa_kind("kolibri1-1")))
 
 
 def test_deepseek_v4_compressor_rows_are_cached_in_the_kv_blocks(model_dir, monkeypatch):

@@ -76,6 +76,7 @@ _MODELS = {
     "Jais2ForCausalLM": ("jais2", "Jais2ForCausalLM"),
     "JetMoeForCausalLM": ("jetmoe", "JetMoeForCausalLM"),
     "Kolibri1ForCausalLM": ("kolibri1", "Kolibri1ForCausalLM"),
+    "Kolibri1_1ForCausalLM": ("kolibri1_1", "Kolibri1_1ForCausalLM"),
     "LagunaForCausalLM": ("laguna", "LagunaForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "LongcatFlashForCausalLM": ("longcat_flash", "LongcatFlashForCausalLM"),
@@ -227,11 +228,12 @@ _ATTENTION_SINKS = {"FlintForCausalLM", "GptOssForCausalLM", "GraniteSWAForCausa
                     "MiMoV2FlashForCausalLM"}
 # Families whose attention only the PyTorch backend runs, with what it is: DeepSeek sparse attention (deepseek_v32.py;
 # dots3 note's indexed layers, HY-V4's), DeepSeek-V4's compressed attention (deepseek_v4.py), MiniMax-M3's block-sparse
-# attention (minimax_m3.py), Qwen4-Exp's QSA (qwen4_exp.py), Inkling's and Inkling-2's relative logits (inkling.py,
-# inkling2.py).
+# attention (minimax_m3.py), Qwen4-Exp's QSA (qwen4_exp.py), Kolibri 1.1's indexed attention (kolibri1_1.py), Inkling's
+# and Inkling-2's relative logits (inkling.py, inkling2.py).
 _DSA = ("DeepSeek sparse attention", "each query attends to the keys its indexer selects")
 _BLOCK_SPARSE = ("block-sparse attention", "each KV head's queries attend to the key blocks its indexer selects")
 _QSA = ("QSA", "each query attends to the key blocks its indexer selects and to the tokens after the last whole block")
+_INDEXED = ("indexed attention", "each query attends to the NVFP4-rounded keys its indexer selects")
 _RELATIVE_LOGITS = ("relative logits", "a bias per query and backward distance, mixed from the query's own state")
 _COMPRESSED = ("compressed attention", "each query attends to its window and to pooled entries of earlier windows "
                "(on CSA layers those its indexer selects)")
@@ -239,6 +241,7 @@ _PYTORCH_ONLY_ATTENTION = {
     "AXK2ForCausalLM": _DSA, "DeepseekV32ForCausalLM": _DSA, "DeepseekV4ForCausalLM": _COMPRESSED,
     "Dots3NoteForCausalLM": _DSA,
     "Dots3NoteForConditionalGeneration": _DSA, "GlmMoeDsaForCausalLM": _DSA, "HYV4ForCausalLM": _DSA,
+    "Kolibri1_1ForCausalLM": _INDEXED,
     "MiniMaxM3VLForCausalLM": _BLOCK_SPARSE, "MiniMaxM3SparseForConditionalGeneration": _BLOCK_SPARSE,
     "Qwen4ExpForCausalLM": _QSA, "Qwen4ExpForConditionalGeneration": _QSA,
     **dict.fromkeys(("InklingForCausalLM", "InklingForConditionalGeneration", "Inkling2ForCausalLM",
