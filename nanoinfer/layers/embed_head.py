@@ -54,12 +54,16 @@ class ScaledEmbedding(VocabParallelEmbedding):
 class ParallelLMHead(VocabParallelEmbedding):
     packed_weight: torch.Tensor | None = None
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False, dtype: torch.dtype | None = None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False, dtype: torch.dtype | None = None,
+                 fp32_logits: bool = False):
         """bias (Phi's): one per vocabulary entry, sliced and padded as the weight's rows (same weight_loader). dtype:
-        the weight's and the bias's (HY-V4's fp32 head in every model dtype), the hidden states cast to it."""
+        the weight's and the bias's (HY-V4's fp32 head in every model dtype), the hidden states cast to it.
+        fp32_logits: a 16-bit head's logits accumulated in fp32 and never rounded to 16 bits (Ergo's, as transformers'
+        ErgoLinearWithFP32Output computes them); no bias then."""
         super().__init__(num_embeddings, embedding_dim, dtype)
         self.bias = (nn.Parameter(torch.empty(self.num_embeddings_per_rank, dtype=dtype), requires_grad=False) if bias
                      else None)
+        self.fp32_logits = fp32_logits
 
     def process_weights_after_loading(self, batch_size_hint: int) -> None:
         # The dense weight stays: it may be the (tied) input embedding too.
@@ -68,7 +72,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits over the full vocabulary for the given hidden states (callers pass only rows they sample);
         None on ranks other than 0."""
-        logits = linear(x.to(self.weight.dtype), self.weight, self.bias, self.packed_weight)
+        x = x.to(self.weight.dtype)
+        if self.fp32_logits and x.dtype != torch.float32:
+            logits = fp32_matmul(x, self.weight)
+        else:
+            logits = linear(x, self.weight, self.bias, self.packed_weight)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
             dist.gather(logits, parts, dst=0, group=self.tp_group)
@@ -76,3 +84,11 @@ class ParallelLMHead(VocabParallelEmbedding):
                 return None
             logits = torch.cat(parts, -1)
         return logits[:, :self.num_embeddings].float()
+
+
+def fp32_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T of 16-bit operands accumulated into fp32 logits: on CUDA torch.mm's fp32 output, elsewhere the operands
+    upcast first (torch.mm has no fp32 output there), as transformers' ErgoLinearWithFP32Output does on each."""
+    if x.is_cuda:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return F.linear(x.float(), weight.float())

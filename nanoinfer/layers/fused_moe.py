@@ -21,10 +21,11 @@ from nanoinfer.utils.dist import tp_group, tp_rank, tp_size
 _EXPERT_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 _EXPERT_WEIGHT = re.compile(rf"\.experts\.(\d+)\.({'|'.join(_EXPERT_PROJ)})\.weight$")
 # transformers' own layout (what `save_pretrained(save_original_format=False)` writes, and loads back): every
-# expert in one tensor, `<moe>.experts.gate_up_proj` [experts, 2 * inter, hidden] (gate rows, then up rows) and
-# `<moe>.experts.down_proj` [experts, hidden, inter]; with biases (GPT-OSS), `<moe>.experts.gate_up_proj_bias`
-# [experts, 2 * inter] and `<moe>.experts.down_proj_bias` [experts, hidden].
-_STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up|down)_proj(_bias)?$")
+# expert in one tensor, `<moe>.experts.gate_up_proj` [experts, 2 * inter, hidden] (gate rows, then up rows; experts
+# without a gate: `<moe>.experts.up_proj` [experts, inter, hidden]) and `<moe>.experts.down_proj` [experts, hidden,
+# inter]; with biases (GPT-OSS), `<moe>.experts.gate_up_proj_bias` [experts, 2 * inter] and
+# `<moe>.experts.down_proj_bias` [experts, hidden].
+_STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up|up|down)_proj(_bias)?$")
 # DBRX's layout: `<moe>.experts.mlp.{w1,v1,w2}`, every expert's gate / up / down (transposed) rows stacked in one
 # [experts * inter, hidden] tensor each.
 _DBRX_EXPERTS = re.compile(r"\.experts\.mlp\.(w1|v1|w2)$")
@@ -251,7 +252,8 @@ class ExpertGroups:
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
                   activation: GatedActivation = silu_and_mul, apply_router_weight_on_input: bool = False,
-                  skipped: bool = False) -> torch.Tensor:
+                  skipped: bool = False,
+                  expert_norm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """x [tokens, hidden]; w13 [experts, 2 * inter, hidden] (gate rows, then up rows; or, non-gated, up rows alone:
     [experts, inter, hidden]); w2 [experts, hidden, inter];
     topk_* [tokens, k] -> sum over each token's k experts of weight * down(activation(gate(x), up(x))), or, with
@@ -260,7 +262,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     number of experts or more add nothing and cost nothing (LongCat-Flash's zero experts; no biases then). In 16-bit
     models as transformers' experts (its grouped_mm path) do: each output times its weight in the wider of the two
     dtypes (fp32 where the router's weights are fp32), each token's k products summed in its top-k order
-    accumulating in fp32, rounded once to x's dtype."""
+    accumulating in fp32, rounded once to x's dtype. expert_norm: (each pair's output, its expert) -> what its
+    weight then scales (Ergo's norm per expert)."""
     groups = ExpertGroups(topk_ids, w13.shape[0])
     weights = groups.pair_rows(topk_weights).unsqueeze(1)
     rows = groups.token_rows(x)
@@ -272,6 +275,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     y = groups.linear(activation(*gate_up.chunk(w13.shape[1] // w2.shape[2], dim=-1)), w2)
     if w2_bias is not None:
         y += w2_bias[groups.expert_ids()]
+    if expert_norm is not None:
+        y = expert_norm(y, groups.expert_ids())
     if not apply_router_weight_on_input:
         y = y.to(torch.promote_types(y.dtype, weights.dtype)).mul_(weights)
     return groups.scatter(y, skipped).sum(dim=1).to(x.dtype)
@@ -357,11 +362,12 @@ class FusedMoE(nn.Module):
         """All experts' tensor for `param` in transformers' layout (see _STACKED_EXPERTS): this rank's slice of the
         intermediate dimension, gate and up halves apart; the down projection's bias whole."""
         full, inter = self.intermediate_size, self.intermediate_size // self.tp_size
+        projections = 2 if self.gated else 1
         expected = list(param.shape)
         if param is self.w2_weight:
             expected[2] = full
-        elif param is not self.w2_bias:  # w13's weight or bias: gate rows, then up rows
-            expected[1] = 2 * full
+        elif param is not self.w2_bias:  # w13's weight or bias: gate rows, then up rows (or up rows alone)
+            expected[1] = projections * full
         # Qwen3-VL-MoE's Hub files hold each expert's weight transposed ([experts, hidden, 2 * inter], [experts,
         # inter, hidden]); transformers tells the layouts apart by shape alone, as here, unless the family says.
         shape = list(loaded.shape)
@@ -382,7 +388,7 @@ class FusedMoE(nn.Module):
         if param is self.w2_weight:
             copy_weight(param.data, part(start))
         else:
-            for half in range(2):  # this rank's gate rows, then its up rows
+            for half in range(projections):  # this rank's gate rows, then its up rows
                 copy_weight(param.data.narrow(1, half * inter, inter), part(half * full + start))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:

@@ -84,18 +84,20 @@ def longrope_frequencies(config: PretrainedConfig, max_position: int) -> tuple[t
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, scaling: float | torch.Tensor = 1.0,
-                 interleaved: bool = False):
+                 interleaved: bool = False, fp64: bool = False):
         """inv_freq: [rotary_dim / 2], or one row per position [max_position, rotary_dim / 2]; scaling: one factor,
         or one per position [max_position, 1] (PhiMoE's). interleaved: pair i rotates dimensions (2i, 2i + 1)
-        instead of (i, i + rotary_dim / 2)."""
+        instead of (i, i + rotary_dim / 2). fp64: the angles, their cosines and sines in fp64 before the table's
+        fp32 (Ergo's, exact at long-context positions, where fp32 angles drift)."""
         super().__init__()
-        inv_freq = inv_freq.to(torch.get_default_device())  # the table is built where the model is
+        angle_dtype = torch.float64 if fp64 else torch.float32
+        inv_freq = inv_freq.to(torch.get_default_device(), angle_dtype)  # the table is built where the model is
         if isinstance(scaling, torch.Tensor):
             scaling = scaling.to(inv_freq.device)
-        freqs = torch.arange(max_position, dtype=torch.float32).unsqueeze(1) * inv_freq
+        freqs = torch.arange(max_position, dtype=angle_dtype, device=inv_freq.device).unsqueeze(1) * inv_freq
         # Non-persistent: derived from the config, never in a checkpoint.
-        self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
-        self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
+        self.register_buffer("cos", (freqs.cos() * scaling).float(), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * scaling).float(), persistent=False)
         self.head_dim = head_dim
         self.rotary_dim = 2 * inv_freq.shape[-1]  # the leading dims that rotate; the rest pass through
         self.interleaved = interleaved
@@ -160,11 +162,12 @@ def shared_rope_tables() -> Iterator[None]:
 
 def get_rope(config: PretrainedConfig, head_dim: int, max_position: int, layer_type: str | None = None,
              interleaved: bool = False, rotary_dim: int | None = None, theta: float | None = None,
-             reverse: bool = False) -> RotaryEmbedding:
+             reverse: bool = False, fp64: bool = False) -> RotaryEmbedding:
     """The rotary embedding of the config's rope settings (for `layer_type`, where they differ by layer type), in the
     interleaved layout where asked (see RotaryEmbedding), over rotary_dim leading dims where given (else the
     settings' partial_rotary_factor of the head), with base theta where given (else the settings'); reverse: every
-    angle negated (NanoChat's rotate_half, (x2, -x1), turns the other way), i.e. the sine tables'."""
+    angle negated (NanoChat's rotate_half, (x2, -x1), turns the other way), i.e. the sine tables'; fp64: its
+    angles in fp64 (see RotaryEmbedding)."""
     if theta is not None:
         config = with_rope_theta(config, theta)
     params = rope_parameters(config, layer_type)
@@ -178,8 +181,9 @@ def get_rope(config: PretrainedConfig, head_dim: int, max_position: int, layer_t
     if reverse:
         inv_freq = -inv_freq
     if _shared is None:
-        return RotaryEmbedding(head_dim, max_position, inv_freq, scaling, interleaved)
-    key = (head_dim, max_position, tuple(inv_freq.shape), inv_freq.numpy().tobytes(), scaling, interleaved, device)
+        return RotaryEmbedding(head_dim, max_position, inv_freq, scaling, interleaved, fp64)
+    key = (head_dim, max_position, tuple(inv_freq.shape), inv_freq.numpy().tobytes(), scaling, interleaved, fp64,
+           device)
     if key not in _shared:
-        _shared[key] = RotaryEmbedding(head_dim, max_position, inv_freq, scaling, interleaved)
+        _shared[key] = RotaryEmbedding(head_dim, max_position, inv_freq, scaling, interleaved, fp64)
     return _shared[key]

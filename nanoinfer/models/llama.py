@@ -47,6 +47,7 @@ class AttentionOptions:
     rope_theta: float | None = None  # GraniteSWA: this layer's rope base, in place of the config's
     rope_interleaved: bool = False  # Cohere, GLM: rope rotates the pairs (x0, x1), (x2, x3), ...
     rope_reversed: bool = False  # NanoChat: rope turns by minus the angle (see get_rope)
+    rope_fp64: bool = False  # Ergo: the rope table's angles in fp64 (exact at long-context positions)
     logits_soft_cap: float | None = None  # Gemma 2: scores capped to cap * tanh(score / cap)
     clip_qkv: float | None = None  # OLMo: q, k, v clamped to [-clip_qkv, clip_qkv] first (OLMoE: after q/k norms)
     num_kv_heads: int | None = None  # where the config's `num_key_value_heads` does not say (Falcon, GPTBigCode)
@@ -57,6 +58,8 @@ class AttentionOptions:
     # Llama 4's NoPE layers (attention temperature tuning, see llama4_query_scale), Ministral 3 and Beam's NoPE layers:
     # positions -> an fp32 factor per token that scales its query after rope.
     query_scale: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Ergo's full layers: queries and keys times this factor (rounded to their dtype first) after rope.
+    qk_scale: float | None = None
     # ModernBERT's local layers: the window holds in the (non-causal) encoder pass, on both sides (see Attention)
     encoder_only: bool = False
     # Gemma 4: the layer's own head size (its full layers' heads are wider than the config's `head_dim`), values
@@ -137,7 +140,7 @@ class LlamaAttention(nn.Module):
                           else None)
         self.rotary_emb = (get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type,
                                     options.rope_interleaved, options.rotary_dim, options.rope_theta,
-                                    options.rope_reversed)
+                                    options.rope_reversed, options.rope_fp64)
                            if options.rope else None)
         scale = self.head_dim ** -0.5 if options.scale is None else options.scale
         self.attn = self.attn_class(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window,
@@ -150,6 +153,8 @@ class LlamaAttention(nn.Module):
         self.qk_norm, self.qk_norm_after_rope = options.qk_norm, options.qk_norm_after_rope
         self.clip_qkv = options.clip_qkv
         self.query_scale = options.query_scale
+        # The factor in the dtype the model is built in, as transformers' buffer holds it.
+        self.qk_scale = None if options.qk_scale is None else torch.tensor(options.qk_scale, device="cpu").item()
         self.value_norm_eps = config.rms_norm_eps if options.value_norm else None
         self.attn_sub_norm = (ShardedRMSNorm(num_heads * self.head_dim, config.rms_norm_eps) if options.output_norm
                               else None)
@@ -173,6 +178,8 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.query_scale is not None and positions is not None:
             q = scale_query(q, self.query_scale(positions))
+        if self.qk_scale is not None:
+            q, k = q * self.qk_scale, k * self.qk_scale
         if self.value_scale is not None:
             v = v * self.value_scale
         if self.v_head_dim != self.head_dim:
@@ -304,6 +311,7 @@ class LlamaForCausalLM(nn.Module):
     model_class: type[LlamaModel] = LlamaModel
     lm_head_bias = False  # Phi's LM head has one
     lm_head_dtype: torch.dtype | None = None  # None: the model's (HY-V4's is fp32 in every dtype)
+    lm_head_fp32_logits = False  # Ergo's 16-bit head accumulates fp32 logits (see ParallelLMHead)
     # Why the family takes no prompt embeddings (enable_prompt_embeds), if it does not: see prompt_embedding.
     prompt_embeds_refused: str | None = None
     packed_modules_mapping = {
@@ -332,7 +340,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.model = self.model_class(config, self.attention_options, self.make_mlp)
         self.lm_head = ParallelLMHead(self.lm_head_rows(config), config.hidden_size, self.lm_head_bias,
-                                      self.lm_head_dtype)
+                                      self.lm_head_dtype, self.lm_head_fp32_logits)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
