@@ -418,6 +418,11 @@ DORY_LOOPS, DORY_ALPHA_INIT, DORY_LOGIT_SCALE = 3, 0.5, 15.0
 # in_proj, its gated norm out_norm, as the Hub's) on layer 0, then Qwen3's attention (per-head q/k norms, q/k/v/o
 # biases) on a sliding layer 1 with rope (LARA_MINI_SLIDING_WINDOW) and a full NoPE layer 2; every MLP 2 of 8 experts
 # (fp32 softmax router, renormalized) plus an ungated shared expert.
+# Ergo (ergo): a fused qkv_proj, per-head q/k norms, rope on interleaved pairs on the sliding layers 0 and 2, a full
+# NoPE layer 1 whose queries and keys are scaled by sqrt(global_attention_scale); four norms per layer, each sublayer's
+# output mixed into the residual stream by a learned gate per dimension; relu^2 MLPs: layer 0 dense, then 2 of 8
+# experts (sigmoid, a random correction bias, renormalized, scaled), each expert's output RMS-normed with its own
+# weight, plus a shared expert with its own norm.
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
                    "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid", "deepseek-v32": "deepseek_v32",
                    "deepseek-v32-wide": "deepseek_v32", "glm-moe-dsa": "glm_moe_dsa", "axk2": "axk2",
@@ -429,7 +434,7 @@ NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "lagu
                    "modernbert-decoder": "modernbert_decoder", "hy-v4": "hy_v4", "inkling2": "inkling2",
                    "qwen4-exp": "qwen4_exp", "deepseek-v4": "deepseek_v4", "minicpm5-moe": "minicpm5_moe",
                    "apertus1.5": "apertus1p5", "dory": "dory", "lara-mini": "lara_mini",
-                   "kolibri1-1": "kolibri1_1"}
+                   "kolibri1-1": "kolibri1_1", "ergo": "ergo"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "bailing-hybrid", "zaya", "minimax",  # as the other
                        "inkling", "inkling2", "qwen4-exp", "lara-mini")  # hybrids (test_ssm.py)
@@ -449,7 +454,7 @@ SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 1
                   "vaultgemma": 11, "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "gpt-neo": 11, "cwm": 12,
                   "cohere2-moe": 11, "cohere2-moe-sigmoid": 12, "afmoe": 10, "mellum": 12,
                   "laguna": 11, "flint": 12, "kolibri1": 10, "mimo-v2-flash": 11, "cohere-compass": 11,
-                  "beam": 10, "modernbert-decoder": 10, "dory": 10, "kolibri1-1": 10}
+                  "beam": 10, "modernbert-decoder": 10, "dory": 10, "kolibri1-1": 10, "ergo": 10}
 LLAMA4_CHUNK = 12  # Llama 4's attention_chunk_size in the test model
 # LFM3's, ZAYA's and Lara Mini's windows, apart from SLIDING_WINDOW (whose test takes prefix cache hits, which hybrids
 # refuse).
@@ -469,7 +474,7 @@ GRAPH_MOE_KINDS = ("qwen3-moe", "granitemoe-swa", "gemma4-moe", "mixtral", "qwen
                    "flexolmo", "exaone-moe", "dbrx", "deepseek-v2", "deepseek-v2-group", "deepseek-v3", "glm4-moe-lite",
                    "gpt-oss", "solar-open", "minimax-m2", "cohere2-moe", "cohere2-moe-sigmoid", "axk1", "afmoe",
                    "mellum", "hy-v3", "laguna", "flint", "kolibri1", "mimo-v2-flash", "longcat-flash", "jetmoe",
-                   "aria-text", "beam", "minicpm5-moe")
+                   "aria-text", "beam", "minicpm5-moe", "ergo")
 # The kinds with recurrent state (linear attention, state-space layers, convolutions), whose decode CUDA graphs read
 # each sequence's state slot from a static buffer (those with experts too: in bf16 on sm90).
 GRAPH_RECURRENT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe", "lfm2", "bamba", "granitemoehybrid",
@@ -556,7 +561,7 @@ _SEEDS |= {"aria-text": 1357, "beam": 4680, "cohere-compass": 2468, "modernbert-
 _SEEDS |= {"hy-v4": 4680, XLSTM_KIND: 5791, "qwen4-exp": 5791, "deepseek-v4": 5791}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
 _SEEDS |= {"ctrl": 5252, "openai-gpt": 6363, "minicpm5-moe": 7474, "apertus1.5": 8585, "dory": 9696,
-           "lara-mini": 9696, "kolibri1-1": 9696}
+           "lara-mini": 9696, "kolibri1-1": 9696, "ergo": 9696}
 
 
 def _token_ids():
@@ -1341,6 +1346,13 @@ def newest_family_config(kind: str, special: dict):
                                               moe_intermediate_size=32, routed_scaling_factor=2.5,
                                               norm_topk_prob=True,
                                               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "ergo":  # no head_dim (hidden / heads), no hidden_act (relu^2), no dense intermediate_size
+        return transformers.ErgoConfig(
+            **{k: v for k, v in common.items() if k not in ("head_dim", "hidden_act", "intermediate_size")},
+            sliding_window=SLIDING_WINDOW[kind], global_attention_every_n_layers=2, global_attention_scale=1.7,
+            num_dense_blocks=1, first_dense_intermediate_size=96, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_intermediate_size=32, moe_routed_scaling_factor=2.5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
     if kind == "deepseek-v4":  # one KV head, its own head_dim; no dense MLP
         return transformers.DeepseekV4Config(
             **{k: v for k, v in common.items() if k not in ("intermediate_size", "num_key_value_heads", "head_dim")},

@@ -179,6 +179,22 @@ def test_hy_v4_keeps_transformers_fp32_modules_in_bf16(model_dir):
     assert torch.equal(attention(q, k, v, mask, False, 24 ** -0.5, None, sinks), expected.transpose(1, 2))
 
 
+def test_ergo_prefill_in_bf16_is_transformers_own(model_dir, captured_logits):
+    """Ergo's bf16 model runs its sublayers in bf16 around what transformers keeps in fp32 (the embedding and the
+    residual stream, the norms' and gates' weights, the router's logits and correction bias, each expert's normed
+    output weighed in fp32, the LM head's logits), rounding where it rounds (the norms' outputs, the routing weights,
+    the rope's rotated q and k): each prompt's prefill logits are transformers' bit for bit (any one of these in
+    another dtype moves them by 0.01 or more)."""
+    d = model_dir("ergo")
+    hf = load_hf_model(d, torch.bfloat16)
+    with LLM(str(d), device="cpu", dtype="bfloat16", max_model_len=128) as llm:
+        for prompt in PROMPTS:  # alone: each prefill of the shapes transformers' forward has
+            out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+            with torch.inference_mode():
+                expected = hf(input_ids=torch.tensor([prompt]), logits_to_keep=1).logits[0, -1].float()
+            assert torch.equal(captured_logits[out.request_id][0].float(), expected)
+
+
 @dataclasses.dataclass
 class StandInOutput(ModelOutput):
     """What a transformers decoder returns, as far as its causal LM's head reads it."""

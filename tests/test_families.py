@@ -158,6 +158,11 @@ def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_di
     ("inkling2", dict(n_layers_per_attn_res_block=0), "n_layers_per_attn_res_block=0"),
     # Dory's `last_loop` loops read the last loop's cache of earlier passes: outputs that depend on the passes.
     ("dory", dict(recurrent_kv_cache_mode="last_loop"), "recurrent_kv_cache_mode='last_loop'"),
+    # Ergo's full layers scale q and k by its square root; its heads are hidden / heads wide, whatever head_dim says.
+    ("ergo", dict(global_attention_scale=-1.0), "global_attention_scale=-1.0"),
+    ("ergo", dict(head_dim=32), "head_dim=32"),
+    ("ergo", dict(layer_types=["sliding_attention", "chunked_attention", "sliding_attention"]),
+     r"layer_types\[1\]='chunked_attention'"),
 ])
 def test_newest_families_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes,
                                                                              message):

@@ -330,12 +330,13 @@ def aria_keeps_its_expert_names() -> bool:
 
 
 @pytest.mark.parametrize("kind", ("qwen3-moe",) + NEW_KINDS + ("ernie4.5-moe", "phimoe", "minimax-m2", "cohere2-moe",
-                                                               "longcat-flash", "aria-text"))
+                                                               "longcat-flash", "aria-text", "ergo"))
 def test_transformers_stacked_expert_layout_matches_hf(kind, model_dir, tmp_path, captured_logits):
     """A checkpoint in transformers' own layout (`save_pretrained(save_original_format=False)`, which transformers
     loads back): stacked experts, Mixtral's MoE named `mlp` rather than `block_sparse_moe`, ERNIE's statics under
     the router (`mlp.gate.moe_statics`), LongCat-Flash's gate/up stack with rows for its zero experts too, Aria's
-    [in, out] matrices under transformers' names."""
+    [in, out] matrices under transformers' names, Ergo's [in, out] up stack (no gate) and untransposed router and
+    shared expert."""
     if kind == "aria-text" and aria_keeps_its_expert_names():
         pytest.skip("this transformers keeps Aria's expert names (fc1, fc2) in its own layout")
     d = model_dir(kind)
@@ -346,7 +347,8 @@ def test_transformers_stacked_expert_layout_matches_hf(kind, model_dir, tmp_path
             (stacked / f.name).write_bytes(f.read_bytes())
     with safe_open(stacked / "model.safetensors", "pt") as f:
         # Every test model's last layer is sparse (layer 2; LongCat-Flash's layer 1, of two).
-        assert f"model.layers.{2 - (kind == 'longcat-flash')}.mlp.experts.gate_up_proj" in f.keys()
+        stack = "up_proj" if kind == "ergo" else "gate_up_proj"
+        assert f"model.layers.{2 - (kind == 'longcat-flash')}.mlp.experts.{stack}" in f.keys()
     with LLM(str(stacked), device="cpu", dtype="float32", max_model_len=128) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL

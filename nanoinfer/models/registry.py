@@ -34,6 +34,7 @@ _MODELS = {
     "Dots1ForCausalLM": ("dots1", "Dots1ForCausalLM"),
     "Dots3NoteForCausalLM": ("dots3_note", "Dots3NoteForCausalLM"),
     "Emu3ForCausalLM": ("llama", "LlamaForCausalLM"),  # Emu3's text model: Llama's layers, no biases
+    "ErgoForCausalLM": ("ergo", "ErgoForCausalLM"),
     "Ernie4_5_MoeForCausalLM": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
     "Ernie4_5ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),
     "Exaone4ForCausalLM": ("exaone4", "Exaone4ForCausalLM"),
