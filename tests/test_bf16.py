@@ -188,7 +188,7 @@ def test_ergo_prefill_in_bf16_is_transformers_own(model_dir, captured_logits):
     d = model_dir("ergo")
     hf = load_hf_model(d, torch.bfloat16)
     with LLM(str(d), device="cpu", dtype="bfloat16", max_model_len=128) as llm:
-        for prompt in PROMPTS:  # alone: each prefill of the shapes transformers' forward has
+        for prompt in PROMPTS:  # alone, the head on the last row only: the shapes of transformers' forward
             out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
             with torch.inference_mode():
                 expected = hf(input_ids=torch.tensor([prompt]), logits_to_keep=1).logits[0, -1].float()
