@@ -26,13 +26,13 @@ KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl
          "minimax-m3", "aria", "cohere-compass", "inkling2", "gemma4-unified", "qwen4-exp", "vipllava",
          "llava-next-video", "video-llava", "lfm2-vl", "cohere2-vision", "idefics2", "got-ocr2", "deepseek-vl",
          "lighton-ocr", "ovis2", "exaone4.5", "minicpm-v4.6", "hyperclovax-vision-v2", "lfm3-vl", "glm4v",
-         "glm4v-moe")
+         "glm4v-moe", "granite4-vision")
 # Kinds whose wrapper transformers 5.17 lacks: their transformers family.
 NEWEST_FAMILIES = {"inkling": "inkling", "inkling2": "inkling2", "dots3-note": "dots3_note",
                    "minimax-m3": "minimax_m3_vl", "qwen4-exp": "qwen4_exp", "lfm2-vl": "lfm2_vl",
                    "cohere2-vision": "cohere2_vision", "deepseek-vl": "deepseek_vl", "lighton-ocr": "lighton_ocr",
                    "ovis2": "ovis2", "got-ocr2": "got_ocr2", "exaone4.5": "exaone4_5", "minicpm-v4.6": "minicpmv4_6", "hyperclovax-vision-v2": "hyperclovax_vision_v2",
-                   "lfm3-vl": "lfm3_vl"}
+                   "lfm3-vl": "lfm3_vl", "granite4-vision": "granite4_vision"}
 # Gemma 4's wrapper kind keeps the seed it was checked with: at the next one (7118) transformers' own fp32 logits
 # stray 3.9e-4 from its fp64 ones along the greedy path, over this file's 1e-4 bar (ours were 2.2e-4 from its fp32).
 # Aria's, Cohere Compass's and Inkling-2's keep theirs, from before other kinds came ahead of them.
@@ -193,6 +193,13 @@ def make_vlm_config(kind: str):
         return config_class(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
                             video_token_id=VIDEO_TOKEN, image_start_token_id=VISION_START,
                             image_end_token_id=VISION_END)
+    if kind == "granite4-vision":  # Granite Vision 4.1: Granite's text model under its own model_type (the wrapper
+        # applies its logits_scaling); deepstack and spatial Q-Former projectors (a head per 64 vision dims) to skip
+        text = {k: v for k, v in make_config("granite").to_dict().items() if k != "model_type"}
+        return t.Granite4VisionConfig(text_config=text, vision_config=dict(_CLIP, hidden_size=64),
+                                      qformer_config=dict(intermediate_size=32), image_token_index=IMAGE_TOKEN,
+                                      image_grid_pinpoints=[[28, 28]], downsample_rate="1/2",
+                                      deepstack_layer_map=[[0, 0]], spatial_target_layers=[1, 1, 2, 2])
     newer = {"exaone4.5": ("exaone4_5", "exaone4", "image_token_id"), "minicpm-v4.6": ("minicpmv4_6", "qwen3.5", "image_token_id"),
              "hyperclovax-vision-v2": ("hyperclovax_vision_v2", "hyperclovax", "image_token_id"),
              "lfm3-vl": ("lfm3_vl", "lfm3", "image_token_id")}

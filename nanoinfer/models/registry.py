@@ -196,6 +196,7 @@ _VISION_LANGUAGE = {
     "Gemma4UnifiedForConditionalGeneration": {"gemma4_unified_text": _MODELS["Gemma4ForCausalLM"]},
     "Glm4vForConditionalGeneration": {"glm4v_text": _MODELS["Glm4ForCausalLM"]},
     "Glm4vMoeForConditionalGeneration": {"glm4v_moe_text": _MODELS["Glm4MoeForCausalLM"]},
+    "Granite4VisionForConditionalGeneration": {"granite4_vision_text": _MODELS["GraniteForCausalLM"]},
     "InklingForConditionalGeneration": {"inkling_text": _MODELS["InklingForCausalLM"]},
     "Inkling2ForConditionalGeneration": {"inkling2_text": _MODELS["Inkling2ForCausalLM"]},
     "Llama4ForConditionalGeneration": {"llama4_text": _MODELS["Llama4ForCausalLM"]},

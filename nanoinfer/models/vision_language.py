@@ -25,7 +25,7 @@ LANGUAGE_MODEL_NAMES = {"^model.language_model.": "model.", "^language_model.mod
 # `vision_encoder`, `audio_encoder` (its adapter within, or `audio_adapter` beside it); MiniMax-M3's
 # `patch_merge_mlp`; Video-LLaVA's `image_tower` and `video_tower`; DeepSeek-VL's `aligner`; LightOnOCR's
 # `vision_encoder` and `vision_projection`; Ovis2's `visual_embeddings_table`; MiniCPM-V's `merger`; HyperCLOVA X
-# Vision's `vision_projector`.
+# Vision's `vision_projector`; Granite Vision 4's deepstack and spatial Q-Former projectors.
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_newline", "vision_model.", "vqmodel.",
                    "vision_encoder.", "audio_encoder.", "audio_adapter.", "patch_merge_mlp.", "image_tower.",
                    "video_tower.", "model.vision_tower.", "model.multi_modal_projector.", "model.visual.",
@@ -33,12 +33,15 @@ VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_
                    "model.embed_vision.", "model.embed_audio.", "model.vision_embedder.", "model.vqmodel.",
                    "model.audio.", "model.image_tower.", "model.video_tower.", "model.aligner.",
                    "model.vision_encoder.", "model.vision_projection.", "model.visual_embeddings_table.",
-                   "model.merger.", "model.vision_projector.")
+                   "model.merger.", "model.vision_projector.", "model.layerwise_projectors.",
+                   "model.spatial_projectors.")
 
 # Wrappers whose logits are the text family's own (logit scale included), beside the families that say so themselves
 # (`wrapper_scales_logits`): Aya Vision's multiplies by its Cohere 2 text model's logit_scale, as vLLM's and
-# transformers 5.25's do (5.23's dropped it); HyperCLOVA X Vision V2's by its text model's logits_scaling.
-WRAPPERS_SCALING_LOGITS = {"AyaVisionForConditionalGeneration", "HyperCLOVAXVisionV2ForConditionalGeneration"}
+# transformers 5.25's do (5.23's dropped it); HyperCLOVA X Vision V2's and Granite Vision 4's by their text model's
+# logits_scaling.
+WRAPPERS_SCALING_LOGITS = {"AyaVisionForConditionalGeneration", "HyperCLOVAXVisionV2ForConditionalGeneration",
+                           "Granite4VisionForConditionalGeneration"}
 
 # The outer config's placeholder ids, copied to the language model's config: Gemma 4's wrapper embeds them as the pad
 # token when no media come with them (see gemma4.py).
