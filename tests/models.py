@@ -423,6 +423,9 @@ DORY_LOOPS, DORY_ALPHA_INIT, DORY_LOGIT_SCALE = 3, 0.5, 15.0
 # output mixed into the residual stream by a learned gate per dimension; relu^2 MLPs: layer 0 dense, then 2 of 8
 # experts (sigmoid, a random correction bias, renormalized, scaled), each expert's output RMS-normed with its own
 # weight, plus a shared expert with its own norm.
+# Phi-4-multimodal's language model (phi4-multimodal): the "phi3" kind's shape (GQA, 3/4 of each head rotated, longrope
+# switching to its long factors past PHI3_ORIGINAL_MAX_POSITION, a window on every layer) with tied embeddings, as the
+# Hub's; its image and audio towers (one layer each, unused on text) saved beside it, for the loader to skip.
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
                    "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid", "deepseek-v32": "deepseek_v32",
                    "deepseek-v32-wide": "deepseek_v32", "glm-moe-dsa": "glm_moe_dsa", "axk2": "axk2",
@@ -434,12 +437,12 @@ NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "lagu
                    "modernbert-decoder": "modernbert_decoder", "hy-v4": "hy_v4", "inkling2": "inkling2",
                    "qwen4-exp": "qwen4_exp", "deepseek-v4": "deepseek_v4", "minicpm5-moe": "minicpm5_moe",
                    "apertus1.5": "apertus1p5", "dory": "dory", "lara-mini": "lara_mini",
-                   "kolibri1-1": "kolibri1_1", "ergo": "ergo"}
+                   "kolibri1-1": "kolibri1_1", "ergo": "ergo", "phi4-multimodal": "phi4_multimodal"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "bailing-hybrid", "zaya", "minimax",  # as the other
                        "inkling", "inkling2", "qwen4-exp", "lara-mini")  # hybrids (test_ssm.py)
 NEWEST_DENSE_KINDS = ("doge", "hyperclovax", "bitnet", "minicpm3", "diffllama", "hrm-text", "cohere-compass",
-                      "modernbert-decoder", "apertus1.5", "dory")
+                      "modernbert-decoder", "apertus1.5", "dory", "phi4-multimodal")
 NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS  # as the MoEs (test_moe.py)
                          if kind not in NEWEST_HYBRID_KINDS + NEWEST_DENSE_KINDS)
 EXTRA_KINDS += NEWEST_KINDS
@@ -454,7 +457,8 @@ SLIDING_WINDOW = {"qwen2-swa": 12, "qwen3-swa": 9, "mistral": 20, "ministral": 1
                   "vaultgemma": 11, "exaone-moe": 10, "granite-swa": 11, "granitemoe-swa": 13, "gpt-neo": 11, "cwm": 12,
                   "cohere2-moe": 11, "cohere2-moe-sigmoid": 12, "afmoe": 10, "mellum": 12,
                   "laguna": 11, "flint": 12, "kolibri1": 10, "mimo-v2-flash": 11, "cohere-compass": 11,
-                  "beam": 10, "modernbert-decoder": 10, "dory": 10, "kolibri1-1": 10, "ergo": 10}
+                  "beam": 10, "modernbert-decoder": 10, "dory": 10, "kolibri1-1": 10, "ergo": 10,
+                  "phi4-multimodal": 22}
 LLAMA4_CHUNK = 12  # Llama 4's attention_chunk_size in the test model
 # LFM3's, ZAYA's and Lara Mini's windows, apart from SLIDING_WINDOW (whose test takes prefix cache hits, which hybrids
 # refuse).
@@ -561,7 +565,7 @@ _SEEDS |= {"aria-text": 1357, "beam": 4680, "cohere-compass": 2468, "modernbert-
 _SEEDS |= {"hy-v4": 4680, XLSTM_KIND: 5791, "qwen4-exp": 5791, "deepseek-v4": 5791}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
 _SEEDS |= {"ctrl": 5252, "openai-gpt": 6363, "minicpm5-moe": 7474, "apertus1.5": 8585, "dory": 9696,
-           "lara-mini": 9696, "kolibri1-1": 9696, "ergo": 9696}
+           "lara-mini": 9696, "kolibri1-1": 9696, "ergo": 9696, "phi4-multimodal": 1357}
 
 
 def _token_ids():
@@ -1353,6 +1357,17 @@ def newest_family_config(kind: str, special: dict):
             num_dense_blocks=1, first_dense_intermediate_size=96, num_experts=8, num_experts_per_tok=2,
             moe_intermediate_size=32, shared_intermediate_size=32, moe_routed_scaling_factor=2.5,
             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind == "phi4-multimodal":  # no head_dim (hidden / heads); the towers as small as they build
+        return transformers.Phi4MultimodalConfig(
+            **{k: v for k, v in common.items() if k != "head_dim"} | {"tie_word_embeddings": True},
+            sliding_window=SLIDING_WINDOW[kind], original_max_position_embeddings=PHI3_ORIGINAL_MAX_POSITION,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75,
+                             "short_factor": [1.0, 1.2, 1.4, 1.7, 2.1, 2.6],
+                             "long_factor": [1.0, 3.0, 5.0, 9.0, 17.0, 33.0]},
+            vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                           "num_attention_heads": 2, "image_size": 56, "crop_size": 56, "patch_size": 14},
+            audio_config={"hidden_size": 32, "intermediate_size": 64, "num_blocks": 1, "num_attention_heads": 2,
+                          "ext_pw_out_channel": 32, "depthwise_separable_out_channel": 32, "nemo_conv_channels": 32})
     if kind == "deepseek-v4":  # one KV head, its own head_dim; no dense MLP
         return transformers.DeepseekV4Config(
             **{k: v for k, v in common.items() if k not in ("intermediate_size", "num_key_value_heads", "head_dim")},

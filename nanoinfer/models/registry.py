@@ -107,6 +107,7 @@ _MODELS = {
     "OPTForCausalLM": ("opt", "OPTForCausalLM"),
     "PersimmonForCausalLM": ("persimmon", "PersimmonForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "Phi4MultimodalForCausalLM": ("phi4_multimodal", "Phi4MultimodalForCausalLM"),
     "PhiForCausalLM": ("phi", "PhiForCausalLM"),
     "PhimoeForCausalLM": ("phimoe", "PhimoeForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
