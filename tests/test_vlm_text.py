@@ -26,13 +26,13 @@ KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl
          "minimax-m3", "aria", "cohere-compass", "inkling2", "gemma4-unified", "qwen4-exp", "vipllava",
          "llava-next-video", "video-llava", "lfm2-vl", "cohere2-vision", "idefics2", "got-ocr2", "deepseek-vl",
          "lighton-ocr", "ovis2", "exaone4.5", "minicpm-v4.6", "hyperclovax-vision-v2", "lfm3-vl", "glm4v",
-         "glm4v-moe", "granite4-vision")
+         "glm4v-moe", "granite4-vision", "hunyuan-vl")
 # Kinds whose wrapper transformers 5.17 lacks: their transformers family.
 NEWEST_FAMILIES = {"inkling": "inkling", "inkling2": "inkling2", "dots3-note": "dots3_note",
                    "minimax-m3": "minimax_m3_vl", "qwen4-exp": "qwen4_exp", "lfm2-vl": "lfm2_vl",
                    "cohere2-vision": "cohere2_vision", "deepseek-vl": "deepseek_vl", "lighton-ocr": "lighton_ocr",
                    "ovis2": "ovis2", "got-ocr2": "got_ocr2", "exaone4.5": "exaone4_5", "minicpm-v4.6": "minicpmv4_6", "hyperclovax-vision-v2": "hyperclovax_vision_v2",
-                   "lfm3-vl": "lfm3_vl", "granite4-vision": "granite4_vision"}
+                   "lfm3-vl": "lfm3_vl", "granite4-vision": "granite4_vision", "hunyuan-vl": "hunyuan_vl"}
 # Gemma 4's wrapper kind keeps the seed it was checked with: at the next one (7118) transformers' own fp32 logits
 # stray 3.9e-4 from its fp64 ones along the greedy path, over this file's 1e-4 bar (ours were 2.2e-4 from its fp32).
 # Aria's, Cohere Compass's and Inkling-2's keep theirs, from before other kinds came ahead of them.
@@ -200,6 +200,14 @@ def make_vlm_config(kind: str):
                                       qformer_config=dict(intermediate_size=32), image_token_index=IMAGE_TOKEN,
                                       image_grid_pinpoints=[[28, 28]], downsample_rate="1/2",
                                       deepstack_layer_map=[[0, 0]], spatial_target_layers=[1, 1, 2, 2])
+    if kind == "hunyuan-vl":  # HunyuanOCR: Hunyuan dense's layers (q/k norms after the NTK-alpha rope, biases), a
+        # 4-axis multimodal rope ("xdrope"); the Hub's flat config and `vit.*` (see to_hub_layout)
+        text = {k: v for k, v in make_config("hunyuan").to_dict().items() if k != "model_type"}
+        text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [2, 2, 2, 2]}
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
+                      max_image_size=16)
+        return t.HunYuanVLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
+                                 im_start_id=VISION_START, im_end_id=VISION_END, im_newline_id=VIDEO_TOKEN)
     newer = {"exaone4.5": ("exaone4_5", "exaone4", "image_token_id"), "minicpm-v4.6": ("minicpmv4_6", "qwen3.5", "image_token_id"),
              "hyperclovax-vision-v2": ("hyperclovax_vision_v2", "hyperclovax", "image_token_id"),
              "lfm3-vl": ("lfm3_vl", "lfm3", "image_token_id")}
@@ -265,17 +273,19 @@ def gemma3n_towers_stubbed():
 def to_hub_layout(model_dir, kind: str) -> None:
     """What transformers 5 saves, changed to the Hub checkpoints' layout where it differs. Mistral Small 3.1's config
     leaves tie_word_embeddings to its default (True in transformers 5) while the checkpoint holds its own head,
-    which transformers then keeps. Qwen2-VL's config is flat (no text_config), its rope given as "mrope".
+    which transformers then keeps. Qwen2-VL's config is flat (no text_config), its rope given as "mrope"; so is
+    HunyuanOCR's, its rope "xdrope" (NTK alpha) with `xdrope_section` (its `vit.*`, as transformers saves them).
     Qwen3-VL-MoE's files store every expert's matrix transposed."""
     config = json.loads((model_dir / "config.json").read_text())
     if kind == "mistral3":
         del config["tie_word_embeddings"]
-    if kind == "qwen2-vl":
+    if kind in ("qwen2-vl", "hunyuan-vl"):
         text = config.pop("text_config")
         rope = text.pop("rope_parameters")
+        rope_scaling = {"type": "mrope", "mrope_section": rope["mrope_section"]} if kind == "qwen2-vl" else {
+            "type": "xdrope", "alpha": rope["alpha"], "factor": rope["factor"], "xdrope_section": rope["mrope_section"]}
         config.update({k: v for k, v in text.items() if k not in ("model_type", "architectures")},
-                      rope_theta=rope["rope_theta"],
-                      rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+                      rope_theta=rope["rope_theta"], rope_scaling=rope_scaling)
     (model_dir / "config.json").write_text(json.dumps(config))
     if kind == "qwen3-vl-moe":
         file = model_dir / "model.safetensors"

@@ -198,6 +198,9 @@ _VISION_LANGUAGE = {
     "Glm4vForConditionalGeneration": {"glm4v_text": _MODELS["Glm4ForCausalLM"]},
     "Glm4vMoeForConditionalGeneration": {"glm4v_moe_text": _MODELS["Glm4MoeForCausalLM"]},
     "Granite4VisionForConditionalGeneration": {"granite4_vision_text": _MODELS["GraniteForCausalLM"]},
+    # HunyuanOCR's flat config (no text_config) folds the outer model_type into the text config transformers builds.
+    "HunYuanVLForConditionalGeneration": dict.fromkeys(("hunyuan_vl_text", "hunyuan_vl"),
+                                                       _MODELS["HunYuanDenseV1ForCausalLM"]),
     "InklingForConditionalGeneration": {"inkling_text": _MODELS["InklingForCausalLM"]},
     "Inkling2ForConditionalGeneration": {"inkling2_text": _MODELS["Inkling2ForCausalLM"]},
     "Llama4ForConditionalGeneration": {"llama4_text": _MODELS["Llama4ForCausalLM"]},
