@@ -16,7 +16,7 @@ from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from nanoinfer.layers.rotary_embedding import get_rope, rope_parameters
 from nanoinfer.models.llama import (AttentionOptions, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
-                                   LlamaModel)
+                                   LlamaModel, scale_query)
 from nanoinfer.utils.dist import tp_size
 
 _TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -128,10 +128,12 @@ class DeepseekV2Attention(nn.Module):
         if self.gate_activation is not None:  # Ling's output gate (see AttentionOptions), column-parallel as q
             self.g_proj = ColumnParallelLinear(hidden, heads * (1 if self.gate_per_head else self.v_dim))
         # Kimi Linear's MLA (options.rope False) keeps the shared key part, unrotated, and the plain scale.
-        # Dots3's rope settings are by layer type, their partial_rotary_factor that of its head_dim: options.rotary_dim.
+        # Dots3's rope settings are by layer type, their partial_rotary_factor (Mistral 4's too) that of its head_dim:
+        # options.rotary_dim.
         self.rotary_emb = get_rope(config, self.rope_dim, config.max_position_embeddings, options.rope_layer_type,
                                    options.rope_interleaved, options.rotary_dim) if options.rope else None
         scale = softmax_scale(config) if options.rope else qk_dim ** -0.5
+        self.query_scale = options.query_scale  # Mistral 4's, after rope: the same factor on q_nope and q_pe
         # The scale of the decompressed scores, which the absorbed ones equal; sinks (HY-V4's), per head as the
         # queries, join the scores alike absorbed or not.
         self.attn = Attention(self.num_heads, self.kv_lora_rank + self.rope_dim, scale, 1,
@@ -152,13 +154,17 @@ class DeepseekV2Attention(nn.Module):
 
     def project(self, positions: torch.Tensor | None, q: torch.Tensor, x: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [tokens, heads, qk dim] and the layer's input -> q_nope, roped q_pe, and the latent rows to cache
-        ([tokens, 1, kv_lora_rank + rope dim]: the normalized c_kv and the roped k_pe)."""
+        """q [tokens, heads, qk dim] and the layer's input -> q_nope, roped q_pe (both scaled by position where
+        options.query_scale says), and the latent rows to cache ([tokens, 1, kv_lora_rank + rope dim]: the normalized
+        c_kv and the roped k_pe)."""
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], -1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
         k_rope = self.rope_key(k_rope.unsqueeze(1))
         if positions is not None and self.rotary_emb is not None:  # None: an encoder pass (see LLM.embed)
             q_rope, k_rope = self.rotary_emb(positions, q_rope, k_rope)
+        if positions is not None and self.query_scale is not None:
+            scale = self.query_scale(positions)
+            q_nope, q_rope = scale_query(q_nope, scale), scale_query(q_rope, scale)
         return q_nope, q_rope, torch.cat([self.normalize_latent(latent).unsqueeze(1), k_rope], -1)
 
     def rope_key(self, k_rope: torch.Tensor) -> torch.Tensor:

@@ -55,8 +55,8 @@ class AttentionOptions:
     sinks: bool = False  # GPT-OSS: a learned logit per head joins each softmax's denominator
     # BLOOM, MPT: ALiBi, the model's slope per head (layers/attention/alibi.py); such layers take rope=False
     alibi_slopes: torch.Tensor | None = None
-    # Llama 4's NoPE layers (attention temperature tuning, see llama4_query_scale), Ministral 3 and Beam's NoPE layers:
-    # positions -> an fp32 factor per token that scales its query after rope.
+    # Llama 4's NoPE layers (attention temperature tuning, see llama4_query_scale), Ministral 3, Mistral 4's MLA and
+    # Beam's NoPE layers: positions -> an fp32 factor per token that scales its query after rope.
     query_scale: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Ergo's full layers: queries and keys times this factor (rounded to their dtype first) after rope.
     qk_scale: float | None = None
@@ -105,8 +105,8 @@ def keep_in_fp32_(module: nn.Module, names: tuple[str, ...]) -> None:
 
 def scale_query(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """q [tokens, heads, head_dim] times its token's fp32 factor (AttentionOptions.query_scale), the product rounded
-    to q's dtype, as transformers' Llama4TextAttention does (its Ministral 3 rounds the factor first: the same in
-    fp32; Beam's the same as Llama 4)."""
+    to q's dtype, as transformers' Llama4TextAttention does (its Ministral 3 and Mistral 4 round the factor first: the
+    same in fp32; Beam's the same as Llama 4)."""
     return (q * scale[:, None, None]).to(q.dtype)
 
 
