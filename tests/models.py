@@ -426,6 +426,10 @@ DORY_LOOPS, DORY_ALPHA_INIT, DORY_LOGIT_SCALE = 3, 0.5, 15.0
 # Phi-4-multimodal's language model (phi4-multimodal): the "phi3" kind's shape (GQA, 3/4 of each head rotated, longrope
 # switching to its long factors past PHI3_ORIGINAL_MAX_POSITION, a window on every layer) with tied embeddings, as the
 # Hub's; its image and audio towers (one layer each, unused on text) saved beside it, for the loader to skip.
+# Mistral 4 (mistral4): DeepSeek-V3's MLA (low-rank q, V narrower than K: 16 against 16 + 8, interleaved rope, biases
+# on q_a/kv_a/o) with yarn rope (distinct mscale / mscale_all_dim) whose queries are scaled by position past
+# original_max_position_embeddings (16, below most prompts' lengths); layer 0 dense, then 3 of 8 experts by softmax
+# within the best 2 of 4 groups, renormalized and scaled, plus a shared expert.
 NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "laguna": "laguna", "flint": "flint",
                    "kolibri1": "kolibri1", "lfm3": "lfm3", "olmo-hybrid": "olmo_hybrid", "deepseek-v32": "deepseek_v32",
                    "deepseek-v32-wide": "deepseek_v32", "glm-moe-dsa": "glm_moe_dsa", "axk2": "axk2",
@@ -437,7 +441,8 @@ NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "lagu
                    "modernbert-decoder": "modernbert_decoder", "hy-v4": "hy_v4", "inkling2": "inkling2",
                    "qwen4-exp": "qwen4_exp", "deepseek-v4": "deepseek_v4", "minicpm5-moe": "minicpm5_moe",
                    "apertus1.5": "apertus1p5", "dory": "dory", "lara-mini": "lara_mini",
-                   "kolibri1-1": "kolibri1_1", "ergo": "ergo", "phi4-multimodal": "phi4_multimodal"}
+                   "kolibri1-1": "kolibri1_1", "ergo": "ergo", "phi4-multimodal": "phi4_multimodal",
+                   "mistral4": "mistral4"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "bailing-hybrid", "zaya", "minimax",  # as the other
                        "inkling", "inkling2", "qwen4-exp", "lara-mini")  # hybrids (test_ssm.py)
@@ -478,7 +483,7 @@ GRAPH_MOE_KINDS = ("qwen3-moe", "granitemoe-swa", "gemma4-moe", "mixtral", "qwen
                    "flexolmo", "exaone-moe", "dbrx", "deepseek-v2", "deepseek-v2-group", "deepseek-v3", "glm4-moe-lite",
                    "gpt-oss", "solar-open", "minimax-m2", "cohere2-moe", "cohere2-moe-sigmoid", "axk1", "afmoe",
                    "mellum", "hy-v3", "laguna", "flint", "kolibri1", "mimo-v2-flash", "longcat-flash", "jetmoe",
-                   "aria-text", "beam", "minicpm5-moe", "ergo")
+                   "aria-text", "beam", "minicpm5-moe", "ergo", "mistral4")
 # The kinds with recurrent state (linear attention, state-space layers, convolutions), whose decode CUDA graphs read
 # each sequence's state slot from a static buffer (those with experts too: in bf16 on sm90).
 GRAPH_RECURRENT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe", "lfm2", "bamba", "granitemoehybrid",
@@ -565,7 +570,8 @@ _SEEDS |= {"aria-text": 1357, "beam": 4680, "cohere-compass": 2468, "modernbert-
 _SEEDS |= {"hy-v4": 4680, XLSTM_KIND: 5791, "qwen4-exp": 5791, "deepseek-v4": 5791}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
 _SEEDS |= {"ctrl": 5252, "openai-gpt": 6363, "minicpm5-moe": 7474, "apertus1.5": 8585, "dory": 9696,
-           "lara-mini": 9696, "kolibri1-1": 9696, "ergo": 9696, "phi4-multimodal": 1357}
+           "lara-mini": 9696, "kolibri1-1": 9696, "ergo": 9696, "phi4-multimodal": 1357,
+           "mistral4": 1746}
 
 
 def _token_ids():
@@ -1368,6 +1374,15 @@ def newest_family_config(kind: str, special: dict):
                            "num_attention_heads": 2, "image_size": 56, "crop_size": 56, "patch_size": 14},
             audio_config={"hidden_size": 32, "intermediate_size": 64, "num_blocks": 1, "num_attention_heads": 2,
                           "ext_pw_out_channel": 32, "depthwise_separable_out_channel": 32, "nemo_conv_channels": 32})
+    if kind == "mistral4":  # MLA as DeepSeek's test kinds: a key and a value per query head; head_dim its own
+        return transformers.Mistral4Config(
+            **{k: v for k, v in common.items() if k not in ("num_key_value_heads", "head_dim")}, num_key_value_heads=4,
+            q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+            attention_bias=True, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+            topk_group=2, n_shared_experts=1, moe_intermediate_size=32, routed_scaling_factor=2.5, norm_topk_prob=True,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "mscale": 0.707, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5})
     if kind == "deepseek-v4":  # one KV head, its own head_dim; no dense MLP
         return transformers.DeepseekV4Config(
             **{k: v for k, v in common.items() if k not in ("intermediate_size", "num_key_value_heads", "head_dim")},
@@ -1990,8 +2005,10 @@ def _randomize_(model, seed: int) -> None:
                 p.copy_(INIT_STD * torch.randn(p.shape, generator=g))
 
 
-# Text configs that AutoModelForCausalLM does not take (it maps their multimodal wrappers' configs): their class.
-_CAUSAL_LM_CLASSES = {"mllama_text_model": "MllamaForCausalLM", "emu3_text_model": "Emu3ForCausalLM"}
+# Text configs that AutoModelForCausalLM does not take (it maps their multimodal wrappers' configs, or, Mistral 4's,
+# only AutoModelForImageTextToText maps it): their class.
+_CAUSAL_LM_CLASSES = {"mllama_text_model": "MllamaForCausalLM", "emu3_text_model": "Emu3ForCausalLM",
+                      "mistral4": "Mistral4ForCausalLM"}
 
 
 def unusable_reference(kind: str) -> str | None:

@@ -43,6 +43,7 @@ from nanoinfer.models.lara_mini import LaraMiniMoE
 from nanoinfer.models.lfm2 import Lfm2MoeBlock
 from nanoinfer.models.longcat_flash import LongcatFlashMoE
 from nanoinfer.models.minimax_m2 import MiniMaxM2MoE
+from nanoinfer.models.mistral4 import Mistral4MoE
 from nanoinfer.models.nemotron_h import NemotronHMoE
 
 # Granite 4.0-H's and Qwen3-Next's routers sit at bf16 near-ties on these prompts (Granite's: top-2 and 3rd expert
@@ -537,6 +538,9 @@ _ROUTERS = {
     # 4 per token (sorted); transformers' Beam router leaves the scaling to its MoE block's output: 1 here.
     "beam": ("beam", "BeamTopKRouter", "BeamConfig", "BeamForCausalLM", BeamMoE,
              {**_V3_GROUPS, "num_experts": 8, "norm_topk_prob": True, "routed_scaling_factor": 1.0}),
+    # Softmax scores, grouped as V3's, every step in bf16.
+    "mistral4": ("mistral4", "Mistral4TopkRouter", "Mistral4Config", "Mistral4ForCausalLM", Mistral4MoE,
+                 {**_V3_GROUPS, "norm_topk_prob": True}),
     "kimi-linear": ("kimi_linear", "KimiLinearTopkRouter", "KimiLinearConfig", "KimiLinearForCausalLM",
                     DeepseekV3MoE, {**_V3_GROUPS, "num_experts": 8, "norm_topk_prob": True}),
     # 6 real and 2 zero experts, 4 per token.
@@ -564,7 +568,8 @@ def _hf_router_in_bf16(family: str, checkpoint: dict[str, torch.Tensor]) -> tupl
 
     module_name, router_name, config_name, model_name, _, routing = _ROUTERS[family]
     module = pytest.importorskip(f"transformers.models.{module_name}.modeling_{module_name}",
-                                 reason=f"this transformers has no {family} (5.17 has no Flint, Kolibri-1 or Beam)")
+                                 reason=f"this transformers has no {family} (5.17 has no Flint, Kolibri-1, Beam or "
+                                        f"Mistral 4)")
     config = getattr(transformers, config_name)(hidden_size=64, **routing)
     hf = built_in_bf16(lambda: getattr(module, router_name)(config))
     keep = getattr(module, model_name)._keep_in_fp32_modules_strict or []
@@ -585,7 +590,8 @@ def test_router_in_bf16_is_transformers_own(family):
     correction bias; Laguna's weights rounded to bf16), LFM2-MoE's (sigmoid, renormalized and scaled in bf16, an fp32
     expert bias), HY3's, MiniMax-M2's, DeepSeek-V2's, V3's and NemotronH's (the top k unsorted, the order the experts'
     fp32 sum follows), Beam's (its weight kept in fp32, the top k sorted), LongCat-Flash's (fp32 logits of a bf16
-    weight, a bf16 correction bias, zero experts among the chosen). Bit for bit on the routing weights and the chosen
+    weight, a bf16 correction bias, zero experts among the chosen), Mistral 4's (bf16 logits, softmax, group scores
+    and routing weights). Bit for bit on the routing weights and the chosen
     experts, in order (in another dtype, the weights differ and near-ties choose other experts)."""
     g = torch.Generator().manual_seed(0)
     checkpoint = {"weight": 0.3 * torch.randn(8, 64, generator=g),

@@ -163,6 +163,12 @@ def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_di
     ("ergo", dict(head_dim=32), "head_dim=32"),
     ("ergo", dict(layer_types=["sliding_attention", "chunked_attention", "sliding_attention"]),
      r"layer_types\[1\]='chunked_attention'"),
+    # transformers' Mistral 4 rotates head_dim (qk_nope + qk_rope) times partial_rotary_factor dims (its default rope
+    # all of head_dim): any width but qk_rope_head_dim fails there.
+    ("mistral4", dict(rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}), "rope_type='default'"),
+    ("mistral4", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+                                       "original_max_position_embeddings": 16, "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor=0.5"),
 ])
 def test_newest_families_settings_the_engine_cannot_run_are_refused_by_name(kind, model_dir, tmp_path, changes,
                                                                              message):

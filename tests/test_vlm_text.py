@@ -26,7 +26,7 @@ KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl
          "minimax-m3", "aria", "cohere-compass", "inkling2", "gemma4-unified", "qwen4-exp", "vipllava",
          "llava-next-video", "video-llava", "lfm2-vl", "cohere2-vision", "idefics2", "got-ocr2", "deepseek-vl",
          "lighton-ocr", "ovis2", "exaone4.5", "minicpm-v4.6", "hyperclovax-vision-v2", "lfm3-vl", "glm4v",
-         "glm4v-moe", "granite4-vision", "hunyuan-vl")
+         "glm4v-moe", "granite4-vision", "hunyuan-vl", "mistral3-mistral4")
 # Kinds whose wrapper transformers 5.17 lacks: their transformers family.
 NEWEST_FAMILIES = {"inkling": "inkling", "inkling2": "inkling2", "dots3-note": "dots3_note",
                    "minimax-m3": "minimax_m3_vl", "qwen4-exp": "qwen4_exp",
@@ -75,9 +75,11 @@ def make_vlm_config(kind: str):
         return t.Gemma3nConfig(text_config=make_config("gemma3n"),
                                vision_config=dict(hidden_size=16, vocab_offset=496, vocab_size=8),
                                audio_config=dict(hidden_size=24, vocab_offset=504, vocab_size=8))
-    if kind in ("mistral3", "mistral3-ministral3"):  # an LM head of its own (see build); Ministral-3's text model
+    if kind in ("mistral3", "mistral3-ministral3", "mistral3-mistral4"):  # an LM head of its own (see build);
+        # Ministral-3's and Mistral Small 4's text models
         pixtral = dict(_SIGLIP, model_type="pixtral", head_dim=8)
-        text = make_config("mistral" if kind == "mistral3" else "ministral3")
+        text = make_config({"mistral3": "mistral", "mistral3-ministral3": "ministral3",
+                            "mistral3-mistral4": "mistral4"}[kind])
         return t.Mistral3Config(text_config=text, vision_config=pixtral, image_token_index=IMAGE_TOKEN,
                                 tie_word_embeddings=False)
     if kind in ("llava", "llava-mistral", "llava-qwen2"):  # Llama with llama3 rope, Mistral's windows (as Pixtral)

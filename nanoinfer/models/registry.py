@@ -92,6 +92,7 @@ _MODELS = {
     "MinistralForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama's windows by layer_types (Qwen2's attention)
     "Ministral3ForCausalLM": ("ministral3", "Ministral3ForCausalLM"),
     "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
+    "Mistral4ForCausalLM": ("mistral4", "Mistral4ForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "MllamaForCausalLM": ("mllama", "MllamaForCausalLM"),
     "ModernBertDecoderForCausalLM": ("modernbert", "ModernBertDecoderForCausalLM"),
@@ -205,7 +206,8 @@ _VISION_LANGUAGE = {
     "Inkling2ForConditionalGeneration": {"inkling2_text": _MODELS["Inkling2ForCausalLM"]},
     "Llama4ForConditionalGeneration": {"llama4_text": _MODELS["Llama4ForCausalLM"]},
     "Mistral3ForConditionalGeneration": {"mistral": _MODELS["MistralForCausalLM"],
-                                         "ministral3": _MODELS["Ministral3ForCausalLM"]},
+                                         "ministral3": _MODELS["Ministral3ForCausalLM"],
+                                         "mistral4": _MODELS["Mistral4ForCausalLM"]},
     "MllamaForConditionalGeneration": {"mllama_text_model": _MODELS["MllamaForCausalLM"]},
     "MiniMaxM3SparseForConditionalGeneration": {"minimax_m3_vl_text": _MODELS["MiniMaxM3VLForCausalLM"]},
     "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": _MODELS["Qwen2ForCausalLM"]},
