@@ -274,8 +274,8 @@ class Config:
 
     def _eos_token_ids(self, generation: GenerationConfig | None) -> list[int]:
         eos = None if generation is None else generation.eos_token_id
-        if eos is None:
-            eos = self.hf_config.eos_token_id
+        if eos is None:  # a config may not have the field at all (Molmo 2's text config)
+            eos = getattr(self.hf_config, "eos_token_id", None)
         return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
     def _default_sampling(self, model_generation: GenerationConfig | None) -> dict:

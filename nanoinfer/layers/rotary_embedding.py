@@ -60,11 +60,11 @@ def inv_frequencies(config: PretrainedConfig, rotary_dim: int, layer_type: str |
     return inv_freq.float(), float(scaling)
 
 
-def with_rope_theta(config: PretrainedConfig, theta: float) -> PretrainedConfig:
-    """A shallow copy of config whose rope settings have base theta, as transformers' GraniteSWA builds one rotary
-    embedding per layer base."""
+def with_rope_parameters(config: PretrainedConfig, **updates) -> PretrainedConfig:
+    """A shallow copy of config whose rope settings are its own with `updates`: GraniteSWA's base for the layer (as
+    transformers builds one rotary embedding per layer base), Molmo 2's default rope type for its unscaled layers."""
     config = copy.copy(config)
-    config.rope_parameters = {**rope_parameters(config), "rope_theta": theta}
+    config.rope_parameters = {**rope_parameters(config), **updates}
     return config
 
 
@@ -162,14 +162,16 @@ def shared_rope_tables() -> Iterator[None]:
 
 def get_rope(config: PretrainedConfig, head_dim: int, max_position: int, layer_type: str | None = None,
              interleaved: bool = False, rotary_dim: int | None = None, theta: float | None = None,
-             reverse: bool = False, fp64: bool = False) -> RotaryEmbedding:
+             reverse: bool = False, fp64: bool = False, scaled: bool = True) -> RotaryEmbedding:
     """The rotary embedding of the config's rope settings (for `layer_type`, where they differ by layer type), in the
     interleaved layout where asked (see RotaryEmbedding), over rotary_dim leading dims where given (else the
     settings' partial_rotary_factor of the head), with base theta where given (else the settings'); reverse: every
     angle negated (NanoChat's rotate_half, (x2, -x1), turns the other way), i.e. the sine tables'; fp64: its
-    angles in fp64 (see RotaryEmbedding)."""
+    angles in fp64 (see RotaryEmbedding); scaled False: the settings' base without their scaling (rope_type)."""
     if theta is not None:
-        config = with_rope_theta(config, theta)
+        config = with_rope_parameters(config, rope_theta=theta)
+    if not scaled:
+        config = with_rope_parameters(config, rope_type="default")
     params = rope_parameters(config, layer_type)
     rotary_dim = rotary_dim or int(head_dim * params.get("partial_rotary_factor", 1.0))
     device = torch.get_default_device()

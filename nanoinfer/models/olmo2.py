@@ -12,10 +12,11 @@ from nanoinfer.models.llama import (AttentionOptions, LlamaAttention, LlamaForCa
 from nanoinfer.utils.dist import tp_group, tp_rank, tp_size
 
 
-class Olmo2QKNorm(OlmoRMSNorm):
-    """The RMSNorm of OLMo 2's whole q (or k) projection. Under tensor parallelism a rank holds its heads' columns of
-    the projection, as QKVParallelLinear slices them (with fewer KV heads than ranks, one KV head on several ranks),
-    and the same slice of the weight; the mean square is the full row's, summed across ranks (Olmo2Attention)."""
+class ProjectionNorm:
+    """Mixin of an RMSNorm class: its norm of a whole q (or k) projection (OLMo 2's q/k norms, Molmo 2's "olmo" ones).
+    Under tensor parallelism a rank holds its heads' columns of the projection, as QKVParallelLinear slices them (with
+    fewer KV heads than ranks, one KV head on several ranks), and the same slice of the weight; the mean square is
+    the full row's, summed across ranks (Olmo2Attention), which `scale` takes."""
 
     def __init__(self, total_heads: int, head_dim: int, eps: float):
         size = tp_size()
@@ -23,11 +24,19 @@ class Olmo2QKNorm(OlmoRMSNorm):
         self.full_size = total_heads * head_dim
         self.start = tp_rank() * total_heads // size * head_dim
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def rank_slice(self, loaded: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the checkpoint's weight over the whole projection."""
         if loaded.shape[0] != self.full_size:
             raise ValueError(f"shape mismatch: checkpoint q/k norm has {loaded.shape[0]} weights, "
                              f"expected {self.full_size}")
-        super().weight_loader(param, loaded.narrow(0, self.start, self.weight.numel()))
+        return loaded.narrow(0, self.start, self.weight.numel())
+
+
+class Olmo2QKNorm(ProjectionNorm, OlmoRMSNorm):
+    """OLMo 2's: the weight applied in fp32 before the rounding (OlmoRMSNorm's)."""
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        super().weight_loader(param, self.rank_slice(loaded))
 
     def scale(self, x: torch.Tensor, mean_square: torch.Tensor) -> torch.Tensor:
         """x [tokens, this rank's width] normalized by its full rows' mean squares [tokens, 1], times the weight."""
@@ -35,10 +44,12 @@ class Olmo2QKNorm(OlmoRMSNorm):
 
 
 class Olmo2Attention(LlamaAttention):
+    qk_norm_class: type[ProjectionNorm] = Olmo2QKNorm  # Molmo 2's rounds as Llama's RMSNorm
+
     def __init__(self, config: PretrainedConfig, options: AttentionOptions):
         super().__init__(config, options)
-        self.q_norm = Olmo2QKNorm(config.num_attention_heads, self.head_dim, config.rms_norm_eps)
-        self.k_norm = Olmo2QKNorm(config.num_key_value_heads, self.head_dim, config.rms_norm_eps)
+        self.q_norm = self.qk_norm_class(config.num_attention_heads, self.head_dim, config.rms_norm_eps)
+        self.k_norm = self.qk_norm_class(config.num_key_value_heads, self.head_dim, config.rms_norm_eps)
         self.tp_size, self.tp_group = tp_size(), tp_group()
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
