@@ -26,11 +26,13 @@ KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl
          "minimax-m3", "aria", "cohere-compass", "inkling2", "gemma4-unified", "qwen4-exp", "vipllava",
          "llava-next-video", "video-llava", "lfm2-vl", "cohere2-vision", "idefics2", "got-ocr2", "deepseek-vl",
          "lighton-ocr", "ovis2", "exaone4.5", "minicpm-v4.6", "hyperclovax-vision-v2", "lfm3-vl", "glm4v",
-         "glm4v-moe", "granite4-vision", "hunyuan-vl", "mistral3-mistral4")
+         "glm4v-moe", "granite4-vision", "hunyuan-vl", "mistral3-mistral4", "molmo2",
+         "molmo2-o")
 # Kinds whose wrapper transformers 5.17 lacks: their transformers family.
 NEWEST_FAMILIES = {"inkling": "inkling", "inkling2": "inkling2", "dots3-note": "dots3_note",
                    "minimax-m3": "minimax_m3_vl", "qwen4-exp": "qwen4_exp",
-                   "hyperclovax-vision-v2": "hyperclovax_vision_v2", "lfm3-vl": "lfm3_vl"}
+                   "hyperclovax-vision-v2": "hyperclovax_vision_v2", "lfm3-vl": "lfm3_vl", "molmo2": "molmo2",
+                   "molmo2-o": "molmo2"}
 # Gemma 4's wrapper kind keeps the seed it was checked with: at the next one (7118) transformers' own fp32 logits
 # stray 3.9e-4 from its fp64 ones along the greedy path, over this file's 1e-4 bar (ours were 2.2e-4 from its fp32).
 # Aria's, Cohere Compass's and Inkling-2's keep theirs, from before other kinds came ahead of them.
@@ -208,6 +210,22 @@ def make_vlm_config(kind: str):
                       max_image_size=16)
         return t.HunYuanVLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
                                  im_start_id=VISION_START, im_end_id=VISION_END, im_newline_id=VIDEO_TOKEN)
+    if kind in ("molmo2", "molmo2-o"):  # Molmo2-8B's text model (Qwen3's per-head q/k norms, norms before the
+        # sublayers) and Molmo2-O's (OLMo 2's q/k norms over whole projections, norms after the sublayers, q/k/v
+        # biases, yarn rope on layers 0 and 2 alone); 8 extra embedding rows; the Hub's layout (fused att_proj and
+        # ff_proj, the embedding in two tables: transformers' save_pretrained writes it)
+        olmo = kind == "molmo2-o"
+        rope = ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64} if olmo else
+                {"rope_type": "default"})
+        text = dict(models._COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, additional_vocab_size=8,
+                    attention_bias=olmo, qk_norm_type="olmo" if olmo else "qwen3", norm_after=olmo,
+                    rope_parameters={"rope_theta": 10_000.0, **rope}, rope_scaling_layers=[0, 2] if olmo else None)
+        vision = dict(_SIGLIP, num_key_value_heads=2, head_dim=8, image_size=[28, 28])
+        adapter = dict(vision_feature_layer=[0], hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                       num_key_value_heads=2, head_dim=8, text_hidden_size=64)
+        return t.Molmo2Config(text_config=text, vision_config=vision, adapter_config=adapter,
+                              image_patch_id=IMAGE_TOKEN, image_start_token_id=VISION_START,
+                              image_end_token_id=VISION_END)
     newer = {"exaone4.5": ("exaone4_5", "exaone4", "image_token_id"),
              "minicpm-v4.6": ("minicpmv4_6", "qwen3.5", "image_token_id"),
              "hyperclovax-vision-v2": ("hyperclovax_vision_v2", "hyperclovax", "image_token_id"),
@@ -386,13 +404,50 @@ def test_chunked_prefill_prefix_hits_and_preemption_match_hf(vlm_dir, captured_l
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["qwen3-vl-moe", "smolvlm"])
+@pytest.mark.parametrize("kind", ["qwen3-vl-moe", "smolvlm", "molmo2-o"])
 def test_tensor_parallel_2_matches_hf(kind, vlm_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): Qwen3-VL-MoE's attention and experts sharded, each rank's slice of every expert
-    read from the Hub's transposed stacked tensors; SmolVLM's `model.text_model.*` and untied head sharded."""
+    read from the Hub's transposed stacked tensors; SmolVLM's `model.text_model.*` and untied head sharded; Molmo2-O's
+    q/k norms over whole projections (the ranks' mean squares all-reduced), its fused q/k/v and up/gate tensors and
+    its embedding's two tables each cut to the ranks' rows."""
     worst = run(vlm_dir(kind), captured_logits, tensor_parallel_size=2)
     report_logit_diff(f"{kind} (vision-language, text only), tensor parallel 2", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+def test_molmo2_whole_projection_qk_norm_in_bf16_is_transformers_own():
+    """Molmo 2's "olmo" q/k norm rounds as Llama's RMSNorm (OLMo 2's applies its weight in fp32 before rounding): bit
+    for bit against transformers' Molmo2RMSNorm in bf16, on one rank and from the full rows' mean square (as tensor
+    parallelism computes it)."""
+    modeling = pytest.importorskip("transformers.models.molmo2.modeling_molmo2",
+                                   reason="this transformers has no 'molmo2' family (the reference)")
+    from nanoinfer.models.molmo2 import Molmo2QKNorm
+
+    g = torch.Generator().manual_seed(0)
+    w = 1 + 0.3 * torch.randn(64, generator=g)  # the checkpoint's (fp32) weight
+    hf = modeling.Molmo2RMSNorm(64).to(torch.bfloat16)
+    hf.weight.data.copy_(w)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # as the engine builds a bf16 model
+    try:
+        q_norm = Molmo2QKNorm(4, 16, 1e-6)
+    finally:
+        torch.set_default_dtype(default)
+    q_norm.weight_loader(q_norm.weight, w)
+    x = (3 * torch.randn(5, 64, generator=g)).bfloat16()
+    assert torch.equal(q_norm(x), hf(x))
+    assert torch.equal(q_norm.scale(x, x.float().pow(2).mean(-1, keepdim=True)), hf(x))
+
+
+def test_molmo2_config_without_qk_norms_is_refused(vlm_dir, tmp_path):
+    """The Hub's text configs carry `use_qk_norm`, which transformers ignores (its Molmo 2 always norms q and k): a
+    config that turns them off is refused by name, not run with norms its checkpoint lacks."""
+    config = json.loads((vlm_dir("molmo2") / "config.json").read_text())
+    config["text_config"]["use_qk_norm"] = False
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes((vlm_dir("molmo2") / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=r"use_qk_norm=False in .* is not supported"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=64)
 
 
 def test_unsupported_language_model_is_refused(vlm_dir, tmp_path):

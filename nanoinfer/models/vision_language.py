@@ -27,7 +27,8 @@ LANGUAGE_MODEL_NAMES = {"^model.language_model.": "model.", "^language_model.mod
 # `patch_merge_mlp`; Video-LLaVA's `image_tower` and `video_tower`; DeepSeek-VL's `aligner`; LightOnOCR's
 # `vision_encoder` and `vision_projection`; Ovis2's `visual_embeddings_table`; MiniCPM-V's `merger`; HyperCLOVA X
 # Vision's `vision_projector`; Granite Vision 4's deepstack and spatial Q-Former projectors; HunyuanOCR's `vit` (its
-# tower and projector, at the top or, as transformers' conversion also reads, under `model.`).
+# tower and projector, at the top or, as transformers' conversion also reads, under `model.`); Molmo 2's Hub layout's
+# `model.vision_backbone` (its ViT, pooling and projector).
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_newline", "vision_model.", "vqmodel.",
                    "vision_encoder.", "audio_encoder.", "audio_adapter.", "patch_merge_mlp.", "image_tower.",
                    "video_tower.", "model.vision_tower.", "model.multi_modal_projector.", "model.visual.",
@@ -36,7 +37,8 @@ VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_
                    "model.audio.", "model.image_tower.", "model.video_tower.", "model.aligner.",
                    "model.vision_encoder.", "model.vision_projection.", "model.visual_embeddings_table.",
                    "model.merger.", "model.vision_projector.", "model.layerwise_projectors.",
-                   "model.spatial_projectors.", "vit.", "model.vit.")
+                   "model.spatial_projectors.", "vit.", "model.vit.",
+                   "model.vision_backbone.")
 
 # Wrappers whose logits are the text family's own (logit scale included), beside the families that say so themselves
 # (`wrapper_scales_logits`): Aya Vision's multiplies by its Cohere 2 text model's logit_scale, as vLLM's and
