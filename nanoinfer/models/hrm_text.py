@@ -49,8 +49,13 @@ class InvocationAttention(nn.Module):
         self.runs = nn.ModuleList(copy.deepcopy(attn) for _ in range(invocations))
         self.invocation = 0
 
+    @property
+    def current(self) -> Attention:
+        """The run's Attention, for layers that attend through its cache themselves (Inkling-2-Loop's)."""
+        return self.runs[self.invocation]
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.runs[self.invocation](q, k, v, meta)
+        return self.current(q, k, v, meta)
 
 
 class HrmTextStack(nn.Module):

@@ -61,11 +61,19 @@ HUB_GATE_UP = {".mlp.w13_dn.weight": (0, (".mlp.gate_proj.weight", ".mlp.up_proj
 
 class ResidualConv(RecurrentLayer):
     """A depthwise causal conv without bias, plus its input, over `divisor` (Inkling-2's output scale; Inkling's 1), in
-    fp32: its taps and its state fp32 in every model dtype, as transformers keeps them."""
+    fp32: its taps and its state fp32 in every model dtype, as transformers keeps them. A conv that runs several times
+    in one forward pass (Inkling-2-Loop's looped layers) keeps a state per run: its own for the first, those of `runs`
+    (add_runs) for the others, the one `invocation` (set before each run) names."""
 
     def __init__(self, channels: int, kernel_size: int, divisor: float = 1.0):
         super().__init__(kernel_size, channels)
         self.divisor = divisor
+        self.runs = nn.ModuleList()
+        self.invocation = 0
+
+    def add_runs(self, invocations: int) -> None:
+        kernel_size, channels = self.conv_state_shape
+        self.runs.extend(ResidualConv(channels, kernel_size + 1) for _ in range(invocations - 1))
 
     def slot_bytes(self, dtype: torch.dtype) -> int:
         return super().slot_bytes(self.ssm_dtype(dtype))
@@ -75,9 +83,10 @@ class ResidualConv(RecurrentLayer):
 
     def convolve(self, x: torch.Tensor, taps: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
         """taps [channels, K], or each token's [tokens, channels, K] (oldest input first)."""
-        self.reset_fresh_slots(batch)
+        state = self if self.invocation == 0 else self.runs[self.invocation - 1]
+        state.reset_fresh_slots(batch)
         xf = x.float()
-        return ((self.causal_conv(xf, taps, batch, silu=False) + xf) / self.divisor).to(x.dtype)
+        return ((state.causal_conv(xf, taps, batch, silu=False) + xf) / self.divisor).to(x.dtype)
 
 
 class InklingConv(ResidualConv):

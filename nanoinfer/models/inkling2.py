@@ -24,6 +24,7 @@ from nanoinfer.layers.layernorm import OlmoRMSNorm, RMSNorm
 from nanoinfer.layers.linear import ColumnParallelLinear, RowParallelLinear, copy_weight
 from nanoinfer.layers.recurrent import RecurrentBatch, load_rank_rows
 from nanoinfer.models.deepseek_v2 import DeepseekRouter
+from nanoinfer.models.hrm_text import InvocationAttention
 from nanoinfer.models.hybrid import HybridModel
 from nanoinfer.models.inkling import (HUB_NAMES, InklingConv, InklingForCausalLM, NormedEmbedding, RelativeLogits,
                                       ResidualConv, attention_shape, check_attention_config, log_scale,
@@ -125,14 +126,20 @@ class Inkling2Attention(nn.Module):
         self.log_scaling = None if sliding else (config.log_scaling_n_floor, config.log_scaling_alpha)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads, window)
 
+    def kv_cache(self) -> Attention:
+        """The Attention whose cache this run writes and reads: a looped layer's pass's (InvocationAttention)."""
+        return self.attn.current if isinstance(self.attn, InvocationAttention) else self.attn
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, batch: RecurrentBatch,
                 xk: torch.Tensor | None = None, xv: torch.Tensor | None = None) -> torch.Tensor:
-        """xk, xv: a full layer's keys' and values' inputs (None: x's, a sliding layer's)."""
-        q = self.q_proj(x)
-        if xk is None:
-            k, v = self.k_sconv(self.k_proj(x), batch), self.v_sconv(self.v_proj(x), batch)
+        """xk, xv: the keys' and values' inputs (a full layer's; a looped sliding layer's after its first pass), else
+        x's."""
+        xk, xv = x if xk is None else xk, x if xv is None else xv
+        q, k, v = self.q_proj(x), self.k_proj(xk), self.v_proj(xv)
+        if isinstance(self.k_sconv, DynamicConv):  # its taps from the keys' and values' inputs
+            k, v = self.k_sconv(k, xk, batch), self.v_sconv(v, xv, batch)
         else:
-            k, v = self.k_sconv(self.k_proj(xk), xk, batch), self.v_sconv(self.v_proj(xv), xv, batch)
+            k, v = self.k_sconv(k, batch), self.v_sconv(v, batch)
         q = self.q_l2_clip(q.view(-1, self.num_heads, self.head_dim))
         k = l2_clip(k.view(-1, self.num_kv_heads, self.head_dim), self.k_clip)
         v = unweighted_rms_norm(v.view(-1, self.num_kv_heads, self.head_dim).float(), self.eps).to(v.dtype)
@@ -140,19 +147,19 @@ class Inkling2Attention(nn.Module):
         if self.log_scaling is not None:  # in fp32, as transformers scales them
             tau = log_scale(positions, *self.log_scaling)
             q, r = (q.float() * tau).to(q.dtype), (r.float() * tau).to(r.dtype)
-        self.attn.store(k, v, meta)
-        out = relative_attention(self.attn, positions, q, k, v, self.rel_logits_proj(r), meta, self.sink_proj(x))
+        attn = self.kv_cache()
+        attn.store(k, v, meta)
+        out = relative_attention(attn, positions, q, k, v, self.rel_logits_proj(r), meta, self.sink_proj(x))
         return self.o_proj((out.float() * torch.sigmoid(self.gate_proj(x).float())).to(out.dtype))
 
 
 class BlockAttentionResidual(nn.Module):
-    """A softmax over depth, per token: learned queries (`query` [hidden], or [queries, hidden]) over the closed blocks
-    and the open one, each RMS-normed without weight (keys and values both), in fp32."""
+    """A softmax over depth, per token: learned queries (`query` [*query_shape, hidden]: one, or a softmax for each)
+    over the closed blocks and the open one, each RMS-normed without weight (keys and values both), in fp32."""
 
-    def __init__(self, hidden_size: int, num_queries: int = 1):
+    def __init__(self, hidden_size: int, query_shape: tuple[int, ...] = ()):
         super().__init__()
-        shape = (hidden_size,) if num_queries == 1 else (num_queries, hidden_size)
-        self.query = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
+        self.query = nn.Parameter(torch.empty(*query_shape, hidden_size, dtype=torch.float32), requires_grad=False)
 
     def forward(self, blocks: list[torch.Tensor], partial: torch.Tensor) -> tuple[torch.Tensor, ...]:
         stacked = unweighted_rms_norm(torch.stack([*blocks, partial], -2).float(), 1e-6)  # [tokens, depth, hidden]
@@ -188,7 +195,7 @@ class Inkling2DecoderLayer(nn.Module):
         self.full = config.layer_types[layer_idx] == "hybrid"
         self.is_block_boundary = layer_idx % config.n_layers_per_attn_res_block == 0
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.attention_input = BlockAttentionResidual(hidden, 3 if self.full else 1) if layer_idx > 0 else None
+        self.attention_input = BlockAttentionResidual(hidden, (3,) if self.full else ()) if layer_idx > 0 else None
         self.mlp_input = BlockAttentionResidual(hidden)
         self.self_attn = Inkling2Attention(config, layer_idx)
         self.mlp = Inkling2MoE(config)
@@ -202,25 +209,36 @@ class Inkling2DecoderLayer(nn.Module):
         self.post_attention_convolution, self.post_mlp_convolution = (
             InklingConv(hidden, config.conv_kernel_size, False, divisor) for _ in range(2))
 
-    def attend(self, positions: torch.Tensor, h: torch.Tensor, blocks: list[torch.Tensor], meta: AttentionMetadata,
-               batch: RecurrentBatch) -> torch.Tensor:
-        inputs = (h,) * (3 if self.full else 1) if self.attention_input is None else self.attention_input(blocks, h)
-        if not self.full:
-            return self.self_attn(positions, self.input_layernorm(inputs[0]).to(h.dtype), meta, batch)
-        norms = (self.q_input_layernorm, self.k_input_layernorm, self.v_input_layernorm)
-        x, xk, xv = (norm(x).to(h.dtype) for norm, x in zip(norms, inputs))
-        return self.self_attn(positions, x, meta, batch, xk, xv)
+    def attention_inputs(self, h: torch.Tensor, blocks: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The queries', keys' and values' inputs before their norms (a sliding layer's one for all three)."""
+        return (h,) * (3 if self.full else 1) if self.attention_input is None else self.attention_input(blocks, h)
+
+    def attend(self, positions: torch.Tensor, inputs: tuple[torch.Tensor, ...], dtype: torch.dtype,
+               meta: AttentionMetadata, batch: RecurrentBatch) -> torch.Tensor:
+        """The attention over inputs (see attention_inputs; a looped sliding layer's may be three), each normed."""
+        norms = (self.q_input_layernorm, self.k_input_layernorm, self.v_input_layernorm) if self.full else (
+            (self.input_layernorm,) * 3)
+        x, *kv = (norm(t).to(dtype) for norm, t in zip(norms, inputs))
+        return self.self_attn(positions, x, meta, batch, *kv)
+
+    def add_attention(self, h: torch.Tensor, blocks: list[torch.Tensor], a: torch.Tensor, batch: RecurrentBatch
+                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The attention's output a (convolved) added to the open block h, or opening the next one -> (the open
+        block's sum in fp32, the closed blocks)."""
+        x = self.post_attention_convolution(a, batch).float()
+        return (x, [*blocks, h]) if self.is_block_boundary else (h.float() + x, blocks)
+
+    def add_mlp(self, x: torch.Tensor, mlp_input: torch.Tensor, dtype: torch.dtype, batch: RecurrentBatch
+                ) -> torch.Tensor:
+        y = self.post_attention_layernorm(mlp_input).to(dtype)
+        return (x + self.post_mlp_convolution(self.mlp(y), batch)).to(dtype)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, blocks: list[torch.Tensor], meta: AttentionMetadata,
                 batch: RecurrentBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """h: the open block's sum so far, blocks: the closed ones -> the same after this layer."""
-        x = self.post_attention_convolution(self.attend(positions, h, blocks, meta, batch), batch).float()
-        if self.is_block_boundary:
-            blocks = [*blocks, h]
-        else:
-            x = h.float() + x
-        y = self.post_attention_layernorm(self.mlp_input(blocks, x)[0]).to(h.dtype)
-        return (x + self.post_mlp_convolution(self.mlp(y), batch)).to(h.dtype), blocks
+        a = self.attend(positions, self.attention_inputs(h, blocks), h.dtype, meta, batch)
+        x, blocks = self.add_attention(h, blocks, a, batch)
+        return self.add_mlp(x, self.mlp_input(blocks, x)[0], h.dtype, batch), blocks
 
 
 class Inkling2Model(HybridModel):
@@ -230,11 +248,20 @@ class Inkling2Model(HybridModel):
         super().__init__(config, *args, **kwargs)
         self.final_input = BlockAttentionResidual(config.hidden_size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        batch = RecurrentBatch.from_metadata(meta)
-        h, blocks = self.embed_tokens(input_ids), []
-        for layer in self.layers:
+    @staticmethod
+    def run(layers: Iterable[nn.Module], positions: torch.Tensor, h: torch.Tensor, blocks: list[torch.Tensor],
+            meta: AttentionMetadata, batch: RecurrentBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        for layer in layers:
             h, blocks = layer(positions, h, blocks, meta, batch)
+        return h, blocks
+
+    def run_layers(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata, batch: RecurrentBatch
+               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The layers over the embeddings h -> the open block's sum and the closed blocks."""
+        return self.run(self.layers, positions, h, [], meta, batch)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h, blocks = self.run_layers(positions, self.embed_tokens(input_ids), meta, RecurrentBatch.from_metadata(meta))
         return self.norm(self.final_input(blocks, h)[0]).to(h.dtype)
 
 
