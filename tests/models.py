@@ -354,6 +354,15 @@ INKLING_SLIDING_WINDOW, INKLING_REL_EXTENT = 10, 12
 # and relative states exceed (their scales 1 + noise); dynamic key/value convs on layer 1; 2 of 8 experts (a random
 # correction bias), softcaps low enough to bend their gate and up values and the logits.
 INKLING2_CLIPS = dict(qk_l2_clip_threshold=1.5, rel_l2_clip_threshold=0.3)
+# Inkling-2-Loop (inkling2-loop): Inkling-2's kind over 4 layers (sliding and full in turn), each closing a block, the
+# full layer 1 and the sliding layer 2 looped INKLING2_LOOP_PASSES times, so that every message (low-rank gates, 8) is
+# a softmax over 2 depths (the pass's second block and its final state). The loop makes the model 8 layers deep, and
+# fp32 rounding (transformers' as the engine's) grows with depth: its depth-softmax queries (of
+# INKLING2_LOOP_QUERY_STD), route_scale and message gates' down_proj (INKLING2_LOOP_GATE_DOWN_STD: the gates' tanh
+# inputs of std ~0.6) are lower than Inkling-2's kind's: at those, transformers' own fp32 logits stray up to 3e-4 from
+# its fp64 ones (at these, 2e-5).
+INKLING2_LOOP_PASSES, INKLING2_LOOP_QUERY_STD, INKLING2_LOOP_ROUTE_SCALE = 3, 0.5, 1.0
+INKLING2_LOOP_GATE_DOWN_STD = 0.1
 # Kimi Linear (kimi-linear): KDA layers 0 and 2 (a decay per key channel, slow on some channels so that the state
 # carries across chunks) around an MLA layer 1 without rope (the low-rank q), layer 0's MLP dense, then V3's MoE
 # (2 of 8 experts in the best 2 of 4 groups, a random correction bias, renormalized, scaled) plus a shared expert.
@@ -442,10 +451,10 @@ NEWEST_FAMILIES = {"afmoe": "afmoe", "mellum": "mellum", "hy-v3": "hy_v3", "lagu
                    "qwen4-exp": "qwen4_exp", "deepseek-v4": "deepseek_v4", "minicpm5-moe": "minicpm5_moe",
                    "apertus1.5": "apertus1p5", "dory": "dory", "lara-mini": "lara_mini",
                    "kolibri1-1": "kolibri1_1", "ergo": "ergo", "phi4-multimodal": "phi4_multimodal",
-                   "mistral4": "mistral4"}
+                   "mistral4": "mistral4", "inkling2-loop": "inkling2_loop"}
 NEWEST_KINDS = tuple(NEWEST_FAMILIES)
 NEWEST_HYBRID_KINDS = ("lfm3", "olmo-hybrid", "kimi-linear", "bailing-hybrid", "zaya", "minimax",  # as the other
-                       "inkling", "inkling2", "qwen4-exp", "lara-mini")  # hybrids (test_ssm.py)
+                       "inkling", "inkling2", "qwen4-exp", "lara-mini", "inkling2-loop")  # hybrids (test_ssm.py)
 NEWEST_DENSE_KINDS = ("doge", "hyperclovax", "bitnet", "minicpm3", "diffllama", "hrm-text", "cohere-compass",
                       "modernbert-decoder", "apertus1.5", "dory", "phi4-multimodal")
 NEWEST_MOE_KINDS = tuple(kind for kind in NEWEST_KINDS  # as the MoEs (test_moe.py)
@@ -571,7 +580,7 @@ _SEEDS |= {"hy-v4": 4680, XLSTM_KIND: 5791, "qwen4-exp": 5791, "deepseek-v4": 57
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
 _SEEDS |= {"ctrl": 5252, "openai-gpt": 6363, "minicpm5-moe": 7474, "apertus1.5": 8585, "dory": 9696,
            "lara-mini": 9696, "kolibri1-1": 9696, "ergo": 9696, "phi4-multimodal": 1357,
-           "mistral4": 1746}
+           "mistral4": 1746, "inkling2-loop": 9696}
 
 
 def _token_ids():
@@ -1424,22 +1433,28 @@ def newest_family_config(kind: str, special: dict):
             ngram_vocab_size_base=50, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=2, indexer_n_heads=2,
             indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
             output_gate_type="sigmoid")
-    if kind == "inkling2":
+    if kind in ("inkling2", "inkling2-loop"):
+        if kind == "inkling2":
+            config_class = transformers.Inkling2TextConfig
+            layers = dict(layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"], n_layers_per_attn_res_block=2,
+                          route_scale=2.5)
+        else:
+            config_class = transformers.Inkling2LoopTextConfig
+            layers = dict(num_hidden_layers=4, layer_types=["hybrid_sliding", "hybrid"] * 2,
+                          n_layers_per_attn_res_block=1, route_scale=INKLING2_LOOP_ROUTE_SCALE,
+                          loop_layer_index_start=1, loop_layer_index_end=3, loop_num_passes=INKLING2_LOOP_PASSES,
+                          loop_gate_rank=8)
         # unpadded_vocab_size: the LM head's rows (transformers 5.25's head, the checkpoint's padded to vocab_size;
         # 5.23's head holds vocab_size rows and drops the logits past it), all of them (the default, 200058, is the
         # Hub's: 5.25 cannot save a head that size padded to the test vocabulary).
-        return transformers.Inkling2TextConfig(**{**common, "intermediate_size": 32},  # its experts'
-                                               unpadded_vocab_size=common["vocab_size"],
-                                               architectures=["Inkling2ForCausalLM"],
-                                               swa_num_attention_heads=6, swa_num_key_value_heads=2, swa_head_dim=8,
-                                               sliding_window_size=INKLING_SLIDING_WINDOW, d_rel=4,
-                                               rel_extent=INKLING_REL_EXTENT, log_scaling_n_floor=8,
-                                               log_scaling_alpha=0.5, **INKLING2_CLIPS,
-                                               layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
-                                               n_layers_per_attn_res_block=2, conv_kernel_size=4,
-                                               n_routed_experts=8, num_experts_per_tok=2, route_scale=2.5,
-                                               mlp_gate_softcap=0.5, mlp_up_softcap=1.0,
-                                               final_logit_softcapping=3.0)
+        return config_class(**{**common, "intermediate_size": 32, **layers},  # its experts'
+                            unpadded_vocab_size=common["vocab_size"],
+                            architectures=[config_class.__name__.replace("TextConfig", "ForCausalLM")],
+                            swa_num_attention_heads=6, swa_num_key_value_heads=2, swa_head_dim=8,
+                            sliding_window_size=INKLING_SLIDING_WINDOW, d_rel=4, rel_extent=INKLING_REL_EXTENT,
+                            log_scaling_n_floor=8, log_scaling_alpha=0.5, **INKLING2_CLIPS, conv_kernel_size=4,
+                            n_routed_experts=8, num_experts_per_tok=2, mlp_gate_softcap=0.5, mlp_up_softcap=1.0,
+                            final_logit_softcapping=3.0)
     if kind == "lara-mini":  # every MLP sparse: no intermediate_size
         return transformers.LaraMiniConfig(**{k: v for k, v in common.items() if k != "intermediate_size"},
                                            attention_bias=True, sliding_window=LARA_MINI_SLIDING_WINDOW,
@@ -1924,16 +1939,27 @@ def randomize_global_scales_(model, seed: int) -> None:
                 p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
 
 
-def randomize_inkling2_(model, seed: int) -> None:
+def randomize_inkling2_(model, seed: int, query_std: float = 1.0) -> None:
     """Inkling-2's clips' scales (ones in transformers) as the norms' weights, its depth-softmax queries (zeros) of
-    std 1: the softmaxes over depth far from uniform."""
+    query_std: the softmaxes over depth far from uniform."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             if name.endswith("l2_clip.scale"):
                 p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
             elif name.endswith(".query"):
-                p.copy_(torch.randn(p.shape, generator=g))
+                p.copy_(query_std * torch.randn(p.shape, generator=g))
+
+
+def randomize_inkling2_loop_(model, seed: int) -> None:
+    """Inkling-2's randomization, its queries of INKLING2_LOOP_QUERY_STD; the message gates' down_proj of
+    INKLING2_LOOP_GATE_DOWN_STD."""
+    randomize_inkling2_(model, seed, INKLING2_LOOP_QUERY_STD)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith("_message_gate.down_proj.weight"):
+                p.copy_(INKLING2_LOOP_GATE_DOWN_STD * torch.randn(p.shape, generator=g))
 
 
 def _randomize_zero_centered_norms_(model, seed: int) -> None:
@@ -2138,6 +2164,8 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
         randomize_global_scales_(model, _SEEDS[base_kind] + 4)
     if kind == "inkling2":
         randomize_inkling2_(model, _SEEDS[base_kind] + 4)
+    if kind == "inkling2-loop":
+        randomize_inkling2_loop_(model, _SEEDS[base_kind] + 4)
     if kind == "dory":
         _randomize_ngpt_scales_(model, _SEEDS[base_kind] + 4)
     if kind == "youtu":  # transformers' Youtu zeroes the pad token's embedding when it loads a checkpoint: saved so

@@ -316,7 +316,8 @@ def dsa_kind(kind: str) -> str:
     ("deepseek-v4", "DeepseekV4ForCausalLM", "compressed attention"),
     ("minimax-m3", "MiniMaxM3VLForCausalLM", "block-sparse attention"), ("qwen4-exp", "Qwen4ExpForCausalLM", "QSA"),
     ("kolibri1-1", "Kolibri1_1ForCausalLM", "indexed attention"),
-    ("inkling", "InklingForCausalLM", "relative logits"), ("inkling2", "Inkling2ForCausalLM", "relative logits")])
+    ("inkling", "InklingForCausalLM", "relative logits"), ("inkling2", "Inkling2ForCausalLM", "relative logits"),
+    ("inkling2-loop", "Inkling2LoopForCausalLM", "relative logits")])
 def test_sparse_attention_runs_on_the_pytorch_backend_only(kind, architecture, attention, model_dir, monkeypatch,
                                                            capsys):
     """No other backend selects keys per query (DeepSeek-V3.2, MiniMax-M3, Qwen4-Exp), pools earlier windows into keys of their

@@ -156,6 +156,8 @@ def test_gemma_settings_the_engine_cannot_run_are_refused_by_name(kind, model_di
     ("inkling2", dict(quantization_config={"quant_method": "fp8", "weight_block_size": [1, 32],
                                            "scale_fmt": "ue8m0"}), r"quantization_config \(quant_method='fp8'\)"),
     ("inkling2", dict(n_layers_per_attn_res_block=0), "n_layers_per_attn_res_block=0"),
+    # Inkling-2-Loop's loop ends before it starts (transformers' own checks pass it: both ends on block boundaries).
+    ("inkling2-loop", dict(loop_layer_index_start=2, loop_layer_index_end=1), "loop_layer_index_end=1"),
     # Dory's `last_loop` loops read the last loop's cache of earlier passes: outputs that depend on the passes.
     ("dory", dict(recurrent_kv_cache_mode="last_loop"), "recurrent_kv_cache_mode='last_loop'"),
     # Ergo's full layers scale q and k by its square root; its heads are hidden / heads wide, whatever head_dim says.

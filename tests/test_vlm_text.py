@@ -27,12 +27,13 @@ KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl
          "llava-next-video", "video-llava", "lfm2-vl", "cohere2-vision", "idefics2", "got-ocr2", "deepseek-vl",
          "lighton-ocr", "ovis2", "exaone4.5", "minicpm-v4.6", "hyperclovax-vision-v2", "lfm3-vl", "glm4v",
          "glm4v-moe", "granite4-vision", "hunyuan-vl", "mistral3-mistral4", "molmo2",
-         "molmo2-o")
+         "molmo2-o", "inkling2-loop")
 # Kinds whose wrapper transformers 5.17 lacks: their transformers family.
 NEWEST_FAMILIES = {"inkling": "inkling", "inkling2": "inkling2", "dots3-note": "dots3_note",
                    "minimax-m3": "minimax_m3_vl", "qwen4-exp": "qwen4_exp",
                    "hyperclovax-vision-v2": "hyperclovax_vision_v2", "lfm3-vl": "lfm3_vl", "molmo2": "molmo2",
-                   "molmo2-o": "molmo2"}
+                   "molmo2-o": "molmo2",
+                   "inkling2-loop": "inkling2_loop"}
 # Gemma 4's wrapper kind keeps the seed it was checked with: at the next one (7118) transformers' own fp32 logits
 # stray 3.9e-4 from its fp64 ones along the greedy path, over this file's 1e-4 bar (ours were 2.2e-4 from its fp32).
 # Aria's, Cohere Compass's and Inkling-2's keep theirs, from before other kinds came ahead of them.
@@ -134,11 +135,12 @@ def make_vlm_config(kind: str):
         vision = dict(_SIGLIP, patch_size=4, temporal_patch_size=1)
         return t.MiniMaxM3VLConfig(text_config=make_config(kind), vision_config=vision, projector_hidden_size=32,
                                    image_token_index=IMAGE_TOKEN, video_token_index=VIDEO_TOKEN)
-    if kind == "inkling2":  # its wrapper's logit softcap; a vision tower to skip
-        return t.Inkling2Config(text_config=make_config("inkling2"),
-                                vision_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                                   patch_size=2, projection_hidden_dim=16, text_hidden_size=64),
-                                image_token_id=IMAGE_TOKEN)
+    if kind in ("inkling2", "inkling2-loop"):  # its wrapper's logit softcap; a vision tower to skip
+        config_class = t.Inkling2Config if kind == "inkling2" else t.Inkling2LoopConfig
+        return config_class(text_config=make_config(kind),
+                            vision_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                               patch_size=2, projection_hidden_dim=16, text_hidden_size=64),
+                            image_token_id=IMAGE_TOKEN)
     if kind == "aya-vision":  # over Cohere 2 with logit_scale 0.5, which the wrapper applies (transformers 5.25)
         return t.AyaVisionConfig(text_config=make_config("cohere2"), vision_config=_SIGLIP, downsample_factor=2,
                                  image_token_index=IMAGE_TOKEN)
@@ -334,6 +336,8 @@ def build_vlm(kind: str, model_dir):
         models.randomize_global_scales_(model, SEEDS[kind])
     if kind == "inkling2":
         models.randomize_inkling2_(model, SEEDS[kind])
+    if kind == "inkling2-loop":
+        models.randomize_inkling2_loop_(model, SEEDS[kind])
     model.save_pretrained(str(model_dir))
     to_hub_layout(model_dir, kind)
     return model_dir

@@ -72,6 +72,7 @@ _MODELS = {
     "HyperCLOVAXForCausalLM": ("hyperclovax", "HyperCLOVAXForCausalLM"),
     "InklingForCausalLM": ("inkling", "InklingForCausalLM"),
     "Inkling2ForCausalLM": ("inkling2", "Inkling2ForCausalLM"),
+    "Inkling2LoopForCausalLM": ("inkling2_loop", "Inkling2LoopForCausalLM"),
     "HYV3ForCausalLM": ("hy_v3", "HYV3ForCausalLM"),
     "HYV4ForCausalLM": ("hy_v4", "HYV4ForCausalLM"),
     "Jais2ForCausalLM": ("jais2", "Jais2ForCausalLM"),
@@ -204,6 +205,7 @@ _VISION_LANGUAGE = {
                                                        _MODELS["HunYuanDenseV1ForCausalLM"]),
     "InklingForConditionalGeneration": {"inkling_text": _MODELS["InklingForCausalLM"]},
     "Inkling2ForConditionalGeneration": {"inkling2_text": _MODELS["Inkling2ForCausalLM"]},
+    "Inkling2LoopForConditionalGeneration": {"inkling2_loop_text": _MODELS["Inkling2LoopForCausalLM"]},
     "Llama4ForConditionalGeneration": {"llama4_text": _MODELS["Llama4ForCausalLM"]},
     "Mistral3ForConditionalGeneration": {"mistral": _MODELS["MistralForCausalLM"],
                                          "ministral3": _MODELS["Ministral3ForCausalLM"],
@@ -237,8 +239,8 @@ _ATTENTION_SINKS = {"FlintForCausalLM", "GptOssForCausalLM", "GraniteSWAForCausa
                     "MiMoV2FlashForCausalLM"}
 # Families whose attention only the PyTorch backend runs, with what it is: DeepSeek sparse attention (deepseek_v32.py;
 # dots3 note's indexed layers, HY-V4's), DeepSeek-V4's compressed attention (deepseek_v4.py), MiniMax-M3's block-sparse
-# attention (minimax_m3.py), Qwen4-Exp's QSA (qwen4_exp.py), Kolibri 1.1's indexed attention (kolibri1_1.py), Inkling's
-# and Inkling-2's relative logits (inkling.py, inkling2.py).
+# attention (minimax_m3.py), Qwen4-Exp's QSA (qwen4_exp.py), Kolibri 1.1's indexed attention (kolibri1_1.py), Inkling's,
+# Inkling-2's and Inkling-2-Loop's relative logits (inkling.py, inkling2.py, inkling2_loop.py).
 _DSA = ("DeepSeek sparse attention", "each query attends to the keys its indexer selects")
 _BLOCK_SPARSE = ("block-sparse attention", "each KV head's queries attend to the key blocks its indexer selects")
 _QSA = ("QSA", "each query attends to the key blocks its indexer selects and to the tokens after the last whole block")
@@ -254,7 +256,8 @@ _PYTORCH_ONLY_ATTENTION = {
     "MiniMaxM3VLForCausalLM": _BLOCK_SPARSE, "MiniMaxM3SparseForConditionalGeneration": _BLOCK_SPARSE,
     "Qwen4ExpForCausalLM": _QSA, "Qwen4ExpForConditionalGeneration": _QSA,
     **dict.fromkeys(("InklingForCausalLM", "InklingForConditionalGeneration", "Inkling2ForCausalLM",
-                     "Inkling2ForConditionalGeneration"), _RELATIVE_LOGITS)}
+                     "Inkling2ForConditionalGeneration", "Inkling2LoopForCausalLM",
+                     "Inkling2LoopForConditionalGeneration"), _RELATIVE_LOGITS)}
 # Families whose KV cache holds heads wider than their config's head_dim, by this factor (DiffLlama's differential
 # attention runs over doubled heads: models/diffllama.py): the backend is chosen and checked for the cache's.
 _CACHE_HEAD_MULTIPLES = {"DiffLlamaForCausalLM": 2}  # differential attention: paired value heads side by side
