@@ -27,7 +27,7 @@ KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl
          "llava-next-video", "video-llava", "lfm2-vl", "cohere2-vision", "idefics2", "got-ocr2", "deepseek-vl",
          "lighton-ocr", "ovis2", "exaone4.5", "minicpm-v4.6", "hyperclovax-vision-v2", "lfm3-vl", "glm4v",
          "glm4v-moe", "granite4-vision", "hunyuan-vl", "mistral3-mistral4", "molmo2",
-         "molmo2-o", "inkling2-loop")
+         "molmo2-o", "inkling2-loop", "paddleocr-vl")
 # Kinds whose wrapper transformers 5.17 lacks: their transformers family.
 NEWEST_FAMILIES = {"inkling": "inkling", "inkling2": "inkling2", "dots3-note": "dots3_note",
                    "minimax-m3": "minimax_m3_vl", "qwen4-exp": "qwen4_exp",
@@ -38,7 +38,7 @@ NEWEST_FAMILIES = {"inkling": "inkling", "inkling2": "inkling2", "dots3-note": "
 # stray 3.9e-4 from its fp64 ones along the greedy path, over this file's 1e-4 bar (ours were 2.2e-4 from its fp32).
 # Aria's, Cohere Compass's and Inkling-2's keep theirs, from before other kinds came ahead of them.
 SEEDS = {kind: 7100 + i for i, kind in enumerate(KINDS)} | {"gemma4": 7117, "aria": 7123, "cohere-compass": 7124,
-                                                             "inkling2": 7124}
+                                                             "inkling2": 7124, "paddleocr-vl": 7500}
 
 # Tiny vision towers: one layer each; their weights are saved and must be skipped.
 _SIGLIP = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
@@ -228,6 +228,11 @@ def make_vlm_config(kind: str):
         return t.Molmo2Config(text_config=text, vision_config=vision, adapter_config=adapter,
                               image_patch_id=IMAGE_TOKEN, image_start_token_id=VISION_START,
                               image_end_token_id=VISION_END)
+    if kind == "paddleocr-vl":  # ERNIE 4.5 (biases) with rope in the half-split layout, 3-D sections; the Hub's
+        # flat config (see to_hub_layout); a projector (`mlp_AR`) to skip
+        text = {k: v for k, v in make_config("ernie4_5").to_dict().items() if k != "model_type"}
+        text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [2, 3, 3]}
+        return t.PaddleOCRVLConfig(text_config=text, vision_config=_SIGLIP, **_QWEN_TOKENS)
     newer = {"exaone4.5": ("exaone4_5", "exaone4", "image_token_id"),
              "minicpm-v4.6": ("minicpmv4_6", "qwen3.5", "image_token_id"),
              "hyperclovax-vision-v2": ("hyperclovax_vision_v2", "hyperclovax", "image_token_id"),
@@ -295,16 +300,22 @@ def to_hub_layout(model_dir, kind: str) -> None:
     """What transformers 5 saves, changed to the Hub checkpoints' layout where it differs. Mistral Small 3.1's config
     leaves tie_word_embeddings to its default (True in transformers 5) while the checkpoint holds its own head,
     which transformers then keeps. Qwen2-VL's config is flat (no text_config), its rope given as "mrope"; so is
-    HunyuanOCR's, its rope "xdrope" (NTK alpha) with `xdrope_section` (its `vit.*`, as transformers saves them).
-    Qwen3-VL-MoE's files store every expert's matrix transposed."""
+    HunyuanOCR's, its rope "xdrope" (NTK alpha) with `xdrope_section` (its `vit.*`, as transformers saves them), and
+    PaddleOCR-VL's, its rope "default" with `mrope_section`. Qwen3-VL-MoE's files store every expert's matrix
+    transposed."""
     config = json.loads((model_dir / "config.json").read_text())
     if kind == "mistral3":
         del config["tie_word_embeddings"]
-    if kind in ("qwen2-vl", "hunyuan-vl"):
+    if kind in ("qwen2-vl", "hunyuan-vl", "paddleocr-vl"):
         text = config.pop("text_config")
         rope = text.pop("rope_parameters")
-        rope_scaling = {"type": "mrope", "mrope_section": rope["mrope_section"]} if kind == "qwen2-vl" else {
-            "type": "xdrope", "alpha": rope["alpha"], "factor": rope["factor"], "xdrope_section": rope["mrope_section"]}
+        if kind == "qwen2-vl":
+            rope_scaling = {"type": "mrope", "mrope_section": rope["mrope_section"]}
+        elif kind == "hunyuan-vl":
+            rope_scaling = {"type": "xdrope", "alpha": rope["alpha"], "factor": rope["factor"],
+                            "xdrope_section": rope["mrope_section"]}
+        else:
+            rope_scaling = {"rope_type": "default", "type": "default", "mrope_section": rope["mrope_section"]}
         config.update({k: v for k, v in text.items() if k not in ("model_type", "architectures")},
                       rope_theta=rope["rope_theta"], rope_scaling=rope_scaling)
     (model_dir / "config.json").write_text(json.dumps(config))

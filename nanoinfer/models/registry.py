@@ -213,6 +213,7 @@ _VISION_LANGUAGE = {
     "MllamaForConditionalGeneration": {"mllama_text_model": _MODELS["MllamaForCausalLM"]},
     "MiniMaxM3SparseForConditionalGeneration": {"minimax_m3_vl_text": _MODELS["MiniMaxM3VLForCausalLM"]},
     "Molmo2ForConditionalGeneration": {"molmo2_text": ("molmo2", "Molmo2TextForCausalLM")},
+    "PaddleOCRVLForConditionalGeneration": {"paddleocr_vl_text": ("ernie4_5", "PaddleOCRTextForCausalLM")},
     "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": _MODELS["Qwen2ForCausalLM"]},
     "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": _MODELS["Qwen2ForCausalLM"]},
     "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": _MODELS["Qwen3ForCausalLM"]},
