@@ -27,7 +27,7 @@ KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl
          "llava-next-video", "video-llava", "lfm2-vl", "cohere2-vision", "idefics2", "got-ocr2", "deepseek-vl",
          "lighton-ocr", "ovis2", "exaone4.5", "minicpm-v4.6", "hyperclovax-vision-v2", "lfm3-vl", "glm4v",
          "glm4v-moe", "granite4-vision", "hunyuan-vl", "mistral3-mistral4", "molmo2",
-         "molmo2-o", "inkling2-loop", "paddleocr-vl")
+         "molmo2-o", "inkling2-loop", "paddleocr-vl", "ernie4.5-vl-moe")
 # Kinds whose wrapper transformers 5.17 lacks: their transformers family.
 NEWEST_FAMILIES = {"inkling": "inkling", "inkling2": "inkling2", "dots3-note": "dots3_note",
                    "minimax-m3": "minimax_m3_vl", "qwen4-exp": "qwen4_exp",
@@ -38,7 +38,8 @@ NEWEST_FAMILIES = {"inkling": "inkling", "inkling2": "inkling2", "dots3-note": "
 # stray 3.9e-4 from its fp64 ones along the greedy path, over this file's 1e-4 bar (ours were 2.2e-4 from its fp32).
 # Aria's, Cohere Compass's and Inkling-2's keep theirs, from before other kinds came ahead of them.
 SEEDS = {kind: 7100 + i for i, kind in enumerate(KINDS)} | {"gemma4": 7117, "aria": 7123, "cohere-compass": 7124,
-                                                             "inkling2": 7124, "paddleocr-vl": 7500}
+                                                             "inkling2": 7124, "paddleocr-vl": 7500,
+                                                             "ernie4.5-vl-moe": 7501}
 
 # Tiny vision towers: one layer each; their weights are saved and must be skipped.
 _SIGLIP = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
@@ -233,6 +234,17 @@ def make_vlm_config(kind: str):
         text = {k: v for k, v in make_config("ernie4_5").to_dict().items() if k != "model_type"}
         text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [2, 3, 3]}
         return t.PaddleOCRVLConfig(text_config=text, vision_config=_SIGLIP, **_QWEN_TOKENS)
+    if kind == "ernie4.5-vl-moe":  # ERNIE 4.5 MoE's layers (biases, layer 0 dense), 8 text experts 32 wide and 8
+        # vision ones 16 wide, which text never reaches; height/width rope frequencies permuted, then interleaved
+        text = dict(models._COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_bias=True,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [3, 3, 2]},
+                    moe_num_experts=8, moe_k=2, moe_intermediate_size=[32, 16], moe_num_shared_experts=2,
+                    mlp_layer_types=["dense", "sparse", "sparse"])
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4)
+        return t.Ernie4_5_VLMoeConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
+                                      video_token_id=VIDEO_TOKEN, image_start_token_id=VISION_START,
+                                      image_end_token_id=VISION_END, video_start_token_id=VISION_START,
+                                      video_end_token_id=VISION_END)
     newer = {"exaone4.5": ("exaone4_5", "exaone4", "image_token_id"),
              "minicpm-v4.6": ("minicpmv4_6", "qwen3.5", "image_token_id"),
              "hyperclovax-vision-v2": ("hyperclovax_vision_v2", "hyperclovax", "image_token_id"),
@@ -302,7 +314,7 @@ def to_hub_layout(model_dir, kind: str) -> None:
     which transformers then keeps. Qwen2-VL's config is flat (no text_config), its rope given as "mrope"; so is
     HunyuanOCR's, its rope "xdrope" (NTK alpha) with `xdrope_section` (its `vit.*`, as transformers saves them), and
     PaddleOCR-VL's, its rope "default" with `mrope_section`. Qwen3-VL-MoE's files store every expert's matrix
-    transposed."""
+    transposed; ERNIE 4.5 VL's hold the vision tower at the top (`vision_model.*`)."""
     config = json.loads((model_dir / "config.json").read_text())
     if kind == "mistral3":
         del config["tie_word_embeddings"]
@@ -324,6 +336,11 @@ def to_hub_layout(model_dir, kind: str) -> None:
         tensors = load_file(file)
         for name in [n for n in tensors if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
             tensors[name] = tensors[name].transpose(1, 2).contiguous()
+        save_file(tensors, file, metadata={"format": "pt"})
+    if kind == "ernie4.5-vl-moe":
+        file = model_dir / "model.safetensors"
+        tensors = {name.removeprefix("model.") if name.startswith("model.vision_model.") else name: tensor
+                   for name, tensor in load_file(file).items()}
         save_file(tensors, file, metadata={"format": "pt"})
     if kind == "gemma3n":  # the stubbed towers' places
         file = model_dir / "model.safetensors"
@@ -419,12 +436,13 @@ def test_chunked_prefill_prefix_hits_and_preemption_match_hf(vlm_dir, captured_l
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["qwen3-vl-moe", "smolvlm", "molmo2-o"])
+@pytest.mark.parametrize("kind", ["qwen3-vl-moe", "smolvlm", "molmo2-o", "ernie4.5-vl-moe"])
 def test_tensor_parallel_2_matches_hf(kind, vlm_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): Qwen3-VL-MoE's attention and experts sharded, each rank's slice of every expert
     read from the Hub's transposed stacked tensors; SmolVLM's `model.text_model.*` and untied head sharded; Molmo2-O's
     q/k norms over whole projections (the ranks' mean squares all-reduced), its fused q/k/v and up/gate tensors and
-    its embedding's two tables each cut to the ranks' rows."""
+    its embedding's two tables each cut to the ranks' rows; ERNIE 4.5 VL's text experts sharded, its vision experts
+    skipped on both ranks, its transposed text router replicated."""
     worst = run(vlm_dir(kind), captured_logits, tensor_parallel_size=2)
     report_logit_diff(f"{kind} (vision-language, text only), tensor parallel 2", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"

@@ -1,9 +1,10 @@
 """Vision-language checkpoints (`*ForConditionalGeneration`) run as text models: their language model on its text
 family's implementation, read from the checkpoint's names; the vision tower and the projector are not loaded.
 Text alone needs nothing more: a text token's multimodal-rope position (Qwen2-VL's sections, Qwen3-VL's and Qwen3.5's
-interleaved ones, HunYuan-VL's four-axis "xdrope" sections, PaddleOCR-VL's sections) is the same on all axes, which
-is the 1-D rope (tests/test_vlm_text.py checks it against transformers' mrope), and Gemma 3's bidirectional attention
-spans image tokens only, so text is causal."""
+interleaved ones, HunYuan-VL's four-axis "xdrope" sections, PaddleOCR-VL's sections, ERNIE 4.5 VL's height/width
+frequencies, permuted and then interleaved back) is the same on all axes, which is the 1-D rope
+(tests/test_vlm_text.py checks it against transformers' mrope), and Gemma 3's bidirectional attention spans image tokens
+only, so text is causal; ERNIE 4.5 VL routes text tokens to its text experts alone (ernie4_5_moe.py)."""
 from functools import cache
 
 import torch
@@ -28,7 +29,8 @@ LANGUAGE_MODEL_NAMES = {"^model.language_model.": "model.", "^language_model.mod
 # `vision_encoder` and `vision_projection`; Ovis2's `visual_embeddings_table`; MiniCPM-V's `merger`; HyperCLOVA X
 # Vision's `vision_projector`; Granite Vision 4's deepstack and spatial Q-Former projectors; HunyuanOCR's `vit` (its
 # tower and projector, at the top or, as transformers' conversion also reads, under `model.`); Molmo 2's Hub layout's
-# `model.vision_backbone` (its ViT, pooling and projector); PaddleOCR-VL's projector (`mlp_AR`).
+# `model.vision_backbone` (its ViT, pooling and projector); PaddleOCR-VL's projector (`mlp_AR`); ERNIE 4.5 VL's
+# resampler (`model.resampler_model`).
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_newline", "vision_model.", "vqmodel.",
                    "vision_encoder.", "audio_encoder.", "audio_adapter.", "patch_merge_mlp.", "image_tower.",
                    "video_tower.", "model.vision_tower.", "model.multi_modal_projector.", "model.visual.",
@@ -38,7 +40,7 @@ VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_
                    "model.vision_encoder.", "model.vision_projection.", "model.visual_embeddings_table.",
                    "model.merger.", "model.vision_projector.", "model.layerwise_projectors.",
                    "model.spatial_projectors.", "vit.", "model.vit.",
-                   "model.vision_backbone.", "mlp_AR.")
+                   "model.vision_backbone.", "mlp_AR.", "model.resampler_model.")
 
 # Wrappers whose logits are the text family's own (logit scale included), beside the families that say so themselves
 # (`wrapper_scales_logits`): Aya Vision's multiplies by its Cohere 2 text model's logit_scale, as vLLM's and
