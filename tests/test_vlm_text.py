@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 import models
 from models import cached_hf_greedy, check_against_hf, chunked_prefix_preemption_logit_diff, make_config, random_prompts
 from nanoinfer import LLM, SamplingParams
+from nanoinfer.models.registry import is_vision_language
 
 MAX_TOKENS = 12
 LOGIT_ATOL = 1e-4
@@ -27,19 +28,23 @@ KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl
          "llava-next-video", "video-llava", "lfm2-vl", "cohere2-vision", "idefics2", "got-ocr2", "deepseek-vl",
          "lighton-ocr", "ovis2", "exaone4.5", "minicpm-v4.6", "hyperclovax-vision-v2", "lfm3-vl", "glm4v",
          "glm4v-moe", "granite4-vision", "hunyuan-vl", "mistral3-mistral4", "molmo2",
-         "molmo2-o", "inkling2-loop", "paddleocr-vl", "ernie4.5-vl-moe")
+         "molmo2-o", "inkling2-loop", "paddleocr-vl", "ernie4.5-vl-moe",
+         "fast-vlm", "janus", "perception-lm", "deepseek-vl-hybrid", "video-llama3",
+         "qianfan-ocr", "llava-onevision1.5", "ovis2.5", "fuyu")
 # Kinds whose wrapper transformers 5.17 lacks: their transformers family.
 NEWEST_FAMILIES = {"inkling": "inkling", "inkling2": "inkling2", "dots3-note": "dots3_note",
                    "minimax-m3": "minimax_m3_vl", "qwen4-exp": "qwen4_exp",
                    "hyperclovax-vision-v2": "hyperclovax_vision_v2", "lfm3-vl": "lfm3_vl", "molmo2": "molmo2",
                    "molmo2-o": "molmo2",
-                   "inkling2-loop": "inkling2_loop"}
+                   "inkling2-loop": "inkling2_loop", "llava-onevision1.5": "llava_onevision1_5", "ovis2.5": "ovis2_5"}
 # Gemma 4's wrapper kind keeps the seed it was checked with: at the next one (7118) transformers' own fp32 logits
 # stray 3.9e-4 from its fp64 ones along the greedy path, over this file's 1e-4 bar (ours were 2.2e-4 from its fp32).
 # Aria's, Cohere Compass's and Inkling-2's keep theirs, from before other kinds came ahead of them.
 SEEDS = {kind: 7100 + i for i, kind in enumerate(KINDS)} | {"gemma4": 7117, "aria": 7123, "cohere-compass": 7124,
                                                              "inkling2": 7124, "paddleocr-vl": 7500,
                                                              "ernie4.5-vl-moe": 7501}
+SEEDS |= {"fast-vlm": 7300, "janus": 7301, "perception-lm": 7302, "deepseek-vl-hybrid": 7303, "video-llama3": 7304,
+          "qianfan-ocr": 7305, "llava-onevision1.5": 7306, "ovis2.5": 7307, "fuyu": 7308}
 
 # Tiny vision towers: one layer each; their weights are saved and must be skipped.
 _SIGLIP = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
@@ -245,6 +250,51 @@ def make_vlm_config(kind: str):
                                       video_token_id=VIDEO_TOKEN, image_start_token_id=VISION_START,
                                       image_end_token_id=VISION_END, video_start_token_id=VISION_START,
                                       video_end_token_id=VISION_END)
+    if kind == "fast-vlm":  # over Qwen2, as on the Hub; a timm FastViT tower (stubbed: see towers_stubbed)
+        vision = dict(model_type="timm_wrapper", architecture="fastvit_mci3", hidden_size=16)
+        return t.FastVlmConfig(text_config=make_config("qwen2"), vision_config=vision, image_token_index=IMAGE_TOKEN)
+    if kind == "perception-lm":  # over Llama; a timm Perception Encoder tower (stubbed), its width for the projector
+        vision = dict(model_type="timm_wrapper", architecture="vit_pe_core_large_patch14_336",
+                      model_args={"embed_dim": 16})
+        return t.PerceptionLMConfig(text_config=make_config("llama"), vision_config=vision, image_token_id=IMAGE_TOKEN,
+                                    video_token_id=VIDEO_TOKEN)
+    if kind == "janus":  # over Llama; a SigLIP-like tower and its aligner, a VQ image tokenizer, image-generation
+        # embeddings, aligner and head
+        vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14,
+                      projection_dim=64, depth=2)
+        vq = dict(embed_dim=4, num_embeddings=16, latent_channels=4, base_channels=32, channel_multiplier=[1, 1],
+                  num_res_blocks=1, num_patches=2, projection_dim=64, image_token_embed_dim=64, num_hidden_layers=1)
+        return t.JanusConfig(text_config=make_config("llama"), vision_config=vision, vq_config=vq,
+                             image_token_id=IMAGE_TOKEN)
+    if kind == "deepseek-vl-hybrid":  # over Llama; a SigLIP tower, a SAM high-resolution tower with its neck,
+        # projection and alpha, an aligner over both
+        sam = dict(hidden_size=16, output_channels=16, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                   patch_size=16, global_attn_indexes=[0], mlp_dim=32)
+        return t.DeepseekVLHybridConfig(text_config=make_config("llama"),
+                                        vision_config=dict(_SIGLIP, model_type="siglip_vision_model"),
+                                        high_res_vision_config=sam, image_token_id=IMAGE_TOKEN)
+    if kind == "video-llama3":  # over Qwen2; its own vision model and a projector
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4)
+        return t.VideoLlama3Config(text_config=make_config("qwen2"), vision_config=vision, image_token_id=IMAGE_TOKEN,
+                                   video_token_id=VIDEO_TOKEN)
+    if kind == "qianfan-ocr":  # over Qwen3; InternViT-style tower and `mlp1` projector in the Hub's layout
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      image_size=28, patch_size=14)
+        return t.QianfanOCRConfig(text_config=make_config("qwen3"), vision_config=vision, image_token_id=IMAGE_TOKEN)
+    if kind == "llava-onevision1.5":  # over Qwen3; a RICE-ViT tower
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4, out_hidden_size=64)
+        return t.LlavaOnevision15Config(text_config=make_config("qwen3"), vision_config=vision, **_QWEN_TOKENS)
+    if kind == "ovis2.5":  # over Qwen3; a SigLIP2-NaViT tower, a visual tokenizer and embedding table; the Hub's
+        # layout (`llm.*`, `visual_tokenizer.*`, `vte.*`)
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      patch_size=4, vocab_size=16)
+        return t.Ovis2_5Config(text_config=make_config("qwen3"), vision_config=vision, image_token_id=IMAGE_TOKEN,
+                               video_token_id=VIDEO_TOKEN, image_start_token_id=VISION_START,
+                               image_end_token_id=VISION_END, video_start_token_id=506, video_end_token_id=507)
+    if kind == "fuyu":  # Persimmon, image patches projected by a linear layer (`vision_embed_tokens`, as wide as the
+        # outer hidden_size in transformers 5.17); the Hub's flat config (see to_hub_layout)
+        return t.FuyuConfig(text_config=make_config("persimmon"), hidden_size=64, image_size=28, patch_size=4,
+                            image_token_id=IMAGE_TOKEN)
     newer = {"exaone4.5": ("exaone4_5", "exaone4", "image_token_id"),
              "minicpm-v4.6": ("minicpmv4_6", "qwen3.5", "image_token_id"),
              "hyperclovax-vision-v2": ("hyperclovax_vision_v2", "hyperclovax", "image_token_id"),
@@ -287,25 +337,30 @@ def make_vlm_config(kind: str):
 
 
 @contextlib.contextmanager
-def gemma3n_towers_stubbed():
-    """transformers builds Gemma 3n's vision tower with timm, which the tests do without: it and the audio tower
-    become empty modules (text never reaches them); the checkpoint gets a tensor of each (see to_hub_layout)."""
+def towers_stubbed():
+    """transformers builds Gemma 3n's vision tower, FastVLM's and Perception LM's (`timm_wrapper`) with timm, which the
+    tests do without: they and Gemma 3n's audio tower become empty modules (text never reaches them); the checkpoint
+    gets a tensor of each (see to_hub_layout)."""
+    from transformers import AutoModel
+    from transformers.models.fast_vlm import modeling_fast_vlm
     from transformers.models.gemma3n import modeling_gemma3n
-
-    auto = modeling_gemma3n.AutoModel
+    from transformers.models.perception_lm import modeling_perception_lm
 
     class StubbedTowers:
         @staticmethod
         def from_config(config, **kwargs):
-            if config.model_type in ("gemma3n_vision", "gemma3n_audio"):
+            if config.model_type in ("gemma3n_vision", "gemma3n_audio", "timm_wrapper"):
                 return torch.nn.Module()
-            return auto.from_config(config, **kwargs)
+            return AutoModel.from_config(config, **kwargs)
 
-    modeling_gemma3n.AutoModel = StubbedTowers
+    modules = (modeling_gemma3n, modeling_fast_vlm, modeling_perception_lm)
+    for module in modules:
+        module.AutoModel = StubbedTowers
     try:
         yield
     finally:
-        modeling_gemma3n.AutoModel = auto
+        for module in modules:
+            module.AutoModel = AutoModel
 
 
 def to_hub_layout(model_dir, kind: str) -> None:
@@ -314,7 +369,11 @@ def to_hub_layout(model_dir, kind: str) -> None:
     which transformers then keeps. Qwen2-VL's config is flat (no text_config), its rope given as "mrope"; so is
     HunyuanOCR's, its rope "xdrope" (NTK alpha) with `xdrope_section` (its `vit.*`, as transformers saves them), and
     PaddleOCR-VL's, its rope "default" with `mrope_section`. Qwen3-VL-MoE's files store every expert's matrix
-    transposed; ERNIE 4.5 VL's hold the vision tower at the top (`vision_model.*`)."""
+    transposed; ERNIE 4.5 VL's hold the vision tower at the top (`vision_model.*`). Fuyu's config is flat too, its
+    rope given as rope_theta and partial_rotary_factor. Where transformers' saving reverses a renaming it does not
+    invert, the Hub's names (which transformers reads): Qianfan-OCR's `language_model.model.layers.*` (saved under
+    `.encoder.layers.`), LLaVA-OneVision-1.5's `model.*` (saved as `model.model.*`; its `visual.*` at the top
+    either way)."""
     config = json.loads((model_dir / "config.json").read_text())
     if kind == "mistral3":
         del config["tie_word_embeddings"]
@@ -330,30 +389,41 @@ def to_hub_layout(model_dir, kind: str) -> None:
             rope_scaling = {"rope_type": "default", "type": "default", "mrope_section": rope["mrope_section"]}
         config.update({k: v for k, v in text.items() if k not in ("model_type", "architectures")},
                       rope_theta=rope["rope_theta"], rope_scaling=rope_scaling)
+    if kind == "fuyu":
+        text = config.pop("text_config")
+        rope = text.pop("rope_parameters")
+        config.update({k: v for k, v in text.items() if k != "model_type"}, rope_theta=rope["rope_theta"],
+                      partial_rotary_factor=rope["partial_rotary_factor"])
     (model_dir / "config.json").write_text(json.dumps(config))
+    file = model_dir / "model.safetensors"
+    renamed = {"qianfan-ocr": ("language_model.model.encoder.layers.", "language_model.model.layers."),
+               "llava-onevision1.5": ("model.model.", "model.")}
+    if kind in renamed:
+        old, new = renamed[kind]
+        save_file({new + n[len(old):] if n.startswith(old) else n: t for n, t in load_file(file).items()}, file,
+                  metadata={"format": "pt"})
     if kind == "qwen3-vl-moe":
-        file = model_dir / "model.safetensors"
         tensors = load_file(file)
         for name in [n for n in tensors if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
             tensors[name] = tensors[name].transpose(1, 2).contiguous()
         save_file(tensors, file, metadata={"format": "pt"})
     if kind == "ernie4.5-vl-moe":
-        file = model_dir / "model.safetensors"
         tensors = {name.removeprefix("model.") if name.startswith("model.vision_model.") else name: tensor
                    for name, tensor in load_file(file).items()}
         save_file(tensors, file, metadata={"format": "pt"})
-    if kind == "gemma3n":  # the stubbed towers' places
-        file = model_dir / "model.safetensors"
-        tensors = load_file(file) | {"model.vision_tower.timm_model.conv_stem.conv.weight": torch.ones(4, 3, 3, 3),
-                                     "model.audio_tower.conformer.0.norm.weight": torch.ones(4)}
-        save_file(tensors, file, metadata={"format": "pt"})
+    stubs = {"gemma3n": {"model.vision_tower.timm_model.conv_stem.conv.weight": torch.ones(4, 3, 3, 3),
+                         "model.audio_tower.conformer.0.norm.weight": torch.ones(4)},
+             "fast-vlm": {"model.vision_tower.timm_model.stem.0.conv_kxk.0.conv.weight": torch.ones(4, 3, 3, 3)},
+             "perception-lm": {"model.vision_tower.timm_model.patch_embed.proj.weight": torch.ones(4, 3, 14, 14)}}
+    if kind in stubs:  # the stubbed towers' places
+        save_file(load_file(file) | stubs[kind], file, metadata={"format": "pt"})
 
 
 def build_vlm(kind: str, model_dir):
     from transformers import AutoModelForImageTextToText
 
     torch.manual_seed(SEEDS[kind])
-    with gemma3n_towers_stubbed():
+    with towers_stubbed():
         model = AutoModelForImageTextToText.from_config(make_vlm_config(kind), dtype=torch.float32)
     models._randomize_(model, SEEDS[kind])
     if kind in ("gemma3", "qwen3.5", "qwen3.5-moe", "minimax-m3", "qwen4-exp"):  # (1 + weight) norms
@@ -408,9 +478,10 @@ def unusable_wrapper(kind: str) -> str | None:
 
 
 def hf_reference(model_dir) -> list[dict]:
-    """transformers' conditional-generation model loaded from the checkpoint (as a user would), on text alone."""
-    with gemma3n_towers_stubbed():
-        assert type(models.load_hf_model(model_dir)).__name__.endswith("ForConditionalGeneration")
+    """transformers' conditional-generation model (Fuyu's FuyuForCausalLM) loaded from the checkpoint (as a user
+    would), on text alone."""
+    with towers_stubbed():
+        assert is_vision_language([type(models.load_hf_model(model_dir)).__name__])
     return cached_hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
 
 

@@ -223,15 +223,20 @@ _VISION_LANGUAGE = {
     "Qwen3_5MoeForConditionalGeneration": {"qwen3_5_moe_text": _MODELS["Qwen3_5MoeForCausalLM"]},
     "Qwen4ExpForConditionalGeneration": {"qwen4_exp_text": _MODELS["Qwen4ExpForCausalLM"]},
 } | dict.fromkeys(("AyaVisionForConditionalGeneration", "Cohere2VisionForConditionalGeneration",
-                   "DeepseekVLForConditionalGeneration", "Exaone4_5_ForConditionalGeneration",
+                   "DeepseekVLForConditionalGeneration", "DeepseekVLHybridForConditionalGeneration",
+                   "Exaone4_5_ForConditionalGeneration", "FastVlmForConditionalGeneration",
+                   "FuyuForCausalLM",  # (Fuyu's wrapper, named as a causal LM)
                    "GotOcr2ForConditionalGeneration", "HyperCLOVAXVisionV2ForConditionalGeneration",
                    "Idefics2ForConditionalGeneration", "Idefics3ForConditionalGeneration",
-                   "InternVLForConditionalGeneration", "Lfm2VlForConditionalGeneration", "Lfm3VlForConditionalGeneration",
+                   "InternVLForConditionalGeneration", "JanusForConditionalGeneration",
+                   "Lfm2VlForConditionalGeneration", "Lfm3VlForConditionalGeneration",
                    "LightOnOcrForConditionalGeneration", "LlavaForConditionalGeneration",
                    "LlavaNextForConditionalGeneration", "LlavaNextVideoForConditionalGeneration",
-                   "LlavaOnevisionForConditionalGeneration", "MiniCPMV4_6ForConditionalGeneration",
-                   "Ovis2ForConditionalGeneration",
-                   "SmolVLMForConditionalGeneration", "VideoLlavaForConditionalGeneration",
+                   "LlavaOnevisionForConditionalGeneration", "LlavaOnevision15ForConditionalGeneration",
+                   "MiniCPMV4_6ForConditionalGeneration", "Ovis2ForConditionalGeneration",
+                   "Ovis2_5ForConditionalGeneration", "PerceptionLMForConditionalGeneration",
+                   "QianfanOCRForConditionalGeneration", "SmolVLMForConditionalGeneration",
+                   "VideoLlama3ForConditionalGeneration", "VideoLlavaForConditionalGeneration",
                    "VipLlavaForConditionalGeneration"), _ANY_TEXT_FAMILY)
 
 

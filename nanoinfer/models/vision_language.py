@@ -15,10 +15,11 @@ from transformers import PretrainedConfig
 # Aya Vision and Llama 4 files (and what transformers 5's save_pretrained writes for them): `language_model.model.*` and
 # `language_model.lm_head`; Qwen2-VL/2.5-VL's: `model.*` and `lm_head` already; Qwen3-VL/3-VL-MoE/3.5's:
 # `model.language_model.*` and `lm_head`; Idefics3's and SmolVLM's: `model.text_model.*` and `lm_head`; Emu3's:
-# `text_model.model.*` and `text_model.lm_head`.
+# `text_model.model.*` and `text_model.lm_head`; Ovis2.5's: `llm.model.*` and `llm.lm_head`.
 LANGUAGE_MODEL_NAMES = {"^model.language_model.": "model.", "^language_model.model.": "model.",
                         "^language_model.lm_head.": "lm_head.", "^model.text_model.": "model.",
-                        "^text_model.model.": "model.", "^text_model.lm_head.": "lm_head."}
+                        "^text_model.model.": "model.", "^text_model.lm_head.": "lm_head.", "^llm.model.": "model.",
+                        "^llm.lm_head.": "lm_head."}
 # The image side, in the same layouts (transformers' own in-memory names too): Llava-NeXT's and OneVision's
 # `image_newline`, Idefics3's and SmolVLM's `vision_model` and `connector`, Llama 4's `vision_model` at the top, Gemma
 # 4's audio tower and the projections of both towers into the text (`embed_vision`, `embed_audio`; Gemma 4 unified's
@@ -30,7 +31,11 @@ LANGUAGE_MODEL_NAMES = {"^model.language_model.": "model.", "^language_model.mod
 # Vision's `vision_projector`; Granite Vision 4's deepstack and spatial Q-Former projectors; HunyuanOCR's `vit` (its
 # tower and projector, at the top or, as transformers' conversion also reads, under `model.`); Molmo 2's Hub layout's
 # `model.vision_backbone` (its ViT, pooling and projector); PaddleOCR-VL's projector (`mlp_AR`); ERNIE 4.5 VL's
-# resampler (`model.resampler_model`).
+# resampler (`model.resampler_model`); Janus's image-generation embeddings, aligner and head
+# (`model.generation_*`); DeepSeek-VL hybrid's high-resolution tower, neck, projection and alpha
+# (`model.high_res_vision_*`); VideoLLaMA3's `model.projector`; Qianfan-OCR's `mlp1` (its projector in the Hub's
+# layout); Ovis2.5's Hub layout's `visual_tokenizer` and `vte` (its tower and projector, its visual embedding table);
+# Fuyu's patch embedding `vision_embed_tokens`.
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_newline", "vision_model.", "vqmodel.",
                    "vision_encoder.", "audio_encoder.", "audio_adapter.", "patch_merge_mlp.", "image_tower.",
                    "video_tower.", "model.vision_tower.", "model.multi_modal_projector.", "model.visual.",
@@ -40,7 +45,9 @@ VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_
                    "model.vision_encoder.", "model.vision_projection.", "model.visual_embeddings_table.",
                    "model.merger.", "model.vision_projector.", "model.layerwise_projectors.",
                    "model.spatial_projectors.", "vit.", "model.vit.",
-                   "model.vision_backbone.", "mlp_AR.", "model.resampler_model.")
+                   "model.vision_backbone.", "mlp_AR.", "model.resampler_model.",
+                   "model.generation_", "model.high_res_vision_", "model.projector.",
+                   "mlp1.", "visual_tokenizer.", "vte.", "vision_embed_tokens.", "model.vision_embed_tokens.")
 
 # Wrappers whose logits are the text family's own (logit scale included), beside the families that say so themselves
 # (`wrapper_scales_logits`): Aya Vision's multiplies by its Cohere 2 text model's logit_scale, as vLLM's and
