@@ -16,7 +16,7 @@ from nanoinfer.layers.sampler import LOGPROBS_MODES
 from nanoinfer.logits_processor import load_logits_processor
 from nanoinfer.models.registry import (cache_head_size, chunked_attention_size, has_attention_sinks, is_classifier,
                                        is_encoder, is_vision_language, pytorch_only_attention)
-from nanoinfer.models.vision_language import MEDIA_TOKEN_IDS
+from nanoinfer.models.vision_language import LANGUAGE_MODEL_NAMES, MEDIA_TOKEN_IDS
 from nanoinfer.sampling_params import SamplingParams, check_seed
 from nanoinfer.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from nanoinfer.utils.gguf_loader import load_gguf_config, resolve_gguf
@@ -375,8 +375,9 @@ def language_model_config(config: PretrainedConfig, model_dir: Path) -> Pretrain
     text = config.text_config
     text.architectures = config.architectures
     # transformers 5 ties the LM head as the outer config says (Qwen2-VL's text config has no such field; Mistral 3's
-    # outer one defaults to True; Mllama's has none: untied), but not where the checkpoint holds a head of its own.
-    heads = {"lm_head.weight", "language_model.lm_head.weight"}
+    # outer one defaults to True; Mllama's has none: untied), but not where the checkpoint holds a head of its own
+    # (under any of the wrappers' names for it: Ovis2.5's `llm.lm_head`).
+    heads = {"lm_head.weight"} | {old[1:] + "weight" for old, new in LANGUAGE_MODEL_NAMES.items() if new == "lm_head."}
     text.tie_word_embeddings = getattr(config, "tie_word_embeddings", False) and not any(
         name in heads for name, _ in iter_safetensors(model_dir))
     for name in ("dtype", "quantization_config", "eos_token_id", *MEDIA_TOKEN_IDS):  # where the outer config has them

@@ -554,6 +554,17 @@ def test_molmo2_config_without_qk_norms_is_refused(vlm_dir, tmp_path):
         LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=64)
 
 
+def test_tied_config_keeps_the_checkpoints_own_head(vlm_dir, tmp_path, captured_logits):
+    """An outer config that ties the LM head over a checkpoint holding a head of its own: transformers keeps that
+    head, and so does the engine under each wrapper's name for it (Ovis2.5's Hub layout: `llm.lm_head`)."""
+    config = json.loads((vlm_dir("ovis2.5") / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes((vlm_dir("ovis2.5") / "model.safetensors").read_bytes())
+    worst = run(tmp_path, captured_logits)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
 def test_unsupported_language_model_is_refused(vlm_dir, tmp_path):
     """A known wrapper over a language model no family here implements is named, not run as another family."""
     config = json.loads((vlm_dir("llava") / "config.json").read_text())
