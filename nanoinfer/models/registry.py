@@ -15,6 +15,8 @@ _MODELS = {
     "BeamForCausalLM": ("beam", "BeamForCausalLM"),
     "BioGptForCausalLM": ("biogpt", "BioGptForCausalLM"),
     "BloomForCausalLM": ("bloom", "BloomForCausalLM"),
+    # Its language model inside the wrapper (no ChameleonForCausalLM); the VQ image tokenizer skipped (chameleon.py).
+    "ChameleonForConditionalGeneration": ("chameleon", "ChameleonForConditionalGeneration"),
     "CodeGenForCausalLM": ("codegen", "CodeGenForCausalLM"),
     "Cohere2ForCausalLM": ("cohere2", "Cohere2ForCausalLM"),
     "Cohere2MoeForCausalLM": ("cohere2_moe", "Cohere2MoeForCausalLM"),
