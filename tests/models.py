@@ -217,8 +217,18 @@ MLA_KINDS = ("youtu", "axk1")
 # (biases), the relu^2 MLP with biases, q/k/v/o biases, rope over the whole head. Mllama's text model (mllama): llama3
 # rope, GQA, a cross-attention layer 1 (in the checkpoint, skipped without images), 8 embedding rows past the
 # vocabulary, untied. Emu3's text model (emu3): Llama's layers.
+# Chameleon (chameleon: norms before the sublayers, GQA, q/k/v/o biases; chameleon-swin: `swin_norm`, norms after
+# them, one KV head, MLP biases): a LayerNorm of each head's own (weight and bias) on queries and keys, the image tokens
+# (CHAMELEON_IMAGE_TOKENS, a quarter of the vocabulary, where the unsuppressed argmax falls at some steps) suppressed in
+# the logits; its VQ model, tiny (CHAMELEON_VQ), saved for the loader to skip; rms_norm_eps (CHAMELEON_RMS_NORM_EPS) far
+# from the q/k norms' fixed 1e-5, so that either at the other's shows.
+CHAMELEON_KINDS = ("chameleon", "chameleon-swin")
+CHAMELEON_IMAGE_TOKENS = tuple(range(256, 384))
+CHAMELEON_VQ = dict(embed_dim=4, num_embeddings=len(CHAMELEON_IMAGE_TOKENS), latent_channels=4, base_channels=32,
+                    channel_multiplier=[1], num_res_blocks=1, resolution=8)
+CHAMELEON_RMS_NORM_EPS = 1e-2
 DENSE_KINDS = ("olmo", "exaone4", "seed-oss", "helium", "arcee", "nemotron", "ernie4_5", "hunyuan", "apertus", "cwm",
-               "jais2", "nanochat", "mllama", "emu3")
+               "jais2", "nanochat", "mllama", "emu3", *CHAMELEON_KINDS)
 # Hybrids of attention with recurrent layers (see ssm_config): LFM2 (short convolutions), Bamba and Granite 4.0-H
 # (Mamba2; Granite's MoE with a shared MLP and rope, or its dense MLP without position encoding).
 # LFM2-MoE: LFM2's layers, layer 0's MLP dense, then 2 of 8 experts (sigmoid, a random expert_bias, renormalized,
@@ -578,6 +588,7 @@ _SEEDS |= {"hyperclovax": 4252, "bitnet": 5363, "minicpm3": 6474, "diffllama": 7
 _SEEDS |= {"aria-text": 1357, "beam": 4680, "cohere-compass": 2468, "modernbert-decoder": 3579}
 _SEEDS |= {"hy-v4": 4680, XLSTM_KIND: 5791, "qwen4-exp": 5791, "deepseek-v4": 5791}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
+_SEEDS |= {"chameleon": 7550, "chameleon-swin": 7551}
 _SEEDS |= {"ctrl": 5252, "openai-gpt": 6363, "minicpm5-moe": 7474, "apertus1.5": 8585, "dory": 9696,
            "lara-mini": 9696, "kolibri1-1": 9696, "ergo": 9696, "phi4-multimodal": 1357,
            "mistral4": 1746, "inkling2-loop": 9696}
@@ -901,6 +912,8 @@ def make_config(kind: str):
     if kind == "emu3":
         return Emu3TextConfig(**_COMMON, num_attention_heads=4, num_key_value_heads=2, **special,
                               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    if kind in CHAMELEON_KINDS:
+        return chameleon_config(kind, special)
     if kind == "nanochat":  # attention biases, which NanoChat's checkpoints lack, tested all the same
         from transformers import NanoChatConfig
 
@@ -1989,6 +2002,26 @@ def _randomize_kda_(model, seed: int, rates: tuple[float, float] = (0.01, 1.0)) 
                 p.copy_(-2.0 + 0.5 * torch.randn(p.shape, generator=g))
 
 
+def chameleon_image_token_name(code: int) -> str:
+    """The vocabulary_map name of VQ code `code` as a token: its digits as the letters A-J, as Chameleon's tokenizer
+    spells them (transformers' ChameleonImageVocabularyMapping reads them back)."""
+    return "IMGIMG" + "".join(chr(ord("A") + int(digit)) for digit in str(code)) + "Z"
+
+
+def chameleon_config(kind: str, special: dict):
+    """See CHAMELEON_KINDS: one flat config (no text_config), its tiny VQ model and a vocabulary_map whose image
+    tokens are CHAMELEON_IMAGE_TOKENS, the "<image>" placeholder past them (not an image token: never suppressed)."""
+    from transformers import ChameleonConfig
+
+    vocabulary_map = {chameleon_image_token_name(code): token for code, token in enumerate(CHAMELEON_IMAGE_TOKENS)}
+    vocabulary_map |= {"<image>": CHAMELEON_IMAGE_TOKENS[-1] + 1}
+    swin = kind == "chameleon-swin"
+    return ChameleonConfig(**{**_COMMON, "rms_norm_eps": CHAMELEON_RMS_NORM_EPS}, **special, num_attention_heads=4,
+                           num_key_value_heads=1 if swin else 2, tie_word_embeddings=False, attention_bias=not swin,
+                           mlp_bias=swin, swin_norm=swin, vocabulary_map=vocabulary_map, vq_config=CHAMELEON_VQ,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+
+
 def _sharpen_gpt_oss_(model, seed: int) -> None:
     """GPT-OSS's sinks and expert gate/up weights at the scales where a missing sink or clamp shows."""
     g = torch.Generator().manual_seed(seed + 3)
@@ -2032,9 +2065,10 @@ def _randomize_(model, seed: int) -> None:
 
 
 # Text configs that AutoModelForCausalLM does not take (it maps their multimodal wrappers' configs, or, Mistral 4's,
-# only AutoModelForImageTextToText maps it): their class.
+# only AutoModelForImageTextToText maps it): their class. Chameleon's language model has no class of its own: its
+# wrapper's.
 _CAUSAL_LM_CLASSES = {"mllama_text_model": "MllamaForCausalLM", "emu3_text_model": "Emu3ForCausalLM",
-                      "mistral4": "Mistral4ForCausalLM"}
+                      "mistral4": "Mistral4ForCausalLM", "chameleon": "ChameleonForConditionalGeneration"}
 
 
 def unusable_reference(kind: str) -> str | None:

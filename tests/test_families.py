@@ -11,9 +11,9 @@ import shutil
 import pytest
 import torch
 
-from models import (LAYERNORM_KINDS, NEWEST_DENSE_KINDS, cached_hf_greedy, check_against_hf,
-                    chunked_prefix_preemption_logit_diff, hf_reordering_noise, make_config, random_prompts,
-                    shared_prefix_prompts)
+from models import (CHAMELEON_IMAGE_TOKENS, CHAMELEON_KINDS, LAYERNORM_KINDS, NEWEST_DENSE_KINDS, cached_hf_greedy,
+                    check_against_hf, chunked_prefix_preemption_logit_diff, hf_reordering_noise, make_config,
+                    random_prompts, shared_prefix_prompts)
 from nanoinfer import LLM, SamplingParams
 
 MAX_TOKENS = 16
@@ -26,7 +26,7 @@ LOGIT_ATOL = 1e-4
 @pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2", "gemma", "granite", "smollm3", "glm4", "glm",
                                   *LAYERNORM_KINDS, "nemotron", "gemma4", "gemma4-e", "gemma4-unified", "ministral",
                                   "ministral3", "vaultgemma", "granite-swa", "jais2", "nanochat", "gemma3n",
-                                  *NEWEST_DENSE_KINDS, "mllama"])
+                                  *NEWEST_DENSE_KINDS, "mllama", *CHAMELEON_KINDS])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): each holds half the heads and MLP; windows, ropes and norms per rank."""
     d = model_dir(kind)
@@ -253,7 +253,8 @@ def test_mpt_sequences_are_bounded_by_max_seq_len(model_dir):
 
 
 @pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj", "gemma4", "gemma4-e", "gemma4-unified", "bloom", "mpt",
-                                  "opt-350m", "gemma3n", *NEWEST_DENSE_KINDS, "xglm", "mllama", "ctrl", "openai-gpt"])
+                                  "opt-350m", "gemma3n", *NEWEST_DENSE_KINDS, "xglm", "mllama", "ctrl", "openai-gpt",
+                                  *CHAMELEON_KINDS])
 def test_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, captured_logits, report_logit_diff):
     """7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once, twice: the
     parallel residual (Phi, GPT-NeoX, GPT-J), layers of two head sizes and values from the keys (Gemma 4), layers
@@ -262,7 +263,8 @@ def test_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, ca
     positions (OPT-350m), Doge's key biases cached with the keys, the other dense variants of NEWEST_DENSE_KINDS
     (MiniCPM3's MLA over cached latents, DiffLlama's padded keys and paired values in the cache), sinusoidal
     positions by each token's place in its sequence (XGLM, CTRL), the KV cache of a model whose cross-attention layers
-    are skipped (Mllama), and GPT-2's positions in post-norm layers (OpenAI GPT)."""
+    are skipped (Mllama), GPT-2's positions in post-norm layers (OpenAI GPT), and per-head q/k LayerNorms and
+    post-sublayer norms (Chameleon, its swin_norm)."""
     worst = chunked_prefix_preemption_logit_diff(model_dir(kind), captured_logits, MAX_TOKENS)
     report_logit_diff(f"{kind}, chunked prefill + prefix hits + preemption", worst)
     # Gemma 4 E amplifies fp32 rounding at one position (5e-5 between transformers' own cached and uncached
@@ -592,3 +594,42 @@ def test_dory_checkpoint_layouts_match_hf(layout, model_dir, tmp_path, captured_
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     worst = check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+@pytest.mark.parametrize("kind", CHAMELEON_KINDS)
+def test_chameleon_decode_through_graph_buffers_suppresses_image_tokens_as_hf(kind, model_dir, monkeypatch,
+                                                                              captured_logits):
+    """Chameleon's decode steps replayed from the graph runner's static buffers (EagerGraph, as on CUDA): every
+    sampled row's image tokens (its config's vocabulary_map IMGIMG* entries) hold fp32's minimum, the "<image>"
+    placeholder does not; tokens and logits are transformers' (which suppresses the same ones)."""
+    from cuda_fakes import EagerGraph, capture_eager_graphs
+
+    replays = []
+    monkeypatch.setattr(EagerGraph, "replay", lambda self: replays.append(self) or self.fn())
+    d = model_dir(kind)
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=8) as llm:
+        runner = llm.llm_engine.model_runner
+        if not runner.backend.decode_kernel:
+            pytest.skip("the CPU decode kernel is not built: the PyTorch decode is not graph-safe")
+        capture_eager_graphs(runner)
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert len(replays) == MAX_TOKENS - 1
+    image = list(CHAMELEON_IMAGE_TOKENS)
+    for out in outputs:
+        rows = torch.stack(captured_logits[out.request_id])
+        assert rows[:, image].eq(torch.finfo(torch.float32).min).all()
+        assert rows[:, image[-1] + 1].gt(torch.finfo(torch.float32).min).all()  # "<image>"
+    worst = check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits)
+    assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+@pytest.mark.parametrize("changes, message", [
+    # transformers cannot build the model without it (its image tokens come from it).
+    (dict(vocabulary_map=None), "vocabulary_map=None"),
+    (dict(vocabulary_map={"IMGIMGBAZ": 10, "IMGIMGBBZ": 600}), r"image tokens ids \[600\]"),
+])
+def test_chameleon_settings_the_engine_cannot_run_are_refused_by_name(changes, message, model_dir, tmp_path):
+    d = edited_model(model_dir("chameleon"), tmp_path / "m", **changes)
+    with pytest.raises(ValueError, match=message) as refused:
+        LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
+    assert str(d) in str(refused.value)
