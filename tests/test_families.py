@@ -633,3 +633,30 @@ def test_chameleon_settings_the_engine_cannot_run_are_refused_by_name(changes, m
     with pytest.raises(ValueError, match=message) as refused:
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
     assert str(d) in str(refused.value)
+
+
+def test_chameleon_qk_norm_is_transformers_own_on_the_heads_its_rank_holds():
+    """Chameleon's q/k LayerNorm (a weight and bias per head, [heads, head_dim] in checkpoints) equals transformers'
+    ChameleonLayerNorm bit for bit, in fp32 and bf16, on the heads each of 2 ranks holds: 4 query heads, 2 per rank;
+    one KV head, on both."""
+    from transformers.models.chameleon.modeling_chameleon import ChameleonLayerNorm
+
+    from nanoinfer.models.chameleon import ChameleonQKNorm
+    from nanoinfer.utils.dist import tp_scope
+
+    g = torch.Generator().manual_seed(0)
+    head_dim = 16
+    for total in (4, 1):
+        hf = ChameleonLayerNorm((total, head_dim))
+        hf.weight.data = 1 + 0.3 * torch.randn(total, head_dim, generator=g)
+        hf.bias.data = 0.1 * torch.randn(total, head_dim, generator=g)
+        x = 3 * torch.randn(5, total, head_dim, generator=g)  # [tokens, heads, head_dim]
+        for dtype in (torch.float32, torch.bfloat16):
+            expected = hf.to(dtype)(x.to(dtype))
+            for rank in range(2):
+                with tp_scope(rank, 2, None):
+                    ours = ChameleonQKNorm(total, head_dim).to(dtype)
+                ours.weight_loader(ours.weight, hf.weight.data)
+                ours.weight_loader(ours.bias, hf.bias.data)
+                heads = slice(ours.head_start, ours.head_start + ours.num_heads)
+                assert torch.equal(ours(x[:, heads].to(dtype)), expected[:, heads]), (total, dtype, rank)
