@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 from transformers.utils import ModelOutput
 
-from models import (MAMBA1_KINDS, MAMBA2_HYBRID_KINDS, QWEN3_NEXT_KINDS, SSM_KINDS, XLSTM_KIND, check_bf16_outputs,
-                    hf_greedy, load_hf_model, random_prompts)
+from models import (CHAMELEON_IMAGE_TOKENS, CHAMELEON_KINDS, MAMBA1_KINDS, MAMBA2_HYBRID_KINDS, QWEN3_NEXT_KINDS,
+                    SSM_KINDS, XLSTM_KIND, check_bf16_outputs, hf_greedy, load_hf_model, random_prompts)
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.layers.attention.cpu import attention
 from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, relu2, select_experts, select_experts_topk_softmax
@@ -644,6 +644,24 @@ def test_bf16_matches_transformers_up_to_bf16_rounding(kind, model_dir, captured
                     "does; 5.25, which we follow, neither)")
     with LLM(str(d), device="cpu", dtype="bfloat16", max_model_len=128) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    refs = hf_greedy(load_hf_model(d, torch.bfloat16), PROMPTS, MAX_TOKENS)
+    worst = check_bf16_outputs(outputs, PROMPTS, refs, captured_logits, load_hf_model(d),
+                               load_hf_model(d, torch.bfloat16, attn_implementation="eager"))
+    report_logit_diff(f"{kind}, CPU bf16 (x transformers' own bf16 error)", worst)
+
+
+@pytest.mark.parametrize("kind", CHAMELEON_KINDS)
+def test_chameleon_bf16_matches_transformers_up_to_bf16_rounding(kind, model_dir, captured_logits,
+                                                                  report_logit_diff):
+    """Chameleon in bf16 (its per-head q/k LayerNorms rounded as transformers rounds them): within transformers' own
+    bf16 error of its bf16 logits, the image tokens' logits bf16's minimum as transformers' bf16 wrapper sets them
+    (not fp32's, though the engine's logits are fp32)."""
+    d = model_dir(kind)
+    with LLM(str(d), device="cpu", dtype="bfloat16", max_model_len=128) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for out in outputs:
+        rows = torch.stack(captured_logits[out.request_id])
+        assert rows[:, list(CHAMELEON_IMAGE_TOKENS)].eq(torch.finfo(torch.bfloat16).min).all()
     refs = hf_greedy(load_hf_model(d, torch.bfloat16), PROMPTS, MAX_TOKENS)
     worst = check_bf16_outputs(outputs, PROMPTS, refs, captured_logits, load_hf_model(d),
                                load_hf_model(d, torch.bfloat16, attn_implementation="eager"))
