@@ -2064,6 +2064,14 @@ def _randomize_(model, seed: int) -> None:
                 p.copy_(INIT_STD * torch.randn(p.shape, generator=g))
 
 
+def randomize_correction_biases_(model, seed: int, std: float = 0.3) -> None:
+    """The routers' correction biases (V3's, LFM2-MoE's): buffers, saved with the weights, that _randomize_ misses."""
+    g = torch.Generator().manual_seed(seed)
+    for name, buffer in model.named_buffers():
+        if name.endswith(("e_score_correction_bias", "expert_bias")):
+            buffer.copy_(std * torch.randn(buffer.shape, generator=g))
+
+
 # Text configs that AutoModelForCausalLM does not take (it maps their multimodal wrappers' configs, or, Mistral 4's,
 # only AutoModelForImageTextToText maps it): their class. Chameleon's language model has no class of its own: its
 # wrapper's.
@@ -2205,11 +2213,8 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
     if kind == "youtu":  # transformers' Youtu zeroes the pad token's embedding when it loads a checkpoint: saved so
         with torch.no_grad():
             model.get_input_embeddings().weight[config.pad_token_id] = 0.0
-    g = torch.Generator().manual_seed(_SEEDS[base_kind] + 2)
-    bias_std = LONGCAT_CORRECTION_BIAS_STD if kind == "longcat-flash" else 0.3
-    for name, buffer in model.named_buffers():  # a buffer, saved with the weights: V3's, LFM2-MoE's routing bias
-        if name.endswith(("e_score_correction_bias", "expert_bias")):
-            buffer.copy_(bias_std * torch.randn(buffer.shape, generator=g))
+    randomize_correction_biases_(model, _SEEDS[base_kind] + 2,
+                                 LONGCAT_CORRECTION_BIAS_STD if kind == "longcat-flash" else 0.3)
     if config.tie_word_embeddings:
         assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     model.eval()

@@ -30,13 +30,17 @@ KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl
          "glm4v-moe", "granite4-vision", "hunyuan-vl", "mistral3-mistral4", "molmo2",
          "molmo2-o", "inkling2-loop", "paddleocr-vl", "ernie4.5-vl-moe",
          "fast-vlm", "janus", "perception-lm", "deepseek-vl-hybrid", "video-llama3",
-         "qianfan-ocr", "llava-onevision1.5", "ovis2.5", "fuyu")
+         "qianfan-ocr", "llava-onevision1.5", "ovis2.5", "fuyu",
+         "kimi-k2.5", "granite-docling", "apertus1.5", "hy-v4-vl",
+         "cosmos3-edge")
 # Kinds whose wrapper transformers 5.17 lacks: their transformers family.
 NEWEST_FAMILIES = {"inkling": "inkling", "inkling2": "inkling2", "dots3-note": "dots3_note",
                    "minimax-m3": "minimax_m3_vl", "qwen4-exp": "qwen4_exp",
                    "hyperclovax-vision-v2": "hyperclovax_vision_v2", "lfm3-vl": "lfm3_vl", "molmo2": "molmo2",
                    "molmo2-o": "molmo2",
-                   "inkling2-loop": "inkling2_loop", "llava-onevision1.5": "llava_onevision1_5", "ovis2.5": "ovis2_5"}
+                   "inkling2-loop": "inkling2_loop", "llava-onevision1.5": "llava_onevision1_5", "ovis2.5": "ovis2_5",
+                   "granite-docling": "granite_docling", "apertus1.5": "apertus1p5",
+                   "hy-v4-vl": "hy_v4_vl"}
 # Gemma 4's wrapper kind keeps the seed it was checked with: at the next one (7118) transformers' own fp32 logits
 # stray 3.9e-4 from its fp64 ones along the greedy path, over this file's 1e-4 bar (ours were 2.2e-4 from its fp32).
 # Aria's, Cohere Compass's and Inkling-2's keep theirs, from before other kinds came ahead of them.
@@ -45,6 +49,7 @@ SEEDS = {kind: 7100 + i for i, kind in enumerate(KINDS)} | {"gemma4": 7117, "ari
                                                              "ernie4.5-vl-moe": 7501}
 SEEDS |= {"fast-vlm": 7300, "janus": 7301, "perception-lm": 7302, "deepseek-vl-hybrid": 7303, "video-llama3": 7304,
           "qianfan-ocr": 7305, "llava-onevision1.5": 7306, "ovis2.5": 7307, "fuyu": 7308}
+SEEDS |= {"kimi-k2.5": 7400, "granite-docling": 7401, "apertus1.5": 7402, "hy-v4-vl": 7403, "cosmos3-edge": 7404}
 
 # Tiny vision towers: one layer each; their weights are saved and must be skipped.
 _SIGLIP = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
@@ -295,6 +300,42 @@ def make_vlm_config(kind: str):
         # outer hidden_size in transformers 5.17); the Hub's flat config (see to_hub_layout)
         return t.FuyuConfig(text_config=make_config("persimmon"), hidden_size=64, image_size=28, patch_size=4,
                             image_token_id=IMAGE_TOKEN)
+    if kind == "kimi-k2.5":  # over DeepSeek-V3, untied; its image and video placeholders embedded as id 0; the
+        # Hub's layout (see to_hub_layout)
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=14,
+                      pos_emb_height=4, pos_emb_width=4, pos_emb_time=1)
+        return t.Kimi_K25Config(text_config=make_config("deepseek-v3"), vision_config=vision, projection_hidden_size=16,
+                                tie_word_embeddings=False, **_QWEN_TOKENS)
+    if kind == "granite-docling":  # Granite's text model under its own model_type (the wrapper applies its
+        # logits_scaling), tied; the connector and deepstack mergers in `model.vision_model`, a density router to skip
+        text = {k: v for k, v in make_config("granite").to_dict().items() if k != "model_type"}
+        vision = dict(_SIGLIP, out_hidden_size=64, scale_factor=2, deepstack_visual_indexes=[0])
+        return t.GraniteDoclingConfig(text_config=text, vision_config=vision, density_router_hidden_size=16,
+                                      image_token_id=IMAGE_TOKEN)
+    if kind == "apertus1.5":  # its text model's head pruned to the first 448 ids; image and audio tokenizers (their
+        # codes the last 64 ids, input-only) to skip
+        vision = dict(codebook_size=32, embed_dim=4, latent_channels=4, base_channels=32, channel_multiplier=[1, 1],
+                      num_res_blocks=1, attn_resolutions=[])
+        audio = dict(model_type="wavtokenizer_encoder", codebook_size=32, codebook_dim=8, num_filters=4,
+                     upsampling_ratios=[2], hidden_size=8, num_lstm_layers=1)
+        return t.Apertus1p5Config(text_config=make_config(kind), vision_config=vision, audio_config=audio,
+                                  image_token_id=IMAGE_TOKEN, audio_token_id=VIDEO_TOKEN, image_token_offset=448,
+                                  audio_token_offset=480)
+    if kind == "hy-v4-vl":  # HY-V4's text kind under its own model_type (its latent norms at its rms_norm_eps, 0.1:
+        # at HY-V4's 1e-6 they fail), interleaved mrope over the rope key's 4 frequency pairs; the Hub's `vit.*`
+        text = {k: v for k, v in make_config("hy-v4").to_dict().items() if k != "model_type"}
+        text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [2, 1, 1]}
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
+                      max_image_size=16, out_hidden_size=64)
+        return t.HYV4VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
+                              video_token_id=VIDEO_TOKEN)
+    if kind == "cosmos3-edge":  # its reasoner: Arcee's layers under its own model_type, interleaved mrope; the Hub's
+        # composite layout (transformers saves it), with a generator's tensors (see to_hub_layout)
+        text = {k: v for k, v in make_config("arcee").to_dict().items() if k != "model_type"}
+        text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [2, 3, 3]}
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
+                      num_patches=16)
+        return t.Cosmos3EdgeConfig(text_config=text, vision_config=vision, projector_hidden_size=32, **_QWEN_TOKENS)
     newer = {"exaone4.5": ("exaone4_5", "exaone4", "image_token_id"),
              "minicpm-v4.6": ("minicpmv4_6", "qwen3.5", "image_token_id"),
              "hyperclovax-vision-v2": ("hyperclovax_vision_v2", "hyperclovax", "image_token_id"),
@@ -369,14 +410,19 @@ def to_hub_layout(model_dir, kind: str) -> None:
     which transformers then keeps. Qwen2-VL's config is flat (no text_config), its rope given as "mrope"; so is
     HunyuanOCR's, its rope "xdrope" (NTK alpha) with `xdrope_section` (its `vit.*`, as transformers saves them), and
     PaddleOCR-VL's, its rope "default" with `mrope_section`. Qwen3-VL-MoE's files store every expert's matrix
-    transposed; ERNIE 4.5 VL's hold the vision tower at the top (`vision_model.*`). Fuyu's config is flat too, its
-    rope given as rope_theta and partial_rotary_factor. Where transformers' saving reverses a renaming it does not
-    invert, the Hub's names (which transformers reads): Qianfan-OCR's `language_model.model.layers.*` (saved under
-    `.encoder.layers.`), LLaVA-OneVision-1.5's `model.*` (saved as `model.model.*`; its `visual.*` at the top
-    either way)."""
+    transposed; ERNIE 4.5 VL's hold the vision tower at the top (`vision_model.*`). Fuyu's config is flat too, its rope
+    given as rope_theta and partial_rotary_factor. Where transformers' saving reverses a renaming it does not invert,
+    the Hub's names (which transformers reads): Qianfan-OCR's `language_model.model.layers.*` (saved under
+    `.encoder.layers.`), LLaVA-OneVision-1.5's `model.*` (saved as `model.model.*`; its `visual.*` at the top either
+    way). Kimi-K2.5's language model is at `language_model.model.layers.*`, where transformers' save_pretrained
+    (reversing its vision tower's rename of `blocks` to `layers`) writes `blocks`, and its config names the Hub's
+    remote-code class, KimiK25ForConditionalGeneration. Cosmos3 Edge's hold its generator's tensors too (some of each
+    kind that transformers drops)."""
     config = json.loads((model_dir / "config.json").read_text())
     if kind == "mistral3":
         del config["tie_word_embeddings"]
+    if kind == "kimi-k2.5":
+        config["architectures"] = ["KimiK25ForConditionalGeneration"]
     if kind in ("qwen2-vl", "hunyuan-vl", "paddleocr-vl"):
         text = config.pop("text_config")
         rope = text.pop("rope_parameters")
@@ -397,7 +443,8 @@ def to_hub_layout(model_dir, kind: str) -> None:
     (model_dir / "config.json").write_text(json.dumps(config))
     file = model_dir / "model.safetensors"
     renamed = {"qianfan-ocr": ("language_model.model.encoder.layers.", "language_model.model.layers."),
-               "llava-onevision1.5": ("model.model.", "model.")}
+               "llava-onevision1.5": ("model.model.", "model."),
+               "kimi-k2.5": ("language_model.model.blocks.", "language_model.model.layers.")}
     if kind in renamed:
         old, new = renamed[kind]
         save_file({new + n[len(old):] if n.startswith(old) else n: t for n, t in load_file(file).items()}, file,
@@ -411,6 +458,11 @@ def to_hub_layout(model_dir, kind: str) -> None:
         tensors = {name.removeprefix("model.") if name.startswith("model.vision_model.") else name: tensor
                    for name, tensor in load_file(file).items()}
         save_file(tensors, file, metadata={"format": "pt"})
+    if kind == "cosmos3-edge":
+        generator = ("action_modality_embed", "time_embedder.linear_1.weight", "proj_in.weight", "norm_moe_gen.weight",
+                     "layers.0.input_layernorm_moe_gen.weight", "layers.1.mlp_moe_gen.up_proj.weight",
+                     "layers.2.self_attn.add_q_proj.weight", "layers.2.self_attn.norm_added_k.weight")
+        save_file(load_file(file) | {name: torch.ones(4) for name in generator}, file, metadata={"format": "pt"})
     stubs = {"gemma3n": {"model.vision_tower.timm_model.conv_stem.conv.weight": torch.ones(4, 3, 3, 3),
                          "model.audio_tower.conformer.0.norm.weight": torch.ones(4)},
              "fast-vlm": {"model.vision_tower.timm_model.stem.0.conv_kxk.0.conv.weight": torch.ones(4, 3, 3, 3)},
@@ -436,6 +488,10 @@ def build_vlm(kind: str, model_dir):
         models.randomize_inkling2_(model, SEEDS[kind])
     if kind == "inkling2-loop":
         models.randomize_inkling2_loop_(model, SEEDS[kind])
+    if kind == "hy-v4-vl":
+        models._sharpen_gpt_oss_(model, SEEDS[kind])
+    if kind in ("kimi-k2.5", "hy-v4-vl"):
+        models.randomize_correction_biases_(model, SEEDS[kind])
     model.save_pretrained(str(model_dir))
     to_hub_layout(model_dir, kind)
     return model_dir

@@ -5,7 +5,9 @@ qk_rope_head_dim dims of its heads (its key's LayerNorm at the config's rms_norm
 output gate per element (the Hub's `self_attn.linear_gate`); GLM-4.7-Flash's MoE whose routed experts clamp their
 SwiGLU at `swiglu_limit`; and hyper-connections: each token carries hc_mult residual streams, each sublayer reads a
 sigmoid-weighted sum of them and adds its output to every stream with a weight of its own (HyperConnection), and a
-last weighted sum (HyperHead) goes to the final norm. The streams are per token, so the KV cache is GLM-MoE-DSA's."""
+last weighted sum (HyperHead) goes to the final norm. The streams are per token, so the KV cache is GLM-MoE-DSA's.
+HY-V4-VL's language model (`hy_v4_vl_text`, HYV4VLTextForCausalLM) is this with its latent norms at the config's
+rms_norm_eps (HY-V4's at transformers' default 1e-6); its multimodal rope is the 1-D rope on text."""
 from dataclasses import replace
 
 import torch
@@ -15,9 +17,11 @@ from transformers import PretrainedConfig
 
 from nanoinfer.layers.attention import AttentionMetadata
 from nanoinfer.layers.fused_moe import clamped_silu_and_mul
+from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.models.config_checks import check_each_in, config_source
 from nanoinfer.models.deepseek_v3 import DeepseekV3MoE, mlp_layer_type
-from nanoinfer.models.deepseek_v32 import DeepseekV32DecoderLayer, DSAOptions, check_dsa_config
+from nanoinfer.models.deepseek_v32 import (DeepseekV32Attention, DeepseekV32DecoderLayer, DSAOptions,
+                                           check_dsa_config)
 from nanoinfer.models.glm_moe_dsa import GlmMoeDsaForCausalLM
 from nanoinfer.models.llama import LlamaMLP, LlamaModel, MLPFactory, OptionsFactory, keep_in_fp32_
 
@@ -162,3 +166,24 @@ class HYV4ForCausalLM(GlmMoeDsaForCausalLM):
     def __init__(self, config: PretrainedConfig):
         super().__init__(config)
         self.ignored_weight_prefixes = ("model.mtp_layers.",)  # transformers skips the multi-token-prediction layers
+
+
+class HYV4VLAttention(DeepseekV32Attention):
+    def __init__(self, config: PretrainedConfig, options: DSAOptions):
+        super().__init__(config, options)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps)
+
+
+class HYV4VLDecoderLayer(HYV4DecoderLayer):
+    attention_class = HYV4VLAttention
+
+
+class HYV4VLModel(HyperConnectedModel):
+    decoder_layer = HYV4VLDecoderLayer
+
+
+class HYV4VLTextForCausalLM(HYV4ForCausalLM):
+    model_class = HYV4VLModel
+    # The hyper-connection head as transformers 5.25 saves HY-V4-VL's (and reads it: not HY-V4's name, above).
+    weight_name_substitutions = HYV4ForCausalLM.weight_name_substitutions | {".hc_head.hc_pre.hc_head_": ".hc_head.hc_"}

@@ -191,8 +191,10 @@ _ENCODERS = {
 # where transformers' wrapper takes any text model (AutoModel.from_config), i.e. every causal LM here.
 _ANY_TEXT_FAMILY = None
 _VISION_LANGUAGE = {
+    "Apertus1p5ForConditionalGeneration": {"apertus1p5_text": _MODELS["Apertus1p5TextForCausalLM"]},
     "AriaForConditionalGeneration": {"aria_text": _MODELS["AriaTextForCausalLM"]},
     "CohereCompassForConditionalGeneration": {"cohere_compass_text": _MODELS["CohereCompassForCausalLM"]},
+    "Cosmos3EdgeForConditionalGeneration": {"cosmos3_edge_text": ("arcee", "Cosmos3EdgeTextForCausalLM")},
     "Dots3NoteForConditionalGeneration": {"dots3_note_text": _MODELS["Dots3NoteForCausalLM"]},
     "Emu3ForConditionalGeneration": {"emu3_text_model": _MODELS["Emu3ForCausalLM"]},
     "Ernie4_5_VLMoeForConditionalGeneration": {"ernie4_5_vl_moe_text": ("ernie4_5_moe", "Ernie4_5_VLMoeLanguageModel")},
@@ -203,10 +205,15 @@ _VISION_LANGUAGE = {
     "Glm4vForConditionalGeneration": {"glm4v_text": _MODELS["Glm4ForCausalLM"]},
     "Glm4vMoeForConditionalGeneration": {"glm4v_moe_text": _MODELS["Glm4MoeForCausalLM"]},
     "Granite4VisionForConditionalGeneration": {"granite4_vision_text": _MODELS["GraniteForCausalLM"]},
+    "GraniteDoclingForConditionalGeneration": {"granite_docling_text": _MODELS["GraniteForCausalLM"]},
     # HunyuanOCR's flat config (no text_config) folds the outer model_type into the text config transformers builds.
     "HunYuanVLForConditionalGeneration": dict.fromkeys(("hunyuan_vl_text", "hunyuan_vl"),
                                                        _MODELS["HunYuanDenseV1ForCausalLM"]),
+    "HYV4VLForConditionalGeneration": {"hy_v4_vl_text": ("hy_v4", "HYV4VLTextForCausalLM")},
     "InklingForConditionalGeneration": {"inkling_text": _MODELS["InklingForCausalLM"]},
+    # Kimi-K2.5's and K2.6's Hub configs name their remote code's class; transformers' own is Kimi_K25...
+    **dict.fromkeys(("KimiK25ForConditionalGeneration", "Kimi_K25ForConditionalGeneration"),
+                    {"deepseek_v3": _MODELS["DeepseekV3ForCausalLM"]}),
     "Inkling2ForConditionalGeneration": {"inkling2_text": _MODELS["Inkling2ForCausalLM"]},
     "Inkling2LoopForConditionalGeneration": {"inkling2_loop_text": _MODELS["Inkling2LoopForCausalLM"]},
     "Llama4ForConditionalGeneration": {"llama4_text": _MODELS["Llama4ForCausalLM"]},
@@ -247,9 +254,10 @@ _VISION_LANGUAGE = {
 _ATTENTION_SINKS = {"FlintForCausalLM", "GptOssForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM",
                     "MiMoV2FlashForCausalLM"}
 # Families whose attention only the PyTorch backend runs, with what it is: DeepSeek sparse attention (deepseek_v32.py;
-# dots3 note's indexed layers, HY-V4's), DeepSeek-V4's compressed attention (deepseek_v4.py), MiniMax-M3's block-sparse
-# attention (minimax_m3.py), Qwen4-Exp's QSA (qwen4_exp.py), Kolibri 1.1's indexed attention (kolibri1_1.py), Inkling's,
-# Inkling-2's and Inkling-2-Loop's relative logits (inkling.py, inkling2.py, inkling2_loop.py).
+# dots3 note's indexed layers, HY-V4's and HY-V4-VL's), DeepSeek-V4's compressed attention (deepseek_v4.py),
+# MiniMax-M3's block-sparse attention (minimax_m3.py), Qwen4-Exp's QSA (qwen4_exp.py), Kolibri 1.1's indexed attention
+# (kolibri1_1.py), Inkling's, Inkling-2's and Inkling-2-Loop's relative logits (inkling.py, inkling2.py,
+# inkling2_loop.py).
 _DSA = ("DeepSeek sparse attention", "each query attends to the keys its indexer selects")
 _BLOCK_SPARSE = ("block-sparse attention", "each KV head's queries attend to the key blocks its indexer selects")
 _QSA = ("QSA", "each query attends to the key blocks its indexer selects and to the tokens after the last whole block")
@@ -261,6 +269,7 @@ _PYTORCH_ONLY_ATTENTION = {
     "AXK2ForCausalLM": _DSA, "DeepseekV32ForCausalLM": _DSA, "DeepseekV4ForCausalLM": _COMPRESSED,
     "Dots3NoteForCausalLM": _DSA,
     "Dots3NoteForConditionalGeneration": _DSA, "GlmMoeDsaForCausalLM": _DSA, "HYV4ForCausalLM": _DSA,
+    "HYV4VLForConditionalGeneration": _DSA,
     "Kolibri1_1ForCausalLM": _INDEXED,
     "MiniMaxM3VLForCausalLM": _BLOCK_SPARSE, "MiniMaxM3SparseForConditionalGeneration": _BLOCK_SPARSE,
     "Qwen4ExpForCausalLM": _QSA, "Qwen4ExpForConditionalGeneration": _QSA,

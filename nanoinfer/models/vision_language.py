@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanoinfer.layers.attention import AttentionMetadata
+
 # Where the checkpoints keep the language model. The Hub's Gemma 3, Mistral 3, Llava(-NeXT, -OneVision), InternVL,
 # Aya Vision and Llama 4 files (and what transformers 5's save_pretrained writes for them): `language_model.model.*` and
 # `language_model.lm_head`; Qwen2-VL/2.5-VL's: `model.*` and `lm_head` already; Qwen3-VL/3-VL-MoE/3.5's:
@@ -25,17 +27,19 @@ LANGUAGE_MODEL_NAMES = {"^model.language_model.": "model.", "^language_model.mod
 # 4's audio tower and the projections of both towers into the text (`embed_vision`, `embed_audio`; Gemma 4 unified's
 # patch embedder, which its files name `vision_embedder`), Emu3's image tokenizer (`vqmodel`), Inkling's audio
 # embeddings in its Hub layout (`model.audio`); dots3 note's Hub layout (the language model at `model.*`):
-# `vision_encoder`, `audio_encoder` (its adapter within, or `audio_adapter` beside it); MiniMax-M3's
-# `patch_merge_mlp`; Video-LLaVA's `image_tower` and `video_tower`; DeepSeek-VL's `aligner`; LightOnOCR's
-# `vision_encoder` and `vision_projection`; Ovis2's `visual_embeddings_table`; MiniCPM-V's `merger`; HyperCLOVA X
-# Vision's `vision_projector`; Granite Vision 4's deepstack and spatial Q-Former projectors; HunyuanOCR's `vit` (its
-# tower and projector, at the top or, as transformers' conversion also reads, under `model.`); Molmo 2's Hub layout's
+# `vision_encoder`, `audio_encoder` (its adapter within, or `audio_adapter` beside it); MiniMax-M3's `patch_merge_mlp`;
+# Video-LLaVA's `image_tower` and `video_tower`; DeepSeek-VL's `aligner`; LightOnOCR's `vision_encoder` and
+# `vision_projection`; Ovis2's `visual_embeddings_table`; MiniCPM-V's `merger`; HyperCLOVA X Vision's
+# `vision_projector`; Granite Vision 4's deepstack and spatial Q-Former projectors; HunyuanOCR's `vit` (its tower and
+# projector, at the top or, as transformers' conversion also reads, under `model.`); Molmo 2's Hub layout's
 # `model.vision_backbone` (its ViT, pooling and projector); PaddleOCR-VL's projector (`mlp_AR`); ERNIE 4.5 VL's
-# resampler (`model.resampler_model`); Janus's image-generation embeddings, aligner and head
-# (`model.generation_*`); DeepSeek-VL hybrid's high-resolution tower, neck, projection and alpha
-# (`model.high_res_vision_*`); VideoLLaMA3's `model.projector`; Qianfan-OCR's `mlp1` (its projector in the Hub's
-# layout); Ovis2.5's Hub layout's `visual_tokenizer` and `vte` (its tower and projector, its visual embedding table);
-# Fuyu's patch embedding `vision_embed_tokens`.
+# resampler (`model.resampler_model`); Janus's image-generation embeddings, aligner and head (`model.generation_*`);
+# DeepSeek-VL hybrid's high-resolution tower, neck, projection and alpha (`model.high_res_vision_*`); VideoLLaMA3's and
+# Cosmos3 Edge's `model.projector`; Qianfan-OCR's `mlp1` (its projector in the Hub's layout); Ovis2.5's Hub layout's
+# `visual_tokenizer` and `vte` (its tower and projector, its visual embedding table); Fuyu's patch embedding
+# `vision_embed_tokens`; Kimi-K2.5's `mm_projector` (the Hub's at the top, its pre-norm under `model.` as transformers
+# saves it); Granite Docling's `model.density_router`; Apertus 1.5's image and audio tokenizers
+# (`model.vision_tokenizer`, `model.audio_tokenizer`).
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_newline", "vision_model.", "vqmodel.",
                    "vision_encoder.", "audio_encoder.", "audio_adapter.", "patch_merge_mlp.", "image_tower.",
                    "video_tower.", "model.vision_tower.", "model.multi_modal_projector.", "model.visual.",
@@ -47,18 +51,24 @@ VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_
                    "model.spatial_projectors.", "vit.", "model.vit.",
                    "model.vision_backbone.", "mlp_AR.", "model.resampler_model.",
                    "model.generation_", "model.high_res_vision_", "model.projector.",
-                   "mlp1.", "visual_tokenizer.", "vte.", "vision_embed_tokens.", "model.vision_embed_tokens.")
+                   "mlp1.", "visual_tokenizer.", "vte.", "vision_embed_tokens.", "model.vision_embed_tokens.",
+                   "mm_projector.", "model.mm_projector.", "model.density_router.",
+                   "model.vision_tokenizer.", "model.audio_tokenizer.")
 
 # Wrappers whose logits are the text family's own (logit scale included), beside the families that say so themselves
 # (`wrapper_scales_logits`): Aya Vision's multiplies by its Cohere 2 text model's logit_scale, as vLLM's and
-# transformers 5.25's do (5.23's dropped it); HyperCLOVA X Vision V2's and Granite Vision 4's by their text model's
-# logits_scaling.
+# transformers 5.25's do (5.23's dropped it); HyperCLOVA X Vision V2's, Granite Vision 4's and Granite Docling's by
+# their text model's logits_scaling; Apertus 1.5's are its text model's (a pruned head's, -inf past it).
 WRAPPERS_SCALING_LOGITS = {"AyaVisionForConditionalGeneration", "HyperCLOVAXVisionV2ForConditionalGeneration",
-                           "Granite4VisionForConditionalGeneration"}
+                           "Granite4VisionForConditionalGeneration", "GraniteDoclingForConditionalGeneration",
+                           "Apertus1p5ForConditionalGeneration"}
 
 # The outer config's placeholder ids, copied to the language model's config: Gemma 4's wrapper embeds them as the pad
 # token when no media come with them (see gemma4.py).
 MEDIA_TOKEN_IDS = ("image_token_id", "video_token_id", "audio_token_id")
+# Wrappers that embed the placeholder ids as another id, media or not: Kimi-K2.5's as id 0 (its video placeholder,
+# 163840, is past its vocabulary).
+MEDIA_TOKEN_STAND_INS = dict.fromkeys(("KimiK25ForConditionalGeneration", "Kimi_K25ForConditionalGeneration"), 0)
 
 
 @cache
@@ -68,6 +78,9 @@ def text_only(causal_lm: type[nn.Module], architecture: str) -> type[nn.Module]:
 
     def __init__(self, config: PretrainedConfig) -> None:
         causal_lm.__init__(self, config)
+        if architecture in MEDIA_TOKEN_STAND_INS:  # the placeholder ids that forward embeds as the stand-in
+            self.placeholder_ids = [getattr(config, name) for name in MEDIA_TOKEN_IDS
+                                    if getattr(config, name, None) is not None]
         # Instance attributes: some families set theirs per config (DeepSeek-V3's and GLM-4.5's MTP layers).
         self.weight_name_substitutions = {**LANGUAGE_MODEL_NAMES, **getattr(self, "weight_name_substitutions", {})}
         # Less what the language model loads itself (Gemma 3n's embeddings of media token ids).
@@ -80,7 +93,14 @@ def text_only(causal_lm: type[nn.Module], architecture: str) -> type[nn.Module]:
         softcapping, Cohere's logit_scale, Granite's logits_scaling), except where the family says they do."""
         return self.lm_head(hidden_states)
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
+        for token_id in self.placeholder_ids:
+            input_ids = input_ids.masked_fill(input_ids == token_id, MEDIA_TOKEN_STAND_INS[architecture])
+        return causal_lm.forward(self, input_ids, positions, meta)
+
     namespace = {"__init__": __init__, "__doc__": causal_lm.__doc__}
+    if architecture in MEDIA_TOKEN_STAND_INS:
+        namespace["forward"] = forward
     if not getattr(causal_lm, "wrapper_scales_logits", False) and architecture not in WRAPPERS_SCALING_LOGITS:
         namespace["compute_logits"] = compute_logits
     return type(architecture, (causal_lm,), namespace)
