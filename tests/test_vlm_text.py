@@ -28,28 +28,29 @@ KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl
          "llava-next-video", "video-llava", "lfm2-vl", "cohere2-vision", "idefics2", "got-ocr2", "deepseek-vl",
          "lighton-ocr", "ovis2", "exaone4.5", "minicpm-v4.6", "hyperclovax-vision-v2", "lfm3-vl", "glm4v",
          "glm4v-moe", "granite4-vision", "hunyuan-vl", "mistral3-mistral4", "molmo2",
-         "molmo2-o", "inkling2-loop", "paddleocr-vl", "ernie4.5-vl-moe",
-         "fast-vlm", "janus", "perception-lm", "deepseek-vl-hybrid", "video-llama3",
-         "qianfan-ocr", "llava-onevision1.5", "ovis2.5", "fuyu",
-         "kimi-k2.5", "granite-docling", "apertus1.5", "hy-v4-vl",
-         "cosmos3-edge")
+         "molmo2-o", "inkling2-loop", "paddleocr-vl", "ernie4.5-vl-moe", "fast-vlm", "janus", "perception-lm",
+         "deepseek-vl-hybrid", "video-llama3", "qianfan-ocr", "llava-onevision1.5", "ovis2.5", "fuyu", "kimi-k2.5",
+         "granite-docling", "apertus1.5", "hy-v4-vl", "cosmos3-edge", "deepseek-ocr2", "muse-glimmer", "step3p7",
+         "muse-spark")
 # Kinds whose wrapper transformers 5.17 lacks: their transformers family.
 NEWEST_FAMILIES = {"inkling": "inkling", "inkling2": "inkling2", "dots3-note": "dots3_note",
                    "minimax-m3": "minimax_m3_vl", "qwen4-exp": "qwen4_exp",
                    "hyperclovax-vision-v2": "hyperclovax_vision_v2", "lfm3-vl": "lfm3_vl", "molmo2": "molmo2",
                    "molmo2-o": "molmo2",
                    "inkling2-loop": "inkling2_loop", "llava-onevision1.5": "llava_onevision1_5", "ovis2.5": "ovis2_5",
-                   "granite-docling": "granite_docling", "apertus1.5": "apertus1p5",
-                   "hy-v4-vl": "hy_v4_vl"}
+                   "granite-docling": "granite_docling", "apertus1.5": "apertus1p5", "hy-v4-vl": "hy_v4_vl",
+                   "muse-spark": "muse_spark"}
 # Gemma 4's wrapper kind keeps the seed it was checked with: at the next one (7118) transformers' own fp32 logits
 # stray 3.9e-4 from its fp64 ones along the greedy path, over this file's 1e-4 bar (ours were 2.2e-4 from its fp32).
 # Aria's, Cohere Compass's and Inkling-2's keep theirs, from before other kinds came ahead of them.
 SEEDS = {kind: 7100 + i for i, kind in enumerate(KINDS)} | {"gemma4": 7117, "aria": 7123, "cohere-compass": 7124,
-                                                             "inkling2": 7124, "paddleocr-vl": 7500,
-                                                             "ernie4.5-vl-moe": 7501}
-SEEDS |= {"fast-vlm": 7300, "janus": 7301, "perception-lm": 7302, "deepseek-vl-hybrid": 7303, "video-llama3": 7304,
-          "qianfan-ocr": 7305, "llava-onevision1.5": 7306, "ovis2.5": 7307, "fuyu": 7308}
-SEEDS |= {"kimi-k2.5": 7400, "granite-docling": 7401, "apertus1.5": 7402, "hy-v4-vl": 7403, "cosmos3-edge": 7404}
+                                                             "inkling2": 7124}
+# The kinds from PaddleOCR-VL on have seeds of their own, whatever their place in KINDS.
+SEEDS |= {"paddleocr-vl": 7500, "ernie4.5-vl-moe": 7501, "fast-vlm": 7300, "janus": 7301, "perception-lm": 7302,
+          "deepseek-vl-hybrid": 7303, "video-llama3": 7304, "qianfan-ocr": 7305, "llava-onevision1.5": 7306,
+          "ovis2.5": 7307, "fuyu": 7308, "kimi-k2.5": 7400, "granite-docling": 7401, "apertus1.5": 7402,
+          "hy-v4-vl": 7403, "cosmos3-edge": 7404, "deepseek-ocr2": 7450, "muse-glimmer": 7451, "step3p7": 7452,
+          "muse-spark": 7453}
 
 # Tiny vision towers: one layer each; their weights are saved and must be skipped.
 _SIGLIP = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
@@ -336,6 +337,55 @@ def make_vlm_config(kind: str):
         vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
                       num_patches=16)
         return t.Cosmos3EdgeConfig(text_config=text, vision_config=vision, projector_hidden_size=32, **_QWEN_TOKENS)
+    if kind == "deepseek-ocr2":  # Llama's attention over DeepSeek-V2's MoE (group-limited, scaled) from layer 1; SAM
+        # and Qwen2 encoders, a projector and a view separator to skip (the Hub's names, which save_pretrained writes)
+        text = dict(models._COMMON, num_attention_heads=4, n_routed_experts=8, moe_intermediate_size=32,
+                    n_shared_experts=2, num_experts_per_tok=3, topk_method="group_limited_greedy", n_group=4,
+                    topk_group=2, routed_scaling_factor=1.5, mlp_layer_types=["dense", "sparse", "sparse"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+        sam = dict(hidden_size=16, output_channels=16, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                   patch_size=16, global_attn_indexes=[0], mlp_dim=32, downsample_channels=[16, 16])
+        encoder = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=2)
+        return t.DeepseekOcr2Config(text_config=text, vision_config=dict(sam_config=sam, encoder_config=encoder),
+                                    image_token_id=IMAGE_TOKEN)
+    if kind == "muse-glimmer":  # layers 0 and 1 windowed, layer 2 full without rope; the wrapper's logit multiplier
+        # and softcap (a low one, which bends the logits); a post_norm_eps that shows; image and video ids embedded as 0
+        text = {k: v for k, v in models._COMMON.items() if k != "hidden_act"}
+        text.update(hidden_activation="gelu_pytorch_tanh", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    sliding_window=12, qk_scale_factor=2.5, output_multiplier=0.5, final_logit_softcapping=2.0,
+                    post_norm_eps=0.1, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
+                      pos_emb_height=4, pos_emb_width=4)
+        return t.MuseGlimmerConfig(text_config=text, vision_config=vision, out_hidden_size=64, projector_hidden_size=32,
+                                   image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN)
+    if kind == "muse-spark":  # Muse Glimmer's attention, a dense layer 0, MoE layers 1 and 2 (at a width of their
+        # own), gated residuals; an audio tower too (its placeholder id embedded as 0 as well)
+        text = dict(models._COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=12,
+                    qk_scale_factor=2.5, output_multiplier=0.5, final_logit_softcapping=2.0, post_norm_eps=0.1,
+                    num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_hidden_size=48,
+                    routed_scaling_factor=1.5, mlp_layer_types=["dense", "sparse", "sparse"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
+                      pos_emb_height=4, pos_emb_width=4)
+        audio = dict(patch_sizes=[2], hidden_sizes=[16], depths=[1], num_hidden_layers=1, out_hidden_size=64)
+        return t.MuseSparkConfig(text_config=text, vision_config=vision, audio_config=audio, out_hidden_size=64,
+                                 projector_hidden_size=32, image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
+                                 audio_token_id=VISION_START)
+    if kind == "step3p7":  # Step-3.5's text model: sliding layers 0 and 2 with 2 query heads of their own and a full
+        # rope, a full layer 1 with half rope of another base; experts from layer 1 (the routed ones clamped on layer
+        # 2, the shared one and the dense MLP on 0 and 2), scaled; the Hub's layout (save_pretrained writes it) and a
+        # multi-token-prediction layer after the last (see to_hub_layout)
+        text = dict(models._COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    num_sliding_attention_heads=2, sliding_window=12,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    rope_theta=[10_000.0, 50_000.0, 10_000.0], partial_rotary_factors=[1.0, 0.5, 1.0],
+                    query_pre_attn_scalar=20, mlp_layer_types=["dense", "sparse", "sparse"], n_routed_experts=8,
+                    num_experts_per_tok=2, moe_intermediate_size=32, share_expert_dim=48, swiglu_limits=[0, 0, 0.5],
+                    swiglu_limits_shared=[0.5, 0, 0.5], moe_router_scaling_factor=1.5, num_nextn_predict_layers=1)
+        vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14,
+                      mlp_ratio=2.0, max_position_embeddings=4)
+        return t.Step3p7Config(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN)
     newer = {"exaone4.5": ("exaone4_5", "exaone4", "image_token_id"),
              "minicpm-v4.6": ("minicpmv4_6", "qwen3.5", "image_token_id"),
              "hyperclovax-vision-v2": ("hyperclovax_vision_v2", "hyperclovax", "image_token_id"),
@@ -417,7 +467,7 @@ def to_hub_layout(model_dir, kind: str) -> None:
     way). Kimi-K2.5's language model is at `language_model.model.layers.*`, where transformers' save_pretrained
     (reversing its vision tower's rename of `blocks` to `layers`) writes `blocks`, and its config names the Hub's
     remote-code class, KimiK25ForConditionalGeneration. Cosmos3 Edge's hold its generator's tensors too (some of each
-    kind that transformers drops)."""
+    kind that transformers drops). Step 3.7's hold multi-token-prediction layers after the last one."""
     config = json.loads((model_dir / "config.json").read_text())
     if kind == "mistral3":
         del config["tie_word_embeddings"]
@@ -458,6 +508,9 @@ def to_hub_layout(model_dir, kind: str) -> None:
         tensors = {name.removeprefix("model.") if name.startswith("model.vision_model.") else name: tensor
                    for name, tensor in load_file(file).items()}
         save_file(tensors, file, metadata={"format": "pt"})
+    if kind == "step3p7":  # a tensor of its multi-token-prediction layer, which transformers does not load
+        save_file(load_file(file) | {"model.layers.3.eh_proj.weight": torch.ones(64, 128)}, file,
+                  metadata={"format": "pt"})
     if kind == "cosmos3-edge":
         generator = ("action_modality_embed", "time_embedder.linear_1.weight", "proj_in.weight", "norm_moe_gen.weight",
                      "layers.0.input_layernorm_moe_gen.weight", "layers.1.mlp_moe_gen.up_proj.weight",
@@ -492,6 +545,8 @@ def build_vlm(kind: str, model_dir):
         models._sharpen_gpt_oss_(model, SEEDS[kind])
     if kind in ("kimi-k2.5", "hy-v4-vl"):
         models.randomize_correction_biases_(model, SEEDS[kind])
+    if kind in ("step3p7", "muse-spark"):
+        models.randomize_correction_biases_(model, SEEDS[kind] + 2)
     model.save_pretrained(str(model_dir))
     to_hub_layout(model_dir, kind)
     return model_dir
@@ -619,6 +674,23 @@ def test_tied_config_keeps_the_checkpoints_own_head(vlm_dir, tmp_path, captured_
     (tmp_path / "model.safetensors").write_bytes((vlm_dir("ovis2.5") / "model.safetensors").read_bytes())
     worst = run(tmp_path, captured_logits)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
+
+
+@pytest.mark.parametrize("kind, field, value, message", [
+    ("muse-glimmer", "layer_rope_theta", [10_000.0, 500_000.0, 0], r"layer_rope_theta\[1\]=500000.0 in .* is not"),
+    ("deepseek-ocr2", "mlp_layer_types", None, r"mlp_layer_types=None in .* is not supported"),
+    ("step3p7", "gating", "per-token", r"gating='per-token' in .* is not supported")])
+def test_language_model_setting_not_run_is_refused(kind, field, value, message, vlm_dir, tmp_path):
+    """A text config setting the language model would not run as transformers does is refused by name: Muse
+    Glimmer's `layer_rope_theta` entry of another base (transformers turns every rope layer by rope_theta), DeepSeek-OCR
+    2's missing `mlp_layer_types` (transformers' config has no default), Step 3.7's `gating` of another kind
+    (transformers gates per element on anything but True and "per-head")."""
+    config = json.loads((vlm_dir(kind) / "config.json").read_text())
+    config["text_config"][field] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes((vlm_dir(kind) / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=64)
 
 
 def test_unsupported_language_model_is_refused(vlm_dir, tmp_path):

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanoinfer.layers.fused_moe import select_experts_sigmoid_biased
+from nanoinfer.layers.fused_moe import GatedActivation, select_experts_sigmoid_biased, silu_and_mul
 from nanoinfer.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2MoE, check_moe_config
 from nanoinfer.models.llama import AttentionOptions, LlamaMLP
 
@@ -35,13 +35,15 @@ class UngroupedSigmoidMoE(DeepseekV3MoE):
     """AFMoE's, Laguna's, HY3's and Flint's MoE (Kolibri-1's chooses otherwise): V3's routing without a group limit
     (one group), the correction bias where the class has one (Flint's has none), renormalized unless told not to
     (`norm_topk_prob`), times the family's `scaling` (Laguna's scales the routed output instead); the router logits
-    first softcapped to cap * tanh(logit / cap) where logit_softcap > 0 (Laguna)."""
+    first softcapped to cap * tanh(logit / cap) where logit_softcap > 0 (Laguna); `activation`: the routed experts'
+    (Step-3.5's clamps)."""
 
     sorted_topk = True  # HY3's unsorted
 
     def __init__(self, config: PretrainedConfig, num_experts: int, shared_intermediate_size: int,
-                 scaling: float = 1.0, logit_softcap: float = 0.0, renormalize: bool = True):
-        super().__init__(config, num_experts, shared_intermediate_size)
+                 scaling: float = 1.0, logit_softcap: float = 0.0, renormalize: bool = True,
+                 activation: GatedActivation = silu_and_mul):
+        super().__init__(config, num_experts, shared_intermediate_size, activation)
         self.scaling, self.logit_softcap, self.renormalize = scaling, logit_softcap, renormalize
 
     def configure_routing(self, config: PretrainedConfig) -> None:
@@ -75,9 +77,9 @@ def mlp_layer_type(config: PretrainedConfig, layer_idx: int) -> str:
 
 
 def mlp_by_layer_type(config: PretrainedConfig, layer_idx: int,
-                      moe_class: type[DeepseekV3MoE] = DeepseekV3MoE) -> nn.Module:
-    """GLM-4.7-Flash's and EXAONE-MoE's rule: each MLP dense or DeepSeek-V3's MoE (`moe_class`) as `mlp_layer_types`
-    says."""
+                      moe_class: type[DeepseekV2MoE] = DeepseekV3MoE) -> nn.Module:
+    """GLM-4.7-Flash's and EXAONE-MoE's rule: each MLP dense or DeepSeek-V3's MoE (`moe_class`; DeepSeek-OCR 2's:
+    V2's) as `mlp_layer_types` says."""
     return moe_class(config) if mlp_layer_type(config, layer_idx) == "sparse" else LlamaMLP(config)
 
 

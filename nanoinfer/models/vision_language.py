@@ -39,7 +39,10 @@ LANGUAGE_MODEL_NAMES = {"^model.language_model.": "model.", "^language_model.mod
 # `visual_tokenizer` and `vte` (its tower and projector, its visual embedding table); Fuyu's patch embedding
 # `vision_embed_tokens`; Kimi-K2.5's `mm_projector` (the Hub's at the top, its pre-norm under `model.` as transformers
 # saves it); Granite Docling's `model.density_router`; Apertus 1.5's image and audio tokenizers
-# (`model.vision_tokenizer`, `model.audio_tokenizer`).
+# (`model.vision_tokenizer`, `model.audio_tokenizer`); DeepSeek-OCR 2's Hub layout's SAM and Qwen2 encoders
+# (`model.sam_model`, `model.qwen2_model`), `model.projector` and `model.view_seperator` (transformers' in-memory
+# `model.view_separator`); Muse Glimmer's `model.vision_adapter` (before `model.vision_projection`); Step 3.7's Hub
+# layout's `vit_large_projector` (its `vision_model` at the top too).
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_newline", "vision_model.", "vqmodel.",
                    "vision_encoder.", "audio_encoder.", "audio_adapter.", "patch_merge_mlp.", "image_tower.",
                    "video_tower.", "model.vision_tower.", "model.multi_modal_projector.", "model.visual.",
@@ -53,7 +56,8 @@ VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_
                    "model.generation_", "model.high_res_vision_", "model.projector.",
                    "mlp1.", "visual_tokenizer.", "vte.", "vision_embed_tokens.", "model.vision_embed_tokens.",
                    "mm_projector.", "model.mm_projector.", "model.density_router.",
-                   "model.vision_tokenizer.", "model.audio_tokenizer.")
+                   "model.vision_tokenizer.", "model.audio_tokenizer.", "model.sam_model.", "model.qwen2_model.",
+                   "model.view_seperator", "model.view_separator", "model.vision_adapter.", "vit_large_projector.")
 
 # Wrappers whose logits are the text family's own (logit scale included), beside the families that say so themselves
 # (`wrapper_scales_logits`): Aya Vision's multiplies by its Cohere 2 text model's logit_scale, as vLLM's and
@@ -64,11 +68,12 @@ WRAPPERS_SCALING_LOGITS = {"AyaVisionForConditionalGeneration", "HyperCLOVAXVisi
                            "Apertus1p5ForConditionalGeneration"}
 
 # The outer config's placeholder ids, copied to the language model's config: Gemma 4's wrapper embeds them as the pad
-# token when no media come with them (see gemma4.py).
+# token when no media come with them (see gemma4.py), Muse Glimmer's and Muse Spark's as id 0 (muse_glimmer.py).
 MEDIA_TOKEN_IDS = ("image_token_id", "video_token_id", "audio_token_id")
-# Wrappers that embed the placeholder ids as another id, media or not: Kimi-K2.5's as id 0 (its video placeholder,
-# 163840, is past its vocabulary).
-MEDIA_TOKEN_STAND_INS = dict.fromkeys(("KimiK25ForConditionalGeneration", "Kimi_K25ForConditionalGeneration"), 0)
+# Wrappers that embed the placeholder ids as another id where no media come with them: Kimi-K2.5's, Muse Glimmer's and
+# Muse Spark's as id 0 (Kimi-K2.5's video placeholder, 163840, is past its vocabulary).
+MEDIA_TOKEN_STAND_INS = dict.fromkeys(("KimiK25ForConditionalGeneration", "Kimi_K25ForConditionalGeneration",
+                                       "MuseGlimmerForConditionalGeneration", "MuseSparkForConditionalGeneration"), 0)
 
 
 @cache
