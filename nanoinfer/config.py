@@ -376,7 +376,7 @@ def language_model_config(config: PretrainedConfig, model_dir: Path) -> Pretrain
     text.architectures = config.architectures
     # transformers 5 ties the LM head as the outer config says (Qwen2-VL's text config has no such field; Mistral 3's
     # outer one defaults to True; Mllama's has none: untied), but not where the checkpoint holds a head of its own
-    # (under any of the wrappers' names for it: Ovis2.5's `llm.lm_head`).
+    # (under any of the wrappers' names for it: Ovis2.5's `llm.lm_head`, the Qwen Omni thinkers' `thinker.lm_head`).
     heads = {"lm_head.weight"} | {old[1:] + "weight" for old, new in LANGUAGE_MODEL_NAMES.items() if new == "lm_head."}
     text.tie_word_embeddings = getattr(config, "tie_word_embeddings", False) and not any(
         name in heads for name, _ in iter_safetensors(model_dir))

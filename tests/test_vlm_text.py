@@ -31,7 +31,8 @@ KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl
          "molmo2-o", "inkling2-loop", "paddleocr-vl", "ernie4.5-vl-moe", "fast-vlm", "janus", "perception-lm",
          "deepseek-vl-hybrid", "video-llama3", "qianfan-ocr", "llava-onevision1.5", "ovis2.5", "fuyu", "kimi-k2.5",
          "granite-docling", "apertus1.5", "hy-v4-vl", "cosmos3-edge", "deepseek-ocr2", "muse-glimmer", "step3p7",
-         "muse-spark")
+         "muse-spark", "glm46v", "glmga", "minicpm-v4.7", "minicpm-ocr", "glm-ocr",
+         "qwen2.5-omni-thinker", "qwen3-omni-moe-thinker", "nemotron-h-omni", "cosmos3-omni")
 # Kinds whose wrapper transformers 5.17 lacks: their transformers family.
 NEWEST_FAMILIES = {"inkling": "inkling", "inkling2": "inkling2", "dots3-note": "dots3_note",
                    "minimax-m3": "minimax_m3_vl", "qwen4-exp": "qwen4_exp",
@@ -39,7 +40,8 @@ NEWEST_FAMILIES = {"inkling": "inkling", "inkling2": "inkling2", "dots3-note": "
                    "molmo2-o": "molmo2",
                    "inkling2-loop": "inkling2_loop", "llava-onevision1.5": "llava_onevision1_5", "ovis2.5": "ovis2_5",
                    "granite-docling": "granite_docling", "apertus1.5": "apertus1p5", "hy-v4-vl": "hy_v4_vl",
-                   "muse-spark": "muse_spark"}
+                   "muse-spark": "muse_spark", "minicpm-v4.7": "minicpmv4_7",
+                   "minicpm-ocr": "minicpm_ocr", "nemotron-h-omni": "nemotron_h_omni"}
 # Gemma 4's wrapper kind keeps the seed it was checked with: at the next one (7118) transformers' own fp32 logits
 # stray 3.9e-4 from its fp64 ones along the greedy path, over this file's 1e-4 bar (ours were 2.2e-4 from its fp32).
 # Aria's, Cohere Compass's and Inkling-2's keep theirs, from before other kinds came ahead of them.
@@ -50,7 +52,9 @@ SEEDS |= {"paddleocr-vl": 7500, "ernie4.5-vl-moe": 7501, "fast-vlm": 7300, "janu
           "deepseek-vl-hybrid": 7303, "video-llama3": 7304, "qianfan-ocr": 7305, "llava-onevision1.5": 7306,
           "ovis2.5": 7307, "fuyu": 7308, "kimi-k2.5": 7400, "granite-docling": 7401, "apertus1.5": 7402,
           "hy-v4-vl": 7403, "cosmos3-edge": 7404, "deepseek-ocr2": 7450, "muse-glimmer": 7451, "step3p7": 7452,
-          "muse-spark": 7453}
+          "muse-spark": 7453, "glm46v": 7350, "glmga": 7351,
+          "minicpm-v4.7": 7352, "minicpm-ocr": 7353, "glm-ocr": 7354, "qwen2.5-omni-thinker": 7355,
+          "qwen3-omni-moe-thinker": 7356, "nemotron-h-omni": 7357, "cosmos3-omni": 7358}
 
 # Tiny vision towers: one layer each; their weights are saved and must be skipped.
 _SIGLIP = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
@@ -198,17 +202,35 @@ def make_vlm_config(kind: str):
         vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                       image_size=28, patch_size=14, vocab_size=16)
         return t.Ovis2Config(text_config=make_config("qwen2"), vision_config=vision, image_token_id=IMAGE_TOKEN)
-    if kind in ("glm4v", "glm4v-moe"):  # GLM-4.1V / 4.5V: GLM-4's and GLM-4.5's layers with interleaved mrope
-        text = make_config("glm4" if kind == "glm4v" else "glm4-moe").to_dict()
-        for name in ("model_type", "head_dim", "use_qk_norm"):  # theirs: heads of hidden / heads, no q/k norms
+    if kind in ("glm4v", "glm4v-moe", "glm46v", "glmga"):  # GLM-4.1V / 4.5V: GLM-4's and GLM-4.5's layers with
+        # interleaved mrope; GLM-4.6V's wrapper over each (glmga: its other model_type)
+        moe = kind in ("glm4v-moe", "glmga")
+        text = make_config("glm4-moe" if moe else "glm4").to_dict()
+        for name in ("head_dim", "use_qk_norm"):  # theirs: heads of hidden / heads, no q/k norms
             text.pop(name, None)
+        text["model_type"] = "glm4v_moe_text" if moe else "glm4v_text"
+        if kind == "glm46v":  # which glm4v_text ignores: q/k/v biases all the same
+            text["attention_bias"] = False
         text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [2, 1, 1]}
         vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
                       spatial_merge_size=2)
-        config_class = t.Glm4vConfig if kind == "glm4v" else t.Glm4vMoeConfig
+        config_class = {"glm4v": t.Glm4vConfig, "glm4v-moe": t.Glm4vMoeConfig, "glm46v": t.Glm46VConfig,
+                        "glmga": t.GlmgaConfig}[kind]
         return config_class(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
                             video_token_id=VIDEO_TOKEN, image_start_token_id=VISION_START,
                             image_end_token_id=VISION_END)
+    if kind == "glm-ocr":  # GLM-OCR: GLM-4's layers without biases (the Hub's attention_bias says so, transformers
+        # ignores it: True here), heads `head_dim` wide (not hidden / heads), rope over the whole head; an MTP layer
+        # after the last (see to_hub_layout)
+        text = {k: v for k, v in make_config("glm4").to_dict().items() if k not in ("model_type", "use_qk_norm")}
+        text.update(attention_bias=True, num_nextn_predict_layers=1,
+                    rope_parameters={**text["rope_parameters"], "partial_rotary_factor": 1.0,
+                                     "mrope_section": [6, 5, 5]})
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+                      spatial_merge_size=2)
+        return t.GlmOcrConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
+                              video_token_id=VIDEO_TOKEN, image_start_token_id=VISION_START,
+                              image_end_token_id=VISION_END)
     if kind == "granite4-vision":  # Granite Vision 4.1: Granite's text model under its own model_type (the wrapper
         # applies its logits_scaling); deepstack and spatial Q-Former projectors (a head per 64 vision dims) to skip
         text = {k: v for k, v in make_config("granite").to_dict().items() if k != "model_type"}
@@ -386,10 +408,24 @@ def make_vlm_config(kind: str):
         vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14,
                       mlp_ratio=2.0, max_position_embeddings=4)
         return t.Step3p7Config(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN)
+    if kind == "nemotron-h-omni":  # Nemotron 3 Nano Omni over the tiny NemotronH (every block type); a RADIO vision
+        # tower, a Parakeet audio encoder; an MTP layer, so a vision final norm too (see to_hub_layout); saved in the
+        # Hub's layout
+        text = dict(make_config("nemotron-h").to_dict(), num_nextn_predict_layers=1)
+        vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, patch_size=4, image_size=16,
+                      max_img_size=32, num_cls_tokens=1, num_registers=1, video_temporal_patch_size=2)
+        audio = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     projection_hidden_size=16, projection_bias=False, num_mel_bins=8)
+        return t.NemotronH_Omni_Reasoning_V3_Config(text_config=text, vision_config=vision, audio_config=audio,
+                                                    projector_hidden_size=32, vision_hidden_size=16,
+                                                    image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
+                                                    audio_token_id=VISION_START)
     newer = {"exaone4.5": ("exaone4_5", "exaone4", "image_token_id"),
              "minicpm-v4.6": ("minicpmv4_6", "qwen3.5", "image_token_id"),
              "hyperclovax-vision-v2": ("hyperclovax_vision_v2", "hyperclovax", "image_token_id"),
-             "lfm3-vl": ("lfm3_vl", "lfm3", "image_token_id")}
+             "lfm3-vl": ("lfm3_vl", "lfm3", "image_token_id"),
+             "minicpm-v4.7": ("minicpmv4_7", "qwen3.5", "image_token_id"),
+             "minicpm-ocr": ("minicpm_ocr", "qwen3.5", "image_token_id")}
     if kind in newer:  # wrappers of recent transformers, their vision side shrunk to small layers
         model_type, text, image_token = newer[kind]
         config = t.AutoConfig.for_model(model_type, text_config=make_config(text).to_dict(),
@@ -411,15 +447,36 @@ def make_vlm_config(kind: str):
         text = qwen_text_config(t.Qwen2_5_VLTextConfig, {"mrope_section": [2, 3, 3]})
         vision = dict(_QWEN_VISION, fullatt_block_indexes=[0], window_size=16)
         return t.Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **_QWEN_TOKENS)
+    omni_audio = dict(num_mel_bins=8, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, d_model=16,
+                      output_dim=64)
+    omni_tokens = dict(audio_token_id=VISION_END + 1, audio_start_token_id=VISION_START)
+    if kind == "qwen2.5-omni-thinker":  # Qwen2.5-VL's text model (windowed from layer 1), an audio tower too
+        text = qwen_text_config(t.Qwen2_5OmniTextConfig, {"mrope_section": [2, 3, 3]}, use_sliding_window=True,
+                                sliding_window=12, max_window_layers=1)
+        vision = dict(_QWEN_VISION, fullatt_block_indexes=[0], window_size=16)
+        return t.Qwen2_5OmniThinkerConfig(text_config=text, vision_config=vision, audio_config=omni_audio,
+                                          image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, **omni_tokens)
     interleaved = {"mrope_section": [6, 5, 5], "mrope_interleaved": True}
     vision = dict(_QWEN3_VISION, deepstack_visual_indexes=[0])
     if kind == "qwen3-vl":  # tied
         text = qwen_text_config(t.Qwen3VLTextConfig, interleaved, head_dim=32)
         return t.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **_QWEN_TOKENS)
+    if kind == "cosmos3-omni":  # Cosmos3's reasoner: Qwen3-VL's wrapper, its layout at the top (see to_hub_layout)
+        text = qwen_text_config(t.Qwen3VLTextConfig, interleaved, head_dim=32)
+        return t.Cosmos3OmniConfig(text_config=text, vision_config=vision, **_QWEN_TOKENS)
     if kind == "qwen3-vl-moe":  # 2 of 8 experts on layers 0 and 2, layer 1 dense; experts 48 wide (2 x 48 != 64)
         text = qwen_text_config(t.Qwen3VLMoeTextConfig, interleaved, head_dim=32, num_experts=8,
                                 num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=[1])
         return t.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **_QWEN_TOKENS)
+    if kind == "qwen3-omni-moe-thinker":  # Qwen3-MoE's layers as Qwen3-VL-MoE's, its router as its config says
+        # (not renormalized here), the experts one by one; an audio tower; the whole Omni model's layout (see
+        # to_hub_layout)
+        text = qwen_text_config(t.Qwen3OmniMoeTextConfig, interleaved, head_dim=32, num_experts=8,
+                                num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=[1],
+                                norm_topk_prob=False)
+        return t.Qwen3OmniMoeThinkerConfig(text_config=text, vision_config=vision,
+                                           audio_config=dict(omni_audio, downsample_hidden_size=8),
+                                           image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, **omni_tokens)
     text = make_config(kind)  # Qwen3.5's partial rope (8 of 32 dims) as its checkpoints give it: interleaved mrope
     text.rope_parameters.update(mrope_section=[2, 1, 1], mrope_interleaved=True)
     # Qwen4-Exp's: Qwen3.5-MoE's wrapper (the hub layout, `model.language_model.*`), its n-gram tables in 2 parts.
@@ -457,22 +514,25 @@ def towers_stubbed():
 def to_hub_layout(model_dir, kind: str) -> None:
     """What transformers 5 saves, changed to the Hub checkpoints' layout where it differs. Mistral Small 3.1's config
     leaves tie_word_embeddings to its default (True in transformers 5) while the checkpoint holds its own head,
-    which transformers then keeps. Qwen2-VL's config is flat (no text_config), its rope given as "mrope"; so is
-    HunyuanOCR's, its rope "xdrope" (NTK alpha) with `xdrope_section` (its `vit.*`, as transformers saves them), and
-    PaddleOCR-VL's, its rope "default" with `mrope_section`. Qwen3-VL-MoE's files store every expert's matrix
-    transposed; ERNIE 4.5 VL's hold the vision tower at the top (`vision_model.*`). Fuyu's config is flat too, its rope
-    given as rope_theta and partial_rotary_factor. Where transformers' saving reverses a renaming it does not invert,
-    the Hub's names (which transformers reads): Qianfan-OCR's `language_model.model.layers.*` (saved under
-    `.encoder.layers.`), LLaVA-OneVision-1.5's `model.*` (saved as `model.model.*`; its `visual.*` at the top either
-    way). Kimi-K2.5's language model is at `language_model.model.layers.*`, where transformers' save_pretrained
-    (reversing its vision tower's rename of `blocks` to `layers`) writes `blocks`, and its config names the Hub's
-    remote-code class, KimiK25ForConditionalGeneration. Cosmos3 Edge's hold its generator's tensors too (some of each
-    kind that transformers drops). Step 3.7's hold multi-token-prediction layers after the last one."""
+    which transformers then keeps (so does a Qwen3-Omni thinker's here, its head under `thinker.`). Qwen2-VL's config is
+    flat (no text_config), its rope given as "mrope"; so is HunyuanOCR's, its rope "xdrope" (NTK alpha) with
+    `xdrope_section` (its `vit.*`, as transformers saves them), and PaddleOCR-VL's, its rope "default" with
+    `mrope_section`. Qwen3-VL-MoE's files store every expert's matrix transposed; ERNIE 4.5 VL's hold the vision tower
+    at the top (`vision_model.*`). Fuyu's config is flat too, its rope given as rope_theta and partial_rotary_factor.
+    Where transformers' saving reverses a renaming it does not invert, the Hub's names (which transformers reads):
+    Qianfan-OCR's `language_model.model.layers.*` (saved under `.encoder.layers.`), LLaVA-OneVision-1.5's `model.*`
+    (saved as `model.model.*`; its `visual.*` at the top either way). Kimi-K2.5's language model is at
+    `language_model.model.layers.*`, where transformers' save_pretrained (reversing its vision tower's rename of
+    `blocks` to `layers`) writes `blocks`, and its config names the Hub's remote-code class,
+    KimiK25ForConditionalGeneration. Cosmos3 Edge's hold its generator's tensors too (some of each kind that
+    transformers drops). Step 3.7's hold multi-token-prediction layers after the last one."""
     config = json.loads((model_dir / "config.json").read_text())
     if kind == "mistral3":
         del config["tie_word_embeddings"]
     if kind == "kimi-k2.5":
         config["architectures"] = ["KimiK25ForConditionalGeneration"]
+    if kind == "qwen3-omni-moe-thinker":
+        config["tie_word_embeddings"] = True
     if kind in ("qwen2-vl", "hunyuan-vl", "paddleocr-vl"):
         text = config.pop("text_config")
         rope = text.pop("rope_parameters")
@@ -508,6 +568,29 @@ def to_hub_layout(model_dir, kind: str) -> None:
         tensors = {name.removeprefix("model.") if name.startswith("model.vision_model.") else name: tensor
                    for name, tensor in load_file(file).items()}
         save_file(tensors, file, metadata={"format": "pt"})
+    if kind == "glm-ocr":  # its MTP layer, after the last (the Hub's layer 16), which transformers skips
+        tensors = load_file(file)
+        layer = "model.language_model.layers."
+        tensors |= {name.replace(f"{layer}0.", f"{layer}3."): tensor.clone() for name, tensor in tensors.items()
+                    if name.startswith(f"{layer}0.")} | {f"{layer}3.eh_proj.weight": torch.ones(64, 128)}
+        save_file(tensors, file, metadata={"format": "pt"})
+    if kind == "qwen3-omni-moe-thinker":  # as the whole Qwen3-Omni model's files: the thinker's under `thinker.`, the
+        # talker and code2wav beside it
+        tensors = {f"thinker.{name}": tensor for name, tensor in load_file(file).items()}
+        tensors |= {"talker.model.norm.weight": torch.ones(4), "code2wav.pre_transformer.norm.weight": torch.ones(4)}
+        save_file(tensors, file, metadata={"format": "pt"})
+    if kind == "nemotron-h-omni":  # its language model's MTP layer, which transformers skips
+        tensors = load_file(file) | {"language_model.mtp.layers.0.eh_proj.weight": torch.ones(64, 128),
+                                     "language_model.mtp.layers.0.mixer.o_proj.weight": torch.ones(64, 64)}
+        save_file(tensors, file, metadata={"format": "pt"})
+    if kind == "cosmos3-omni":  # transformers writes the unified checkpoints' layout (`layers.*`, `to_q`, `blocks.*`):
+        # they hold the generator and the sound and action towers too, which transformers drops
+        generator = ("layers.0.self_attn.q_proj_moe_gen.weight", "layers.1.mlp_moe_gen.gate_proj.weight",
+                     "layers.0.input_layernorm_moe_gen.weight", "layers.2.self_attn.add_k_proj.weight",
+                     "layers.2.self_attn.to_add_out.weight", "layers.2.self_attn.norm_added_q.weight",
+                     "proj_in.weight", "proj_out.bias", "time_embedder.linear_1.weight", "audio_proj_in.weight",
+                     "audio_modality_embed", "action_proj_out.weight", "action_modality_embed")
+        save_file(load_file(file) | {name: torch.ones(4) for name in generator}, file, metadata={"format": "pt"})
     if kind == "step3p7":  # a tensor of its multi-token-prediction layer, which transformers does not load
         save_file(load_file(file) | {"model.layers.3.eh_proj.weight": torch.ones(64, 128)}, file,
                   metadata={"format": "pt"})
@@ -679,12 +762,14 @@ def test_tied_config_keeps_the_checkpoints_own_head(vlm_dir, tmp_path, captured_
 @pytest.mark.parametrize("kind, field, value, message", [
     ("muse-glimmer", "layer_rope_theta", [10_000.0, 500_000.0, 0], r"layer_rope_theta\[1\]=500000.0 in .* is not"),
     ("deepseek-ocr2", "mlp_layer_types", None, r"mlp_layer_types=None in .* is not supported"),
-    ("step3p7", "gating", "per-token", r"gating='per-token' in .* is not supported")])
+    ("step3p7", "gating", "per-token", r"gating='per-token' in .* is not supported"),
+    ("qwen3-omni-moe-thinker", "sliding_window", 12, r"sliding_window=12 in .* is not supported")])
 def test_language_model_setting_not_run_is_refused(kind, field, value, message, vlm_dir, tmp_path):
     """A text config setting the language model would not run as transformers does is refused by name: Muse
     Glimmer's `layer_rope_theta` entry of another base (transformers turns every rope layer by rope_theta), DeepSeek-OCR
     2's missing `mlp_layer_types` (transformers' config has no default), Step 3.7's `gating` of another kind
-    (transformers gates per element on anything but True and "per-head")."""
+    (transformers gates per element on anything but True and "per-head"), a Qwen3-Omni thinker's `sliding_window`
+    (transformers' attends to every position in prefill but keeps only the window in its decode cache)."""
     config = json.loads((vlm_dir(kind) / "config.json").read_text())
     config["text_config"][field] = value
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -5,6 +5,9 @@ from transformers import PretrainedConfig
 
 from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM
 
+# transformers' GLM-4.1V text attention always has q/k/v biases and GLM-OCR's never, whatever attention_bias says.
+_QKV_BIAS = {"glm4v_text": True, "glm_ocr_text": False}
+
 
 class GlmForCausalLM(LlamaForCausalLM):
     # q/k/v arrive apart and pack into qkv_proj; the fused gate_up_proj loads whole (its weight_loader takes this
@@ -12,4 +15,5 @@ class GlmForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
-        return AttentionOptions(qkv_bias=config.attention_bias, rope_interleaved=True)
+        qkv_bias = _QKV_BIAS[config.model_type] if config.model_type in _QKV_BIAS else config.attention_bias
+        return AttentionOptions(qkv_bias=qkv_bias, rope_interleaved=True)

@@ -1,6 +1,9 @@
 """GLM-4-0414 (`Glm4ForCausalLM`): GLM-4 (glm.py) with an RMSNorm after the attention and after the MLP as well as
 before each: Gemma 2's layer (gemma2.py) with plain RMSNorms, its norms under GLM-4's names."""
+from transformers import PretrainedConfig
+
 from nanoinfer.layers.layernorm import RMSNorm
+from nanoinfer.models.deepseek_v3 import mtp_layer_prefixes
 from nanoinfer.models.gemma2 import Gemma2DecoderLayer
 from nanoinfer.models.glm import GlmForCausalLM
 from nanoinfer.models.llama import LlamaModel
@@ -23,3 +26,8 @@ class Glm4ForCausalLM(GlmForCausalLM):
         ".post_self_attn_layernorm.": ".post_attention_layernorm.",
         ".post_mlp_layernorm.": ".post_feedforward_layernorm.",
     }
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__(config)
+        # GLM-OCR's multi-token-prediction layer (numbered after the last decoder layer), which transformers skips too.
+        self.ignored_weight_prefixes = mtp_layer_prefixes(config)

@@ -3,6 +3,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.fused_moe import SparseMoeBlock
+from nanoinfer.models.config_checks import config_source
 from nanoinfer.models.llama import LlamaMLP
 from nanoinfer.models.qwen2_moe import is_sparse_layer
 from nanoinfer.models.qwen3 import Qwen3ForCausalLM
@@ -28,3 +29,15 @@ class Qwen3VLMoeLanguageModel(Qwen3MoeForCausalLM):
         if not is_sparse_layer(config, layer_idx):
             return LlamaMLP(config)
         return SparseMoeBlock(config, config.num_experts, config.moe_intermediate_size, renormalize=True)
+
+
+class Qwen3OmniMoeThinkerLanguageModel(Qwen3MoeForCausalLM):
+    """The language model of the Qwen3-Omni thinker (`Qwen3OmniMoeThinkerForConditionalGeneration`, see
+    vision_language.py), whose configs leave sliding_window unset: transformers' thinker attends to every position in
+    prefill yet keeps only a window in its decode cache where one is set, which is refused rather than followed."""
+
+    def __init__(self, config: PretrainedConfig):
+        if config.sliding_window is not None:
+            raise ValueError(f"sliding_window={config.sliding_window} in {config_source(config)} is not supported: "
+                             f"transformers' Qwen3-Omni thinker attends without it in prefill, within it in decode")
+        super().__init__(config)

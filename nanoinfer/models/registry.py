@@ -195,6 +195,7 @@ _VISION_LANGUAGE = {
     "AriaForConditionalGeneration": {"aria_text": _MODELS["AriaTextForCausalLM"]},
     "CohereCompassForConditionalGeneration": {"cohere_compass_text": _MODELS["CohereCompassForCausalLM"]},
     "Cosmos3EdgeForConditionalGeneration": {"cosmos3_edge_text": ("arcee", "Cosmos3EdgeTextForCausalLM")},
+    "Cosmos3OmniForConditionalGeneration": {"qwen3_vl_text": _MODELS["Qwen3ForCausalLM"]},  # Cosmos3's reasoner
     "DeepseekOcr2ForConditionalGeneration": {"deepseek_ocr2_text": ("deepseek_ocr2", "DeepseekOcr2TextForCausalLM")},
     "Dots3NoteForConditionalGeneration": {"dots3_note_text": _MODELS["Dots3NoteForCausalLM"]},
     "Emu3ForConditionalGeneration": {"emu3_text_model": _MODELS["Emu3ForCausalLM"]},
@@ -205,6 +206,11 @@ _VISION_LANGUAGE = {
     "Gemma4UnifiedForConditionalGeneration": {"gemma4_unified_text": _MODELS["Gemma4ForCausalLM"]},
     "Glm4vForConditionalGeneration": {"glm4v_text": _MODELS["Glm4ForCausalLM"]},
     "Glm4vMoeForConditionalGeneration": {"glm4v_moe_text": _MODELS["Glm4MoeForCausalLM"]},
+    # GLM-4.6V's wrapper (model_type glm46v or glmga): Glm4v's, its language model built from the text config's
+    # model_type; the two whose text model reads the wrapper's stacked multimodal positions.
+    "Glm46VForConditionalGeneration": {"glm4v_text": _MODELS["Glm4ForCausalLM"],
+                                       "glm4v_moe_text": _MODELS["Glm4MoeForCausalLM"]},
+    "GlmOcrForConditionalGeneration": {"glm_ocr_text": _MODELS["Glm4ForCausalLM"]},
     "Granite4VisionForConditionalGeneration": {"granite4_vision_text": _MODELS["GraniteForCausalLM"]},
     "GraniteDoclingForConditionalGeneration": {"granite_docling_text": _MODELS["GraniteForCausalLM"]},
     # HunyuanOCR's flat config (no text_config) folds the outer model_type into the text config transformers builds.
@@ -226,9 +232,14 @@ _VISION_LANGUAGE = {
     "Molmo2ForConditionalGeneration": {"molmo2_text": ("molmo2", "Molmo2TextForCausalLM")},
     "MuseGlimmerForConditionalGeneration": {"muse_glimmer_text": ("muse_glimmer", "MuseGlimmerTextForCausalLM")},
     "MuseSparkForConditionalGeneration": {"muse_spark_text": ("muse_spark", "MuseSparkTextForCausalLM")},
+    "NemotronH_Omni_Reasoning_V3": {"nemotron_h": _MODELS["NemotronHForCausalLM"]},  # Nemotron 3 Nano Omni
     "PaddleOCRVLForConditionalGeneration": {"paddleocr_vl_text": ("ernie4_5", "PaddleOCRTextForCausalLM")},
     "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": _MODELS["Qwen2ForCausalLM"]},
     "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": _MODELS["Qwen2ForCausalLM"]},
+    # Qwen2.5-Omni's and Qwen3-Omni's thinkers (their audio and vision towers skipped).
+    "Qwen2_5OmniThinkerForConditionalGeneration": {"qwen2_5_omni_text": _MODELS["Qwen2ForCausalLM"]},
+    "Qwen3OmniMoeThinkerForConditionalGeneration": {"qwen3_omni_moe_text": ("qwen3_moe",
+                                                                            "Qwen3OmniMoeThinkerLanguageModel")},
     "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": _MODELS["Qwen3ForCausalLM"]},
     "Qwen3VLMoeForConditionalGeneration": {"qwen3_vl_moe_text": ("qwen3_moe", "Qwen3VLMoeLanguageModel")},
     "Qwen3_5ForConditionalGeneration": {"qwen3_5_text": _MODELS["Qwen3_5ForCausalLM"]},
@@ -246,7 +257,8 @@ _VISION_LANGUAGE = {
                    "LightOnOcrForConditionalGeneration", "LlavaForConditionalGeneration",
                    "LlavaNextForConditionalGeneration", "LlavaNextVideoForConditionalGeneration",
                    "LlavaOnevisionForConditionalGeneration", "LlavaOnevision15ForConditionalGeneration",
-                   "MiniCPMV4_6ForConditionalGeneration", "Ovis2ForConditionalGeneration",
+                   "MiniCPMV4_6ForConditionalGeneration", "MiniCPMV4_7ForConditionalGeneration",
+                   "MiniCPMOcrForConditionalGeneration", "Ovis2ForConditionalGeneration",
                    "Ovis2_5ForConditionalGeneration", "PerceptionLMForConditionalGeneration",
                    "QianfanOCRForConditionalGeneration", "SmolVLMForConditionalGeneration",
                    "VideoLlama3ForConditionalGeneration", "VideoLlavaForConditionalGeneration",
