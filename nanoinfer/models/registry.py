@@ -194,8 +194,9 @@ _VISION_LANGUAGE = {
     "Apertus1p5ForConditionalGeneration": {"apertus1p5_text": _MODELS["Apertus1p5TextForCausalLM"]},
     "AriaForConditionalGeneration": {"aria_text": _MODELS["AriaTextForCausalLM"]},
     "CohereCompassForConditionalGeneration": {"cohere_compass_text": _MODELS["CohereCompassForCausalLM"]},
-    "Cosmos3EdgeForConditionalGeneration": {"cosmos3_edge_text": ("arcee", "Cosmos3EdgeTextForCausalLM")},
-    "Cosmos3OmniForConditionalGeneration": {"qwen3_vl_text": _MODELS["Qwen3ForCausalLM"]},  # Cosmos3's reasoner
+    # Cosmos3's reasoners (their checkpoints' layout in vision_language.py).
+    "Cosmos3EdgeForConditionalGeneration": {"cosmos3_edge_text": _MODELS["ArceeForCausalLM"]},
+    "Cosmos3OmniForConditionalGeneration": {"qwen3_vl_text": _MODELS["Qwen3ForCausalLM"]},
     "DeepseekOcr2ForConditionalGeneration": {"deepseek_ocr2_text": ("deepseek_ocr2", "DeepseekOcr2TextForCausalLM")},
     "Dots3NoteForConditionalGeneration": {"dots3_note_text": _MODELS["Dots3NoteForCausalLM"]},
     "Emu3ForConditionalGeneration": {"emu3_text_model": _MODELS["Emu3ForCausalLM"]},

@@ -71,20 +71,22 @@ VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_
                    "sound_projection.", "vision_projector.", "sound_encoder.", "embed_audio.",
                    "vision_final_layernorm.", "language_model.mtp.")
 
-# Cosmos3's checkpoints (transformers' save_pretrained writes them so too) keep the language model at the top
-# (`layers.*`, `embed_tokens`, `norm`, `lm_head`), newer ones with Diffusers' attention names, and the vision tower at
-# the top as well; its unified ones also hold the generator (a second expert, `*moe_gen*`, and cross-modal projections
-# in every layer) and the sound and action towers, which transformers drops by these patterns, anywhere in a name.
-COSMOS3 = "Cosmos3OmniForConditionalGeneration"
-WRAPPER_WEIGHT_NAMES = {COSMOS3: {
+# Cosmos3's checkpoints (Edge's and Omni's; transformers' save_pretrained writes them so too) keep the language model
+# at the top (`layers.*`, `embed_tokens`, `norm`, `lm_head`, or under `model.language_model.`), newer ones with
+# Diffusers' attention names, and Omni's vision tower at the top as well; its unified ones also hold the generator (a
+# second expert, `*moe_gen*`, and cross-modal projections in every layer) and the sound and action towers, which
+# transformers drops by these patterns.
+COSMOS3 = ("Cosmos3EdgeForConditionalGeneration", "Cosmos3OmniForConditionalGeneration")
+WRAPPER_WEIGHT_NAMES = dict.fromkeys(COSMOS3, {
     "^layers.": "model.layers.", "^embed_tokens.": "model.embed_tokens.", "^norm.": "model.norm.",
     ".self_attn.to_q.": ".self_attn.q_proj.", ".self_attn.to_k.": ".self_attn.k_proj.",
     ".self_attn.to_v.": ".self_attn.v_proj.", ".self_attn.to_out.": ".self_attn.o_proj.",
-    ".self_attn.norm_q.": ".self_attn.q_norm.", ".self_attn.norm_k.": ".self_attn.k_norm."}}
-WRAPPER_DROPPED_WEIGHTS = {COSMOS3: re.compile(
+    ".self_attn.norm_q.": ".self_attn.q_norm.", ".self_attn.norm_k.": ".self_attn.k_norm."})
+WRAPPER_DROPPED_WEIGHTS = dict.fromkeys(COSMOS3, re.compile(
     r"^(blocks|merger|patch_embed|pos_embed|deepstack_merger_list)\.|\.add_[qkv]_proj\.|\.to_add_out\.|"
-    r"\.norm_added_[qk]\.|moe_gen|^(proj_out|proj_in|time_embedder|audio_proj_out|audio_proj_in|action_proj_out|"
-    r"action_proj_in)\.|^(audio|action)_modality_embed$")}
+    r"\.norm_added_[qk]\.|\.k_norm_und_for_gen\.|moe_gen|"
+    r"^(model\.language_model\.)?((audio_|action_)?proj_(in|out)|time_embedder)\.|"
+    r"^(model\.language_model\.)?(audio|action)_modality_embed$"))
 
 # Wrappers whose logits are the text family's own (logit scale included), beside the families that say so themselves
 # (`wrapper_scales_logits`): Aya Vision's multiplies by its Cohere 2 text model's logit_scale, as vLLM's and
