@@ -372,12 +372,14 @@ def overridden(config: PretrainedConfig, overrides: object, name: str = "hf_over
 def language_model_config(config: PretrainedConfig, model_dir: Path) -> PretrainedConfig:
     """A vision-language checkpoint's text_config, which its language model runs on alone (models/vision_language.py),
     with the checkpoint's architectures and the settings transformers reads from the outer config."""
-    text = config.text_config
+    text = getattr(config, "text_config", config)  # (GIT's config is flat: no text_config)
     text.architectures = config.architectures
     # transformers 5 ties the LM head as the outer config says (Qwen2-VL's text config has no such field; Mistral 3's
     # outer one defaults to True; Mllama's has none: untied), but not where the checkpoint holds a head of its own
-    # (under any of the wrappers' names for it: Ovis2.5's `llm.lm_head`, the Qwen Omni thinkers' `thinker.lm_head`).
-    heads = {"lm_head.weight"} | {old[1:] + "weight" for old, new in LANGUAGE_MODEL_NAMES.items() if new == "lm_head."}
+    # (under any of the wrappers' names for it: Ovis2.5's `llm.lm_head`, the Qwen Omni thinkers' `thinker.lm_head`,
+    # GIT's `output`).
+    heads = {"lm_head.weight", "output.weight"} | {old[1:] + "weight" for old, new in LANGUAGE_MODEL_NAMES.items()
+                                                   if new == "lm_head."}
     text.tie_word_embeddings = getattr(config, "tie_word_embeddings", False) and not any(
         name in heads for name, _ in iter_safetensors(model_dir))
     for name in ("dtype", "quantization_config", "eos_token_id", *MEDIA_TOKEN_IDS):  # where the outer config has them

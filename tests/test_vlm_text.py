@@ -32,7 +32,7 @@ KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl
          "deepseek-vl-hybrid", "video-llama3", "qianfan-ocr", "llava-onevision1.5", "ovis2.5", "fuyu", "kimi-k2.5",
          "granite-docling", "apertus1.5", "hy-v4-vl", "cosmos3-edge", "deepseek-ocr2", "muse-glimmer", "step3p7",
          "muse-spark", "glm46v", "glmga", "minicpm-v4.7", "minicpm-ocr", "glm-ocr",
-         "qwen2.5-omni-thinker", "qwen3-omni-moe-thinker", "nemotron-h-omni", "cosmos3-omni")
+         "qwen2.5-omni-thinker", "qwen3-omni-moe-thinker", "nemotron-h-omni", "cosmos3-omni", "git")
 # Kinds whose wrapper transformers 5.17 lacks: their transformers family.
 NEWEST_FAMILIES = {"inkling": "inkling", "inkling2": "inkling2", "dots3-note": "dots3_note",
                    "minimax-m3": "minimax_m3_vl", "qwen4-exp": "qwen4_exp",
@@ -54,7 +54,7 @@ SEEDS |= {"paddleocr-vl": 7500, "ernie4.5-vl-moe": 7501, "fast-vlm": 7300, "janu
           "hy-v4-vl": 7403, "cosmos3-edge": 7404, "deepseek-ocr2": 7450, "muse-glimmer": 7451, "step3p7": 7452,
           "muse-spark": 7453, "glm46v": 7350, "glmga": 7351,
           "minicpm-v4.7": 7352, "minicpm-ocr": 7353, "glm-ocr": 7354, "qwen2.5-omni-thinker": 7355,
-          "qwen3-omni-moe-thinker": 7356, "nemotron-h-omni": 7357, "cosmos3-omni": 7358}
+          "qwen3-omni-moe-thinker": 7356, "nemotron-h-omni": 7357, "cosmos3-omni": 7358, "git": 7700}
 
 # Tiny vision towers: one layer each; their weights are saved and must be skipped.
 _SIGLIP = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
@@ -420,6 +420,11 @@ def make_vlm_config(kind: str):
                                                     projector_hidden_size=32, vision_hidden_size=16,
                                                     image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
                                                     audio_token_id=VISION_START)
+    if kind == "git":  # GIT: its BERT-style decoder's fields at the top of its config; a CLIP-style image encoder,
+        # its projection and (video) per-frame embeddings to skip
+        text = {k: v for k, v in models._COMMON.items() if k not in ("rms_norm_eps", "hidden_act")}
+        return t.GitConfig(vision_config=_SIGLIP, **text, num_attention_heads=4, hidden_act="gelu",
+                           num_image_with_embedding=2)
     newer = {"exaone4.5": ("exaone4_5", "exaone4", "image_token_id"),
              "minicpm-v4.6": ("minicpmv4_6", "qwen3.5", "image_token_id"),
              "hyperclovax-vision-v2": ("hyperclovax_vision_v2", "hyperclovax", "image_token_id"),
@@ -656,7 +661,9 @@ def vlm_dir(tmp_path_factory):
 def unusable_wrapper(kind: str) -> str | None:
     """Why the installed transformers' wrapper cannot be the reference for `kind`, or None: transformers 5.17's
     Inkling wrapper norms the embeddings, and then its text model norms them again (5.23's, once); 5.23's and 5.17's
-    Aya Vision drops its Cohere 2 text model's logit_scale (5.25's applies it, as vLLM's and the engine's do)."""
+    Aya Vision drops its Cohere 2 text model's logit_scale (5.25's applies it, as vLLM's and the engine's do); 5.17's
+    GIT, decoding text alone from its cache, adds the cache's length to the position ids (as to those of a prompt
+    after image tokens), and without them fails; its generate() then turns each new token at twice its position."""
     import transformers
     if kind == "inkling":
         from transformers.models.inkling import modeling_inkling
@@ -668,6 +675,11 @@ def unusable_wrapper(kind: str) -> str | None:
         if "logit_scale" not in inspect.getsource(modeling_aya_vision.AyaVisionForConditionalGeneration.forward):
             return (f"transformers {transformers.__version__}'s Aya Vision drops its text model's logit_scale (the "
                     f"reference; 5.25's applies it)")
+    if kind == "git":
+        from transformers.models.git import modeling_git
+        if "position_ids + past_key_values_length" in inspect.getsource(modeling_git.GitModel.forward):
+            return (f"transformers {transformers.__version__}'s GIT shifts text-only decoding's positions by the "
+                    f"cache's length (the reference; 5.25's does not)")
     return None
 
 
@@ -748,13 +760,15 @@ def test_molmo2_config_without_qk_norms_is_refused(vlm_dir, tmp_path):
         LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=64)
 
 
-def test_tied_config_keeps_the_checkpoints_own_head(vlm_dir, tmp_path, captured_logits):
+@pytest.mark.parametrize("kind", ["ovis2.5", "git"])
+def test_tied_config_keeps_the_checkpoints_own_head(kind, vlm_dir, tmp_path, captured_logits):
     """An outer config that ties the LM head over a checkpoint holding a head of its own: transformers keeps that
-    head, and so does the engine under each wrapper's name for it (Ovis2.5's Hub layout: `llm.lm_head`)."""
-    config = json.loads((vlm_dir("ovis2.5") / "config.json").read_text())
+    head, and so does the engine under each wrapper's name for it (Ovis2.5's Hub layout: `llm.lm_head`; GIT's
+    `output`)."""
+    config = json.loads((vlm_dir(kind) / "config.json").read_text())
     config["tie_word_embeddings"] = True
     (tmp_path / "config.json").write_text(json.dumps(config))
-    (tmp_path / "model.safetensors").write_bytes((vlm_dir("ovis2.5") / "model.safetensors").read_bytes())
+    (tmp_path / "model.safetensors").write_bytes((vlm_dir(kind) / "model.safetensors").read_bytes())
     worst = run(tmp_path, captured_logits)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
 

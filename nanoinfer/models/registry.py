@@ -205,6 +205,8 @@ _VISION_LANGUAGE = {
     "Gemma3nForConditionalGeneration": {"gemma3n_text": _MODELS["Gemma3nForCausalLM"]},
     "Gemma4ForConditionalGeneration": {"gemma4_text": _MODELS["Gemma4ForCausalLM"]},
     "Gemma4UnifiedForConditionalGeneration": {"gemma4_unified_text": _MODELS["Gemma4ForCausalLM"]},
+    # GIT's wrapper, named as a causal LM: its flat config is the text decoder's own (git.py).
+    "GitForCausalLM": {"git": ("git", "GitForCausalLM")},
     "Glm4vForConditionalGeneration": {"glm4v_text": _MODELS["Glm4ForCausalLM"]},
     "Glm4vMoeForConditionalGeneration": {"glm4v_moe_text": _MODELS["Glm4MoeForCausalLM"]},
     # GLM-4.6V's wrapper (model_type glm46v or glmga): Glm4v's, its language model built from the text config's
