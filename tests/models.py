@@ -2339,11 +2339,15 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
             if i == max_new_tokens - 1:
                 break
             pos = len(prompt) + i
+            # Kosmos-2.5's position ids are rows of its sinusoidal table (from pad_token_id + 1 on): its generate()
+            # passes none, leaving its embedding to count them from the cache.
+            position_ids = ({} if model.config.model_type == "kosmos-2.5" else
+                            {"position_ids": torch.tensor([[pos]], dtype=torch.long, device=device)})
             out = model(
                 input_ids=torch.tensor([[nxt]], dtype=torch.long, device=device),
                 **{cache_kw: cache},
                 use_cache=True,
-                position_ids=torch.tensor([[pos]], dtype=torch.long, device=device),
+                **position_ids,
                 cache_position=torch.tensor([pos], dtype=torch.long, device=device),
             )
             cache = getattr(out, cache_kw, cache)

@@ -32,7 +32,8 @@ KINDS = ("gemma3", "mistral3", "llava", "llava-mistral", "qwen2-vl", "qwen2.5-vl
          "deepseek-vl-hybrid", "video-llama3", "qianfan-ocr", "llava-onevision1.5", "ovis2.5", "fuyu", "kimi-k2.5",
          "granite-docling", "apertus1.5", "hy-v4-vl", "cosmos3-edge", "deepseek-ocr2", "muse-glimmer", "step3p7",
          "muse-spark", "glm46v", "glmga", "minicpm-v4.7", "minicpm-ocr", "glm-ocr",
-         "qwen2.5-omni-thinker", "qwen3-omni-moe-thinker", "nemotron-h-omni", "cosmos3-omni", "git")
+         "qwen2.5-omni-thinker", "qwen3-omni-moe-thinker", "nemotron-h-omni", "cosmos3-omni", "git",
+         "kosmos2.5")
 # Kinds whose wrapper transformers 5.17 lacks: their transformers family.
 NEWEST_FAMILIES = {"inkling": "inkling", "inkling2": "inkling2", "dots3-note": "dots3_note",
                    "minimax-m3": "minimax_m3_vl", "qwen4-exp": "qwen4_exp",
@@ -54,7 +55,8 @@ SEEDS |= {"paddleocr-vl": 7500, "ernie4.5-vl-moe": 7501, "fast-vlm": 7300, "janu
           "hy-v4-vl": 7403, "cosmos3-edge": 7404, "deepseek-ocr2": 7450, "muse-glimmer": 7451, "step3p7": 7452,
           "muse-spark": 7453, "glm46v": 7350, "glmga": 7351,
           "minicpm-v4.7": 7352, "minicpm-ocr": 7353, "glm-ocr": 7354, "qwen2.5-omni-thinker": 7355,
-          "qwen3-omni-moe-thinker": 7356, "nemotron-h-omni": 7357, "cosmos3-omni": 7358, "git": 7700}
+          "qwen3-omni-moe-thinker": 7356, "nemotron-h-omni": 7357, "cosmos3-omni": 7358, "git": 7700,
+          "kosmos2.5": 7701}
 
 # Tiny vision towers: one layer each; their weights are saved and must be skipped.
 _SIGLIP = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
@@ -425,6 +427,13 @@ def make_vlm_config(kind: str):
         text = {k: v for k, v in models._COMMON.items() if k not in ("rms_norm_eps", "hidden_act")}
         return t.GitConfig(vision_config=_SIGLIP, **text, num_attention_heads=4, hidden_act="gelu",
                            num_image_with_embedding=2)
+    if kind == "kosmos2.5":  # Kosmos-2.5: its text model's own field names; pad id 3 (positions from row 4); a
+        # Pix2Struct-style vision model and its latent-query projection to skip
+        text = dict(vocab_size=models.MODEL_VOCAB_SIZE, embed_dim=64, layers=3, ffn_dim=128, attention_heads=4,
+                    max_position_embeddings=512, pad_token_id=3, bos_token_id=0, eos_token_id=2)
+        vision = dict(hidden_size=16, patch_embed_hidden_size=16, intermediate_size=32, head_dim=8,
+                      num_hidden_layers=1, num_attention_heads=2, max_num_patches=16)
+        return t.Kosmos2_5Config(text_config=text, vision_config=vision, latent_query_num=4)
     newer = {"exaone4.5": ("exaone4_5", "exaone4", "image_token_id"),
              "minicpm-v4.6": ("minicpmv4_6", "qwen3.5", "image_token_id"),
              "hyperclovax-vision-v2": ("hyperclovax_vision_v2", "hyperclovax", "image_token_id"),
@@ -713,13 +722,14 @@ def test_chunked_prefill_prefix_hits_and_preemption_match_hf(vlm_dir, captured_l
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["qwen3-vl-moe", "smolvlm", "molmo2-o", "ernie4.5-vl-moe"])
+@pytest.mark.parametrize("kind", ["qwen3-vl-moe", "smolvlm", "molmo2-o", "ernie4.5-vl-moe", "kosmos2.5"])
 def test_tensor_parallel_2_matches_hf(kind, vlm_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): Qwen3-VL-MoE's attention and experts sharded, each rank's slice of every expert
     read from the Hub's transposed stacked tensors; SmolVLM's `model.text_model.*` and untied head sharded; Molmo2-O's
     q/k norms over whole projections (the ranks' mean squares all-reduced), its fused q/k/v and up/gate tensors and
     its embedding's two tables each cut to the ranks' rows; ERNIE 4.5 VL's text experts sharded, its vision experts
-    skipped on both ranks, its transposed text router replicated."""
+    skipped on both ranks, its transposed text router replicated; Kosmos-2.5's LayerNorm over the MLP's activations
+    (each rank's slice, the mean and variance the whole row's)."""
     worst = run(vlm_dir(kind), captured_logits, tensor_parallel_size=2)
     report_logit_diff(f"{kind} (vision-language, text only), tensor parallel 2", worst)
     assert worst < LOGIT_ATOL, f"max |logit diff| {worst:.2e}"
@@ -777,13 +787,15 @@ def test_tied_config_keeps_the_checkpoints_own_head(kind, vlm_dir, tmp_path, cap
     ("muse-glimmer", "layer_rope_theta", [10_000.0, 500_000.0, 0], r"layer_rope_theta\[1\]=500000.0 in .* is not"),
     ("deepseek-ocr2", "mlp_layer_types", None, r"mlp_layer_types=None in .* is not supported"),
     ("step3p7", "gating", "per-token", r"gating='per-token' in .* is not supported"),
-    ("qwen3-omni-moe-thinker", "sliding_window", 12, r"sliding_window=12 in .* is not supported")])
+    ("qwen3-omni-moe-thinker", "sliding_window", 12, r"sliding_window=12 in .* is not supported"),
+    ("kosmos2.5", "pad_token_id", None, r"pad_token_id=None in .* is not supported")])
 def test_language_model_setting_not_run_is_refused(kind, field, value, message, vlm_dir, tmp_path):
     """A text config setting the language model would not run as transformers does is refused by name: Muse
     Glimmer's `layer_rope_theta` entry of another base (transformers turns every rope layer by rope_theta), DeepSeek-OCR
     2's missing `mlp_layer_types` (transformers' config has no default), Step 3.7's `gating` of another kind
     (transformers gates per element on anything but True and "per-head"), a Qwen3-Omni thinker's `sliding_window`
-    (transformers' attends to every position in prefill but keeps only the window in its decode cache)."""
+    (transformers' attends to every position in prefill but keeps only the window in its decode cache), Kosmos-2.5's
+    missing `pad_token_id` (its positions count from it; transformers' fail without it)."""
     config = json.loads((vlm_dir(kind) / "config.json").read_text())
     config["text_config"][field] = value
     (tmp_path / "config.json").write_text(json.dumps(config))

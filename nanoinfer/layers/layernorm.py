@@ -1,6 +1,6 @@
 """RMSNorm, optionally fused with the residual add that precedes it, or without a weight, or over a width split across
 the tensor-parallel ranks; Gemma's (1 + weight) RMSNorm; nGPT's L2 norm; the gated RMSNorm of Gated DeltaNet and KDA;
-LayerNorm (with the same residual add) and StableLM's per-head LayerNorm."""
+LayerNorm (with the same residual add, or over a width split across the ranks) and StableLM's per-head LayerNorm."""
 from collections.abc import Callable
 
 import torch
@@ -54,11 +54,7 @@ class ShardedRMSNorm(RMSNorm):
         self.full_size, self.tp_size, self.tp_group = full_size, tp_size(), tp_group()
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if tuple(loaded.shape) != (self.full_size,):
-            raise ValueError(f"shape mismatch: checkpoint norm weight {tuple(loaded.shape)}, expected "
-                             f"({self.full_size},)")
-        width = self.weight.numel()
-        copy_weight(param, loaded.narrow(0, tp_rank() * width, width))
+        load_rank_slice(param, loaded, self.full_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -67,6 +63,14 @@ class ShardedRMSNorm(RMSNorm):
         mean_square = xf.pow(2).mean(-1, keepdim=True)
         dist.all_reduce(mean_square, group=self.tp_group)
         return self.weight * (xf * torch.rsqrt(mean_square / self.tp_size + self.eps)).to(x.dtype)
+
+
+def load_rank_slice(param: nn.Parameter, loaded: torch.Tensor, full_size: int) -> None:
+    """This rank's even slice of a norm's checkpoint vector (weight or bias) `full_size` long."""
+    if tuple(loaded.shape) != (full_size,):
+        raise ValueError(f"shape mismatch: checkpoint norm vector {tuple(loaded.shape)}, expected ({full_size},)")
+    width = param.numel()
+    copy_weight(param, loaded.narrow(0, tp_rank() * width, width))
 
 
 class WeightlessRMSNorm(RMSNorm):
@@ -196,6 +200,33 @@ class LayerNorm(nn.Module):
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+
+class ShardedLayerNorm(LayerNorm):
+    """A LayerNorm over a width split evenly across the tensor-parallel ranks, as a RowParallelLinear's input is
+    (Kosmos-2.5's norm of the MLP's activations): each rank holds its slices of the weight and bias, and the mean and
+    variance are the whole row's, from the ranks' sums (one all-reduce each)."""
+
+    def __init__(self, full_size: int, eps: float):
+        if full_size % tp_size():
+            raise ValueError(f"tensor_parallel_size={tp_size()} does not divide the normalized width {full_size}")
+        super().__init__(full_size // tp_size(), eps)
+        self.full_size, self.tp_size, self.tp_group = full_size, tp_size(), tp_group()
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        load_rank_slice(param, loaded, self.full_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super().forward(x)
+        xf = x.float()
+        mean = xf.sum(-1, keepdim=True)
+        dist.all_reduce(mean, group=self.tp_group)
+        centered = xf - mean / self.full_size
+        variance = centered.pow(2).sum(-1, keepdim=True)
+        dist.all_reduce(variance, group=self.tp_group)
+        normed = (centered * torch.rsqrt(variance / self.full_size + self.eps)).to(x.dtype)
+        return normed * self.weight + self.bias
 
 
 class PerHeadLayerNorm(nn.Module):

@@ -226,6 +226,7 @@ _VISION_LANGUAGE = {
     # Kimi-K2.5's and K2.6's Hub configs name their remote code's class; transformers' own is Kimi_K25...
     **dict.fromkeys(("KimiK25ForConditionalGeneration", "Kimi_K25ForConditionalGeneration"),
                     {"deepseek_v3": _MODELS["DeepseekV3ForCausalLM"]}),
+    "Kosmos2_5ForConditionalGeneration": {"kosmos_2_5_text_model": ("kosmos2_5", "Kosmos2_5TextForCausalLM")},
     "Llama4ForConditionalGeneration": {"llama4_text": _MODELS["Llama4ForCausalLM"]},
     "Mistral3ForConditionalGeneration": {"mistral": _MODELS["MistralForCausalLM"],
                                          "ministral3": _MODELS["Ministral3ForCausalLM"],

@@ -52,7 +52,8 @@ LANGUAGE_MODEL_NAMES = {"^model.language_model.": "model.", "^language_model.mod
 # `code2wav`); Nemotron 3 Nano Omni's Hub layout: its projectors `mlp1`, `sound_projection` and `vision_projector` (the
 # vision tower's final norm there; transformers' names: `multi_modal_projector`, `embed_audio`,
 # `vision_final_layernorm`), its `sound_encoder` (`audio_tower`), and its language model's MTP layers
-# (`language_model.mtp`), which transformers skips too.
+# (`language_model.mtp`), which transformers skips too; Kosmos-2.5's `image_to_text_projection` (its `vision_model` at
+# the top, its language model at `text_model.model.*`).
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_newline", "vision_model.", "vqmodel.",
                    "vision_encoder.", "audio_encoder.", "audio_adapter.", "patch_merge_mlp.", "image_tower.",
                    "video_tower.", "model.vision_tower.", "model.multi_modal_projector.", "model.visual.",
@@ -69,7 +70,7 @@ VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_
                    "model.view_separator", "model.vision_adapter.", "vit_large_projector.", "audio_tower.",
                    "thinker.visual.", "thinker.audio_tower.", "talker.", "token2wav.", "code2wav.",
                    "sound_projection.", "vision_projector.", "sound_encoder.", "embed_audio.",
-                   "vision_final_layernorm.", "language_model.mtp.")
+                   "vision_final_layernorm.", "language_model.mtp.", "image_to_text_projection.")
 
 # Cosmos3's checkpoints (Edge's and Omni's; transformers' save_pretrained writes them so too) keep the language model
 # at the top (`layers.*`, `embed_tokens`, `norm`, `lm_head`, or under `model.language_model.`), newer ones with
