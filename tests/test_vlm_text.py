@@ -539,7 +539,8 @@ def to_hub_layout(model_dir, kind: str) -> None:
     `language_model.model.layers.*`, where transformers' save_pretrained (reversing its vision tower's rename of
     `blocks` to `layers`) writes `blocks`, and its config names the Hub's remote-code class,
     KimiK25ForConditionalGeneration. Cosmos3 Edge's hold its generator's tensors too (some of each kind that
-    transformers drops). Step 3.7's hold multi-token-prediction layers after the last one."""
+    transformers drops). Step 3.7's hold multi-token-prediction layers after the last one. GIT's keep the position ids
+    buffer of its text embeddings."""
     config = json.loads((model_dir / "config.json").read_text())
     if kind == "mistral3":
         del config["tie_word_embeddings"]
@@ -605,6 +606,9 @@ def to_hub_layout(model_dir, kind: str) -> None:
                      "proj_in.weight", "proj_out.bias", "time_embedder.linear_1.weight", "audio_proj_in.weight",
                      "audio_modality_embed", "action_proj_out.weight", "action_modality_embed")
         save_file(load_file(file) | {name: torch.ones(4) for name in generator}, file, metadata={"format": "pt"})
+    if kind == "git":  # the Hub's files keep the text embeddings' position ids buffer
+        save_file(load_file(file) | {"git.embeddings.position_ids": torch.arange(512)[None]}, file,
+                  metadata={"format": "pt"})
     if kind == "step3p7":  # a tensor of its multi-token-prediction layer, which transformers does not load
         save_file(load_file(file) | {"model.layers.3.eh_proj.weight": torch.ones(64, 128)}, file,
                   metadata={"format": "pt"})

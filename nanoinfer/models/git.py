@@ -54,6 +54,7 @@ class GitForCausalLM(LlamaForCausalLM):
     }
     # The image side: its CLIP-style encoder, the projection of its features and a video's per-frame embeddings.
     ignored_weight_prefixes = ("git.image_encoder.", "git.visual_projection.", "git.img_temporal_embedding.")
+    ignored_weight_suffixes = ("embeddings.position_ids",)  # the Hub's files keep the position ids buffer
 
     attention_options = staticmethod(biased_attention)
 
