@@ -393,8 +393,8 @@ def language_model_config(config: PretrainedConfig, model_dir: Path) -> Pretrain
 
 def position_field(config: PretrainedConfig) -> str:
     """The config field that bounds a sequence: MPT's `max_seq_len` (its ALiBi table's length in transformers),
-    else max_position_embeddings."""
-    return "max_seq_len" if config.model_type == "mpt" else "max_position_embeddings"
+    Whisper's `max_target_positions` (its decoder's), else max_position_embeddings."""
+    return {"mpt": "max_seq_len", "whisper": "max_target_positions"}.get(config.model_type, "max_position_embeddings")
 
 
 def position_limit(config: PretrainedConfig) -> int | None:

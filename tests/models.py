@@ -198,9 +198,21 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # GPT-NeoX-Japanese (gpt-neox-japanese): GPT-NeoX's per-head query_key_value without biases, rope over the whole head
 # (as the released checkpoint: transformers 5.17's own partial rope fails), sequential LayerNorms, a bias-free MLP 3x
 # wide, the last layer's output-projection bias, tied.
+# The decoders of encoder-decoder models run alone (transformers' *ForCausalLM, cross-attention in the checkpoint,
+# skipped), by model type -> transformers' class-name stem; their layers fairseq's (q/k/v/out and fc1/fc2 with
+# biases, ReLU or GeLU), their LayerNorms at nn.LayerNorm's epsilon. BART: post-LN layers, learned positions offset by
+# 2 rows, scaled embeddings, the embeddings' LayerNorm after the positions, tied; PLBART and MVP (prompts off) the same
+# under their own classes. mBART: BART's with pre-LN layers and a final norm, untied. Marian: post-LN on a fixed
+# sinusoidal table (sines | cosines; saved in the checkpoint, as transformers' file has it). Pegasus: pre-LN on that
+# table. Blenderbot: pre-LN, learned positions from row 0. Blenderbot Small: post-LN, the embeddings' LayerNorm
+# before the positions are added, unscaled. Whisper: pre-LN, learned positions from row 0 (max_target_positions),
+# no key bias, embeddings never scaled.
+SEQ2SEQ_DECODER_KINDS = {"bart": "Bart", "mbart": "MBart", "marian": "Marian", "pegasus": "Pegasus",
+                         "blenderbot": "Blenderbot", "blenderbot-small": "BlenderbotSmall", "plbart": "PLBart",
+                         "mvp": "Mvp", "whisper": "Whisper"}
 LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2", "falcon", "falcon-mqa", "gptj",
                    "gpt-bigcode", "cohere2", "bloom", "mpt", "opt", "opt-350m", "gpt-neo", "codegen", "persimmon",
-                   "biogpt", "xglm", "gpt-neox-japanese", "ctrl", "openai-gpt")
+                   "biogpt", "xglm", "gpt-neox-japanese", "ctrl", "openai-gpt", *SEQ2SEQ_DECODER_KINDS)
 LAYER_NORM_EPS = 1e-3
 # GLM-4.7-Flash (glm4-moe-lite): V3's model with layer 0 dense by mlp_layer_types, a shared expert.
 DEEPSEEK_KINDS = ("deepseek-v2", "deepseek-v2-group", "deepseek-v3", "glm4-moe-lite")
@@ -589,6 +601,7 @@ _SEEDS |= {"aria-text": 1357, "beam": 4680, "cohere-compass": 2468, "modernbert-
 _SEEDS |= {"hy-v4": 4680, XLSTM_KIND: 5791, "qwen4-exp": 5791, "deepseek-v4": 5791}
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
 _SEEDS |= {"chameleon": 7550, "chameleon-swin": 7551}
+_SEEDS |= {kind: 7650 + i for i, kind in enumerate(SEQ2SEQ_DECODER_KINDS)}
 _SEEDS |= {"ctrl": 5252, "openai-gpt": 6363, "minicpm5-moe": 7474, "apertus1.5": 8585, "dory": 9696,
            "lara-mini": 9696, "kolibri1-1": 9696, "ergo": 9696, "phi4-multimodal": 1357,
            "mistral4": 1746, "inkling2-loop": 9696}
@@ -1268,11 +1281,30 @@ def make_config(kind: str):
         return CTRLConfig(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=4, n_positions=512, dff=128,
                           layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD, tie_word_embeddings=True,
                           **special)
+    if kind in SEQ2SEQ_DECODER_KINDS:
+        return seq2seq_decoder_config(kind, special)
     if kind == "openai-gpt":  # OpenAIGPTConfig's names, as GPT-2's; the MLP 4x n_embd, its activation `afn`
         return OpenAIGPTConfig(vocab_size=MODEL_VOCAB_SIZE, n_embd=64, n_layer=3, n_head=4, n_positions=512,
                                afn="gelu", layer_norm_epsilon=LAYER_NORM_EPS, initializer_range=INIT_STD,
                                tie_word_embeddings=True, **special)
     raise ValueError(f"unknown model kind {kind!r}; expected one of {ALL_KINDS + (ODD_KIND, OLMO2_MQA_KIND)}")
+
+
+def seq2seq_decoder_config(kind: str, special: dict):
+    """SEQ2SEQ_DECODER_KINDS' configs: the decoder's sizes (decoder_*) apart from the encoder's, which transformers'
+    *ForCausalLM leaves unused but for the layers of generate()'s cache (num_hidden_layers, the encoder's: no fewer
+    than the decoder's)."""
+    import transformers
+
+    config_class = getattr(transformers, SEQ2SEQ_DECODER_KINDS[kind] + "Config")
+    sizes = dict(vocab_size=MODEL_VOCAB_SIZE, d_model=64, decoder_layers=3, decoder_attention_heads=4,
+                 decoder_ffn_dim=128, encoder_layers=4, encoder_attention_heads=4, encoder_ffn_dim=32,
+                 activation_function="relu" if kind in ("pegasus", "blenderbot") else "gelu",
+                 init_std=INIT_STD, **special)
+    if kind == "whisper":  # its decoder's positions: max_target_positions
+        return config_class(**sizes, max_target_positions=512, max_source_positions=64, decoder_start_token_id=1)
+    return config_class(**sizes, max_position_embeddings=512, scale_embedding=kind != "blenderbot-small",
+                        tie_word_embeddings=kind != "mbart")
 
 
 def newest_family_config(kind: str, special: dict):
@@ -2210,6 +2242,10 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
         randomize_inkling2_loop_(model, _SEEDS[base_kind] + 4)
     if kind == "dory":
         _randomize_ngpt_scales_(model, _SEEDS[base_kind] + 4)
+    if kind in ("marian", "pegasus"):  # their fixed sinusoidal table, which _randomize_ took for a weight
+        with torch.no_grad():
+            positions = model.model.decoder.embed_positions
+            positions.weight.copy_(positions.create_weight())
     if kind == "youtu":  # transformers' Youtu zeroes the pad token's embedding when it loads a checkpoint: saved so
         with torch.no_grad():
             model.get_input_embeddings().weight[config.pad_token_id] = 0.0
