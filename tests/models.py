@@ -204,9 +204,10 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # 2 rows, scaled embeddings, the embeddings' LayerNorm after the positions, tied; PLBART and MVP (prompts off) the same
 # under their own classes. mBART: BART's with pre-LN layers and a final norm, untied. Marian: post-LN on a fixed
 # sinusoidal table (sines | cosines; saved in the checkpoint, as transformers' file has it). Pegasus: pre-LN on that
-# table. Blenderbot: pre-LN, learned positions from row 0. Blenderbot Small: post-LN, the embeddings' LayerNorm
-# before the positions are added, unscaled. Whisper: pre-LN, learned positions from row 0 (max_target_positions),
-# no key bias, embeddings never scaled.
+# table, embeddings scaled after the lookup (input embeddings too). Blenderbot: pre-LN, learned positions from row 0.
+# Blenderbot Small: post-LN, the embeddings' LayerNorm before the positions are added, scale_embedding (its decoder
+# ignores it). Whisper: pre-LN, learned positions from row 0 (max_target_positions), no key bias, scale_embedding
+# ignored too. MVP's embeddings unscaled (transformers scales its token ids' alone, not input embeddings).
 SEQ2SEQ_DECODER_KINDS = {"bart": "Bart", "mbart": "MBart", "marian": "Marian", "pegasus": "Pegasus",
                          "blenderbot": "Blenderbot", "blenderbot-small": "BlenderbotSmall", "plbart": "PLBart",
                          "mvp": "Mvp", "whisper": "Whisper"}
@@ -1301,9 +1302,10 @@ def seq2seq_decoder_config(kind: str, special: dict):
                  decoder_ffn_dim=128, encoder_layers=4, encoder_attention_heads=4, encoder_ffn_dim=32,
                  activation_function="relu" if kind in ("pegasus", "blenderbot") else "gelu",
                  init_std=INIT_STD, **special)
-    if kind == "whisper":  # its decoder's positions: max_target_positions
-        return config_class(**sizes, max_target_positions=512, max_source_positions=64, decoder_start_token_id=1)
-    return config_class(**sizes, max_position_embeddings=512, scale_embedding=kind != "blenderbot-small",
+    if kind == "whisper":  # its decoder's positions: max_target_positions; scale_embedding, which it ignores
+        return config_class(**sizes, max_target_positions=512, max_source_positions=64, decoder_start_token_id=1,
+                            scale_embedding=True)
+    return config_class(**sizes, max_position_embeddings=512, scale_embedding=kind != "mvp",
                         tie_word_embeddings=kind != "mbart")
 
 

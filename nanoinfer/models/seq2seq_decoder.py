@@ -5,7 +5,8 @@ skips without encoder states, so its weights (`encoder_attn`, `encoder_attn_laye
 They differ by a handful of choices (Layout, by model_type): pre-LN layers with a final LayerNorm or post-LN ones
 without; learned positions (offset by 2 rows for BART's descendants) or a fixed sinusoidal table (sines | cosines of
 position / 10000 ** (2i / d), Marian's and Pegasus's: the checkpoint's where it holds one, else computed); token embeddings times
-sqrt(d_model) where `scale_embedding` (Whisper's decoder never scales); a LayerNorm of the embeddings
+sqrt(d_model) where `scale_embedding`, in the lookup or after it (Whisper's and Blenderbot Small's decoders never
+scale); a LayerNorm of the embeddings
 (`layernorm_embedding`) after the positions are added (BART) or before (Blenderbot Small). Full seq2seq checkpoints
 (`*ForConditionalGeneration`, `final_logits_bias`) are not registered: their generation needs the encoder."""
 from collections.abc import Iterable, Iterator
@@ -31,7 +32,10 @@ class Layout:
     sinusoidal: bool = False  # Marian's / Pegasus's fixed table; else learned positions
     position_offset: int = 0  # rows of the learned table before position 0's
     embedding_norm: Literal["after-positions", "before-positions"] | None = None
-    scaled: bool = True  # token embeddings times sqrt(d_model) where `scale_embedding`
+    # Where the token embeddings are times sqrt(d_model) with `scale_embedding`: in the lookup (BART's scaled word
+    # embedding, whose output prompt embeddings stand for), on the decoder's input embeddings (Marian, Pegasus: prompt
+    # embeddings too), or nowhere (the decoders of Whisper and Blenderbot Small never scale).
+    embed_scale: Literal["lookup", "inputs"] | None = "lookup"
     key_bias: bool = True  # Whisper's k_proj has none (loaded as zeros)
     positions_field: str = "max_position_embeddings"
 
@@ -41,11 +45,11 @@ LAYOUTS = {
     "plbart": Layout(pre_norm=False, position_offset=2, embedding_norm="after-positions"),
     "mvp": Layout(pre_norm=False, position_offset=2, embedding_norm="after-positions"),
     "mbart": Layout(pre_norm=True, position_offset=2, embedding_norm="after-positions"),
-    "marian": Layout(pre_norm=False, sinusoidal=True),
-    "pegasus": Layout(pre_norm=True, sinusoidal=True),
+    "marian": Layout(pre_norm=False, sinusoidal=True, embed_scale="inputs"),
+    "pegasus": Layout(pre_norm=True, sinusoidal=True, embed_scale="inputs"),
     "blenderbot": Layout(pre_norm=True),
-    "blenderbot-small": Layout(pre_norm=False, embedding_norm="before-positions"),
-    "whisper": Layout(pre_norm=True, scaled=False, key_bias=False, positions_field="max_target_positions"),
+    "blenderbot-small": Layout(pre_norm=False, embedding_norm="before-positions", embed_scale=None),
+    "whisper": Layout(pre_norm=True, embed_scale=None, key_bias=False, positions_field="max_target_positions"),
 }
 
 
@@ -91,9 +95,14 @@ class Seq2SeqDecoderModel(GPT2Model):
     def num_layers(config: PretrainedConfig) -> int:
         return config.decoder_layers
 
+    def scale(self, config: PretrainedConfig, where: str) -> float:
+        return config.d_model ** 0.5 if self.layout.embed_scale == where and config.scale_embedding else 1.0
+
     def token_embedding(self, config: PretrainedConfig) -> nn.Module:
-        scale = config.d_model ** 0.5 if self.layout.scaled and config.scale_embedding else 1.0
-        return ScaledEmbedding(config.vocab_size, config.d_model, scale)
+        return ScaledEmbedding(config.vocab_size, config.d_model, self.scale(config, "lookup"))
+
+    def embedding_scale(self, config: PretrainedConfig) -> float:
+        return self.scale(config, "inputs")
 
     def final_norm(self, config: PretrainedConfig) -> nn.Module:
         return LayerNorm(config.d_model, LAYER_NORM_EPS) if self.layout.pre_norm else ResidualSum()
