@@ -254,7 +254,7 @@ def test_mpt_sequences_are_bounded_by_max_seq_len(model_dir):
 
 @pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj", "gemma4", "gemma4-e", "gemma4-unified", "bloom", "mpt",
                                   "opt-350m", "gemma3n", *NEWEST_DENSE_KINDS, "xglm", "mllama", "ctrl", "openai-gpt",
-                                  *CHAMELEON_KINDS])
+                                  *CHAMELEON_KINDS, "bart", "pegasus", "blenderbot-small", "whisper"])
 def test_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, captured_logits, report_logit_diff):
     """7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once, twice: the
     parallel residual (Phi, GPT-NeoX, GPT-J), layers of two head sizes and values from the keys (Gemma 4), layers
@@ -264,7 +264,9 @@ def test_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, ca
     (MiniCPM3's MLA over cached latents, DiffLlama's padded keys and paired values in the cache), sinusoidal
     positions by each token's place in its sequence (XGLM, CTRL), the KV cache of a model whose cross-attention layers
     are skipped (Mllama), GPT-2's positions in post-norm layers (OpenAI GPT), and per-head q/k LayerNorms and
-    post-sublayer norms (Chameleon, its swin_norm)."""
+    post-sublayer norms (Chameleon, its swin_norm), and the decoders of seq2seq models run alone (BART's offset
+    positions and embedding norm in post-norm layers, Pegasus's sinusoidal table, Blenderbot Small's norm before the
+    positions, Whisper's zero key biases)."""
     worst = chunked_prefix_preemption_logit_diff(model_dir(kind), captured_logits, MAX_TOKENS)
     report_logit_diff(f"{kind}, chunked prefill + prefix hits + preemption", worst)
     # Gemma 4 E amplifies fp32 rounding at one position (5e-5 between transformers' own cached and uncached
@@ -393,6 +395,45 @@ def test_gpt2_and_xglm_settings_the_engine_cannot_run_are_refused_by_name(kind, 
     with pytest.raises(ValueError, match=f"{setting}=True") as refused:
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
     assert str(d) in str(refused.value)
+
+
+@pytest.mark.parametrize("kind, changes, refused", [("bart", {"decoder_attention_heads": 2}, "decoder_attention_heads=2"),
+                                                  ("mvp", {"use_prompt": True}, "use_prompt=True"),
+                                                  ("marian", {"decoder_vocab_size": 256}, "decoder_vocab_size=256")])
+def test_seq2seq_decoder_settings_the_engine_cannot_run_are_refused_by_name(kind, changes, refused, model_dir,
+                                                                            tmp_path):
+    d = edited_model(model_dir(kind), tmp_path / "m", **changes)
+    with pytest.raises(ValueError, match=refused) as error:
+        LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
+    assert str(d) in str(error.value)
+
+
+@pytest.mark.parametrize("dim", [64, 63])
+def test_seq2seq_sinusoidal_table_is_marians_and_pegasus_own(dim):
+    """sines | cosines, the sines' half the wider where dim is odd, bit for bit as transformers' (fp64, then fp32)."""
+    from transformers.models.marian.modeling_marian import MarianSinusoidalPositionalEmbedding
+    from transformers.models.pegasus.modeling_pegasus import PegasusSinusoidalPositionalEmbedding
+
+    from nanoinfer.models.seq2seq_decoder import sinusoidal_table
+
+    for table_class in (MarianSinusoidalPositionalEmbedding, PegasusSinusoidalPositionalEmbedding):
+        assert torch.equal(sinusoidal_table(512, dim), table_class(512, dim).create_weight())
+
+
+@pytest.mark.parametrize("kind", ["marian", "pegasus"])
+def test_seq2seq_sinusoidal_table_absent_from_the_checkpoint_is_computed(kind, model_dir, tmp_path, captured_logits):
+    """Files saved from transformers' *ForConditionalGeneration (Marian's leave the table out): the table computed,
+    the same generation as transformers' from the table it saved."""
+    from safetensors.torch import load_file, save_file
+
+    src = model_dir(kind)
+    d = edited_model(src, tmp_path / "m")
+    weights = load_file(d / "model.safetensors")
+    del weights["model.decoder.embed_positions.weight"]
+    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    with LLM(str(d), device="cpu", dtype="float32", max_model_len=128) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert check_against_hf(outputs, cached_hf_greedy(src, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
 
 
 @pytest.mark.parametrize("head", ["embed_out", "lm_head"])

@@ -4,11 +4,11 @@ biases, a dense MLP fc1 / fc2 with biases, LayerNorms at nn.LayerNorm's epsilon)
 skips without encoder states, so its weights (`encoder_attn`, `encoder_attn_layer_norm`) are dropped on loading.
 They differ by a handful of choices (Layout, by model_type): pre-LN layers with a final LayerNorm or post-LN ones
 without; learned positions (offset by 2 rows for BART's descendants) or a fixed sinusoidal table (sines | cosines of
-position / 10000 ** (2i / d), Marian's and Pegasus's: the checkpoint's where it holds one, else computed); token embeddings times
-sqrt(d_model) where `scale_embedding`, in the lookup or after it (Whisper's and Blenderbot Small's decoders never
-scale); a LayerNorm of the embeddings
-(`layernorm_embedding`) after the positions are added (BART) or before (Blenderbot Small). Full seq2seq checkpoints
-(`*ForConditionalGeneration`, `final_logits_bias`) are not registered: their generation needs the encoder."""
+position / 10000 ** (2i / d), Marian's and Pegasus's: the checkpoint's where it holds one, else computed); token
+embeddings times sqrt(d_model) where `scale_embedding`, in the lookup or after it (the decoders of Whisper and
+Blenderbot Small never scale); a LayerNorm of the embeddings (`layernorm_embedding`) after the positions are added
+(BART) or before (Blenderbot Small). Full seq2seq checkpoints (`*ForConditionalGeneration`, `final_logits_bias`) are
+not registered: their generation needs the encoder."""
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -64,8 +64,8 @@ def sinusoidal_table(num_positions: int, dim: int) -> torch.Tensor:
 
 def check_config(config: PretrainedConfig) -> None:
     """What this implementation cannot do, refused by name rather than run differently from transformers."""
-    # The engine sizes the cache and the tensor-parallel split by num_attention_heads, which these configs map to
-    # the encoder's heads.
+    # The engine checks the tensor-parallel split and the attention backend's head size by num_attention_heads, which
+    # these configs map to the encoder's heads.
     if config.decoder_attention_heads != config.num_attention_heads:
         raise ValueError(f"decoder_attention_heads={config.decoder_attention_heads} in {config_source(config)} "
                          f"differs from encoder_attention_heads={config.num_attention_heads}: not supported")
