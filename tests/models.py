@@ -207,10 +207,13 @@ QWEN3_NEXT_KINDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 # table, embeddings scaled after the lookup (input embeddings too). Blenderbot: pre-LN, learned positions from row 0.
 # Blenderbot Small: post-LN, the embeddings' LayerNorm before the positions are added, scale_embedding (its decoder
 # ignores it). Whisper: pre-LN, learned positions from row 0 (max_target_positions), no key bias, scale_embedding
-# ignored too. MVP's embeddings unscaled (transformers scales its token ids' alone, not input embeddings).
+# ignored too. MVP's embeddings unscaled (transformers scales its token ids' alone, not input embeddings). TrOCR:
+# BART's post-LN layers and offset positions without the embeddings' LayerNorm (`layernorm_embedding` false).
+# BigBird-Pegasus: pre-LN, learned positions from row 0, the final norm named `layernorm_embedding`, no attention
+# biases (`use_bias` false), an LM head of its own whatever `tie_word_embeddings` says (its class never ties).
 SEQ2SEQ_DECODER_KINDS = {"bart": "Bart", "mbart": "MBart", "marian": "Marian", "pegasus": "Pegasus",
                          "blenderbot": "Blenderbot", "blenderbot-small": "BlenderbotSmall", "plbart": "PLBart",
-                         "mvp": "Mvp", "whisper": "Whisper"}
+                         "mvp": "Mvp", "trocr": "TrOCR", "bigbird-pegasus": "BigBirdPegasus", "whisper": "Whisper"}
 LAYERNORM_KINDS = ("starcoder2", "stablelm", "phi", "gpt-neox", "cohere", "gpt2", "falcon", "falcon-mqa", "gptj",
                    "gpt-bigcode", "cohere2", "bloom", "mpt", "opt", "opt-350m", "gpt-neo", "codegen", "persimmon",
                    "biogpt", "xglm", "gpt-neox-japanese", "ctrl", "openai-gpt", *SEQ2SEQ_DECODER_KINDS)
@@ -1302,6 +1305,12 @@ def seq2seq_decoder_config(kind: str, special: dict):
                  decoder_ffn_dim=128, encoder_layers=4, encoder_attention_heads=4, encoder_ffn_dim=32,
                  activation_function="relu" if kind in ("pegasus", "blenderbot") else "gelu",
                  init_std=INIT_STD, **special)
+    if kind == "trocr":  # a decoder's config alone; no embeddings' LayerNorm (`layernorm_embedding`)
+        return config_class(**{k: v for k, v in sizes.items() if not k.startswith("encoder_")},
+                            max_position_embeddings=512, scale_embedding=True, layernorm_embedding=False)
+    if kind == "bigbird-pegasus":  # no attention biases (use_bias); full attention (the encoder's block-sparse unused)
+        return config_class(**sizes, max_position_embeddings=512, scale_embedding=True, use_bias=False,
+                            attention_type="original_full")
     if kind == "whisper":  # its decoder's positions: max_target_positions; scale_embedding, which it ignores
         return config_class(**sizes, max_target_positions=512, max_source_positions=64, decoder_start_token_id=1,
                             scale_embedding=True)
@@ -2253,7 +2262,7 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
             model.get_input_embeddings().weight[config.pad_token_id] = 0.0
     randomize_correction_biases_(model, _SEEDS[base_kind] + 2,
                                  LONGCAT_CORRECTION_BIAS_STD if kind == "longcat-flash" else 0.3)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and kind != "bigbird-pegasus":  # its *ForCausalLM never ties
         assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     model.eval()
     model.save_pretrained(str(dir), max_shard_size=SHARD_SIZE if save_sharded else "50GB")

@@ -399,7 +399,9 @@ def test_gpt2_and_xglm_settings_the_engine_cannot_run_are_refused_by_name(kind, 
 
 @pytest.mark.parametrize("kind, changes, refused", [("bart", {"decoder_attention_heads": 2}, "decoder_attention_heads=2"),
                                                   ("mvp", {"use_prompt": True}, "use_prompt=True"),
-                                                  ("marian", {"decoder_vocab_size": 256}, "decoder_vocab_size=256")])
+                                                  ("marian", {"decoder_vocab_size": 256}, "decoder_vocab_size=256"),
+                                                  ("trocr", {"use_learned_position_embeddings": False},
+                                                   "use_learned_position_embeddings=False")])
 def test_seq2seq_decoder_settings_the_engine_cannot_run_are_refused_by_name(kind, changes, refused, model_dir,
                                                                             tmp_path):
     d = edited_model(model_dir(kind), tmp_path / "m", **changes)

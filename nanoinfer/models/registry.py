@@ -137,7 +137,8 @@ _MODELS = {
 # checkpoints are not here: generating with them needs the encoder).
 _MODELS |= {name: ("seq2seq_decoder", "Seq2SeqDecoderForCausalLM") for name in (
     "BartForCausalLM", "MBartForCausalLM", "MarianForCausalLM", "PegasusForCausalLM", "BlenderbotForCausalLM",
-    "BlenderbotSmallForCausalLM", "PLBartForCausalLM", "MvpForCausalLM", "WhisperForCausalLM")}
+    "BlenderbotSmallForCausalLM", "PLBartForCausalLM", "MvpForCausalLM", "TrOCRForCausalLM",
+    "BigBirdPegasusForCausalLM", "WhisperForCausalLM")}
 # Hybrids of attention with recurrent layers (Mamba2, short convolutions, linear attention; Zamba's and Zamba2's
 # shared attention blocks; ZAYA's attention, whose q/k convs and delayed values keep recurrent state).
 _MODELS |= {
