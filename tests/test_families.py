@@ -244,12 +244,14 @@ def test_alibi_family_settings_the_engine_cannot_run_are_refused_by_name(kind, c
     assert str(d) in str(refused.value)
 
 
-def test_mpt_sequences_are_bounded_by_max_seq_len(model_dir):
-    """MPT's config has no max_position_embeddings: its max_seq_len (512 here) bounds max_model_len."""
-    with LLM(str(model_dir("mpt")), device="cpu", dtype="float32") as llm:
+@pytest.mark.parametrize("kind, field", [("mpt", "max_seq_len"), ("whisper", "max_target_positions")])
+def test_sequences_are_bounded_by_the_position_field(kind, field, model_dir):
+    """MPT's and Whisper's configs have no max_position_embeddings: MPT's max_seq_len, Whisper's (its decoder's)
+    max_target_positions (512 here) bound max_model_len."""
+    with LLM(str(model_dir(kind)), device="cpu", dtype="float32") as llm:
         assert llm.llm_engine.config.max_model_len == 512
-    with pytest.raises(ValueError, match="exceeds the 512 positions .*max_seq_len"):
-        LLM(str(model_dir("mpt")), device="cpu", dtype="float32", max_model_len=513)
+    with pytest.raises(ValueError, match=f"exceeds the 512 positions .*{field}"):
+        LLM(str(model_dir(kind)), device="cpu", dtype="float32", max_model_len=513)
 
 
 @pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj", "gemma4", "gemma4-e", "gemma4-unified", "bloom", "mpt",
