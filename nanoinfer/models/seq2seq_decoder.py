@@ -89,6 +89,7 @@ class Seq2SeqDecoderModel(GPT2Model):
         self.layout = LAYOUTS[config.model_type]
         self.position_offset = self.layout.position_offset
         super().__init__(config, attention_options, make_mlp)
+        # TrOCR's config says whether it has one (`layernorm_embedding`); the others' layouts alone.
         self.embedding_norm_at = self.layout.embedding_norm if getattr(config, "layernorm_embedding", True) else None
         self.embedding_norm = None if self.embedding_norm_at is None else LayerNorm(config.d_model, LAYER_NORM_EPS)
 
