@@ -397,14 +397,19 @@ def position_field(config: PretrainedConfig) -> str:
     return {"mpt": "max_seq_len", "whisper": "max_target_positions"}.get(config.model_type, "max_position_embeddings")
 
 
+# The model types whose positions count from pad_token_id + 1 (RoBERTa's layout: bert.py, bert_decoder.py).
+ROBERTA_POSITIONS = ("roberta", "xlm-roberta", "camembert", "data2vec-text", "roberta-prelayernorm", "xlm-roberta-xl",
+                     "xmod")
+
+
 def position_limit(config: PretrainedConfig) -> int | None:
     """The longest sequence the model's positions cover: position_field's value (None: no positions, as Mamba's or
-    BLOOM's, no limit), less the first pad_token_id + 1 rows that RoBERTa's positions skip (models/bert.py). RWKV's
+    BLOOM's, no limit), less the first pad_token_id + 1 rows that RoBERTa's positions skip (ROBERTA_POSITIONS). RWKV's
     context_length (its max_position_embeddings) bounds a single pass of transformers' CUDA kernel, not a sequence."""
     if config.model_type == "rwkv":
         return None
     limit = getattr(config, position_field(config), None)
-    if limit is not None and config.model_type in ("roberta", "xlm-roberta"):
+    if limit is not None and config.model_type in ROBERTA_POSITIONS:
         limit -= (config.pad_token_id or 0) + 1
     return limit
 

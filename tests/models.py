@@ -18,6 +18,7 @@ Public API (used by conftest.py and the engine tests):
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 import math
@@ -291,6 +292,26 @@ EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_N
                + ("vaultgemma",)
                + LAYERNORM_KINDS + DEEPSEEK_KINDS + DENSE_KINDS + ("gpt-oss",)
                + ("solar-open", "minimax-m2", "cohere2-moe", "cohere2-moe-sigmoid") + MLA_KINDS)
+# BERT-style models as decoders (BERT_DECODER_KINDS, bert_decoder_config: is_decoder, causal), every LayerNorm at
+# LAYER_NORM_EPS, tied decoders with biases: BERT (bert-lmhead): post-LN layers, token type 0, the prediction head's
+# activation the config's "gelu_new"; ERNIE (ernie-lmhead): BERT's with ERNIE's task type 0 (use_task_id);
+# BertGeneration (bert-generation-lmhead): no token types, no prediction head; ELECTRA (electra-lmhead): embeddings
+# narrower than the layers (embedding_size), projected, its generator head as narrow, ReLU layers under its fixed GeLU;
+# RoBERTa (roberta-lmhead): positions from pad_token_id + 1 (2 + 1 here), ReLU layers under the head's fixed GeLU;
+# XLM-RoBERTa, CamemBERT and Data2Vec-Text (xlm-roberta-lmhead, camembert-lmhead, data2vec-text-lmhead): RoBERTa's model
+# under their own classes; RoBERTa-PreLayerNorm (roberta-prelayernorm-lmhead): pre-LN layers, a final LayerNorm;
+# XLM-RoBERTa-XL (xlm-roberta-xl-lmhead) and Megatron-BERT (megatron-bert-lmhead): pre-LN, embeddings without a
+# LayerNorm, RoBERTa's and BERT's positions; BigBird (big-bird-lmhead): BERT's with full attention, no q/k/v biases
+# (use_bias), word embeddings scaled (rescale_embeddings); RemBERT (rembert-lmhead): embeddings 32 wide projected in, a
+# head 48 wide, untied; X-MOD (xmod-lmhead): RoBERTa's with two languages' adapters 32 wide, the second the default;
+# RoCBert (roc-bert-lmhead): BERT's with the shape and pronunciation embeddings of id 0 joined to the word embeddings
+# and mapped back (concat_input); RoFormer (roformer-lmhead): rope on interleaved pairs, no position embeddings (its
+# sinusoid table as transformers computes it), embeddings 32 wide projected in.
+BERT_DECODER_KINDS = ("bert-lmhead", "ernie-lmhead", "bert-generation-lmhead", "electra-lmhead", "roberta-lmhead",
+                      "xlm-roberta-lmhead", "camembert-lmhead", "data2vec-text-lmhead", "roberta-prelayernorm-lmhead",
+                      "xlm-roberta-xl-lmhead", "megatron-bert-lmhead", "big-bird-lmhead", "rembert-lmhead", "xmod-lmhead",
+                      "roc-bert-lmhead", "roformer-lmhead")
+EXTRA_KINDS += BERT_DECODER_KINDS
 # Mamba-1 mixers (see mamba1_config): Mamba (projection biases, tied), Falcon-Mamba (weightless dt/B/C norms, untied),
 # Jamba (dt/B/C norms with weights; attention without rope on layer 2; 2 of 4 experts on layers 1 and 3, dense MLPs
 # on 0 and 2).
@@ -606,6 +627,7 @@ _SEEDS |= {"hy-v4": 4680, XLSTM_KIND: 5791, "qwen4-exp": 5791, "deepseek-v4": 57
 _SEEDS |= {"biogpt": 9707, "xglm": 1818, "mllama": 2929, "emu3": 3030, "gpt-neox-japanese": 4141}
 _SEEDS |= {"chameleon": 7550, "chameleon-swin": 7551}
 _SEEDS |= {kind: 7650 + i for i, kind in enumerate(SEQ2SEQ_DECODER_KINDS)}
+_SEEDS |= {kind: 7600 + i for i, kind in enumerate(BERT_DECODER_KINDS)}
 _SEEDS |= {"ctrl": 5252, "openai-gpt": 6363, "minicpm5-moe": 7474, "apertus1.5": 8585, "dory": 9696,
            "lara-mini": 9696, "kolibri1-1": 9696, "ergo": 9696, "phi4-multimodal": 1357,
            "mistral4": 1746, "inkling2-loop": 9696}
@@ -642,6 +664,8 @@ def make_config(kind: str):
         return mamba2_hybrid_config(kind, special)
     if kind in NEWEST_KINDS:
         return newest_family_config(kind, special)
+    if kind in BERT_DECODER_KINDS:
+        return bert_decoder_config(kind, special)
     if kind in ("qwen3", "qwen3-sharded"):
         return Qwen3Config(
             **_COMMON,
@@ -1316,6 +1340,37 @@ def seq2seq_decoder_config(kind: str, special: dict):
                             scale_embedding=True)
     return config_class(**sizes, max_position_embeddings=512, scale_embedding=kind != "mvp",
                         tie_word_embeddings=kind != "mbart")
+
+
+def bert_decoder_config(kind: str, special: dict):
+    """BERT_DECODER_KINDS' configs: transformers' class by name, the kind's own settings."""
+    import transformers
+
+    name, settings = {"bert-lmhead": ("BertConfig", dict(hidden_act="gelu_new")),
+                      "ernie-lmhead": ("ErnieConfig", dict(use_task_id=True, task_type_vocab_size=3)),
+                      "bert-generation-lmhead": ("BertGenerationConfig", {}),
+                      "electra-lmhead": ("ElectraConfig", dict(embedding_size=32, hidden_act="relu")),
+                      "roberta-lmhead": ("RobertaConfig", dict(hidden_act="relu")),
+                      "xlm-roberta-lmhead": ("XLMRobertaConfig", {}),
+                      "camembert-lmhead": ("CamembertConfig", {}),
+                      "data2vec-text-lmhead": ("Data2VecTextConfig", {}),
+                      "roberta-prelayernorm-lmhead": ("RobertaPreLayerNormConfig", {}),
+                      "xlm-roberta-xl-lmhead": ("XLMRobertaXLConfig", {}),
+                      "megatron-bert-lmhead": ("MegatronBertConfig", {}),
+                      "big-bird-lmhead": ("BigBirdConfig", dict(use_bias=False, rescale_embeddings=True)),
+                      "rembert-lmhead": ("RemBertConfig", dict(input_embedding_size=32, output_embedding_size=48,
+                                                               tie_word_embeddings=False)),
+                      "xmod-lmhead": ("XmodConfig", dict(languages=["en_XX", "de_DE"], default_language="de_DE",
+                                                         adapter_reduction_factor=2)),
+                      "roc-bert-lmhead": ("RoCBertConfig", dict(shape_vocab_size=20, shape_embed_dim=16,
+                                                                pronunciation_vocab_size=30,
+                                                                pronunciation_embed_dim=24)),
+                      "roformer-lmhead": ("RoFormerConfig", dict(embedding_size=32))}[kind]
+    settings = dict(hidden_act="gelu", tie_word_embeddings=True) | settings
+    return getattr(transformers, name)(vocab_size=MODEL_VOCAB_SIZE, hidden_size=64, num_hidden_layers=3,
+                                       num_attention_heads=4, intermediate_size=128, max_position_embeddings=512,
+                                       layer_norm_eps=LAYER_NORM_EPS, initializer_range=INIT_STD, is_decoder=True,
+                                       **settings, **special)
 
 
 def newest_family_config(kind: str, special: dict):
@@ -2107,6 +2162,23 @@ def _randomize_(model, seed: int) -> None:
                 p.copy_(INIT_STD * torch.randn(p.shape, generator=g))
 
 
+def _randomize_bert_decoder_(model, seed: int) -> None:
+    """_randomize_ by the BERT decoders' names: their LayerNorms' (`LayerNorm`, `layer_norm`, Megatron-BERT's `ln`) as
+    norms, the rest by suffix alone (RoBERTa-PreLayerNorm's prefix `roberta_prelayernorm.` names every tensor)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith(".bias"):
+                p.copy_(BIAS_STD * torch.randn(p.shape, generator=g))
+            elif name.endswith(("LayerNorm.weight", "layer_norm.weight", ".ln.weight")):
+                p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(INIT_STD * torch.randn(p.shape, generator=g))
+        for module in model.modules():  # RoFormer's sinusoid table: transformers' own, as its checkpoints hold it
+            if hasattr(module, "create_weight"):
+                module.weight.copy_(module.create_weight())
+
+
 def randomize_correction_biases_(model, seed: int, std: float = 0.3) -> None:
     """The routers' correction biases (V3's, LFM2-MoE's): buffers, saved with the weights, that _randomize_ misses."""
     g = torch.Generator().manual_seed(seed)
@@ -2122,11 +2194,18 @@ _CAUSAL_LM_CLASSES = {"mllama_text_model": "MllamaForCausalLM", "emu3_text_model
                       "mistral4": "Mistral4ForCausalLM", "chameleon": "ChameleonForConditionalGeneration"}
 
 
+# The BERT decoders whose transformers 5.17 module attends bidirectionally as a decoder, by their module's name.
+BIDIRECTIONAL_IN_5_17 = {"megatron-bert-lmhead": "megatron_bert", "big-bird-lmhead": "big_bird",
+                         "rembert-lmhead": "rembert", "roformer-lmhead": "roformer"}
+
+
 def unusable_reference(kind: str) -> str | None:
     """Why the installed transformers cannot be the reference for `kind`, or None. transformers 5.17's Doge lets SDPA
     skip the causal mask and then adds its dynamic mask onto none: its prefill sees later tokens (5.23 keeps the mask).
     Its Cohere Compass reorders the leading rope frequencies: the same checkpoint rotates otherwise than under 5.23.
-    5.23's and 5.17's HY-V4 rotate halves of its heads where 5.25's (and the engine) rotate interleaved pairs."""
+    5.23's and 5.17's HY-V4 rotate halves of its heads where 5.25's (and the engine) rotate interleaved pairs. 5.17's
+    Megatron-BERT, BigBird, RemBERT and RoFormer build a bidirectional mask whatever `is_decoder` says (5.25's a causal
+    one as decoders)."""
     import transformers
     if kind == "cohere-compass":
         from transformers.models.cohere_compass import modeling_cohere_compass
@@ -2138,6 +2217,12 @@ def unusable_reference(kind: str) -> str | None:
         if "apply_rotary_pos_emb_interleave" not in inspect.getsource(modeling_hy_v4):
             return (f"transformers {transformers.__version__}'s HY-V4 ropes halves of its heads (5.25's, which the "
                     f"engine follows, interleaved pairs)")
+    if kind in BIDIRECTIONAL_IN_5_17:
+        family = BIDIRECTIONAL_IN_5_17[kind]
+        if "create_causal_mask" not in inspect.getsource(importlib.import_module(f"transformers.models.{family}."
+                                                                                 f"modeling_{family}")):
+            return (f"transformers {transformers.__version__}'s {family} attends to later tokens as a decoder (5.25's "
+                    f"masks them)")
     if kind == "doge":
         from transformers.models.doge import modeling_doge
         if "allow_is_causal_skip" not in inspect.getsource(modeling_doge.DogeModel.forward):
@@ -2235,6 +2320,8 @@ def build_model(kind: str, dir, *, save_sharded: bool | None = None) -> pathlib.
             for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
                 if ".norm_" in name or ".post_norm" in name or (".ln_" in name and name.endswith(".weight")):
                     p.copy_(1.0 + NORM_NOISE * torch.randn(p.shape, generator=g))
+    if kind in BERT_DECODER_KINDS:
+        _randomize_bert_decoder_(model, _SEEDS[base_kind])
     if kind == "axk2":  # its norms' gate MLPs, which _randomize_ took for norm weights (1 + noise), as linears
         g = torch.Generator().manual_seed(_SEEDS[base_kind] + 4)
         with torch.no_grad():
@@ -2361,6 +2448,8 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
     if cache_kw is None:
         return [hf_greedy_uncached(model, prompt, max_new_tokens) for prompt in prompts_token_ids]
     device = model.device
+    derives_positions = (hasattr(getattr(model.base_model, "embeddings", None), "create_position_ids_from_input_ids")
+                         or model.config.model_type == "kosmos-2.5")
     results = []
     for prompt in prompts_token_ids:
         prompt = [int(t) for t in prompt]
@@ -2386,15 +2475,15 @@ def hf_greedy(model_dir, prompts_token_ids: Sequence[Sequence[int]], max_new_tok
             if i == max_new_tokens - 1:
                 break
             pos = len(prompt) + i
-            # Kosmos-2.5's position ids are rows of its sinusoidal table (from pad_token_id + 1 on): its generate()
-            # passes none, leaving its embedding to count them from the cache.
-            position_ids = ({} if model.config.model_type == "kosmos-2.5" else
-                            {"position_ids": torch.tensor([[pos]], dtype=torch.long, device=device)})
+            # Positions derived from the ids (RoBERTa's layout, from pad_token_id + 1; Kosmos-2.5's sinusoidal rows, as
+            # its generate() leaves them): given, they would be taken as they are.
+            positions = {} if derives_positions else {"position_ids": torch.tensor([[pos]], dtype=torch.long,
+                                                                                    device=device)}
             out = model(
                 input_ids=torch.tensor([[nxt]], dtype=torch.long, device=device),
                 **{cache_kw: cache},
                 use_cache=True,
-                **position_ids,
+                **positions,
                 cache_position=torch.tensor([pos], dtype=torch.long, device=device),
             )
             cache = getattr(out, cache_kw, cache)

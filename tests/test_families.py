@@ -2,7 +2,8 @@
 test_olmo.py; MoE: test_moe.py): tensor parallelism against transformers, Gemma 3's, GPT-NeoX's, GPT-2's and Dory's Hub
 layouts, Lara Mini's rope under a partial_rotary_factor, the Gemma, GPT-2, XGLM, Laguna, Mellum, OLMo Hybrid and Lara
 Mini config settings the engine refuses by name, the parallel residual (Phi, GPT-NeoX) and GPT-2's absolute positions
-under chunked prefill, prefix-cache hits and preemption, and the interleaved rope layout (Cohere, GLM)."""
+under chunked prefill, prefix-cache hits and preemption, the interleaved rope layout (Cohere, GLM), and the BERT
+decoders' settings the engine refuses by name."""
 import importlib
 import json
 import re
@@ -16,6 +17,12 @@ from models import (CHAMELEON_IMAGE_TOKENS, CHAMELEON_KINDS, LAYERNORM_KINDS, NE
                     random_prompts, shared_prefix_prompts)
 from nanoinfer import LLM, SamplingParams
 
+# The BERT decoders' distinct code paths: post-LN with BERT's head, RoBERTa's positions, ELECTRA's narrow embeddings
+# and head, RemBERT's embeddings and untied head of two other widths, BertGeneration's bare decoder, pre-LN without an
+# embeddings LayerNorm (XLM-RoBERTa-XL's, RoBERTa's positions), X-MOD's language adapters, RoCBert's joined embeddings,
+# RoFormer's rope.
+BERT_DECODER_PATHS = ("bert-lmhead", "roberta-lmhead", "electra-lmhead", "rembert-lmhead", "bert-generation-lmhead",
+                      "xlm-roberta-xl-lmhead", "xmod-lmhead", "roc-bert-lmhead", "roformer-lmhead")
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 PROMPTS = random_prompts(3, 5, 440, 5, 60, seed=31) + [[17]]
@@ -26,7 +33,7 @@ LOGIT_ATOL = 1e-4
 @pytest.mark.parametrize("kind", ["gemma3", "phi3", "gemma2", "gemma", "granite", "smollm3", "glm4", "glm",
                                   *LAYERNORM_KINDS, "nemotron", "gemma4", "gemma4-e", "gemma4-unified", "ministral",
                                   "ministral3", "vaultgemma", "granite-swa", "jais2", "nanochat", "gemma3n",
-                                  *NEWEST_DENSE_KINDS, "mllama", *CHAMELEON_KINDS])
+                                  *NEWEST_DENSE_KINDS, "mllama", *CHAMELEON_KINDS, *BERT_DECODER_PATHS])
 def test_tensor_parallel_2_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """Two ranks (a spawned worker): each holds half the heads and MLP; windows, ropes and norms per rank."""
     d = model_dir(kind)
@@ -256,7 +263,8 @@ def test_sequences_are_bounded_by_the_position_field(kind, field, model_dir):
 
 @pytest.mark.parametrize("kind", ["phi", "gpt-neox", "gptj", "gemma4", "gemma4-e", "gemma4-unified", "bloom", "mpt",
                                   "opt-350m", "gemma3n", *NEWEST_DENSE_KINDS, "xglm", "mllama", "ctrl", "openai-gpt",
-                                  *CHAMELEON_KINDS, "bart", "pegasus", "blenderbot-small", "whisper"])
+                                  *CHAMELEON_KINDS, "bart", "pegasus", "blenderbot-small", "whisper",
+                                  *BERT_DECODER_PATHS])
 def test_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, captured_logits, report_logit_diff):
     """7-token chunks, a shared 40-token prefix and a cache too small for all the sequences at once, twice: the
     parallel residual (Phi, GPT-NeoX, GPT-J), layers of two head sizes and values from the keys (Gemma 4), layers
@@ -265,10 +273,12 @@ def test_chunked_prefill_prefix_hits_and_preemption_match_hf(kind, model_dir, ca
     positions (OPT-350m), Doge's key biases cached with the keys, the other dense variants of NEWEST_DENSE_KINDS
     (MiniCPM3's MLA over cached latents, DiffLlama's padded keys and paired values in the cache), sinusoidal
     positions by each token's place in its sequence (XGLM, CTRL), the KV cache of a model whose cross-attention layers
-    are skipped (Mllama), GPT-2's positions in post-norm layers (OpenAI GPT), and per-head q/k LayerNorms and
-    post-sublayer norms (Chameleon, its swin_norm), and the decoders of seq2seq models run alone (BART's offset
-    positions and embedding norm in post-norm layers, Pegasus's sinusoidal table, Blenderbot Small's norm before the
-    positions, Whisper's zero key biases)."""
+    are skipped (Mllama), GPT-2's positions in post-norm layers (OpenAI GPT), and per-head q/k LayerNorms and post-
+    sublayer norms (Chameleon, its swin_norm), and the decoders of seq2seq models run alone (BART's offset positions and
+    embedding norm in post-norm layers, Pegasus's sinusoidal table, Blenderbot Small's norm before the positions,
+    Whisper's zero key biases), and the BERT decoders' paths (BERT_DECODER_PATHS): RoBERTa's positions from pad_token_id
+    + 1, post-LN and pre-LN layers, ELECTRA's and RemBERT's projected embeddings, X-MOD's adapters, RoCBert's joined
+    embeddings, RoFormer's rope."""
     worst = chunked_prefix_preemption_logit_diff(model_dir(kind), captured_logits, MAX_TOKENS)
     report_logit_diff(f"{kind}, chunked prefill + prefix hits + preemption", worst)
     # Gemma 4 E amplifies fp32 rounding at one position (5e-5 between transformers' own cached and uncached
@@ -399,17 +409,29 @@ def test_gpt2_and_xglm_settings_the_engine_cannot_run_are_refused_by_name(kind, 
     assert str(d) in str(refused.value)
 
 
-@pytest.mark.parametrize("kind, changes, refused", [("bart", {"decoder_attention_heads": 2}, "decoder_attention_heads=2"),
-                                                  ("mvp", {"use_prompt": True}, "use_prompt=True"),
-                                                  ("marian", {"decoder_vocab_size": 256}, "decoder_vocab_size=256"),
-                                                  ("trocr", {"use_learned_position_embeddings": False},
-                                                   "use_learned_position_embeddings=False")])
-def test_seq2seq_decoder_settings_the_engine_cannot_run_are_refused_by_name(kind, changes, refused, model_dir,
-                                                                            tmp_path):
+@pytest.mark.parametrize("kind, changes, message", [
+    # The seq2seq decoders: what their configs hold for the encoder, MVP's prompts, Marian's own decoder vocabulary,
+    # TrOCR's pad-counting sinusoids.
+    ("bart", {"decoder_attention_heads": 2}, "decoder_attention_heads=2"),
+    ("mvp", {"use_prompt": True}, "use_prompt=True"),
+    ("marian", {"decoder_vocab_size": 256}, "decoder_vocab_size=256"),
+    ("trocr", {"use_learned_position_embeddings": False}, "use_learned_position_embeddings=False"),
+    # The BERT decoders: transformers runs them bidirectionally without is_decoder; cross-attention needs an
+    # encoder's states.
+    ("roberta-lmhead", dict(is_decoder=False), "is_decoder=False"),
+    ("bert-lmhead", dict(add_cross_attention=True), "add_cross_attention=True"),
+    ("electra-lmhead", dict(position_embedding_type="relative_key"), "position_embedding_type='relative_key'"),
+    # X-MOD's adapters as its checkpoints set them up, and a default language (transformers needs one too).
+    ("xmod-lmhead", dict(pre_norm=True), "pre_norm=True"),
+    ("xmod-lmhead", dict(ln_before_adapter=False), "ln_before_adapter=False"),
+    ("xmod-lmhead", dict(default_language=None), "default_language=None"),
+    ("roformer-lmhead", dict(rotary_value=True), "rotary_value=True"),
+])
+def test_decoder_settings_the_engine_cannot_run_are_refused_by_name(kind, changes, message, model_dir, tmp_path):
     d = edited_model(model_dir(kind), tmp_path / "m", **changes)
-    with pytest.raises(ValueError, match=refused) as error:
+    with pytest.raises(ValueError, match=message) as refused:
         LLM(str(d), device="cpu", dtype="float32", max_model_len=64)
-    assert str(d) in str(error.value)
+    assert str(d) in str(refused.value)
 
 
 @pytest.mark.parametrize("dim", [64, 63])
