@@ -17,10 +17,10 @@
 # cannot load). To run them, carry its wheel. Once, here: `echo /.whl/ >> .git/info/exclude; pip download --no-deps
 # --only-binary=:all: -d .whl gguf==0.19.0`; then call the device with carry [".whl"]: this script installs
 # .whl/*.whl into /tmp/site (gguf's own needs, numpy, pyyaml, requests and tqdm, are on that image).
-# Estimated for an H100, not measured (nothing here has run on one yet): the CUDA tests 8-13 min (the first
+# Estimated for an H100, not measured (nothing here has run on one yet): the CUDA tests 10-16 min (the first
 # compilation of a few hundred Triton kernel variants, as each model shape's engine compiles its prefill and decode
-# variants at start-up; ~430 engines in test_gpu.py alone, 146 families x the triton and PyTorch backends in fp32
-# and 70 x 2 in bf16, each capturing four decode graphs with triton; ~220 transformers references), more than
+# variants at start-up; ~540 engines in test_gpu.py alone, 184 kinds x the triton and PyTorch backends in fp32
+# and 86 x 2 in bf16, each capturing four decode graphs with triton; ~270 transformers references), more than
 # `all` gives them, so call `cuda` alone; the
 # rest of the suite ~26 min of one 2-core machine here, so about 3-4 min on 12 workers; the benchmarks 3-4 min at
 # these limits. Whatever a part leaves unfinished, a second call with that part alone (`cuda`, `cpu`, `bench`) runs.
