@@ -309,8 +309,8 @@ EXTRA_KINDS = (("qwen3-moe", "qwen2-swa", "qwen3-swa") + MISTRAL_KINDS + QWEN3_N
 # sinusoid table as transformers computes it), embeddings 32 wide projected in.
 BERT_DECODER_KINDS = ("bert-lmhead", "ernie-lmhead", "bert-generation-lmhead", "electra-lmhead", "roberta-lmhead",
                       "xlm-roberta-lmhead", "camembert-lmhead", "data2vec-text-lmhead", "roberta-prelayernorm-lmhead",
-                      "xlm-roberta-xl-lmhead", "megatron-bert-lmhead", "big-bird-lmhead", "rembert-lmhead", "xmod-lmhead",
-                      "roc-bert-lmhead", "roformer-lmhead")
+                      "xlm-roberta-xl-lmhead", "megatron-bert-lmhead", "big-bird-lmhead", "rembert-lmhead",
+                      "xmod-lmhead", "roc-bert-lmhead", "roformer-lmhead")
 EXTRA_KINDS += BERT_DECODER_KINDS
 # Mamba-1 mixers (see mamba1_config): Mamba (projection biases, tied), Falcon-Mamba (weightless dt/B/C norms, untied),
 # Jamba (dt/B/C norms with weights; attention without rope on layer 2; 2 of 4 experts on layers 1 and 3, dense MLPs
