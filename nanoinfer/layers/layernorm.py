@@ -42,10 +42,10 @@ class RMSNorm(nn.Module):
         return self._norm(residual), residual
 
 
-class ShardedRMSNorm(RMSNorm):
-    """An RMSNorm over a width split evenly across the tensor-parallel ranks, as a RowParallelLinear's input is
-    (BitNet's norms of the attention output and of the MLP's activations): each rank holds its slice of the weight,
-    and the mean square is the whole row's, the ranks' equal-width means averaged by one all-reduce."""
+class RankSliced:
+    """A norm (mixed in before its class) over a width split evenly across the tensor-parallel ranks, as a
+    RowParallelLinear's input is: each rank holds its slice of every checkpoint vector (weight, bias); the
+    statistics are the whole row's (the norm's forward all-reduces them)."""
 
     def __init__(self, full_size: int, eps: float):
         if full_size % tp_size():
@@ -54,7 +54,16 @@ class ShardedRMSNorm(RMSNorm):
         self.full_size, self.tp_size, self.tp_group = full_size, tp_size(), tp_group()
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        load_rank_slice(param, loaded, self.full_size)
+        if tuple(loaded.shape) != (self.full_size,):
+            raise ValueError(f"shape mismatch: checkpoint norm vector {tuple(loaded.shape)}, expected "
+                             f"({self.full_size},)")
+        width = param.numel()
+        copy_weight(param, loaded.narrow(0, tp_rank() * width, width))
+
+
+class ShardedRMSNorm(RankSliced, RMSNorm):
+    """BitNet's norms of the attention output and of the MLP's activations: the mean square is the whole row's, the
+    ranks' equal-width means averaged by one all-reduce."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -63,14 +72,6 @@ class ShardedRMSNorm(RMSNorm):
         mean_square = xf.pow(2).mean(-1, keepdim=True)
         dist.all_reduce(mean_square, group=self.tp_group)
         return self.weight * (xf * torch.rsqrt(mean_square / self.tp_size + self.eps)).to(x.dtype)
-
-
-def load_rank_slice(param: nn.Parameter, loaded: torch.Tensor, full_size: int) -> None:
-    """This rank's even slice of a norm's checkpoint vector (weight or bias) `full_size` long."""
-    if tuple(loaded.shape) != (full_size,):
-        raise ValueError(f"shape mismatch: checkpoint norm vector {tuple(loaded.shape)}, expected ({full_size},)")
-    width = param.numel()
-    copy_weight(param, loaded.narrow(0, tp_rank() * width, width))
 
 
 class WeightlessRMSNorm(RMSNorm):
@@ -202,19 +203,9 @@ class LayerNorm(nn.Module):
         return self._norm(residual), residual
 
 
-class ShardedLayerNorm(LayerNorm):
-    """A LayerNorm over a width split evenly across the tensor-parallel ranks, as a RowParallelLinear's input is
-    (Kosmos-2.5's norm of the MLP's activations): each rank holds its slices of the weight and bias, and the mean and
-    variance are the whole row's, from the ranks' sums (one all-reduce each)."""
-
-    def __init__(self, full_size: int, eps: float):
-        if full_size % tp_size():
-            raise ValueError(f"tensor_parallel_size={tp_size()} does not divide the normalized width {full_size}")
-        super().__init__(full_size // tp_size(), eps)
-        self.full_size, self.tp_size, self.tp_group = full_size, tp_size(), tp_group()
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        load_rank_slice(param, loaded, self.full_size)
+class ShardedLayerNorm(RankSliced, LayerNorm):
+    """Kosmos-2.5's norm of the MLP's activations: the mean and variance are the whole row's, from the ranks' sums
+    (one all-reduce each)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
