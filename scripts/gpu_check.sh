@@ -1,33 +1,36 @@
 #!/usr/bin/env bash
 # For a session with a CUDA GPU, in one 10-minute device call from the repository root (a task's device time is 15
-# minutes, start-up included): the CUDA tests (the Triton kernels at real sizes, then the engine against transformers
-# on every backend) on the GPU while the rest of the suite runs beside them on the host's cores (pytest-xdist, which
-# the GPU machine's image has), then bench.py's CUDA benchmarks alone (benchmarks/attention.py's and sampler.py's kernel speeds,
+# minutes, start-up included): the core CUDA tests (the Triton kernels at real sizes, then the engine against
+# transformers on every backend, for the families the GPU issues name; the other families' CUDA tests, marked `wide`,
+# are a part of their own) on the GPU while the rest of the suite runs beside them on the host's cores (pytest-xdist,
+# which the GPU machine's image has), then bench.py's CUDA benchmarks alone (benchmarks/attention.py's and sampler.py's kernel speeds,
 # bench.py: nano-vllm's workload, --compare-hf, --profile, then the workload with --async-scheduling) so that their
 # timings are not shared with the tests.
 # Each test's result (and a failure's traceback) is logged the moment it ends (scripts/pytest_live_report.py), so a
 # part cut short by its time limit still shows everything it reached. Logs go under $OUT (default ./gpu-check); a
 # short summary ends the output.
-#   scripts/gpu_check.sh [all|tests|cuda|bench|cpu]      (one part per call gives that part the whole budget)
-# Env: PYTHON (python3), TOTAL_LIMIT (570 s for the whole call); TESTS_LIMIT (300 s for the tests with `all`), ATTN_LIMIT
-#      (60 s), BENCH_LIMIT (200 s with `all`), RUN_LIMIT (40 s per nanoinfer run inside bench.py with `all`, else 120 s);
+#   scripts/gpu_check.sh [all|tests|cuda|wide|bench|cpu]  (all: tests and bench; tests: the core CUDA tests and the
+#   CPU suite; cuda: the core CUDA tests, then the wide ones; one part per call gives it the whole budget)
+# Env: PYTHON (python3), PYTEST_ARGS (more arguments for the CUDA tests' pytest, e.g. -k), TOTAL_LIMIT (570 s for
+#      the whole call); TESTS_LIMIT (300 s for the tests with `all`), ATTN_LIMIT (60 s), BENCH_LIMIT (200 s with
+#      `all`), RUN_LIMIT (40 s per nanoinfer run inside bench.py with `all`, else 120 s);
 #      CPU_WORKERS (the host's cores less 4, for the suite beside the CUDA tests; 0: run it after them, in one
 #      process); TEST_LIMIT (150 s: a test running longer dumps its stack).
 # The GPU machine's image lacks gguf: without it the GGUF tests skip (and example.py's default model, a GGUF file,
 # cannot load). To run them, carry its wheel. Once, here: `echo /.whl/ >> .git/info/exclude; pip download --no-deps
 # --only-binary=:all: -d .whl gguf==0.19.0`; then call the device with carry [".whl"]: this script installs
 # .whl/*.whl into /tmp/site (gguf's own needs, numpy, pyyaml, requests and tqdm, are on that image).
-# Estimated for an H100, not measured (nothing here has run on one yet): the CUDA tests 10-16 min (the first
-# compilation of a few hundred Triton kernel variants, as each model shape's engine compiles its prefill and decode
-# variants at start-up; ~540 engines in test_gpu.py alone, 184 kinds x the triton and PyTorch backends in fp32
-# and 86 x 2 in bf16, each capturing four decode graphs with triton; ~270 transformers references), more than
-# `all` gives them, so call `cuda` alone; the
-# rest of the suite ~26 min of one 2-core machine here, so about 3-4 min on 12 workers; the benchmarks 3-4 min at
-# these limits. Whatever a part leaves unfinished, a second call with that part alone (`cuda`, `cpu`, `bench`) runs.
+# Estimated for an H100, not measured (nothing here has run on one yet): the core CUDA tests 3-5 min (162 tests, ~80
+# engines, the first compilation of the Triton kernels' variants); the wide ones 10-16 min (~500 engines in
+# test_gpu.py, 177 more kinds x the triton and PyTorch backends in fp32 and 81 x 2 in bf16, each capturing four decode
+# graphs with triton, each model shape compiling its own kernel variants; ~260 transformers references), more than
+# one call: split them with PYTEST_ARGS, e.g. `PYTEST_ARGS="-k fp32" scripts/gpu_check.sh wide`; the rest of the
+# suite ~26 min of one 2-core machine here, so about 3-4 min on 12 workers; the benchmarks 3-4 min at these limits.
+# Whatever a part leaves unfinished, a second call with that part alone (`cuda`, `wide`, `cpu`, `bench`) runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-all}
-case "$PART" in all|tests|cuda|bench|cpu) ;; *) echo "usage: $0 [all|tests|cuda|bench|cpu]" >&2; exit 2;; esac
+case "$PART" in all|tests|cuda|wide|bench|cpu) ;; *) echo "usage: $0 [all|tests|cuda|wide|bench|cpu]" >&2; exit 2;; esac
 OUT=${OUT:-$PWD/gpu-check}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
@@ -99,11 +102,15 @@ if [ "$want_cpu" = 1 ] && [ "$CPU_WORKERS" -gt 0 ]; then
   run_cpu_tests "$TESTS_LIMIT" &  # beside the CUDA tests: they take the GPU and a core, this the other cores
   cpu_pid=$!
 fi
+# The kernels first, then the engine (pytest collects a file named twice once), then any other cuda test, the
+# random schedules' ~50 engines last: if the time runs out, the widest net is cut, not a targeted check.
+CUDA_FILES=(tests/test_triton_attention_cuda.py tests/test_gpu.py $(ls tests/test_*.py | grep -v test_random_schedules)
+            tests/test_random_schedules.py)
 if [ "$PART" = all ] || [ "$PART" = tests ] || [ "$PART" = cuda ]; then
-  # The kernels first, then the engine (pytest collects a file named twice once), then any other cuda test, the
-  # random schedules' ~50 engines last: if the time runs out, the wide net is cut, not a targeted check.
-  run_tests cuda "$TESTS_LIMIT" -m cuda tests/test_triton_attention_cuda.py tests/test_gpu.py \
-    $(ls tests/test_*.py | grep -v test_random_schedules) tests/test_random_schedules.py
+  run_tests cuda "$TESTS_LIMIT" -m "cuda and not wide" ${PYTEST_ARGS:-} "${CUDA_FILES[@]}"
+fi
+if [ "$PART" = cuda ] || [ "$PART" = wide ]; then
+  run_tests wide "$TESTS_LIMIT" -m "cuda and wide" ${PYTEST_ARGS:-} "${CUDA_FILES[@]}"
 fi
 [ -n "$cpu_pid" ] && wait "$cpu_pid"
 if [ "$PART" = all ] || [ "$PART" = bench ]; then
@@ -132,7 +139,7 @@ fi
 # ---- summary: what the output tail should hold ----
 echo "== environment"
 cat "$OUT/env.txt"
-for name in cuda cpu; do
+for name in cuda wide cpu; do
   [ -f "$STATE/$name.rc" ] || continue
   live=$OUT/$name.live
   echo "== $name tests: exit $(cat "$STATE/$name.rc") (124: cut at its time limit) |" \

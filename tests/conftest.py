@@ -13,7 +13,8 @@ name of every model is its kind, e.g. `qwen3_dir.name == "qwen3"`):
     any_model_dir        parametrized over the 4 main kinds (qwen3, qwen3-untied, qwen2, llama)
 
 Env: NANOINFER_TEST_THREADS (default 2) -> torch.set_num_threads.
-Markers: `slow`; `cuda` (tests/test_gpu.py: skipped, with the reason, where no CUDA device is visible).
+Markers: `slow`; `cuda` (skipped, with the reason, where no CUDA device is visible); `wide` (the CUDA tests of
+families beyond those the GPU issues name).
 Every other test pins device="cpu", so the suite is the same on a GPU machine.
 """
 
