@@ -8,7 +8,6 @@ so tests/test_triton.py runs this file in a pytest process of its own."""
 import os
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,6 +15,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.exit("run through tests/test_triton.py (needs TRITON_INTERPRET=1 from the start)", returncode=4)
 
 import cuda_fakes  # noqa: E402  (tests/cuda_fakes.py)
+import triton_bounds  # noqa: E402  (tests/triton_bounds.py)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from models import check_against_hf, hf_greedy, random_prompts  # noqa: E402
@@ -53,62 +53,7 @@ if tuple(map(int, triton.__version__.split(".")[:2])) < (3, 7):
     _index_scalars_with_numpy_2_4()
 
 
-class OutOfBounds(AssertionError):
-    pass
-
-
-def _extents(args) -> list[tuple[int, int]]:
-    """[first byte, last byte + 1) of each tensor argument, as the kernel sees it (a view: its own elements only)."""
-    spans = []
-    for arg in args:
-        if isinstance(arg, tuple):
-            spans += _extents(arg)
-        elif isinstance(arg, torch.Tensor) and arg.numel() > 0:
-            last = sum((size - 1) * stride for size, stride in zip(arg.shape, arg.stride()))
-            spans.append((arg.data_ptr(), arg.data_ptr() + (last + 1) * arg.element_size()))
-    return sorted(spans)
-
-
-def _check_memory_bounds() -> None:
-    """Every address an interpreted kernel loads or stores (its active lanes) must lie inside a tensor it was launched
-    with. On a GPU an access outside them reads or overwrites another tensor or faults (an illegal address, which
-    ends the process's CUDA context); the interpreter reads host memory and lets it pass silently."""
-    from triton.runtime import interpreter
-    launch: list[tuple[str, list[tuple[int, int]]]] = []  # the kernel running now and its tensors' extents
-    init_args, load, store = (interpreter.GridExecutor._init_args_hst, interpreter.InterpreterBuilder.create_masked_load,
-                              interpreter.InterpreterBuilder.create_masked_store)
-
-    def recording_init(self, args_dev, kwargs):
-        args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
-        launch[:] = [(self.fn.__name__, _extents([*args_hst, *kwargs_hst.values()]))]
-        return args_hst, kwargs_hst
-
-    def check(ptrs, mask, what: str) -> None:
-        name, spans = launch[0]
-        itemsize = interpreter._get_np_dtype(ptrs.get_element_ty()).itemsize
-        addresses = ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape)].astype(np.int64)
-        starts = np.array([s for s, _ in spans] or [0], dtype=np.int64)
-        ends = np.array([e for _, e in spans] or [0], dtype=np.int64)
-        i = np.searchsorted(starts, addresses, side="right") - 1
-        outside = addresses[(i < 0) | (addresses + itemsize > ends[i.clip(0)])]
-        if outside.size:
-            raise OutOfBounds(f"{name} {what}s {outside.size} addresses outside its tensors, e.g. {outside[0]:#x} "
-                              f"(tensors at {[(hex(s), e - s) for s, e in spans]})")
-
-    def checked_load(self, ptrs, mask, *args):
-        check(ptrs, mask, "load")
-        return load(self, ptrs, mask, *args)
-
-    def checked_store(self, ptrs, value, mask, *args):
-        check(ptrs, mask, "store")
-        return store(self, ptrs, value, mask, *args)
-
-    interpreter.GridExecutor._init_args_hst = recording_init
-    interpreter.InterpreterBuilder.create_masked_load = checked_load
-    interpreter.InterpreterBuilder.create_masked_store = checked_store
-
-
-_check_memory_bounds()
+triton_bounds.check_memory_bounds()
 
 
 @triton.jit
@@ -118,8 +63,9 @@ def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
 
 
 def test_an_access_outside_the_kernels_tensors_fails():
-    """The bounds check above, on a copy of n elements: lanes masked off may point anywhere; an active one past
-    the source (its storage's next element, outside the view passed) or past the destination fails the launch."""
+    """The bounds check (tests/triton_bounds.py), on a copy of n elements: lanes masked off may point anywhere; an
+    active one past the source (its storage's next element, outside the view passed) or past the destination fails
+    the launch."""
     storage, dst = torch.arange(12.0), torch.zeros(6)
     _copy_kernel[(1,)](storage[2:8], dst, 6, BLOCK=16)
     assert dst.tolist() == storage[2:8].tolist()

@@ -1,0 +1,59 @@
+"""A bounds check for Triton's interpreter (TRITON_INTERPRET=1): check_memory_bounds() makes every load and store
+of an interpreted kernel fail unless its address lies inside a tensor the kernel was launched with."""
+import numpy as np
+import torch
+
+
+class OutOfBounds(AssertionError):
+    pass
+
+
+def _extents(args) -> list[tuple[int, int]]:
+    """[first byte, last byte + 1) of each tensor argument, as the kernel sees it (a view: its own elements only)."""
+    spans = []
+    for arg in args:
+        if isinstance(arg, tuple):
+            spans += _extents(arg)
+        elif isinstance(arg, torch.Tensor) and arg.numel() > 0:
+            last = sum((size - 1) * stride for size, stride in zip(arg.shape, arg.stride()))
+            spans.append((arg.data_ptr(), arg.data_ptr() + (last + 1) * arg.element_size()))
+    return sorted(spans)
+
+
+def check_memory_bounds() -> None:
+    """Every address an interpreted kernel loads or stores (its active lanes) must lie inside a tensor it was launched
+    with. On a GPU an access outside them reads or overwrites another tensor or faults (an illegal address, which
+    ends the process's CUDA context); the interpreter reads host memory and lets it pass silently."""
+    from triton.runtime import interpreter
+    launch: list[tuple[str, list[tuple[int, int]]]] = []  # the kernel running now and its tensors' extents
+    init_args, load, store = (interpreter.GridExecutor._init_args_hst, interpreter.InterpreterBuilder.create_masked_load,
+                              interpreter.InterpreterBuilder.create_masked_store)
+
+    def recording_init(self, args_dev, kwargs):
+        args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
+        launch[:] = [(self.fn.__name__, _extents([*args_hst, *kwargs_hst.values()]))]
+        return args_hst, kwargs_hst
+
+    def check(ptrs, mask, what: str) -> None:
+        name, spans = launch[0]
+        itemsize = interpreter._get_np_dtype(ptrs.get_element_ty()).itemsize
+        addresses = ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape)].astype(np.int64)
+        starts = np.array([s for s, _ in spans] or [0], dtype=np.int64)
+        ends = np.array([e for _, e in spans] or [0], dtype=np.int64)
+        i = np.searchsorted(starts, addresses, side="right") - 1
+        outside = addresses[(i < 0) | (addresses + itemsize > ends[i.clip(0)])]
+        if outside.size:
+            raise OutOfBounds(f"{name} {what}s {outside.size} addresses outside its tensors, e.g. {outside[0]:#x} "
+                              f"(tensors at {[(hex(s), e - s) for s, e in spans]})")
+
+    def checked_load(self, ptrs, mask, *args):
+        check(ptrs, mask, "load")
+        return load(self, ptrs, mask, *args)
+
+    def checked_store(self, ptrs, value, mask, *args):
+        check(ptrs, mask, "store")
+        return store(self, ptrs, value, mask, *args)
+
+    interpreter.GridExecutor._init_args_hst = recording_init
+    interpreter.InterpreterBuilder.create_masked_load = checked_load
+    interpreter.InterpreterBuilder.create_masked_store = checked_store
