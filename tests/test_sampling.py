@@ -296,8 +296,9 @@ def test_noise_depends_only_on_seed_position_and_token():
 RACE_KERNEL_CHECK = """
 import sys; sys.path.insert(0, "tests")
 import numpy as np, torch
-import triton_bounds  # tests/triton_bounds.py: every load and store inside the kernel's tensors
-triton_bounds.check_memory_bounds()
+import gpu_like_memory  # tests/gpu_like_memory.py: loads and stores in bounds, empty memory NaN
+gpu_like_memory.check_memory_bounds()
+gpu_like_memory.poison_empty()
 from nanoinfer.kernels.triton_sampling import BLOCK, gumbel_max
 from nanoinfer.layers.sampler import exponential_noise, exponential_race, noise_keys
 g = torch.Generator().manual_seed(0)

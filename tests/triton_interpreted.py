@@ -15,7 +15,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.exit("run through tests/test_triton.py (needs TRITON_INTERPRET=1 from the start)", returncode=4)
 
 import cuda_fakes  # noqa: E402  (tests/cuda_fakes.py)
-import triton_bounds  # noqa: E402  (tests/triton_bounds.py)
+import gpu_like_memory  # noqa: E402  (tests/gpu_like_memory.py)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from models import check_against_hf, hf_greedy, random_prompts  # noqa: E402
@@ -53,7 +53,8 @@ if tuple(map(int, triton.__version__.split(".")[:2])) < (3, 7):
     _index_scalars_with_numpy_2_4()
 
 
-triton_bounds.check_memory_bounds()
+gpu_like_memory.check_memory_bounds()
+gpu_like_memory.poison_empty()
 
 
 @triton.jit
@@ -63,7 +64,7 @@ def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
 
 
 def test_an_access_outside_the_kernels_tensors_fails():
-    """The bounds check (tests/triton_bounds.py), on a copy of n elements: lanes masked off may point anywhere; an
+    """The bounds check (tests/gpu_like_memory.py), on a copy of n elements: lanes masked off may point anywhere; an
     active one past the source (its storage's next element, outside the view passed) or past the destination fails
     the launch."""
     storage, dst = torch.arange(12.0), torch.zeros(6)
@@ -73,6 +74,13 @@ def test_an_access_outside_the_kernels_tensors_fails():
         _copy_kernel[(1,)](storage[2:8], torch.zeros(8), 7, BLOCK=16)
     with pytest.raises(Exception, match=r"_copy_kernel stores 2 addresses outside its tensors"):
         _copy_kernel[(1,)](storage, dst, 8, BLOCK=16)
+
+
+def test_empty_memory_is_poisoned_here():
+    """What this process's kernels and engines see of memory nothing wrote (tests/gpu_like_memory.py)."""
+    assert torch.empty(3).isnan().all() and torch.empty_like(torch.ones(2, dtype=torch.bfloat16)).isnan().all()
+    assert torch.ones(2, dtype=torch.int32).new_empty(4).eq(torch.iinfo(torch.int32).max // 3).all()
+    assert torch.empty(2, device="meta").is_meta and torch.empty(2, dtype=torch.bool).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

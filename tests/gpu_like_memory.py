@@ -1,7 +1,16 @@
-"""A bounds check for Triton's interpreter (TRITON_INTERPRET=1): check_memory_bounds() makes every load and store
-of an interpreted kernel fail unless its address lies inside a tensor the kernel was launched with."""
+"""Memory as a GPU would treat it, on a CPU, for the tests: check_memory_bounds() fails an interpreted Triton
+kernel's load or store outside the tensors it was launched with; poison_empty() fills the memory torch.empty and
+its kin return with NaN (integers: a huge value), as a GPU's caching allocator hands back an earlier tensor's bytes
+where a CPU's fresh pages are zeros, so that a read of memory nothing wrote shows.
+
+The interpreted Triton tests use both. As a pytest plugin it poisons torch.empty for a whole run, by hand (it slows
+every allocation; not part of the suite): PYTHONPATH=tests python -m pytest -p gpu_like_memory -m "not cuda"
+"""
+import functools
+
 import numpy as np
 import torch
+import torch.utils._device
 
 
 class OutOfBounds(AssertionError):
@@ -57,3 +66,34 @@ def check_memory_bounds() -> None:
     interpreter.GridExecutor._init_args_hst = recording_init
     interpreter.InterpreterBuilder.create_masked_load = checked_load
     interpreter.InterpreterBuilder.create_masked_store = checked_store
+
+
+def _poison(dtype: torch.dtype) -> float | int | bool:
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    if dtype == torch.bool:
+        return True
+    return torch.iinfo(dtype).max // 3  # an index far out of every range
+
+
+def _poisoned(make):
+    @functools.wraps(make)
+    def poisoned_make(*args, **kwargs):
+        t = make(*args, **kwargs)
+        if t.device.type != "meta" and t.numel():
+            with torch.no_grad():
+                t.fill_(_poison(t.dtype))
+        return t
+    return poisoned_make
+
+
+def poison_empty() -> None:
+    # `with torch.device(...)` redirects the constructors in a set it builds once: built now, it holds torch's own
+    # torch.empty, which the poisoned one calls, so a model built under it still lands on that device.
+    torch.utils._device._device_constructors()
+    torch.empty, torch.empty_like = _poisoned(torch.empty), _poisoned(torch.empty_like)
+    torch.Tensor.new_empty = _poisoned(torch.Tensor.new_empty)
+
+
+def pytest_configure(config) -> None:
+    poison_empty()
