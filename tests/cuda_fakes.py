@@ -4,9 +4,12 @@ This module doubles as `flash_attn` (tests put it in sys.modules): its two paged
 flash-attn 2's documented contract (flash_attn_interface.py docstrings, flash_api.cpp checks), enforcing the
 argument rules the CUDA build checks (int32 metadata, contiguous last dims, shapes, page size a multiple of
 256) and computing the documented result in fp32 (causal mask and window aligned to the bottom right, GQA by
-head groups, empty rows -> 0). EagerGraph stands in for torch.cuda.CUDAGraph; HostSyncAudit finds what a CUDA graph
+head groups, empty rows -> 0). RecordedGraph stands in for torch.cuda.CUDAGraph; HostSyncAudit finds what a CUDA graph
 could not capture."""
 import contextlib
+import functools
+import importlib
+import importlib.util
 import traceback
 
 import torch
@@ -15,6 +18,70 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 PAGE_MULTIPLE = 256
 calls: list[dict] = []  # one record per call, for tests to see which path ran
+
+
+class _Call:
+    """One call a graph replays: fn again on the arguments it had at capture (tensors, and the host's values frozen as
+    they were), its results copied into the tensors capture returned, which later calls read."""
+
+    def __init__(self, fn, args, kwargs, out) -> None:
+        self.fn, self.args, self.kwargs, self.out = fn, args, kwargs, out
+
+    def __call__(self) -> None:
+        _copy_into(self.out, self.fn(*self.args, **self.kwargs))
+
+
+def _copy_into(old, new) -> None:
+    if isinstance(old, torch.Tensor):
+        if new is not old and new.data_ptr() != old.data_ptr():  # not the same memory (in place ops, views)
+            old.copy_(new)
+    elif isinstance(old, (tuple, list)):
+        for o, n in zip(old, new, strict=True):
+            _copy_into(o, n)
+
+
+class _Recording(TorchDispatchMode):
+    """Records every tensor op (and, through kernel(), each kernel call) of a capture; the ops inside a kernel call
+    are that kernel's, not recorded apart."""
+    active: "_Recording | None" = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[_Call] = []
+        self.inside_kernel = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.inside_kernel:
+            self.calls.append(_Call(func, args, kwargs, out))
+        return out
+
+    def __enter__(self):
+        _Recording.active = self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _Recording.active = None
+        return super().__exit__(*exc)
+
+
+def kernel(fn):
+    """fn as one call of a capture: a C kernel, a Triton launch or a stand-in for a CUDA library call, which on a GPU
+    reads its tensors' values on the device at each replay (the Python around it runs at capture only)."""
+    @functools.wraps(fn)
+    def recorded(*args, **kwargs):
+        recording = _Recording.active
+        if recording is None or recording.inside_kernel:
+            return fn(*args, **kwargs)
+        recording.inside_kernel = True
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            recording.inside_kernel = False
+        recording.calls.append(_Call(fn, args, kwargs, out))
+        return out
+    return recorded
 
 
 def _check_int32(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -73,6 +140,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     return torch.einsum("hnl,lhd->nhd", probs, v).to(q.dtype)
 
 
+@kernel
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None):
@@ -103,6 +171,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return out
 
 
+@kernel
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -127,22 +196,47 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return out
 
 
-class EagerGraph:
-    """CUDA-graph semantics on the CPU: capture records the step, replay re-runs it on the same static buffers
-    (so inputs not copied into them, or outputs not read from them, show up as wrong results)."""
+@contextlib.contextmanager
+def _as_kernel(owner, name: str):
+    fn = getattr(owner, name)
+    setattr(owner, name, kernel(fn))
+    try:
+        yield
+    finally:
+        setattr(owner, name, fn)
+
+
+class RecordedGraph:
+    """torch.cuda.CUDAGraph's semantics on the CPU: capture runs the step once, recording each tensor op and each
+    kernel call with its arguments; replay issues those calls again, and nothing else. No Python of the step runs at
+    replay, so what it computed on the host at capture (a grid, a scalar, a choice, a tensor made from host data)
+    stays as captured, as in a real graph; inputs not copied into the static buffers, or outputs not read from them,
+    show up as wrong results."""
 
     def capture(self, fn, pool=None):
-        self.fn = fn
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_as_kernel(importlib.import_module("nanoinfer.kernels.cpu"), "_run"))
+            if importlib.util.find_spec("triton") is not None:  # launches run in its interpreter on CPU tensors
+                stack.enter_context(_as_kernel(importlib.import_module("triton.runtime.interpreter").GridExecutor,
+                                               "__call__"))
+            recording = stack.enter_context(_Recording())
+            fn()
+        self.calls = recording.calls
         return pool
 
-    def replay(self):
+    def fn(self) -> None:  # what replay does (tests wrap replay to count replays)
+        with torch.inference_mode():
+            for call in self.calls:
+                call()
+
+    def replay(self) -> None:
         self.fn()
 
 
-def capture_eager_graphs(runner) -> None:
-    """What ModelRunner._capture_graphs does on CUDA, done on the CPU with EagerGraph (the runner captures graphs
+def capture_recorded_graphs(runner) -> None:
+    """What ModelRunner._capture_graphs does on CUDA, done on the CPU with RecordedGraph (the runner captures graphs
     only on a CUDA device): decode steps then go through the graph runner's static buffers and padding."""
-    runner.graph_runner = runner.new_graph_runner(EagerGraph)
+    runner.graph_runner = runner.new_graph_runner(RecordedGraph)
     runner.graph_runner.capture()
 
 

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from cuda_fakes import EagerGraph, HostSyncAudit, capture_eager_graphs
+from cuda_fakes import RecordedGraph, HostSyncAudit, capture_recorded_graphs
 from models import ALL_KINDS, GRAPH_MOE_KINDS, GRAPH_RECURRENT_KINDS, cached_hf_greedy, check_against_hf
 from models import REFERENCE_MAX_TOKENS as MAX_TOKENS
 from models import REFERENCE_PROMPTS as PROMPTS
@@ -150,12 +150,12 @@ def test_decode_forward_of_every_graph_captured_model_never_syncs_with_the_host(
 def test_decode_through_graph_buffers_matches_transformers(kind, model_dir, monkeypatch, captured_logits,
                                                            report_logit_diff):
     """Mixture-of-experts models, whose decode is captured in bf16 on sm90, and models with recurrent state decode
-    through the graph runner's static buffers and padding (EagerGraph: a graph's semantics on the CPU, what the step
+    through the graph runner's static buffers and padding (RecordedGraph: a graph's semantics on the CPU, what the step
     derives in Python fixed at capture as a graph fixes it): transformers' tokens and logits, 7 sequences replayed at
     the captured size 8 (the padding row's state in the spare slot)."""
     monkeypatch.setattr(model_runner, "experts_capturable", lambda dtype, device: True)
     replays = []
-    monkeypatch.setattr(EagerGraph, "replay", lambda self: replays.append(self) or self.fn())
+    monkeypatch.setattr(RecordedGraph, "replay", lambda self: replays.append(self) or self.fn())
     d = model_dir(kind)
     with LLM(str(d), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=8) as llm:
         runner = llm.llm_engine.model_runner
@@ -164,7 +164,7 @@ def test_decode_through_graph_buffers_matches_transformers(kind, model_dir, monk
         assert any(isinstance(m, FusedMoE) for m in runner.model.modules()) or kind in GRAPH_RECURRENT_KINDS
         if not runner.backend.decode_kernel:
             pytest.skip("the CPU decode kernel is not built: the PyTorch decode is not graph-safe")
-        capture_eager_graphs(runner)
+        capture_recorded_graphs(runner)
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                                use_tqdm=False)
         # Every decode step after the one prefill step, all 7 together, replayed from the size-8 graph.
@@ -180,7 +180,7 @@ def test_a_sequence_starting_in_a_decode_graph_starts_from_a_clean_state(kind, m
     a graph: its state slot, which a finished sequence left dirty, is reset there on the device (where(first token,
     its slot, the spare slot)), as the eager step resets it. Every sequence's tokens equal transformers'."""
     replays = []
-    monkeypatch.setattr(EagerGraph, "replay", lambda self: replays.append(self) or self.fn())
+    monkeypatch.setattr(RecordedGraph, "replay", lambda self: replays.append(self) or self.fn())
     d = model_dir(kind)
     prompts = {"a": [7, 8, 9, 10], "b": [11, 12, 13], "done": [20, 21, 22, 23, 24], "new": [17]}
     lengths = {"a": 10, "b": 10, "done": 2, "new": 6}
@@ -188,7 +188,7 @@ def test_a_sequence_starting_in_a_decode_graph_starts_from_a_clean_state(kind, m
         engine, runner = llm.llm_engine, llm.llm_engine.model_runner
         if not runner.backend.decode_kernel:
             pytest.skip("the CPU decode kernel is not built: the PyTorch decode is not graph-safe")
-        capture_eager_graphs(runner)
+        capture_recorded_graphs(runner)
         slots, outputs = {}, {}
 
         def step() -> None:
@@ -232,14 +232,14 @@ def test_sparse_attention_without_experts_gets_no_decode_graphs(tmp_path, monkey
 
 
 def audited_capture(runner: ModelRunner) -> tuple[CUDAGraphRunner, list]:
-    """The runner's decode graphs captured (EagerGraph) under a HostSyncAudit, and what it found; the attention
+    """The runner's decode graphs captured (RecordedGraph) under a HostSyncAudit, and what it found; the attention
     backend's calls are left out. Row i stores its key at slot i of block 0 and attends over one key, that block's
     first."""
     audit, backend = HostSyncAudit(), runner.backend
     for name in ("forward", "store_kvcache"):
         method = getattr(backend, name)
         setattr(backend, name, lambda *a, method=method, **k: _paused(audit, method, *a, **k))
-    graphs = runner.new_graph_runner(EagerGraph)
+    graphs = runner.new_graph_runner(RecordedGraph)
     graphs.buffers.slot_mapping.copy_(torch.arange(len(graphs.buffers.slot_mapping)))
     graphs.buffers.block_tables.fill_(0)
     graphs.buffers.context_lens.fill_(1)

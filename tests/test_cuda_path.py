@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from cuda_fakes import EagerGraph
+from cuda_fakes import RecordedGraph, kernel
 from nanoinfer.config import Config
 from nanoinfer import LLM
 from nanoinfer.engine import cuda_graph
@@ -355,8 +355,32 @@ class NoBackend:
         pass
 
 
+def test_recorded_graph_replays_what_capture_issued_and_no_python():
+    """RecordedGraph, which every graph test on the CPU stands on, replays as a CUDA graph does: the tensor ops and
+    kernel calls of the capture on the tensors it saw, with the host's values of then; the Python around them, a
+    host value changed since, or a tensor made from host data at capture, do not move it."""
+    x, out, host, ran = torch.ones(3), torch.zeros(3), {"scale": 2.0}, []
+
+    @kernel
+    def add_rows(t: torch.Tensor, n: int) -> None:  # a kernel reads its tensors at each replay
+        t += n * torch.arange(t.numel())
+
+    def step() -> None:
+        ran.append(host["scale"])
+        out.copy_(x * host["scale"] + x.sum() + torch.tensor(host["scale"]))
+        add_rows(out, int(host["scale"]))
+
+    graph = RecordedGraph()
+    graph.capture(step)
+    assert ran == [2.0] and out.tolist() == [7.0, 9.0, 11.0]
+    x.fill_(5.0)
+    host["scale"] = 100.0
+    graph.replay()
+    assert ran == [2.0] and out.tolist() == [27.0, 29.0, 31.0]  # 5 * 2 + 15 + 2, plus 2 * row
+
+
 def test_graph_runner_pads_replays_and_slices(monkeypatch):
-    monkeypatch.setattr(cuda_graph, "CUDAGraph", EagerGraph)
+    monkeypatch.setattr(cuda_graph, "CUDAGraph", RecordedGraph)
     runner = CUDAGraphRunner(EchoModel(), NoBackend(), max_num_seqs=8, max_model_len=20, block_size=4,
                              hidden_size=5, dtype=torch.float32, device=torch.device("cpu"))
     runner.capture()

@@ -386,15 +386,15 @@ def test_opt_untied_lm_head_takes_the_projected_width(model_dir, tmp_path, captu
 
 def test_opt_projected_hidden_states_through_the_cuda_graph_runner_match_hf(model_dir, captured_logits):
     """OPT-350m's decoder returns hidden states word_embed_proj_dim wide, not hidden_size: the CUDA-graph runner's
-    output buffer (EagerGraph on the CPU, see cuda_fakes) holds them."""
-    from cuda_fakes import capture_eager_graphs
+    output buffer (RecordedGraph on the CPU, see cuda_fakes) holds them."""
+    from cuda_fakes import capture_recorded_graphs
 
     d = model_dir("opt-350m")
     with LLM(str(d), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4) as llm:
         runner = llm.llm_engine.model_runner
         if not runner.backend.decode_kernel:
             pytest.skip("the CPU decode kernel is not built: the PyTorch decode is not graph-safe")
-        capture_eager_graphs(runner)
+        capture_recorded_graphs(runner)
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert check_against_hf(outputs, cached_hf_greedy(d, PROMPTS, MAX_TOKENS), captured_logits) < LOGIT_ATOL
 
@@ -660,19 +660,19 @@ def test_dory_checkpoint_layouts_match_hf(layout, model_dir, tmp_path, captured_
 @pytest.mark.parametrize("kind", CHAMELEON_KINDS)
 def test_chameleon_decode_through_graph_buffers_suppresses_image_tokens_as_hf(kind, model_dir, monkeypatch,
                                                                               captured_logits):
-    """Chameleon's decode steps replayed from the graph runner's static buffers (EagerGraph, as on CUDA): every
+    """Chameleon's decode steps replayed from the graph runner's static buffers (RecordedGraph, as on CUDA): every
     sampled row's image tokens (its config's vocabulary_map IMGIMG* entries) hold fp32's minimum, the "<image>"
     placeholder does not; tokens and logits are transformers' (which suppresses the same ones)."""
-    from cuda_fakes import EagerGraph, capture_eager_graphs
+    from cuda_fakes import RecordedGraph, capture_recorded_graphs
 
     replays = []
-    monkeypatch.setattr(EagerGraph, "replay", lambda self: replays.append(self) or self.fn())
+    monkeypatch.setattr(RecordedGraph, "replay", lambda self: replays.append(self) or self.fn())
     d = model_dir(kind)
     with LLM(str(d), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=8) as llm:
         runner = llm.llm_engine.model_runner
         if not runner.backend.decode_kernel:
             pytest.skip("the CPU decode kernel is not built: the PyTorch decode is not graph-safe")
-        capture_eager_graphs(runner)
+        capture_recorded_graphs(runner)
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert len(replays) == MAX_TOKENS - 1
     image = list(CHAMELEON_IMAGE_TOKENS)

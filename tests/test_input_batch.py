@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from cuda_fakes import capture_eager_graphs
+from cuda_fakes import capture_recorded_graphs
 from models import random_prompts
 from nanoinfer import LLM
 from nanoinfer.engine.input_batch import InputBatch, StepBuffers
@@ -453,14 +453,14 @@ def test_sampling_metadata_from_rows_equals_the_one_built_from_scratch(seed):
 
 def engine(model_dir, graphs: bool) -> LLM:
     """A small cache and token budget (preemption, chunks); graphs: decode through the CUDA-graph runner's
-    static buffers (EagerGraph, with the C decode kernel, which reads only those buffers)."""
+    static buffers (RecordedGraph, with the C decode kernel, which reads only those buffers)."""
     llm = LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=96, kvcache_block_size=8,
               num_kvcache_blocks=14, max_num_batched_tokens=32, max_num_seqs=6)
     if graphs:
         runner = llm.llm_engine.model_runner
         if not runner.backend.decode_kernel:
             pytest.skip("the CPU decode kernel is not built: the PyTorch decode is not graph-safe")
-        capture_eager_graphs(runner)
+        capture_recorded_graphs(runner)
     return llm
 
 

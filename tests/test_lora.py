@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cuda_fakes import EagerGraph, capture_eager_graphs
+from cuda_fakes import RecordedGraph, capture_recorded_graphs
 from models import ODD_KIND, cached_hf_greedy, check_against_hf, random_prompts
 from nanoinfer import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from nanoinfer.config import Config
@@ -335,13 +335,13 @@ def test_warm_up_runs_every_layer_through_a_slot(llama_dir, adapters, monkeypatc
 @pytest.mark.parametrize("kind", ["llama", "phi3"])
 def test_decode_through_graph_buffers_matches_transformers_on_merged_weights(kind, model_dir, adapters, monkeypatch,
                                                                              captured_logits, report_logit_diff):
-    """Decode steps replayed from the graph runner's static buffers and padding (EagerGraph: a graph's semantics on
+    """Decode steps replayed from the graph runner's static buffers and padding (RecordedGraph: a graph's semantics on
     the CPU), each token through its own slot read from a static buffer (LoRALayer.add_every_slot): three adapters
     and the base model in one batch, 4 sequences at the captured size 4, then 3 at it (one padding row), each equal
     to transformers on merged weights; the adapters are loaded into their slots after the capture, and one slot's
     layers that its adapter leaves alone stay out of its tokens' products, whatever an earlier adapter left there."""
     replays = []
-    monkeypatch.setattr(EagerGraph, "replay", lambda self: replays.append(self) or self.fn())
+    monkeypatch.setattr(RecordedGraph, "replay", lambda self: replays.append(self) or self.fn())
     base = model_dir(kind)
     loras = [a.request for a in adapters(kind)] + [None]
     with lora_llm(base, max_num_seqs=4) as llm:
@@ -349,7 +349,7 @@ def test_decode_through_graph_buffers_matches_transformers_on_merged_weights(kin
         if not runner.backend.decode_kernel:
             pytest.skip("the CPU decode kernel is not built: the PyTorch decode is not graph-safe")
         assert runner.model_capturable()
-        capture_eager_graphs(runner)
+        capture_recorded_graphs(runner)
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
         outputs += llm.generate(PROMPTS[1:], GREEDY, use_tqdm=False, lora_request=loras[1:])
         assert replays == [runner.graph_runner.graphs[4]] * 2 * (MAX_TOKENS - 1)
@@ -360,7 +360,7 @@ def test_decode_through_graph_buffers_matches_transformers_on_merged_weights(kin
     a1, _, a3 = adapters(kind)
     captured_logits.clear()  # a new engine numbers its sequences from 0 again
     with lora_llm(base, max_num_seqs=4, max_loras=1) as llm:
-        capture_eager_graphs(llm.llm_engine.model_runner)
+        capture_recorded_graphs(llm.llm_engine.model_runner)
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=a1.request)
         outputs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=a3.request)
     worst = max(worst, check_against_hf(outputs, reference(a3, base, PROMPTS[:2]), captured_logits))

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import transformers
-from cuda_fakes import capture_eager_graphs
+from cuda_fakes import capture_recorded_graphs
 from models import ALL_KINDS, ODD_KIND, load_hf_model, random_prompts
 from test_random_schedules import assert_same, completions
 
@@ -74,7 +74,7 @@ def test_one_token_prompts_of_embeddings_skip_the_decode_graphs(qwen3_dir):
         runner = llm.llm_engine.model_runner
         if not runner.backend.decode_kernel:
             pytest.skip("the CPU decode kernel is not built: the PyTorch decode is not graph-safe")
-        capture_eager_graphs(runner)
+        capture_recorded_graphs(runner)
         got = llm.generate(embedded(qwen3_dir, prompts), GREEDY, use_tqdm=False)
     assert_same(completions(got), completions(want), "one-token prompts of embeddings with decode graphs")
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from cuda_fakes import capture_eager_graphs
+from cuda_fakes import capture_recorded_graphs
 from models import QWEN3_NEXT_KINDS, cached_hf_greedy, check_against_hf, random_prompts
 from nanoinfer import LLM, SamplingParams, StructuredOutputsParams
 from nanoinfer.engine import model_runner
@@ -402,7 +402,7 @@ def test_steps_with_drafts_keep_the_device_fed_ids_right(graphs, qwen3_dir, monk
     if graphs:
         if not llm.llm_engine.model_runner.backend.decode_kernel:
             pytest.skip("the CPU decode kernel is not built: the PyTorch decode is not graph-safe")
-        capture_eager_graphs(llm.llm_engine.model_runner)
+        capture_recorded_graphs(llm.llm_engine.model_runner)
     monkeypatch.setattr(InputBatch, "feed_sampled", checked_feed)
     step = llm.llm_engine._step
 

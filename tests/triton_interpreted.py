@@ -1,7 +1,7 @@
 """Triton kernels (store_kvcache, fused add + RMSNorm, SiLU-and-mul, rotary) run by Triton's interpreter on CPU tensors
 against the PyTorch code they replace on CUDA, and the flash backend
 driven end to end on the CPU (real Triton store kernel, flash-attn's contract emulated by cuda_fakes,
-CUDA graphs emulated by EagerGraph) against transformers. Every load and store an interpreted kernel makes in this
+CUDA graphs emulated by RecordedGraph) against transformers. Every load and store an interpreted kernel makes in this
 process (tests/triton_attention_interpreted.py's too) is checked to lie inside the tensors it was launched with: what
 would fault or corrupt memory on a GPU fails here. TRITON_INTERPRET=1 must be set before triton defines a kernel,
 so tests/test_triton.py runs this file in a pytest process of its own."""
@@ -223,7 +223,7 @@ def test_flash_backend_matches_hf(graphs, qwen3_dir, flash_on_cpu, captured_logi
     assert type(runner.backend).__name__ == "FlashAttentionBackend"
     assert runner.graph_runner is None  # a CPU device: no CUDA graphs
     if graphs:
-        cuda_fakes.capture_eager_graphs(runner)
+        cuda_fakes.capture_recorded_graphs(runner)
         assert sorted(runner.graph_runner.graphs) == [1, 2, 4, 8]
     # Short prompts alone first: no cached prefix, so prefill attends to this step's k, v directly.
     outputs = llm.generate(prompts[3:], GREEDY, use_tqdm=False)
@@ -248,7 +248,7 @@ def test_flash_backend_with_ngram_drafts_matches_hf(qwen3_dir, flash_on_cpu):
     llm = LLM(str(qwen3_dir), device="cpu", dtype="float32", attention_backend="flash", max_model_len=512,
               max_num_seqs=8, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                   "prompt_lookup_max": 4, "prompt_lookup_min": 1})
-    cuda_fakes.capture_eager_graphs(llm.llm_engine.model_runner)
+    cuda_fakes.capture_recorded_graphs(llm.llm_engine.model_runner)
     outputs = llm.generate([prompt], GREEDY, use_tqdm=False)
     check_against_hf(outputs, hf_greedy(qwen3_dir, [prompt], MAX_TOKENS))
     assert llm.llm_engine.spec_decode_stats.num_accepted_tokens > 0
