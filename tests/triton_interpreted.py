@@ -2,8 +2,9 @@
 against the PyTorch code they replace on CUDA, and the flash backend
 driven end to end on the CPU (real Triton store kernel, flash-attn's contract emulated by cuda_fakes,
 CUDA graphs emulated by RecordedGraph) against transformers. Every load and store an interpreted kernel makes in this
-process (tests/triton_attention_interpreted.py's too) is checked to lie inside the tensors it was launched with: what
-would fault or corrupt memory on a GPU fails here. TRITON_INTERPRET=1 must be set before triton defines a kernel,
+process (tests/triton_attention_interpreted.py's too) is checked to lie inside the tensors it was launched with, and
+torch.empty returns NaN (tests/gpu_like_memory.py): what would fault, corrupt or read stale memory on a GPU fails
+here. TRITON_INTERPRET=1 must be set before triton defines a kernel,
 so tests/test_triton.py runs this file in a pytest process of its own."""
 import os
 import sys
