@@ -224,13 +224,17 @@ class RecordedGraph:
         self.calls = recording.calls
         return pool
 
-    def fn(self) -> None:  # what replay does (tests wrap replay to count replays)
+    def replay(self) -> None:
         with torch.inference_mode():
             for call in self.calls:
                 call()
 
-    def replay(self) -> None:
-        self.fn()
+
+def count_replays(monkeypatch) -> list[RecordedGraph]:
+    """The graphs replayed from now on, one entry per replay, in order."""
+    replays, replay = [], RecordedGraph.replay
+    monkeypatch.setattr(RecordedGraph, "replay", lambda self: replays.append(self) or replay(self))
+    return replays
 
 
 def capture_recorded_graphs(runner) -> None:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cuda_fakes import RecordedGraph, capture_recorded_graphs
+from cuda_fakes import capture_recorded_graphs, count_replays
 from models import random_prompts
 from test_errors import assert_idle as idle_blocks
 from test_lora import adapters, lora_llm  # noqa: F401 (adapters: a fixture)
@@ -85,8 +85,7 @@ def test_decode_graphs_take_the_ids_fed_on_the_device(kind, model_dir, monkeypat
     on CUDA: a step scheduled ahead gets its input ids from the tokens sampled into the rows, copied into the graph's
     static buffer over the host's placeholders (and, with recurrent state, its slots' indices): the plain run's
     tokens and logprobs, penalties included, with the decode steps replayed."""
-    replays = []
-    monkeypatch.setattr(RecordedGraph, "replay", lambda self: replays.append(self) or self.fn())
+    replays = count_replays(monkeypatch)
     prompts = random_prompts(7, 5, 440, 3, 30, seed=6)
     params = [SamplingParams(temperature=0, max_tokens=12 + 3 * i, ignore_eos=True, logprobs=1) for i in range(3)]
     params += [SamplingParams(temperature=0.9, top_k=20, seed=i, max_tokens=20, ignore_eos=True) for i in range(3)]

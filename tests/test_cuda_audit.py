@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from cuda_fakes import RecordedGraph, HostSyncAudit, capture_recorded_graphs
+from cuda_fakes import HostSyncAudit, RecordedGraph, capture_recorded_graphs, count_replays
 from models import ALL_KINDS, GRAPH_MOE_KINDS, GRAPH_RECURRENT_KINDS, cached_hf_greedy, check_against_hf
 from models import REFERENCE_MAX_TOKENS as MAX_TOKENS
 from models import REFERENCE_PROMPTS as PROMPTS
@@ -154,8 +154,7 @@ def test_decode_through_graph_buffers_matches_transformers(kind, model_dir, monk
     derives in Python fixed at capture as a graph fixes it): transformers' tokens and logits, 7 sequences replayed at
     the captured size 8 (the padding row's state in the spare slot)."""
     monkeypatch.setattr(model_runner, "experts_capturable", lambda dtype, device: True)
-    replays = []
-    monkeypatch.setattr(RecordedGraph, "replay", lambda self: replays.append(self) or self.fn())
+    replays = count_replays(monkeypatch)
     d = model_dir(kind)
     with LLM(str(d), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=8) as llm:
         runner = llm.llm_engine.model_runner
@@ -179,8 +178,7 @@ def test_a_sequence_starting_in_a_decode_graph_starts_from_a_clean_state(kind, m
     """A one-token prompt scheduled beside decoding sequences makes a step of one token per sequence, replayed from
     a graph: its state slot, which a finished sequence left dirty, is reset there on the device (where(first token,
     its slot, the spare slot)), as the eager step resets it. Every sequence's tokens equal transformers'."""
-    replays = []
-    monkeypatch.setattr(RecordedGraph, "replay", lambda self: replays.append(self) or self.fn())
+    replays = count_replays(monkeypatch)
     d = model_dir(kind)
     prompts = {"a": [7, 8, 9, 10], "b": [11, 12, 13], "done": [20, 21, 22, 23, 24], "new": [17]}
     lengths = {"a": 10, "b": 10, "done": 2, "new": 6}

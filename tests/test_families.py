@@ -663,10 +663,9 @@ def test_chameleon_decode_through_graph_buffers_suppresses_image_tokens_as_hf(ki
     """Chameleon's decode steps replayed from the graph runner's static buffers (RecordedGraph, as on CUDA): every
     sampled row's image tokens (its config's vocabulary_map IMGIMG* entries) hold fp32's minimum, the "<image>"
     placeholder does not; tokens and logits are transformers' (which suppresses the same ones)."""
-    from cuda_fakes import RecordedGraph, capture_recorded_graphs
+    from cuda_fakes import capture_recorded_graphs, count_replays
 
-    replays = []
-    monkeypatch.setattr(RecordedGraph, "replay", lambda self: replays.append(self) or self.fn())
+    replays = count_replays(monkeypatch)
     d = model_dir(kind)
     with LLM(str(d), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=8) as llm:
         runner = llm.llm_engine.model_runner

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cuda_fakes import RecordedGraph, capture_recorded_graphs
+from cuda_fakes import capture_recorded_graphs, count_replays
 from models import ODD_KIND, cached_hf_greedy, check_against_hf, random_prompts
 from nanoinfer import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from nanoinfer.config import Config
@@ -340,8 +340,7 @@ def test_decode_through_graph_buffers_matches_transformers_on_merged_weights(kin
     and the base model in one batch, 4 sequences at the captured size 4, then 3 at it (one padding row), each equal
     to transformers on merged weights; the adapters are loaded into their slots after the capture, and one slot's
     layers that its adapter leaves alone stay out of its tokens' products, whatever an earlier adapter left there."""
-    replays = []
-    monkeypatch.setattr(RecordedGraph, "replay", lambda self: replays.append(self) or self.fn())
+    replays = count_replays(monkeypatch)
     base = model_dir(kind)
     loras = [a.request for a in adapters(kind)] + [None]
     with lora_llm(base, max_num_seqs=4) as llm:

@@ -587,17 +587,16 @@ def test_start_up_compiles_the_prefill_variants_a_workload_launches(kind, model_
     assert len(launched) > 1 and launched <= compiled, launched - compiled
 
 
-def chunked_then_cached_against_hf(kind: str, model_dir, captured_logits, graphs: bool = False) -> float:
+def chunked_then_cached_against_hf(kind: str, model_dir, captured_logits) -> float:
     """Prompts sharing 24 tokens through the triton backend, prefilled in 7-token chunks with 8-token blocks, then
-    again with a cached prefix (decode under the CUDA-graph runner stand-in with `graphs`): the max |logit
+    again with a cached prefix (decode under the CUDA-graph runner stand-in): the max |logit
     difference| from transformers."""
     d = model_dir(kind)
     shared = random_prompts(1, 5, 440, 24, 24, seed=8)[0]
     prompts = [shared + tail for tail in random_prompts(2, 5, 440, 1, 12, seed=9)]
     llm = LLM(str(d), device="cpu", dtype="float32", attention_backend="triton", max_num_seqs=4,
               max_model_len=64, max_num_batched_tokens=7, kvcache_block_size=8)
-    if graphs:
-        cuda_fakes.capture_recorded_graphs(llm.llm_engine.model_runner)
+    cuda_fakes.capture_recorded_graphs(llm.llm_engine.model_runner)
     return twice_against_hf(llm, d, prompts, 16, captured_logits)
 
 
@@ -611,7 +610,7 @@ def test_engine_sliding_window_matches_hf(kind, model_dir, captured_logits, repo
     the keys' width, KV heads by layer);
     contexts a few windows long, prefilled in chunks, then again with a cached prefix, decode under the CUDA-graph
     runner stand-in."""
-    worst = chunked_then_cached_against_hf(kind, model_dir, captured_logits, graphs=True)
+    worst = chunked_then_cached_against_hf(kind, model_dir, captured_logits)
     report_logit_diff(f"{kind}, triton backend, sliding window", worst)
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
@@ -620,7 +619,7 @@ def test_engine_chunked_attention_matches_hf(model_dir, captured_logits, report_
     """Llama 4's chunked local attention (chunks of 12 on layers 0-2) over contexts of several chunks, in 7-token
     chunks of prefill, then from the prefix cache, decode under the CUDA-graph runner stand-in (each row's chunk
     found from its context length alone)."""
-    worst = chunked_then_cached_against_hf("llama4", model_dir, captured_logits, graphs=True)
+    worst = chunked_then_cached_against_hf("llama4", model_dir, captured_logits)
     report_logit_diff("llama4, triton backend, chunked local attention", worst)
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
@@ -629,7 +628,7 @@ def test_engine_chunked_attention_matches_hf(model_dir, captured_logits, report_
 def test_engine_alibi_matches_hf(kind, model_dir, captured_logits, report_logit_diff):
     """ALiBi (BLOOM's 6 heads, MPT's 4) in chunks, over a cached prefix, and in decode under the CUDA-graph runner
     stand-in (the slopes a buffer at a fixed address)."""
-    worst = chunked_then_cached_against_hf(kind, model_dir, captured_logits, graphs=True)
+    worst = chunked_then_cached_against_hf(kind, model_dir, captured_logits)
     report_logit_diff(f"{kind}, triton backend, ALiBi", worst)
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
@@ -637,7 +636,7 @@ def test_engine_alibi_matches_hf(kind, model_dir, captured_logits, report_logit_
 def test_engine_doge_key_biases_match_hf(model_dir, captured_logits, report_logit_diff):
     """Doge's dynamic mask: each key's score bias one more key dimension (24-wide heads: 16 + 8), cached with the key,
     in chunks, over a cached prefix, and in decode under the CUDA-graph runner stand-in."""
-    worst = chunked_then_cached_against_hf("doge", model_dir, captured_logits, graphs=True)
+    worst = chunked_then_cached_against_hf("doge", model_dir, captured_logits)
     report_logit_diff("doge, triton backend, key biases", worst)
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
@@ -647,7 +646,7 @@ def test_engine_reshaped_attention_matches_hf(kind, model_dir, captured_logits, 
     """DiffLlama's doubled heads (keys zero-padded, values paired) and HRM-Text's layers with a cache per run, in
     chunks, over a cached prefix, and in decode under the CUDA-graph runner stand-in (HRM-Text's runs replayed in
     order)."""
-    worst = chunked_then_cached_against_hf(kind, model_dir, captured_logits, graphs=True)
+    worst = chunked_then_cached_against_hf(kind, model_dir, captured_logits)
     report_logit_diff(f"{kind}, triton backend", worst)
     assert worst < 1e-4, f"max |logit diff| {worst:.2e}"
 
