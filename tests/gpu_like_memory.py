@@ -92,6 +92,7 @@ def poison_empty() -> None:
     # torch.empty, which the poisoned one calls, so a model built under it still lands on that device.
     torch.utils._device._device_constructors()
     torch.empty, torch.empty_like = _poisoned(torch.empty), _poisoned(torch.empty_like)
+    torch.empty_strided = _poisoned(torch.empty_strided)
     torch.Tensor.new_empty = _poisoned(torch.Tensor.new_empty)
 
 

@@ -81,6 +81,7 @@ def test_empty_memory_is_poisoned_here():
     """What this process's kernels and engines see of memory nothing wrote (tests/gpu_like_memory.py)."""
     assert torch.empty(3).isnan().all() and torch.empty_like(torch.ones(2, dtype=torch.bfloat16)).isnan().all()
     assert torch.ones(2, dtype=torch.int32).new_empty(4).eq(torch.iinfo(torch.int32).max // 3).all()
+    assert torch.empty_strided((2, 3), (1, 2)).isnan().all()
     assert torch.empty(2, device="meta").is_meta and torch.empty(2, dtype=torch.bool).all()
 
 
