@@ -93,6 +93,8 @@ BAD_REQUESTS = {
                                   r"logit_bias token id 512 is outside the vocabulary \[0, 512\)"),
     "allowed-id-huge": ([GOOD], SamplingParams(allowed_token_ids=[3, 10**9]), ValueError,
                         "allowed_token_ids token id 1000000000 is outside the vocabulary"),
+    "allowed-ids-all-withheld": ([GOOD], SamplingParams(allowed_token_ids=[5, 6], stop_token_ids=[6, 5], min_tokens=2),
+                                 ValueError, r"allowed_token_ids=\[5, 6\] leave nothing to sample.*min_tokens=2"),
     "truncate-beyond-max-model-len": ([GOOD], SamplingParams(truncate_prompt_tokens=MAX_LEN + 1), ValueError,
                                       f"truncate_prompt_tokens={MAX_LEN + 1} exceeds max_model_len={MAX_LEN}"),
     "truncated-prompt-still-too-long": ([[7] * 200], SamplingParams(truncate_prompt_tokens=-1), ValueError,

@@ -167,6 +167,18 @@ def test_top_p_keeps_every_token_tied_with_the_last_one_kept(top_k, max_top_k):
     assert warped[0].isfinite().tolist() == [True, True, False, True, False, True]
 
 
+@pytest.mark.parametrize("top_k, max_top_k", [(None, None), (4, None), (4, 4)])
+def test_a_row_with_every_token_masked_leaves_the_top_p_cut_of_the_others_alone(top_k, max_top_k):
+    """A row whose every logit is -inf (its only allowed tokens withheld) has no top-p set; its cut must not index
+    the ranked values at -1 for every row (on CUDA, a device assert that ends the process's context)."""
+    logits = torch.tensor([[3.0, 1.0, 0.0, 1.0, 0.0, 1.0], [float("-inf")] * 6, [0.0, 5.0, 0.0, 0.0, 0.0, 0.0]])
+    warped = Sampler.warp(logits, SamplingMetadata(
+        temperatures=torch.ones(3), top_k=None if top_k is None else torch.tensor([top_k] * 3),
+        top_p=torch.tensor([0.75, 0.5, 1.0]), all_greedy=False, max_top_k=max_top_k))
+    assert warped.isfinite().tolist() == [[True, True, False, True, False, True], [False] * 6,
+                                          [True] * 6]
+
+
 @pytest.mark.parametrize("spread, widths", [(4.0, [1024]), (0.01, [1024, 4096])], ids=["peaked", "flat"])
 def test_top_p_alone_on_the_cpu_ranks_only_the_logits_its_sets_need(spread, widths, monkeypatch):
     """On the CPU, top-p without top-k ranks 1,024 logits, then 4x as many while a row's set reaches the last one,

@@ -97,6 +97,7 @@ class LLMEngine:
                           ("allowed_token_ids token id", params.allowed_token_ids or ())):
             self._check_in_vocabulary(name, ids)
         bad_words = self._bad_words_token_ids(params.bad_words)
+        self._check_allowed_tokens_left(params, bad_words)
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > self.vocab_size:
                 raise ValueError(f"{name}={getattr(params, name)} exceeds the vocabulary size {self.vocab_size}")
@@ -188,6 +189,19 @@ class LLMEngine:
         out_of_range = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if out_of_range is not None:
             raise ValueError(f"{name} {out_of_range} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _check_allowed_tokens_left(self, params: SamplingParams, bad_words: tuple[tuple[int, ...], ...]) -> None:
+        """A ValueError where allowed_token_ids leave nothing to sample at some step: all banned by one-token bad
+        words, or all EOS or stop tokens, which min_tokens withholds (the sampler would draw from all -inf)."""
+        if params.allowed_token_ids is None:
+            return
+        banned = {ids[0] for ids in bad_words if len(ids) == 1}
+        if params.min_tokens:
+            banned |= set(params.stop_token_ids or ()) | (set() if params.ignore_eos else self.eos_token_ids)
+        if banned.issuperset(params.allowed_token_ids):
+            raise ValueError(f"allowed_token_ids={params.allowed_token_ids} leave nothing to sample: each is banned "
+                             f"by bad_words={params.bad_words!r} or is an EOS or stop token (stop_token_ids="
+                             f"{params.stop_token_ids}) that min_tokens={params.min_tokens} withholds")
 
     def _bad_words_token_ids(self, bad_words: list[str] | None) -> tuple[tuple[int, ...], ...]:
         if not bad_words:

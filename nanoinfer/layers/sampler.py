@@ -321,5 +321,7 @@ def _mask_below_top_p(x: torch.Tensor, ranked: torch.Tensor, top_p: torch.Tensor
     largest values, descending, at least as many as its set holds; past x's finite values they may hold those a cut
     before top-p dropped, which can only lower this cut below it. Rows whose top_p is 1 are untouched."""
     lse = x.logsumexp(-1, keepdim=True) if lse is None else lse
-    kept = _in_top_p(ranked, lse, top_p).sum(-1, keepdim=True)
+    # At least the largest: a row that masks every token (min_tokens withholding the only allowed ones) has no set,
+    # and index -1 would fail the gather for every row (on CUDA, a device assert that ends the process's context).
+    kept = _in_top_p(ranked, lse, top_p).sum(-1, keepdim=True).clamp_min(1)
     return x.masked_fill((top_p < 1).unsqueeze(1) & (x < ranked.gather(-1, kept - 1)), float("-inf"))
