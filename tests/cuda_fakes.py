@@ -254,7 +254,8 @@ _HOST_SYNCS = {aten._local_scalar_dense.default: _HOST_READ, aten.item.default: 
                aten._unique2.default: "unique", aten.unique_consecutive.default: "unique_consecutive",
                aten.bincount.default: "bincount", aten.lift_fresh.default: "torch.tensor(data)"}
 _REPEATS = (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor)  # the second: in inference mode
-_BOOL_INDEXED = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default)
+_INDEX_PUTS = (aten.index_put.default, aten.index_put_.default)
+_BOOL_INDEXED = (aten.index.Tensor, *_INDEX_PUTS)
 
 
 class HostSyncAudit(TorchDispatchMode, TorchFunctionMode):
@@ -299,6 +300,8 @@ class HostSyncAudit(TorchDispatchMode, TorchFunctionMode):
                 what = "repeat_interleave without output_size"
             if func in _BOOL_INDEXED and any(i is not None and i.dtype == torch.bool for i in args[1]):
                 what = "boolean-mask indexing"
+            if func in _INDEX_PUTS and (args[3] if len(args) > 3 else kwargs.get("accumulate", False)):
+                what = "index_put_ with accumulate=True"  # CUDA reads the indices' min and max back to check them
             if what is not None:
                 self._record(what)
         return func(*args, **kwargs)

@@ -119,11 +119,42 @@ def test_host_sync_audit_sees_what_a_graph_cannot_capture(inference):
     with torch.inference_mode(inference), audit:
         x.sum().item(), x[x > 2], x.tolist(), torch.tensor([1, 2]), x.repeat_interleave(torch.tensor([1] * 6))
         x.repeat_interleave(torch.tensor([1] * 6), output_size=6), x[torch.tensor([0, 2])], x.softmax(0)
+        x.index_put_((torch.tensor([1, 1]),), torch.ones(()), accumulate=True), x.index_put_((x < 0,), x[0])
         with audit.paused():
             x.tolist()
     assert [what for what, _ in audit.found] == [
         "a value read on the host (item(), int(), bool())", "boolean-mask indexing", "tolist()", "torch.tensor(data)",
-        "torch.tensor(data)", "repeat_interleave without output_size", "torch.tensor(data)", "torch.tensor(data)"]
+        "torch.tensor(data)", "repeat_interleave without output_size", "torch.tensor(data)", "torch.tensor(data)",
+        "torch.tensor(data)", "index_put_ with accumulate=True", "boolean-mask indexing"]
+
+
+def test_sampling_on_the_device_never_syncs_with_the_host(qwen3_dir, monkeypatch):
+    """The runner's sampling (metadata, penalty counts, the sampler) of steps using every feature that needs no
+    generated text (ban lists of several tokens wait for the step in flight by design) reads no device value back to
+    the host: on CUDA a read waits for the step's whole queue, forward pass included. Top-p rows have a top-k here:
+    without one, the CPU's cut (_ranked) reads values back, where CUDA sorts. Tensors made from host data are left
+    out: here the audit cannot tell torch.from_numpy of the staged arrays (copied through pinned memory on CUDA) or a
+    scalar assigned to indexed elements (made on the device there) from a pageable upload."""
+    found, sample = [], ModelRunner.sample
+
+    def audited(self, seqs, logits):
+        with HostSyncAudit() as audit:
+            out = sample(self, seqs, logits)
+        found.extend(what for what in audit.found if what[0] != "torch.tensor(data)")
+        return out
+
+    monkeypatch.setattr(ModelRunner, "sample", audited)
+    every = dict(max_tokens=6, ignore_eos=True)
+    params = [SamplingParams(temperature=0.8, seed=1, top_k=5, top_p=0.9, **every),
+              SamplingParams(temperature=0.7, min_p=0.1, repetition_penalty=1.3, presence_penalty=0.5,
+                             frequency_penalty=0.4, logprobs=3, prompt_logprobs=2, **every),
+              SamplingParams(temperature=0, logit_bias={5: 3.0, 9: -2.0}, allowed_token_ids=[5, 9, 11, 13],
+                             min_tokens=2, n=2, max_tokens=6),
+              SamplingParams(temperature=1.0, bad_words=["a"], stop_token_ids=[7], min_tokens=3, **every)]
+    with LLM(str(qwen3_dir), device="cpu", max_model_len=64, max_num_seqs=8) as llm:
+        outputs = llm.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], params, use_tqdm=False)
+    assert [len(c.token_ids) for o in outputs for c in o.outputs] == [6, 6, 6, 6, 6]
+    assert found == []
 
 
 @pytest.mark.parametrize("kind", ALL_KINDS)

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from nanoinfer.engine.sequence import Sequence, SequenceStatus
+from nanoinfer.layers.sampler import add_at
 from nanoinfer.sampling_params import SamplingParams
 
 # SamplingRows.flags bits: which features a row uses, so that a step learns from two reductions which it needs.
@@ -133,6 +134,7 @@ class PenaltyCache:
         self.upload = upload  # the runner's: one staging ring for every small upload of a step
         self.prompt_mask = torch.zeros(0, 0, dtype=torch.bool, device=device)  # [slots, V]
         self.output_counts = torch.zeros(0, 0, device=device)  # [slots, V] fp32
+        self.one = torch.ones((), device=device)
         self.owners: list[Sequence | None] = []
         self.num_counted: list[int] = []  # the owner's generated tokens in output_counts, sampled ones in flight too
         self.slot_of: dict[int, int] = {}  # seq_id -> slot
@@ -165,7 +167,7 @@ class PenaltyCache:
             self.output_counts[claimed_index] = 0
             self.prompt_mask[tuple(prompt_index)] = True
         if counted[0]:
-            self.output_counts.index_put_(tuple(counted_index), torch.ones((), device=self.device), accumulate=True)
+            add_at(self.output_counts, counted_index[0] * vocab + counted_index[1], self.one)
         self.gathered = index, slots
         return self.prompt_mask[index], self.output_counts[index]
 
@@ -173,7 +175,7 @@ class PenaltyCache:
         """Add the tokens just sampled for the last gather's sequences (token_ids [len(seqs)], on the device) to
         their counts, before the host knows them."""
         index, slots = self.gathered
-        self.output_counts.index_put_((index, token_ids), torch.ones((), device=self.device), accumulate=True)
+        add_at(self.output_counts, index * self.output_counts.shape[1] + token_ids, self.one)
         for slot in slots:
             self.num_counted[slot] += 1
 

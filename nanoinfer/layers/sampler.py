@@ -102,7 +102,7 @@ class Sampler(nn.Module):
         if m.logit_bias is not None:
             rows, ids, biases = m.logit_bias
             # Padding pairs add 0.0 to token 0; a token's one real bias is added exactly once.
-            logits.index_put_((rows.unsqueeze(1).expand_as(ids), ids), biases, accumulate=True)
+            add_at(logits, rows.unsqueeze(1) * logits.shape[1] + ids, biases)
         for processor in m.logits_processors:
             logits = processor.apply(logits)
         if (p := m.penalties) is not None:
@@ -259,6 +259,13 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return x ^ (x >> np.uint64(31))
+
+
+def add_at(x: torch.Tensor, flat_index: torch.Tensor, values: torch.Tensor) -> None:
+    """x.view(-1)[flat_index] += values (broadcast to flat_index's shape) in place, repeated indices adding up. Not
+    index_put_(accumulate=True): on CUDA that reads its indices' range back to the host (a sync that stalls the
+    queue)."""
+    x.view(-1).scatter_add_(0, flat_index.reshape(-1), values.to(x.dtype).broadcast_to(flat_index.shape).reshape(-1))
 
 
 def _mask_below_kth(x: torch.Tensor, ranked: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
