@@ -661,27 +661,30 @@ def _memory_of(llm: LLM) -> list[weakref.ref]:
     return [weakref.ref(model), *map(weakref.ref, tensors)]
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3-moe", "qwen3-next"])
-def test_close_del_and_with_free_the_model_and_caches_without_the_garbage_collector(kind, model_dir):
+@pytest.mark.parametrize("kind, options", [("qwen3", {}), ("qwen3", {"enable_prompt_embeds": True}),
+                                           ("qwen3-moe", {}), ("qwen3-next", {})], ids=["qwen3", "qwen3-prompt-embeds",
+                                                                                      "qwen3-moe", "qwen3-next"])
+def test_close_del_and_with_free_the_model_and_caches_without_the_garbage_collector(kind, options, model_dir):
     """Reference counting alone frees everything (no module <-> parameter cycles), after close(), after del and
-    after a with block; an engine made next works the same."""
+    after a with block; an engine made next works the same. A closed LLM kept alive holds none of it either (with
+    prompt embeddings, the runner kept the token embedding)."""
     d = model_dir(kind)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     gc.collect()
     gc.disable()
     try:
-        llm = LLM(str(d), device="cpu", max_model_len=64)
+        llm = LLM(str(d), device="cpu", max_model_len=64, **options)
         expected = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
         memory = _memory_of(llm)
         llm.close()
         assert [r for r in memory if r() is not None] == []
         with pytest.raises(RuntimeError, match="closed"):
             llm.generate([[5, 6, 7]], params, use_tqdm=False)
-        llm = LLM(str(d), device="cpu", max_model_len=64)
+        llm = LLM(str(d), device="cpu", max_model_len=64, **options)
         memory = _memory_of(llm)
         del llm
         assert [r for r in memory if r() is not None] == []
-        with LLM(str(d), device="cpu", max_model_len=64) as llm:
+        with LLM(str(d), device="cpu", max_model_len=64, **options) as llm:
             memory = _memory_of(llm)
             assert llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids == expected
         assert [r for r in memory if r() is not None] == []
