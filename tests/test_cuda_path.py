@@ -417,15 +417,17 @@ def test_graph_metadata_is_made_of_views_of_the_runner_buffers():
 
 # ---- small uploads through persistent staging ----
 
-class CountingEvent:
-    def __init__(self) -> None:
-        self.recorded = self.waited = 0
+class FakeEvent:
+    """A CUDA event on the CPU: what the host recorded and waited for, in order, in `log`."""
+
+    def __init__(self, log: list[tuple[str, int]]) -> None:
+        self.log, self.number = log, sum(what == "record" for what, _ in log)
 
     def record(self) -> None:
-        self.recorded += 1
+        self.log.append(("record", self.number))
 
     def synchronize(self) -> None:
-        self.waited += 1
+        self.log.append(("wait", self.number))
 
 
 def staging(kind: str, capacity: int) -> HostStaging:
@@ -435,7 +437,8 @@ def staging(kind: str, capacity: int) -> HostStaging:
         return s
     # The CUDA branch on the CPU: the packed bytes are copied into a fresh tensor all the same.
     s = HostStaging(torch.device("cpu"), capacity)
-    s.on_cuda, s.copied, s.buffer = True, CountingEvent(), torch.zeros(capacity, dtype=torch.uint8)
+    s.on_cuda, s.buffer, s.events = True, torch.zeros(capacity, dtype=torch.uint8), []
+    s.new_event = lambda: FakeEvent(s.events)
     return s
 
 
@@ -459,17 +462,39 @@ def test_host_staging_packs_arrays_into_one_copy_and_reuses_its_buffer(kind):
     if kind == "cuda":
         assert first[0].device.type == "cuda"
         return
-    assert (upload.offset, upload.copied.waited) == (48, 0)  # 16 + 32 bytes
+    assert (upload.offset, upload.events) == (48, [("record", 0)])  # 16 + 32 bytes
     second = upload(np.full(2, 9, dtype=np.int64))  # fits: written after the first
-    assert (upload.offset, upload.copied.waited, upload.buffer is buffer) == (64, 0, True)
-    upload(np.full(3, 8, dtype=np.int64))  # does not fit: back to the start once the copies so far have run
-    assert (upload.offset, upload.copied.waited, upload.buffer is buffer) == (32, 1, True)  # 24 bytes, padded
+    assert (upload.offset, upload.events[-1], upload.buffer is buffer) == (64, ("record", 1), True)
+    upload(np.full(3, 8, dtype=np.int64))  # does not fit: back to the start once the first copy has run
+    assert (upload.offset, upload.events[-2:], upload.buffer is buffer) == (32, [("wait", 0), ("record", 2)], True)
     assert buffer[:24].view(torch.int64).tolist() == [8, 8, 8]
+    upload(np.full(2, 7, dtype=np.int64))  # the rest of the first copy's bytes: waited for already
+    assert (upload.offset, upload.events[-2:]) == (48, [("record", 2), ("record", 3)])
+    upload(np.full(2, 6, dtype=np.int64))  # over the second copy's bytes
+    assert (upload.offset, upload.events[-2:]) == (64, [("wait", 1), ("record", 4)])
     # What came back earlier is a copy: rewriting the staging bytes leaves it as it was.
     assert first[1].tolist() == [[-7, -6], [-5, -4]] and second[0].tolist() == [9, 9]
-    big = upload(np.arange(20, dtype=np.int64))[0]  # larger than the buffer: a bigger one
-    assert upload.buffer.numel() == 320 and upload.copied.waited == 2 and big.tolist() == list(range(20))
-    assert upload.copied.recorded == 4
+    big = upload(np.arange(20, dtype=np.int64))[0]  # larger than the buffer: a bigger one, once every copy has run
+    assert upload.buffer.numel() == 320 and upload.events[-2:] == [("wait", 4), ("record", 5)]
+    assert big.tolist() == list(range(20)) and len(upload.in_flight) == 1
+
+
+def test_host_staging_waits_only_for_copies_a_lap_old():
+    """A wrap never waits for the copies of the current lap (they may be queued behind the step's forward pass, which
+    the host would wait for too): only for the newest copy of the lap before that read the bytes it rewrites."""
+    upload = staging("fake-cuda", 256)
+    for _ in range(16):  # 16 bytes each: one lap
+        upload(np.zeros(2, dtype=np.int32))
+    ages = []  # per wait, how many copies were recorded after the one waited for
+    for step in range(12):  # three laps more, 16 + 48 bytes a step
+        for array in (np.zeros(1, dtype=np.int64), np.zeros(6, dtype=np.int64)):
+            upload(array)
+            recorded = sum(what == "record" for what, _ in upload.events)
+            ages += [recorded - 1 - n for what, n in upload.events[-2:-1] if what == "wait"]
+    # Each copy waits for the one that read its bytes a lap (8 copies) before, long done on a GPU; the former ring
+    # waited once a lap for the newest copy, recorded just before (age 0).
+    assert len(ages) >= 12 and min(ages) >= 5
+    assert len(upload.in_flight) <= 256 // 16
 
 
 def test_host_staging_starts_each_array_16_bytes_aligned():

@@ -1,5 +1,6 @@
 """Sampling state: each InputBatch row's sampling parameters in preallocated arrays, per-sequence token statistics
 for penalties kept on the model's device, and the transfers around sampling (small, pinned, non_blocking)."""
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -95,7 +96,11 @@ class HostStaging:
         # pin_memory needs a CUDA build with a driver: only on CUDA.
         self.buffer = torch.empty(capacity if self.on_cuda else 0, dtype=torch.uint8, pin_memory=self.on_cuda)
         self.offset = 0
-        self.copied = torch.cuda.Event() if self.on_cuda else None  # recorded after each copy from the buffer
+        self.lap = 0  # times the ring has wrapped around
+        # Copies from the buffer that may not have run yet: (lap, start offset, event recorded after the copy),
+        # oldest first.
+        self.in_flight: deque[tuple[int, int, torch.cuda.Event]] = deque()
+        self.new_event = torch.cuda.Event  # (a stand-in in tests)
 
     def __call__(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
@@ -109,19 +114,34 @@ class HostStaging:
         for t, start in zip(tensors, starts):
             host[start:start + t.nbytes].view(t.dtype).copy_(t.view(-1))
         packed = torch.empty(end, dtype=torch.uint8, device=self.device).copy_(host, non_blocking=True)
-        self.copied.record()
+        copied = self.new_event()
+        copied.record()
+        self.in_flight.append((self.lap, self.offset - end, copied))
         return [packed[start:start + t.nbytes].view(t.dtype).view(t.shape) for t, start in zip(tensors, starts)]
 
     def _claim(self, nbytes: int) -> torch.Tensor:
-        """nbytes of the buffer that no pending copy reads: the next ones, or, past its end, its start once the
-        copies queued so far have run (the buffer grows if it is too small)."""
+        """nbytes of the buffer that no pending copy reads: the next ones, or, past its end, its start (the buffer
+        grows if it is too small). Bytes an earlier lap's copy read are rewritten once that copy has run: the host
+        waits for the newest such copy, a lap old, never for the ones just queued (they may sit behind this step's
+        forward pass, which the host would then wait for too)."""
         if self.offset + nbytes > self.buffer.numel():
-            self.copied.synchronize()
             if nbytes > self.buffer.numel():
+                if self.in_flight:
+                    self.in_flight[-1][2].synchronize()
+                self.in_flight.clear()
                 self.buffer = torch.empty(2 * nbytes, dtype=torch.uint8, pin_memory=self.buffer.is_pinned())
+            self.lap += 1
             self.offset = 0
-        self.offset += nbytes
-        return self.buffer[self.offset - nbytes:self.offset]
+        end, read = self.offset + nbytes, None
+        # Copies of the lap before that start below `end` read these bytes (or bytes before them); older laps' are
+        # older than every copy of that lap, so waiting for the newest one popped covers them all.
+        while self.in_flight and (lap := self.in_flight[0][0]) < self.lap and (
+                lap < self.lap - 1 or self.in_flight[0][1] < end):
+            read = self.in_flight.popleft()[2]
+        if read is not None:
+            read.synchronize()
+        self.offset = end
+        return self.buffer[end - nbytes:end]
 
 
 class PenaltyCache:
