@@ -717,6 +717,28 @@ def test_close_del_and_with_free_the_model_and_caches_without_the_garbage_collec
         gc.enable()
 
 
+def test_close_keeps_cublas_workspaces_while_another_engines_graphs_live(qwen3_dir, monkeypatch):
+    """Every capture bakes in cuBLAS's one workspace for torch's capture stream (allocated in the first engine's
+    graph pool): an engine closed while another's graphs live must not free it under them; the last one does."""
+    cleared = []
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: cleared.append(True), raising=False)
+
+    class Graphs:  # stands in for a CUDAGraphRunner captured on CUDA
+        pass
+
+    def close_as_on_cuda(llm: LLM) -> None:
+        llm.llm_engine.model_runner.device = torch.device("cuda")  # close() takes the CUDA branch
+        llm.close()
+
+    other = Graphs()
+    cuda_graph.CAPTURED.add(other)
+    close_as_on_cuda(LLM(str(qwen3_dir), device="cpu", max_model_len=64))
+    assert cleared == []
+    del other
+    close_as_on_cuda(LLM(str(qwen3_dir), device="cpu", max_model_len=64))
+    assert cleared == [True] and not cuda_graph.CAPTURED
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen3-moe", "qwen3-next", "deepseek-v3", "llama4", "mimo-v2-flash",
                                   "doge"])
 def test_model_is_built_on_the_target_device_in_its_dtype(kind, model_dir):

@@ -1,5 +1,6 @@
 """Decode steps replayed from CUDA graphs, one captured per batch size; a batch is padded to the next captured
 size and the LM head runs outside the graph. The bookkeeping is plain tensor code, tested on the CPU."""
+import weakref
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -11,6 +12,10 @@ from nanoinfer.layers.attention.metadata import AttentionMetadata
 from nanoinfer.lora.layers import LoRAStep
 
 MAX_CAPTURE_SIZE = 512
+# Runners whose graphs were captured on CUDA and are alive. Every capture runs on torch's one capture stream, so the
+# first allocates cuBLAS's workspace for that stream in its own graphs' pool and every later capture bakes in the same
+# one: clearing the workspaces (ModelRunner.close) frees it under the graphs of any runner still alive.
+CAPTURED: weakref.WeakSet["CUDAGraphRunner"] = weakref.WeakSet()
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -117,6 +122,8 @@ class CUDAGraphRunner:
             graph = self.new_graph()
             pool = graph.capture(step, pool)
             self.graphs[size] = graph
+        if self.outputs.is_cuda:
+            CAPTURED.add(self)
 
     def padded_size(self, num_seqs: int) -> int | None:
         """The captured size a decode step of num_seqs sequences replays, or None: run it eagerly."""

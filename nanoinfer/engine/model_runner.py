@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from nanoinfer.config import Config, hidden_states_width
+from nanoinfer.engine import cuda_graph
 from nanoinfer.engine.cuda_graph import CUDAGraph, CUDAGraphRunner
 from nanoinfer.engine.gpu_memory import profile_kv_cache_blocks, settled_mem_info, state_bytes_for_gpu
 from nanoinfer.engine.input_batch import InputBatch
@@ -229,8 +230,10 @@ class ModelRunner:
         self.input_batch = self.penalty_cache = self.token_tables = self.upload = self.to_host = None
         self.last_launch = None
         if self.device.type == "cuda":
-            # cuBLAS keeps a workspace per stream it ran on (the graphs' capture stream too) for the process's life.
-            getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
+            # cuBLAS keeps a workspace per stream it ran on (the graphs' capture stream too) for the process's life;
+            # the capture stream's is in use while another engine's graphs live (see cuda_graph.CAPTURED).
+            if not cuda_graph.CAPTURED:
+                getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
             torch.cuda.empty_cache()
 
     def _attention_layers(self) -> list[Attention]:
