@@ -2694,16 +2694,19 @@ def shared_prefix_prompts() -> list[list[int]]:
 
 
 @torch.inference_mode()
-def hf_reordering_noise(model_dir, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> float:
+def hf_reordering_noise(model_dir, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                        refs: list[dict] | None = None) -> float:
     """transformers' own fp32 rounding under a reordering of the same sums: the max |difference| between the logits
     of its cached greedy decode and those of one uncached pass over the prompt and the generated tokens. A model
     that amplifies rounding (Gemma 4 E's attention: q/k-normed and unscaled) shows it here as it does in a chunked
-    engine run, whose chunks reorder the sums in the same way."""
-    model = load_hf_model(model_dir)
+    engine run, whose chunks reorder the sums in the same way. `model_dir` may also be a loaded model (on any device),
+    with `refs`, its hf_greedy results for the prompts."""
+    model = model_dir if isinstance(model_dir, torch.nn.Module) else load_hf_model(model_dir)
+    refs = cached_hf_greedy(model_dir, prompts, max_new_tokens) if refs is None else refs
     worst = 0.0
-    for prompt, ref in zip(prompts, cached_hf_greedy(model_dir, prompts, max_new_tokens)):
+    for prompt, ref in zip(prompts, refs):
         ids = list(prompt) + ref["token_ids"][:-1]
-        logits = model(input_ids=torch.tensor([ids])).logits[0, len(prompt) - 1:].float()
+        logits = model(input_ids=torch.tensor([ids], device=model.device)).logits[0, len(prompt) - 1:].float().cpu()
         worst = max(worst, (logits - ref["logits"]).abs().max().item())
     return worst
 
