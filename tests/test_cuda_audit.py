@@ -91,14 +91,22 @@ def test_decode_graphs_only_for_models_whose_forward_a_graph_can_capture(kind, d
             runner.device, runner.config.torch_dtype = torch.device("cpu"), torch.float32
 
 
-class RefusedCapture(RecordingGraphRunner):
-    def capture(self) -> None:
-        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+def cuda_error(message: str, code: int | None) -> RuntimeError:
+    """What torch raises for a CUDA error: an AcceleratorError carrying CUDA's error code (2.11 and later)."""
+    e = getattr(torch, "AcceleratorError", RuntimeError)(f"CUDA error: {message}")
+    if code is not None:
+        e.error_code = code
+    return e
 
 
-def test_a_capture_the_device_refuses_leaves_decode_eager(qwen3_dir, monkeypatch, caplog):
+@pytest.mark.parametrize("code", [900, None], ids=["capture-unsupported", "no-code"])
+def test_a_capture_the_device_refuses_leaves_decode_eager(qwen3_dir, monkeypatch, caplog, code):
     """Should a graph capture fail at start-up (an op that waits for the device, which the audit below missed), the
     engine warns and decodes eagerly rather than fail to start."""
+    class RefusedCapture(RecordingGraphRunner):
+        def capture(self) -> None:
+            raise cuda_error("operation not permitted when stream is capturing", code)
+
     monkeypatch.setattr(model_runner, "CUDAGraphRunner", RefusedCapture)
     with LLM(str(qwen3_dir), device="cpu", max_model_len=64) as llm:
         runner = llm.llm_engine.model_runner
@@ -110,6 +118,24 @@ def test_a_capture_the_device_refuses_leaves_decode_eager(qwen3_dir, monkeypatch
             runner.device = torch.device("cpu")
         assert "CUDA graphs: capture failed, decode runs eagerly: CUDA error: operation not permitted" in caplog.text
         assert len(llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 3
+
+
+def test_a_fault_during_capture_is_raised_not_taken_for_a_refusal(qwen3_dir, monkeypatch):
+    """A kernel's illegal address (say) while the graphs are captured ends the process's CUDA context: decoding
+    eagerly would fail later and elsewhere, so start-up fails with the fault itself."""
+    class FaultingCapture(RecordingGraphRunner):
+        def capture(self) -> None:
+            raise cuda_error("an illegal memory access was encountered", 700)
+
+    monkeypatch.setattr(model_runner, "CUDAGraphRunner", FaultingCapture)
+    with LLM(str(qwen3_dir), device="cpu", max_model_len=64) as llm:
+        runner = llm.llm_engine.model_runner
+        runner.device, runner.config.attention_backend = torch.device("cuda", 0), "triton"
+        try:
+            with pytest.raises(RuntimeError, match="illegal memory access"):
+                runner._capture_graphs()
+        finally:
+            runner.device = torch.device("cpu")
 
 
 @pytest.mark.parametrize("inference", [False, True], ids=["grad mode", "inference mode"])

@@ -107,6 +107,11 @@ class EncodeStep:
     causal: bool
 
 
+# CUDA's errors for what a stream capture refuses (cudaErrorStreamCaptureUnsupported to ...WrongThread), which torch
+# raises as AcceleratorErrors with that error_code.
+CAPTURE_REFUSALS = range(900, 909)
+
+
 class ModelRunner:
     def __init__(self, config: Config, tp: TPGroup | None = None):
         self.config = config
@@ -391,6 +396,8 @@ class ModelRunner:
         try:
             runner.capture()
         except RuntimeError as e:  # an op the capture refused (one that waits for the device): eager decode is slower
+            if getattr(e, "error_code", None) not in (None, *CAPTURE_REFUSALS):
+                raise  # a fault (an illegal address, say) ends the process's CUDA context: nothing would run eagerly
             failure = str(e)
         else:
             if self.tp.rank == 0:
