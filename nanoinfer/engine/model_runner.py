@@ -229,8 +229,8 @@ class ModelRunner:
                 module.backend = None
             elif isinstance(module, RecurrentLayer):
                 module.free_state()
-        self.model = self.prompt_embedding = self.backend = self.graph_runner = self.lora = None
-        self.logits_processors = None
+        self.model = self.prompt_embedding = self.backend = self.graph_runner = None
+        self.lora = self.logits_processors = None
         # Their device and pinned buffers.
         self.input_batch = self.penalty_cache = self.token_tables = self.upload = self.to_host = None
         self.last_launch = None
