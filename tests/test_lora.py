@@ -477,3 +477,18 @@ def test_bad_requests_and_settings(one_slot_llm, llama_dir, model_dir, adapters,
         lora_llm(moe).generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("e", 1, str(expert)))
     assert tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=a1)) == [
         reference(adapters("llama")[0], llama_dir)[0]["token_ids"]]
+
+
+def test_every_slot_path_keeps_an_overflowing_slot_out_of_other_tokens():
+    """The decode graphs' path (add_every_slot) computes every slot's products for every token: an fp16 one that
+    overflows in a slot the token does not use (or in an evicted adapter's A, left in an inactive slot) must not
+    reach it (masked by a product, inf * 0 made it NaN)."""
+    layer = torch.nn.Linear(4, 3, bias=False).half()
+    lora = LoRALayer(layer, [None], max_loras=2, max_rank=2, step=None)
+    lora.lora_a[0].fill_(3e4)  # x A overflows fp16 for slot 0
+    lora.lora_b[:, 0].fill_(1.0)
+    lora.set_active(0, True)
+    lora.lora_a[1].fill_(1e4)  # an evicted adapter's A, in a slot inactive here
+    x, y = torch.full((3, 4), 2.0, dtype=torch.float16), torch.zeros(3, 3, dtype=torch.float16)
+    lora.add_every_slot(y, x, torch.tensor([-1, 1, 0]))
+    assert torch.equal(y[:2], torch.zeros(2, 3, dtype=torch.float16)) and y[2].isinf().all()

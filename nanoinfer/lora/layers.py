@@ -55,7 +55,8 @@ class LoRALayer:
         x through every slot's A at once, the columns of the other slots (and of slots whose adapter leaves this
         layer alone) zeroed, then through every slot's B at once. max_loras x rank columns: a few dozen."""
         h = F.linear(x, self.lora_a.flatten(0, 1))
-        h = h * ((token_slots.unsqueeze(1) == self.column_slot) & self.active_columns)
+        # Selected, not multiplied by the mask: another slot's column that overflowed (fp16) would give inf * 0 = NaN.
+        h = torch.where((token_slots.unsqueeze(1) == self.column_slot) & self.active_columns, h, 0)
         y += F.linear(h, self.lora_b.flatten(1))
 
     def set_active(self, slot: int, active: bool) -> None:
