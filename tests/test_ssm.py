@@ -549,3 +549,19 @@ def test_xlstm_block_form_is_transformers_recurrence():
         torch.testing.assert_close(torch.cat(h), ref, rtol=1e-10, atol=1e-10)
         for ours, theirs in zip(xlstm.state_views(carried), (C, n, m)):
             torch.testing.assert_close(ours, theirs[0].view(ours.shape), rtol=1e-10, atol=1e-10)
+
+
+def test_a_prefill_steps_recurrent_batch_reads_the_host_metadata_not_the_devices():
+    """Outside decode, each step's spans and slots come from the metadata the host built (InputBatch.to_device keeps
+    it as meta.host): read back from the device, they would wait for all the work queued before them (async
+    scheduling's overlap lost). The device tensors here are on the meta device, which has no values to read."""
+    host = AttentionMetadata(slot_mapping=torch.arange(7), block_tables=torch.zeros(3, 1, dtype=torch.int32),
+                             context_lens=torch.tensor([4, 1, 9], dtype=torch.int32),
+                             cu_seqlens_q=torch.tensor([0, 4, 5, 7], dtype=torch.int32),
+                             cu_seqlens_k=torch.tensor([0, 4, 5, 14], dtype=torch.int32), max_seqlen_q=4,
+                             max_seqlen_k=9, block_size=16, state_slots=torch.tensor([2, 0, 5]))
+    device = host.to(torch.device("meta"))
+    device.state_slots = host.state_slots.to("meta")
+    batch = RecurrentBatch.from_metadata(device)
+    assert batch.spans == [(0, 4, 2), (5, 7, 5)] and batch.single_rows.device.type == "meta"
+    assert batch.fresh_slots.shape == (2,) and batch.single_slots.shape == (1,)  # slots 2 and 0 start at 0; 0 alone

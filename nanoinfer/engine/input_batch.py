@@ -234,7 +234,7 @@ class InputBatch:
                                                               meta.cu_seqlens_k, meta.block_tables)))
         state_slots = None if meta.state_slots is None else self._upload("state_slots", meta.state_slots)
         return ids, pos, replace(meta, slot_mapping=slots, block_tables=tables, context_lens=ctx, cu_seqlens_q=cu_q,
-                                 cu_seqlens_k=cu_k, state_slots=state_slots)
+                                 cu_seqlens_k=cu_k, state_slots=state_slots, host=meta)
 
     def state_slots(self, slots: list[int]) -> torch.Tensor:
         """The recurrent-state slots of a step's sequences (after prepare), in their host staging buffer."""

@@ -60,13 +60,17 @@ class RecurrentBatch:
             slots = meta.state_slots
             return cls(fresh_slots=torch.where(meta.context_lens == 1, slots, -1),
                        single_rows=meta.cu_seqlens_q[:-1].long(), single_slots=slots, spans=[])
-        cu, ctx, slots = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist(), meta.state_slots.tolist()
+        host = meta.on_host
+        cu, ctx, slots = host.cu_seqlens_q.tolist(), host.context_lens.tolist(), host.state_slots.tolist()
         single = [i for i in range(meta.num_seqs) if cu[i + 1] - cu[i] == 1]
-        index = dict(dtype=torch.long, device=meta.context_lens.device)  # they index the state where it lives
+
+        def index(values: list[int]) -> torch.Tensor:  # where the state lives; not waiting for the queued work
+            return torch.tensor(values, dtype=torch.long).to(meta.context_lens.device, non_blocking=True)
+
         return cls(
-            fresh_slots=torch.tensor([s for i, s in enumerate(slots) if ctx[i] == cu[i + 1] - cu[i]], **index),
-            single_rows=torch.tensor([cu[i] for i in single], **index),
-            single_slots=torch.tensor([slots[i] for i in single], **index),
+            fresh_slots=index([s for i, s in enumerate(slots) if ctx[i] == cu[i + 1] - cu[i]]),
+            single_rows=index([cu[i] for i in single]),
+            single_slots=index([slots[i] for i in single]),
             spans=[(cu[i], cu[i + 1], slots[i]) for i in range(meta.num_seqs) if cu[i + 1] - cu[i] > 1],
         )
 

@@ -46,7 +46,7 @@ def sparse_step(meta: AttentionMetadata, dims: MLADims | None = None) -> SparseS
     """The step's SparseStep, made by its first sparse layer and kept on `meta` for the others; dims: MLA's widths,
     which `decompress` weighs (None: no MLA, nothing decompressed)."""
     if meta.model_state is None:
-        cu, ctx = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist()
+        cu, ctx = meta.on_host.cu_seqlens_q.tolist(), meta.on_host.context_lens.tolist()
         spans = [(cu[i], cu[i + 1] - cu[i], ctx[i]) for i in range(meta.num_seqs)]
         new = np.array([n for _, n, _ in spans])
         decompress = decompress_pays(new, np.array(ctx) - new, dims).tolist() if dims else [False] * len(spans)

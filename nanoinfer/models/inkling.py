@@ -132,7 +132,7 @@ def log_scale(positions: torch.Tensor, floor: int, alpha: float) -> torch.Tensor
 def sequence_spans(meta: AttentionMetadata) -> list[tuple[int, int, int]]:
     """Each sequence's first row in the step, its rows and its context: derived once per step, kept on `meta`."""
     if meta.model_state is None:
-        cu, ctx = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist()
+        cu, ctx = meta.on_host.cu_seqlens_q.tolist(), meta.on_host.context_lens.tolist()
         meta.model_state = [(cu[i], cu[i + 1] - cu[i], ctx[i]) for i in range(meta.num_seqs)]
     return meta.model_state
 

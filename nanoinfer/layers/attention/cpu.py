@@ -109,7 +109,8 @@ class CPUAttentionBackend:
                 and meta.max_seqlen_q <= KERNEL_MAX_QUERY_ROWS):
             meta.backend_state = _query_rows_as_decodes(meta)
             return
-        cu, ctx, cu_k = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist(), meta.cu_seqlens_k.tolist()
+        host = meta.on_host  # read where the host wrote them: no sync with the device
+        cu, ctx, cu_k = host.cu_seqlens_q.tolist(), host.context_lens.tolist(), host.cu_seqlens_k.tolist()
         meta.backend_state = CPUState([(cu[i], cu[i + 1], ctx[i], cu_k[i]) for i in range(meta.num_seqs)])
 
     def store_kvcache(self, k: torch.Tensor, v: torch.Tensor | None, k_cache: torch.Tensor,

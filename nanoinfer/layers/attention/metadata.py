@@ -23,6 +23,9 @@ class AttentionMetadata:
     state_slots: torch.Tensor | None = None
     backend_state: Any = None  # whatever the chosen backend derives from the above, once per step
     model_state: Any = None  # whatever the model's layers derive from the above, once per step (MLA's split: mla.py)
+    # The same step as built on the host, where these tensors were copied to a device: what a layer reads values of
+    # on the host comes from there, not back from the device (a sync that waits for the queued work). None: these.
+    host: "AttentionMetadata | None" = None
 
     @property
     def num_seqs(self) -> int:
@@ -46,4 +49,9 @@ class AttentionMetadata:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return replace(self, slot_mapping=move(self.slot_mapping), block_tables=move(self.block_tables),
                        context_lens=move(self.context_lens), cu_seqlens_q=move(self.cu_seqlens_q),
-                       cu_seqlens_k=move(self.cu_seqlens_k))
+                       cu_seqlens_k=move(self.cu_seqlens_k), host=self)
+
+    @property
+    def on_host(self) -> "AttentionMetadata":
+        """This step's metadata with host tensors (itself if its tensors are on the host)."""
+        return self if self.host is None else self.host
