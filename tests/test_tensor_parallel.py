@@ -178,3 +178,28 @@ def test_gguf_tp2_matches_tp1(tmp_path, monkeypatch):
         with LLM(str(path), device="cpu", dtype="float32", max_model_len=64, tensor_parallel_size=tp) as llm:
             outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
     assert outputs[0] == outputs[1]
+
+
+def test_the_model_and_its_graphs_go_before_the_process_group(qwen3_dir, monkeypatch):
+    """NCCL (2.26 on) destroys a communicator only once every CUDA graph that captured its collectives is gone, and
+    waits for ever otherwise: close() drops rank 0's model (decode graphs included) before the process group, and a
+    failed step drops the graphs before aborting it."""
+    from nanoinfer.engine import parallel
+    destroy, seen = parallel.dist.destroy_process_group, []
+    llm = LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=256, tensor_parallel_size=2)
+    runner = llm.llm_engine.model_runner
+
+    def recording_destroy(*args, **kwargs):
+        seen.append((runner.model, runner.graph_runner))
+        return destroy(*args, **kwargs)
+
+    monkeypatch.setattr(parallel.dist, "destroy_process_group", recording_destroy)
+    llm.close()
+    assert seen == [(None, None)]
+    llm, seen[:] = LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=256, tensor_parallel_size=2), []
+    runner = llm.llm_engine.model_runner
+    runner.graph_runner = "graphs"  # stands in for a CUDA runner's
+    os.kill(llm.llm_engine.tp.workers[0].pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="was killed by SIGKILL"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert seen and all(graphs is None for _, graphs in seen)

@@ -468,6 +468,7 @@ class LLMEngine:
         group is shut down and the error names the worker that failed (died, stopped, or silent past the timeout)."""
         if self.tp.size == 1:
             return
+        self.model_runner.graph_runner = None  # before the communicator is aborted (see close); nothing else waits
         failed = self.tp.abort(error)
         if isinstance(error, Exception):
             raise RuntimeError(f"tensor-parallel step failed on rank {self.tp.rank} ({failed or error}); "
@@ -505,8 +506,10 @@ class LLMEngine:
         return self.tp.closed
 
     def close(self) -> None:
-        self.tp.close()
+        # The model (its decode graphs) first: NCCL (2.26 on) destroys a communicator only once no CUDA graph that
+        # captured its collectives lives, and would wait for them for ever.
         self.model_runner.close()
+        self.tp.close()
 
     def _check_stop(self, seq: Sequence) -> None:
         """vLLM's order: nothing stops before min_tokens; then EOS, stop token, stop string, length."""

@@ -240,9 +240,13 @@ def worker_main() -> None:
     group = TPGroup(rank, args["size"], args["size"], rank)
     group._init_process_groups(args["config"].torch_device.type == "cuda", store=store)
     group.owns_process_group = True
+    runner = None
     try:
-        ModelRunner(args["config"], group).serve()
+        runner = ModelRunner(args["config"], group)
+        runner.serve()
     finally:
+        if runner is not None:  # its decode graphs before the process group (see LLMEngine.close)
+            runner.close()
         dist.destroy_process_group()
 
 
