@@ -26,6 +26,10 @@ from nanoinfer.config import Config
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 # Ranks may reach the process group far apart (imports, loading) on a busy machine.
 START_TIMEOUT = datetime.timedelta(seconds=300)
+# NCCL's watchdog ends the process when a collective has not finished this long after the host queued it (the host
+# runs a whole forward pass ahead of the GPU; the KV sizing's warm-up of a long prompt on a large model takes long):
+# torch's default, not step_timeout(), which is for gloo's waits on the host.
+NCCL_TIMEOUT = datetime.timedelta(minutes=10)
 _WORKER_COMMAND = "from nanoinfer.engine.parallel import worker_main; worker_main()"
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -138,7 +142,7 @@ class TPGroup:
             # NCCL for CUDA tensors, gloo for CPU ones.
             backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
             dist.init_process_group(backend, rank=self.rank, world_size=self.size, timeout=START_TIMEOUT, **kwargs)
-        self.group = dist.new_group(timeout=self.step_timeout)
+        self.group = dist.new_group(timeout=NCCL_TIMEOUT if cuda else self.step_timeout)
         self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 
