@@ -203,3 +203,21 @@ def test_the_model_and_its_graphs_go_before_the_process_group(qwen3_dir, monkeyp
     with pytest.raises(RuntimeError, match="was killed by SIGKILL"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert seen and all(graphs is None for _, graphs in seen)
+
+
+def test_spawned_workers_get_their_own_local_rank(qwen3_dir, monkeypatch):
+    """A LOCAL_RANK in the caller's environment (a launcher's, a notebook's) must not reach the workers: on CUDA
+    each rank's GPU is its LOCAL_RANK, and all would take the same one."""
+    from nanoinfer.engine import parallel
+    popen, ranks = parallel.subprocess.Popen, []
+
+    def recording_popen(command, *args, **kwargs):
+        if parallel._WORKER_COMMAND in command:
+            ranks.append((kwargs["env"]["LOCAL_RANK"], kwargs["env"]["LOCAL_WORLD_SIZE"]))
+        return popen(command, *args, **kwargs)
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(parallel.subprocess, "Popen", recording_popen)
+    with LLM(str(qwen3_dir), device="cpu", dtype="float32", max_model_len=256, tensor_parallel_size=2) as llm:
+        assert len(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) > 0
+    assert ranks == [("1", "2")]

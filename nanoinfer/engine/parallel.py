@@ -205,6 +205,8 @@ def _spawn_workers(config: Config) -> TPGroup:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
     try:
         for rank in range(1, size):
+            # A LOCAL_RANK of the caller's (a launcher's, a notebook's) would put every worker on its GPU.
+            env.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(size))
             p = subprocess.Popen([sys.executable, "-c", _WORKER_COMMAND, str(rank)], stdin=subprocess.PIPE, env=env)
             group.workers.append(p)
             p.stdin.write(args)
