@@ -8,6 +8,7 @@ from nanoinfer import LLM, SamplingParams
 from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.engine.scheduler import ScheduledBatch
+from nanoinfer.kernels.cuda import compiled_variants, engine_kernels
 from nanoinfer.layers.attention import Attention, get_backend
 from test_cuda_path import _seq
 
@@ -167,20 +168,6 @@ def test_engine_matches_hf_on_the_gpu(qwen3_dir, captured_logits):
     worst = check_against_hf(outputs, cached_hf_greedy(qwen3_dir, REFERENCE_PROMPTS, REFERENCE_MAX_TOKENS),
                              captured_logits)
     assert worst < 1e-3, f"max |logit diff| {worst:.2e}"
-
-
-def engine_kernels() -> dict:
-    """The engine's Triton kernels (JITFunctions) by name."""
-    from triton.runtime.jit import JITFunction
-
-    from nanoinfer.kernels import triton_attention, triton_kvcache, triton_layers, triton_sampling
-    return {name: fn for module in (triton_attention, triton_kvcache, triton_layers, triton_sampling)
-            for name, fn in vars(module).items() if isinstance(fn, JITFunction)}
-
-
-def compiled_variants() -> dict[str, int]:
-    """How many variants of each of the engine's Triton kernels are compiled, over every device."""
-    return {name: sum(len(caches[0]) for caches in fn.device_caches.values()) for name, fn in engine_kernels().items()}
 
 
 def test_no_kernel_compiles_while_requests_are_served(qwen3_dir):
