@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -33,11 +34,25 @@ def test_cpu_bench_profiles_and_compares_with_transformers(qwen3_dir, tmp_path):
     assert result["hf"]["identical_outputs"] == 3
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                          reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_cuda_bench_code_runs_at_toy_size_on_cpu(async_scheduling):
-    proc = run_bench("--dry-run", "--device", "cpu", *(["--async-scheduling"] if async_scheduling else []))
-    assert "nano-vllm workload" in proc.stdout and "output tok/s" in proc.stdout
+def test_cuda_bench_code_runs_at_toy_size(device, async_scheduling, tmp_path):
+    """Every part of the CUDA benchmark, on the CPU as on a GPU (where a crash would otherwise show only at the end
+    of a device call): with async scheduling, or plain with --compare-hf, --profile and --also-async."""
+    out = tmp_path / "bench.json"
+    proc = run_bench("--dry-run", "--device", device, "--json", str(out),
+                     *(["--async-scheduling"] if async_scheduling else ["--compare-hf", "--profile", "--also-async"]))
+    assert "nano-vllm workload" in proc.stdout and "output tok/s" in proc.stdout and "Throughput:" in proc.stdout
     assert f"async scheduling {async_scheduling}" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["nano_vllm"]["finished"] == 8 and not result["nano_vllm"]["cut_short"]
+    if not async_scheduling:
+        assert result["nano_vllm_async"]["finished"] == 8 and result["greedy"]["ratio"] > 0
+        assert result["decode_profile"] is not None, proc.stdout[-2000:]
 
 
 def test_cuda_greedy_comparison_misses_the_prefix_cache(monkeypatch):

@@ -565,7 +565,8 @@ class ModelRunner:
         if embeds is None:
             yield
             return
-        index, values = (t.to(self.device) for t in embeds)
+        # From pageable memory, non_blocking only stages the copy: a blocking one would wait for all queued work.
+        index, values = (t.to(self.device, non_blocking=True) for t in embeds)
         handle = self.prompt_embedding.register_forward_hook(
             lambda module, args, out: out.index_copy(0, index, values.to(out.dtype)))
         try:
