@@ -91,6 +91,21 @@ def test_decode_graphs_only_for_models_whose_forward_a_graph_can_capture(kind, d
             runner.device, runner.config.torch_dtype = torch.device("cpu"), torch.float32
 
 
+def test_no_decode_graphs_unless_every_rank_can_capture(qwen3_dir, monkeypatch):
+    """With tensor parallelism every rank decodes from graphs or none does: a rank whose model could be captured
+    still decodes eagerly when another's could not (all_min over the ranks, here a stand-in of a 0 elsewhere)."""
+    monkeypatch.setattr(model_runner, "CUDAGraphRunner", RecordingGraphRunner)
+    with LLM(str(qwen3_dir), device="cpu", max_model_len=64) as llm:
+        runner = llm.llm_engine.model_runner
+        runner.device, runner.config.attention_backend = torch.device("cuda", 0), "triton"
+        try:
+            assert runner.model_capturable() and isinstance(runner._capture_graphs(), RecordingGraphRunner)
+            monkeypatch.setattr(runner.tp, "all_min", lambda value: min(value, 0))
+            assert runner._capture_graphs() is None
+        finally:
+            runner.device = torch.device("cpu")
+
+
 def cuda_error(message: str, code: int | None) -> RuntimeError:
     """What torch raises for a CUDA error: an AcceleratorError carrying CUDA's error code (2.11 and later)."""
     e = getattr(torch, "AcceleratorError", RuntimeError)(f"CUDA error: {message}")

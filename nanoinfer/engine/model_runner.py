@@ -387,9 +387,11 @@ class ModelRunner:
 
     def _capture_graphs(self) -> CUDAGraphRunner | None:
         """Decode graphs on CUDA for the flash and triton backends (whose decode reads only fixed-address tensors)
-        unless enforce_eager, for a model_capturable model."""
+        unless enforce_eager, for a model_capturable model: on every tensor-parallel rank or on none (ranks on GPUs
+        of different capabilities may judge a mixture-of-experts model differently), as a replayed step's
+        collectives must match the eager step's of the other ranks."""
         if (self.config.enforce_eager or self.device.type != "cuda" or self.config.attention_backend == "cpu"
-                or not self.model_capturable()):
+                or not self.tp.all_min(int(self.model_capturable()))):
             return None
         start = time.perf_counter()
         runner = self.new_graph_runner()
