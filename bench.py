@@ -26,7 +26,6 @@ The default model is a random-weight Qwen3 (~133.5M params) built once and cache
 import argparse
 import gc
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -44,6 +43,7 @@ from torch.autograd import DeviceType
 from transformers.utils import logging as hf_logging
 
 from nanoinfer import LLM, RequestOutputKind, SamplingParams
+from nanoinfer.kernels.cuda import compiled_variants
 from nanoinfer.layers.attention import Attention
 from nanoinfer.layers.linear import LinearBase, linear, pack_weight
 from nanoinfer.utils.default_model import cache_dir
@@ -420,22 +420,14 @@ def start_engine(model: str, device: torch.device, args: argparse.Namespace, asy
     return llm
 
 
-def kernel_variants() -> int:
-    """Variants of the engine's Triton kernels compiled in this process so far (0 without triton)."""
-    if importlib.util.find_spec("triton") is None:
-        return 0
-    from nanoinfer.kernels.cuda import compiled_variants
-    return sum(compiled_variants().values())
-
-
-def nano_vllm_run(llm: LLM, prompts: list[list[int]], max_tokens: list[int], work: "GPUWorkload", time_limit: float,
+def nano_vllm_run(llm: LLM, prompts: list[list[int]], max_tokens: list[int], work: GPUWorkload, time_limit: float,
                   label: str = "") -> tuple[dict, tuple[str, str]]:
     """nano-vllm's workload on llm, timed as nano-vllm times it: its result and its row of the table."""
-    compiled = kernel_variants()
+    compiled = sum(compiled_variants().values())
     ours = run_requests(llm, "bench", prompts, [
         SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, output_kind=RequestOutputKind.FINAL_ONLY)
         for m in max_tokens], time_limit)
-    compiled = kernel_variants() - compiled  # each ~1 s of the timed run on a cold Triton cache
+    compiled = sum(compiled_variants().values()) - compiled  # each ~1 s of the timed run on a cold Triton cache
     tok_s = ours["output_tokens"] / ours["wall"]
     short = f" (cut short at {time_limit:.0f} s: {ours['finished']} of {len(prompts)} done)" if ours["cut_short"] else ""
     print(f"nano-vllm workload{label}: {ours['output_tokens']} output tokens in {ours['wall']:.2f}s = {tok_s:.1f} "

@@ -2,7 +2,9 @@
 which models get decode CUDA graphs, that their decode forward never syncs with the host and (mixture-of-experts
 models) decodes through the graph buffers as transformers does, a refused capture, the step API of a closed engine,
 and the PyTorch backend's decode buffers."""
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -54,6 +56,18 @@ def test_warm_up_with_a_one_token_budget(kind, model_dir, warm_up_before_the_cac
         assert all(causal for _, causal in warm_up_before_the_cache[1:])  # real steps stay causal
 
 
+@contextlib.contextmanager
+def as_on_cuda(llm: LLM, dtype: torch.dtype | None = None) -> Iterator[ModelRunner]:
+    """llm's (CPU) runner deciding as on CUDA with the triton backend, in `dtype` if given, until the block ends."""
+    runner = llm.llm_engine.model_runner
+    runner.device, runner.config.attention_backend = torch.device("cuda", 0), "triton"
+    runner.config.torch_dtype = dtype or runner.config.torch_dtype
+    try:
+        yield runner
+    finally:
+        runner.device, runner.config.torch_dtype = torch.device("cpu"), torch.float32
+
+
 class RecordingGraphRunner:
     """Stands in for CUDAGraphRunner (no CUDA here): records that graphs would be captured."""
 
@@ -81,29 +95,18 @@ def test_decode_graphs_only_for_models_whose_forward_a_graph_can_capture(kind, d
     GPU of `capability` (the runner here is a CPU one)."""
     monkeypatch.setattr(model_runner, "CUDAGraphRunner", RecordingGraphRunner)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    with LLM(str(model_dir(kind)), device="cpu", max_model_len=64) as llm:
-        runner = llm.llm_engine.model_runner
-        runner.device, runner.config.attention_backend = torch.device("cuda", 0), "triton"
-        runner.config.torch_dtype = dtype
-        try:
-            assert isinstance(runner._capture_graphs(), RecordingGraphRunner) == captured
-        finally:
-            runner.device, runner.config.torch_dtype = torch.device("cpu"), torch.float32
+    with LLM(str(model_dir(kind)), device="cpu", max_model_len=64) as llm, as_on_cuda(llm, dtype) as runner:
+        assert isinstance(runner._capture_graphs(), RecordingGraphRunner) == captured
 
 
 def test_no_decode_graphs_unless_every_rank_can_capture(qwen3_dir, monkeypatch):
     """With tensor parallelism every rank decodes from graphs or none does: a rank whose model could be captured
     still decodes eagerly when another's could not (all_min over the ranks, here a stand-in of a 0 elsewhere)."""
     monkeypatch.setattr(model_runner, "CUDAGraphRunner", RecordingGraphRunner)
-    with LLM(str(qwen3_dir), device="cpu", max_model_len=64) as llm:
-        runner = llm.llm_engine.model_runner
-        runner.device, runner.config.attention_backend = torch.device("cuda", 0), "triton"
-        try:
-            assert runner.model_capturable() and isinstance(runner._capture_graphs(), RecordingGraphRunner)
-            monkeypatch.setattr(runner.tp, "all_min", lambda value: min(value, 0))
-            assert runner._capture_graphs() is None
-        finally:
-            runner.device = torch.device("cpu")
+    with LLM(str(qwen3_dir), device="cpu", max_model_len=64) as llm, as_on_cuda(llm) as runner:
+        assert runner.model_capturable() and isinstance(runner._capture_graphs(), RecordingGraphRunner)
+        monkeypatch.setattr(runner.tp, "all_min", lambda value: min(value, 0))
+        assert runner._capture_graphs() is None
 
 
 def cuda_error(message: str, code: int | None) -> RuntimeError:
@@ -124,13 +127,8 @@ def test_a_capture_the_device_refuses_leaves_decode_eager(qwen3_dir, monkeypatch
 
     monkeypatch.setattr(model_runner, "CUDAGraphRunner", RefusedCapture)
     with LLM(str(qwen3_dir), device="cpu", max_model_len=64) as llm:
-        runner = llm.llm_engine.model_runner
-        runner.device, runner.config.attention_backend = torch.device("cuda", 0), "triton"
-        try:
-            with caplog.at_level(logging.WARNING, logger="nanoinfer"):
-                assert runner._capture_graphs() is None
-        finally:
-            runner.device = torch.device("cpu")
+        with as_on_cuda(llm) as runner, caplog.at_level(logging.WARNING, logger="nanoinfer"):
+            assert runner._capture_graphs() is None
         assert "CUDA graphs: capture failed, decode runs eagerly: CUDA error: operation not permitted" in caplog.text
         assert len(llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 3
 
@@ -143,14 +141,9 @@ def test_a_fault_during_capture_is_raised_not_taken_for_a_refusal(qwen3_dir, mon
             raise cuda_error("an illegal memory access was encountered", 700)
 
     monkeypatch.setattr(model_runner, "CUDAGraphRunner", FaultingCapture)
-    with LLM(str(qwen3_dir), device="cpu", max_model_len=64) as llm:
-        runner = llm.llm_engine.model_runner
-        runner.device, runner.config.attention_backend = torch.device("cuda", 0), "triton"
-        try:
-            with pytest.raises(RuntimeError, match="illegal memory access"):
-                runner._capture_graphs()
-        finally:
-            runner.device = torch.device("cpu")
+    with LLM(str(qwen3_dir), device="cpu", max_model_len=64) as llm, as_on_cuda(llm) as runner:
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            runner._capture_graphs()
 
 
 @pytest.mark.parametrize("inference", [False, True], ids=["grad mode", "inference mode"])

@@ -24,7 +24,9 @@ def triton_sampling() -> ModuleType | None:
 
 
 def engine_kernels() -> dict:
-    """The engine's Triton kernels (JITFunctions) by name."""
+    """The engine's Triton kernels (JITFunctions) by name; none without triton."""
+    if importlib.util.find_spec("triton") is None:
+        return {}
     from triton.runtime.jit import JITFunction
 
     from nanoinfer.kernels import triton_attention, triton_kvcache, triton_layers, triton_sampling
