@@ -258,9 +258,18 @@ _INDEX_PUTS = (aten.index_put.default, aten.index_put_.default)
 _BOOL_INDEXED = (aten.index.Tensor, *_INDEX_PUTS)
 
 
+def _scalar_through_index(index, value) -> bool:
+    """t[index] = value where CUDA syncs with the host (torch 2.11): a Python number becomes a CPU scalar there, which
+    index_put_ with integer index tensors copies to the device blocking (a boolean mask takes masked_fill_: no copy)."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return isinstance(value, (bool, int, float)) and any(
+        isinstance(p, torch.Tensor) and p.dtype != torch.bool for p in parts)
+
+
 class HostSyncAudit(TorchDispatchMode, TorchFunctionMode):
-    """Inside `with audit:`, records (what, nanoinfer file:line) for each op above, each boolean-mask index and each
-    tolist() that nanoinfer's code runs, except inside `with audit.paused():` (code that stands in for CUDA's own)."""
+    """Inside `with audit:`, records (what, nanoinfer file:line) for each op above, each boolean-mask index, each
+    tolist() and each Python scalar assigned through index tensors that nanoinfer's code runs, except inside
+    `with audit.paused():` (code that stands in for CUDA's own)."""
 
     def __init__(self) -> None:
         TorchDispatchMode.__init__(self)
@@ -290,6 +299,8 @@ class HostSyncAudit(TorchDispatchMode, TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if self.active and func is torch.Tensor.tolist:
             self._record("tolist()")
+        if self.active and func is torch.Tensor.__setitem__ and _scalar_through_index(*args[1:]):
+            self._record("a Python scalar assigned through a tensor index")
         return func(*args, **(kwargs or {}))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -154,12 +154,14 @@ def test_host_sync_audit_sees_what_a_graph_cannot_capture(inference):
         x.sum().item(), x[x > 2], x.tolist(), torch.tensor([1, 2]), x.repeat_interleave(torch.tensor([1] * 6))
         x.repeat_interleave(torch.tensor([1] * 6), output_size=6), x[torch.tensor([0, 2])], x.softmax(0)
         x.index_put_((torch.tensor([1, 1]),), torch.ones(()), accumulate=True), x.index_put_((x < 0,), x[0])
+        x[torch.tensor([0, 2])] = 1.0
         with audit.paused():
             x.tolist()
     assert [what for what, _ in audit.found] == [
         "a value read on the host (item(), int(), bool())", "boolean-mask indexing", "tolist()", "torch.tensor(data)",
         "torch.tensor(data)", "repeat_interleave without output_size", "torch.tensor(data)", "torch.tensor(data)",
-        "torch.tensor(data)", "index_put_ with accumulate=True", "boolean-mask indexing"]
+        "torch.tensor(data)", "index_put_ with accumulate=True", "boolean-mask indexing", "torch.tensor(data)",
+        "a Python scalar assigned through a tensor index", "torch.tensor(data)"]
 
 
 def test_sampling_on_the_device_never_syncs_with_the_host(qwen3_dir, monkeypatch):
@@ -167,8 +169,9 @@ def test_sampling_on_the_device_never_syncs_with_the_host(qwen3_dir, monkeypatch
     generated text (ban lists of several tokens wait for the step in flight by design) reads no device value back to
     the host: on CUDA a read waits for the step's whole queue, forward pass included. Top-p rows have a top-k here:
     without one, the CPU's cut (_ranked) reads values back, where CUDA sorts. Tensors made from host data are left
-    out: here the audit cannot tell torch.from_numpy of the staged arrays (copied through pinned memory on CUDA) or a
-    scalar assigned to indexed elements (made on the device there) from a pageable upload."""
+    out: here the audit cannot tell torch.from_numpy of the staged arrays (copied through pinned memory on CUDA) from
+    a pageable upload. Python scalars assigned through index tensors are not: CUDA copies them to the device
+    blocking."""
     found, sample = [], ModelRunner.sample
 
     def audited(self, seqs, logits):

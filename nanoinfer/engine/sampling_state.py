@@ -183,9 +183,11 @@ class PenaltyCache:
         index, claimed_index, prompt_index, counted_index = self.upload(
             *(np.array(x, dtype=np.int64) for x in (slots, claimed, prompt, counted)))
         if claimed:
-            self.prompt_mask[claimed_index] = False
-            self.output_counts[claimed_index] = 0
-            self.prompt_mask[tuple(prompt_index)] = True
+            # index_fill_ and device scalars: a Python scalar assigned through index tensors is made on the CPU and
+            # copied blocking to the device by index_put_ on CUDA (torch 2.11).
+            self.prompt_mask.index_fill_(0, claimed_index, False)
+            self.output_counts.index_fill_(0, claimed_index, 0)
+            self.prompt_mask.index_put_(tuple(prompt_index), self.prompt_mask.new_ones(()))
         if counted[0]:
             add_at(self.output_counts, counted_index[0] * vocab + counted_index[1], self.one)
         self.gathered = index, slots
@@ -262,8 +264,8 @@ class TokenTables:
         if allowed:
             if self.disallowed is None:
                 self.disallowed = torch.ones(self.num_rows, vocab, dtype=torch.bool, device=self.upload.device)
-            self.disallowed[device["allowed_rows"]] = True
-            self.disallowed[tuple(device["allowed_pairs"])] = False
+            self.disallowed.index_fill_(0, device["allowed_rows"], True)  # no Python scalars: see PenaltyCache.gather
+            self.disallowed.index_put_(tuple(device["allowed_pairs"]), self.disallowed.new_zeros(()))
         if bias:
             self.bias_ids[device["bias_rows"]] = device["bias_ids"]
             self.bias_values[device["bias_rows"]] = device["bias_values"]

@@ -98,7 +98,8 @@ class Sampler(nn.Module):
             rows, disallowed = m.disallowed
             logits[rows] = logits[rows].masked_fill_(disallowed, float("-inf"))
         if m.banned is not None:
-            logits[m.banned] = float("-inf")
+            # A device scalar: a Python one is made on the CPU and copied blocking by index_put_ on CUDA.
+            logits.index_put_(m.banned, logits.new_full((), float("-inf")))
         if m.logit_bias is not None:
             rows, ids, biases = m.logit_bias
             # Padding pairs add 0.0 to token 0; a token's one real bias is added exactly once.
