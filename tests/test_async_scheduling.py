@@ -247,6 +247,19 @@ def test_aborted_and_finished_sequences_drop_their_tokens_in_flight(qwen3_dir):
         assert_idle(llm)
 
 
+def test_prefix_cache_resets_after_a_generate_that_stopped(qwen3_dir):
+    """A generate whose requests all stopped (a stop id) leaves the step launched ahead for them in flight; no request
+    holds blocks, so reset_prefix_cache() completes that step and forgets the cache."""
+    with LLM(str(qwen3_dir), **ENGINE, async_scheduling=True) as llm:
+        greedy = dict(temperature=0, max_tokens=20)
+        stop = llm.generate([[5, 6, 7, 8]], SamplingParams(**greedy, ignore_eos=True), use_tqdm=False)[0]
+        out = llm.generate([[5, 6, 7, 8]], SamplingParams(**greedy, stop_token_ids=[stop.outputs[0].token_ids[5]]),
+                           use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and llm.llm_engine.in_flight is not None
+        assert llm.reset_prefix_cache() is True
+        assert_idle(llm)
+
+
 @pytest.mark.parametrize("where", ["launch", "collect"])
 def test_a_failed_step_rolls_back_both_steps(qwen3_dir, monkeypatch, where):
     """A step that fails (its launch, scheduled ahead, or the collection of the one before it) leaves nothing in
@@ -474,7 +487,8 @@ def test_a_step_launched_ahead_never_waits_for_the_device(qwen3_dir):
              num_kvcache_blocks=64, async_scheduling=True) as llm:
         engine = llm.llm_engine
         for i, params in enumerate([dict(temperature=0), dict(temperature=0.6, top_p=0.9, logprobs=2),
-                                    dict(temperature=0.6, top_k=20, top_p=0.95, min_p=0.05, min_tokens=8)]):
+                                    dict(temperature=0.6, top_k=20, top_p=0.95, min_p=0.05, min_tokens=8,
+                                         stop_token_ids=[3])]):  # min_tokens bans token 3: the ban path runs
             engine.add_request(f"r{i}", [5, 6, 7, 8 + i],
                                SamplingParams(**params, max_tokens=20, ignore_eos=True, seed=i))
         for _ in range(3):

@@ -452,8 +452,11 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache; False, forgetting nothing, while requests hold KV blocks (see
-        BlockManager.reset_prefix_cache)."""
+        BlockManager.reset_prefix_cache). A step in flight whose sequences all finished (async scheduling: launched
+        before their last tokens stopped them) completes first."""
         self._check_open()
+        while self.in_flight is not None and all(seq.is_finished for seq in self.in_flight.batch.seqs):
+            self.held_outputs += self._step()
         return self.in_flight is None and self.scheduler.block_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
