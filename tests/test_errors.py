@@ -521,6 +521,32 @@ def test_failed_start_up_frees_the_model_while_the_error_is_kept(qwen3_dir, monk
         gc.enable()
 
 
+def test_start_up_failing_mid_build_frees_the_modules_built(qwen3_dir, tmp_path, monkeypatch):
+    """A model whose build fails part-way (an unsupported rope type, found by its first attention layer) leaves none
+    of the modules built so far alive while the caller keeps the error, though that error is re-raised `from None`
+    on the way (its hidden context's frames hold them too). Garbage collector off, as above."""
+    bad = tmp_path / "dynamic-rope"
+    shutil.copytree(qwen3_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 2.0}
+    (bad / "config.json").write_text(json.dumps(config))
+    built, init = [], torch.nn.Module.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(weakref.ref(self))
+
+    monkeypatch.setattr(torch.nn.Module, "__init__", recording_init)
+    gc.disable()
+    try:
+        with pytest.raises(ValueError, match="dynamic") as error:
+            LLM(str(bad), device="cpu", max_model_len=64)
+        assert error.value.__traceback__ is not None and built
+        assert [type(r()).__name__ for r in built if r() is not None] == []
+    finally:
+        gc.enable()
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Load test: a tiny cache forces preemption and recompute; greedy outputs must not change
 # ----------------------------------------------------------------------------------------------------------

@@ -136,7 +136,13 @@ class ModelRunner:
             # The caller keeps the exception, whose traceback holds the frames below this one: without clearing
             # them, the model and whatever caches exist would stay allocated (on CUDA, on the device) as long.
             self.close()
-            traceback.clear_frames(e.__traceback__)
+            error = e
+            while error is not None:  # and the errors it chains (raise ... from None keeps __context__)
+                traceback.clear_frames(error.__traceback__)
+                chained = error.__cause__ or error.__context__
+                if error.__suppress_context__:
+                    error.__context__ = None  # never shown: nothing lost, and its frames are freed whole
+                error = chained
             raise
 
     def _set_up(self, config: Config) -> None:
