@@ -509,3 +509,22 @@ def test_sparse_attention_settings_the_engine_cannot_run_are_refused_by_name(kin
                    "minimax-m3": MiniMaxM3VLForCausalLM, "deepseek-v4": DeepseekV4ForCausalLM}[kind]
     with pytest.raises(ValueError, match=message):
         model_class(config)
+
+
+def test_the_mla_split_reads_the_host_metadata_not_the_devices():
+    """A prefill step's split (a prompt chunk over its prefix decompressed, a short one over a long prefix absorbed)
+    takes its lengths and the decompressed context's slots from the metadata the host built: read back from the
+    device, they would wait for all the work queued before them. The device tensors here are on the meta device,
+    which has no values to read."""
+    new, ctx = np.array([200, 2]), np.array([300, 502])
+    tables = torch.arange(64, dtype=torch.int32).view(2, 32)
+    host = AttentionMetadata(slot_mapping=torch.arange(202), block_tables=tables,
+                             context_lens=torch.tensor(ctx, dtype=torch.int32),
+                             cu_seqlens_q=torch.tensor([0, *np.cumsum(new)], dtype=torch.int32),
+                             cu_seqlens_k=torch.tensor([0, *np.cumsum(ctx)], dtype=torch.int32), max_seqlen_q=200,
+                             max_seqlen_k=502, block_size=16, has_cached_prefix=True)
+    prepared = []
+    split = mla.mla_split(host.to(torch.device("meta")), mla.MLADims(16, 512, 128, 64, 128), 2,
+                          type("Backend", (), {"prepare": lambda self, meta: prepared.append(meta)})())
+    assert [m.num_seqs for m in prepared] == [1, 1]  # decompressed, then absorbed
+    assert split.decompressed.context_lens.device.type == "meta" and split.context_slots.shape == (300,)

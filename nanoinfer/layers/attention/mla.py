@@ -57,8 +57,9 @@ def mla_split(meta: AttentionMetadata, dims: MLADims, itemsize: int, backend) ->
 
 
 def _split(meta: AttentionMetadata, dims: MLADims, itemsize: int, backend) -> MLASplit:
-    cu_q = meta.cu_seqlens_q.cpu().numpy().astype(np.int64)
-    ctx = meta.context_lens.cpu().numpy().astype(np.int64)
+    # Lengths from the metadata the host built: read back from the device, they would wait for the queued work.
+    cu_q = meta.on_host.cu_seqlens_q.numpy().astype(np.int64)
+    ctx = meta.on_host.context_lens.numpy().astype(np.int64)
     new = np.diff(cu_q)
     prefix = ctx - new
     take = decompress_pays(new, prefix, dims)
@@ -91,9 +92,10 @@ def _subset(meta: AttentionMetadata, keep: np.ndarray, cu_q: np.ndarray, ctx: np
     device = meta.context_lens.device
     rows = None
     if not keep.all():
-        rows = torch.from_numpy(np.arange(sub_cu_q[-1]) + np.repeat(cu_q[seqs] - sub_cu_q[:-1], new)).to(device)
-    as_int32 = lambda a: torch.from_numpy(a.astype(np.int32)).to(device)  # noqa: E731
-    index = torch.from_numpy(seqs).to(device)
+        rows = torch.from_numpy(np.arange(sub_cu_q[-1]) + np.repeat(cu_q[seqs] - sub_cu_q[:-1], new)).to(
+            device, non_blocking=True)
+    as_int32 = lambda a: torch.from_numpy(a.astype(np.int32)).to(device, non_blocking=True)  # noqa: E731
+    index = torch.from_numpy(seqs).to(device, non_blocking=True)
     sub = replace(meta, slot_mapping=meta.slot_mapping if rows is None or meta.slot_mapping is None
                   else meta.slot_mapping[rows], block_tables=meta.block_tables[index], context_lens=as_int32(lens),
                   cu_seqlens_q=as_int32(sub_cu_q), cu_seqlens_k=as_int32(sub_cu_k), max_seqlen_q=int(new.max()),
@@ -108,8 +110,8 @@ def _context_slots(meta: AttentionMetadata, keep: np.ndarray, ctx: np.ndarray) -
     """The cache slots of the kept sequences' contexts, one after the other (this step's rows are stored already)."""
     seqs = np.flatnonzero(keep)
     lens = ctx[seqs]
-    tables = meta.block_tables[torch.from_numpy(seqs).to(meta.block_tables.device)].cpu().numpy().astype(np.int64)
+    tables = meta.on_host.block_tables[torch.from_numpy(seqs)].numpy().astype(np.int64)
     owner = np.repeat(np.arange(len(seqs)), lens)
     pos = np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)
     slots = tables[owner, pos // meta.block_size] * meta.block_size + pos % meta.block_size
-    return torch.from_numpy(slots).to(meta.context_lens.device)
+    return torch.from_numpy(slots).to(meta.context_lens.device, non_blocking=True)
