@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -72,6 +73,24 @@ def test_moe_block_matches_transformers(renormalize):
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("dtype, hidden, inter", [(torch.bfloat16, 64, 36), (torch.float32, 120, 37),
+                                                  (torch.bfloat16, 100, 32)])
+def test_experts_of_widths_off_16_bytes_match_a_loop_over_tokens(dtype, hidden, inter):
+    """torch._grouped_mm needs its operands' row strides in multiples of 16 bytes; expert widths that are not (an
+    intermediate size of 36 in bf16) are padded with zero columns, which add nothing."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, hidden, generator=g).to(dtype)
+    w13 = torch.randn(6, 2 * inter, hidden, generator=g).to(dtype)
+    w2 = torch.randn(6, hidden, inter, generator=g).to(dtype)
+    weights, ids = select_experts(torch.randn(5, 6, generator=g).to(dtype), 2, True)
+    x32, w13_32, w2_32 = x.float(), w13.float(), w2.float()
+    want = sum(weights[:, j, None].float() * torch.stack([  # in fp32: bf16's own rounding is the tolerance
+        F.linear(F.silu(F.linear(x32[t], w13_32[e, :inter])) * F.linear(x32[t], w13_32[e, inter:]), w2_32[e])
+        for t, e in enumerate(ids[:, j].tolist())]) for j in range(2))
+    got = fused_moe.fused_experts(x, w13, w2, weights, ids).float()
+    torch.testing.assert_close(got, want, rtol=0, atol=(2e-2 if dtype == torch.bfloat16 else 1e-5) * want.abs().max())
+
+
 def test_moe_tensor_parallel_shards_sum_to_the_whole(monkeypatch):
     """Two ranks' halves of every expert's intermediate dimension add up (the all-reduce) to the full output."""
     config, ref = hf_block(True, seed=1)

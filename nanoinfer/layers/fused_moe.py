@@ -239,6 +239,10 @@ class ExpertGroups:
 
     def linear(self, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Sorted rows [pairs, in] through their experts' weight [experts, out, in] -> [pairs, out]."""
+        if pad := -rows.shape[1] % (16 // rows.element_size()):
+            # grouped_mm takes row strides in whole 16 bytes: zero columns, which add nothing (odd shapes only: a
+            # copy of the experts' weights per call).
+            rows, weight = F.pad(rows, (0, pad)), F.pad(weight, (0, pad))
         return torch._grouped_mm(rows, weight.transpose(1, 2), offs=self.offsets)
 
     def scatter(self, y: torch.Tensor, skipped: bool = False) -> torch.Tensor:
