@@ -170,10 +170,11 @@ def test_engine_matches_hf_on_the_gpu(qwen3_dir, captured_logits):
     assert worst < 1e-3, f"max |logit diff| {worst:.2e}"
 
 
-def test_no_kernel_compiles_while_requests_are_served(qwen3_dir):
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_no_kernel_compiles_while_requests_are_served(qwen3_dir, enforce_eager):
     """Start-up (the runner's compile steps and the decode graphs' capture) compiles every Triton variant that
     serving needs, in bf16 as served: fresh prompts, prefix hits, chunks of every length up to the 64-token budget,
-    steps mixing chunks with decode rows, greedy and seeded temperature sampling. A variant compiled mid-run costs
+    steps mixing chunks with decode rows, greedy and seeded temperature sampling, decode through graphs or eager. A variant compiled mid-run costs
     about a second on a cold Triton cache."""
     shared = random_prompts(1, 5, 440, 40, 40, seed=3)[0]
     prompts = [shared + tail for tail in random_prompts(4, 5, 440, 1, 60, seed=4)] + random_prompts(6, 5, 440, 2, 200,
@@ -185,7 +186,8 @@ def test_no_kernel_compiles_while_requests_are_served(qwen3_dir):
     for fn in engine_kernels().values():
         fn.device_caches.clear()
     with LLM(str(qwen3_dir), device="cuda", dtype="bfloat16", attention_backend="triton", max_model_len=256,
-             max_num_batched_tokens=64) as llm:
+             max_num_batched_tokens=64, enforce_eager=enforce_eager) as llm:
+        assert (llm.llm_engine.model_runner.graph_runner is None) == enforce_eager
         before = compiled_variants()
         for _ in range(2):  # the second time with prefix-cache hits
             llm.generate(prompts, params, use_tqdm=False)

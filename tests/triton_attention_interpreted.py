@@ -546,35 +546,35 @@ def test_engine_prefix_hits_and_chunked_prefill_match_hf(qwen3_dir, captured_log
 
 
 class LaunchRecorder:
-    """Stands in for the attention kernel: records the compile-time constants of each prefill launch (those that pick
-    a compiled variant; the integer arguments that could are not specialized), then launches the real one."""
+    """Stands in for the attention kernel: records the compile-time constants of each launch (those that pick a
+    compiled variant; the integer arguments that could are not specialized), then launches the real one."""
 
     def __init__(self, kernel) -> None:
-        self.kernel, self.prefill_variants = kernel, []
+        self.kernel, self.variants = kernel, []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            if not kwargs["DECODE"]:
-                self.prefill_variants.append(tuple(sorted(
-                    (k, v) for k, v in kwargs.items() if k.isupper() or k in ("num_warps", "num_stages"))))
+            self.variants.append(tuple(sorted(
+                (k, v) for k, v in kwargs.items() if k.isupper() or k in ("num_warps", "num_stages"))))
             return self.kernel[grid](*args, **kwargs)
         return launch
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "mistral", "deepseek-v3"])
-def test_start_up_compiles_the_prefill_variants_a_workload_launches(kind, model_dir, captured_logits, monkeypatch):
+def test_start_up_compiles_the_variants_a_workload_launches(kind, model_dir, captured_logits, monkeypatch):
     """On CUDA the runner's start-up runs _compile_kernels, so that Triton compiles no attention variant while
-    requests are served: every prefill launch of a workload of fresh prompts, prefix hits, chunks of every length up
-    to the 24-token budget and mixed batches has the constants of a launch the start-up made (qwen3: 2 query heads
-    per KV head; mistral: 4, and a window; deepseek-v3: MLA, chunks over short prefixes decompressed, over long
-    ones absorbed); and outputs still equal transformers' after it (its dummy steps leave nothing behind)."""
+    requests are served: every launch of a workload of fresh prompts, prefix hits, chunks of every length up to the
+    24-token budget, mixed batches and eager decode of batches from 6 sequences down to 1 (qwen3's split into
+    segments below 4) has the constants of a launch the start-up made (qwen3: 2 query heads per KV head; mistral: 4, and a
+    window; deepseek-v3: MLA, chunks over short prefixes decompressed, over long ones absorbed); and outputs still
+    equal transformers' after it (its dummy steps leave nothing behind)."""
     recorder = LaunchRecorder(triton_attention._attention_kernel)
     monkeypatch.setattr(triton_attention, "_attention_kernel", recorder)
     d = model_dir(kind)
     llm = triton_llm(d, max_model_len=128, max_num_batched_tokens=24)
     llm.llm_engine.model_runner._compile_kernels()
-    compiled = set(recorder.prefill_variants)
-    recorder.prefill_variants.clear()
+    compiled = set(recorder.variants)
+    recorder.variants.clear()
     shared = random_prompts(1, 5, 440, 40, 40, seed=3)[0]
     prompts = [shared + tail for tail in random_prompts(3, 5, 440, 1, 20, seed=4)] + random_prompts(3, 5, 440, 2, 30,
                                                                                                     seed=5)
@@ -583,7 +583,9 @@ def test_start_up_compiles_the_prefill_variants_a_workload_launches(kind, model_
     assert all(o.num_cached_tokens >= 32 for o in second[:3])
     refs = hf_greedy(d, prompts, MAX_TOKENS)
     assert max(check_against_hf(first, refs, captured_logits), check_against_hf(second, refs, captured_logits)) < 1e-4
-    launched = set(recorder.prefill_variants)
+    launched = set(recorder.variants)
+    splits = {dict(v)["SPLIT"] for v in launched if dict(v)["DECODE"]}  # qwen3's 6 sequences fill 8 programs
+    assert splits == {False, True} if kind == "qwen3" else splits
     assert len(launched) > 1 and launched <= compiled, launched - compiled
 
 

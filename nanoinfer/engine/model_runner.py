@@ -341,9 +341,10 @@ class ModelRunner:
     def _compile_kernels(self) -> None:
         """Triton compiles a kernel variant the first time a step needs it (about a second each, until its disk cache
         holds it): a small prefill step for each query-tile height of the Triton attention (prefill_tile_lengths),
-        over no cached prefix and over one, and the sampler's race, compile them at start-up rather than while
-        requests are served. The decode graphs' warm-up compiles decode's (eager decode, without graphs, and
-        LLM.embed's non-causal pass still compile theirs on first use)."""
+        over no cached prefix and over one, decode steps of one sequence and of the most a step holds (split into
+        segments and not, the extremes of TritonAttentionBackend.num_segments), and the sampler's race, compile them
+        at start-up rather than while requests are served (LLM.embed's non-causal pass still compiles its own on
+        first use)."""
         c = self.config
         layers = self._attention_layers()
         # MLA's latent cache: a chunk over a short prefix is attended decompressed, one head per KV head, and over a
@@ -354,6 +355,8 @@ class ModelRunner:
         lengths = sorted({n for g in groups for n in self.backend.kernels.prefill_tile_lengths(g) if n <= budget})
         steps = [(new, cached) for new in lengths
                  for cached in sorted({0, 1, c.max_model_len - new} if latent else {0, 1})]
+        for num_seqs in {1, min(c.max_num_seqs, c.max_num_batched_tokens)}:
+            self._dummy_step([1] * num_seqs, cached=1)
         hidden = None
         for new, cached in steps:  # the last one's logits are those the race kernel compiles for
             hidden = self._dummy_step([new], cached, all_logits=(new, cached) == steps[-1])
@@ -371,8 +374,8 @@ class ModelRunner:
         batch = ScheduledBatch(seqs, lengths)
         input_ids, positions, meta, _ = self.prepare(batch, batch.samples)
         # A one-token budget makes a step of one 1-token prompt, which backends take for a decode over the cache
-        # that does not exist yet; attending non-causally over this step's one key is the same attention.
-        if meta.is_decode:
+        # that may not exist yet; attending non-causally over this step's one key is the same attention.
+        if meta.is_decode and not cached:
             meta.causal = False
         # With LoRA every token goes through an adapter: the LoRA products' temporaries count too.
         hidden = self.execute(Step(input_ids, positions, meta, list(range(sum(lengths))) if all_logits else [], 0,

@@ -51,9 +51,10 @@ def _tanh(x):
     return tl.where(x < 0, -t, t)
 
 
-# num_seqs: a loop bound in _find_seq, must stay a tensor, even when 1. stride_bt: the step's block-table width, which
-# Triton would otherwise specialize (1, a multiple of 16, neither), compiling new variants while requests are served.
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+# num_seqs: a loop bound in _find_seq, must stay a tensor, even when 1. stride_bt: the step's block-table width, and
+# num_segments, a decode batch's (1, 16 or between as the batch shrinks), which Triton would otherwise specialize (1,
+# a multiple of 16, neither), compiling new variants while requests are served.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "num_segments"])
 def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, block_tables_ptr,
                       context_lens_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, qk_scale, cap_scale, window, chunk,
                       num_seqs,
@@ -193,7 +194,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, 
         tl.store(out_ptr + ((token * num_heads + head) * HEAD_DIM)[:, None] + offs_d[None, :], out, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segments"])  # as _attention_kernel's
 def _reduce_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num_segments, num_heads,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     """Grid (query tokens, query heads): merges the segments' partial softmax results into the output."""
