@@ -4,6 +4,7 @@ transformers' own (GLM-4.5's too), the rope layouts, the MTP layers of V3's (and
 latent cache's size and backends, MLA's split of a step (prefill over decompressed K/V, decodes absorbed), and
 the settings refused by name; DeepSeek sparse attention's backends, indexer key cache and refused settings (dots3
 note's, MiniMax-M3's and HY-V4's sparse attention too; DeepSeek-V4's compressed attention)."""
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ import nanoinfer.layers.fused_moe as fused_moe
 from models import DEEPSEEK_KINDS, NEWEST_FAMILIES, cached_hf_greedy, check_against_hf, make_config, random_prompts
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
+from nanoinfer.engine.input_batch import InputBatch
 from nanoinfer.layers.attention import Attention, AttentionMetadata, get_backend, selector
 from nanoinfer.models.deepseek_v2 import DeepseekV2Attention, DeepseekV2ForCausalLM, DeepseekV2MoE, MLAUpProjection
 from nanoinfer.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
@@ -528,3 +530,26 @@ def test_the_mla_split_reads_the_host_metadata_not_the_devices():
                           type("Backend", (), {"prepare": lambda self, meta: prepared.append(meta)})())
     assert [m.num_seqs for m in prepared] == [1, 1]  # decompressed, then absorbed
     assert split.decompressed.context_lens.device.type == "meta" and split.context_slots.shape == (300,)
+
+
+@pytest.mark.parametrize("as_on_cuda", [False, True], ids=["cpu", "host-metadata-as-on-cuda"])
+def test_mla_steps_mixing_decodes_and_prompts_equal_a_plain_run(as_on_cuda, model_dir, monkeypatch):
+    """A prompt admitted beside a decoding sequence (two sequences at most) splits its step: on CUDA the metadata
+    comes with its host copy (InputBatch.to_device), made so here too, which the PyTorch backend reads; each subset
+    of the split must carry its own, not the whole step's."""
+    if as_on_cuda:
+        to_device = InputBatch.to_device
+
+        def with_host(self, input_ids, positions, meta):
+            ids, pos, device_meta = to_device(self, input_ids, positions, meta)
+            return ids, pos, dataclasses.replace(device_meta, host=meta)
+
+        monkeypatch.setattr(InputBatch, "to_device", with_host)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 10, 8)]
+    d = str(model_dir("deepseek-v3"))
+    outputs = {}
+    for max_num_seqs in (2, 8):
+        with LLM(d, device="cpu", dtype="float32", max_model_len=64, max_num_seqs=max_num_seqs) as llm:
+            outputs[max_num_seqs] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs[2] == outputs[8]

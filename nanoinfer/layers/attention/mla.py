@@ -89,21 +89,23 @@ def _subset(meta: AttentionMetadata, keep: np.ndarray, cu_q: np.ndarray, ctx: np
     sub_cu_q, sub_cu_k = np.zeros(len(seqs) + 1, np.int64), np.zeros(len(seqs) + 1, np.int64)
     np.cumsum(new, out=sub_cu_q[1:])
     np.cumsum(lens, out=sub_cu_k[1:])
-    device = meta.context_lens.device
     rows = None
     if not keep.all():
-        rows = torch.from_numpy(np.arange(sub_cu_q[-1]) + np.repeat(cu_q[seqs] - sub_cu_q[:-1], new)).to(
-            device, non_blocking=True)
-    as_int32 = lambda a: torch.from_numpy(a.astype(np.int32)).to(device, non_blocking=True)  # noqa: E731
-    index = torch.from_numpy(seqs).to(device, non_blocking=True)
-    sub = replace(meta, slot_mapping=meta.slot_mapping if rows is None or meta.slot_mapping is None
-                  else meta.slot_mapping[rows], block_tables=meta.block_tables[index], context_lens=as_int32(lens),
-                  cu_seqlens_q=as_int32(sub_cu_q), cu_seqlens_k=as_int32(sub_cu_k), max_seqlen_q=int(new.max()),
-                  max_seqlen_k=int(lens.max()), has_cached_prefix=not contiguous_keys and bool((lens > new).any()),
-                  backend_state=None, model_state=None)
+        rows = torch.from_numpy(np.arange(sub_cu_q[-1]) + np.repeat(cu_q[seqs] - sub_cu_q[:-1], new))
+    # Built from the host's metadata, then moved: the subset keeps its own host copy (meta.on_host), which backends
+    # read (the whole step's would describe other sequences).
+    host, as_int32 = meta.on_host, lambda a: torch.from_numpy(a.astype(np.int32))  # noqa: E731
+    sub = replace(host, slot_mapping=host.slot_mapping if rows is None or host.slot_mapping is None
+                  else host.slot_mapping[rows], block_tables=host.block_tables[torch.from_numpy(seqs)],
+                  context_lens=as_int32(lens), cu_seqlens_q=as_int32(sub_cu_q), cu_seqlens_k=as_int32(sub_cu_k),
+                  max_seqlen_q=int(new.max()), max_seqlen_k=int(lens.max()),
+                  has_cached_prefix=not contiguous_keys and bool((lens > new).any()), backend_state=None,
+                  model_state=None)
     if contiguous_keys:  # a single query, the context's last position, sees every key: no decode over the cache
         sub.causal = meta.causal and sub.max_seqlen_q > 1
-    return sub, rows
+    device = meta.context_lens.device
+    sub = replace(sub.to(device), state_slots=meta.state_slots)
+    return sub, None if rows is None else rows.to(device, non_blocking=True)
 
 
 def _context_slots(meta: AttentionMetadata, keep: np.ndarray, ctx: np.ndarray) -> torch.Tensor:
