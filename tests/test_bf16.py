@@ -13,6 +13,7 @@ own bf16 rounding error as test_gpu.py measures every family on a GPU (check_bf1
 import dataclasses
 import inspect
 import math
+import sys
 import types
 from collections.abc import Callable
 
@@ -30,6 +31,7 @@ from nanoinfer.layers.fused_moe import FusedMoE, SparseMoeBlock, relu2, select_e
 from nanoinfer.layers.layernorm import Fp32ResidualRMSNorm, GatedRMSNorm, GemmaRMSNorm, OlmoRMSNorm, RMSNorm
 from nanoinfer.layers.linear import copy_weight
 from nanoinfer.layers.recurrent import causal_conv1d
+from nanoinfer.layers.rotary_embedding import RotaryEmbedding
 from nanoinfer.models.afmoe import AfmoeForCausalLM
 from nanoinfer.models.beam import BeamMoE
 from nanoinfer.models.deepseek_v2 import DeepseekV2MoE
@@ -666,3 +668,24 @@ def test_chameleon_bf16_matches_transformers_up_to_bf16_rounding(kind, model_dir
     worst = check_bf16_outputs(outputs, PROMPTS, refs, captured_logits, load_hf_model(d),
                                load_hf_model(d, torch.bfloat16, attn_implementation="eager"))
     report_logit_diff(f"{kind}, CPU bf16 (x transformers' own bf16 error)", worst)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "qwen2-moe", "qwen3-moe", "qwen3-next",
+                                  "qwen3.5"])
+def test_rope_in_bf16_is_transformers_own(kind, model_dir):
+    """These families' rope in transformers rounds cos, sin, each product and each sum to bf16 (Llama's
+    apply_rotary_pos_emb over cos and sin cast to the activations' dtype): the engine's layers rotate bit for bit
+    alike, where one fp32 rotation rounded once differs in about a third of the elements."""
+    d = model_dir(kind)
+    hf = load_hf_model(d, torch.bfloat16)
+    apply_rotary_pos_emb = sys.modules[type(hf.model.rotary_emb).__module__].apply_rotary_pos_emb
+    with LLM(str(d), device="cpu", dtype="bfloat16", max_model_len=512) as llm:
+        rope = next(m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, RotaryEmbedding))
+        g = torch.Generator().manual_seed(0)
+        x = (3 * torch.randn(64, 4, rope.head_dim, generator=g)).bfloat16()
+        positions = torch.randint(0, 512, (64,), generator=g)
+        ours = rope.rotate(positions, x)
+    cos, sin = hf.model.rotary_emb(x, positions[None])
+    assert cos.dtype == torch.bfloat16
+    q = x.transpose(0, 1)[None]
+    assert torch.equal(ours, apply_rotary_pos_emb(q, q, cos, sin)[0][0].transpose(0, 1))

@@ -303,21 +303,24 @@ def test_memory_comes_back_after_close_del_and_with_and_stays_flat(qwen3_dir, ba
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("with_norm", [False, True], ids=["rotary", "qk-norm+rotary"])
-def test_rotary_kernel_matches_the_pytorch_code_it_replaces(dtype, with_norm):
-    """At Qwen3-0.6B's q (16 heads x 128, out of the fused qkv rows) and 40,960 positions: without the norm, the
-    same fp32 products and sums each rounded once (exact); with it, the norm's sum in another order."""
+@pytest.mark.parametrize("in_dtype", [False, True], ids=["fp32-rotation", "rounded-in-dtype"])
+def test_rotary_kernel_matches_the_pytorch_code_it_replaces(dtype, with_norm, in_dtype):
+    """At Qwen3-0.6B's q (16 heads x 128, out of the fused qkv rows) and 40,960 positions, rotating in fp32 or
+    rounding as transformers' Llama does: without the norm, the same products and sums rounded at the same points
+    (exact); with it, the norm's sum in another order."""
     from nanoinfer.kernels.triton_layers import rotary_neox
     from nanoinfer.layers.layernorm import RMSNorm
     from nanoinfer.layers.rotary_embedding import RotaryEmbedding
     g = torch.Generator(device="cuda").manual_seed(0)
     with torch.device("cuda"):
-        rope = RotaryEmbedding(128, 40960, 1.0 / 1e6 ** (torch.arange(0, 128, 2).float() / 128))
+        rope = RotaryEmbedding(128, 40960, 1.0 / 1e6 ** (torch.arange(0, 128, 2).float() / 128), in_dtype=in_dtype)
         norm = RMSNorm(128).to(dtype)
         norm.weight.data = torch.randn(128, generator=g, device="cuda").to(dtype)
         qkv = torch.randn(300, 32 * 128, generator=g, device="cuda").to(dtype)
         positions = torch.randint(0, 40960, (300,), generator=g, device="cuda")
     q = qkv[:, :16 * 128].view(300, 16, 128)
-    ours = rotary_neox(q, positions, rope.cos, rope.sin, *((norm.weight, norm.eps) if with_norm else ()))
+    ours = rotary_neox(q, positions, rope.cos, rope.sin, *((norm.weight, norm.eps) if with_norm else ()),
+                       in_dtype=in_dtype)
     ref = rope._rotate(norm._norm(q) if with_norm else q, rope.cos[positions].unsqueeze(1),
                        rope.sin[positions].unsqueeze(1))
     if with_norm:

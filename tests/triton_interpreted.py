@@ -187,10 +187,13 @@ def test_silu_and_mul_matches_the_torch_layer(dtype, shape):
     (4, 96, 24),    # partial rotary: 72 dims pass through
 ], ids=str)
 @pytest.mark.parametrize("with_norm", [False, True], ids=["rotary", "qk-norm+rotary"])
-def test_rotary_matches_the_torch_layers(dtype, heads, head_dim, rotary_dim, with_norm):
-    """Against the PyTorch code it replaces on CUDA (RMSNorm._norm, then RotaryEmbedding._rotate)."""
+@pytest.mark.parametrize("in_dtype", [False, True], ids=["fp32-rotation", "rounded-in-dtype"])
+def test_rotary_matches_the_torch_layers(dtype, heads, head_dim, rotary_dim, with_norm, in_dtype):
+    """Against the PyTorch code it replaces on CUDA (RMSNorm._norm, then RotaryEmbedding._rotate), rotating in fp32
+    or rounding as transformers' Llama does."""
     g = torch.Generator().manual_seed(heads * head_dim + rotary_dim)
-    rope = RotaryEmbedding(head_dim, 100, 1.0 / 1e4 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    rope = RotaryEmbedding(head_dim, 100, 1.0 / 1e4 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim),
+                           in_dtype=in_dtype)
     tokens = 9
     qkv = torch.randn(tokens, (heads + 6) * head_dim, generator=g).to(dtype)
     x = qkv[:, 2 * head_dim:(2 + heads) * head_dim].view(tokens, heads, head_dim)  # strided rows, as q in qkv
@@ -198,11 +201,12 @@ def test_rotary_matches_the_torch_layers(dtype, heads, head_dim, rotary_dim, wit
     positions[0], positions[-1] = 0, 99
     norm = RMSNorm(head_dim, eps=1e-6)
     norm.weight.data = torch.randn(head_dim, generator=g).to(dtype)
-    ours = rotary_neox(x, positions, rope.cos, rope.sin, *((norm.weight, norm.eps) if with_norm else ()))
+    ours = rotary_neox(x, positions, rope.cos, rope.sin, *((norm.weight, norm.eps) if with_norm else ()),
+                       in_dtype=in_dtype)
     ref = rope._rotate(norm._norm(x) if with_norm else x, rope.cos[positions].unsqueeze(1),
                        rope.sin[positions].unsqueeze(1))
     assert ours.shape == ref.shape and ours.dtype == ref.dtype == dtype and ours.is_contiguous()
-    if not with_norm:  # the same fp32 products and sums, each rounded once: exact
+    if not with_norm:  # the same products and sums, each rounded at the same points: exact
         assert torch.equal(ours, ref)
     err = ((ours.float() - ref.float()).abs() / (1 + ref.float().abs())).max().item()
     assert err < TOLERANCE[dtype], f"max relative error {err:.2e}"

@@ -85,10 +85,11 @@ def _rms_norm_part(x, weight_ptr, offs, mask, r, dtype: tl.constexpr):
 @triton.jit
 def _rotary_kernel(x_ptr, positions_ptr, cos_ptr, sin_ptr, weight_ptr, out_ptr, stride_t, stride_h, num_heads, eps,
                    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, HAS_NORM: tl.constexpr):
+                   BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, HAS_NORM: tl.constexpr,
+                   IN_DTYPE: tl.constexpr):
     """Grid (tokens, head blocks): each head's dims [0, HALF) and [HALF, 2 HALF) rotated in fp32 by the cos/sin row
     of the token's position (neox layout), the TAIL dims after them passed through; with HAS_NORM the head is
-    RMS-normalized first."""
+    RMS-normalized first; with IN_DTYPE the cos, sin, products and sums each rounded to x's dtype."""
     token = tl.program_id(0).to(tl.int64)
     heads = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H))[:, None]
     offs = tl.arange(0, BLOCK_HALF)[None, :]
@@ -111,16 +112,24 @@ def _rotary_kernel(x_ptr, positions_ptr, cos_ptr, sin_ptr, weight_ptr, out_ptr, 
     cos = tl.load(cos_ptr + pos * HALF + offs, mask=half_ok, other=0.0)
     sin = tl.load(sin_ptr + pos * HALF + offs, mask=half_ok, other=0.0)
     dst = out_ptr + (token * num_heads + heads) * HEAD_DIM
-    tl.store(dst + offs, (a * cos - b * sin).to(dtype), mask=ok)
-    tl.store(dst + HALF + offs, (b * cos + a * sin).to(dtype), mask=ok)
+    if IN_DTYPE:
+        cos, sin = cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)
+        tl.store(dst + offs, ((a * cos).to(dtype).to(tl.float32) - (b * sin).to(dtype).to(tl.float32)).to(dtype),
+                 mask=ok)
+        tl.store(dst + HALF + offs, ((b * cos).to(dtype).to(tl.float32) + (a * sin).to(dtype).to(tl.float32)
+                                     ).to(dtype), mask=ok)
+    else:
+        tl.store(dst + offs, (a * cos - b * sin).to(dtype), mask=ok)
+        tl.store(dst + HALF + offs, (b * cos + a * sin).to(dtype), mask=ok)
     tl.store(dst + 2 * HALF + offs_t, t.to(dtype), mask=t_ok)
 
 
 def rotary_neox(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+                norm_weight: torch.Tensor | None = None, eps: float = 0.0, in_dtype: bool = False) -> torch.Tensor:
     """x [tokens, heads, dim] (token and head rows may be strided) rotated by the fp32 cos/sin rows
     [max_position, half] of `positions`; dims from 2 * half on pass through. With norm_weight, each head is
-    RMS-normalized first. Returns a new contiguous tensor. One launch where the PyTorch code takes ~20."""
+    RMS-normalized first. in_dtype: rounded as RotaryEmbedding's in_dtype says. Returns a new contiguous tensor.
+    One launch where the PyTorch code takes ~20."""
     tokens, heads, dim = x.shape
     half = cos.shape[-1]
     assert x.stride(-1) == 1 and 2 * half <= dim and positions.numel() == tokens
@@ -134,6 +143,7 @@ def rotary_neox(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin
             x, positions, cos, sin, x if norm_weight is None else norm_weight, out, x.stride(0), x.stride(1), heads,
             eps, HEAD_DIM=dim, HALF=half, TAIL=tail, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(half),
             BLOCK_TAIL=triton.next_power_of_2(max(tail, 1)), HAS_NORM=norm_weight is not None,
+            IN_DTYPE=in_dtype and x.dtype != torch.float32,
             # No a * b - c * d contracted into one FMA: each product rounded, as the PyTorch ops round them.
             enable_fp_fusion=False)
     return out

@@ -84,11 +84,13 @@ def longrope_frequencies(config: PretrainedConfig, max_position: int) -> tuple[t
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, scaling: float | torch.Tensor = 1.0,
-                 interleaved: bool = False, fp64: bool = False):
+                 interleaved: bool = False, fp64: bool = False, in_dtype: bool = False):
         """inv_freq: [rotary_dim / 2], or one row per position [max_position, rotary_dim / 2]; scaling: one factor,
         or one per position [max_position, 1] (PhiMoE's). interleaved: pair i rotates dimensions (2i, 2i + 1)
         instead of (i, i + rotary_dim / 2). fp64: the angles, their cosines and sines in fp64 before the table's
-        fp32 (Ergo's, exact at long-context positions, where fp32 angles drift)."""
+        fp32 (Ergo's, exact at long-context positions, where fp32 angles drift). in_dtype: in 16-bit models, the
+        cosines, sines, each product and each sum rounded to the activations' dtype, as transformers' Llama rotates
+        (x * cos + rotate_half(x) * sin with cos and sin cast to x's dtype); else rotated in fp32, rounded once."""
         super().__init__()
         angle_dtype = torch.float64 if fp64 else torch.float32
         inv_freq = inv_freq.to(torch.get_default_device(), angle_dtype)  # the table is built where the model is
@@ -101,6 +103,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = 2 * inv_freq.shape[-1]  # the leading dims that rotate; the rest pass through
         self.interleaved = interleaved
+        self.in_dtype = in_dtype
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None = None,
                 k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,14 +125,17 @@ class RotaryEmbedding(nn.Module):
         if not self.interleaved and cpu_kernels.use_cpu_kernels(x):
             return cpu_kernels.rotary_neox(x, positions, self.cos, self.sin, *_norm_args(norm))
         if not self.interleaved and x.is_cuda and (kernels := triton_layers()) is not None:  # 1 kernel, not ~10
-            return kernels.rotary_neox(x, positions, self.cos, self.sin, *_norm_args(norm))
+            return kernels.rotary_neox(x, positions, self.cos, self.sin, *_norm_args(norm), in_dtype=self.in_dtype)
         if norm is not None:
             x = norm(x)
         return self._rotate(x, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
+        if self.in_dtype:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        else:
+            x = x.float()
         if self.interleaved:
             x1, x2 = x[..., 0:self.rotary_dim:2], x[..., 1:self.rotary_dim:2]
             parts = (torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).flatten(-2),)
@@ -162,12 +168,13 @@ def shared_rope_tables() -> Iterator[None]:
 
 def get_rope(config: PretrainedConfig, head_dim: int, max_position: int, layer_type: str | None = None,
              interleaved: bool = False, rotary_dim: int | None = None, theta: float | None = None,
-             reverse: bool = False, fp64: bool = False, scaled: bool = True) -> RotaryEmbedding:
+             reverse: bool = False, fp64: bool = False, scaled: bool = True, in_dtype: bool = False) -> RotaryEmbedding:
     """The rotary embedding of the config's rope settings (for `layer_type`, where they differ by layer type), in the
     interleaved layout where asked (see RotaryEmbedding), over rotary_dim leading dims where given (else the
     settings' partial_rotary_factor of the head), with base theta where given (else the settings'); reverse: every
     angle negated (NanoChat's rotate_half, (x2, -x1), turns the other way), i.e. the sine tables'; fp64: its
-    angles in fp64 (see RotaryEmbedding); scaled False: the settings' base without their scaling (rope_type)."""
+    angles in fp64 (see RotaryEmbedding); scaled False: the settings' base without their scaling (rope_type);
+    in_dtype: rounded as transformers' Llama rounds (see RotaryEmbedding)."""
     if theta is not None:
         config = with_rope_parameters(config, rope_theta=theta)
     if not scaled:
@@ -183,9 +190,9 @@ def get_rope(config: PretrainedConfig, head_dim: int, max_position: int, layer_t
     if reverse:
         inv_freq = -inv_freq
     if _shared is None:
-        return RotaryEmbedding(head_dim, max_position, inv_freq, scaling, interleaved, fp64)
+        return RotaryEmbedding(head_dim, max_position, inv_freq, scaling, interleaved, fp64, in_dtype)
     key = (head_dim, max_position, tuple(inv_freq.shape), inv_freq.numpy().tobytes(), scaling, interleaved, fp64,
-           device)
+           in_dtype, device)
     if key not in _shared:
-        _shared[key] = RotaryEmbedding(head_dim, max_position, inv_freq, scaling, interleaved, fp64)
+        _shared[key] = RotaryEmbedding(head_dim, max_position, inv_freq, scaling, interleaved, fp64, in_dtype)
     return _shared[key]

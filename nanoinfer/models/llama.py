@@ -48,6 +48,9 @@ class AttentionOptions:
     rope_interleaved: bool = False  # Cohere, GLM: rope rotates the pairs (x0, x1), (x2, x3), ...
     rope_reversed: bool = False  # NanoChat: rope turns by minus the angle (see get_rope)
     rope_fp64: bool = False  # Ergo: the rope table's angles in fp64 (exact at long-context positions)
+    # transformers' Llama (and the families that copy its rope): in 16-bit models cos, sin, each product and each sum
+    # rounded to the activations' dtype, not one fp32 rotation rounded once (see RotaryEmbedding)
+    rope_in_dtype: bool = False
     rope_scaled: bool = True  # Molmo 2's layers outside rope_scaling_layers: False, the rope's base alone (unscaled)
     logits_soft_cap: float | None = None  # Gemma 2: scores capped to cap * tanh(score / cap)
     clip_qkv: float | None = None  # OLMo: q, k, v clamped to [-clip_qkv, clip_qkv] first (OLMoE: after q/k norms)
@@ -141,7 +144,8 @@ class LlamaAttention(nn.Module):
                           else None)
         self.rotary_emb = (get_rope(config, self.head_dim, config.max_position_embeddings, options.rope_layer_type,
                                     options.rope_interleaved, options.rotary_dim, options.rope_theta,
-                                    options.rope_reversed, options.rope_fp64, options.rope_scaled)
+                                    options.rope_reversed, options.rope_fp64, options.rope_scaled,
+                                    options.rope_in_dtype)
                            if options.rope else None)
         scale = self.head_dim ** -0.5 if options.scale is None else options.scale
         self.attn = self.attn_class(self.num_heads, self.head_dim, scale, self.num_kv_heads, options.sliding_window,
@@ -326,7 +330,8 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
         bias = getattr(config, "attention_bias", False)
-        return AttentionOptions(qkv_bias=bias, o_bias=bias, sliding_window=layer_sliding_window(config, layer_idx))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias, sliding_window=layer_sliding_window(config, layer_idx),
+                                rope_in_dtype=True)
 
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:

@@ -7,4 +7,4 @@ from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM
 class MistralForCausalLM(LlamaForCausalLM):
     @staticmethod
     def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
-        return AttentionOptions(sliding_window=config.sliding_window)
+        return AttentionOptions(sliding_window=config.sliding_window, rope_in_dtype=True)

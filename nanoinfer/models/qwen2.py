@@ -7,4 +7,5 @@ from nanoinfer.models.llama import AttentionOptions, LlamaForCausalLM, layer_sli
 class Qwen2ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
-        return AttentionOptions(qkv_bias=True, sliding_window=layer_sliding_window(config, layer_idx))
+        return AttentionOptions(qkv_bias=True, sliding_window=layer_sliding_window(config, layer_idx),
+                                rope_in_dtype=True)

@@ -32,7 +32,8 @@ class Qwen2MoeSparseMoeBlock(SparseMoeBlock):
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
     @staticmethod
     def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
-        return AttentionOptions(qkv_bias=config.qkv_bias, sliding_window=layer_sliding_window(config, layer_idx))
+        return AttentionOptions(qkv_bias=config.qkv_bias, sliding_window=layer_sliding_window(config, layer_idx),
+                                rope_in_dtype=True)
 
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_idx: int) -> nn.Module:

@@ -9,4 +9,4 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     def attention_options(config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
         bias = getattr(config, "attention_bias", False)
         return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True,
-                                sliding_window=layer_sliding_window(config, layer_idx))
+                                sliding_window=layer_sliding_window(config, layer_idx), rope_in_dtype=True)

@@ -88,7 +88,7 @@ class Qwen3NextDecoderLayer(HybridDecoderLayer):
             mixer = self.linear_attention_class(config)
         elif layer_type == "full_attention":
             options = AttentionOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm=True,
-                                       output_gate=True, qk_norm_class=GemmaRMSNorm)
+                                       output_gate=True, qk_norm_class=GemmaRMSNorm, rope_in_dtype=True)
             mixer = LlamaAttention(config, options)
         else:
             raise ValueError(f"unsupported layer type {layer_type!r} in layer {layer_idx}")
