@@ -579,3 +579,21 @@ def test_many_short_requests_with_a_tiny_kv_cache(qwen3_dir):
     assert roomy.llm_engine.scheduler.num_preemptions == 0
     mismatches = [i for i, (a, b) in enumerate(zip(outs, ref)) if a.outputs[0].token_ids != b.outputs[0].token_ids]
     assert not mismatches, f"{len(mismatches)} outputs differ, e.g. #{mismatches[0]}"
+
+
+def test_an_eos_id_outside_the_vocabulary_is_ignored(qwen3_dir, tmp_path, caplog):
+    """A config's EOS id past a small vocabulary (a default kept, as GPT-2's 50256) can never be sampled; withheld by
+    min_tokens it indexed past the logits (a device assert on CUDA, ending the process's CUDA context): it is
+    ignored, with a warning naming it and the model."""
+    d = tmp_path / "eos-outside"
+    shutil.copytree(qwen3_dir, d)
+    for name in ("config.json", "generation_config.json"):
+        if (d / name).exists():
+            config = json.loads((d / name).read_text())
+            config["eos_token_id"] = [config["eos_token_id"]] if isinstance(config["eos_token_id"], int) else []
+            config["eos_token_id"] += [600]
+            (d / name).write_text(json.dumps(config))
+    params = SamplingParams(temperature=0.8, seed=1, min_tokens=3, max_tokens=5)
+    with LLM(str(d), device="cpu", max_model_len=64) as llm:
+        assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) >= 3
+    assert "EOS token ids [600]" in caplog.text and str(d) in caplog.text

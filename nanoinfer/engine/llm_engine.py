@@ -1,6 +1,7 @@
 """Turns requests into sequences, steps the scheduler and the model runner, checks stops, and reports outputs
 (vLLM's step API: add_request, step, abort_request)."""
 import dataclasses
+import logging
 import pickle
 import time
 from collections.abc import Callable, Container, Iterable
@@ -34,6 +35,8 @@ _Batch = TypeVar("_Batch")
 _Result = TypeVar("_Result")
 _Prompt = TypeVar("_Prompt", list[int], torch.Tensor)
 
+logger = logging.getLogger(__name__)
+
 
 class LLMEngine:
     def __init__(self, config: Config):
@@ -54,7 +57,7 @@ class LLMEngine:
         self.is_encoder = is_encoder(config.hf_config.architectures)  # BERT, RoBERTa: it pools, never generates
         # A scored pair's token types go to the model (BERT's); other models see the pair's token ids alone.
         self.token_types = self.is_encoder and has_token_types(config.hf_config)
-        self.eos_token_ids = set(config.eos_token_ids)
+        self.eos_token_ids = _sampleable_eos_token_ids(config, self.vocab_size)
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size)  # structured outputs' compiled regexes
         self.token_texts: dict[int, str] = {}  # see _token_text
         self.requests: dict[str, list[Sequence]] = {}  # unfinished requests: their n completions
@@ -679,3 +682,13 @@ def _load_tokenizer(config: Config) -> PreTrainedTokenizerBase | None:
 def _activation(logits: torch.Tensor) -> torch.Tensor:
     """vLLM's for classifiers: a sigmoid of a single label's logit, else a softmax over the labels."""
     return logits.sigmoid() if logits.shape[-1] == 1 else logits.softmax(-1)
+
+
+def _sampleable_eos_token_ids(config: Config, vocab_size: int) -> set[int]:
+    """The config's EOS ids inside the vocabulary. One outside (a default kept beside a smaller vocabulary) is never
+    sampled; withheld by min_tokens it would index past the logits, a device assert on CUDA: left out, with a warning."""
+    outside = [t for t in config.eos_token_ids if not 0 <= t < vocab_size]
+    if outside:
+        logger.warning("EOS token ids %s of %s are outside the vocabulary [0, %d): ignored", outside,
+                       config.model_path, vocab_size)
+    return {t for t in config.eos_token_ids if 0 <= t < vocab_size}
