@@ -233,12 +233,14 @@ def test_layer_kernels_compile_for_sm90(dtype):
                        dict(D=1024, BLOCK_D=1024, HAS_V=True),
                        aligned=("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "slot_mapping_ptr", "k_stride",
                                 "v_stride"), num_warps=4),
-        # q of Qwen3-0.6B's attention (16 heads x 128) with its q norm, out of the fused qkv rows.
+        # q of Qwen3-0.6B's attention (16 heads x 128) with its q norm, out of the fused qkv rows, rounded as
+        # transformers' Qwen3 rounds in 16-bit models.
         compile_kernel(triton_layers._rotary_kernel,
                        dict(x_ptr=f"*{dtype}", positions_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32",
                             weight_ptr=f"*{dtype}", out_ptr=f"*{dtype}", stride_t="i32", stride_h="i32",
                             num_heads="i32", eps="fp32"),
-                       dict(HEAD_DIM=128, HALF=64, TAIL=0, BLOCK_H=16, BLOCK_HALF=64, BLOCK_TAIL=1, HAS_NORM=True),
+                       dict(HEAD_DIM=128, HALF=64, TAIL=0, BLOCK_H=16, BLOCK_HALF=64, BLOCK_TAIL=1, HAS_NORM=True,
+                            IN_DTYPE=dtype != "fp32"),
                        aligned=("x_ptr", "positions_ptr", "cos_ptr", "sin_ptr", "weight_ptr", "out_ptr", "stride_t",
                                 "stride_h", "num_heads"), num_warps=4, enable_fp_fusion=False),
     ]

@@ -295,7 +295,9 @@ def prefill_tile_lengths(group: int) -> list[int]:
 
 
 def decode_config(group: int, head_dim: int, itemsize: int) -> TileConfig:
-    """One token's group of heads (rows padded to 16 for tl.dot), K/V tiles double-buffered."""
+    """One token's group of heads (rows padded to 16 for tl.dot). num_stages=2 compiles (triton 3.6, sm_90) to one
+    shared K and one V buffer per program, not a pipeline: the loads of the next tile overlap through the other
+    programs on the SM (5 of Qwen3-0.6B's bf16 tiles fit one)."""
     if _block_d(head_dim) >= WIDE_BLOCK_D:
         return wide_config(itemsize, prefill=False)
     wide = head_dim <= 128 and itemsize == 2
