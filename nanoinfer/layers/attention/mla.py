@@ -104,7 +104,11 @@ def _subset(meta: AttentionMetadata, keep: np.ndarray, cu_q: np.ndarray, ctx: np
     if contiguous_keys:  # a single query, the context's last position, sees every key: no decode over the cache
         sub.causal = meta.causal and sub.max_seqlen_q > 1
     device = meta.context_lens.device
-    sub = replace(sub.to(device), state_slots=meta.state_slots)
+    moved = sub.to(device)
+    # All rows kept: the step's own slots, on the device already (the host's are a view of a staging buffer that the
+    # next step, with async scheduling, may overwrite before a copy queued now runs).
+    sub = replace(moved, state_slots=meta.state_slots,
+                  slot_mapping=meta.slot_mapping if rows is None else moved.slot_mapping)
     return sub, None if rows is None else rows.to(device, non_blocking=True)
 
 
