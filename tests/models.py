@@ -2625,8 +2625,9 @@ def head_logits(ours: torch.Tensor, width: int) -> torch.Tensor:
 # (its bf16 logits minus its fp32 logits on the same tokens, the larger of its default and its eager attention's;
 # ~0.1-0.3 on these models, several bf16 steps): before
 # any divergence our logits stay within BF16_ERROR_RATIO times that error of its bf16 ones (0.7x typical, 2.3x at
-# worst on the CPU), and a divergence passes only where its top-2 gap is within twice that error, i.e. where
-# rounding alone can swap them (on the CPU every divergence sat below half of that).
+# worst on the CPU; 0.1-0.4x on Llama, Qwen and Mistral since their rope rounds as transformers' does), and a
+# divergence passes only where its top-2 gap is within twice that error, i.e. where rounding alone can swap them (on
+# the CPU every divergence sat below half of that).
 BF16_ERROR_RATIO = 4
 
 
