@@ -597,3 +597,21 @@ def test_an_eos_id_outside_the_vocabulary_is_ignored(qwen3_dir, tmp_path, caplog
     with LLM(str(d), device="cpu", max_model_len=64) as llm:
         assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) >= 3
     assert "EOS token ids [600]" in caplog.text and str(d) in caplog.text
+
+
+def test_params_changed_after_add_request_do_not_reach_the_model(qwen3_dir):
+    """The engine keeps its own copy of a request's params (and their lists and dicts), checked when it was added:
+    ids the caller puts in them afterwards (here out of the vocabulary: an index past the logits, a device assert on
+    CUDA) change nothing."""
+    with LLM(str(qwen3_dir), device="cpu", max_model_len=64) as llm:
+        engine = llm.llm_engine
+        params = SamplingParams(temperature=0, max_tokens=4, min_tokens=2, allowed_token_ids=[5, 9, 11],
+                                logit_bias={5: 1.0}, stop_token_ids=[7])
+        engine.add_request("r", [5, 6, 7], params)
+        params.allowed_token_ids.append(10**6)
+        params.logit_bias[10**6] = 1.0
+        params.stop_token_ids.append(10**6)
+        done = []
+        while engine.has_unfinished_requests():
+            done += [o for o in engine.step() if o.finished]
+        assert len(done) == 1 and set(done[0].outputs[0].token_ids) <= {5, 9, 11}

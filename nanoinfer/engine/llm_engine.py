@@ -1,5 +1,6 @@
 """Turns requests into sequences, steps the scheduler and the model runner, checks stops, and reports outputs
 (vLLM's step API: add_request, step, abort_request)."""
+import copy
 import dataclasses
 import logging
 import pickle
@@ -88,6 +89,7 @@ class LLMEngine:
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         self.check_generates()
         params.validate()  # its fields may have changed since construction
+        params = _own_copy(params)
         for processor in self.config.logits_processor_classes:
             processor.validate_params(params)
         embeds = self._prompt_embeds(prompt, params) if isinstance(prompt, dict) and "prompt_embeds" in prompt else None
@@ -692,3 +694,11 @@ def _sampleable_eos_token_ids(config: Config, vocab_size: int) -> set[int]:
         logger.warning("EOS token ids %s of %s are outside the vocabulary [0, %d): ignored", outside,
                        config.model_path, vocab_size)
     return {t for t in config.eos_token_ids if 0 <= t < vocab_size}
+
+
+def _own_copy(params: SamplingParams) -> SamplingParams:
+    """A request's own copy of its params and of their lists and dicts: the engine reads them as long as the request
+    runs (ban lists, allowed ids and biases go to the device), and ones the caller changed after submitting them
+    would arrive unchecked (out-of-range ids: a device assert on CUDA). vLLM clones them too."""
+    return dataclasses.replace(params, **{f.name: copy.copy(value) for f in dataclasses.fields(params)
+                                          if f.init and isinstance(value := getattr(params, f.name), (list, dict))})
