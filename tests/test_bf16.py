@@ -685,7 +685,8 @@ def test_rope_in_bf16_is_transformers_own(kind, model_dir):
         x = (3 * torch.randn(64, 4, rope.head_dim, generator=g)).bfloat16()
         positions = torch.randint(0, 512, (64,), generator=g)
         ours = rope.rotate(positions, x)
-    cos, sin = hf.model.rotary_emb(x, positions[None])
+    # transformers 5.17's Qwen3.5 rope takes its mrope's three rows of positions (5.25 broadcasts one).
+    cos, sin = hf.model.rotary_emb(x, positions[None].expand(3, 1, -1) if kind == "qwen3.5" else positions[None])
     assert cos.dtype == torch.bfloat16
     q = x.transpose(0, 1)[None]
     assert torch.equal(ours, apply_rotary_pos_emb(q, q, cos, sin)[0][0].transpose(0, 1))
