@@ -688,12 +688,13 @@ def _activation(logits: torch.Tensor) -> torch.Tensor:
 
 def _sampleable_eos_token_ids(config: Config, vocab_size: int) -> set[int]:
     """The config's EOS ids inside the vocabulary. One outside (a default kept beside a smaller vocabulary) is never
-    sampled; withheld by min_tokens it would index past the logits, a device assert on CUDA: left out, with a warning."""
-    outside = [t for t in config.eos_token_ids if not 0 <= t < vocab_size]
-    if outside:
+    sampled; withheld by min_tokens it would index past the logits, a device assert on CUDA: left out, with a
+    warning."""
+    inside = {t for t in config.eos_token_ids if 0 <= t < vocab_size}
+    if outside := sorted(set(config.eos_token_ids) - inside):
         logger.warning("EOS token ids %s of %s are outside the vocabulary [0, %d): ignored", outside,
                        config.model_path, vocab_size)
-    return {t for t in config.eos_token_ids if 0 <= t < vocab_size}
+    return inside
 
 
 def _own_copy(params: SamplingParams) -> SamplingParams:

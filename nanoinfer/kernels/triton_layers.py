@@ -83,6 +83,14 @@ def _rms_norm_part(x, weight_ptr, offs, mask, r, dtype: tl.constexpr):
 
 
 @triton.jit
+def _rounded(x, dtype: tl.constexpr, ROUND: tl.constexpr):
+    """fp32 x rounded to dtype (and back to fp32) with ROUND, else x as it is."""
+    if ROUND:
+        return x.to(dtype).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _rotary_kernel(x_ptr, positions_ptr, cos_ptr, sin_ptr, weight_ptr, out_ptr, stride_t, stride_h, num_heads, eps,
                    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, HAS_NORM: tl.constexpr,
@@ -112,15 +120,10 @@ def _rotary_kernel(x_ptr, positions_ptr, cos_ptr, sin_ptr, weight_ptr, out_ptr, 
     cos = tl.load(cos_ptr + pos * HALF + offs, mask=half_ok, other=0.0)
     sin = tl.load(sin_ptr + pos * HALF + offs, mask=half_ok, other=0.0)
     dst = out_ptr + (token * num_heads + heads) * HEAD_DIM
-    if IN_DTYPE:
-        cos, sin = cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)
-        tl.store(dst + offs, ((a * cos).to(dtype).to(tl.float32) - (b * sin).to(dtype).to(tl.float32)).to(dtype),
-                 mask=ok)
-        tl.store(dst + HALF + offs, ((b * cos).to(dtype).to(tl.float32) + (a * sin).to(dtype).to(tl.float32)
-                                     ).to(dtype), mask=ok)
-    else:
-        tl.store(dst + offs, (a * cos - b * sin).to(dtype), mask=ok)
-        tl.store(dst + HALF + offs, (b * cos + a * sin).to(dtype), mask=ok)
+    cos, sin = _rounded(cos, dtype, IN_DTYPE), _rounded(sin, dtype, IN_DTYPE)
+    tl.store(dst + offs, (_rounded(a * cos, dtype, IN_DTYPE) - _rounded(b * sin, dtype, IN_DTYPE)).to(dtype), mask=ok)
+    tl.store(dst + HALF + offs, (_rounded(b * cos, dtype, IN_DTYPE) + _rounded(a * sin, dtype, IN_DTYPE)).to(dtype),
+             mask=ok)
     tl.store(dst + 2 * HALF + offs_t, t.to(dtype), mask=t_ok)
 
 
